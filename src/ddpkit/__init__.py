@@ -1,0 +1,39 @@
+"""ddpkit: PyTorch data-parallel training, correct and fast by default.
+
+The same script runs under ``python``, ``torchrun``, ``ddpkit run``, ``srun`` and
+:func:`ddpkit.launch`::
+
+    import ddpkit
+
+    rt = ddpkit.init()
+    total = rt.all_reduce(rt.rank)
+    rt.print(f"world_size={rt.world_size} rank_sum={int(total)}")
+
+Heavy optional libraries (matplotlib, tensorboard, scikit-learn) are imported only by
+the features that need them.
+"""
+
+from ddpkit.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
+from ddpkit.env import Environment, detect
+from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.launch import LaunchError, launch
+from ddpkit.runtime import Runtime, current, init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DdpkitError",
+    "Environment",
+    "LaunchError",
+    "Runtime",
+    "UsageError",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "broadcast_object",
+    "current",
+    "detect",
+    "init",
+    "launch",
+    "__version__",
+]

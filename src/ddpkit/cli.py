@@ -1,0 +1,149 @@
+"""The ``ddpkit`` command line. Usage errors are one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, NoReturn, Sequence
+
+from ddpkit.errors import DdpkitError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# Options of `ddpkit run` that take a value; everything from the script on is the script's.
+_RUN_VALUE_OPTIONS = {"-n", "--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
+                      "--node_rank", "--master", "--max-restarts", "--max_restarts", "-m", "--module"}
+_RUN_FLAGS = {"-h", "--help"}
+
+
+def _split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``ddpkit run`` arguments into ours and the script's (from SCRIPT or -m MODULE on)."""
+    ours: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        name = token.split("=", 1)[0]
+        if name in ("-m", "--module"):
+            take = 1 if "=" in token else 2
+            return ours + list(argv[index:index + take]), list(argv[index + take:])
+        if name in _RUN_VALUE_OPTIONS:
+            take = 1 if "=" in token else 2
+            ours += argv[index:index + take]
+            index += take
+        elif name in _RUN_FLAGS:
+            ours.append(token)
+            index += 1
+        elif token.startswith("-") and token != "-":
+            raise UsageError(f"unknown option {token!r} for 'ddpkit run' (see 'ddpkit run --help')")
+        else:
+            return ours + [token], list(argv[index + 1:])
+    return ours, []
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ddpkit run",
+        description="Start SCRIPT (or -m MODULE) in N processes per node under torch's elastic agent.",
+    )
+    parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
+                        help="processes per node (default: one per visible GPU, else 1)")
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+                        help="this node's index when --nnodes > 1")
+    parser.add_argument("--master", default=None, metavar="HOST:PORT", help="rendezvous host and port of node 0")
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                        help="restart the whole group up to K times when a worker fails")
+    parser.add_argument("-m", "--module", default=None, help="run a module, like python -m")
+    parser.add_argument("script", nargs="?", help="the Python script to run, followed by its arguments")
+    return parser
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    from ddpkit.launch import RunSpec, run
+
+    ours, rest = _split_run_argv(argv)
+    opts = _run_parser().parse_args(ours)
+    if opts.module is None and opts.script is None:
+        raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
+    spec = RunSpec(
+        target=opts.module or opts.script,
+        target_args=rest,
+        module=opts.module is not None,
+        nproc_per_node=opts.nproc,
+        nnodes=opts.nnodes,
+        node_rank=opts.node_rank,
+        master=opts.master,
+        max_restarts=opts.max_restarts,
+    )
+    return run(spec)
+
+
+def cmd_doctor(argv: Sequence[str]) -> int:
+    from ddpkit.doctor import examine
+
+    parser = _Parser(prog="ddpkit doctor", description="Check torch, devices, backends, launcher and network.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    opts = parser.parse_args(argv)
+    report = examine()
+    print(json.dumps(report.as_dict(), default=str, indent=2) if opts.json else report.render())
+    return 0 if not report.problems else 1
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    from ddpkit.demo import main as demo_main
+
+    parser = _Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
+    parser.add_argument("--nproc", type=int, default=2, help="processes for the distributed runs (default 2)")
+    opts = parser.parse_args(argv)
+    if opts.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {opts.nproc}")
+    return demo_main(nproc=opts.nproc)
+
+
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "run": (cmd_run, "start a script in N processes per node (over torch.distributed.run)"),
+    "doctor": (cmd_doctor, "check this machine and launch for what would make a run fail"),
+    "demo": (cmd_demo, "run the built-in end-to-end demonstration"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ddpkit COMMAND [OPTIONS]", "", "commands:"]
+    lines += [f"  {name:<8} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "'ddpkit COMMAND --help' describes a command."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ddpkit`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from ddpkit import __version__
+
+        print(f"ddpkit {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    try:
+        if name not in COMMANDS:
+            raise UsageError(f"unknown command {name!r}; choose one of {', '.join(COMMANDS)}")
+        return COMMANDS[name][0](rest)
+    except DdpkitError as exc:
+        sys.stderr.write(f"ddpkit {name}: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"ddpkit {name}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Reductions and gathers that are identity in a world of one.
+
+Every function takes plain tensors or numbers and works the same with or without a
+process group, so user code and ddpkit's own code never branch on the world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import UsageError
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def world_size() -> int:
+    """Processes in the default group, 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """Rank in the default group, 0 without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _comm_device() -> torch.device:
+    if world_size() > 1 and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(value: Any, op: str = "sum") -> Any:
+    """Reduce ``value`` over all ranks with ``op`` in ``"sum"``, ``"mean"``, ``"max"``, ``"min"``.
+
+    Tensors come back as new tensors on their own device (the input is not modified);
+    Python numbers come back as Python numbers.
+
+    Example:
+        >>> all_reduce(torch.tensor([1.0, 2.0]), op="mean")
+        tensor([1., 2.])
+    """
+    if op not in (*_OPS, "mean"):
+        raise UsageError(f"unknown reduce op {op!r}; use sum, mean, max or min")
+    is_tensor = isinstance(value, torch.Tensor)
+    tensor = value.detach().clone() if is_tensor else torch.tensor(value, dtype=torch.float64)
+    if world_size() > 1:
+        device = tensor.device
+        work = tensor.to(_comm_device())
+        if op == "mean" and not work.is_floating_point():
+            work = work.double()
+        dist.all_reduce(work, op=_OPS.get(op, dist.ReduceOp.SUM))
+        if op == "mean":
+            work = work / world_size()
+        tensor = work.to(device)
+    if is_tensor:
+        return tensor
+    return tensor.item() if tensor.dim() == 0 else tensor.tolist()
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0, in rank order.
+
+    First dimensions may differ across ranks (a rank may hold zero rows); the other
+    dimensions and the dtype must agree.
+    """
+    if world_size() == 1:
+        return tensor.detach().clone()
+    device = tensor.device
+    work = tensor.detach().to(_comm_device()).contiguous()
+    sizes = _gather_sizes(work.shape[0] if work.dim() else 1)
+    if work.dim() == 0:
+        work = work.reshape(1)
+    longest = max(sizes)
+    padded = torch.zeros((longest, *work.shape[1:]), dtype=work.dtype, device=work.device)
+    padded[: work.shape[0]] = work
+    chunks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded)
+    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)]).to(device)
+
+
+def _gather_sizes(size: int) -> list[int]:
+    local = torch.tensor([size], dtype=torch.long, device=_comm_device())
+    sizes = [torch.zeros_like(local) for _ in range(world_size())]
+    dist.all_gather(sizes, local)
+    return [int(s.item()) for s in sizes]
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (a picklable object)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,122 @@
+"""``ddpkit doctor``: what this machine and launch look like, and what would make a run fail."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpkit import process_group
+from ddpkit.env import detect
+from ddpkit.errors import DdpkitError
+
+
+@dataclass
+class Report:
+    """Facts (name, value) and problems (reasons a run would fail) and warnings."""
+
+    facts: list[tuple[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def add(self, name: str, value: Any) -> None:
+        self.facts.append((name, value))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "facts": dict(self.facts),
+            "problems": self.problems,
+            "warnings": self.warnings,
+            "ok": not self.problems,
+        }
+
+    def render(self) -> str:
+        width = max(len(name) for name, _ in self.facts)
+        lines = [f"{name:<{width}}  {value}" for name, value in self.facts]
+        lines += [f"warning: {text}" for text in self.warnings]
+        lines += [f"problem: {text}" for text in self.problems]
+        lines.append("ok" if not self.problems else f"{len(self.problems)} problem(s) found")
+        return "\n".join(lines)
+
+
+def examine() -> Report:
+    """Look at torch, devices, backends, the launcher and the network."""
+    import torch
+    import torch.distributed as dist
+
+    report = Report()
+    report.add("python", platform.python_version())
+    report.add("torch", torch.__version__)
+    report.add("cuda available", torch.cuda.is_available())
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    report.add("visible gpus", gpus)
+    for index in range(gpus):
+        report.add(f"  gpu {index}", torch.cuda.get_device_name(index))
+    report.add("nccl available", dist.is_available() and dist.is_nccl_available())
+    report.add("gloo available", dist.is_available() and dist.is_gloo_available())
+    report.add("mpi available", dist.is_available() and dist.is_mpi_available())
+    if not dist.is_available():
+        report.problems.append("this torch build has no torch.distributed; install a build with it")
+
+    try:
+        env = detect()
+    except DdpkitError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.add("launcher", env.launcher)
+    report.add("rank / world size", f"{env.rank} / {env.world_size}")
+    report.add("local rank / local world", f"{env.local_rank} / {env.local_world_size}")
+    report.add("node rank", env.node_rank)
+    try:
+        device = process_group.choose_device(env)
+        report.add("device", device)
+        report.add("backend", process_group.choose_backend(device))
+    except DdpkitError as exc:
+        report.problems.append(str(exc))
+
+    _network(report, env)
+    _threads(report, env.local_world_size)
+    return report
+
+
+def _network(report: Any, env: Any) -> None:
+    hostname = socket.gethostname()
+    report.add("hostname", hostname)
+    try:
+        report.add("hostname resolves to", socket.gethostbyname(hostname))
+    except OSError:
+        text = f"host name {hostname!r} does not resolve; other nodes cannot reach this one by name"
+        (report.problems if env.num_nodes > 1 else report.warnings).append(text)
+    report.add("master", f"{env.master_addr}:{env.master_port}")
+    if env.distributed:
+        try:
+            socket.getaddrinfo(env.master_addr, env.master_port)
+        except OSError:
+            report.problems.append(
+                f"master host {env.master_addr!r} does not resolve from here; fix MASTER_ADDR or DNS"
+            )
+    else:
+        free = process_group.port_is_free("127.0.0.1", env.master_port)
+        report.add("master port free", free)
+        if not free:
+            report.warnings.append(
+                f"port {env.master_port} is taken on this host; ddpkit run picks a free port itself, "
+                "but a hand-set MASTER_PORT would collide"
+            )
+
+
+def _threads(report: Any, local_world_size: int) -> None:
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    report.add("cpu cores", cpus)
+    report.add("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "(unset)"))
+    report.add("torch threads", torch.get_num_threads())
+    total = torch.get_num_threads() * local_world_size
+    if total > cpus:
+        report.warnings.append(
+            f"{local_world_size} process(es) x {torch.get_num_threads()} threads exceed {cpus} cores; "
+            f"set OMP_NUM_THREADS={max(1, cpus // max(1, local_world_size))}"
+        )

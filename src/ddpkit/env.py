@@ -1,0 +1,293 @@
+"""Which launcher started us, and our place in the world.
+
+This is the only module that reads launcher variables. Everything else receives an
+:class:`Environment`, so configuration flows explicitly from here.
+
+Launchers are tried in order: torchrun / TorchElastic, SLURM (under ``srun``), MPI
+(Open MPI, MPICH, Intel MPI), and finally none — a plain ``python script.py`` is a world
+of one.
+
+Example:
+    >>> env = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+    ...               "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    >>> env.launcher, env.rank, env.world_size
+    ('torchelastic', 1, 2)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from ddpkit.errors import DdpkitError
+
+DEFAULT_MASTER_PORT = 29500
+_SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Our place in the world, as told by the launcher.
+
+    Attributes:
+        launcher: ``"torchelastic"``, ``"slurm"``, ``"mpi"`` or ``"none"``.
+        rank: global rank of this process.
+        local_rank: rank of this process on its node.
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node.
+        master_addr: host of the rendezvous store (rank 0's host).
+        master_port: port of the rendezvous store.
+    """
+
+    launcher: str = "none"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+
+    @property
+    def distributed(self) -> bool:
+        """True when a launcher started us, so a process group is expected."""
+        return self.launcher != "none"
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def detect(environ: Mapping[str, str] | None = None) -> Environment:
+    """Return the :class:`Environment` of the launcher that started this process.
+
+    Args:
+        environ: variables to read; ``os.environ`` when omitted (tests pass a dict).
+
+    Raises:
+        DdpkitError: the variables are present but inconsistent (rank outside the world,
+            a port that is not a number, ...).
+    """
+    environ = os.environ if environ is None else environ
+    for probe in _PROBES:
+        env = probe(environ)
+        if env is not None:
+            _validate(env)
+            return env
+    return Environment()
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise DdpkitError(f"environment variable {name} is missing; the launcher did not set it")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise DdpkitError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _port(environ: Mapping[str, str], name: str, default: int) -> int:
+    port = _int(environ, name, default)
+    if not 0 < port < 65536:
+        raise DdpkitError(f"{name}={port} is not a valid port; use 1-65535")
+    return port
+
+
+def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return None
+    world_size = _int(environ, "WORLD_SIZE")
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", world_size)
+    rank = _int(environ, "RANK")
+    return Environment(
+        launcher="torchelastic",
+        rank=rank,
+        local_rank=_int(environ, "LOCAL_RANK", rank % max(1, local_world_size)),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=_int(environ, "GROUP_RANK", rank // max(1, local_world_size)),
+        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=_port(environ, "MASTER_PORT", DEFAULT_MASTER_PORT),
+    )
+
+
+def _from_slurm(environ: Mapping[str, str]) -> Environment | None:
+    # SLURM_PROCID alone is also set inside an sbatch script; a task started by srun has a
+    # step id. Interactive allocations ("salloc") name the job "interactive" or "bash".
+    if "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
+        return None
+    if "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ:
+        return None
+    world_size = _int(environ, "SLURM_NTASKS")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
+    hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]
+    local_world_size = slurm_tasks_on_node(environ, world_size, len(hosts))
+    return Environment(
+        launcher="slurm",
+        rank=_int(environ, "SLURM_PROCID"),
+        local_rank=_int(environ, "SLURM_LOCALID", 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=_int(environ, "SLURM_NODEID", 0),
+        master_addr=environ.get("MASTER_ADDR") or hosts[0],
+        master_port=_port(environ, "MASTER_PORT", slurm_port(environ)),
+    )
+
+
+def slurm_port(environ: Mapping[str, str]) -> int:
+    """A port derived from the job id, so concurrent jobs on one node do not collide."""
+    job_id = re.sub(r"\D", "", environ.get("SLURM_JOB_ID", "")) or "0"
+    return _SLURM_PORT_BASE + int(job_id) % _SLURM_PORT_SPAN
+
+
+def slurm_tasks_on_node(environ: Mapping[str, str], world_size: int, num_hosts: int) -> int:
+    """Tasks on this node, from ``SLURM_NTASKS_PER_NODE`` or the ``2(x3),1`` form."""
+    if environ.get("SLURM_NTASKS_PER_NODE"):
+        return _int(environ, "SLURM_NTASKS_PER_NODE")
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if spec:
+        counts: list[int] = []
+        for part in spec.split(","):
+            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+            if match:
+                counts += [int(match.group(1))] * int(match.group(2) or 1)
+        node = _int(environ, "SLURM_NODEID", 0)
+        if node < len(counts):
+            return counts[node]
+    return max(1, world_size // max(1, num_hosts))
+
+
+def _from_mpi(environ: Mapping[str, str]) -> Environment | None:
+    if "OMPI_COMM_WORLD_RANK" in environ:
+        rank = _int(environ, "OMPI_COMM_WORLD_RANK")
+        world_size = _int(environ, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        local_world_size = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", world_size)
+        node_rank = _int(environ, "OMPI_COMM_WORLD_NODE_RANK", rank // max(1, local_world_size))
+    elif "PMI_RANK" in environ:
+        rank = _int(environ, "PMI_RANK")
+        world_size = _int(environ, "PMI_SIZE")
+        local_rank = _int(environ, "MPI_LOCALRANKID", _int(environ, "PMI_LOCAL_RANK", 0))
+        local_world_size = _int(environ, "MPI_LOCALNRANKS", _int(environ, "PMI_LOCAL_SIZE", world_size))
+        node_rank = rank // max(1, local_world_size)
+    else:
+        return None
+    master_addr = environ.get("MASTER_ADDR")
+    if not master_addr:
+        if local_world_size < world_size:
+            raise DdpkitError(
+                "MPI started processes on several hosts but MASTER_ADDR is not set; "
+                "export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) before mpirun"
+            )
+        master_addr = "127.0.0.1"
+    return Environment(
+        launcher="mpi",
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=_port(environ, "MASTER_PORT", DEFAULT_MASTER_PORT),
+    )
+
+
+_PROBES: tuple[Callable[[Mapping[str, str]], Environment | None], ...] = (
+    _from_torchelastic,
+    _from_slurm,
+    _from_mpi,
+)
+
+
+def _validate(env: Environment) -> None:
+    if env.world_size < 1:
+        raise DdpkitError(f"{env.launcher}: world size {env.world_size} must be at least 1")
+    if not 0 <= env.rank < env.world_size:
+        raise DdpkitError(
+            f"{env.launcher}: rank {env.rank} is outside the world of size {env.world_size}; "
+            "check that every process was started with the same world size"
+        )
+    if not 0 <= env.local_rank < env.local_world_size:
+        raise DdpkitError(
+            f"{env.launcher}: local rank {env.local_rank} is outside the {env.local_world_size} "
+            "processes of this node"
+        )
+    if env.local_world_size > env.world_size:
+        raise DdpkitError(
+            f"{env.launcher}: {env.local_world_size} processes on this node but a world of "
+            f"only {env.world_size}"
+        )
+
+
+_RANGE = re.compile(r"\[([^\]]*)\]")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list such as ``node[01-03,07],gpu5`` or ``a[1-2]-b[3-4]``.
+
+    Zero padding is kept (``node[08-10]`` gives ``node08 node09 node10``). Several bracket
+    groups in one name expand as a product, in SLURM's order.
+
+    Raises:
+        DdpkitError: unbalanced brackets or a malformed range.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        hosts.extend(_expand_host(item))
+    return hosts
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    items, depth, current = [], 0, []
+    for char in nodelist.strip():
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise DdpkitError(f"SLURM node list {nodelist!r} has an unbalanced ']'")
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise DdpkitError(f"SLURM node list {nodelist!r} has an unbalanced '['")
+    items.append("".join(current))
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_host(pattern: str) -> list[str]:
+    match = _RANGE.search(pattern)
+    if match is None:
+        return [pattern]
+    prefix, suffix = pattern[: match.start()], pattern[match.end():]
+    expanded = []
+    for value in _expand_ranges(match.group(1), pattern):
+        expanded.extend(_expand_host(prefix + value + suffix))
+    return expanded
+
+
+def _expand_ranges(spec: str, pattern: str) -> list[str]:
+    values = []
+    for part in spec.split(","):
+        part = part.strip()
+        bounds = part.split("-")
+        if len(bounds) == 1 and part.isdigit():
+            values.append(part)
+        elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
+            low, high = int(bounds[0]), int(bounds[1])
+            if high < low:
+                raise DdpkitError(f"SLURM node list {pattern!r}: range {part} runs backwards")
+            width = len(bounds[0])
+            values.extend(str(n).zfill(width) for n in range(low, high + 1))
+        else:
+            raise DdpkitError(f"SLURM node list {pattern!r}: cannot read range {part!r}")
+    return values

@@ -1,0 +1,307 @@
+"""Starting processes, always through torch's elastic launcher (``torch.distributed.run``).
+
+``ddpkit run`` is a thin front that fills in what torchrun leaves to the user (a free
+loopback port, nodes from SLURM, threads per process); :func:`launch` runs a function in N
+processes from a notebook or a script, the ``mp.spawn`` pattern without the index argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from ddpkit.env import Environment, detect
+from ddpkit.errors import DdpkitError, UsageError
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What ``ddpkit run`` was asked to start (validated)."""
+
+    target: str
+    target_args: Sequence[str] = ()
+    module: bool = False
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    master: str | None = None
+    max_restarts: int = 0
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` too) and check the port.
+
+    Raises:
+        UsageError: no port, or a port outside 1-65535.
+    """
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise UsageError(f"--master {text!r} has no port; write HOST:PORT, e.g. --master node01:29500")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UsageError(f"--master {text!r}: port {port_text!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise UsageError(f"--master {text!r}: port {port} is out of range; use 1-65535")
+    return host.strip("[]"), port
+
+
+def default_nproc() -> int:
+    """One process per visible GPU, else one."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> int:
+    """CPU cores shared fairly among the processes of a node (at least one each)."""
+    if cpu_count is None:
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpu_count // max(1, nproc_per_node))
+
+
+def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
+    """The ``torch.distributed.run`` arguments for ``spec``.
+
+    Single node: c10d rendezvous on a free loopback port chosen by the OS. Several nodes
+    with ``--node-rank``: torchrun's static rendezvous at the master. Under ``srun`` (one
+    task per node) nodes, node rank and master come from SLURM.
+    """
+    env = detect() if env is None else env
+    nproc = spec.nproc_per_node or default_nproc()
+    nnodes, node_rank, master = spec.nnodes, spec.node_rank, spec.master
+    run_id = uuid.uuid4().hex[:12]
+    if env.launcher == "slurm" and master is None:
+        if env.local_world_size != 1:
+            raise UsageError(
+                f"ddpkit run under srun needs one task per node, got {env.local_world_size}; "
+                "use srun --ntasks-per-node=1 ddpkit run -n GPUS_PER_NODE ..."
+            )
+        nnodes, node_rank = env.world_size, env.node_rank
+        master = f"{env.master_addr}:{env.master_port}"
+        run_id = os.environ.get("SLURM_JOB_ID", run_id)
+    args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
+    if nnodes == 1 and master is None:
+        args += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={run_id}"]
+    else:
+        if master is None:
+            raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (the host of node 0)")
+        host, port = parse_master(master)
+        if node_rank is not None:
+            if not 0 <= node_rank < nnodes:
+                raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+            args += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                     f"--master-addr={host}", f"--master-port={port}"]
+        else:
+            args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={run_id}"]
+    args += ["--module", spec.target] if spec.module else [spec.target]
+    return args + list(spec.target_args)
+
+
+def validate(spec: RunSpec) -> None:
+    """Check what can be checked before any process starts."""
+    if spec.nproc_per_node is not None and spec.nproc_per_node < 1:
+        raise UsageError(f"-n/--nproc-per-node must be at least 1, got {spec.nproc_per_node}")
+    if spec.nnodes < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {spec.nnodes}")
+    if spec.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    if spec.master is not None:
+        parse_master(spec.master)
+    if not spec.module and not os.path.isfile(spec.target):
+        raise UsageError(f"script {spec.target!r} not found; give the path of a Python file or use -m MODULE")
+
+
+@contextlib.contextmanager
+def _thread_env(nproc_per_node: int, extra: Mapping[str, str] = {}) -> Iterator[None]:
+    """Set OMP_NUM_THREADS (unless the user did) and ``extra`` for the children, then restore."""
+    updates = dict(extra)
+    if "OMP_NUM_THREADS" not in os.environ:
+        updates["OMP_NUM_THREADS"] = str(threads_per_process(nproc_per_node))
+    saved = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run(spec: RunSpec) -> int:
+    """Start ``spec`` under torch's elastic agent and wait; returns the exit code."""
+    validate(spec)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torch_run
+
+    argv = torchrun_args(spec)
+    nproc = spec.nproc_per_node or default_nproc()
+    with _thread_env(nproc, spec.extra_env):
+        try:
+            torch_run(parse_args(argv))
+        except ChildFailedError as exc:
+            rank, failure = _root_failure(exc.failures)
+            sys.stderr.write(f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n")
+            return 1
+    return 0
+
+
+# Errors a rank raises because a peer died first: never the root cause when another exists.
+_SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote worker crashing", "sigterm", "signal 15")
+
+
+def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that most likely caused the others: not a peer-loss error, earliest, lowest rank."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        return _is_secondary(_failure_text(failure)), int(getattr(failure, "timestamp", 0) or 0), rank
+
+    return min(failures.items(), key=key)
+
+
+def _is_secondary(text: str) -> bool:
+    return any(word in text.lower() for word in _SECONDARY)
+
+
+def _failure_text(failure: Any) -> str:
+    text = str(getattr(failure, "message", "") or "")
+    code = getattr(failure, "exitcode", None)
+    if code == -15:
+        text += " SIGTERM"
+    return text
+
+
+def _describe(failure: Any) -> str:
+    code = getattr(failure, "exitcode", None)
+    if code is not None and code < 0:
+        import signal
+
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class LaunchError(DdpkitError):
+    """A process started by :func:`launch` failed; carries its rank and traceback."""
+
+    def __init__(self, rank: int, message: str, traceback: str = ""):
+        self.rank = rank
+        self.child_traceback = traceback
+        text = f"rank {rank} failed: {message}"
+        super().__init__(text + (f"\n\nTraceback from rank {rank}:\n{traceback}" if traceback else ""))
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    max_restarts: int = 0,
+    start_method: str | None = None,
+) -> dict[int, Any]:
+    """Call ``fn(*args)`` in ``nprocs`` processes on one machine and wait for all of them.
+
+    Unlike ``mp.spawn`` no index is passed first: ``ddpkit.init()`` inside ``fn`` knows the
+    rank. The rendezvous uses a free loopback port, so two launches never collide.
+
+    Returns:
+        Each rank's return value, ``{rank: value}``.
+
+    Raises:
+        LaunchError: the first rank that failed, with its traceback.
+
+    Example:
+        >>> def work():
+        ...     rt = ddpkit.init()
+        ...     return rt.all_reduce(rt.rank)
+        >>> ddpkit.launch(work, nprocs=2)        # doctest: +SKIP
+        {0: 1.0, 1: 1.0}
+    """
+    if nprocs < 1:
+        raise UsageError(f"nprocs must be at least 1, got {nprocs}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method=start_method or _start_method(fn),
+    )
+    with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, _thread_env(nprocs):
+        try:
+            return elastic_launch(config, _call_and_record)(fn, error_dir, *args)
+        except ChildFailedError as exc:
+            raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
+
+
+def _call_and_record(fn: Callable[..., Any], error_dir: str, *args: Any) -> Any:
+    """Run ``fn`` in a child; on an exception, note when and what, so the parent finds the cause.
+
+    Peers of a failing rank fail too (their collectives lose a partner) and the agent may see
+    them first; the time each exception was raised tells the root cause apart.
+    """
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        record = {
+            "rank": int(os.environ.get("RANK", "0")),
+            "time": time.time(),
+            "message": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+        path = Path(error_dir) / f"rank{record['rank']}.json"
+        path.write_text(json.dumps(record))
+        raise
+
+
+def _earliest_error(error_dir: str) -> LaunchError | None:
+    records = []
+    for path in Path(error_dir).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    if not records:
+        return None
+    first = min(records, key=lambda r: (_is_secondary(r["message"]), r["time"], r["rank"]))
+    return LaunchError(first["rank"], first["message"], first["traceback"].strip())
+
+
+def _start_method(fn: Callable[..., Any]) -> str:
+    # Functions typed into a notebook or REPL live in a __main__ that spawned children
+    # cannot import; fork them instead. Everything else gets the safe default, spawn.
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        return "fork"
+    return "spawn"
+
+
+def _launch_error(rank: int, failure: Any) -> LaunchError:
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message", {}) if isinstance(data, dict) else {}
+    if isinstance(message, dict):
+        text = str(message.get("message", "")).strip()
+        traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).strip()
+    else:
+        text, traceback = str(message), ""
+    return LaunchError(rank, text or _describe(failure), traceback)

@@ -1,0 +1,128 @@
+"""Init, destroy and barrier of the default process group; the backend chosen from the device."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.env import Environment
+from ddpkit.errors import DdpkitError, UsageError
+
+BACKENDS = ("nccl", "gloo", "mpi")
+
+
+def choose_device(env: Environment, device: str | None = None) -> torch.device:
+    """The device of this process: the local rank's GPU when CUDA is usable, else the CPU.
+
+    Raises:
+        DdpkitError: more processes on this node than visible GPUs while asking for CUDA.
+    """
+    if device is not None and device != "auto":
+        chosen = torch.device(device)
+        if chosen.type == "cuda" and chosen.index is None:
+            chosen = torch.device("cuda", _gpu_for(env))
+        return chosen
+    if torch.cuda.is_available():
+        return torch.device("cuda", _gpu_for(env))
+    return torch.device("cpu")
+
+
+def _gpu_for(env: Environment) -> int:
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise DdpkitError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
+    if env.local_world_size > count:
+        raise DdpkitError(
+            f"{env.local_world_size} processes on this node but only {count} visible GPU(s); "
+            f"start at most {count} processes per node (ddpkit run -n {count}) or use device='cpu'"
+        )
+    return env.local_rank
+
+
+def choose_backend(device: torch.device, backend: str | None = None) -> str:
+    """nccl when each process has its own CUDA device, gloo otherwise; ``backend`` overrides."""
+    if backend is not None and backend != "auto":
+        if backend not in BACKENDS:
+            raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend == "nccl" and device.type != "cuda":
+            raise UsageError("backend 'nccl' needs CUDA devices; use backend='gloo' on the CPU")
+        return backend
+    if device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def init(env: Environment, backend: str, device: torch.device, timeout_s: float) -> None:
+    """Initialise the default process group for ``env`` (no-op when already initialised).
+
+    Raises:
+        DdpkitError: the master could not be reached within ``timeout_s``, naming host:port.
+    """
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {}
+    if backend == "nccl":
+        # Binds NCCL's communicator to this process's GPU (avoids a guess by rank).
+        kwargs["device_id"] = device
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        if _looks_unreachable(exc):
+            raise DdpkitError(
+                f"could not reach the master at {env.master_addr}:{env.master_port} within "
+                f"{timeout_s:g}s (rank {env.rank} of {env.world_size}): check that rank 0 is "
+                "running, that the host name resolves here, that the port is open in the "
+                "firewall, and that every node uses the same master address and port"
+            ) from exc
+        raise
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _looks_unreachable(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in ("timed out", "timeout", "connect", "refused", "resolve"))
+
+
+def destroy() -> None:
+    """Destroy the default process group if one exists."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank; identity in a world of one."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on ``host:port`` and we could bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

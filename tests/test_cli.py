@@ -1,0 +1,120 @@
+"""The command line end to end, in subprocesses: the same script under every launcher."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ddpkit
+from helpers import BIN, EXAMPLES, clean_env, ddpkit as ddpkit_cli, python, run
+
+import workers
+
+HELLO = str(EXAMPLES / "hello.py")
+
+
+def _hello_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("world_size=")]
+
+
+@pytest.mark.timeout(120)
+def test_hello_under_ddpkit_run():
+    result = ddpkit_cli("run", "-n", "2", HELLO)
+    assert result.returncode == 0, result.stderr
+    assert _hello_lines(result.stdout) == ["world_size=2 rank_sum=1"]
+
+
+@pytest.mark.timeout(60)
+def test_hello_under_plain_python():
+    result = python(HELLO)
+    assert result.returncode == 0, result.stderr
+    assert _hello_lines(result.stdout) == ["world_size=1 rank_sum=0"]
+
+
+@pytest.mark.timeout(120)
+def test_hello_under_torchrun():
+    result = run([str(BIN / "torchrun"), "--nproc_per_node", "3", HELLO])
+    assert result.returncode == 0, result.stderr
+    assert _hello_lines(result.stdout) == ["world_size=3 rank_sum=3"]
+
+
+@pytest.mark.timeout(120)
+def test_module_under_ddpkit_run(tmp_path):
+    (tmp_path / "hello_mod.py").write_text((EXAMPLES / "hello.py").read_text())
+    result = ddpkit_cli("run", "-n", "2", "-m", "hello_mod", env=clean_env(PYTHONPATH=str(tmp_path)))
+    assert result.returncode == 0, result.stderr
+    assert _hello_lines(result.stdout) == ["world_size=2 rank_sum=1"]
+
+
+@pytest.mark.timeout(120)
+def test_script_arguments_pass_through(tmp_path):
+    script = tmp_path / "args.py"
+    script.write_text("import sys, ddpkit\nrt = ddpkit.init()\nrt.print('ARGS', sys.argv[1:])\n")
+    result = ddpkit_cli("run", "-n", "1", str(script), "--lr", "0.1", "-n", "7")
+    assert result.returncode == 0, result.stderr
+    assert "ARGS ['--lr', '0.1', '-n', '7']" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_failing_script_gives_nonzero_exit(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import ddpkit\nrt = ddpkit.init()\nraise SystemExit(3)\n")
+    result = ddpkit_cli("run", "-n", "2", str(script))
+    assert result.returncode == 1
+    assert "ddpkit run: rank" in result.stderr and "exit code 3" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_same_worker_under_launch():
+    results = ddpkit.launch(workers.rank_sum, nprocs=2)
+    assert {r["sum"] for r in results.values()} == {1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--bogus", "x.py"], "unknown option '--bogus'"),
+    (["run", "-n", "2", "missing_script.py"], "script 'missing_script.py' not found"),
+    (["run", "-n", "0", HELLO], "at least 1"),
+    (["run", "--master", "nohost", HELLO], "has no port"),
+    (["run", "--master", "h:70000", HELLO], "out of range"),
+    (["run", "-n", "two", HELLO], "invalid int value"),
+    (["run"], "needs a SCRIPT"),
+    (["frobnicate"], "unknown command 'frobnicate'"),
+    (["doctor", "--bogus"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = ddpkit_cli(*args, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_doctor_reports_a_healthy_machine():
+    result = ddpkit_cli("doctor", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["problems"] == []
+    facts = report["facts"]
+    assert facts["launcher"] == "none" and facts["rank / world size"] == "0 / 1"
+    assert facts["gloo available"] is True and facts["backend"] == "gloo"
+    for key in ("torch", "cuda available", "nccl available", "mpi available", "hostname",
+                "master port free", "OMP_NUM_THREADS", "cpu cores"):
+        assert key in facts
+
+
+@pytest.mark.timeout(60)
+def test_doctor_fails_with_the_reason():
+    result = ddpkit_cli("doctor", env=clean_env(RANK="3", WORLD_SIZE="2"))
+    assert result.returncode == 1
+    assert "problem: torchelastic: rank 3 is outside the world of size 2" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_doctor_text_mode_and_version():
+    result = ddpkit_cli("doctor")
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok")
+    version = ddpkit_cli("--version")
+    assert version.stdout.strip() == f"ddpkit {ddpkit.__version__}"

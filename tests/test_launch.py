@@ -1,0 +1,118 @@
+"""`ddpkit run` argument building (no processes) and `ddpkit.launch` with real gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+
+import ddpkit
+from ddpkit.env import Environment
+from ddpkit.errors import UsageError
+from ddpkit.launch import RunSpec, parse_master, threads_per_process, torchrun_args, validate
+
+import workers
+
+
+def test_single_node_uses_free_loopback_port():
+    args = torchrun_args(RunSpec("train.py", ["--lr", "0.1"], nproc_per_node=2), Environment())
+    assert "--rdzv-endpoint=127.0.0.1:0" in args and "--rdzv-backend=c10d" in args
+    assert "--nproc-per-node=2" in args and "--nnodes=1" in args
+    assert args[-3:] == ["train.py", "--lr", "0.1"]
+
+
+def test_two_single_node_runs_get_different_ids():
+    first = torchrun_args(RunSpec("a.py", nproc_per_node=1), Environment())
+    second = torchrun_args(RunSpec("a.py", nproc_per_node=1), Environment())
+    ids = [a for a in first + second if a.startswith("--rdzv-id=")]
+    assert len(set(ids)) == 2
+
+
+def test_multi_node_with_node_rank_is_static():
+    args = torchrun_args(RunSpec("t.py", nproc_per_node=4, nnodes=2, node_rank=1, master="head:29400"),
+                         Environment())
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=head", "--master-port=29400"} <= set(args)
+
+
+def test_multi_node_without_node_rank_uses_c10d_at_master():
+    args = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, master="head:29400"), Environment())
+    assert "--rdzv-endpoint=head:29400" in args and "--rdzv-backend=c10d" in args
+
+
+def test_module_target():
+    args = torchrun_args(RunSpec("pkg.train", ["x"], module=True, nproc_per_node=1), Environment())
+    assert args[-3:] == ["--module", "pkg.train", "x"]
+
+
+def test_under_srun_nodes_come_from_slurm(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    slurm = Environment(launcher="slurm", rank=1, local_rank=0, world_size=3, local_world_size=1,
+                        node_rank=1, master_addr="node01", master_port=19242)
+    args = torchrun_args(RunSpec("t.py", nproc_per_node=2), slurm)
+    assert {"--nnodes=3", "--node-rank=1", "--master-addr=node01", "--master-port=19242"} <= set(args)
+
+
+def test_under_srun_more_than_one_task_per_node_is_refused():
+    slurm = Environment(launcher="slurm", rank=1, local_rank=1, world_size=4, local_world_size=2)
+    with pytest.raises(UsageError, match="one task per node"):
+        torchrun_args(RunSpec("t.py", nproc_per_node=2), slurm)
+
+
+@pytest.mark.parametrize("text, expected", [("node01:29500", ("node01", 29500)),
+                                            ("[::1]:1234", ("::1", 1234))])
+def test_parse_master(text, expected):
+    assert parse_master(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [("nohost", "has no port"), ("h:0", "out of range"),
+                                           ("h:99999", "out of range"), ("h:abc", "not a number")])
+def test_parse_master_errors(text, message):
+    with pytest.raises(UsageError, match=message):
+        parse_master(text)
+
+
+def test_validate_rejects_bad_specs(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    validate(RunSpec(str(script), nproc_per_node=2))
+    with pytest.raises(UsageError, match="at least 1"):
+        validate(RunSpec(str(script), nproc_per_node=0))
+    with pytest.raises(UsageError, match="not found"):
+        validate(RunSpec(str(tmp_path / "missing.py")))
+    with pytest.raises(UsageError, match="--max-restarts"):
+        validate(RunSpec(str(script), max_restarts=-1))
+
+
+def test_threads_are_shared_among_processes():
+    assert threads_per_process(2, cpu_count=8) == 4
+    assert threads_per_process(3, cpu_count=2) == 1
+
+
+@pytest.mark.timeout(120)
+def test_launch_runs_function_in_each_process():
+    results = ddpkit.launch(workers.rank_sum, nprocs=3)
+    assert sorted(results) == [0, 1, 2]
+    assert all(r["world_size"] == 3 and r["sum"] == 3 for r in results.values())
+    assert [results[r]["rank"] for r in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_uneven_all_gather_and_reductions():
+    results = ddpkit.launch(workers.gather_uneven, nprocs=3)
+    gathered, mean, top = results[0]
+    assert gathered == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
+    assert mean == [1.0] and top == 2
+    assert results[1] == results[0] == results[2]
+
+
+@pytest.mark.timeout(120)
+def test_launch_raises_first_failure_with_rank_and_traceback():
+    with pytest.raises(ddpkit.LaunchError) as info:
+        ddpkit.launch(workers.fail_on_rank_one, nprocs=2)
+    assert info.value.rank == 1
+    assert "ValueError: rank one refuses" in str(info.value)
+    assert "fail_on_rank_one" in info.value.child_traceback
+    assert 'raise ValueError("rank one refuses")' in info.value.child_traceback
+
+
+def test_launch_rejects_zero_processes():
+    with pytest.raises(UsageError):
+        ddpkit.launch(workers.rank_sum, nprocs=0)

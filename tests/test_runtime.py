@@ -1,0 +1,109 @@
+"""The runtime in one process: identity collectives, rank-0 printing, and the group's life."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.errors import DdpkitError
+from ddpkit.process_group import free_port
+
+from helpers import clean_env, python
+
+
+def test_world_of_one_needs_no_process_group(capsys):
+    rt = ddpkit.init()
+    assert (rt.rank, rt.local_rank, rt.world_size, rt.node_rank) == (0, 0, 1, 0)
+    assert rt.is_main and rt.launcher == "none" and rt.backend == "gloo"
+    assert rt.device == torch.device("cpu")
+    assert not dist.is_initialized()
+    assert ddpkit.init() is rt
+    rt.print("hello")
+    assert capsys.readouterr().out == "hello\n"
+
+
+def test_collectives_are_identity_in_one_process():
+    rt = ddpkit.init()
+    value = torch.tensor([1.0, 2.0])
+    assert torch.equal(rt.all_reduce(value, op="mean"), value)
+    assert rt.all_reduce(3) == 3.0
+    assert torch.equal(rt.all_gather(torch.ones(2, 3)), torch.ones(2, 3))
+    assert ddpkit.broadcast_object({"a": 1}) == {"a": 1}
+    rt.barrier()
+
+
+def test_unknown_reduce_op_is_a_usage_error():
+    with pytest.raises(ddpkit.UsageError, match="unknown reduce op"):
+        ddpkit.all_reduce(1, op="median")
+
+
+def _single_rank_env(monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_group_destroyed_when_the_block_raises(monkeypatch):
+    _single_rank_env(monkeypatch)
+    with pytest.raises(RuntimeError, match="user bug"):
+        with ddpkit.init(backend="gloo") as rt:
+            assert dist.is_initialized() and rt.launcher == "torchelastic"
+            raise RuntimeError("user bug")
+    assert not dist.is_initialized()
+    assert ddpkit.current() is None
+
+
+@pytest.mark.timeout(60)
+def test_group_destroyed_at_exit_when_script_raises(tmp_path):
+    # An atexit hook registered before init runs after ddpkit's own (atexit is LIFO).
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent("""
+        import atexit
+        import torch.distributed as dist
+        atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+        import ddpkit
+        rt = ddpkit.init()
+        print("initialized:", dist.is_initialized(), flush=True)
+        raise SystemExit("script failed")
+    """))
+    env = clean_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()))
+    result = python(str(script), env=env, timeout=60)
+    assert result.returncode == 1
+    assert "initialized: True" in result.stdout
+    assert "initialized at exit: False" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_master_names_host_and_port(monkeypatch):
+    port = free_port()
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DdpkitError, match=f"could not reach the master at 127.0.0.1:{port} within 2s"):
+        ddpkit.init(timeout=2)
+
+
+def test_nccl_without_cuda_is_refused():
+    with pytest.raises(ddpkit.UsageError, match="nccl"):
+        ddpkit.init(backend="nccl")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_more_processes_than_gpus_with_nccl(monkeypatch):
+    count = torch.cuda.device_count()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(count + 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(count + 1))
+    with pytest.raises(DdpkitError, match="visible GPU"):
+        ddpkit.init()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_device_follows_local_rank():
+    rt = ddpkit.init()
+    assert rt.device == torch.device("cuda", 0) and rt.backend == "nccl"
