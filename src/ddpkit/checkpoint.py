@@ -1,0 +1,250 @@
+"""Checkpoints: atomic rank-0 save, verified safe load, and the state for an exact resume.
+
+A checkpoint is one ``torch.save`` file holding only tensors and plain containers, so it
+loads with ``torch.load(weights_only=True)`` and never unpickles arbitrary objects:
+
+    {"format": "ddpkit-checkpoint", "version": 1, "ddpkit_version": "...",
+     "user": {name: state_dict or plain value, ...},
+     "ddpkit": {"epoch", "step", "loaders", "rng", "world_size", "precision", "config"}}
+
+Beside it, ``NAME.sha256`` records the size and checksum written, so a torn or corrupted
+file is recognised before it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Mapping, MutableMapping
+
+import numpy as np
+import torch
+
+from ddpkit.errors import DdpkitError
+
+FORMAT = "ddpkit-checkpoint"
+VERSION = 1
+_STEP_NAME = re.compile(r"^ckpt-step(\d+)\.pt$")
+
+
+# -- what goes in -----------------------------------------------------------------------
+
+def unwrap(obj: Any) -> Any:
+    """The module inside DDP / DataParallel, so checkpoints do not depend on the wrapping."""
+    return getattr(obj, "module", obj) if isinstance(obj, torch.nn.Module) else obj
+
+
+def user_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict()`` of each object that has one; plain values as they are."""
+    return {key: unwrap(value).state_dict() if hasattr(value, "state_dict") else value
+            for key, value in state.items()}
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA, numpy, python) as tensors and plain values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": _to_lists(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(_to_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _to_tuples(value: Any) -> Any:
+    return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+# -- writing ------------------------------------------------------------------------------
+
+def write(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path:
+    """Write ``payload`` atomically: temp file, fsync, checksum file, rename, fsync the directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(dict(payload), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        digest, size = _digest(tmp)
+        _write_small(_sum_path(path), json.dumps({"sha256": digest, "size": size}))
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _write_small(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path) -> tuple[str, int]:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(chunk)
+            size += len(chunk)
+    return sha.hexdigest(), size
+
+
+def _sum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def step_path(directory: str | os.PathLike, step: int) -> Path:
+    """The name of the checkpoint for ``step`` inside a checkpoint directory."""
+    return Path(directory) / f"ckpt-step{step:08d}.pt"
+
+
+def prune(directory: str | os.PathLike, keep: int) -> None:
+    """Keep the newest ``keep`` step checkpoints of ``directory`` (with their checksum files)."""
+    found = sorted(_step_checkpoints(Path(directory)))
+    for _, path in found[:-keep] if keep > 0 else []:
+        path.unlink(missing_ok=True)
+        _sum_path(path).unlink(missing_ok=True)
+
+
+def _step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    return [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_NAME.match(p.name))]
+
+
+# -- reading ------------------------------------------------------------------------------
+
+def verify(path: str | os.PathLike) -> None:
+    """Check size and checksum against what was recorded when the file was written.
+
+    Raises:
+        DdpkitError: missing, truncated or corrupted file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DdpkitError(f"checkpoint {path} does not exist")
+    record_path = _sum_path(path)
+    if not record_path.is_file():
+        return  # written by something else (e.g. torch.save by hand): rely on torch.load's checks
+    try:
+        record = json.loads(record_path.read_text())
+    except ValueError:
+        raise DdpkitError(f"checkpoint {path}: its checksum file {record_path.name} is damaged") from None
+    digest, size = _digest(path)
+    if size != record.get("size"):
+        raise DdpkitError(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written")
+    if digest != record.get("sha256"):
+        raise DdpkitError(f"checkpoint {path} is corrupted: its checksum does not match the one written")
+
+
+def read(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """Verify and load a ddpkit checkpoint with ``weights_only=True``.
+
+    Raises:
+        DdpkitError: corrupt, not a ddpkit checkpoint, from a newer ddpkit, or holding
+            objects that would need arbitrary unpickling.
+    """
+    verify(path)
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise DdpkitError(
+                f"checkpoint {path} holds objects that are not plain tensors or containers; "
+                "ddpkit refuses to unpickle them (they could run code)"
+            ) from None
+        raise DdpkitError(f"checkpoint {path} cannot be read ({first[:160]})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise DdpkitError(f"{path} is not a ddpkit checkpoint (no '{FORMAT}' header)")
+    if int(payload.get("version", 0)) > VERSION:
+        raise DdpkitError(
+            f"checkpoint {path} was written by a newer ddpkit ({payload.get('ddpkit_version')}, "
+            f"format {payload['version']}); upgrade ddpkit to read it"
+        )
+    return payload
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest step checkpoint in ``directory`` that verifies, or None."""
+    import warnings
+
+    for _, path in sorted(_step_checkpoints(Path(directory)), reverse=True):
+        try:
+            verify(path)
+        except DdpkitError as exc:
+            warnings.warn(f"skipping {exc}", stacklevel=2)
+            continue
+        return path
+    return None
+
+
+def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any], path: Any) -> None:
+    """Load each saved entry into ``state``; models are checked key by key and shape by shape."""
+    missing = [key for key in state if key not in saved]
+    if missing:
+        raise DdpkitError(f"checkpoint {path} has no entry for {', '.join(map(repr, missing))}")
+    for key, target in state.items():
+        if hasattr(target, "load_state_dict"):
+            obj = unwrap(target)
+            if isinstance(obj, torch.nn.Module):
+                check_model_state(obj, saved[key], f"checkpoint {path} ({key!r})")
+            try:
+                obj.load_state_dict(saved[key])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                first = str(exc).strip().splitlines()[0]
+                raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {first[:200]}") from None
+        else:
+            state[key] = saved[key]
+
+
+def check_model_state(model: torch.nn.Module, saved: Mapping[str, Any], where: str) -> None:
+    """Raise a DdpkitError naming missing/unexpected keys and shape mismatches."""
+    if not isinstance(saved, Mapping):
+        raise DdpkitError(f"{where} does not hold a model state dict")
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(v.shape)]
+    problems = []
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("shape mismatches (checkpoint vs model)", shapes)):
+        if items:
+            shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise DdpkitError(f"{where} is for another model: " + "; ".join(problems))

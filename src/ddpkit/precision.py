@@ -1,0 +1,125 @@
+"""Mixed precision as one object: autocast, loss scaling, the optimizer step and its state.
+
+A training loop written against :class:`Precision` is the same for fp32, bf16 and fp16;
+only the name changes::
+
+    precision = Precision("fp16", rt.device)
+    with precision.autocast():
+        loss = loss_fn(model(x), y)
+    precision.backward(loss)
+    stepped = precision.step(optimizer)      # False when fp16 skipped an overflowing step
+
+Notes for torch 2.13 on CPU (checked, not assumed):
+    * ``torch.autocast("cpu", dtype=torch.float16)`` and ``torch.amp.GradScaler("cpu")``
+      both work, so fp16 needs no special code on CPU.
+    * ``GradScaler.step`` returns ``None`` both when it steps (for optimizers whose
+      ``step`` returns ``None``) and when it skips, so :meth:`Precision.step` detects a
+      skip by the scale shrinking in ``update()``: it shrinks exactly when an inf/nan
+      gradient was found (``backoff_factor`` < 1).
+    * The default initial scale, 2**16, is above the largest fp16 value (65504), so the
+      first fp16 step or few are usually skipped while the scale backs off. That is normal.
+    * CPU autocast keeps fewer ops in fp32 than CUDA autocast (``softmax`` for instance
+      returns bf16/fp16 on CPU); losses such as ``cross_entropy`` still run in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+
+from ddpkit.errors import DdpkitError, UsageError
+
+__all__ = ["PRECISIONS", "Precision"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Owns autocast, the fp16 GradScaler and the optimizer step for one training run.
+
+    Args:
+        name: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        device: where the model runs; picks the autocast and GradScaler device type.
+
+    Raises:
+        UsageError: ``name`` is not one of :data:`PRECISIONS`.
+    """
+
+    def __init__(self, name: str, device: torch.device | str) -> None:
+        if name not in PRECISIONS:
+            raise UsageError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}")
+        self.name = name
+        self.device = torch.device(device)
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(self.device.type) if name == "fp16" else None
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype autocast computes in (``float32`` for fp32)."""
+        return _AUTOCAST_DTYPES.get(self.name, torch.float32)
+
+    def autocast(self) -> ContextManager[Any]:
+        """A context for the forward pass and loss; does nothing for fp32."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss``, scaled for fp16 so small gradients do not flush to zero."""
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale now, e.g. before clipping them.
+
+        A no-op without a scaler; calling it before :meth:`step` is optional.
+        """
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step ``optimizer`` (unless fp16 found inf/nan gradients) and clear the gradients.
+
+        Returns:
+            True when the parameters were updated, False when the step was skipped.
+        """
+        if self.scaler is None:
+            optimizer.step()
+            stepped = True
+        else:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale_before
+        optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision name and the loss-scaler state; plain data for ``weights_only`` loads."""
+        scaler_state = self.scaler.state_dict() if self.scaler is not None else None
+        return {"precision": self.name, "scaler": scaler_state or None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, refusing one written under another precision.
+
+        Raises:
+            DdpkitError: ``state`` is not a precision state or has a different precision.
+        """
+        if not isinstance(state, dict) or "precision" not in state:
+            raise DdpkitError("checkpoint has no precision state (expected a dict with a 'precision' key)")
+        if state["precision"] != self.name:
+            raise DdpkitError(
+                f"checkpoint was written with precision {state['precision']!r} and this run uses "
+                f"{self.name!r}; run with precision {state['precision']!r} or start without its state"
+            )
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r}, device={str(self.device)!r})"

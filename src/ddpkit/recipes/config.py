@@ -1,0 +1,174 @@
+"""The settings of ``ddpkit train``: a dataclass, read from flags and YAML/TOML files, checked early."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import UsageError
+
+
+@dataclass
+class TrainConfig:
+    """One training run of a built-in recipe."""
+
+    model: str = "convnet"
+    """Model recipe: convnet, mlp, resnet18 or resnet50."""
+    data: str = "digits"
+    """Data set: digits (bundled with scikit-learn), mnist, cifar10 or synthetic."""
+    data_dir: str | None = None
+    """Directory with torchvision's on-disk files for mnist and cifar10 (nothing is downloaded)."""
+    nproc: int = 1
+    """Processes on this machine."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
+    epochs: int = 5
+    """Passes over the training set."""
+    global_batch: int | None = None
+    """Samples per optimizer step across all processes (the default: 64)."""
+    batch: int | None = None
+    """Samples per step per process; the global batch then grows with the world size."""
+    lr: float = 0.05
+    """Learning rate of SGD with momentum."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    scale_lr: bool = False
+    """Linear scaling rule: multiply lr by the world size when --batch is per process."""
+    sync_bn: bool = False
+    """Synchronise BatchNorm statistics across processes (needed for world-size invariance)."""
+    workers: int = 0
+    """DataLoader worker processes per training process."""
+    seed: int = 0
+    """Seed of weights, data order and augmentation."""
+    out: str = "runs/train"
+    """Output directory: metrics, TensorBoard events, loss.png, checkpoints, summary.json."""
+    resume: str | None = None
+    """A checkpoint file or directory to resume from, or 'auto' for the newest in OUT/checkpoints."""
+    checkpoint_every: int = 0
+    """Also save every this many optimizer steps (0: only at the end of each epoch)."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept in OUT/checkpoints."""
+    max_restarts: int = 0
+    """Restart the whole group up to this many times when a worker fails (resume with --resume auto)."""
+    eval_batch: int = 256
+    """Batch size of the per-epoch evaluation."""
+    synthetic_size: int = 2048
+    """Training samples of --data synthetic."""
+    data_parallel: bool = False
+    """One process driving all visible GPUs with torch.nn.DataParallel (for comparison only)."""
+    overwrite: bool = False
+    """Allow writing into an --out that already holds a run."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Settings a test or a later feature passes through unchanged."""
+
+    @property
+    def global_batch_size(self) -> int:
+        if self.batch is not None:
+            return self.batch * self.nproc
+        return self.global_batch if self.global_batch is not None else 64
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr * self.nproc if (self.scale_lr and self.batch is not None) else self.lr
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        return cls(**json.loads(text))
+
+
+FIELD_NAMES = {f.name for f in fields(TrainConfig)}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Settings from a YAML (.yaml/.yml) or TOML (.toml) file; keys may use - or _."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"config file {path} not found")
+    text = file.read_text()
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif file.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            raise UsageError(f"config file {path}: use a .yaml, .yml or .toml file")
+    except UsageError:
+        raise
+    except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"config file {path} cannot be parsed: {first}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping of settings")
+    settings = {str(key).replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(settings) - FIELD_NAMES)
+    if unknown:
+        raise UsageError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return settings
+
+
+def validate(config: TrainConfig) -> None:
+    """Check everything that can be checked before a process starts or a file is written."""
+    from ddpkit.precision import PRECISIONS
+    from ddpkit.recipes.datasets import DATASETS
+    from ddpkit.recipes.models import MODELS
+
+    if config.model not in MODELS:
+        raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
+    if config.data not in DATASETS:
+        raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
+    if config.data in ("mnist", "cifar10") and not config.data_dir:
+        raise UsageError(f"--data {config.data} needs --data-dir DIR with torchvision's files; nothing is downloaded")
+    if config.data_dir and not os.path.isdir(config.data_dir):
+        raise UsageError(f"--data-dir {config.data_dir} is not a directory")
+    if config.precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {config.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    for name in ("nproc", "epochs", "eval_batch", "synthetic_size"):
+        if getattr(config, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    for name in ("workers", "checkpoint_every", "max_restarts"):
+        if getattr(config, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(config, name)}")
+    if config.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1, got {config.keep_checkpoints}")
+    if config.batch is not None and config.global_batch is not None:
+        raise UsageError("give --global-batch or --batch, not both")
+    if config.batch is not None and config.batch < 1:
+        raise UsageError(f"--batch must be at least 1, got {config.batch}")
+    if config.global_batch is not None and config.global_batch < 1:
+        raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
+    if config.global_batch_size % config.nproc:
+        raise UsageError(
+            f"global batch {config.global_batch_size} does not divide by --nproc {config.nproc}; "
+            f"use a multiple of {config.nproc} or --batch per process"
+        )
+    if config.data_parallel:
+        import torch
+
+        if torch.cuda.device_count() < 2 or config.nproc != 1:
+            raise UsageError("DataParallel mode needs --nproc 1 and at least 2 visible GPUs")
+    if config.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {config.lr}")
+    _check_out(config)
+
+
+def _check_out(config: TrainConfig) -> None:
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if config.resume not in (None, "auto") and not Path(config.resume).exists():
+        raise UsageError(f"--resume {config.resume} does not exist; give a checkpoint file or directory, or 'auto'")
+    holds_run = out.is_dir() and any((out / name).exists() for name in ("summary.json", "metrics.jsonl", "checkpoints"))
+    if holds_run and config.resume is None and not config.overwrite:
+        raise UsageError(f"--out {out} already holds a run; use --resume auto to continue it, "
+                         "another --out, or --overwrite")

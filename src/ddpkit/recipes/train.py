@@ -1,0 +1,155 @@
+"""The training worker behind ``ddpkit train``: one process of a built-in recipe.
+
+Started by ``ddpkit train`` through ``ddpkit run -m ddpkit.recipes.train --config-json ...``;
+it is also a readable example of a complete ddpkit training script.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+from ddpkit import checkpoint
+from ddpkit.errors import DdpkitError
+from ddpkit.evaluate import evaluate
+from ddpkit.recipes.config import TrainConfig
+from ddpkit.recipes.datasets import DatasetInfo, load_dataset
+from ddpkit.recipes.models import build_model
+from ddpkit.tracking import Progress, atomic_path
+
+
+def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
+    """What ``ddpkit predict`` needs to rebuild the model: stored as a plain dict in checkpoints."""
+    return {"model": config.model, "data": config.data, "num_classes": info.num_classes,
+            "in_channels": info.in_channels, "image_size": info.image_size,
+            "precision": config.precision, "sync_bn": config.sync_bn}
+
+
+def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
+    """Data, model, optimizer and loader of ``config``."""
+    train = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
+    test = load_dataset(config.data, "test", config.data_dir, synthetic_size=max(256, config.synthetic_size // 4))
+    model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
+                        image_size=train.image_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
+    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn)
+    if config.data_parallel:   # the seeds' single-process multi-GPU baseline
+        model = torch.nn.DataParallel(model)
+    sizes = {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
+    loader = rt.loader(train.dataset, shuffle=True, num_workers=config.workers, **sizes)
+    return train, test, model, optimizer, loader
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    """Run ``config`` in this process (one of the world); returns the summary."""
+    started = time.perf_counter()
+    rt = ddpkit.init(seed=config.seed, precision=config.precision, out_dir=config.out,
+                     keep_checkpoints=config.keep_checkpoints)
+    train_info, test_info, model, optimizer, loader = build(config, rt)
+    state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
+    checkpoints = Path(config.out) / "checkpoints"
+    if config.resume is not None:
+        source = checkpoints if config.resume == "auto" else Path(config.resume)
+        if config.resume != "auto" or checkpoint.latest(checkpoints) is not None:
+            rt.print(f"resuming from {rt.load(source, state)}")
+
+    final_checkpoint, metrics, seen, train_seconds = None, {}, 0, 0.0
+    steps_left = len(loader) * max(0, config.epochs - rt.epoch) - loader.position
+    with Progress(total=steps_left, enabled=rt.is_main, desc="train", unit="step") as bar:
+        for epoch in rt.epochs(config.epochs):
+            epoch_start = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for inputs, targets in loader:
+                with rt.autocast():
+                    loss = F.cross_entropy(model(inputs), targets)
+                rt.backward(loss)
+                rt.step(optimizer)
+                loss_sum += loss.detach().double().cpu() * loader.local_count
+                seen += loader.global_count
+                bar.update(1, epoch=epoch, loss=f"{loss.item():.4f}")
+                if config.checkpoint_every and rt.global_step % config.checkpoint_every == 0:
+                    final_checkpoint = rt.save(checkpoints, state)
+            train_seconds += time.perf_counter() - epoch_start
+            metrics = evaluate(model, test_info.dataset, num_classes=test_info.num_classes,
+                               batch_size=config.eval_batch, autocast=rt.autocast)
+            train_loss = float(rt.all_reduce(loss_sum)) / max(1, len(train_info.dataset))
+            rt.log({"epoch": epoch, "train_loss": train_loss, "test_loss": metrics["loss"],
+                    "test_accuracy": metrics["accuracy"]}, reduce=None)
+            final_checkpoint = rt.save(checkpoints, state)
+            rt.print(f"epoch {epoch}: train_loss={train_loss:.4f} test_loss={metrics['loss']:.4f} "
+                     f"test_accuracy={metrics['accuracy']:.4f}")
+
+    if not metrics:   # resumed after the last epoch: evaluate what was loaded
+        metrics = evaluate(model, test_info.dataset, num_classes=test_info.num_classes,
+                           batch_size=config.eval_batch, autocast=rt.autocast)
+    summary = {
+        "world_size": rt.world_size, "precision": config.precision, "epochs": config.epochs,
+        "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
+        "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
+        "sync_bn": config.sync_bn, "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
+        "test_count": metrics["count"], "wall_seconds": time.perf_counter() - started,
+        "train_seconds": train_seconds, "samples_per_second": seen / train_seconds if train_seconds else 0.0,
+        "final_checkpoint": str(final_checkpoint) if final_checkpoint else None,
+    }
+    if rt.is_main:
+        _write_outputs(rt, summary, Path(config.out))
+    rt.barrier()
+    return summary
+
+
+def _write_outputs(rt: ddpkit.Runtime, summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "summary.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    rt.plot_loss()
+
+
+def preflight_resume(config: TrainConfig) -> None:
+    """Check a named --resume checkpoint against the recipe before any process starts.
+
+    Raises:
+        DdpkitError: unreadable or corrupt file, another model, or another precision.
+    """
+    if config.resume in (None, "auto"):
+        return
+    source = Path(config.resume)
+    path = checkpoint.latest(source) if source.is_dir() else source
+    if path is None:
+        raise DdpkitError(f"--resume {source}: no complete checkpoint in this directory")
+    payload = checkpoint.read(path)
+    info = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
+    model = build_model(config.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                        image_size=info.image_size)
+    if "model" not in payload["user"]:
+        raise DdpkitError(f"checkpoint {path} holds no 'model' entry; it was not written by ddpkit train")
+    checkpoint.check_model_state(model, payload["user"]["model"], f"checkpoint {path}")
+    saved = payload["ddpkit"]["precision"].get("precision")
+    if saved != config.precision:
+        raise DdpkitError(f"checkpoint {path} was written with precision {saved!r} and this run uses "
+                          f"{config.precision!r}; pass --precision {saved}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "--config-json":
+        sys.stderr.write("usage: python -m ddpkit.recipes.train --config-json JSON (use 'ddpkit train')\n")
+        return 2
+    try:
+        train(TrainConfig.from_json(argv[1]))
+    except DdpkitError as exc:
+        rt = ddpkit.current()
+        if rt is None or rt.is_main:
+            sys.stderr.write(f"ddpkit train: error: {exc}\n")
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
