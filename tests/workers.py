@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 import ddpkit
+import ddpkit.checkpoint
 
 
 def rank_sum() -> dict:
@@ -25,3 +28,89 @@ def gather_uneven() -> list:
     gathered = rt.all_gather(rows)
     means = rt.all_reduce(torch.tensor([float(rt.rank)]), op="mean")
     return [gathered.tolist(), means.tolist(), rt.all_reduce(rt.rank, op="max")]
+
+
+# -- training workers ---------------------------------------------------------------------
+
+def _toy_data(length: int = 100):
+    import torch
+
+    generator = torch.Generator().manual_seed(123)
+    images = torch.randn(length, 1, 8, 8, generator=generator)
+    labels = torch.randint(0, 10, (length,), generator=generator)
+    return torch.utils.data.TensorDataset(images, labels, torch.arange(length))
+
+
+def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: bool = True) -> dict:
+    """Train the seeds' ConvNet for ``steps`` steps; returns weights and the samples of each step."""
+    import torch
+    import torch.nn.functional as F
+
+    from ddpkit.recipes.models import build_model
+
+    rt = ddpkit.init(seed=0)
+    model = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=sync_bn)
+    loader = rt.loader(_toy_data(length), global_batch_size=global_batch, shuffle=True)
+    visited = []
+    for _ in rt.epochs(10**6):
+        for images, labels, index in loader:
+            loss = F.cross_entropy(model(images), labels)
+            rt.backward(loss)
+            rt.step(optimizer)
+            visited.append(sorted(rt.all_gather(index).tolist()))
+            if rt.global_step == steps:
+                break
+        if rt.global_step == steps:
+            break
+    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    return {"weights": weights, "visited": visited, "epoch": rt.epoch}
+
+
+class _NoisyToy(torch.utils.data.Dataset):
+    """Toy samples with per-sample augmentation noise from ddpkit.sample_rng()."""
+
+    def __init__(self):
+        self.base = _toy_data(60)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        import torch
+
+        image, label, _ = self.base[index]
+        return image + 0.1 * torch.randn(image.shape, generator=ddpkit.sample_rng()), label
+
+
+def resumable_run(total_steps: int, stop_at: int | None, checkpoint_dir: str) -> dict:
+    """Dropout + momentum + augmentation; optionally stop after ``stop_at`` steps or resume."""
+    import os
+
+    import torch
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.3), torch.nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(_NoisyToy(), global_batch_size=8, shuffle=True)
+    state = {"model": model, "optimizer": optimizer, "note": "plain values survive too"}
+    if stop_at is None and os.listdir(checkpoint_dir):
+        rt.load(checkpoint_dir, state)
+    for _ in rt.epochs(10):
+        for images, labels in loader:
+            loss = F.cross_entropy(model(images), labels)
+            rt.backward(loss)
+            rt.step(optimizer)
+            if rt.global_step == stop_at:
+                rt.save(checkpoint_dir, state)
+                return {"stopped": rt.global_step}
+            if rt.global_step == total_steps:
+                break
+        if rt.global_step == total_steps:
+            break
+    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    return {"weights": weights, "step": rt.global_step, "note": state["note"]}

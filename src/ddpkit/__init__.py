@@ -14,8 +14,10 @@ the features that need them.
 """
 
 from ddpkit.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
+from ddpkit.data import sample_rng
 from ddpkit.env import Environment, detect
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.evaluate import evaluate, predict
 from ddpkit.launch import LaunchError, launch
 from ddpkit.runtime import Runtime, current, init
 
@@ -33,7 +35,10 @@ __all__ = [
     "broadcast_object",
     "current",
     "detect",
+    "evaluate",
     "init",
     "launch",
+    "predict",
+    "sample_rng",
     "__version__",
 ]

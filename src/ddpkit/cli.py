@@ -101,10 +101,12 @@ def cmd_demo(argv: Sequence[str]) -> int:
 
     parser = _Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
     parser.add_argument("--nproc", type=int, default=2, help="processes for the distributed runs (default 2)")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs of every run (default 5)")
+    parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     opts = parser.parse_args(argv)
-    if opts.nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {opts.nproc}")
-    return demo_main(nproc=opts.nproc)
+    if opts.nproc < 1 or opts.epochs < 1:
+        raise UsageError("--nproc and --epochs must be at least 1")
+    return demo_main(nproc=opts.nproc, out=opts.out, epochs=opts.epochs)
 
 
 def _train_parser() -> argparse.ArgumentParser:

@@ -170,6 +170,7 @@ class ShardedLoader:
             _KeyedDataset(dataset, seed), batch_sampler=_EpochBatches(self),
             num_workers=num_workers, collate_fn=collate_fn or default_collate, pin_memory=pin,
             persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers > 0 else None,
+            generator=private_generator(seed),
         )
 
     def __len__(self) -> int:
@@ -181,6 +182,8 @@ class ShardedLoader:
             self.epoch, self.position, self._start = epoch, 0, 0
 
     def __iter__(self) -> Iterator[Any]:
+        if self.position >= len(self.sampler):
+            self.position = 0      # a finished epoch iterated again starts from its beginning
         self._start = self.position
         sizes = [len(b) for b in self.sampler.batches(self.epoch, self._start)]
         totals = [len(b) for b in self.sampler.global_batches(self.epoch, self._start)]
@@ -192,9 +195,7 @@ class ShardedLoader:
             if self._on_batch is not None:
                 self._on_batch(self)
             yield to_device(batch, self.device)
-        # A finished epoch starts again from its beginning if iterated once more.
-        if self.position >= len(self.sampler):
-            self.position = 0
+        # The position stays at the end: a checkpoint taken now says "this epoch is done".
         self._start = 0
 
     def batch_weight(self) -> float:
@@ -215,6 +216,15 @@ class ShardedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def private_generator(seed: int = 0) -> torch.Generator:
+    """A generator for a DataLoader's worker base seed.
+
+    Without one, every ``iter(DataLoader)`` draws from the global torch RNG, so a run resumed
+    mid-epoch (one more iterator) would see other dropout masks than an uninterrupted run.
+    """
+    return torch.Generator().manual_seed(seed)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

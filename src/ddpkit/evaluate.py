@@ -22,13 +22,13 @@ from torch.utils.data import DataLoader, Subset
 
 from ddpkit import collectives
 from ddpkit.checkpoint import unwrap
-from ddpkit.data import shard_range, to_device
+from ddpkit.data import private_generator, shard_range, to_device
 
 
 def _shard_loader(dataset: Any, batch_size: int, num_workers: int = 0) -> DataLoader:
     indices = shard_range(len(dataset), collectives.rank(), collectives.world_size())
     return DataLoader(Subset(dataset, list(indices)), batch_size=batch_size, shuffle=False,
-                      num_workers=num_workers)
+                      num_workers=num_workers, generator=private_generator())
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -1,0 +1,166 @@
+"""Checkpoints in one process: atomic writes, rotation, verification, safe loading, clear errors."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit import checkpoint
+from ddpkit.errors import DdpkitError
+
+
+def _model(width: int = 4) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 2))
+
+
+def _state(model=None):
+    model = model or _model()
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+
+def _train_one_step(rt, state):
+    loss = state["model"](torch.randn(5, 3)).sum()
+    rt.backward(loss)
+    rt.step(state["optimizer"])
+
+
+def test_round_trip_restores_everything(tmp_path):
+    rt = ddpkit.init(seed=0)
+    state = _state()
+    _train_one_step(rt, state)
+    rt.epoch = 2
+    path = rt.save(tmp_path / "one.pt", {**state, "best": 0.25})
+    expected_next = torch.rand(3)                      # what the RNG gives right after the save
+    fresh = {**_state(), "best": None}
+    rt.global_step, rt.epoch = 0, 0
+    assert rt.load(path, fresh) == path
+    assert fresh["best"] == 0.25
+    assert (rt.global_step, rt.epoch) == (1, 2)
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(fresh["model"].state_dict()[key], value)
+    assert fresh["optimizer"].state_dict()["state"].keys() == state["optimizer"].state_dict()["state"].keys()
+    assert torch.equal(torch.rand(3), expected_next)   # RNG state restored
+
+
+def test_directory_saves_rotate_and_leave_no_temp_files(tmp_path):
+    rt = ddpkit.init(keep_checkpoints=2)
+    state = _state()
+    for _ in range(4):
+        _train_one_step(rt, state)
+        rt.save(tmp_path, state)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ckpt-step00000003.pt", "ckpt-step00000003.pt.sha256",
+                     "ckpt-step00000004.pt", "ckpt-step00000004.pt.sha256"]
+    assert checkpoint.latest(tmp_path).name == "ckpt-step00000004.pt"
+
+
+def test_corrupt_and_truncated_files_are_detected(tmp_path):
+    rt = ddpkit.init()
+    state = _state()
+    for _ in range(2):
+        _train_one_step(rt, state)
+        rt.save(tmp_path, state)
+    newest = tmp_path / "ckpt-step00000002.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with pytest.raises(DdpkitError, match="corrupted"):
+        rt.load(newest, _state())
+    with pytest.warns(UserWarning, match="skipping"):
+        assert checkpoint.latest(tmp_path).name == "ckpt-step00000001.pt"   # auto resume skips it
+    newest.write_bytes(bytes(data[:100]))
+    with pytest.raises(DdpkitError, match="truncated"):
+        checkpoint.verify(newest)
+
+
+def test_checkpoint_of_another_model_names_keys_and_shapes(tmp_path):
+    rt = ddpkit.init()
+    path = rt.save(tmp_path / "a.pt", _state(_model(4)))
+    with pytest.raises(DdpkitError, match=r"another model: shape mismatches .*0.weight \(4, 3\) vs \(8, 3\)"):
+        rt.load(path, _state(_model(8)))
+    longer = torch.nn.Sequential(*_model(4), torch.nn.Linear(2, 2))
+    with pytest.raises(DdpkitError, match=r"another model: missing keys: 3.weight, 3.bias"):
+        rt.load(path, _state(longer))
+    shorter = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    with pytest.raises(DdpkitError, match=r"unexpected keys: 1.weight, 1.bias, .* and \d+ more"):
+        rt.load(path, _state(shorter))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": checkpoint.FORMAT, "version": 1, "user": {"x": _Exploit()}}, evil)
+    rt = ddpkit.init()
+    with pytest.raises(DdpkitError, match="refuses to unpickle"):
+        rt.load(evil, {"x": None})
+    assert not (tmp_path / "pwned").exists()
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps({"a": _Exploit()}))
+    with pytest.raises(DdpkitError):
+        checkpoint.read(plain)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_not_a_checkpoint_and_newer_format(tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "raw.pt")
+    with pytest.raises(DdpkitError, match="not a ddpkit checkpoint"):
+        checkpoint.read(tmp_path / "raw.pt")
+    torch.save({"format": checkpoint.FORMAT, "version": 99, "ddpkit_version": "9.0"}, tmp_path / "new.pt")
+    with pytest.raises(DdpkitError, match="newer ddpkit"):
+        checkpoint.read(tmp_path / "new.pt")
+    with pytest.raises(DdpkitError, match="does not exist"):
+        checkpoint.read(tmp_path / "missing.pt")
+
+
+def test_fp16_scaler_state_survives_a_checkpoint(tmp_path):
+    rt = ddpkit.init(precision="fp16")
+    state = _state()
+    for _ in range(3):
+        with rt.autocast():
+            loss = state["model"](torch.randn(5, 3)).float().mean()
+        rt.backward(loss)
+        rt.step(state["optimizer"])
+    saved_scale = rt.precision.scaler.get_scale()
+    saved_tracker = rt.precision.scaler.state_dict()["_growth_tracker"]
+    path = rt.save(tmp_path / "fp16.pt", state)
+    rt.precision.scaler.update(1.0)
+    rt.load(path, _state())
+    assert rt.precision.scaler.get_scale() == saved_scale == 65536.0
+    assert rt.precision.scaler.state_dict()["_growth_tracker"] == saved_tracker == 3
+    rt.close()
+    other = ddpkit.init(precision="bf16")
+    with pytest.raises(DdpkitError, match="precision 'fp16'"):
+        other.load(path, _state())
+
+
+def test_accumulation_steps_once_per_group():
+    torch.manual_seed(0)
+    data = torch.randn(8, 3)
+    reference = _model()
+    accumulated = _model()
+    accumulated.load_state_dict(reference.state_dict())
+    for module in (reference, accumulated):
+        module.eval()                                  # BN in eval: half batches equal the full one
+    rt = ddpkit.init()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(data).pow(2).mean().backward()
+    ref_opt.step()
+    opt = torch.optim.SGD(accumulated.parameters(), lr=0.1)
+    stepped = []
+    for half in (data[:4], data[4:]):
+        with rt.accumulate(accumulated, 2) as last:
+            rt.backward(accumulated(half).pow(2).mean())
+            stepped.append((last, rt.step(opt)))
+    assert stepped == [(False, False), (True, True)]
+    assert rt.global_step == 1
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(accumulated.state_dict()[key], value, atol=1e-7), key

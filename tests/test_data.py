@@ -1,0 +1,149 @@
+"""Sharding and per-sample randomness, tested with rank and world size as plain arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import ddpkit
+from ddpkit.data import (GlobalBatchSampler, check_batch_sizes, sample_rng, sample_seed,
+                         shard_range)
+from ddpkit.errors import UsageError
+
+
+def _rank_batches(length, batch, world, epoch=0, **kw):
+    return [list(GlobalBatchSampler(length, global_batch_size=batch, rank=r, world_size=world, **kw)
+                 .batches(epoch)) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("length", [1, 7, 100, 101])
+def test_every_sample_once_and_same_global_batches_for_any_world(world, length):
+    batch = 12
+    reference = list(GlobalBatchSampler(length, global_batch_size=batch, shuffle=True, seed=3).global_batches(2))
+    per_rank = _rank_batches(length, batch, world, epoch=2, shuffle=True, seed=3)
+    assert all(len(r) == len(reference) for r in per_rank)          # same number of steps on every rank
+    for step, global_batch in enumerate(reference):
+        union = sorted(i for r in range(world) for i in per_rank[r][step])
+        assert union == sorted(global_batch)                         # same samples at each step
+        sizes = [len(per_rank[r][step]) for r in range(world)]
+        assert max(sizes) - min(sizes) <= 1                          # uneven by at most one, no padding
+    everything = [i for r in per_rank for b in r for i in b]
+    assert sorted(everything) == list(range(length))                 # each index exactly once
+
+
+def test_matches_distributed_sampler_when_sizes_divide():
+    length, per_rank_batch, world, seed = 96, 8, 3, 5
+    for epoch in (0, 1):
+        ours = _rank_batches(length, per_rank_batch * world, world, epoch=epoch, shuffle=True, seed=seed)
+        for rank in range(world):
+            sampler = DistributedSampler(range(length), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+            sampler.set_epoch(epoch)
+            theirs = [b.tolist() for b in DataLoader(list(range(length)), batch_size=per_rank_batch, sampler=sampler)]
+            assert ours[rank] == theirs
+
+
+def test_order_changes_with_epoch_and_drop_last():
+    sampler = GlobalBatchSampler(10, global_batch_size=4, shuffle=True, seed=0)
+    assert sampler.order(0) != sampler.order(1)
+    assert len(sampler) == 3
+    dropped = GlobalBatchSampler(10, global_batch_size=4, drop_last=True)
+    assert len(dropped) == 2 and [len(b) for b in dropped.global_batches(0)] == [4, 4]
+
+
+def test_short_last_batch_leaves_some_ranks_empty():
+    per_rank = _rank_batches(5, 4, 3)
+    assert [per_rank[r][1] for r in range(3)] == [[4], [], []]
+
+
+def test_batch_size_rules():
+    assert check_batch_sizes(3, None, 12) == 12
+    assert check_batch_sizes(3, 4, None) == 12
+    with pytest.raises(UsageError, match="does not divide by the world size 3"):
+        check_batch_sizes(3, None, 10)
+    with pytest.raises(UsageError, match="exactly one"):
+        check_batch_sizes(2, 4, 8)
+    with pytest.raises(UsageError, match="exactly one"):
+        check_batch_sizes(2, None, None)
+
+
+@pytest.mark.parametrize("length, world", [(0, 2), (1, 3), (10, 3), (1001, 3)])
+def test_eval_shards_are_contiguous_and_disjoint(length, world):
+    shards = [shard_range(length, r, world) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(length))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+class _Noisy(Dataset):
+    """Each sample is its index plus noise drawn from ddpkit's per-sample generator."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index)]), torch.rand(3, generator=sample_rng())
+
+
+def test_sample_rng_is_keyed_by_seed_epoch_index():
+    assert sample_seed(1, 2, 3) == sample_seed(1, 2, 3)
+    assert len({sample_seed(1, 2, 3), sample_seed(1, 3, 3), sample_seed(1, 2, 4), sample_seed(2, 2, 3)}) == 4
+    with pytest.raises(RuntimeError, match="only available"):
+        sample_rng()
+
+
+def _noise_by_index(rt, num_workers, epochs=2):
+    loader = rt.loader(_Noisy(), global_batch_size=6, shuffle=True, num_workers=num_workers)
+    seen = {}
+    for epoch in rt.epochs(epochs):
+        for index, noise in loader:
+            for i, n in zip(index[:, 0].tolist(), noise):
+                seen[(epoch, int(i))] = n
+    return loader, seen
+
+
+def test_augmentation_does_not_change_with_workers():
+    rt = ddpkit.init(seed=7)
+    _, without = _noise_by_index(rt, 0)
+    rt.epoch = 0
+    _, with_workers = _noise_by_index(rt, 2)
+    assert without.keys() == with_workers.keys() and len(without) == 40
+    assert all(torch.equal(without[k], with_workers[k]) for k in without)
+    assert not torch.equal(without[(0, 3)], without[(1, 3)])        # differs across epochs
+
+
+def test_epochs_sets_the_epoch_without_the_user():
+    rt = ddpkit.init(seed=1)
+    loader = rt.loader(list(range(10)), global_batch_size=5, shuffle=True)
+    orders = []
+    for epoch in rt.epochs(3):
+        assert loader.epoch == epoch
+        orders.append([i for batch in loader for i in batch.tolist()])
+    assert orders == [loader.sampler.order(e) for e in range(3)]
+    assert len({tuple(o) for o in orders}) == 3
+
+
+def test_loader_resumes_mid_epoch_from_its_position():
+    rt = ddpkit.init(seed=1)
+    loader = rt.loader(list(range(10)), global_batch_size=2, shuffle=True)
+    full = [b.tolist() for b in loader]
+    loader.load_state_dict({"epoch": 0, "position": 3})
+    assert [b.tolist() for b in loader] == full[3:]
+    assert [b.tolist() for b in loader] == full        # a finished epoch starts again
+
+
+def test_batch_weight_counts_true_samples():
+    rt = ddpkit.init()
+    loader = rt.loader(list(range(5)), global_batch_size=4)
+    weights = []
+    for _ in loader:
+        weights.append((loader.local_count, loader.global_count, loader.batch_weight()))
+    assert weights == [(4, 4, 1.0), (1, 1, 1.0)]
+
+
+def test_position_at_the_end_marks_a_finished_epoch():
+    rt = ddpkit.init(seed=1)
+    loader = rt.loader(list(range(6)), global_batch_size=2)
+    for _ in loader:
+        pass
+    assert loader.state_dict() == {"epoch": 0, "position": 3}

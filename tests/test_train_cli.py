@@ -1,0 +1,173 @@
+"""`ddpkit train` and `ddpkit demo` end to end in subprocesses, and their bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import ddpkit
+from ddpkit import cli
+from ddpkit.errors import UsageError
+from ddpkit.recipes.models import build_model
+from helpers import ddpkit as ddpkit_cli
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "run"
+    result = ddpkit_cli("train", "--model", "convnet", "--data", "digits", "--nproc", "2", "--epochs", "3",
+                        "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_train_writes_every_output(trained):
+    out, result = trained
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["precision"] == "fp32" and summary["epochs"] == 3
+    assert summary["global_batch_size"] == 64 and summary["test_count"] == 360
+    assert summary["test_accuracy"] >= 0.95
+    assert summary["wall_seconds"] > 0 and summary["samples_per_second"] > 0
+    assert summary["final_checkpoint"].endswith("ckpt-step00000069.pt")   # 1437 samples / 64 = 23 steps x 3
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["test_accuracy"] == summary["test_accuracy"]
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[:2] == ["step", "epoch"] and "test_loss" in header
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
+    assert (out / "loss.png").read_bytes()[:8] == PNG
+    assert result.stdout.count("epoch 2: train_loss=") == 1            # printed on rank 0 only
+
+
+def test_resume_auto_continues_a_finished_run(trained, tmp_path):
+    out, _ = trained
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(out, copy)
+    result = ddpkit_cli("train", "--nproc", "1", "--epochs", "4", "--out", str(copy), "--resume", "auto",
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout and "ckpt-step00000069.pt" in result.stdout
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["steps"] == 92 and summary["world_size"] == 1
+    rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+
+
+def _another_model_checkpoint(path):
+    rt = ddpkit.init()
+    model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
+    rt.save(path, {"model": model, "optimizer": __import__("torch").optim.SGD(model.parameters(), lr=0.1)})
+    rt.close()
+    return path
+
+
+BAD = [
+    (["--model", "transformer"], "unknown model 'transformer'"),
+    (["--data", "imagenet"], "unknown data 'imagenet'"),
+    (["--data", "mnist"], "--data mnist needs --data-dir"),
+    (["--data", "cifar10", "--data-dir", "/nonexistent/dir"], "is not a directory"),
+    (["--nproc", "3", "--global-batch", "64"], "global batch 64 does not divide by --nproc 3"),
+    (["--resume", "/nonexistent/ckpt.pt"], "--resume /nonexistent/ckpt.pt does not exist"),
+    (["--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--batch", "8", "--global-batch", "16"], "not both"),
+    (["--lr", "abc"], "invalid float value"),
+    (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml not found"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD)
+def test_bad_train_input_is_one_clear_line(tmp_path, args, message):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = ddpkit_cli("train", "--out", str(out), "--overwrite", *args, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+
+
+def test_checkpoint_of_another_model_is_refused_before_anything_runs(tmp_path):
+    ckpt = _another_model_checkpoint(tmp_path / "mlp.pt")
+    out = tmp_path / "out"
+    result = ddpkit_cli("train", "--model", "convnet", "--resume", str(ckpt), "--out", str(out), timeout=60)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is for another model" in lines[0] and "layer1.0.weight" in lines[0]
+    assert not out.exists()
+
+
+def test_an_out_holding_a_run_is_not_overwritten(trained):
+    out, _ = trained
+    before = (out / "summary.json").read_bytes()
+    result = ddpkit_cli("train", "--out", str(out), timeout=60)
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+    assert (out / "summary.json").read_bytes() == before
+
+
+def test_config_files_and_flag_precedence(tmp_path):
+    (tmp_path / "c.yaml").write_text("model: mlp\nepochs: 7\nglobal-batch: 32\nsync_bn: true\n")
+    (tmp_path / "c.toml").write_text('model = "mlp"\nepochs = 2\nlr = 0.2\n')
+    out = str(tmp_path / "o")
+    config = cli.train_config(["--config", str(tmp_path / "c.yaml"), "--epochs", "3", "--out", out])
+    assert (config.model, config.epochs, config.global_batch_size, config.sync_bn) == ("mlp", 3, 32, True)
+    config = cli.train_config(["--config", str(tmp_path / "c.toml"), "--out", out])
+    assert (config.model, config.epochs, config.lr) == ("mlp", 2, 0.2)
+    (tmp_path / "bad.yaml").write_text("modle: mlp\n")
+    with pytest.raises(UsageError, match="unknown setting\\(s\\) modle"):
+        cli.train_config(["--config", str(tmp_path / "bad.yaml"), "--out", out])
+    (tmp_path / "broken.toml").write_text("model = \n")
+    with pytest.raises(UsageError, match="cannot be parsed"):
+        cli.train_config(["--config", str(tmp_path / "broken.toml"), "--out", out])
+
+
+def test_scale_lr_and_per_process_batch(tmp_path):
+    config = cli.train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05",
+                               "--out", str(tmp_path / "o")])
+    assert config.global_batch_size == 32 and config.effective_lr == pytest.approx(0.1)
+
+
+@pytest.mark.timeout(400)
+def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
+    out = tmp_path / "demo"
+    result = ddpkit_cli("demo", "--out", str(out), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| mode" in result.stdout and "speed-up vs single" in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    rows = report["rows"] if isinstance(report, dict) else report
+    assert [(r["mode"], r["processes"], r["precision"]) for r in rows][:1] == [("single", 1, "fp32")]
+    assert {(r["mode"], r["processes"], r["precision"]) for r in rows} >= {("ddp", 2, "fp32"), ("ddp", 2, "bf16")}
+    for row in rows:
+        assert row["test_accuracy"] >= 0.95, row
+        assert row["speedup"] == pytest.approx(row["samples_per_second"] / rows[0]["samples_per_second"])
+    assert "| single" in (out / "report.md").read_text()
+    assert (out / "scaling.png").read_bytes()[:8] == PNG and (out / "loss.png").read_bytes()[:8] == PNG
+
+
+def test_demo_adds_data_parallel_only_with_two_gpus():
+    from ddpkit.demo import modes
+
+    assert [m for m, _ in modes(2, gpus=0)] == ["single", "ddp", "ddp"]
+    with_gpus = modes(4, gpus=2)
+    assert [m for m, _ in with_gpus] == ["single", "dp", "ddp", "ddp"]
+    assert with_gpus[1][1] == {"nproc": 1, "precision": "fp32", "data_parallel": True}
+    assert [o["precision"] for _, o in with_gpus[2:]] == ["fp32", "bf16"]
+
+
+def test_data_parallel_needs_two_gpus(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs: the refusal cannot happen here")
+    with pytest.raises(UsageError, match="at least 2 visible GPUs"):
+        from ddpkit.recipes.config import TrainConfig, validate
+
+        validate(TrainConfig(data_parallel=True, out=str(tmp_path / "o")))
