@@ -6,6 +6,7 @@ import torch
 
 import ddpkit
 import ddpkit.checkpoint
+import ddpkit.data
 
 
 def rank_sum() -> dict:
@@ -114,3 +115,60 @@ def resumable_run(total_steps: int, stop_at: int | None, checkpoint_dir: str) ->
             break
     weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
     return {"weights": weights, "step": rt.global_step, "note": state["note"]}
+
+
+# -- evaluation workers -------------------------------------------------------------------
+
+LENGTHS = (1, 7, 1000, 1001)
+
+
+class IndexedModel(torch.nn.Module):
+    """Logits from features 1..8, and column 0 (the sample's index) passed through."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.linear = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        return {"logits": self.linear(x[:, 1:]), "index": x[:, 0].round().long()}
+
+
+class LogitsOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = IndexedModel()
+
+    def forward(self, x):
+        return self.inner(x)["logits"]
+
+
+def indexed_dataset(length: int):
+    generator = torch.Generator().manual_seed(length)
+    features = torch.randn(length, 9, generator=generator)
+    features[:, 0] = torch.arange(length, dtype=torch.float32)
+    labels = torch.randint(0, 5, (length,), generator=generator)
+    return torch.utils.data.TensorDataset(features, labels)
+
+
+def evaluate_everything(stream_dir: str | None = None) -> dict:
+    import torchmetrics
+
+    from ddpkit.evaluate import predict_to_file
+
+    rt = ddpkit.init()
+    results = {}
+    for length in LENGTHS:
+        data = indexed_dataset(length)
+        main = ddpkit.predict(IndexedModel(), data, batch_size=64, to="main")
+        everywhere = ddpkit.predict(IndexedModel(), data, batch_size=64, to="all")
+        accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=5)
+        metrics = ddpkit.evaluate(LogitsOnly(), data, num_classes=5, batch_size=64,
+                                  extra_metrics={"tm_accuracy": accuracy})
+        streamed = None
+        if stream_dir is not None:
+            path = predict_to_file(LogitsOnly(), data, f"{stream_dir}/pred{length}.npy", batch_size=64)
+            streamed = None if path is None else str(path)
+        results[length] = {"main": main, "all": everywhere, "metrics": metrics, "streamed": streamed,
+                           "shard": len(ddpkit.data.shard_range(length, rt.rank, rt.world_size))}
+    return results

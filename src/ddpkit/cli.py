@@ -169,9 +169,35 @@ def cmd_train(argv: Sequence[str]) -> int:
     return code
 
 
+def cmd_predict(argv: Sequence[str]) -> int:
+    from ddpkit.launch import RunSpec, run
+    from ddpkit.recipes.predict import PredictConfig, prepare, to_json
+
+    parser = _Parser(prog="ddpkit predict",
+                     description="Predict with a ddpkit train checkpoint; one row per input, in input order.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint file (or directory: its newest)")
+    parser.add_argument("--data", default="digits", help="digits, mnist, cifar10 or synthetic (default digits)")
+    parser.add_argument("--data-dir", dest="data_dir", default=None, help="torchvision's files for mnist/cifar10")
+    parser.add_argument("--split", default="test", help="train or test (default test)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (default 1)")
+    parser.add_argument("--batch", type=int, default=256, help="batch size per process (default 256)")
+    parser.add_argument("--out", required=True,
+                        help="FILE.csv (index,prediction,prob_0..), FILE.npy (probabilities) or FILE.pt")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    config = PredictConfig(**vars(parser.parse_args(argv)))
+    path = prepare(config)
+    spec = RunSpec("ddpkit.recipes.predict", ["--config-json", to_json(config), "--checkpoint-file", str(path)],
+                   module=True, nproc_per_node=config.nproc)
+    code = run(spec)
+    if code == 0:
+        print(f"ddpkit predict: wrote {config.out}")
+    return code
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "run": (cmd_run, "start a script in N processes per node (over torch.distributed.run)"),
     "train": (cmd_train, "train a built-in recipe (convnet/mlp/resnet on digits/mnist/cifar10/synthetic)"),
+    "predict": (cmd_predict, "predict with a ddpkit train checkpoint, one row per input in input order"),
     "doctor": (cmd_doctor, "check this machine and launch for what would make a run fail"),
     "demo": (cmd_demo, "run the built-in end-to-end demonstration"),
 }

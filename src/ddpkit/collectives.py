@@ -81,6 +81,28 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)]).to(device)
 
 
+def gather(tensor: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+    """Every rank's rows concatenated in rank order on rank ``dst`` only (None elsewhere).
+
+    Like :func:`all_gather` (first dimensions may differ) but only ``dst`` holds the result,
+    so a large prediction is not copied to every rank.
+    """
+    if world_size() == 1:
+        return tensor.detach().clone()
+    if dist.get_backend() == "nccl":   # nccl has no gather; all_gather and drop elsewhere
+        gathered = all_gather(tensor)
+        return gathered if rank() == dst else None
+    work = tensor.detach().cpu().contiguous()
+    sizes = _gather_sizes(work.shape[0])
+    padded = torch.zeros((max(sizes), *work.shape[1:]), dtype=work.dtype)
+    padded[: work.shape[0]] = work
+    chunks = [torch.empty_like(padded) for _ in sizes] if rank() == dst else None
+    dist.gather(padded, gather_list=chunks, dst=dst)
+    if rank() != dst:
+        return None
+    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)]).to(tensor.device)
+
+
 def _gather_sizes(size: int) -> list[int]:
     local = torch.tensor([size], dtype=torch.long, device=_comm_device())
     sizes = [torch.zeros_like(local) for _ in range(world_size())]

@@ -14,7 +14,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, Subset
 from ddpkit import collectives
 from ddpkit.checkpoint import unwrap
 from ddpkit.data import private_generator, shard_range, to_device
+from ddpkit.errors import UsageError
 
 
 def _shard_loader(dataset: Any, batch_size: int, num_workers: int = 0) -> DataLoader:
@@ -39,11 +42,15 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_size: int = 256,
              loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, num_workers: int = 0,
-             autocast: Callable[[], Any] | None = None) -> dict[str, Any]:
+             autocast: Callable[[], Any] | None = None,
+             extra_metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
 
     Every rank must call it. ``loss_fn(output, target, reduction="sum")`` is summed in float64;
     ``autocast`` (e.g. ``rt.autocast``) makes the context each forward runs in.
+    ``extra_metrics`` maps names to torchmetrics metrics: each is updated with
+    ``(outputs, targets)`` on this rank's unpadded shard and computed (synced) once at the
+    end, so nothing is counted twice; their values are returned under their names.
     Returns plain Python numbers and lists, identical on every rank.
     """
     module = unwrap(model)   # DDP's forward may broadcast buffers: a collective per batch
@@ -60,11 +67,17 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
             loss_sum += loss_fn(outputs.float(), targets, reduction="sum").double()
             predicted = outputs.argmax(dim=1)
             confusion += torch.bincount(targets * num_classes + predicted, minlength=num_classes**2)
+            for metric in (extra_metrics or {}).values():
+                metric.update(outputs.float(), targets)
     finally:
         module.train(was_training)
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
     loss_total = float(collectives.all_reduce(loss_sum.cpu()))
-    return _metrics(confusion, loss_total)
+    result = _metrics(confusion, loss_total)
+    for name, metric in (extra_metrics or {}).items():
+        value = metric.compute()                   # torchmetrics syncs its states across ranks here
+        result[name] = value.tolist() if isinstance(value, torch.Tensor) else value
+    return result
 
 
 def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:
@@ -89,36 +102,135 @@ def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:
     }
 
 
-@torch.no_grad()
-def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: str = "main",
-            num_workers: int = 0) -> torch.Tensor | None:
-    """Outputs for every sample exactly once, in dataset order: first dimension ``len(dataset)``.
-
-    Args:
-        to: ``"main"`` returns the tensor on rank 0 and None elsewhere; ``"all"`` on every rank.
-    """
-    if to not in ("main", "all"):
-        from ddpkit.errors import UsageError
-
-        raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
-    module = unwrap(model)
+def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_workers: int) -> Iterator[Any]:
+    """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
+    device = _device_of(module)
     was_training = module.training
     module.eval()
-    device = _device_of(module)
-    chunks = []
     try:
-        for batch in _shard_loader(dataset, batch_size, num_workers):
-            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-            chunks.append(module(to_device(inputs, device)).cpu())
+        with torch.no_grad():
+            for batch in _shard_loader(dataset, batch_size, num_workers):
+                inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+                yield _map(lambda t: t.detach().cpu(), module(to_device(inputs, device)))
     finally:
         module.train(was_training)
-    local = torch.cat(chunks) if chunks else _empty_output(module, dataset, device)
-    gathered = collectives.all_gather(local)   # contiguous shards in rank order = dataset order
+
+
+def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: str = "main",
+            num_workers: int = 0) -> Any:
+    """Outputs for every sample exactly once, in dataset order: first dimension ``len(dataset)``.
+
+    Works for models returning a tensor, or a tuple/list/dict of tensors (the same
+    structure comes back, each leaf gathered). Every rank must call it.
+
+    Args:
+        to: ``"main"`` returns the result on rank 0 and None elsewhere; ``"all"`` on every rank.
+    """
+    if to not in ("main", "all"):
+        raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
+    if len(dataset) == 0:
+        raise UsageError("predict: the dataset is empty")
+    module = unwrap(model)
+    outputs = list(_run_shard(module, dataset, batch_size, num_workers))
+    local = _concat(outputs) if outputs else _empty_output(module, dataset)
+    # Contiguous shards concatenated in rank order are the dataset order.
+    collect = collectives.all_gather if to == "all" else collectives.gather
+    gathered = _map(collect, local)
     return gathered if to == "all" or collectives.rank() == 0 else None
 
 
-def _empty_output(module: torch.nn.Module, dataset: Any, device: torch.device) -> torch.Tensor:
+def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLike, *,
+                    batch_size: int = 256, num_workers: int = 0) -> Path | None:
+    """Stream predictions larger than memory into one ``.npy`` file, in dataset order.
+
+    Each rank appends its shard's outputs to its own part file as it goes; rank 0 then
+    copies the parts, in rank order, into ``path`` chunk by chunk. Only a model returning a
+    single tensor is supported here. Returns the path on rank 0, None elsewhere.
+    """
+    import numpy as np
+
+    path = Path(path)
+    rank, world = collectives.rank(), collectives.world_size()
+    part = path.with_name(f".{path.name}.rank{rank}.part")
+    module = unwrap(model)
+    rows, tail, dtype = 0, None, None
+    with open(part, "wb") as handle:
+        for out in _run_shard(module, dataset, batch_size, num_workers):
+            if not isinstance(out, torch.Tensor):
+                raise UsageError("predict_to_file needs a model that returns one tensor")
+            array = out.numpy()
+            rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
+            handle.write(np.ascontiguousarray(array).tobytes())
+    if tail is None:
+        probe = _empty_output(module, dataset).numpy()
+        tail, dtype = probe.shape[1:], probe.dtype
+    counts = collectives.all_gather_object(rows)   # also: every part file is complete
+    if rank == 0:
+        _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)],
+                     counts, tail, dtype)
+    _sync()
+    part.unlink(missing_ok=True)
+    return path if rank == 0 else None
+
+
+def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    merged = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(counts), *tail))
+    row_bytes = int(np.prod(tail, dtype=np.int64)) * np.dtype(dtype).itemsize
+    start = 0
+    for part, count in zip(parts, counts):
+        chunk_rows = max(1, (64 << 20) // max(1, row_bytes))
+        with open(part, "rb") as handle:
+            done = 0
+            while done < count:
+                take = min(chunk_rows, count - done)
+                data = np.frombuffer(handle.read(take * row_bytes), dtype=dtype).reshape(take, *tail)
+                merged[start + done:start + done + take] = data
+                done += take
+        start += count
+    merged.flush()
+    del merged
+    os.replace(tmp, path)
+
+
+def _sync() -> None:
+    if collectives.world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map(fn, item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, item) for item in value)
+    raise UsageError(f"predict: the model returned a {type(value).__name__}; return tensors "
+                     "or tuples, lists or dicts of tensors")
+
+
+def _concat(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, dict):
+        return {key: _concat([o[key] for o in outputs]) for key in first}
+    return type(first)(_concat([o[i] for o in outputs]) for i in range(len(first)))
+
+
+def _empty_output(module: torch.nn.Module, dataset: Any) -> Any:
     """Zero rows with the right trailing shape, from one sample (a rank with an empty shard)."""
     sample = dataset[0]
     inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
-    return module(to_device(inputs, device).unsqueeze(0)).cpu()[:0]
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(to_device(inputs, _device_of(module)).unsqueeze(0))
+    finally:
+        module.train(was_training)
+    return _map(lambda t: t.detach().cpu()[:0], out)

@@ -1,0 +1,103 @@
+"""Exact evaluation and order-preserving prediction on 1, 2 and 3 processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.evaluate import predict_to_file
+
+import workers
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    found = {}
+    for world in (1, 2, 3):
+        stream = tmp_path_factory.mktemp(f"stream{world}")
+        results = ddpkit.launch(workers.evaluate_everything, nprocs=world, args=(str(stream),))
+        found[world] = results
+    return found
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("length", workers.LENGTHS)
+def test_predictions_match_single_process_in_order(runs, world, length):
+    data = workers.indexed_dataset(length)
+    with torch.no_grad():
+        reference = workers.IndexedModel()(data.tensors[0])
+    ranks = runs[world]
+    main = ranks[0][length]["main"]
+    assert torch.equal(main["index"], torch.arange(length))                # every index once, in order
+    assert main["logits"].shape == (length, 5)
+    assert torch.equal(main["logits"].argmax(1), reference["logits"].argmax(1))
+    assert _relative(main["logits"], reference["logits"]) <= 1e-6
+    for rank in range(world):
+        assert torch.equal(ranks[rank][length]["all"]["index"], torch.arange(length))
+        assert torch.equal(ranks[rank][length]["all"]["logits"], main["logits"])
+        if rank:
+            assert ranks[rank][length]["main"] is None
+    assert sum(ranks[r][length]["shard"] for r in range(world)) == length
+    if length == 1 and world > 1:
+        assert ranks[world - 1][length]["shard"] == 0                       # an empty rank finished
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("length", workers.LENGTHS)
+def test_counts_equal_single_process_exactly(runs, world, length):
+    data = workers.indexed_dataset(length)
+    with torch.no_grad():
+        logits = workers.LogitsOnly()(data.tensors[0])
+    labels = data.tensors[1]
+    predicted = logits.argmax(1)
+    confusion = torch.zeros(5, 5, dtype=torch.long)
+    confusion.index_put_((labels, predicted), torch.ones(length, dtype=torch.long), accumulate=True)
+    loss = torch.nn.functional.cross_entropy(logits.double(), labels, reduction="sum").item() / length
+    for rank in range(world):                      # identical on every rank
+        metrics = runs[world][rank][length]["metrics"]
+        assert metrics["count"] == length
+        assert metrics["correct"] == int((predicted == labels).sum())
+        assert metrics["confusion"] == confusion.tolist()
+        assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
+        assert metrics["tm_accuracy"] == pytest.approx(metrics["accuracy"], abs=1e-6)   # torchmetrics agrees
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_streamed_predictions_are_merged_in_order(runs, world):
+    for length in workers.LENGTHS:
+        path = runs[world][0][length]["streamed"]
+        data = workers.indexed_dataset(length)
+        with torch.no_grad():
+            reference = workers.LogitsOnly()(data.tensors[0]).numpy()
+        merged = np.load(path)
+        assert merged.shape == reference.shape
+        assert np.allclose(merged, reference, rtol=1e-6, atol=1e-7)
+        assert all(runs[world][r][length]["streamed"] is None for r in range(1, world))
+
+
+def test_per_class_metrics_from_the_confusion_matrix():
+    data = torch.utils.data.TensorDataset(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]),
+                                          torch.tensor([0, 1, 1, 1]))
+    metrics = ddpkit.evaluate(torch.nn.Identity(), data, num_classes=2)
+    assert metrics["confusion"] == [[1, 0], [1, 2]]
+    assert metrics["precision"] == [0.5, 1.0] and metrics["recall"] == [1.0, 2 / 3]
+    assert metrics["f1"] == pytest.approx([2 / 3, 0.8])
+    assert metrics["accuracy"] == 0.75
+
+
+def test_predict_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ddpkit.UsageError, match="use 'main' or 'all'"):
+        ddpkit.predict(workers.LogitsOnly(), workers.indexed_dataset(3), to="everyone")
+    with pytest.raises(ddpkit.UsageError, match="empty"):
+        ddpkit.predict(workers.LogitsOnly(), workers.indexed_dataset(0))
+    with pytest.raises(ddpkit.UsageError, match="one tensor"):
+        predict_to_file(workers.IndexedModel(), workers.indexed_dataset(3), tmp_path / "x.npy")
