@@ -164,3 +164,25 @@ def test_accumulation_steps_once_per_group():
     assert rt.global_step == 1
     for key, value in reference.state_dict().items():
         assert torch.allclose(accumulated.state_dict()[key], value, atol=1e-7), key
+
+
+def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_path, monkeypatch):
+    rt = ddpkit.init()
+    state = _state()
+    path = rt.save(tmp_path / "same.pt", state)
+    before = path.read_bytes()
+    _train_one_step(rt, state)
+
+    def die(*args):
+        raise KeyboardInterrupt("killed between the checksum record and the rename")
+
+    monkeypatch.setattr(checkpoint.os, "replace", lambda src, dst: die() if str(dst) == str(path) else os.rename(src, dst))
+    with pytest.raises(KeyboardInterrupt):
+        rt.save(path, state)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    checkpoint.verify(path)                       # the old file still verifies
+    rt.load(path, _state())
+    path2 = rt.save(path, state)                  # and a later save to the same path works
+    checkpoint.verify(path2)
+    assert "previous" not in __import__("json").loads((tmp_path / "same.pt.sha256").read_text())

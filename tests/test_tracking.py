@@ -187,3 +187,17 @@ def test_progress_draws_on_a_tty(monkeypatch):
     with Progress(4, enabled=False) as bar:
         bar.update(4)
     assert sys.stderr.getvalue() == ""
+
+
+def test_resume_drops_rows_a_crash_undid(tmp_path):
+    from ddpkit.tracking import MetricsLogger
+
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in (10, 20, 30):
+            logger.log({"loss": step / 10}, step=step)
+    with MetricsLogger(tmp_path, tensorboard=False, resume=True, resume_step=20) as logger:
+        assert [r["step"] for r in logger.rows] == [10, 20]
+        logger.log({"loss": 2.5}, step=25)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [__import__("json").loads(line)["step"] for line in lines] == [10, 20, 25]
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[1:] == ["10,1.0", "20,2.0", "25,2.5"]

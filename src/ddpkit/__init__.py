@@ -23,6 +23,10 @@ from ddpkit.runtime import Runtime, current, init
 
 __version__ = "0.1.0"
 
+from ddpkit.errors import install_excepthook as _install_excepthook
+
+_install_excepthook()   # an uncaught DdpkitError in a user script is one line, not a traceback
+
 __all__ = [
     "DdpkitError",
     "Environment",

@@ -88,12 +88,27 @@ def write(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         digest, size = _digest(tmp)
-        _write_small(_sum_path(path), json.dumps({"sha256": digest, "size": size}))
+        record = {"sha256": digest, "size": size}
+        # A kill between the two renames leaves the old data beside the new record: the
+        # record vouches for the file it replaces too, until the new data is in place.
+        previous = _read_record(path) if path.exists() else None
+        if previous:
+            record["previous"] = {"sha256": previous.get("sha256"), "size": previous.get("size")}
+        _write_small(_sum_path(path), json.dumps(record))
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+        if previous:
+            _write_small(_sum_path(path), json.dumps({"sha256": digest, "size": size}))
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(_sum_path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write_small(path: Path, text: str) -> None:
@@ -164,6 +179,9 @@ def verify(path: str | os.PathLike) -> None:
     except ValueError:
         raise DdpkitError(f"checkpoint {path}: its checksum file {record_path.name} is damaged") from None
     digest, size = _digest(path)
+    previous = record.get("previous") or {}
+    if (digest, size) == (previous.get("sha256"), previous.get("size")):
+        return   # a save to this path was cut short before its rename: the old file is intact
     if size != record.get("size"):
         raise DdpkitError(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written")
     if digest != record.get("sha256"):

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, UsageError
 
 DEFAULT_MASTER_PORT = 29500
 _SLURM_PORT_BASE = 15000
@@ -85,23 +85,33 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
     value = environ.get(name)
     if value is None or value == "":
         if default is None:
-            raise DdpkitError(f"environment variable {name} is missing; the launcher did not set it")
+            raise UsageError(f"environment variable {name} is missing; the launcher did not set it")
         return default
     try:
         return int(value)
     except ValueError:
-        raise DdpkitError(f"environment variable {name}={value!r} is not an integer") from None
+        raise UsageError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def _port(environ: Mapping[str, str], name: str, default: int) -> int:
     port = _int(environ, name, default)
     if not 0 < port < 65536:
-        raise DdpkitError(f"{name}={port} is not a valid port; use 1-65535")
+        raise UsageError(f"{name}={port} is not a valid port; use 1-65535")
     return port
 
 
+_TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
+    present = [name for name in _TORCH_NAMES if name in environ]
     if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        if present:
+            missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
+            raise UsageError(
+                f"{', '.join(present)} set but {' and '.join(missing)} missing: start the script with "
+                "ddpkit run / torchrun, or set RANK and WORLD_SIZE together (or neither, for one process)"
+            )
         return None
     world_size = _int(environ, "WORLD_SIZE")
     local_world_size = _int(environ, "LOCAL_WORLD_SIZE", world_size)
@@ -182,7 +192,7 @@ def _from_mpi(environ: Mapping[str, str]) -> Environment | None:
     master_addr = environ.get("MASTER_ADDR")
     if not master_addr:
         if local_world_size < world_size:
-            raise DdpkitError(
+            raise UsageError(
                 "MPI started processes on several hosts but MASTER_ADDR is not set; "
                 "export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) before mpirun"
             )
@@ -208,19 +218,19 @@ _PROBES: tuple[Callable[[Mapping[str, str]], Environment | None], ...] = (
 
 def _validate(env: Environment) -> None:
     if env.world_size < 1:
-        raise DdpkitError(f"{env.launcher}: world size {env.world_size} must be at least 1")
+        raise UsageError(f"{env.launcher}: world size {env.world_size} must be at least 1")
     if not 0 <= env.rank < env.world_size:
-        raise DdpkitError(
+        raise UsageError(
             f"{env.launcher}: rank {env.rank} is outside the world of size {env.world_size}; "
             "check that every process was started with the same world size"
         )
     if not 0 <= env.local_rank < env.local_world_size:
-        raise DdpkitError(
+        raise UsageError(
             f"{env.launcher}: local rank {env.local_rank} is outside the {env.local_world_size} "
             "processes of this node"
         )
     if env.local_world_size > env.world_size:
-        raise DdpkitError(
+        raise UsageError(
             f"{env.launcher}: {env.local_world_size} processes on this node but a world of "
             f"only {env.world_size}"
         )

@@ -13,3 +13,32 @@ class UsageError(DdpkitError):
     """Bad flags, paths or values given by the user (exit code 2, like argparse)."""
 
     exit_code = 2
+
+
+def install_excepthook() -> None:
+    """Report an uncaught :class:`DdpkitError` in a user script as one line, with its exit code.
+
+    Other exceptions keep the previous hook and their traceback. Exit handlers still run
+    (the process group is destroyed) before the process exits.
+    """
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_ddpkit", False):
+        return
+
+    def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
+        if not isinstance(value, DdpkitError):
+            previous(kind, value, traceback)
+            return
+        import atexit
+        import os
+
+        sys.stderr.write(f"ddpkit: error: {value}\n")
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        os._exit(value.exit_code)
+
+    hook._ddpkit = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -79,13 +79,18 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
             **kwargs,
         )
     except (RuntimeError, TimeoutError, ValueError) as exc:
+        if "address already in use" in str(exc).lower():
+            raise UsageError(
+                f"port {env.master_port} on {env.master_addr} is already in use, so rank 0 cannot host "
+                "the rendezvous: choose another MASTER_PORT (ddpkit run picks a free port itself)"
+            ) from None
         if _looks_unreachable(exc):
             raise DdpkitError(
                 f"could not reach the master at {env.master_addr}:{env.master_port} within "
                 f"{timeout_s:g}s (rank {env.rank} of {env.world_size}): check that rank 0 is "
                 "running, that the host name resolves here, that the port is open in the "
                 "firewall, and that every node uses the same master address and port"
-            ) from exc
+            ) from None
         raise
 
 

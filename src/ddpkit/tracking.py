@@ -61,10 +61,12 @@ class MetricsLogger:
         tensorboard: Also write TensorBoard scalars under ``out_dir/tensorboard``.
         resume: Keep the rows of an existing ``metrics.jsonl`` and append to them, instead
             of starting fresh.
+        resume_step: With ``resume``, drop rows logged after this step: they belong to work a
+            crash undid, and the resumed run logs them again.
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, enabled: bool = True,
-                 tensorboard: bool = True, resume: bool = False):
+                 tensorboard: bool = True, resume: bool = False, resume_step: int | None = None):
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self._rows: list[dict[str, Any]] = []
@@ -78,6 +80,8 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume and self.jsonl_path.exists():
             self._rows = _read_jsonl(self.jsonl_path)
+            if resume_step is not None:
+                self._rows = [row for row in self._rows if row.get("step", 0) <= resume_step]
             for row in self._rows:
                 self._columns += [k for k in row if k != "step" and k not in self._columns]
             # Rewrite both files from the rows that parsed, dropping a torn last line.
