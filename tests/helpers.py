@@ -32,13 +32,32 @@ def run(cmd: list[str], *, timeout: float = 120, env: dict[str, str] | None = No
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its session, and every descendant (torch's workers start their own sessions)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    for process in descendants:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def ddpkit(*args: str, **kwargs) -> subprocess.CompletedProcess:

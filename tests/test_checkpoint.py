@@ -186,3 +186,15 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
     path2 = rt.save(path, state)                  # and a later save to the same path works
     checkpoint.verify(path2)
     assert "previous" not in __import__("json").loads((tmp_path / "same.pt.sha256").read_text())
+
+
+def test_prune_sweeps_what_killed_saves_left(tmp_path):
+    rt = ddpkit.init()
+    state = _state()
+    (tmp_path / ".ckpt-step00000007.pt.tmp-999999").write_bytes(b"torn")        # a dead writer's temp file
+    (tmp_path / "ckpt-step00000007.pt.sha256").write_text("{}")                 # its record, no checkpoint
+    (tmp_path / f".ckpt-step00000009.pt.tmp-{os.getpid()}").write_bytes(b"mine")  # a live writer's: kept
+    _train_one_step(rt, state)
+    rt.save(tmp_path, state)
+    assert sorted(os.listdir(tmp_path)) == sorted([f".ckpt-step00000009.pt.tmp-{os.getpid()}",
+                                                   "ckpt-step00000001.pt", "ckpt-step00000001.pt.sha256"])

@@ -77,10 +77,10 @@ def test_bad_input(digits_checkpoint, tmp_path):
     rt.save(no_recipe, {"model": build_model("mlp", num_classes=10, in_channels=1, image_size=8)})
     rt.close()
     cases = [
-        (["--checkpoint", str(wrong_weights), "--out", str(tmp_path / "a.csv")], 1, "is for another model"),
-        (["--checkpoint", str(no_recipe), "--out", str(tmp_path / "a.csv")], 1, "has no recipe"),
+        (["--checkpoint", str(wrong_weights), "--out", str(tmp_path / "a.csv")], 2, "is for another model"),
+        (["--checkpoint", str(no_recipe), "--out", str(tmp_path / "a.csv")], 2, "has no recipe"),
         (["--checkpoint", str(digits_checkpoint), "--data", "synthetic", "--out", str(tmp_path / "a.csv")],
-         1, "gives 3x32x32"),
+         2, "gives 3x32x32"),
         (["--checkpoint", str(digits_checkpoint), "--out", str(tmp_path / "missing" / "a.csv")], 2,
          "does not exist; create it first"),
         (["--checkpoint", str(digits_checkpoint), "--out", str(tmp_path / "a.txt")], 2, "unknown suffix '.txt'"),

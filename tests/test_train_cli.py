@@ -99,7 +99,7 @@ def test_checkpoint_of_another_model_is_refused_before_anything_runs(tmp_path):
     ckpt = _another_model_checkpoint(tmp_path / "mlp.pt")
     out = tmp_path / "out"
     result = ddpkit_cli("train", "--model", "convnet", "--resume", str(ckpt), "--out", str(out), timeout=60)
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "is for another model" in lines[0] and "layer1.0.weight" in lines[0]
     assert not out.exists()

@@ -42,8 +42,13 @@ def _toy_data(length: int = 100):
     return torch.utils.data.TensorDataset(images, labels, torch.arange(length))
 
 
-def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: bool = True) -> dict:
-    """Train the seeds' ConvNet for ``steps`` steps; returns weights and the samples of each step."""
+def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: bool = True,
+                stop_at: int | None = None, checkpoint_dir: str | None = None) -> dict:
+    """Train the seeds' ConvNet for ``steps`` steps; returns weights and the samples of each step.
+
+    With ``checkpoint_dir``: resume from it when it holds a checkpoint, and with ``stop_at``
+    save there after that step and stop.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -54,6 +59,9 @@ def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer, sync_batchnorm=sync_bn)
     loader = rt.loader(_toy_data(length), global_batch_size=global_batch, shuffle=True)
+    state = {"model": model, "optimizer": optimizer}
+    if checkpoint_dir is not None and ddpkit.checkpoint.latest(checkpoint_dir) is not None:
+        rt.load(checkpoint_dir, state)
     visited = []
     for _ in rt.epochs(10**6):
         for images, labels, index in loader:
@@ -61,6 +69,9 @@ def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: 
             rt.backward(loss)
             rt.step(optimizer)
             visited.append(sorted(rt.all_gather(index).tolist()))
+            if rt.global_step == stop_at:
+                rt.save(checkpoint_dir, state)
+                return {"stopped": stop_at}
             if rt.global_step == steps:
                 break
         if rt.global_step == steps:

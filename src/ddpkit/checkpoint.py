@@ -147,11 +147,36 @@ def step_path(directory: str | os.PathLike, step: int) -> Path:
 
 
 def prune(directory: str | os.PathLike, keep: int) -> None:
-    """Keep the newest ``keep`` step checkpoints of ``directory`` (with their checksum files)."""
-    found = sorted(_step_checkpoints(Path(directory)))
+    """Keep the newest ``keep`` step checkpoints of ``directory`` (with their checksum files).
+
+    Also sweeps what killed saves left: temp files of writers no longer alive, and checksum
+    records whose checkpoint was never renamed into place.
+    """
+    directory = Path(directory)
+    found = sorted(_step_checkpoints(directory))
     for _, path in found[:-keep] if keep > 0 else []:
         path.unlink(missing_ok=True)
         _sum_path(path).unlink(missing_ok=True)
+    for path in directory.iterdir():
+        temp = _TEMP_NAME.match(path.name)
+        if temp and int(temp.group(1)) != os.getpid() and not _alive(int(temp.group(1))):
+            path.unlink(missing_ok=True)
+        elif path.name.endswith(".pt.sha256") and _STEP_NAME.match(path.name[:-7]) \
+                and not path.with_name(path.name[:-7]).exists():
+            path.unlink(missing_ok=True)
+
+
+_TEMP_NAME = re.compile(r"^\.ckpt-step\d+\.pt(?:\.sha256)?\.tmp-(\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -199,8 +224,8 @@ def read(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+        first = _reason(exc)
+        if re.search(r"unsupported global|unsupported class", str(exc), re.IGNORECASE):
             raise DdpkitError(
                 f"checkpoint {path} holds objects that are not plain tensors or containers; "
                 "ddpkit refuses to unpickle them (they could run code)"
@@ -214,6 +239,14 @@ def read(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
             f"format {payload['version']}); upgrade ddpkit to read it"
         )
     return payload
+
+
+def _reason(exc: Exception) -> str:
+    """The line of torch's load error that says what is wrong (not its advice about weights_only)."""
+    advice = ("weights_only", "weights only", "torch.load", "please file an issue")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if not any(word in line.lower() for word in advice)]
+    return (useful or lines or [type(exc).__name__])[0]
 
 
 def latest(directory: str | os.PathLike) -> Path | None:

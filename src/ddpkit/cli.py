@@ -136,6 +136,8 @@ def _train_parser() -> argparse.ArgumentParser:
     add("--checkpoint-every", dest="checkpoint_every", type=int, help="also save every N steps")
     add("--keep-checkpoints", dest="keep_checkpoints", type=int, help="newest checkpoints kept (default 3)")
     add("--max-restarts", dest="max_restarts", type=int, help="restarts of the group after a failure")
+    add("--hang-timeout", dest="hang_timeout", type=float,
+        help="seconds without progress before the job counts as hung and exits (default: no watchdog)")
     add("--eval-batch", dest="eval_batch", type=int, help="evaluation batch size (default 256)")
     add("--synthetic-size", dest="synthetic_size", type=int, help="samples of --data synthetic")
     add("--overwrite", action="store_true", help="allow an --out that already holds a run")
@@ -157,10 +159,10 @@ def train_config(argv: Sequence[str]):
 
 def cmd_train(argv: Sequence[str]) -> int:
     from ddpkit.launch import RunSpec, run
-    from ddpkit.recipes.train import preflight_resume
+    from ddpkit.recipes.train import preflight
 
     config = train_config(argv)
-    preflight_resume(config)
+    preflight(config)
     spec = RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True,
                    nproc_per_node=config.nproc, max_restarts=config.max_restarts)
     code = run(spec)
@@ -194,10 +196,17 @@ def cmd_predict(argv: Sequence[str]) -> int:
     return code
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    from ddpkit.bench import cmd_bench as bench_main
+
+    return bench_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "run": (cmd_run, "start a script in N processes per node (over torch.distributed.run)"),
     "train": (cmd_train, "train a built-in recipe (convnet/mlp/resnet on digits/mnist/cifar10/synthetic)"),
     "predict": (cmd_predict, "predict with a ddpkit train checkpoint, one row per input in input order"),
+    "bench": (cmd_bench, "measure throughput, scaling, memory and the step breakdown per mode"),
     "doctor": (cmd_doctor, "check this machine and launch for what would make a run fail"),
     "demo": (cmd_demo, "run the built-in end-to-end demonstration"),
 }

@@ -41,6 +41,9 @@ class Environment:
         node_rank: index of this node.
         master_addr: host of the rendezvous store (rank 0's host).
         master_port: port of the rendezvous store.
+        run_id: the launcher's job id (TorchElastic run id), if any.
+        restart_count: how often the elastic agent restarted the group before this attempt.
+        agent_store: the elastic agent hosts the store at master_addr:master_port.
     """
 
     launcher: str = "none"
@@ -51,6 +54,9 @@ class Environment:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
+    run_id: str = ""
+    restart_count: int = 0
+    agent_store: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -125,6 +131,9 @@ def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
         node_rank=_int(environ, "GROUP_RANK", rank // max(1, local_world_size)),
         master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
         master_port=_port(environ, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
 
 

@@ -69,38 +69,35 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
     if backend == "nccl":
         # Binds NCCL's communicator to this process's GPU (avoids a guess by rank).
         kwargs["device_id"] = device
+    store = _store(env, timeout_s)
+    dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def _store(env: Environment, timeout_s: float) -> dist.Store:
+    """The rendezvous store, scoped to this attempt of this run.
+
+    Under the elastic agent the agent hosts the store and it outlives a restart; without a
+    prefix per attempt, restarted workers read the previous attempt's peer addresses and
+    hang or fail connecting to dead processes. Elsewhere rank 0 hosts it.
+    """
+    host_store = not env.agent_store and env.rank == 0
     try:
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
-        )
-    except (RuntimeError, TimeoutError, ValueError) as exc:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=host_store,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         if "address already in use" in str(exc).lower():
             raise UsageError(
                 f"port {env.master_port} on {env.master_addr} is already in use, so rank 0 cannot host "
                 "the rendezvous: choose another MASTER_PORT (ddpkit run picks a free port itself)"
             ) from None
-        if _looks_unreachable(exc):
-            raise DdpkitError(
-                f"could not reach the master at {env.master_addr}:{env.master_port} within "
-                f"{timeout_s:g}s (rank {env.rank} of {env.world_size}): check that rank 0 is "
-                "running, that the host name resolves here, that the port is open in the "
-                "firewall, and that every node uses the same master address and port"
-            ) from None
-        raise
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _looks_unreachable(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return any(word in text for word in ("timed out", "timeout", "connect", "refused", "resolve"))
+        raise DdpkitError(
+            f"could not reach the master at {env.master_addr}:{env.master_port} within "
+            f"{timeout_s:g}s (rank {env.rank} of {env.world_size}): check that rank 0 is "
+            "running, that the host name resolves here, that the port is open in the "
+            "firewall, and that every node uses the same master address and port"
+        ) from None
+    return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/attempt{env.restart_count}/", store)
 
 
 def destroy() -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, MutableMapp
 
 import torch
 
-from ddpkit import checkpoint, collectives, process_group
+from ddpkit import checkpoint, collectives, process_group, watchdog
 from ddpkit.data import GlobalBatchSampler, ShardedLoader, check_batch_sizes
 from ddpkit.env import Environment, detect
 from ddpkit.precision import Precision
@@ -51,7 +51,7 @@ class Runtime:
 
     def __init__(self, env: Environment, device: torch.device, backend: str, timeout_s: float, *,
                  seed: int | None = None, precision: str = "fp32", out_dir: str | None = None,
-                 keep_checkpoints: int = 3):
+                 keep_checkpoints: int = 3, hang_timeout: float | None = None):
         self.env = env
         self.device = device
         self.backend = backend
@@ -60,6 +60,9 @@ class Runtime:
         self.precision = Precision(precision, device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.keep_checkpoints = keep_checkpoints
+        self.hang_timeout = hang_timeout
+        self.checkpoint_dir: Path | None = None      # set by init(checkpoint_dir=...)
+        self.resume_from: str | None = None          # set by init(resume=...)
         self.epoch = 0            # the epoch being trained (or to be trained next)
         self.global_step = 0      # optimizer steps taken
         self._loaders: list[ShardedLoader] = []
@@ -67,6 +70,7 @@ class Runtime:
         self._accumulation: tuple[int, bool] | None = None   # (steps, is this micro-step the last)
         self._micro_steps = 0
         self._logger: Any = None
+        self._watchdog: watchdog.Watchdog | None = None
         self._closed = False
 
     # -- place in the world -------------------------------------------------------------
@@ -168,6 +172,7 @@ class Runtime:
 
     def _on_batch(self, loader: ShardedLoader) -> None:
         self._active = loader
+        self.heartbeat("data")     # a batch is in hand; the forward follows
 
     def epochs(self, n: int) -> Iterator[int]:
         """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
@@ -187,6 +192,7 @@ class Runtime:
         ``loss`` must be the mean over the local batch (PyTorch's default reduction). Uneven
         last batches then count every sample once, as in a single process.
         """
+        self.heartbeat("backward")
         weight = 1.0
         if self._active is not None and self._active.global_count:
             weight = self._active.batch_weight()
@@ -203,6 +209,7 @@ class Runtime:
         """
         if self._accumulation is not None and not self._accumulation[1]:
             return False
+        self.heartbeat("optimizer")
         stepped = self.precision.step(optimizer)
         self.global_step += 1
         return stepped
@@ -228,6 +235,16 @@ class Runtime:
         finally:
             self._accumulation = None
 
+    def heartbeat(self, phase: str) -> None:
+        """Tell the hang watchdog this rank made progress and is now in ``phase``.
+
+        ddpkit beats at ``data``, ``backward``, ``optimizer`` and ``save``; call it in long
+        stretches of your own (``"eval"``, a slow export) so they count as progress. It only
+        records a tuple (no I/O), and does nothing without ``hang_timeout``.
+        """
+        if self._watchdog is not None:
+            self._watchdog.beat(self.global_step, phase)
+
     # -- logging and checkpoints --------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
         """Write metrics on rank 0 (``out_dir``/metrics.jsonl, .csv, TensorBoard).
@@ -245,7 +262,9 @@ class Runtime:
             if self._logger is None:
                 from ddpkit.tracking import MetricsLogger
 
-                self._logger = MetricsLogger(self.out_dir, resume=self.global_step > 0)
+                # Rows after the step we resumed from belong to work a crash undid.
+                self._logger = MetricsLogger(self.out_dir, resume=self.global_step > 0,
+                                             resume_step=self.global_step)
             self._logger.log(values, step=self.global_step if step is None else step)
         return values
 
@@ -259,6 +278,7 @@ class Runtime:
         Global rank 0 writes atomically; the others wait. A directory ``path`` gets
         ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
         """
+        self.heartbeat("save")
         path = Path(path)
         rotate = path.is_dir() or path.suffix == ""
         target = checkpoint.step_path(path, self.global_step) if rotate else path
@@ -305,9 +325,39 @@ class Runtime:
             self.epoch += 1            # saved at the end of an epoch: go on with the next
             for made in self._loaders:
                 made.set_epoch(self.epoch)
-        if int(own.get("world_size", 1)) == self.world_size:
+        saved_world = int(own.get("world_size", 1))
+        if saved_world == self.world_size:
             checkpoint.set_rng_state(own["rng"][self.rank])
+        elif self.is_main:
+            import warnings
+
+            warnings.warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
+                          f"{self.world_size}: the data order and per-sample randomness continue exactly, "
+                          "per-process random streams (dropout) start afresh", stacklevel=2)
         return target
+
+    def checkpoint(self, state: Mapping[str, Any]) -> Path:
+        """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
+        if self.checkpoint_dir is None:
+            from ddpkit.errors import UsageError
+
+            raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
+        return self.save(self.checkpoint_dir, state)
+
+    def resume(self, state: MutableMapping[str, Any]) -> Path | None:
+        """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
+
+        ``resume="auto"`` takes the newest complete checkpoint of ``checkpoint_dir`` and does
+        nothing when there is none yet, so one script serves the first start and every
+        restart of ``ddpkit run --max-restarts K``.
+        """
+        if self.resume_from is None:
+            return None
+        if self.resume_from == "auto":
+            if self.checkpoint_dir is None or checkpoint.latest(self.checkpoint_dir) is None:
+                return None
+            return self.load(self.checkpoint_dir, state)
+        return self.load(self.resume_from, state)
 
     # -- life ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -316,6 +366,9 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._logger is not None:
             self._logger.close()
         process_group.destroy()
@@ -344,6 +397,9 @@ def init(
     timeout: float = DEFAULT_TIMEOUT_S,
     out_dir: str | os.PathLike | None = None,
     keep_checkpoints: int = 3,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    hang_timeout: float | None = None,
 ) -> Runtime:
     """Learn our place from the launcher, pick device and backend, and join the process group.
 
@@ -356,6 +412,12 @@ def init(
         timeout: seconds to wait for the master and for any collective.
         out_dir: where :meth:`Runtime.log` writes metrics (rank 0 only).
         keep_checkpoints: newest checkpoints kept when saving into a directory.
+        checkpoint_dir: where :meth:`Runtime.checkpoint` saves and :meth:`Runtime.resume` looks.
+        resume: ``"auto"`` (the newest complete checkpoint of ``checkpoint_dir``, if any: what
+            a run restarted by ``ddpkit run --max-restarts`` needs), a checkpoint path, or None.
+        hang_timeout: seconds in which no rank makes progress before the job counts as hung:
+            ddpkit prints where each rank is and the stuck rank's Python stack, then every
+            rank exits with code 124 (see :mod:`ddpkit.watchdog`). None: no watchdog.
 
     Returns:
         The :class:`Runtime`; calling ``init`` again returns the same one until it is closed.
@@ -364,6 +426,11 @@ def init(
     if _current is not None and not _current._closed:
         return _current
     Precision(precision, torch.device("cpu"))   # a bad name fails before any process group exists
+    if resume == "auto" and checkpoint_dir is None:
+        from ddpkit.errors import UsageError
+
+        raise UsageError("resume='auto' needs checkpoint_dir=... to look in")
+    watchdog.check_timeout(hang_timeout)
     env = detect()
     chosen_device = process_group.choose_device(env, device)
     chosen_backend = process_group.choose_backend(chosen_device, backend)
@@ -372,7 +439,12 @@ def init(
     if seed is not None:
         _seed_everything(seed)
     runtime = Runtime(env, chosen_device, chosen_backend, timeout, seed=seed, precision=precision,
-                      out_dir=None if out_dir is None else str(out_dir), keep_checkpoints=keep_checkpoints)
+                      out_dir=None if out_dir is None else str(out_dir), keep_checkpoints=keep_checkpoints,
+                      hang_timeout=hang_timeout)
+    runtime.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    runtime.resume_from = None if resume is None else str(resume)
+    if hang_timeout is not None:
+        runtime._watchdog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
     _current = runtime
     atexit.register(runtime.close)
     return runtime

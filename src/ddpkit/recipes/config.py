@@ -54,6 +54,10 @@ class TrainConfig:
     """Newest checkpoints kept in OUT/checkpoints."""
     max_restarts: int = 0
     """Restart the whole group up to this many times when a worker fails (resume with --resume auto)."""
+    hang_timeout: float | None = None
+    """Seconds in which no rank makes progress before the job counts as hung: ddpkit prints where
+    each rank is and the stuck rank's stack, and exits (code 124) instead of waiting for the
+    collective timeout. Must exceed the longest step, evaluation or save. None: no watchdog."""
     eval_batch: int = 256
     """Batch size of the per-epoch evaluation."""
     synthetic_size: int = 2048
@@ -114,7 +118,28 @@ def read_config_file(path: str) -> dict[str, Any]:
     unknown = sorted(set(settings) - FIELD_NAMES)
     if unknown:
         raise UsageError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    for name, value in settings.items():
+        _check_type(path, name, value)
     return settings
+
+
+_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}
+_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+          "dict": "a mapping"}
+
+
+def _check_type(path: str, name: str, value: Any) -> None:
+    """Config files are typed by hand: 'epochs: many' must be an error, not a crash later."""
+    annotation = str(next(f.type for f in fields(TrainConfig) if f.name == name))
+    kinds = [part.strip().split("[")[0] for part in annotation.split("|")]
+    if value is None and "None" in kinds:
+        return
+    for kind in kinds:
+        allowed = _KINDS.get(kind, ())
+        if isinstance(value, allowed) and not (kind in ("int", "float") and isinstance(value, bool)):
+            return
+    wanted = " or ".join(_NAMES[k] for k in kinds if k in _NAMES)
+    raise UsageError(f"config file {path}: {name} must be {wanted}, got {value!r}")
 
 
 def validate(config: TrainConfig) -> None:
@@ -159,6 +184,8 @@ def validate(config: TrainConfig) -> None:
             raise UsageError("DataParallel mode needs --nproc 1 and at least 2 visible GPUs")
     if config.lr <= 0:
         raise UsageError(f"--lr must be positive, got {config.lr}")
+    if config.hang_timeout is not None and not config.hang_timeout > 0:
+        raise UsageError(f"--hang-timeout must be a positive number of seconds, got {config.hang_timeout}")
     _check_out(config)
 
 

@@ -44,7 +44,20 @@ class PredictConfig:
 
 
 def prepare(config: PredictConfig) -> Path:
-    """Validate paths, checkpoint, recipe and data; returns the checkpoint file to read."""
+    """Validate paths, checkpoint, recipe and data; returns the checkpoint file to read.
+
+    Raises:
+        UsageError: anything wrong with what the user named (exit code 2).
+    """
+    try:
+        return _prepare(config)
+    except UsageError:
+        raise
+    except DdpkitError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _prepare(config: PredictConfig) -> Path:
     from ddpkit.recipes.datasets import DATASETS, SPLITS
 
     out = Path(config.out)

@@ -51,7 +51,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` in this process (one of the world); returns the summary."""
     started = time.perf_counter()
     rt = ddpkit.init(seed=config.seed, precision=config.precision, out_dir=config.out,
-                     keep_checkpoints=config.keep_checkpoints)
+                     keep_checkpoints=config.keep_checkpoints, hang_timeout=config.hang_timeout)
     train_info, test_info, model, optimizer, loader = build(config, rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
     checkpoints = Path(config.out) / "checkpoints"
@@ -77,8 +77,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 if config.checkpoint_every and rt.global_step % config.checkpoint_every == 0:
                     final_checkpoint = rt.save(checkpoints, state)
             train_seconds += time.perf_counter() - epoch_start
-            metrics = evaluate(model, test_info.dataset, num_classes=test_info.num_classes,
-                               batch_size=config.eval_batch, autocast=rt.autocast)
+            metrics = _evaluate(rt, model, test_info, config)
             train_loss = float(rt.all_reduce(loss_sum)) / max(1, len(train_info.dataset))
             rt.log({"epoch": epoch, "train_loss": train_loss, "test_loss": metrics["loss"],
                     "test_accuracy": metrics["accuracy"]}, reduce=None)
@@ -87,8 +86,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                      f"test_accuracy={metrics['accuracy']:.4f}")
 
     if not metrics:   # resumed after the last epoch: evaluate what was loaded
-        metrics = evaluate(model, test_info.dataset, num_classes=test_info.num_classes,
-                           batch_size=config.eval_batch, autocast=rt.autocast)
+        metrics = _evaluate(rt, model, test_info, config)
     summary = {
         "world_size": rt.world_size, "precision": config.precision, "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
@@ -98,10 +96,20 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "train_seconds": train_seconds, "samples_per_second": seen / train_seconds if train_seconds else 0.0,
         "final_checkpoint": str(final_checkpoint) if final_checkpoint else None,
     }
+    rt.heartbeat("save")
     if rt.is_main:
         _write_outputs(rt, summary, Path(config.out))
     rt.barrier()
     return summary
+
+
+def _evaluate(rt: ddpkit.Runtime, model: Any, info: DatasetInfo, config: TrainConfig) -> dict[str, Any]:
+    """Evaluate on every rank; heartbeats around it tell the hang watchdog we are evaluating."""
+    rt.heartbeat("eval")
+    metrics = evaluate(model, info.dataset, num_classes=info.num_classes, batch_size=config.eval_batch,
+                       autocast=rt.autocast)
+    rt.heartbeat("eval")
+    return metrics
 
 
 def _write_outputs(rt: ddpkit.Runtime, summary: dict[str, Any], out: Path) -> None:
@@ -111,12 +119,29 @@ def _write_outputs(rt: ddpkit.Runtime, summary: dict[str, Any], out: Path) -> No
     rt.plot_loss()
 
 
-def preflight_resume(config: TrainConfig) -> None:
-    """Check a named --resume checkpoint against the recipe before any process starts.
+def preflight(config: TrainConfig) -> None:
+    """Read the data and check a named --resume checkpoint before any process starts.
+
+    Bad data paths and bad checkpoints are the user's input: they become one-line usage
+    errors here instead of failures inside every worker.
 
     Raises:
-        DdpkitError: unreadable or corrupt file, another model, or another precision.
+        UsageError: missing or corrupt data files; an unreadable, corrupt or unsafe
+            checkpoint, or one of another model or precision.
     """
+    from ddpkit.errors import UsageError
+
+    try:
+        for split in ("train", "test"):
+            load_dataset(config.data, split, config.data_dir, synthetic_size=config.synthetic_size)
+        _check_resume(config)
+    except UsageError:
+        raise
+    except DdpkitError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_resume(config: TrainConfig) -> None:
     if config.resume in (None, "auto"):
         return
     source = Path(config.resume)

@@ -1,0 +1,115 @@
+"""The hand-written PyTorch DDP loop that ``ddpkit bench --compare-raw`` measures ddpkit against.
+
+Plain ``torch.distributed`` in the style of the PyTorch DDP tutorials: the process group
+from torchrun's environment variables, ``DistributedSampler`` + ``DataLoader``,
+``DistributedDataParallel`` with its defaults, optional autocast + ``GradScaler``. (ddpkit
+passes ``gradient_as_bucket_view=True``, which saves a copy of the gradients; the results are
+bitwise the same, the memory and time are what the comparison is for.) Start it
+as ``ddpkit bench`` does (or with ``torchrun --nproc-per-node 2 -m ddpkit._raw_ddp ...``)::
+
+    ddpkit run -n 2 -m ddpkit._raw_ddp --model convnet --data synthetic --precision fp32 \\
+        --batch 32 --steps 50 --warmup 5 --result raw.json
+
+It lives inside the package (``benchmarks/raw_ddp.py`` only runs it) so that an installed
+ddpkit can run the comparison without a source checkout, and so both loops start the same
+way: as a module under the same launcher. From ddpkit it takes only what must be
+identical for a fair comparison and is not training code: the model and data builders
+(plain ``nn.Module`` and ``Dataset``) and the stopwatch of :mod:`ddpkit.bench_worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit.bench_worker import bench_dataset, mark, rank_stats, worker_parser, write_result
+from ddpkit.recipes.models import build_model
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _batches(sampler: DistributedSampler, loader: DataLoader) -> Iterator[Any]:
+    """Batches without end, calling ``set_epoch`` so every epoch has its own order."""
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
+def train(opts: Any) -> None:
+    """Warm-up and timed steps of the raw loop; rank 0 writes ``opts.result``."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        info = bench_dataset(opts.data, opts.batch * world_size)
+        torch.manual_seed(opts.seed)
+        model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                            image_size=info.image_size).to(device)
+        model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
+        amp_dtype = _AMP_DTYPES.get(opts.precision)
+        scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None
+        sampler = DistributedSampler(info.dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=opts.seed)
+        loader = DataLoader(info.dataset, batch_size=opts.batch, sampler=sampler, pin_memory=use_cuda)
+        batches = _batches(sampler, loader)
+        marks = []
+        for _ in range(opts.warmup + opts.steps):
+            start = mark(device)
+            inputs, targets = next(batches)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            fetched = mark(device)
+            autocast = (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
+                        else contextlib.nullcontext())
+            with autocast:
+                loss = F.cross_entropy(model(inputs), targets)
+            forward = mark(device)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            backward = mark(device)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            marks.append((start, fetched, forward, backward, mark(device)))
+        stats = rank_stats(marks, opts.warmup, model, device, world_size)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, stats)
+        if rank == 0:
+            write_result(opts.result, gathered, loop="raw", world_size=world_size, device=device.type,
+                         devices=1, precision=opts.precision, batch_per_process=opts.batch,
+                         global_batch=opts.batch * world_size)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = worker_parser("python -m ddpkit._raw_ddp").parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.stderr.write("start the raw loop under a launcher: torchrun --nproc-per-node 2 -m ddpkit._raw_ddp ...\n")
+        return 2
+    train(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""``ddpkit bench``: throughput, scaling, memory and a per-step breakdown of each mode.
+
+Every configuration runs in fresh processes (:mod:`ddpkit.bench_worker` under
+``torch.distributed.run``, as ``ddpkit run`` starts it); this module only plans, launches and
+reports. ``--compare-raw`` also runs a hand-written PyTorch DDP loop (:mod:`ddpkit._raw_ddp`)
+and ddpkit interleaved, A B A B ..., so slow drift of the machine hits both alike::
+
+    ddpkit bench --model convnet --data synthetic --modes single,ddp,ddp-amp --nproc 2 \\
+        --batch 32 --steps 50 --warmup 5 --out runs/bench
+    ddpkit bench --modes ddp --nproc 2 --compare-raw --repeats 5 --out runs/parity
+
+Statistics: per step, the world's step time is its slowest rank's; ``samples_per_second`` is
+the global batch over the median of those, over the timed steps only. ``breakdown`` is the
+mean seconds per step of each phase over ranks and steps, so its phases add up to at most
+``mean_step_seconds``. ``comm.allreduce_gb_per_s`` is the gradient bytes over the median time
+of one allreduce of all of them at once, timed after the steps (algorithm bandwidth). Memory
+is in MiB: the peak RSS of the largest rank, and CUDA's max allocated on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ddpkit.errors import DdpkitError, UsageError
+
+MODES = ("single", "dp", "ddp", "ddp-amp")
+MODELS = ("convnet", "mlp", "resnet18")
+DATA = ("synthetic", "digits")
+PHASES = ("data_wait", "forward", "backward", "optimizer")
+
+# Diagnosis thresholds: shares of the mean step time, and samples per process.
+DATA_SHARE = 0.15      # data loading this large is worth workers or a faster source
+COMM_SHARE = 0.25      # an allreduce of all gradients this large cannot hide behind backward
+SMALL_BATCH = 32       # below this, per-step fixed costs (Python, launches, latency) dominate
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``ddpkit bench`` was asked to measure (validated)."""
+
+    model: str = "convnet"
+    data: str = "synthetic"
+    modes: tuple[str, ...] = ("single", "dp", "ddp", "ddp-amp")
+    nproc: tuple[int, ...] = (2,)
+    batch: int = 32              # samples per process (per GPU for dp) per step
+    steps: int = 50              # timed steps
+    warmup: int = 5              # untimed steps before them
+    seed: int = 0
+    lr: float = 0.05
+    momentum: float = 0.9
+    out: str = "runs/bench"
+    compare_raw: bool = False
+    repeats: int = 3             # raw/ddpkit pairs of --compare-raw
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One row of the table: a mode, its processes, its precision and its devices."""
+
+    mode: str
+    nproc: int
+    precision: str
+    devices: int = 1             # GPUs one process drives (DataParallel), else 1
+    reason: str | None = None    # why it cannot run here, when it cannot
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-x{self.nproc}-{self.precision}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} x{self.nproc} {self.precision}"
+
+
+def plan(settings: Settings, gpus: int) -> list[Configuration]:
+    """The configurations of ``settings`` in order: each mode, each ``--nproc`` for DDP."""
+    amp = "fp16" if gpus else "bf16"
+    found: list[Configuration] = []
+    for mode in settings.modes:
+        if mode == "single":
+            found.append(Configuration("single", 1, "fp32"))
+        elif mode == "dp":
+            reason = None if gpus >= 2 else f"DataParallel needs 2 or more visible GPUs, {gpus} visible"
+            found.append(Configuration("dp", 1, "fp32", devices=max(gpus, 1), reason=reason))
+        else:
+            found += [Configuration(mode, n, amp if mode == "ddp-amp" else "fp32") for n in settings.nproc]
+    return found
+
+
+def _launch(config: Configuration, settings: Settings, result: Path, *, raw: bool = False) -> dict[str, Any]:
+    """Run ``config`` in fresh processes and return what its rank 0 wrote."""
+    from ddpkit.launch import RunSpec, run
+
+    args = ["--model", settings.model, "--data", settings.data, "--precision", config.precision,
+            "--batch", str(settings.batch), "--steps", str(settings.steps), "--warmup", str(settings.warmup),
+            "--seed", str(settings.seed), "--lr", repr(settings.lr), "--momentum", repr(settings.momentum),
+            "--result", str(result)]
+    if config.mode == "dp":
+        args.append("--data-parallel")
+    result.unlink(missing_ok=True)
+    target = "ddpkit._raw_ddp" if raw else "ddpkit.bench_worker"
+    code = run(RunSpec(target, args, module=True, nproc_per_node=config.nproc))
+    if code != 0 or not result.is_file():
+        raise DdpkitError(f"bench {'raw ' if raw else ''}{config.label} failed (exit code {code}); "
+                          "see its output above")
+    return json.loads(result.read_text())
+
+
+def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any]:
+    """One table row from a worker's per-rank measurements (no speed-up yet)."""
+    ranks = result["ranks"]
+    world_steps = [max(steps) for steps in zip(*(r["steps"] for r in ranks))]
+    median_step = statistics.median(world_steps)
+    count = len(ranks) * len(world_steps)
+    breakdown = {phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
+                 for i, phase in enumerate(PHASES)}
+    allreduce = ranks[0]["allreduce_seconds"]
+    comm = None
+    if allreduce is not None:
+        grad_bytes = ranks[0]["grad_bytes"]
+        comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
+                "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None}
+    cuda = [r["peak_cuda_mb"] for r in ranks]
+    return {
+        "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
+        "device": result["device"], "devices": config.devices,
+        "batch_per_process": result["batch_per_process"], "global_batch": result["global_batch"],
+        "samples_per_second": result["global_batch"] / median_step,
+        "step_seconds": median_step, "mean_step_seconds": statistics.fmean(world_steps),
+        "speedup": None, "efficiency": None,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+        "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
+        "peak_cuda_mb": max(cuda) if None not in cuda else None,
+        "breakdown": breakdown, "comm": comm,
+        "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
+        "weights_sha256": ranks[0]["weights_sha256"],
+    }
+
+
+def _not_applicable(config: Configuration) -> dict[str, Any]:
+    return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
+            "applicable": False, "reason": config.reason, "samples_per_second": None,
+            "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}
+
+
+def _with_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Speed-up over single; efficiency per device doing the work (GPUs of dp, else processes)."""
+    from ddpkit.report import add_speedup
+
+    widths = [{**r, "processes": r["nproc"] * r.get("devices", 1)} for r in rows]
+    return [{**row, "speedup": done["speedup"], "efficiency": done["efficiency"]}
+            for row, done in zip(rows, add_speedup(widths))]
+
+
+def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[str, Any]:
+    """Raw and ddpkit ``config`` interleaved ``settings.repeats`` times; ratios are ddpkit/raw."""
+    pairs = []
+    for i in range(1, settings.repeats + 1):
+        pair = {}
+        for loop in ("raw", "ddpkit"):
+            print(f"bench: compare {i}/{settings.repeats} {loop} {config.label} ...", end="", flush=True)
+            row = summarize(config, _launch(config, settings, runs / f"compare-{i}-{loop}.json",
+                                            raw=loop == "raw"))
+            print(f" {row['samples_per_second']:.1f} samples/s", flush=True)
+            pair[loop] = row
+        pairs.append(pair)
+    memory = "peak_cuda_mb" if pairs[0]["raw"]["peak_cuda_mb"] is not None else "peak_rss_mb"
+    return {
+        "mode": config.mode, "nproc": config.nproc, "precision": config.precision,
+        "repeats": settings.repeats, "memory_metric": memory,
+        "step_time_ratio": statistics.median(p["ddpkit"]["step_seconds"] / p["raw"]["step_seconds"] for p in pairs),
+        "memory_ratio": statistics.median(p["ddpkit"][memory] / p["raw"][memory] for p in pairs),
+        "weights_equal": all(p["ddpkit"]["weights_sha256"] == p["raw"]["weights_sha256"] for p in pairs),
+        "pairs": [{f"{loop}_{key}": p[loop][key] for loop in ("raw", "ddpkit")
+                   for key in ("step_seconds", memory, "weights_sha256")} for p in pairs],
+    }
+
+
+def run_bench(settings: Settings) -> dict[str, Any]:
+    """Run every configuration, then the raw comparison; returns what ``bench.json`` holds."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    _check_machine(settings, gpus)
+    out = Path(settings.out)
+    rows = []
+    for config in plan(settings, gpus):
+        if config.reason is not None:
+            print(f"bench: {config.label}: not applicable ({config.reason})", flush=True)
+            rows.append(_not_applicable(config))
+            continue
+        print(f"bench: {config.label} ...", end="", flush=True)
+        rows.append(summarize(config, _launch(config, settings, out / "runs" / f"{config.name}.json")))
+        print(f" {rows[-1]['samples_per_second']:.1f} samples/s", flush=True)
+    rows = [{**row, "diagnosis": diagnose(row)} for row in _with_speedup(rows)]
+    report: dict[str, Any] = {"settings": asdict(settings), "torch": torch.__version__,
+                              "device": "cuda" if gpus else "cpu", "gpus": gpus, "configurations": rows}
+    if settings.compare_raw:
+        target = next(c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp")
+                      and c.nproc == max(settings.nproc))
+        report["raw_vs_ddpkit"] = compare_raw(settings, target, out / "runs")
+    return report
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def diagnose(row: Mapping[str, Any]) -> str:
+    """One line on what bounds a configuration: threads, communication, data, batch, or compute."""
+    if not row.get("applicable", True):
+        return f"not applicable: {row.get('reason')}"
+    step, phases, comm = row["mean_step_seconds"], row["breakdown"], row.get("comm")
+    nproc, threads, cores = row["nproc"], row["threads_per_process"], row["cores"]
+    found = []
+    if row["device"] == "cpu" and cores and nproc * threads > cores:
+        found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; "
+                     f"OMP_NUM_THREADS={max(1, cores // nproc)} would fit)")
+    comm_text, comm_share = "", 0.0
+    if comm is not None:
+        comm_share = comm["allreduce_seconds"] / step
+        rate = comm["allreduce_gb_per_s"]
+        comm_text = (f"{comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients per step, allreduce "
+                     f"{comm['allreduce_seconds'] * 1e3:.2f} ms at {rate or 0:.2f} GB/s = {comm_share:.0%} of the step")
+        if comm_share >= COMM_SHARE:
+            found.append(f"communication ({comm_text})")
+    if phases["data_wait"] / step >= DATA_SHARE:
+        found.append(f"data loading ({phases['data_wait'] / step:.0%} of the step waits for batches)")
+    per_device = row["batch_per_process"] // row.get("devices", 1)
+    if per_device < SMALL_BATCH:
+        found.append(f"too-small per-process batch ({per_device} samples; fixed per-step costs dominate)")
+    if not found:
+        busy = (phases["forward"] + phases["backward"] + phases["optimizer"]) / step
+        found.append(f"compute (forward+backward+optimizer {busy:.0%} of the step)")
+    line = "bound by " + "; ".join(found)
+    return line if not comm_text or comm_share >= COMM_SHARE else f"{line}; communication {comm_text}"
+
+
+def _ms(value: Any) -> str:
+    return f"{value * 1e3:.2f}"
+
+
+def _markdown(report: Mapping[str, Any]) -> str:
+    """bench.md: the table, a diagnosis per configuration, the raw comparison, how it was run."""
+    from ddpkit.report import PERCENT, RATE, SPEEDUP, markdown_table
+
+    rows = [{**r, "step_ms": r.get("step_seconds"), **{f"{p}_ms": (r.get("breakdown") or {}).get(p) for p in PHASES}}
+            for r in report["configurations"]]
+    columns = [("mode", "mode"), ("nproc", "processes"), ("precision", "precision"),
+               ("samples_per_second", "samples/s", RATE), ("speedup", "speed-up", SPEEDUP),
+               ("efficiency", "efficiency", PERCENT), ("step_ms", "step ms", _ms),
+               ("data_wait_ms", "data ms", _ms), ("forward_ms", "forward ms", _ms),
+               ("backward_ms", "backward ms", _ms), ("optimizer_ms", "optimizer ms", _ms),
+               ("peak_rss_mb", "peak RSS MB", "{:.0f}")]
+    if report["gpus"]:
+        columns.append(("peak_cuda_mb", "peak CUDA MB", "{:.0f}"))
+    s = report["settings"]
+    parts = ["# ddpkit bench", f"`{report.get('command', 'ddpkit bench')}`",
+             f"{s['model']} on {s['data']}, {s['batch']} samples per process per step, {s['warmup']} warm-up "
+             f"+ {s['steps']} timed steps, SGD lr {s['lr']} momentum {s['momentum']}, seed {s['seed']}; "
+             f"torch {report['torch']} on {report['device']}"
+             + (f" ({report['gpus']} GPUs)." if report["gpus"] else "."),
+             markdown_table(rows, columns),
+             "samples/s: global batch / median step time (a step lasts as long as its slowest rank). "
+             "step ms: that median. Phase columns: mean per step over ranks; backward includes the "
+             "allreduce it waits for. Peak RSS: the largest rank's, in MiB.",
+             "## Diagnosis", "\n".join(f"- {r['mode']} x{r['nproc']} {r['precision']}: {r['diagnosis']}"
+                                       for r in report["configurations"])]
+    raw = report.get("raw_vs_ddpkit")
+    if raw:
+        parts += ["## ddpkit vs hand-written PyTorch DDP",
+                  f"{raw['mode']} x{raw['nproc']} {raw['precision']}, {raw['repeats']} interleaved pairs "
+                  f"(raw, ddpkit, raw, ...): step-time ratio ddpkit/raw **{raw['step_time_ratio']:.3f}** "
+                  f"(median of pairs), peak-memory ratio ({raw['memory_metric']}) **{raw['memory_ratio']:.3f}**, "
+                  f"final weights bitwise equal: **{'yes' if raw['weights_equal'] else 'no'}**. Both loops "
+                  "train on the data set cut to whole global batches, so ddpkit's order and sharding equal "
+                  "DistributedSampler's."]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_outputs(out: Path, report: Mapping[str, Any]) -> list[Path]:
+    """Write bench.json, bench.md and scaling.png (skipped, with a note, without matplotlib)."""
+    from ddpkit.report import plot_scaling
+    from ddpkit.tracking import atomic_path
+
+    written = []
+    for name, text in (("bench.json", json.dumps(report, indent=2, allow_nan=False) + "\n"),
+                       ("bench.md", _markdown(report))):
+        with atomic_path(out / name) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+        written.append(out / name)
+    try:
+        plotted = [{**r, "processes": r["nproc"]} for r in report["configurations"]]
+        written.append(plot_scaling(plotted, out / "scaling.png"))
+    except ImportError:
+        print("bench: scaling.png skipped: matplotlib is not installed (pip install matplotlib)", flush=True)
+    return written
+
+
+def _check_machine(settings: Settings, gpus: int) -> None:
+    """Refuse what would only fail inside the workers, before any process starts."""
+    from ddpkit.bench_worker import bench_dataset
+
+    if settings.model == "resnet18" and importlib.util.find_spec("torchvision") is None:
+        raise UsageError("--model resnet18 needs torchvision; pip install torchvision (or use convnet|mlp)")
+    if gpus and max(settings.nproc) > gpus:
+        raise UsageError(f"--nproc {max(settings.nproc)} needs as many GPUs, {gpus} visible")
+    if settings.data != "synthetic":
+        runnable = [c for c in plan(settings, gpus) if c.reason is None]
+        bench_dataset(settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1))
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(part) for part in text.split(",")))
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers such as 1,2,4, got {text!r}") from None
+    if min(values) < 1:
+        raise UsageError(f"{flag} values must be at least 1, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ddpkit.cli import _Parser
+
+    d = Settings()
+    parser = _Parser(prog="ddpkit bench", description="Measure throughput, scaling, memory and where "
+                     "each step's time goes, per mode, in fresh processes; writes bench.json, bench.md "
+                     "and scaling.png into --out.")
+    add = parser.add_argument
+    add("--model", choices=MODELS, default=d.model, help=f"model (default {d.model})")
+    add("--data", choices=DATA, default=d.data, help=f"data set (default {d.data})")
+    add("--modes", default=",".join(d.modes), help=f"comma-separated {'|'.join(MODES)} (default all)")
+    add("--nproc", default="2", help="comma-separated process counts of ddp and ddp-amp (default 2)")
+    add("--batch", type=int, default=d.batch, help=f"samples per process per step (default {d.batch})")
+    add("--steps", type=int, default=d.steps, help=f"timed steps (default {d.steps})")
+    add("--warmup", type=int, default=d.warmup, help=f"untimed steps before them (default {d.warmup})")
+    add("--seed", type=int, default=d.seed, help=f"seed of weights and data order (default {d.seed})")
+    add("--lr", type=float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
+    add("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
+    add("--out", default=d.out, help=f"output directory (default {d.out})")
+    add("--compare-raw", action="store_true", help="also run a plain PyTorch DDP loop and ddpkit interleaved "
+        "(the first ddp/ddp-amp mode, at the largest --nproc) and compare step time, memory and weights")
+    add("--repeats", type=int, default=d.repeats, help=f"raw/ddpkit pairs of --compare-raw (default {d.repeats})")
+    return parser
+
+
+def parse_settings(argv: Sequence[str]) -> Settings:
+    """Validated :class:`Settings` from ``ddpkit bench`` arguments.
+
+    Raises:
+        UsageError: unknown flag or mode, or a count out of range.
+    """
+    opts = _parser().parse_args(argv)
+    modes = tuple(dict.fromkeys(m.strip() for m in opts.modes.split(",")))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise UsageError(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
+    for flag, value, low in (("--batch", opts.batch, 1), ("--steps", opts.steps, 1),
+                             ("--warmup", opts.warmup, 0), ("--repeats", opts.repeats, 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, got {value}")
+    settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
+                        batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
+                        momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
+                        repeats=opts.repeats)
+    if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
+        raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
+    if settings.compare_raw and max(settings.nproc) < 2:
+        raise UsageError("--compare-raw compares DDP runs of 2 or more processes; give --nproc 2")
+    return settings
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    """``ddpkit bench``: run, print the table, write bench.json, bench.md and scaling.png."""
+    settings = parse_settings(argv)
+    report = run_bench(settings)
+    report["command"] = shlex.join(["ddpkit", "bench", *argv])
+    paths = write_outputs(Path(settings.out), report)
+    print(f"bench: wrote {', '.join(str(p) for p in paths)}")
+    return 0

@@ -1,0 +1,83 @@
+"""Training that kills itself with SIGKILL once (first attempt only), for fault-tolerance tests.
+
+    ddpkit run -n 2 --max-restarts 2 tests/scripts/elastic_train.py --checkpoints DIR \
+        --result weights.pt --kill-step 7 --kill-rank 1 [--kill-in-save]
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+import ddpkit.checkpoint
+
+
+class NoisyToy(torch.utils.data.Dataset):
+    """Fixed random samples with per-sample augmentation noise."""
+
+    def __init__(self, length: int = 60):
+        generator = torch.Generator().manual_seed(123)
+        self.images = torch.randn(length, 64, generator=generator)
+        self.labels = torch.randint(0, 10, (length,), generator=generator)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        noise = 0.1 * torch.randn(64, generator=ddpkit.sample_rng())
+        return self.images[index] + noise, self.labels[index]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoints", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--kill-in-save", action="store_true")
+    args = parser.parse_args()
+
+    rt = ddpkit.init(seed=4, checkpoint_dir=args.checkpoints, resume="auto", keep_checkpoints=2)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.kill_in_save and first_attempt and rt.rank == 0:
+        real_replace = os.replace
+
+        def replace(src, dst):   # die after the temp file is written, before it is renamed
+            if str(dst).endswith(f"ckpt-step{args.kill_step:08d}.pt"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_replace(src, dst)
+
+        ddpkit.checkpoint.os.replace = replace
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(NoisyToy(), global_batch_size=8, shuffle=True)
+    state = {"model": model, "optimizer": optimizer}
+    if rt.resume(state):
+        rt.print(f"resumed at step {rt.global_step}")
+    while rt.global_step < args.steps:
+        for epoch in rt.epochs(rt.epoch + 1):
+            for images, labels in loader:
+                loss = F.cross_entropy(model(images), labels)
+                rt.backward(loss)
+                rt.step(optimizer)
+                kill_here = args.kill_step == rt.global_step and rt.rank == args.kill_rank
+                if first_attempt and kill_here and not args.kill_in_save:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                rt.checkpoint(state)
+                if rt.global_step == args.steps:
+                    break
+    if rt.is_main:
+        weights = {k: v.clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+        torch.save(weights, args.result)
+        print(f"done after {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} restart(s)")
+
+
+if __name__ == "__main__":
+    main()
