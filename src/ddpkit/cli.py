@@ -120,7 +120,10 @@ def _train_parser() -> argparse.ArgumentParser:
     add("--model", help=f"convnet, mlp, resnet18 or resnet50 (default {defaults.model})")
     add("--data", help=f"digits, mnist, cifar10 or synthetic (default {defaults.data})")
     add("--data-dir", dest="data_dir", help="directory with torchvision's files for mnist/cifar10")
-    add("--nproc", type=int, help="processes (default 1)")
+    add("--nproc", type=int, help="processes per node (default 1)")
+    add("--nnodes", type=int, help="nodes (default 1); each runs ddpkit train with its --node-rank")
+    add("--node-rank", dest="node_rank", type=int, help="this node's index when --nnodes > 1")
+    add("--master", help="HOST:PORT of node 0 when --nnodes > 1")
     add("--precision", help="fp32, bf16 or fp16 (default fp32)")
     add("--epochs", type=int, help=f"epochs (default {defaults.epochs})")
     add("--global-batch", dest="global_batch", type=int, help="samples per step across all processes (default 64)")
@@ -164,7 +167,8 @@ def cmd_train(argv: Sequence[str]) -> int:
     config = train_config(argv)
     preflight(config)
     spec = RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True,
-                   nproc_per_node=config.nproc, max_restarts=config.max_restarts)
+                   nproc_per_node=config.nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
+                   node_rank=config.node_rank, master=config.master)
     code = run(spec)
     if code == 0:
         print(f"ddpkit train: wrote {config.out}/summary.json")
@@ -202,11 +206,18 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return bench_main(argv)
 
 
+def cmd_slurm(argv: Sequence[str]) -> int:
+    from ddpkit.slurm import cmd_slurm as slurm_main
+
+    return slurm_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "run": (cmd_run, "start a script in N processes per node (over torch.distributed.run)"),
     "train": (cmd_train, "train a built-in recipe (convnet/mlp/resnet on digits/mnist/cifar10/synthetic)"),
     "predict": (cmd_predict, "predict with a ddpkit train checkpoint, one row per input in input order"),
     "bench": (cmd_bench, "measure throughput, scaling, memory and the step breakdown per mode"),
+    "slurm": (cmd_slurm, "print an sbatch script that runs a script with ddpkit on N nodes"),
     "doctor": (cmd_doctor, "check this machine and launch for what would make a run fail"),
     "demo": (cmd_demo, "run the built-in end-to-end demonstration"),
 }

@@ -61,6 +61,7 @@ class Runtime:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.keep_checkpoints = keep_checkpoints
         self.hang_timeout = hang_timeout
+        self._local_first_count = 0
         self.checkpoint_dir: Path | None = None      # set by init(checkpoint_dir=...)
         self.resume_from: str | None = None          # set by init(resume=...)
         self.epoch = 0            # the epoch being trained (or to be trained next)
@@ -116,6 +117,34 @@ class Runtime:
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
         process_group.barrier()
+
+    @contextlib.contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Local rank 0 of each node runs the block first; the node's other ranks wait, then run it.
+
+        For node-local work such as unpacking or caching a data set: one process per node
+        prepares the files, the others find them ready. Ranks of other nodes do not wait.
+
+        Example:
+            >>> with rt.local_main_first():
+            ...     data = load_or_prepare("data/")          # doctest: +SKIP
+        """
+        if self.world_size == 1 or self.env.local_world_size == 1:
+            yield
+            return
+        import torch.distributed as dist
+
+        self._local_first_count += 1
+        key = f"ddpkit/local_main_first/node{self.node_rank}/{self._local_first_count}"
+        store = dist.distributed_c10d._get_default_store()
+        if self.is_local_main:
+            try:
+                yield
+            finally:
+                store.set(key, "done")    # also on failure, so the others fail on their own
+        else:
+            store.wait([key])
+            yield
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Sum, mean, max or min of ``value`` across ranks (see :func:`ddpkit.all_reduce`)."""

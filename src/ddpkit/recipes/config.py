@@ -23,7 +23,13 @@ class TrainConfig:
     data_dir: str | None = None
     """Directory with torchvision's on-disk files for mnist and cifar10 (nothing is downloaded)."""
     nproc: int = 1
-    """Processes on this machine."""
+    """Processes on this machine (per node)."""
+    nnodes: int = 1
+    """Nodes of the job; each node runs ddpkit train with its own --node-rank."""
+    node_rank: int | None = None
+    """This node's index when --nnodes > 1."""
+    master: str | None = None
+    """HOST:PORT of node 0 when --nnodes > 1."""
     precision: str = "fp32"
     """fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
     epochs: int = 5
@@ -70,14 +76,18 @@ class TrainConfig:
     """Settings a test or a later feature passes through unchanged."""
 
     @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
     def global_batch_size(self) -> int:
         if self.batch is not None:
-            return self.batch * self.nproc
+            return self.batch * self.world_size
         return self.global_batch if self.global_batch is not None else 64
 
     @property
     def effective_lr(self) -> float:
-        return self.lr * self.nproc if (self.scale_lr and self.batch is not None) else self.lr
+        return self.lr * self.world_size if (self.scale_lr and self.batch is not None) else self.lr
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -172,11 +182,16 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--batch must be at least 1, got {config.batch}")
     if config.global_batch is not None and config.global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
-    if config.global_batch_size % config.nproc:
+    if config.global_batch_size % config.world_size:
         raise UsageError(
-            f"global batch {config.global_batch_size} does not divide by --nproc {config.nproc}; "
-            f"use a multiple of {config.nproc} or --batch per process"
+            f"global batch {config.global_batch_size} does not divide by --nproc {config.world_size}"
+            + (f" x --nnodes" if config.nnodes > 1 else "") +
+            f"; use a multiple of {config.world_size} or --batch per process"
         )
+    if config.nnodes < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
+    if config.nnodes > 1 and (config.master is None or config.node_rank is None):
+        raise UsageError("--nnodes > 1 needs --node-rank R and --master HOST:PORT (the host of node 0)")
     if config.data_parallel:
         import torch
 
@@ -190,6 +205,8 @@ def validate(config: TrainConfig) -> None:
 
 
 def _check_out(config: TrainConfig) -> None:
+    if config.node_rank:
+        return     # only node 0 (global rank 0) writes into --out
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")

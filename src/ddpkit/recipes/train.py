@@ -34,8 +34,9 @@ def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
 
 def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     """Data, model, optimizer and loader of ``config``."""
-    train = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
-    test = load_dataset(config.data, "test", config.data_dir, synthetic_size=max(256, config.synthetic_size // 4))
+    with rt.local_main_first():    # one process per node reads (and caches) node-local files first
+        train = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
+        test = load_dataset(config.data, "test", config.data_dir, synthetic_size=max(256, config.synthetic_size // 4))
     model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
                         image_size=train.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)

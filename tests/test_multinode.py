@@ -1,0 +1,172 @@
+"""Several "nodes" on one machine: two agents on loopback, two network namespaces, SLURM scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit import checkpoint
+from ddpkit.process_group import free_port
+from ddpkit.slurm import sbatch_script
+from helpers import BIN, EXAMPLES, ROOT, clean_env, ddpkit as ddpkit_cli, kill_tree
+
+HELLO = str(EXAMPLES / "hello.py")
+NODE_LOCAL = str(ROOT / "tests" / "scripts" / "node_local.py")
+
+
+def _nodes(commands: list[list[str]], timeout: float = 240, envs: list[dict] | None = None) -> list[tuple[int, str]]:
+    """Start one command per node at once; return (exit code, stdout+stderr) of each."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                              env=(envs[i] if envs else clean_env()), start_new_session=True)
+             for i, cmd in enumerate(commands)]
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+    return results
+
+
+def _two_agents(script_and_args: list[str], nproc: int = 2, prefix: list[str] | None = None,
+                master: str | None = None, envs: list[dict] | None = None) -> list[tuple[int, str]]:
+    master = master or f"127.0.0.1:{free_port()}"
+    return _nodes([[*(prefix[i] if prefix else []), str(BIN / "ddpkit"), "run", "--nnodes", "2",
+                    "--node-rank", str(i), "--master", master, "-n", str(nproc), *script_and_args]
+                   for i in range(2)], envs=envs)
+
+
+@pytest.mark.timeout(300)
+def test_two_agents_on_loopback_form_world_of_four():
+    results = _two_agents([HELLO])
+    assert all(code == 0 for code, _ in results), results
+    lines = [line for _, out in results for line in out.splitlines() if line.startswith("world_size=")]
+    assert lines == ["world_size=4 rank_sum=6"]
+    assert "world_size=4 rank_sum=6" in results[0][1]          # global rank 0 lives on node 0
+
+
+@pytest.mark.timeout(300)
+def test_local_rank_zero_prepares_each_node_first(tmp_path):
+    results = _two_agents([NODE_LOCAL, str(tmp_path)])
+    assert all(code == 0 for code, _ in results), results
+    lines = sorted(line for _, out in results for line in out.splitlines() if line.startswith("rank="))
+    assert len(lines) == 4 and all("world_size=4 seen=4" in line for line in lines)
+    assert [line.split()[3] for line in lines] == ["prepared_by=self", "prepared_by=peer",
+                                                   "prepared_by=self", "prepared_by=peer"]
+    assert sorted(os.listdir(tmp_path)) == ["node0.ready", "node1.ready"]
+
+
+@pytest.mark.timeout(400)
+def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
+    common = ["--model", "convnet", "--data", "digits", "--epochs", "1", "--global-batch", "64"]
+    single = ddpkit_cli("train", *common, "--nproc", "4", "--out", str(tmp_path / "one"), timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    master = f"127.0.0.1:{free_port()}"
+    results = _nodes([[str(BIN / "ddpkit"), "train", *common, "--nproc", "2", "--nnodes", "2",
+                       "--node-rank", str(rank), "--master", master, "--out", str(tmp_path / "two")]
+                      for rank in range(2)], timeout=300)
+    assert all(code == 0 for code, _ in results), results
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert one["world_size"] == two["world_size"] == 4
+    first = checkpoint.read(one["final_checkpoint"])["user"]["model"]
+    second = checkpoint.read(two["final_checkpoint"])["user"]["model"]
+    for name, value in first.items():
+        assert torch.equal(second[name], value), name
+    assert two["test_accuracy"] == one["test_accuracy"]
+
+
+# -- real separate hosts: network namespaces joined by a veth pair ------------------------------
+
+NAMESPACES = ("ddpkit-ns0", "ddpkit-ns1")
+ADDRESSES = ("10.231.77.1", "10.231.77.2")
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces():
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's 'ip' is not installed: cannot create network namespaces")
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root")
+    for name in NAMESPACES:
+        _ip("netns", "del", name)
+    made = _ip("netns", "add", NAMESPACES[0])
+    if made.returncode != 0:
+        pytest.skip(f"this sandbox cannot create network namespaces: {made.stderr.strip()}")
+    try:
+        steps = [
+            ("netns", "add", NAMESPACES[1]),
+            ("link", "add", "ddpk0", "type", "veth", "peer", "name", "ddpk1"),
+            ("link", "set", "ddpk0", "netns", NAMESPACES[0]),
+            ("link", "set", "ddpk1", "netns", NAMESPACES[1]),
+        ]
+        for index, (ns, address, iface) in enumerate(zip(NAMESPACES, ADDRESSES, ("ddpk0", "ddpk1"))):
+            steps += [("-n", ns, "addr", "add", f"{address}/24", "dev", iface),
+                      ("-n", ns, "link", "set", iface, "up"), ("-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            result = _ip(*step)
+            if result.returncode != 0:
+                pytest.skip(f"cannot set up the namespaces (ip {' '.join(step)}): {result.stderr.strip()}")
+        yield
+    finally:
+        for name in NAMESPACES:
+            _ip("netns", "del", name)
+
+
+@pytest.mark.timeout(300)
+def test_two_hosts_in_network_namespaces(namespaces):
+    master = f"{ADDRESSES[0]}:29531"
+    prefix = [["ip", "netns", "exec", ns] for ns in NAMESPACES]
+    envs = [clean_env(GLOO_SOCKET_IFNAME=iface) for iface in ("ddpk0", "ddpk1")]
+    results = _two_agents([HELLO], nproc=1, prefix=prefix, master=master, envs=envs)
+    assert all(code == 0 for code, _ in results), results
+    lines = [line for _, out in results for line in out.splitlines() if line.startswith("world_size=")]
+    assert lines == ["world_size=2 rank_sum=1"]
+
+
+# -- SLURM scripts -------------------------------------------------------------------------------
+
+def test_slurm_script_runs_ddpkit_run_once_per_node():
+    result = ddpkit_cli("slurm", "--nodes", "2", "train.py", timeout=60)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.startswith("#!/bin/bash\n")
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    srun = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert len(srun) == 1 and " run -n 1 train.py" in srun[0] and "ddpkit" in srun[0].split()[2]
+
+
+def test_slurm_script_options():
+    text = sbatch_script("t.py", ["--lr", "0.1"], nodes=4, gpus_per_node=8, cpus_per_task=32,
+                         partition="gpu", time="1-00:00:00", max_restarts=2, ddpkit_command="ddpkit")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=32",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=1-00:00:00"):
+        assert line in text
+    assert "srun --ntasks-per-node=1 ddpkit run -n 8 --max-restarts 2 t.py --lr 0.1" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0", "t.py"], "--nodes must be at least 1"),
+    (["--nodes", "2", "--time", "soon", "t.py"], "--time 'soon'"),
+    (["t.py"], "--nodes"),
+])
+def test_slurm_bad_input(args, message):
+    result = ddpkit_cli("slurm", *args, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
