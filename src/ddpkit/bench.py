@@ -219,8 +219,9 @@ def diagnose(row: Mapping[str, Any]) -> str:
     nproc, threads, cores = row["nproc"], row["threads_per_process"], row["cores"]
     found = []
     if row["device"] == "cpu" and cores and nproc * threads > cores:
-        found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; "
-                     f"OMP_NUM_THREADS={max(1, cores // nproc)} would fit)")
+        fix = (f"OMP_NUM_THREADS={cores // nproc} would fit" if nproc <= cores
+               else f"more processes than cores: use at most {cores} per node")
+        found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; {fix})")
     comm_text, comm_share = "", 0.0
     if comm is not None:
         comm_share = comm["allreduce_seconds"] / step
