@@ -42,14 +42,15 @@ def run(cmd: list[str], *, timeout: float = 120, env: dict[str, str] | None = No
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its session, and every descendant (torch's workers start their own sessions)."""
+    """SIGKILL ``pid``, every descendant (torch's workers start their own sessions) and its group."""
     import psutil
 
     try:
-        descendants = psutil.Process(pid).children(recursive=True)
+        root = psutil.Process(pid)
+        family = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
-        descendants = []
-    for process in descendants:
+        family = []
+    for process in family:
         try:
             process.kill()
         except psutil.NoSuchProcess:

@@ -1,0 +1,99 @@
+"""A real SLURM cluster of one host: munge, slurmctld and slurmd from a generated slurm.conf.
+
+`.ci/run` installs Debian's slurm-wlm and munge when it runs as root; elsewhere this test
+skips and says why. The job is the script `ddpkit slurm` prints, submitted with sbatch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.process_group import free_port
+from helpers import BIN, EXAMPLES, clean_env, kill_tree
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
+
+
+def _slurm_conf(root: Path) -> str:
+    host = socket.gethostname().split(".")[0]
+    cpus = len(os.sched_getaffinity(0))
+    return "\n".join([
+        "ClusterName=ddpkit-test", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
+        "AuthType=auth/munge", f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
+        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none",
+        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
+        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP", "",
+    ])
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path):
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing); as root, "
+                    "apt-get install slurm-wlm munge (.ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("running slurmd and munged for a test needs root")
+    root = tmp_path / "slurm"
+    for sub in ("state", "spool"):
+        (root / sub).mkdir(parents=True)
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root))
+    env = clean_env(SLURM_CONF=str(conf))
+    started = []
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["munged", "--force"], capture_output=True, timeout=30)
+        started.append("munged")
+    for daemon in ("slurmctld", "slurmd"):
+        result = subprocess.run([daemon, "-f", str(conf)], capture_output=True, text=True, env=env, timeout=30)
+        if result.returncode != 0:
+            pytest.skip(f"{daemon} did not start here: {result.stderr.strip()[:200]}")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=env)
+            if state.stdout.strip() == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.skip(f"the SLURM node never became idle: {(root / 'slurmd.log').read_text()[-500:]}")
+        yield root, env
+    finally:
+        for pid_file in ("slurmd.pid", "slurmctld.pid"):
+            path = root / pid_file
+            if path.exists():
+                kill_tree(int(path.read_text().strip()))
+        if "munged" in started:
+            subprocess.run(["pkill", "-x", "munged"], capture_output=True)
+
+
+@pytest.mark.timeout(300)
+def test_training_submitted_with_sbatch_finishes_with_the_expected_world(slurm_cluster):
+    root, env = slurm_cluster
+    script = subprocess.run([str(BIN / "ddpkit"), "slurm", "--nodes", "1", "--nproc-per-node", "2",
+                             "--cpus-per-task", str(len(os.sched_getaffinity(0))), "--time", "10",
+                             str(EXAMPLES / "train_digits.py"), "--epochs", "2"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert script.returncode == 0, script.stderr
+    job = root / "job.sh"
+    job.write_text(script.stdout)
+    submitted = subprocess.run(["sbatch", "--wait", "--chdir", str(root), str(job)], capture_output=True,
+                               text=True, env=env, timeout=240)
+    outputs = list(root.glob("ddpkit-*.out"))
+    log = outputs[0].read_text() if outputs else ""
+    assert submitted.returncode == 0, submitted.stderr + log[-3000:]
+    final = [line for line in log.splitlines() if line.startswith("world_size=")]
+    assert len(final) == 1 and final[0].startswith("world_size=2 test_accuracy=") and "test_count=360" in final[0]
+    assert float(final[0].split("test_accuracy=")[1].split()[0]) >= 0.95
