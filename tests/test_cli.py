@@ -118,3 +118,12 @@ def test_doctor_text_mode_and_version():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok")
     version = ddpkit_cli("--version")
     assert version.stdout.strip() == f"ddpkit {ddpkit.__version__}"
+
+
+@pytest.mark.timeout(120)
+def test_hello_itself_under_launch(capfd, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import hello
+
+    assert ddpkit.launch(hello.main, nprocs=2) == {0: None, 1: None}
+    assert _hello_lines(capfd.readouterr().out) == ["world_size=2 rank_sum=1"]
