@@ -101,3 +101,25 @@ def test_predict_rejects_bad_arguments(tmp_path):
         ddpkit.predict(workers.LogitsOnly(), workers.indexed_dataset(0))
     with pytest.raises(ddpkit.UsageError, match="one tensor"):
         predict_to_file(workers.IndexedModel(), workers.indexed_dataset(3), tmp_path / "x.npy")
+
+    class Named(torch.nn.Module):
+        def forward(self, x):
+            return {"logits": x, "label": "not a tensor"}
+
+    with pytest.raises(ddpkit.UsageError, match="returned a str"):
+        ddpkit.predict(Named(), workers.indexed_dataset(3))
+
+
+def test_nested_batches_move_and_keep_their_types():
+    from collections import namedtuple
+
+    from ddpkit.data import map_tensors, to_device
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"a": [torch.ones(2), (torch.zeros(1), "label")], "b": Pair(torch.ones(3), 7)}
+    doubled = map_tensors(lambda t: t * 2, batch)
+    assert isinstance(doubled["b"], Pair) and doubled["b"].y == 7
+    assert torch.equal(doubled["a"][0], torch.full((2,), 2.0)) and doubled["a"][1][1] == "label"
+    assert to_device(batch, torch.device("cpu"))["b"].x.device.type == "cpu"
+    with pytest.raises(TypeError):
+        map_tensors(lambda t: t, batch, strict=True)

@@ -227,27 +227,30 @@ def private_generator(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool = False) -> Any:
+    """Apply ``fn`` to every tensor of a (nested) batch: tensors, dicts, lists, tuples, namedtuples.
+
+    Other leaves come back unchanged, or raise ``TypeError`` with ``strict=True``.
+    """
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {key: map_tensors(fn, value, strict=strict) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        mapped = [map_tensors(fn, value, strict=strict) for value in batch]
+        return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
+    if strict:
+        raise TypeError(type(batch).__name__)
+    return batch
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=device.type == "cuda")
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(value, device) for value in batch]
-        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=device.type == "cuda"), batch)
 
 
 def _take_rows(batch: Any, count: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:count]
-    if isinstance(batch, dict):
-        return {key: _take_rows(value, count) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        rows = [_take_rows(value, count) for value in batch]
-        return type(batch)(rows) if not hasattr(batch, "_fields") else type(batch)(*rows)
-    return batch
+    return map_tensors(lambda t: t[:count], batch)
 
 
 def check_batch_sizes(world_size: int, batch_size: int | None, global_batch_size: int | None) -> int:

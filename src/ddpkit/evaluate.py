@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ddpkit import collectives
 from ddpkit.checkpoint import unwrap
-from ddpkit.data import private_generator, shard_range, to_device
+from ddpkit.data import map_tensors, private_generator, shard_range, to_device
 from ddpkit.errors import UsageError
 
 
@@ -203,14 +203,11 @@ def _sync() -> None:
 
 
 def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {key: _map(fn, item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(fn, item) for item in value)
-    raise UsageError(f"predict: the model returned a {type(value).__name__}; return tensors "
-                     "or tuples, lists or dicts of tensors")
+    try:
+        return map_tensors(fn, value, strict=True)
+    except TypeError as exc:
+        raise UsageError(f"predict: the model returned a {exc}; return tensors "
+                         "or tuples, lists or dicts of tensors") from None
 
 
 def _concat(outputs: list[Any]) -> Any:
