@@ -3,8 +3,6 @@ exit 2 for usage errors, and nothing lost or overwritten."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import socket
 import subprocess

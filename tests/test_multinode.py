@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
+
 
 import pytest
 import torch

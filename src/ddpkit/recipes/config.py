@@ -183,11 +183,10 @@ def validate(config: TrainConfig) -> None:
     if config.global_batch is not None and config.global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
     if config.global_batch_size % config.world_size:
-        raise UsageError(
-            f"global batch {config.global_batch_size} does not divide by --nproc {config.world_size}"
-            + (f" x --nnodes" if config.nnodes > 1 else "") +
-            f"; use a multiple of {config.world_size} or --batch per process"
-        )
+        world = f"--nproc {config.nproc}" + (f" x --nnodes {config.nnodes} = {config.world_size}"
+                                              if config.nnodes > 1 else "")
+        raise UsageError(f"global batch {config.global_batch_size} does not divide by {world}; "
+                         f"use a multiple of {config.world_size} or --batch per process")
     if config.nnodes < 1:
         raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
     if config.nnodes > 1 and (config.master is None or config.node_rank is None):
