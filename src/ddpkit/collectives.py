@@ -68,17 +68,10 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """
     if world_size() == 1:
         return tensor.detach().clone()
-    device = tensor.device
-    work = tensor.detach().to(_comm_device()).contiguous()
-    sizes = _gather_sizes(work.shape[0] if work.dim() else 1)
-    if work.dim() == 0:
-        work = work.reshape(1)
-    longest = max(sizes)
-    padded = torch.zeros((longest, *work.shape[1:]), dtype=work.dtype, device=work.device)
-    padded[: work.shape[0]] = work
+    padded, sizes = _padded_rows(tensor, _comm_device())
     chunks = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(chunks, padded)
-    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)]).to(device)
+    return _unpadded(chunks, sizes).to(tensor.device)
 
 
 def gather(tensor: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
@@ -92,15 +85,28 @@ def gather(tensor: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
     if dist.get_backend() == "nccl":   # nccl has no gather; all_gather and drop elsewhere
         gathered = all_gather(tensor)
         return gathered if rank() == dst else None
-    work = tensor.detach().cpu().contiguous()
-    sizes = _gather_sizes(work.shape[0])
-    padded = torch.zeros((max(sizes), *work.shape[1:]), dtype=work.dtype)
-    padded[: work.shape[0]] = work
+    padded, sizes = _padded_rows(tensor, torch.device("cpu"))
     chunks = [torch.empty_like(padded) for _ in sizes] if rank() == dst else None
     dist.gather(padded, gather_list=chunks, dst=dst)
-    if rank() != dst:
-        return None
-    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)]).to(tensor.device)
+    return _unpadded(chunks, sizes).to(tensor.device) if rank() == dst else None
+
+
+def _padded_rows(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``tensor`` on ``device`` padded with zero rows to the longest rank's; every rank's row count.
+
+    Collectives need equal shapes; the sizes let the receiver cut the padding away again.
+    """
+    work = tensor.detach().to(device).contiguous()
+    if work.dim() == 0:
+        work = work.reshape(1)
+    sizes = _gather_sizes(work.shape[0])
+    padded = torch.zeros((max(sizes), *work.shape[1:]), dtype=work.dtype, device=device)
+    padded[: work.shape[0]] = work
+    return padded, sizes
+
+
+def _unpadded(chunks: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)])
 
 
 def _gather_sizes(size: int) -> list[int]:
