@@ -213,14 +213,19 @@ def verify(path: str | os.PathLike) -> None:
         raise DdpkitError(f"checkpoint {path} is corrupted: its checksum does not match the one written")
 
 
-def read(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool = False) -> dict[str, Any]:
     """Verify and load a ddpkit checkpoint with ``weights_only=True``.
+
+    Args:
+        verified: the caller just verified ``path`` (as :func:`latest` does): skip hashing
+            the whole file again.
 
     Raises:
         DdpkitError: corrupt, not a ddpkit checkpoint, from a newer ddpkit, or holding
             objects that would need arbitrary unpickling.
     """
-    verify(path)
+    if not verified:
+        verify(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...

@@ -238,11 +238,14 @@ class Training:
         """
         target = Path(path)
         if target.is_dir():
-            found = checkpoint.latest(target)
+            found = checkpoint.latest(target)      # verifies what it returns
             if found is None:
                 raise DdpkitError(f"no complete checkpoint in {target}")
-            target = found
-        payload = checkpoint.read(target)
+            return self._restore(found, state, verified=True)
+        return self._restore(target, state, verified=False)
+
+    def _restore(self, target: Path, state: MutableMapping[str, Any], *, verified: bool) -> Path:
+        payload = checkpoint.read(target, verified=verified)
         checkpoint.restore_user_state(state, payload["user"], target)
         own = payload["ddpkit"]
         self.precision.load_state_dict(own["precision"])
@@ -280,11 +283,9 @@ class Training:
         if self.resume_from is None:
             return None
         if self.resume_from == "auto":
-            if self.checkpoint_dir is None or checkpoint.latest(self.checkpoint_dir) is None:
-                return None
-            return self.load(self.checkpoint_dir, state)
+            found = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+            return None if found is None else self._restore(found, state, verified=True)
         return self.load(self.resume_from, state)
-
 
     def _close_training(self) -> None:
         if self._logger is not None:

@@ -32,11 +32,17 @@ def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
             "precision": config.precision, "sync_bn": config.sync_bn}
 
 
+def datasets_of(config: TrainConfig) -> tuple[DatasetInfo, DatasetInfo]:
+    """The training and test sets of ``config``, as workers and the parent's preflight read them."""
+    train = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
+    test = load_dataset(config.data, "test", config.data_dir, synthetic_size=max(256, config.synthetic_size // 4))
+    return train, test
+
+
 def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     """Data, model, optimizer and loader of ``config``."""
     with rt.local_main_first():    # one process per node reads (and caches) node-local files first
-        train = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
-        test = load_dataset(config.data, "test", config.data_dir, synthetic_size=max(256, config.synthetic_size // 4))
+        train, test = datasets_of(config)
     model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
                         image_size=train.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
@@ -52,14 +58,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` in this process (one of the world); returns the summary."""
     started = time.perf_counter()
     rt = ddpkit.init(seed=config.seed, precision=config.precision, out_dir=config.out,
-                     keep_checkpoints=config.keep_checkpoints, hang_timeout=config.hang_timeout)
+                     keep_checkpoints=config.keep_checkpoints, hang_timeout=config.hang_timeout,
+                     checkpoint_dir=Path(config.out) / "checkpoints", resume=config.resume)
     train_info, test_info, model, optimizer, loader = build(config, rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
-    checkpoints = Path(config.out) / "checkpoints"
-    if config.resume is not None:
-        source = checkpoints if config.resume == "auto" else Path(config.resume)
-        if config.resume != "auto" or checkpoint.latest(checkpoints) is not None:
-            rt.print(f"resuming from {rt.load(source, state)}")
+    resumed = rt.resume(state)
+    if resumed is not None:
+        rt.print(f"resuming from {resumed}")
 
     final_checkpoint, metrics, seen, train_seconds = None, {}, 0, 0.0
     steps_left = len(loader) * max(0, config.epochs - rt.epoch) - loader.position
@@ -76,13 +81,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 seen += loader.global_count
                 bar.update(1, epoch=epoch, loss=f"{loss.item():.4f}")
                 if config.checkpoint_every and rt.global_step % config.checkpoint_every == 0:
-                    final_checkpoint = rt.save(checkpoints, state)
+                    final_checkpoint = rt.checkpoint(state)
             train_seconds += time.perf_counter() - epoch_start
             metrics = _evaluate(rt, model, test_info, config)
             train_loss = float(rt.all_reduce(loss_sum)) / max(1, len(train_info.dataset))
             rt.log({"epoch": epoch, "train_loss": train_loss, "test_loss": metrics["loss"],
                     "test_accuracy": metrics["accuracy"]}, reduce=None)
-            final_checkpoint = rt.save(checkpoints, state)
+            final_checkpoint = rt.checkpoint(state)
             rt.print(f"epoch {epoch}: train_loss={train_loss:.4f} test_loss={metrics['loss']:.4f} "
                      f"test_accuracy={metrics['accuracy']:.4f}")
 
@@ -133,24 +138,22 @@ def preflight(config: TrainConfig) -> None:
     from ddpkit.errors import UsageError
 
     try:
-        for split in ("train", "test"):
-            load_dataset(config.data, split, config.data_dir, synthetic_size=config.synthetic_size)
-        _check_resume(config)
+        train, _ = datasets_of(config)
+        _check_resume(config, train)
     except UsageError:
         raise
     except DdpkitError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _check_resume(config: TrainConfig) -> None:
+def _check_resume(config: TrainConfig, info: DatasetInfo) -> None:
     if config.resume in (None, "auto"):
         return
     source = Path(config.resume)
     path = checkpoint.latest(source) if source.is_dir() else source
     if path is None:
         raise DdpkitError(f"--resume {source}: no complete checkpoint in this directory")
-    payload = checkpoint.read(path)
-    info = load_dataset(config.data, "train", config.data_dir, synthetic_size=config.synthetic_size)
+    payload = checkpoint.read(path, verified=source.is_dir())    # latest() just verified it
     model = build_model(config.model, num_classes=info.num_classes, in_channels=info.in_channels,
                         image_size=info.image_size)
     if "model" not in payload["user"]:
