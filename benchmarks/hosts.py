@@ -14,16 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ddpkit.process_group import free_port
 
 
 def run_hosts(hosts: int, epochs: int, out: Path, extra: list[str]) -> dict:

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import resource
 import statistics
 import sys
@@ -30,7 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ddpkit.checkpoint import unwrap
 from ddpkit.errors import UsageError
+from ddpkit.launch import usable_cores
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 from ddpkit.recipes.models import build_model
 
@@ -98,7 +99,7 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
     """
     memory = _peak_memory(device, devices)
     timed = [list(m) for m in marks[warmup:]]
-    params = [p for p in _unwrap(model).parameters() if p.requires_grad]
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     allreduce_s = None
     if world_size > 1 and params:
@@ -110,7 +111,7 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
         "grad_bytes": grad_bytes,
         "allreduce_seconds": allreduce_s,
         "threads": torch.get_num_threads(),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": usable_cores(),
         "weights_sha256": weights_digest(model),
     }
 
@@ -118,7 +119,7 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 of every parameter and buffer, in state-dict order: equal digests = bitwise equal."""
     digest = hashlib.sha256()
-    for key, value in _unwrap(model).state_dict().items():
+    for key, value in unwrap(model).state_dict().items():
         digest.update(key.encode())
         digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -154,11 +155,6 @@ def _probe_allreduce(numel: int, dtype: torch.dtype, device: torch.device) -> fl
         dist.all_reduce(flat)
         times.append(mark(device) - start)
     return statistics.median(times)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DistributedDataParallel or DataParallel."""
-    return getattr(model, "module", model)
 
 
 # -- the ddpkit loop ---------------------------------------------------------------------------

@@ -110,7 +110,9 @@ def _network(report: Any, env: Any) -> None:
 def _threads(report: Any, local_world_size: int) -> None:
     import torch
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from ddpkit.launch import usable_cores
+
+    cpus = usable_cores()
     report.add("cpu cores", cpus)
     report.add("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "(unset)"))
     report.add("torch threads", torch.get_num_threads())

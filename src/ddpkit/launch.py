@@ -63,10 +63,17 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and SLURM narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> int:
     """CPU cores shared fairly among the processes of a node (at least one each)."""
     if cpu_count is None:
-        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cpu_count = usable_cores()
     return max(1, cpu_count // max(1, nproc_per_node))
 
 
