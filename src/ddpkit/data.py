@@ -60,10 +60,14 @@ class GlobalBatchSampler:
         for step in range(start, len(self)):
             yield order[step * size:(step + 1) * size]
 
+    def local_part(self, global_batch: list[int]) -> list[int]:
+        """This rank's strided part of one global batch (possibly empty in a short last batch)."""
+        return global_batch[self.rank::self.world_size]
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
-        """This rank's part of each global batch (possibly empty in a short last batch)."""
+        """This rank's part of each global batch."""
         for batch in self.global_batches(epoch, start):
-            yield batch[self.rank::self.world_size]
+            yield self.local_part(batch)
 
 
 # -- per-sample randomness ------------------------------------------------------------
@@ -131,7 +135,7 @@ class _KeyedDataset(Dataset):
 
 
 class _EpochBatches:
-    """The batch sampler handed to DataLoader: reads the loader's epoch and start step when iterated."""
+    """The batch sampler handed to DataLoader: the loader's plan for the pass it is starting."""
 
     def __init__(self, loader: "ShardedLoader"):
         self.loader = loader
@@ -141,9 +145,9 @@ class _EpochBatches:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch = self.loader.epoch
-        for batch in self.loader.sampler.batches(epoch, self.loader._start):
-            # An empty part still yields one index so collate sees a sample; it is cut away later.
-            yield [(epoch, index) for index in (batch or self.loader._placeholder())]
+        for local, _ in self.loader._plan:
+            # An empty part still reads one sample so collate sees a batch; it is cut away later.
+            yield [(epoch, index) for index in (local or [0])]
 
 
 class ShardedLoader:
@@ -163,7 +167,7 @@ class ShardedLoader:
         self.position = 0          # batches handed out in the current epoch
         self.local_count = 0       # samples of this rank in the current batch
         self.global_count = 0      # samples of all ranks in the current batch
-        self._start = 0
+        self._plan: list[tuple[list[int], int]] = []   # (local part, global size) of each batch left
         self._on_batch = on_batch
         pin = device.type == "cuda"
         self._loader = DataLoader(
@@ -179,24 +183,23 @@ class ShardedLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch (ddpkit's ``epochs()`` calls this for you)."""
         if epoch != self.epoch:
-            self.epoch, self.position, self._start = epoch, 0, 0
+            self.epoch, self.position = epoch, 0
 
     def __iter__(self) -> Iterator[Any]:
         if self.position >= len(self.sampler):
             self.position = 0      # a finished epoch iterated again starts from its beginning
-        self._start = self.position
-        sizes = [len(b) for b in self.sampler.batches(self.epoch, self._start)]
-        totals = [len(b) for b in self.sampler.global_batches(self.epoch, self._start)]
-        for batch, local, total in zip(self._loader, sizes, totals):
-            if local == 0:
+        # One permutation per pass: the DataLoader's batch sampler reads this plan too.
+        self._plan = [(self.sampler.local_part(batch), len(batch))
+                      for batch in self.sampler.global_batches(self.epoch, self.position)]
+        for batch, (local, total) in zip(self._loader, self._plan):
+            if not local:
                 batch = _take_rows(batch, 0)
             self.position += 1
-            self.local_count, self.global_count = local, total
+            self.local_count, self.global_count = len(local), total
             if self._on_batch is not None:
                 self._on_batch(self)
             yield to_device(batch, self.device)
         # The position stays at the end: a checkpoint taken now says "this epoch is done".
-        self._start = 0
 
     def batch_weight(self) -> float:
         """Factor that turns this rank's mean loss into its share of the global-batch mean.
@@ -207,9 +210,6 @@ class ShardedLoader:
         if self.global_count == 0:
             return 1.0
         return self.local_count * self.sampler.world_size / self.global_count
-
-    def _placeholder(self) -> list[int]:
-        return [0]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
