@@ -22,6 +22,13 @@ def runs(tmp_path_factory):
     return found
 
 
+def _single_process(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and labels of one process reading the whole dataset: the reference."""
+    data = workers.indexed_dataset(length)
+    with torch.no_grad():
+        return workers.LogitsOnly()(data.tensors[0]), data.tensors[1]
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
@@ -30,15 +37,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("length", workers.LENGTHS)
 def test_predictions_match_single_process_in_order(runs, world, length):
-    data = workers.indexed_dataset(length)
-    with torch.no_grad():
-        reference = workers.IndexedModel()(data.tensors[0])
+    reference, _ = _single_process(length)
     ranks = runs[world]
     main = ranks[0][length]["main"]
     assert torch.equal(main["index"], torch.arange(length))                # every index once, in order
     assert main["logits"].shape == (length, 5)
-    assert torch.equal(main["logits"].argmax(1), reference["logits"].argmax(1))
-    assert _relative(main["logits"], reference["logits"]) <= 1e-6
+    assert torch.equal(main["logits"].argmax(1), reference.argmax(1))
+    assert _relative(main["logits"], reference) <= 1e-6
     for rank in range(world):
         assert torch.equal(ranks[rank][length]["all"]["index"], torch.arange(length))
         assert torch.equal(ranks[rank][length]["all"]["logits"], main["logits"])
@@ -53,10 +58,7 @@ def test_predictions_match_single_process_in_order(runs, world, length):
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("length", workers.LENGTHS)
 def test_counts_equal_single_process_exactly(runs, world, length):
-    data = workers.indexed_dataset(length)
-    with torch.no_grad():
-        logits = workers.LogitsOnly()(data.tensors[0])
-    labels = data.tensors[1]
+    logits, labels = _single_process(length)
     predicted = logits.argmax(1)
     confusion = torch.zeros(5, 5, dtype=torch.long)
     confusion.index_put_((labels, predicted), torch.ones(length, dtype=torch.long), accumulate=True)
@@ -75,9 +77,7 @@ def test_counts_equal_single_process_exactly(runs, world, length):
 def test_streamed_predictions_are_merged_in_order(runs, world):
     for length in workers.LENGTHS:
         path = runs[world][0][length]["streamed"]
-        data = workers.indexed_dataset(length)
-        with torch.no_grad():
-            reference = workers.LogitsOnly()(data.tensors[0]).numpy()
+        reference = _single_process(length)[0].numpy()
         merged = np.load(path)
         assert merged.shape == reference.shape
         assert np.allclose(merged, reference, rtol=1e-6, atol=1e-7)
