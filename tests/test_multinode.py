@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -60,7 +61,8 @@ def test_two_agents_on_loopback_form_world_of_four():
 def test_local_rank_zero_prepares_each_node_first(tmp_path):
     results = _two_agents([NODE_LOCAL, str(tmp_path)])
     assert all(code == 0 for code, _ in results), results
-    lines = sorted(line for _, out in results for line in out.splitlines() if line.startswith("rank="))
+    lines = sorted(re.findall(r"rank=\d+ node=\d+ local_rank=\d+ prepared_by=\w+ world_size=\d+ seen=\d+",
+                              results[0][1] + results[1][1]))
     assert len(lines) == 4 and all("world_size=4 seen=4" in line for line in lines)
     assert [line.split()[3] for line in lines] == ["prepared_by=self", "prepared_by=peer",
                                                    "prepared_by=self", "prepared_by=peer"]

@@ -26,6 +26,28 @@ def test_world_of_one_needs_no_process_group(capsys):
     assert capsys.readouterr().out == "hello\n"
 
 
+class _Writes:
+    """A stream that records each ``write`` call, as a shared pipe would see them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_print_hands_each_line_to_the_stream_in_one_write():
+    rt = ddpkit.init()
+    stream = _Writes()
+    rt.print("a", 1, "b", sep="-", file=stream)
+    rt.print("x", all_ranks=True, end="!\n", file=stream)
+    assert stream.calls == ["a-1-b\n", "x!\n"]       # builtin print under PYTHONUNBUFFERED makes 4 writes
+
+
 def test_collectives_are_identity_in_one_process():
     rt = ddpkit.init()
     value = torch.tensor([1.0, 2.0])

@@ -13,7 +13,9 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import io
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -82,12 +84,23 @@ class Runtime(Training):
 
     # -- talking ------------------------------------------------------------------------
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
-        """``print`` on rank 0 only (every rank, prefixed, with ``all_ranks=True``)."""
-        kwargs.setdefault("flush", True)
+        """``print`` on rank 0 only (every rank, prefixed, with ``all_ranks=True``).
+
+        The line is composed first and handed to the stream in one ``write``, so lines printed by
+        several ranks onto one shared pipe do not interleave mid-line (with ``PYTHONUNBUFFERED``
+        the builtin ``print`` writes the text and its newline separately).
+        """
+        if not (self.is_main or all_ranks):
+            return
         if all_ranks and self.world_size > 1:
-            builtins.print(f"[rank {self.rank}]", *args, **kwargs)
-        elif self.is_main or all_ranks:
-            builtins.print(*args, **kwargs)
+            args = (f"[rank {self.rank}]", *args)
+        stream = kwargs.pop("file", None) or sys.stdout
+        flush = kwargs.pop("flush", True)
+        line = io.StringIO()
+        builtins.print(*args, file=line, **kwargs)
+        stream.write(line.getvalue())
+        if flush:
+            stream.flush()
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""

@@ -25,8 +25,8 @@ def main() -> None:
                 raise RuntimeError(f"rank {rt.rank} ran before node {rt.node_rank} was prepared")
             prepared_by = "peer"
     total = rt.all_reduce(1)
-    print(f"rank={rt.rank} node={rt.node_rank} local_rank={rt.local_rank} prepared_by={prepared_by} "
-          f"world_size={rt.world_size} seen={int(total)}", flush=True)
+    rt.print(f"rank={rt.rank} node={rt.node_rank} local_rank={rt.local_rank} prepared_by={prepared_by} "
+             f"world_size={rt.world_size} seen={int(total)}", all_ranks=True)
 
 
 if __name__ == "__main__":
