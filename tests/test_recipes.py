@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import os
 import pickle
 import struct
@@ -19,15 +18,9 @@ from ddpkit.errors import UsageError
 from ddpkit.recipes.datasets import DATASETS, DatasetInfo, load_dataset
 from ddpkit.recipes.models import MODELS, build_model
 
-HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
 CIFAR_STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
-
-
-def _needs_torchvision(name: str) -> None:
-    if name.startswith("resnet") and not HAS_TORCHVISION:
-        pytest.skip("torchvision is not installed; ResNets cannot be built here")
 
 
 # --- tiny on-disk fixtures --------------------------------------------------------------------
@@ -96,7 +89,6 @@ class _EvilExec(_Evil):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("channels,size", [(1, 8), (3, 32)], ids=["digits", "synthetic"])
 def test_model_forward_shape(name, channels, size):
-    _needs_torchvision(name)
     torch.manual_seed(0)
     model = build_model(name, num_classes=10, in_channels=channels, image_size=size)
     out = model(torch.randn(2, channels, size, size))
@@ -105,7 +97,6 @@ def test_model_forward_shape(name, channels, size):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_same_seed_gives_same_initial_weights(name):
-    _needs_torchvision(name)
 
     def build(seed: int) -> dict[str, torch.Tensor]:
         torch.manual_seed(seed)
@@ -131,11 +122,18 @@ def test_mlp_has_no_batchnorm():
     assert model(torch.randn(1, 1, 8, 8)).shape == (1, 10)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
-def test_resnet_without_torchvision_is_a_usage_error(name, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchvision", None)  # makes the import fail
-    with pytest.raises(UsageError, match=rf"model '{name}' needs torchvision; pip install"):
-        build_model(name, num_classes=10, in_channels=3, image_size=32)
+@pytest.mark.parametrize("name,params,keys", [
+    ("resnet18", 11_689_512, ["layer2.0.downsample.0.weight", "layer4.1.bn2.running_var"]),
+    ("resnet50", 25_557_032, ["layer1.0.downsample.1.weight", "layer4.2.conv3.weight"]),
+])
+def test_resnets_match_torchvision_without_needing_it(name, params, keys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # any import of torchvision would fail
+    model = build_model(name, num_classes=1000, in_channels=3, image_size=224)
+    # torchvision's published parameter counts for these architectures, and its state-dict names
+    assert sum(p.numel() for p in model.parameters()) == params
+    state = model.state_dict()
+    assert all(key in state for key in ["conv1.weight", "bn1.num_batches_tracked", "fc.bias", *keys])
+    assert state["fc.weight"].shape == (1000, 512 if name == "resnet18" else 2048)
 
 
 def test_unknown_model_lists_choices():

@@ -20,7 +20,6 @@ is in MiB: the peak RSS of the largest rank, and CUDA's max allocated on GPUs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shlex
 import statistics
@@ -307,8 +306,6 @@ def _check_machine(settings: Settings, gpus: int) -> None:
     """Refuse what would only fail inside the workers, before any process starts."""
     from ddpkit.bench_worker import bench_dataset
 
-    if settings.model == "resnet18" and importlib.util.find_spec("torchvision") is None:
-        raise UsageError("--model resnet18 needs torchvision; pip install torchvision (or use convnet|mlp)")
     if gpus and max(settings.nproc) > gpus:
         raise UsageError(f"--nproc {max(settings.nproc)} needs as many GPUs, {gpus} visible")
     if settings.data != "synthetic":

@@ -1,7 +1,8 @@
 """Models that ``ddpkit`` recipes can build by name, sized to the data set they train on.
 
-Every model is plain torch (torchvision only for the ResNets), so its initial weights depend
-only on ``torch.manual_seed``: all ranks built with the same seed start identical.
+Every model is plain torch (the ResNets too, with torchvision's layout; see ``resnet.py``), so
+its initial weights depend only on ``torch.manual_seed``: all ranks built with the same seed start
+identical.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import UsageError
+from ddpkit.recipes.resnet import ResNet
 
 MODELS = ("convnet", "mlp", "resnet18", "resnet50")
 
@@ -52,21 +54,6 @@ def _mlp(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     )
 
 
-def _resnet(name: str, num_classes: int, in_channels: int) -> nn.Module:
-    """Build a torchvision ResNet from scratch, imported lazily as torchvision is optional."""
-    try:
-        from torchvision import models as tv_models
-    except ImportError:
-        raise UsageError(
-            f"model {name!r} needs torchvision; pip install torchvision (or use --model convnet|mlp)"
-        ) from None
-    model = getattr(tv_models, name)(weights=None, num_classes=num_classes)
-    if in_channels != 3:
-        # Same geometry as torchvision's stem; only the input channel count changes.
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-    return model
-
-
 def _check_sizes(name: str, num_classes: int, in_channels: int, image_size: int) -> None:
     """Reject sizes that would only fail later inside a layer with a cryptic shape error."""
     for label, value in (("num_classes", num_classes), ("in_channels", in_channels),
@@ -93,7 +80,7 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
         A freshly initialised module in training mode, on the CPU.
 
     Raises:
-        UsageError: unknown name, bad sizes, or a ResNet without torchvision installed.
+        UsageError: unknown name or bad sizes.
     """
     if name not in MODELS:
         raise UsageError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
@@ -102,4 +89,4 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
         return _ConvNet(num_classes, in_channels, image_size)
     if name == "mlp":
         return _mlp(num_classes, in_channels, image_size)
-    return _resnet(name, num_classes, in_channels)
+    return ResNet(name, num_classes, in_channels)
