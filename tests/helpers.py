@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
+
+
+def master_port() -> int:
+    """A free port below the kernel's ephemeral range, for a master that binds seconds later.
+
+    A port from ``free_port()`` lies in the ephemeral range, so an outgoing connection made while
+    the agents import torch can take it first; the kernel never hands out ports below that range.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,7 +192,8 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
 def test_prune_sweeps_what_killed_saves_left(tmp_path):
     rt = ddpkit.init()
     state = _state()
-    (tmp_path / ".ckpt-step00000007.pt.tmp-999999").write_bytes(b"torn")        # a dead writer's temp file
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1                  # no process has this pid
+    (tmp_path / f".ckpt-step00000007.pt.tmp-{dead}").write_bytes(b"torn")       # a dead writer's temp file
     (tmp_path / "ckpt-step00000007.pt.sha256").write_text("{}")                 # its record, no checkpoint
     (tmp_path / f".ckpt-step00000009.pt.tmp-{os.getpid()}").write_bytes(b"mine")  # a live writer's: kept
     _train_one_step(rt, state)

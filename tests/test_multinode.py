@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 
 
@@ -14,35 +15,42 @@ import pytest
 import torch
 
 from ddpkit import checkpoint
-from ddpkit.process_group import free_port
 from ddpkit.slurm import sbatch_script
-from helpers import BIN, EXAMPLES, ROOT, clean_env, ddpkit as ddpkit_cli, kill_tree
+from helpers import BIN, EXAMPLES, ROOT, clean_env, ddpkit as ddpkit_cli, kill_tree, master_port
 
 HELLO = str(EXAMPLES / "hello.py")
 NODE_LOCAL = str(ROOT / "tests" / "scripts" / "node_local.py")
 
 
 def _nodes(commands: list[list[str]], timeout: float = 240, envs: list[dict] | None = None) -> list[tuple[int, str]]:
-    """Start one command per node at once; return (exit code, stdout+stderr) of each."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    """Start one command per node at once; return (exit code, stdout+stderr) of each.
+
+    Output goes to files, not pipes: a node whose pipe nobody reads yet could block on a full pipe
+    while its peer waits for it in a collective.
+    """
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]
+    procs = [subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                               env=(envs[i] if envs else clean_env()), start_new_session=True)
              for i, cmd in enumerate(commands)]
-    results = []
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            results.append((proc.returncode, out))
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 kill_tree(proc.pid)
+    results = []
+    for proc, log in zip(procs, logs):
+        log.seek(0)
+        results.append((proc.returncode, log.read()))
+        log.close()
     return results
 
 
 def _two_agents(script_and_args: list[str], nproc: int = 2, prefix: list[str] | None = None,
                 master: str | None = None, envs: list[dict] | None = None) -> list[tuple[int, str]]:
-    master = master or f"127.0.0.1:{free_port()}"
+    master = master or f"127.0.0.1:{master_port()}"
     return _nodes([[*(prefix[i] if prefix else []), str(BIN / "ddpkit"), "run", "--nnodes", "2",
                     "--node-rank", str(i), "--master", master, "-n", str(nproc), *script_and_args]
                    for i in range(2)], envs=envs)
@@ -52,7 +60,7 @@ def _two_agents(script_and_args: list[str], nproc: int = 2, prefix: list[str] | 
 def test_two_agents_on_loopback_form_world_of_four():
     results = _two_agents([HELLO])
     assert all(code == 0 for code, _ in results), results
-    lines = [line for _, out in results for line in out.splitlines() if line.startswith("world_size=")]
+    lines = [line for _, out in results for line in re.findall(r"world_size=\d+ rank_sum=\d+", out)]
     assert lines == ["world_size=4 rank_sum=6"]
     assert "world_size=4 rank_sum=6" in results[0][1]          # global rank 0 lives on node 0
 
@@ -72,12 +80,14 @@ def test_local_rank_zero_prepares_each_node_first(tmp_path):
 @pytest.mark.timeout(400)
 def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
     common = ["--model", "convnet", "--data", "digits", "--epochs", "1", "--global-batch", "64"]
-    single = ddpkit_cli("train", *common, "--nproc", "4", "--out", str(tmp_path / "one"), timeout=300)
+    # One thread each in both layouts, whatever the cores: intra-op threading must not change sums.
+    env = clean_env(OMP_NUM_THREADS="1")
+    single = ddpkit_cli("train", *common, "--nproc", "4", "--out", str(tmp_path / "one"), timeout=180, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
-    master = f"127.0.0.1:{free_port()}"
+    master = f"127.0.0.1:{master_port()}"
     results = _nodes([[str(BIN / "ddpkit"), "train", *common, "--nproc", "2", "--nnodes", "2",
                        "--node-rank", str(rank), "--master", master, "--out", str(tmp_path / "two")]
-                      for rank in range(2)], timeout=300)
+                      for rank in range(2)], timeout=180, envs=[env, env])
     assert all(code == 0 for code, _ in results), results
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
@@ -91,7 +101,9 @@ def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
 
 # -- real separate hosts: network namespaces joined by a veth pair ------------------------------
 
-NAMESPACES = ("ddpkit-ns0", "ddpkit-ns1")
+# Named per test process, so two test runs on one machine never tear down each other's hosts.
+NAMESPACES = (f"ddpkit-{os.getpid()}-0", f"ddpkit-{os.getpid()}-1")
+IFACES = (f"ddpk{os.getpid()}a", f"ddpk{os.getpid()}b")           # at most 15 characters
 ADDRESSES = ("10.231.77.1", "10.231.77.2")
 
 
@@ -113,11 +125,11 @@ def namespaces():
     try:
         steps = [
             ("netns", "add", NAMESPACES[1]),
-            ("link", "add", "ddpk0", "type", "veth", "peer", "name", "ddpk1"),
-            ("link", "set", "ddpk0", "netns", NAMESPACES[0]),
-            ("link", "set", "ddpk1", "netns", NAMESPACES[1]),
+            ("link", "add", IFACES[0], "type", "veth", "peer", "name", IFACES[1]),
+            ("link", "set", IFACES[0], "netns", NAMESPACES[0]),
+            ("link", "set", IFACES[1], "netns", NAMESPACES[1]),
         ]
-        for index, (ns, address, iface) in enumerate(zip(NAMESPACES, ADDRESSES, ("ddpk0", "ddpk1"))):
+        for index, (ns, address, iface) in enumerate(zip(NAMESPACES, ADDRESSES, IFACES)):
             steps += [("-n", ns, "addr", "add", f"{address}/24", "dev", iface),
                       ("-n", ns, "link", "set", iface, "up"), ("-n", ns, "link", "set", "lo", "up")]
         for step in steps:
@@ -134,10 +146,10 @@ def namespaces():
 def test_two_hosts_in_network_namespaces(namespaces):
     master = f"{ADDRESSES[0]}:29531"
     prefix = [["ip", "netns", "exec", ns] for ns in NAMESPACES]
-    envs = [clean_env(GLOO_SOCKET_IFNAME=iface) for iface in ("ddpk0", "ddpk1")]
+    envs = [clean_env(GLOO_SOCKET_IFNAME=iface) for iface in IFACES]
     results = _two_agents([HELLO], nproc=1, prefix=prefix, master=master, envs=envs)
     assert all(code == 0 for code, _ in results), results
-    lines = [line for _, out in results for line in out.splitlines() if line.startswith("world_size=")]
+    lines = [line for _, out in results for line in re.findall(r"world_size=\d+ rank_sum=\d+", out)]
     assert lines == ["world_size=2 rank_sum=1"]
 
 

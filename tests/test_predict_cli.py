@@ -42,7 +42,7 @@ def test_three_processes_keep_input_order_and_match_one(digits_checkpoint, tmp_p
     for nproc in (1, 3):
         out = tmp_path / f"pred{nproc}.csv"
         result = ddpkit_cli("predict", "--checkpoint", str(digits_checkpoint), "--data", "digits",
-                            "--split", "test", "--nproc", str(nproc), "--out", str(out), timeout=200)
+                            "--split", "test", "--nproc", str(nproc), "--out", str(out), timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[nproc] = _rows(out)
     header = outputs[3][0]
@@ -59,7 +59,7 @@ def test_npy_and_pt_outputs(digits_checkpoint, tmp_path):
     for suffix in (".npy", ".pt"):
         out = tmp_path / f"pred{suffix}"
         result = ddpkit_cli("predict", "--checkpoint", str(digits_checkpoint), "--nproc", "2",
-                            "--out", str(out), timeout=200)
+                            "--out", str(out), timeout=90)
         assert result.returncode == 0, result.stderr[-3000:]
     probabilities = np.load(tmp_path / "pred.npy")
     saved = torch.load(tmp_path / "pred.pt", weights_only=True)

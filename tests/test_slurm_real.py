@@ -7,6 +7,7 @@ skips and says why. The job is the script `ddpkit slurm` prints, submitted with 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,12 +25,16 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
 def _slurm_conf(root: Path) -> str:
     host = socket.gethostname().split(".")[0]
     cpus = len(os.sched_getaffinity(0))
+    ports = {free_port()}
+    while len(ports) < 2:                      # two calls may return the same free port
+        ports.add(free_port())
+    ctld_port, slurmd_port = sorted(ports)
     return "\n".join([
         "ClusterName=ddpkit-test", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
         f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
         f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+        f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none",
         f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
@@ -94,6 +99,6 @@ def test_training_submitted_with_sbatch_finishes_with_the_expected_world(slurm_c
     outputs = list(root.glob("ddpkit-*.out"))
     log = outputs[0].read_text() if outputs else ""
     assert submitted.returncode == 0, submitted.stderr + log[-3000:]
-    final = [line for line in log.splitlines() if line.startswith("world_size=")]
-    assert len(final) == 1 and final[0].startswith("world_size=2 test_accuracy=") and "test_count=360" in final[0]
-    assert float(final[0].split("test_accuracy=")[1].split()[0]) >= 0.95
+    final = re.findall(r"world_size=(\d+) test_accuracy=([\d.]+) test_count=(\d+)", log)
+    assert len(final) == 1 and final[0][0] == "2" and final[0][2] == "360", log[-3000:]
+    assert float(final[0][1]) >= 0.95

@@ -20,7 +20,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
     result = ddpkit_cli("train", "--model", "convnet", "--data", "digits", "--nproc", "2", "--epochs", "3",
-                        "--out", str(out), timeout=300)
+                        "--out", str(out), timeout=140)
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -50,7 +50,7 @@ def test_resume_auto_continues_a_finished_run(trained, tmp_path):
 
     shutil.copytree(out, copy)
     result = ddpkit_cli("train", "--nproc", "1", "--epochs", "4", "--out", str(copy), "--resume", "auto",
-                        timeout=300)
+                        timeout=140)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout and "ckpt-step00000069.pt" in result.stdout
     summary = json.loads((copy / "summary.json").read_text())
@@ -138,7 +138,7 @@ def test_scale_lr_and_per_process_batch(tmp_path):
 @pytest.mark.timeout(400)
 def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
     out = tmp_path / "demo"
-    result = ddpkit_cli("demo", "--out", str(out), timeout=400)
+    result = ddpkit_cli("demo", "--out", str(out), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| mode" in result.stdout and "speed-up vs single" in result.stdout
     report = json.loads((out / "report.json").read_text())
