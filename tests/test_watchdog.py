@@ -9,10 +9,11 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit import cli, watchdog
+from ddpkit import cli
+from ddpkit.hang import (CLOSED, EXIT_HANG, Heartbeat, culprit, format_report, job_is_hung, phase_order,
+                         seconds_until_hung)
 from ddpkit.recipes import train as train_recipe
 from ddpkit.recipes.config import TrainConfig, validate
-from ddpkit.watchdog import CLOSED, EXIT_HANG, Heartbeat, culprit, format_report, job_is_hung, seconds_until_hung
 from helpers import ddpkit as ddpkit_cli
 from helpers import python
 
@@ -39,7 +40,7 @@ def test_on_equal_steps_the_earliest_phase_is_behind():
     # Evaluation and saving happen after the optimizer step that raised global_step.
     beats = {0: beat(0, 5, "backward"), 1: beat(1, 5, "eval"), 2: beat(2, 5, "data")}
     assert culprit(beats, NOW, silent_after=SILENT) == 1
-    assert watchdog.phase_order("my-own-phase") == watchdog.phase_order("eval")
+    assert phase_order("my-own-phase") == phase_order("eval")
 
 
 def test_on_equal_place_the_rank_that_stopped_first_then_the_lowest():

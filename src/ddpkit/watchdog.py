@@ -27,189 +27,28 @@ Example (a long stretch of your own can count as progress):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import faulthandler
-import json
 import os
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ddpkit.errors import UsageError
-
-EXIT_HANG = 124
-"""Exit code of every rank of a job the watchdog found hung (as ``timeout(1)``)."""
-
-# Within one value of ``global_step`` (it grows at the end of ``step()``), the order in which
-# a training loop crosses these boundaries: evaluation and saving come after the previous
-# optimizer step, before the next batch. Unknown (user) phases rank with "eval".
-PHASES = ("start", "eval", "save", "data", "forward", "backward", "optimizer")
-CLOSED = "closed"
+from ddpkit.hang import CLOSED, EXIT_HANG, Heartbeat, Verdict, culprit, format_report, seconds_until_hung
 
 _PREFIX = "ddpkit/watchdog/"
 _VERDICT, _READY, _DUMPED = _PREFIX + "verdict", _PREFIX + "ready", _PREFIX + "dumped"
 _LINGER_S = 2.0          # peers of the stuck rank exit this much later, so the launcher names it
 _STORE_TIMEOUT_S = 10.0
-_TABLE_ROWS = 32
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """What one rank last published: where its main thread is, and since when.
-
-    ``idle`` is measured on the rank's own monotonic clock when published at wall time ``time``.
-    """
-
-    rank: int
-    step: int
-    phase: str
-    idle: float
-    time: float
-    host: str = ""
-    pid: int = 0
-    where: str = ""
-
-    def idle_at(self, now: float) -> float:
-        """Seconds without progress at wall time ``now`` (grows on if publishing stopped)."""
-        return self.idle + max(0.0, now - self.time)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Heartbeat":
-        return cls(**json.loads(text))
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The hang as decided by the first rank that saw it; every rank acts on the same one."""
-
-    culprit: int
-    reporter: int
-    peers: int = 0         # live peers the culprit waits for (reported and quiet) before its stack
-    silent: bool = False   # the culprit's watchdog is not running: no stack will come
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Verdict":
-        return cls(**json.loads(text))
 
 
 def check_timeout(hang_timeout: float | None) -> None:
     """Raise :class:`UsageError` unless ``hang_timeout`` is None or a positive number of seconds."""
     if hang_timeout is not None and not (isinstance(hang_timeout, (int, float)) and hang_timeout > 0):
         raise UsageError(f"hang_timeout must be a positive number of seconds, got {hang_timeout!r}")
-
-
-def phase_order(phase: str) -> int:
-    """Position of ``phase`` within one step (see :data:`PHASES`)."""
-    return PHASES.index(phase) if phase in PHASES else PHASES.index("eval")
-
-
-def seconds_until_hung(heartbeats: Mapping[int, Heartbeat | None], now: float, hang_timeout: float) -> float:
-    """Seconds until no open rank has made progress for ``hang_timeout`` (0: the job is hung now).
-
-    A rank with no heartbeat cannot prove progress and counts as stalled; closed ranks
-    (finished, runtime closed) do not count. One rank still beating keeps the job alive:
-    its peers may just be waiting for its long evaluation.
-    """
-    open_ranks = [b for b in heartbeats.values() if b is None or b.phase != CLOSED]
-    if not open_ranks:
-        return float("inf")
-    return max(0.0, max(0.0 if b is None else hang_timeout - b.idle_at(now) for b in open_ranks))
-
-
-def job_is_hung(heartbeats: Mapping[int, Heartbeat | None], now: float, hang_timeout: float) -> bool:
-    """True when no open rank made progress for ``hang_timeout`` seconds (see :func:`seconds_until_hung`)."""
-    return seconds_until_hung(heartbeats, now, hang_timeout) <= 0.0
-
-
-def culprit(heartbeats: Mapping[int, Heartbeat | None], now: float, *, silent_after: float) -> int:
-    """The rank that most likely caused the hang.
-
-    First a rank whose heartbeat went silent (its process froze or died; the earliest first)
-    or never came; else the live rank furthest behind: lowest step, then earliest phase
-    within the step, then the longest idle (it stopped first), then the lowest rank.
-    Peers blocked in a collective have reached a later phase than the rank they wait for.
-    """
-    def behind(item: tuple[int, Heartbeat | None]) -> tuple:
-        rank, beat = item
-        if beat is None:
-            return (0, float("inf"), 0, 0.0, rank)
-        if beat.phase == CLOSED:
-            return (2, 0, 0, 0.0, rank)
-        if now - beat.time > silent_after:
-            return (0, beat.time, 0, 0.0, rank)
-        return (1, beat.step, phase_order(beat.phase), -beat.idle_at(now), rank)
-
-    return min(heartbeats.items(), key=behind)[0]
-
-
-def format_report(heartbeats: Mapping[int, Heartbeat | None], stuck: int, now: float, *,
-                  world_size: int, silent_after: float, note: str = "") -> str:
-    """The lines the reporting rank prints: a one-line verdict, then where each rank is."""
-    beat = heartbeats.get(stuck)
-    if beat is None:
-        head = f"rank {stuck} never sent a heartbeat"
-    else:
-        head = (f"rank {stuck} made no progress for {beat.idle_at(now):.1f}s at step {beat.step} "
-                f"(phase {beat.phase})")
-        if now - beat.time > silent_after:
-            head += f"; its heartbeat stopped {now - beat.time:.1f}s ago (process frozen or dead)"
-        elif beat.where:
-            head += f" in {beat.where}"
-    others = _groups({r: b for r, b in heartbeats.items() if r != stuck})
-    if others:
-        head += "; " + "; ".join(others)
-    if len(heartbeats) < world_size:
-        head += f"; the other {world_size - len(heartbeats)} rank(s) are unknown" + (f" ({note})" if note else "")
-    lines = [f"ddpkit watchdog: {head}",
-             f"ddpkit watchdog: the job is hung; exiting with code {EXIT_HANG}. Where each rank is:"]
-    ranked = [stuck] + sorted(r for r in heartbeats if r != stuck)
-    for rank in ranked[:_TABLE_ROWS]:
-        lines.append("  " + _row(rank, heartbeats[rank], now, silent_after) + ("  <- stuck" if rank == stuck else ""))
-    if len(ranked) > _TABLE_ROWS:
-        lines.append(f"  ... and {len(ranked) - _TABLE_ROWS} more ranks (summarised above)")
-    return "\n".join(lines)
-
-
-def _row(rank: int, beat: Heartbeat | None, now: float, silent_after: float) -> str:
-    if beat is None:
-        return f"rank {rank}: no heartbeat"
-    text = (f"rank {rank}: step {beat.step}, phase {beat.phase}, idle {beat.idle_at(now):.1f}s, "
-            f"{beat.host} pid {beat.pid}")
-    if now - beat.time > silent_after:
-        text += f", heartbeat silent for {now - beat.time:.1f}s"
-    return text + (f", in {beat.where}" if beat.where else "")
-
-
-def _groups(heartbeats: Mapping[int, Heartbeat | None]) -> list[str]:
-    """'rank 0 is at step 5 (backward)', 'ranks 2-7 are closed': ranks grouped by where they are."""
-    where: dict[str, list[int]] = {}
-    for rank, beat in sorted(heartbeats.items()):
-        place = "" if beat is None else "closed" if beat.phase == CLOSED else f"at step {beat.step} ({beat.phase})"
-        where.setdefault(place, []).append(rank)
-    return [f"{_ranges(ranks)} sent no heartbeat" if not place
-            else f"{_ranges(ranks)} {'is' if len(ranks) == 1 else 'are'} {place}"
-            for place, ranks in where.items()]
-
-
-def _ranges(ranks: list[int]) -> str:
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
 class Watchdog:
