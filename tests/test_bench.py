@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ddpkit import cli
-from ddpkit.bench import PHASES, Configuration, Settings, diagnose, plan, summarize
+from ddpkit.bench import Configuration, Settings, plan, summarize
+from ddpkit.bench_report import PHASES, diagnose
 from ddpkit.recipes.models import build_model
 from helpers import ddpkit as ddpkit_cli
 

@@ -1,0 +1,111 @@
+"""What ``ddpkit bench`` found, in words: a diagnosis per configuration, bench.md/json, a chart.
+
+The diagnosis names what bounds a configuration, in this order of blame: oversubscribed CPU
+threads, communication that cannot hide behind backward, data loading, a batch too small to
+amortise per-step costs; else compute. Thresholds are shares of the mean step time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+PHASES = ("data_wait", "forward", "backward", "optimizer")
+
+# Diagnosis thresholds: shares of the mean step time, and samples per process.
+DATA_SHARE = 0.15      # data loading this large is worth workers or a faster source
+COMM_SHARE = 0.25      # an allreduce of all gradients this large cannot hide behind backward
+SMALL_BATCH = 32       # below this, per-step fixed costs (Python, launches, latency) dominate
+
+
+def diagnose(row: Mapping[str, Any]) -> str:
+    """One line on what bounds a configuration: threads, communication, data, batch, or compute."""
+    if not row.get("applicable", True):
+        return f"not applicable: {row.get('reason')}"
+    step, phases, comm = row["mean_step_seconds"], row["breakdown"], row.get("comm")
+    nproc, threads, cores = row["nproc"], row["threads_per_process"], row["cores"]
+    found = []
+    if row["device"] == "cpu" and cores and nproc * threads > cores:
+        fix = (f"OMP_NUM_THREADS={cores // nproc} would fit" if nproc <= cores
+               else f"more processes than cores: use at most {cores} per node")
+        found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; {fix})")
+    comm_text, comm_share = "", 0.0
+    if comm is not None:
+        comm_share = comm["allreduce_seconds"] / step
+        rate = comm["allreduce_gb_per_s"]
+        comm_text = (f"{comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients per step, allreduce "
+                     f"{comm['allreduce_seconds'] * 1e3:.2f} ms at {rate or 0:.2f} GB/s = {comm_share:.0%} of the step")
+        if comm_share >= COMM_SHARE:
+            found.append(f"communication ({comm_text})")
+    if phases["data_wait"] / step >= DATA_SHARE:
+        found.append(f"data loading ({phases['data_wait'] / step:.0%} of the step waits for batches)")
+    per_device = row["batch_per_process"] // row.get("devices", 1)
+    if per_device < SMALL_BATCH:
+        found.append(f"too-small per-process batch ({per_device} samples; fixed per-step costs dominate)")
+    if not found:
+        busy = (phases["forward"] + phases["backward"] + phases["optimizer"]) / step
+        found.append(f"compute (forward+backward+optimizer {busy:.0%} of the step)")
+    line = "bound by " + "; ".join(found)
+    return line if not comm_text or comm_share >= COMM_SHARE else f"{line}; communication {comm_text}"
+
+
+def _ms(value: Any) -> str:
+    return f"{value * 1e3:.2f}"
+
+
+def _markdown(report: Mapping[str, Any]) -> str:
+    """bench.md: the table, a diagnosis per configuration, the raw comparison, how it was run."""
+    from ddpkit.report import PERCENT, RATE, SPEEDUP, markdown_table
+
+    rows = [{**r, "step_ms": r.get("step_seconds"), **{f"{p}_ms": (r.get("breakdown") or {}).get(p) for p in PHASES}}
+            for r in report["configurations"]]
+    columns = [("mode", "mode"), ("nproc", "processes"), ("precision", "precision"),
+               ("samples_per_second", "samples/s", RATE), ("speedup", "speed-up", SPEEDUP),
+               ("efficiency", "efficiency", PERCENT), ("step_ms", "step ms", _ms),
+               ("data_wait_ms", "data ms", _ms), ("forward_ms", "forward ms", _ms),
+               ("backward_ms", "backward ms", _ms), ("optimizer_ms", "optimizer ms", _ms),
+               ("peak_rss_mb", "peak RSS MB", "{:.0f}")]
+    if report["gpus"]:
+        columns.append(("peak_cuda_mb", "peak CUDA MB", "{:.0f}"))
+    s = report["settings"]
+    parts = ["# ddpkit bench", f"`{report.get('command', 'ddpkit bench')}`",
+             f"{s['model']} on {s['data']}, {s['batch']} samples per process per step, {s['warmup']} warm-up "
+             f"+ {s['steps']} timed steps, SGD lr {s['lr']} momentum {s['momentum']}, seed {s['seed']}; "
+             f"torch {report['torch']} on {report['device']}"
+             + (f" ({report['gpus']} GPUs)." if report["gpus"] else "."),
+             markdown_table(rows, columns),
+             "samples/s: global batch / median step time (a step lasts as long as its slowest rank). "
+             "step ms: that median. Phase columns: mean per step over ranks; backward includes the "
+             "allreduce it waits for. Peak RSS: the largest rank's, in MiB.",
+             "## Diagnosis", "\n".join(f"- {r['mode']} x{r['nproc']} {r['precision']}: {r['diagnosis']}"
+                                       for r in report["configurations"])]
+    raw = report.get("raw_vs_ddpkit")
+    if raw:
+        parts += ["## ddpkit vs hand-written PyTorch DDP",
+                  f"{raw['mode']} x{raw['nproc']} {raw['precision']}, {raw['repeats']} interleaved pairs "
+                  f"(raw, ddpkit, raw, ...): step-time ratio ddpkit/raw **{raw['step_time_ratio']:.3f}** "
+                  f"(median of pairs), peak-memory ratio ({raw['memory_metric']}) **{raw['memory_ratio']:.3f}**, "
+                  f"final weights bitwise equal: **{'yes' if raw['weights_equal'] else 'no'}**. Both loops "
+                  "train on the data set cut to whole global batches, so ddpkit's order and sharding equal "
+                  "DistributedSampler's."]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_outputs(out: Path, report: Mapping[str, Any]) -> list[Path]:
+    """Write bench.json, bench.md and scaling.png (skipped, with a note, without matplotlib)."""
+    from ddpkit.report import plot_scaling
+    from ddpkit.tracking import atomic_path
+
+    written = []
+    for name, text in (("bench.json", json.dumps(report, indent=2, allow_nan=False) + "\n"),
+                       ("bench.md", _markdown(report))):
+        with atomic_path(out / name) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+        written.append(out / name)
+    try:
+        plotted = [{**r, "processes": r["nproc"]} for r in report["configurations"]]
+        written.append(plot_scaling(plotted, out / "scaling.png"))
+    except ImportError:
+        print("bench: scaling.png skipped: matplotlib is not installed (pip install matplotlib)", flush=True)
+    return written
