@@ -14,7 +14,8 @@ import torch
 
 from ddpkit import tracking
 from ddpkit.errors import UsageError
-from ddpkit.tracking import MetricsLogger, Progress, atomic_path
+from ddpkit.progress import Progress
+from ddpkit.tracking import MetricsLogger, atomic_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""What rank 0 writes while training: metrics as JSON lines, CSV and TensorBoard, plus a bar.
+"""What rank 0 writes while training: metrics as JSON lines, CSV and TensorBoard.
 
 Every file is flushed after each write so a crash loses nothing already logged, and the
 CSV always has a header that covers every column, so it opens in any spreadsheet.
@@ -18,7 +18,6 @@ import csv
 import json
 import operator
 import os
-import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -207,52 +206,6 @@ class MetricsLogger:
         self.close()
 
 
-class Progress:
-    """A tqdm bar on rank 0 that stays silent elsewhere and when stderr is not a terminal.
-
-    Logs of batch jobs stay clean: no carriage-return noise in files, no bar per rank.
-
-    Args:
-        total: Number of updates expected, or None when unknown.
-        enabled: False on non-zero ranks.
-        desc: Label in front of the bar.
-        unit: What one update counts (``"samples"`` makes tqdm show samples/s).
-    """
-
-    def __init__(self, total: int | None, *, enabled: bool, desc: str = "", unit: str = "it"):
-        self._bar: Any = None
-        if not (enabled and _stderr_is_tty()):
-            return
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
-
-    @property
-    def active(self) -> bool:
-        """True when a bar is actually being drawn."""
-        return self._bar is not None
-
-    def update(self, n: int = 1, **postfix: Any) -> None:
-        """Advance by ``n`` and show ``postfix`` (e.g. ``loss=0.31``) after the bar."""
-        if self._bar is None:
-            return
-        if postfix:
-            self._bar.set_postfix({k: _postfix_value(v) for k, v in postfix.items()}, refresh=False)
-        self._bar.update(n)
-
-    def close(self) -> None:
-        """Finish the bar; safe to call twice."""
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 # -- helpers ----------------------------------------------------------------------------
 def _as_step(step: Any) -> int:
     if isinstance(step, bool):
@@ -284,12 +237,6 @@ def _as_number(key: str, value: Any) -> Number:
     if isinstance(value, float):
         return float(value)
     raise UsageError(f"metric {key!r} must be a number, got {type(value).__name__} {value!r}")
-
-
-def _postfix_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    return value
 
 
 def _json_line(row: Mapping[str, Any]) -> str:
@@ -334,11 +281,4 @@ def _summary_writer(log_dir: Path) -> Any:
     return SummaryWriter(log_dir=str(log_dir))
 
 
-def _stderr_is_tty() -> bool:
-    try:
-        return bool(sys.stderr is not None and sys.stderr.isatty())
-    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
-        return False
-
-
-__all__ = ["MetricsLogger", "Progress", "atomic_path"]
+__all__ = ["MetricsLogger", "atomic_path"]

@@ -22,7 +22,8 @@ from ddpkit.evaluate import evaluate
 from ddpkit.recipes.config import TrainConfig
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 from ddpkit.recipes.models import build_model
-from ddpkit.tracking import Progress, atomic_path
+from ddpkit.progress import Progress
+from ddpkit.tracking import atomic_path
 
 
 def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
