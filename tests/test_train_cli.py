@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import sys
 
 import pytest
 
 import ddpkit
 from ddpkit import cli
 from ddpkit.errors import UsageError
+from ddpkit.recipes import train as train_recipe
 from ddpkit.recipes.models import build_model
 from helpers import ddpkit as ddpkit_cli
 
@@ -171,3 +175,20 @@ def test_data_parallel_needs_two_gpus(tmp_path):
         from ddpkit.recipes.config import TrainConfig, validate
 
         validate(TrainConfig(data_parallel=True, out=str(tmp_path / "o")))
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_shows_loss_and_samples_per_second_on_a_terminal(monkeypatch, tmp_path):
+    terminal = _Tty()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    config = cli.train_config(["--model", "mlp", "--epochs", "1", "--out", str(tmp_path / "run")])
+    summary = train_recipe.train(config)
+    bar = terminal.getvalue()
+    steps = summary["steps"]
+    assert f"{steps}/{steps}" in bar and "loss=" in bar
+    rates = [float(r) for r in re.findall(r"samples/s=(\d+)", bar)]
+    assert rates and all(rate > 0 for rate in rates)

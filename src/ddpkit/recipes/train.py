@@ -80,7 +80,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 rt.step(optimizer)
                 loss_sum += loss.detach().double().cpu() * loader.local_count
                 seen += loader.global_count
-                bar.update(1, epoch=epoch, loss=f"{loss.item():.4f}")
+                if bar.active:
+                    rate = seen / max(1e-9, train_seconds + time.perf_counter() - epoch_start)
+                    bar.update(1, epoch=epoch, loss=f"{loss.item():.4f}", **{"samples/s": f"{rate:.0f}"})
                 if config.checkpoint_every and rt.global_step % config.checkpoint_every == 0:
                     final_checkpoint = rt.checkpoint(state)
             train_seconds += time.perf_counter() - epoch_start
