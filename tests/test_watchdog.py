@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 import ddpkit
 from ddpkit import cli
@@ -123,6 +124,28 @@ def test_runtime_heartbeats_reach_the_watchdog():
     thread = rt._watchdog._thread
     rt.close()
     assert not thread.is_alive() and rt._watchdog is None
+
+
+def test_setup_and_each_evaluation_batch_count_as_progress():
+    rt = ddpkit.init(seed=0, hang_timeout=3600)
+    dog = rt._watchdog
+    dog.beat(0, "data")
+    before = dog._last[2]
+    model = rt.setup(torch.nn.Linear(4, 3))
+    assert dog._last[1] == "start" and dog._last[2] > before
+    rt.global_step = 7
+    seen = []
+    real_beat = dog.beat
+    dog.beat = lambda step, phase: (seen.append((step, phase)), real_beat(step, phase))
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randint(0, 3, (10,)))
+    ddpkit.evaluate(model, data, num_classes=3, batch_size=4)
+    assert seen == [(7, "eval")] * 3                      # one beat per batch, at the current step
+    ddpkit.predict(model, data, batch_size=5)
+    assert seen[3:] == [(7, "eval")] * 2
+    rt.close()
+    seen.clear()
+    ddpkit.evaluate(model, data, num_classes=3)           # no watchdog any more: nothing to tell
+    assert seen == []
 
 
 def test_without_hang_timeout_heartbeat_does_nothing():

@@ -22,16 +22,21 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from ddpkit import collectives
+from ddpkit import collectives, runtime
 from ddpkit.checkpoint import unwrap
 from ddpkit.data import map_tensors, private_generator, shard_range, to_device
 from ddpkit.errors import UsageError
 
 
-def _shard_loader(dataset: Any, batch_size: int, num_workers: int = 0) -> DataLoader:
+def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0) -> Iterator[Any]:
+    """This rank's shard in batches; each batch counts as progress for the hang watchdog."""
     indices = shard_range(len(dataset), collectives.rank(), collectives.world_size())
-    return DataLoader(Subset(dataset, list(indices)), batch_size=batch_size, shuffle=False,
-                      num_workers=num_workers, generator=private_generator())
+    active = runtime.current()
+    for batch in DataLoader(Subset(dataset, list(indices)), batch_size=batch_size, shuffle=False,
+                            num_workers=num_workers, generator=private_generator()):
+        if active is not None:
+            active.heartbeat("eval")
+        yield batch
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -60,7 +65,7 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
     try:
-        for inputs, targets in _shard_loader(dataset, batch_size, num_workers):
+        for inputs, targets in _shard_batches(dataset, batch_size, num_workers):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(inputs)
@@ -109,7 +114,7 @@ def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_worke
     module.eval()
     try:
         with torch.no_grad():
-            for batch in _shard_loader(dataset, batch_size, num_workers):
+            for batch in _shard_batches(dataset, batch_size, num_workers):
                 inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
                 yield _map(lambda t: t.detach().cpu(), module(to_device(inputs, device)))
     finally:

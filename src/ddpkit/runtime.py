@@ -146,8 +146,9 @@ class Runtime(Training):
     def heartbeat(self, phase: str) -> None:
         """Tell the hang watchdog this rank made progress and is now in ``phase``.
 
-        ddpkit beats at ``data``, ``backward``, ``optimizer`` and ``save``; call it in long
-        stretches of your own (``"eval"``, a slow export) so they count as progress. It only
+        ddpkit beats at ``start`` (end of :meth:`setup`), ``data``, ``backward``, ``optimizer``,
+        ``save``, and ``eval`` (each batch of :func:`ddpkit.evaluate` and :func:`ddpkit.predict`);
+        call it in long stretches of your own (a slow export) so they count as progress. It only
         records a tuple (no I/O), and does nothing without ``hang_timeout``.
         """
         if self._watchdog is not None:

@@ -90,6 +90,7 @@ class Training:
                 ddp_kwargs[_BUFFER_SYNC_ARG] = False
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        self.heartbeat("start")     # DDP's parameter broadcast is done: the set-up made progress
         if self.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
             seed_everything(self.seed + 1_000_003 * (self.rank + 1))
