@@ -7,7 +7,7 @@ import pytest
 import ddpkit
 from ddpkit.env import Environment
 from ddpkit.errors import UsageError
-from ddpkit.launch import RunSpec, parse_master, threads_per_process, torchrun_args, validate
+from ddpkit.launch import RunSpec, multi_node_env, parse_master, threads_per_process, torchrun_args, validate
 
 import workers
 
@@ -26,15 +26,31 @@ def test_two_single_node_runs_get_different_ids():
     assert len(set(ids)) == 2
 
 
-def test_multi_node_with_node_rank_is_static():
-    args = torchrun_args(RunSpec("t.py", nproc_per_node=4, nnodes=2, node_rank=1, master="head:29400"),
-                         Environment())
-    assert {"--nnodes=2", "--node-rank=1", "--master-addr=head", "--master-port=29400"} <= set(args)
+def test_multi_node_is_c10d_at_the_master_with_one_run_id_on_every_node():
+    nodes = [torchrun_args(RunSpec("t.py", nproc_per_node=4, nnodes=2, node_rank=r, master="127.0.0.1:29400"),
+                           Environment()) for r in (0, 1)]
+    for args in nodes:
+        assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
+                "--local-addr=127.0.0.1"} <= set(args)
+        assert not any(a.startswith(("--node-rank", "--master-addr")) for a in args)
+    ids = {a for args in nodes for a in args if a.startswith("--rdzv-id=")}
+    assert len(ids) == 1                                           # both nodes meet in one rendezvous
+    assert "--rdzv-conf=is_host=true" in nodes[0] and "--rdzv-conf=is_host=false" in nodes[1]
 
 
-def test_multi_node_without_node_rank_uses_c10d_at_master():
-    args = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, master="head:29400"), Environment())
-    assert "--rdzv-endpoint=head:29400" in args and "--rdzv-backend=c10d" in args
+def test_multi_node_without_node_rank_lets_torchrun_pick_the_store_host():
+    args = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, master="head.invalid:29400"), Environment())
+    assert "--rdzv-endpoint=head.invalid:29400" in args and "--rdzv-backend=c10d" in args
+    assert not any(a.startswith(("--rdzv-conf", "--local-addr")) for a in args)   # no route: torchrun's FQDN
+
+
+def test_several_nodes_give_each_attempt_a_fresh_store():
+    one = RunSpec("t.py", nproc_per_node=2)
+    two = RunSpec("t.py", nproc_per_node=2, nnodes=2, master="h:1")
+    assert multi_node_env(one, Environment()) == {}
+    assert multi_node_env(two, Environment()) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    slurm = Environment(launcher="slurm", world_size=2, local_world_size=1)
+    assert multi_node_env(one, slurm) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def test_module_target():
@@ -47,7 +63,7 @@ def test_under_srun_nodes_come_from_slurm(monkeypatch):
     slurm = Environment(launcher="slurm", rank=1, local_rank=0, world_size=3, local_world_size=1,
                         node_rank=1, master_addr="node01", master_port=19242)
     args = torchrun_args(RunSpec("t.py", nproc_per_node=2), slurm)
-    assert {"--nnodes=3", "--node-rank=1", "--master-addr=node01", "--master-port=19242"} <= set(args)
+    assert {"--nnodes=3", "--rdzv-endpoint=node01:19242", "--rdzv-id=4242", "--rdzv-conf=is_host=false"} <= set(args)
 
 
 def test_under_srun_more_than_one_task_per_node_is_refused():

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit import collectives
+from ddpkit.errors import DdpkitError
 
 import workers
 
@@ -38,16 +40,39 @@ def test_same_samples_and_weights_for_1_2_3_processes():
 
 
 @pytest.mark.timeout(300)
-def test_resumed_run_ends_with_bitwise_equal_weights(tmp_path):
+@pytest.mark.parametrize("nprocs", [2, 4])   # 4: a ring allreduce rounds by bucket layout (2 commutes)
+def test_resumed_run_ends_with_bitwise_equal_weights(tmp_path, nprocs, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (tmp_path / "none").mkdir()
-    uninterrupted = ddpkit.launch(workers.resumable_run, nprocs=2, args=(20, None, str(tmp_path / "none")))
+    uninterrupted = ddpkit.launch(workers.resumable_run, nprocs=nprocs, args=(20, None, str(tmp_path / "none")))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    stopped = ddpkit.launch(workers.resumable_run, nprocs=2, args=(20, 11, str(ckpt)))
+    stopped = ddpkit.launch(workers.resumable_run, nprocs=nprocs, args=(20, 11, str(ckpt)))
     assert stopped[0] == {"stopped": 11}
     assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-step00000011.pt", "ckpt-step00000011.pt.sha256"]
-    resumed = ddpkit.launch(workers.resumable_run, nprocs=2, args=(20, None, str(ckpt)))
+    resumed = ddpkit.launch(workers.resumable_run, nprocs=nprocs, args=(20, None, str(ckpt)))
     assert resumed[0]["step"] == uninterrupted[0]["step"] == 20
     assert resumed[0]["note"] == "plain values survive too"
     for name, value in uninterrupted[0]["weights"].items():
         assert torch.equal(resumed[0]["weights"][name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_resumes_from_the_checkpoint_rank_zero_chose(tmp_path):
+    """As on node-local disks: rank 1's own checkpoint_dir is empty; it must not start afresh."""
+    shared, empty = tmp_path / "rank0", tmp_path / "rank1"
+    empty.mkdir()
+    rt = ddpkit.init(checkpoint_dir=shared)
+    rt.global_step = 3
+    rt.checkpoint({"model": torch.nn.Linear(4, 2)})
+    rt.close()
+    steps = ddpkit.launch(workers.resume_auto_step, nprocs=2, args=([str(shared), str(empty)],))
+    assert steps == {0: 3, 1: 3}
+
+
+def test_a_checkpoint_this_rank_cannot_read_is_a_clear_error(tmp_path, monkeypatch):
+    rt = ddpkit.init(checkpoint_dir=tmp_path, resume="auto")
+    monkeypatch.setattr(collectives, "broadcast_object", lambda obj, src=0: str(tmp_path / "elsewhere.pt"))
+    with pytest.raises(DdpkitError, match=r"rank 0 resumes from .*elsewhere\.pt, which rank 0 cannot read on "
+                                          r".*: put checkpoint_dir on a filesystem every node shares"):
+        rt.resume({"model": torch.nn.Linear(4, 2)})

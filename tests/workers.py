@@ -183,3 +183,13 @@ def evaluate_everything(stream_dir: str | None = None) -> dict:
         results[length] = {"main": main, "all": everywhere, "metrics": metrics, "streamed": streamed,
                            "shard": len(ddpkit.data.shard_range(length, rt.rank, rt.world_size))}
     return results
+
+
+def resume_auto_step(checkpoint_dirs: list[str]) -> int:
+    """Resume automatically from this rank's own directory; the step every rank ended up at."""
+    import os
+
+    rt = ddpkit.init(seed=0, checkpoint_dir=checkpoint_dirs[int(os.environ["RANK"])], resume="auto")
+    model = rt.setup(torch.nn.Linear(4, 2))
+    rt.resume({"model": model})
+    return rt.global_step

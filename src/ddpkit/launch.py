@@ -80,14 +80,16 @@ def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> in
 def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
     """The ``torch.distributed.run`` arguments for ``spec``.
 
-    Single node: c10d rendezvous on a free loopback port chosen by the OS. Several nodes
-    with ``--node-rank``: torchrun's static rendezvous at the master. Under ``srun`` (one
-    task per node) nodes, node rank and master come from SLURM.
+    Single node: c10d rendezvous on a free loopback port chosen by the OS. Several nodes: c10d
+    rendezvous at the master, hosted by node 0 (``--node-rank 0``, or the first SLURM node),
+    under one run id on every node, so a failed worker restarts the whole job together. The
+    rendezvous numbers the nodes (by address), so global rank 0 may live on any node.
+    Under ``srun`` (one task per node) nodes, node rank and master come from SLURM.
     """
     env = detect() if env is None else env
     nproc = spec.nproc_per_node or default_nproc()
     nnodes, node_rank, master = spec.nnodes, spec.node_rank, spec.master
-    run_id = uuid.uuid4().hex[:12]
+    run_id = None
     if env.launcher == "slurm" and master is None:
         if env.local_world_size != 1:
             raise UsageError(
@@ -96,24 +98,58 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
             )
         nnodes, node_rank = env.world_size, env.node_rank
         master = f"{env.master_addr}:{env.master_port}"
-        run_id = os.environ.get("SLURM_JOB_ID", run_id)
+        run_id = os.environ.get("SLURM_JOB_ID")
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if nnodes == 1 and master is None:
-        args += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={run_id}"]
-    else:
-        if master is None:
-            raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (the host of node 0)")
-        host, port = parse_master(master)
-        if node_rank is not None:
-            if not 0 <= node_rank < nnodes:
-                raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
-            args += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-                     f"--master-addr={host}", f"--master-port={port}"]
-        else:
-            args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={run_id}"]
-    args += ["--module", spec.target] if spec.module else [spec.target]
-    return args + list(spec.target_args)
+        return args + ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                       f"--rdzv-id={uuid.uuid4().hex[:12]}", *_target(spec)]
+    if master is None:
+        raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (the host of node 0)")
+    host, port = parse_master(master)
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+             f"--rdzv-id={run_id or f'ddpkit-{host}-{port}'}"]      # the same on every node
+    if node_rank is not None:
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+        args.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}")
+    local = local_address(host, port)
+    if local is not None:
+        args.append(f"--local-addr={local}")     # peers reach rank 0's store here, not at its FQDN
+    return args + _target(spec)
+
+
+def _target(spec: RunSpec) -> list[str]:
+    return [*(["--module", spec.target] if spec.module else [spec.target]), *spec.target_args]
+
+
+def local_address(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host``: where the other nodes can reach it.
+
+    Sends nothing (a UDP socket only picks its route). None if ``host`` does not resolve or
+    has no route; torchrun then falls back to this machine's FQDN.
+    """
+    import socket
+
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def multi_node_env(spec: RunSpec, env: Environment | None = None) -> dict[str, str]:
+    """Variables for the agent of a job of several nodes, on top of ``spec.extra_env``.
+
+    torchrun's workers share one store across restarts and tell attempts apart by a restart
+    count that each node keeps for itself: after one node's worker fails, the nodes disagree
+    on it. With the store not shared, rank 0 hosts a fresh store for every attempt instead.
+    """
+    env = detect() if env is None else env
+    several = spec.nnodes > 1 or spec.master is not None or (env.launcher == "slurm" and env.world_size > 1)
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if several else {}
 
 
 def validate(spec: RunSpec) -> None:
@@ -157,7 +193,7 @@ def run(spec: RunSpec) -> int:
 
     argv = torchrun_args(spec)
     nproc = spec.nproc_per_node or default_nproc()
-    with _thread_env(nproc, spec.extra_env):
+    with _thread_env(nproc, {**multi_node_env(spec), **spec.extra_env}):
         try:
             torch_run(parse_args(argv))
         except ChildFailedError as exc:

@@ -77,9 +77,10 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
 def _store(env: Environment, timeout_s: float) -> dist.Store:
     """The rendezvous store, scoped to this attempt of this run.
 
-    Under the elastic agent the agent hosts the store and it outlives a restart; without a
-    prefix per attempt, restarted workers read the previous attempt's peer addresses and
-    hang or fail connecting to dead processes. Elsewhere rank 0 hosts it.
+    Under the elastic agent on one node the agent hosts the store and it outlives a restart;
+    without a prefix per attempt, restarted workers read the previous attempt's peer addresses
+    and hang or fail connecting to dead processes. Elsewhere (``ddpkit run`` on several nodes,
+    srun, mpirun, by hand) rank 0 hosts a store of its own.
     """
     host_store = not env.agent_store and env.rank == 0
     try:
@@ -97,7 +98,10 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
             "running, that the host name resolves here, that the port is open in the "
             "firewall, and that every node uses the same master address and port"
         ) from None
-    return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/attempt{env.restart_count}/", store)
+    # The agent's store outlives restarts (one node: its restart count is the attempt). A store
+    # that rank 0 hosts is new for every attempt, and nodes may count their restarts differently.
+    attempt = f"attempt{env.restart_count}/" if env.agent_store else ""
+    return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/{attempt}", store)
 
 
 def destroy() -> None:

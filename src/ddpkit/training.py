@@ -90,6 +90,8 @@ class Training:
                 ddp_kwargs[_BUFFER_SYNC_ARG] = False
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+            if self.device.type == "cpu":
+                _fix_bucket_layout(model)
         self.heartbeat("start")     # DDP's parameter broadcast is done: the set-up made progress
         if self.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
@@ -284,13 +286,53 @@ class Training:
         if self.resume_from is None:
             return None
         if self.resume_from == "auto":
-            found = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-            return None if found is None else self._restore(found, state, verified=True)
+            return self._resume_newest(state)
         return self.load(self.resume_from, state)
+
+    def _resume_newest(self, state: MutableMapping[str, Any]) -> Path | None:
+        """Rank 0 picks the newest complete checkpoint; every rank loads that one, or none does.
+
+        Ranks looking on their own could disagree (a node-local disk holds no checkpoints, a
+        save lands between two looks) and silently train from different states.
+        """
+        found = None
+        if self.is_main and self.checkpoint_dir is not None:
+            found = checkpoint.latest(self.checkpoint_dir)      # verifies what it returns
+        found = collectives.broadcast_object(None if found is None else str(found))
+        if found is None:
+            return None
+        if not Path(found).is_file():
+            import socket
+
+            raise DdpkitError(
+                f"rank 0 resumes from {found}, which rank {self.rank} cannot read on {socket.gethostname()}: "
+                "put checkpoint_dir on a filesystem every node shares"
+            )
+        return self._restore(Path(found), state, verified=True)
 
     def _close_training(self) -> None:
         if self._logger is not None:
             self._logger.close()
+
+
+def _fix_bucket_layout(model: Any) -> None:
+    """Settle DDP's gradient buckets now, so every step of every attempt uses the same layout.
+
+    DDP starts with one bucket in parameter order and, after the first backward, re-buckets in
+    the order gradients became ready. A run resumed from a checkpoint would take its first step
+    with the starting layout where the uninterrupted run used the re-bucketed one; with three or
+    more processes a ring allreduce sums each element in an order that depends on where it sits
+    in the bucket, so the two runs part by a rounding error. Re-bucketing at once (parameter
+    order, DDP's own size caps) makes resume bitwise exact. CPU only: on GPUs the ready order
+    lets communication overlap the backward pass, and bitwise results are not on offer anyway.
+    Uses DDP's private join hooks; without them (another torch) DDP's default stays.
+    """
+    reducer = getattr(model, "reducer", None)
+    try:
+        reducer._push_all_rebuilt_params()
+        reducer._rebuild_buckets()         # a collective: every rank calls setup
+    except (AttributeError, RuntimeError):
+        pass
 
 
 def seed_everything(seed: int) -> None:

@@ -25,7 +25,7 @@ class TrainConfig:
     nproc: int = 1
     """Processes on this machine (per node)."""
     nnodes: int = 1
-    """Nodes of the job; each node runs ddpkit train with its own --node-rank."""
+    """Nodes of the job; each node runs ddpkit train with its own --node-rank (0 hosts the rendezvous)."""
     node_rank: int | None = None
     """This node's index when --nnodes > 1."""
     master: str | None = None
@@ -189,8 +189,8 @@ def validate(config: TrainConfig) -> None:
                          f"use a multiple of {config.world_size} or --batch per process")
     if config.nnodes < 1:
         raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
-    if config.nnodes > 1 and (config.master is None or config.node_rank is None):
-        raise UsageError("--nnodes > 1 needs --node-rank R and --master HOST:PORT (the host of node 0)")
+    if config.nnodes > 1 and config.master is None:
+        raise UsageError("--nnodes > 1 needs --master HOST:PORT (the host of node 0) and --node-rank R")
     if config.data_parallel:
         import torch
 
@@ -204,8 +204,7 @@ def validate(config: TrainConfig) -> None:
 
 
 def _check_out(config: TrainConfig) -> None:
-    if config.node_rank:
-        return     # only node 0 (global rank 0) writes into --out
+    # Every node checks: the rendezvous decides which node holds global rank 0, the one that writes.
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
