@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.evaluate import predict_to_file
+from ddpkit import predict_to_file          # the public name README shows
 
 import workers
 

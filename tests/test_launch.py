@@ -15,6 +15,7 @@ import workers
 def test_single_node_uses_free_loopback_port():
     args = torchrun_args(RunSpec("train.py", ["--lr", "0.1"], nproc_per_node=2), Environment())
     assert "--rdzv-endpoint=127.0.0.1:0" in args and "--rdzv-backend=c10d" in args
+    assert "--local-addr=127.0.0.1" in args          # workers never depend on the host name resolving
     assert "--nproc-per-node=2" in args and "--nnodes=1" in args
     assert args[-3:] == ["train.py", "--lr", "0.1"]
 

@@ -165,7 +165,7 @@ def indexed_dataset(length: int):
 def evaluate_everything(stream_dir: str | None = None) -> dict:
     import torchmetrics
 
-    from ddpkit.evaluate import predict_to_file
+    from ddpkit import predict_to_file
 
     rt = ddpkit.init()
     results = {}

@@ -17,7 +17,7 @@ from ddpkit.collectives import all_gather, all_gather_object, all_reduce, broadc
 from ddpkit.data import sample_rng
 from ddpkit.env import Environment, detect
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.evaluate import evaluate, predict
+from ddpkit.evaluate import evaluate, predict, predict_to_file
 from ddpkit.launch import LaunchError, launch
 from ddpkit.runtime import Runtime, current, init
 
@@ -38,6 +38,7 @@ __all__ = [
     "all_reduce",
     "broadcast_object",
     "current",
+    "predict_to_file",
     "detect",
     "evaluate",
     "init",

@@ -101,8 +101,9 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
         run_id = os.environ.get("SLURM_JOB_ID")
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if nnodes == 1 and master is None:
+        # --local-addr: workers reach the store at 127.0.0.1, not at a host name that may not resolve
         return args + ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                       f"--rdzv-id={uuid.uuid4().hex[:12]}", *_target(spec)]
+                       f"--rdzv-id={uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *_target(spec)]
     if master is None:
         raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (the host of node 0)")
     host, port = parse_master(master)
