@@ -117,6 +117,27 @@ def test_an_out_holding_a_run_is_not_overwritten(trained):
     assert (out / "summary.json").read_bytes() == before
 
 
+def test_overwrite_replaces_the_old_run_and_keeps_other_files(trained, tmp_path):
+    import shutil
+
+    out, _ = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "notes.txt").write_text("mine")
+    old_steps = sorted(p.name for p in (copy / "checkpoints").glob("*.pt"))
+    assert old_steps[-1] == "ckpt-step00000069.pt"
+    result = ddpkit_cli("train", "--nproc", "1", "--model", "mlp", "--epochs", "1", "--out", str(copy),
+                        "--overwrite", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--overwrite removed" in result.stdout
+    steps = sorted(p.name for p in (copy / "checkpoints").glob("*.pt"))
+    assert steps == ["ckpt-step00000023.pt"]            # the old run's step 69 cannot outrank it
+    rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0]
+    assert json.loads((copy / "summary.json").read_text())["model"] == "mlp"
+    assert (copy / "notes.txt").read_text() == "mine"
+
+
 def test_config_files_and_flag_precedence(tmp_path):
     (tmp_path / "c.yaml").write_text("model: mlp\nepochs: 7\nglobal-batch: 32\nsync_bn: true\n")
     (tmp_path / "c.toml").write_text('model = "mlp"\nepochs = 2\nlr = 0.2\n')

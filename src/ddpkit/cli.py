@@ -143,7 +143,7 @@ def _train_parser() -> argparse.ArgumentParser:
         help="seconds without progress before the job counts as hung and exits (default: no watchdog)")
     add("--eval-batch", dest="eval_batch", type=int, help="evaluation batch size (default 256)")
     add("--synthetic-size", dest="synthetic_size", type=int, help="samples of --data synthetic")
-    add("--overwrite", action="store_true", help="allow an --out that already holds a run")
+    add("--overwrite", action="store_true", help="replace the run in --out (its checkpoints, metrics, summary)")
     add("--config", help="YAML or TOML file of these settings; flags override it")
     return parser
 
@@ -162,10 +162,12 @@ def train_config(argv: Sequence[str]):
 
 def cmd_train(argv: Sequence[str]) -> int:
     from ddpkit.launch import RunSpec, run
-    from ddpkit.recipes.train import preflight
+    from ddpkit.recipes.train import clear_previous_run, preflight
 
     config = train_config(argv)
     preflight(config)
+    for path in clear_previous_run(config):
+        print(f"ddpkit train: --overwrite removed {path}")
     spec = RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True,
                    nproc_per_node=config.nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
                    node_rank=config.node_rank, master=config.master)

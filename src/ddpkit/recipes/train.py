@@ -128,6 +128,33 @@ def _write_outputs(rt: ddpkit.Runtime, summary: dict[str, Any], out: Path) -> No
     rt.plot_loss()
 
 
+RUN_OUTPUTS = ("summary.json", "metrics.jsonl", "metrics.csv", "loss.png", "checkpoints", "tensorboard")
+
+
+def clear_previous_run(config: TrainConfig) -> list[Path]:
+    """With ``--overwrite`` (and no ``--resume``), remove the earlier run's outputs in ``--out``.
+
+    Left in place, its checkpoints would outrank the new run's (rotation keeps the highest
+    steps, so the new ones would be pruned) and a later ``--resume auto`` would pick them.
+    Only the files a run writes are removed; anything else in ``--out`` stays.
+    """
+    if not config.overwrite or config.resume is not None:
+        return []
+    import shutil
+
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = Path(config.out) / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)     # another node sharing --out may race us
+        elif path.exists():
+            path.unlink(missing_ok=True)
+        else:
+            continue
+        removed.append(path)
+    return removed
+
+
 def preflight(config: TrainConfig) -> None:
     """Read the data and check a named --resume checkpoint before any process starts.
 
