@@ -187,6 +187,9 @@ def _step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 # -- reading ------------------------------------------------------------------------------
 
+_EARLIER = "resume from an earlier checkpoint (a directory with resume='auto' or --resume auto skips damaged ones)"
+
+
 def verify(path: str | os.PathLike) -> None:
     """Check size and checksum against what was recorded when the file was written.
 
@@ -195,22 +198,23 @@ def verify(path: str | os.PathLike) -> None:
     """
     path = Path(path)
     if not path.is_file():
-        raise DdpkitError(f"checkpoint {path} does not exist")
+        raise DdpkitError(f"checkpoint {path} does not exist; give a checkpoint file, or its directory for the newest")
     record_path = _sum_path(path)
     if not record_path.is_file():
         return  # written by something else (e.g. torch.save by hand): rely on torch.load's checks
     try:
         record = json.loads(record_path.read_text())
     except ValueError:
-        raise DdpkitError(f"checkpoint {path}: its checksum file {record_path.name} is damaged") from None
+        raise DdpkitError(f"checkpoint {path}: its checksum file {record_path.name} is damaged; delete it to "
+                          "load the checkpoint unchecked, or " + _EARLIER) from None
     digest, size = _digest(path)
     previous = record.get("previous") or {}
     if (digest, size) == (previous.get("sha256"), previous.get("size")):
         return   # a save to this path was cut short before its rename: the old file is intact
     if size != record.get("size"):
-        raise DdpkitError(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written")
+        raise DdpkitError(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written; " + _EARLIER)
     if digest != record.get("sha256"):
-        raise DdpkitError(f"checkpoint {path} is corrupted: its checksum does not match the one written")
+        raise DdpkitError(f"checkpoint {path} is corrupted: its checksum does not match the one written; " + _EARLIER)
 
 
 def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool = False) -> dict[str, Any]:
@@ -272,7 +276,8 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
     """Load each saved entry into ``state``; models are checked key by key and shape by shape."""
     missing = [key for key in state if key not in saved]
     if missing:
-        raise DdpkitError(f"checkpoint {path} has no entry for {', '.join(map(repr, missing))}")
+        raise DdpkitError(f"checkpoint {path} has no entry for {', '.join(map(repr, missing))}; "
+                          f"it holds {', '.join(map(repr, saved)) or 'nothing'}: pass a state with those keys")
     for key, target in state.items():
         if hasattr(target, "load_state_dict"):
             obj = unwrap(target)
@@ -303,4 +308,5 @@ def check_model_state(model: torch.nn.Module, saved: Mapping[str, Any], where: s
             shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
             problems.append(f"{label}: {shown}")
     if problems:
-        raise DdpkitError(f"{where} is for another model: " + "; ".join(problems))
+        raise DdpkitError(f"{where} is for another model: " + "; ".join(problems)
+                          + "; build the model the checkpoint was saved from")
