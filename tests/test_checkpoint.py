@@ -143,6 +143,33 @@ def test_fp16_scaler_state_survives_a_checkpoint(tmp_path):
         other.load(path, _state())
 
 
+def test_accumulation_groups_end_with_the_pass_and_weigh_every_sample_once():
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(10, 3), torch.randn(10, 1)
+    data = torch.utils.data.TensorDataset(inputs, targets)
+    reference, model = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    model.load_state_dict(reference.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):                                  # what 3 batches of 3 then 1 accumulate to
+        for chunk in (slice(0, 9), slice(9, 10)):
+            torch.nn.functional.mse_loss(reference(inputs[chunk]), targets[chunk]).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    rt = ddpkit.init(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = rt.loader(data, global_batch_size=3)       # 4 batches per pass: 3, 3, 3, 1
+    stepped = []
+    for _ in rt.epochs(2):
+        for x, y in loader:
+            with rt.accumulate(model, 3):
+                rt.backward(torch.nn.functional.mse_loss(model(x), y))
+                stepped.append(rt.step(opt))
+    assert stepped == [False, False, True, True] * 2    # never a group across two passes
+    assert rt.global_step == 4
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[key], value, atol=1e-6), key
+
+
 def test_accumulation_steps_once_per_group():
     torch.manual_seed(0)
     data = torch.randn(8, 3)

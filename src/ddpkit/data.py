@@ -60,6 +60,12 @@ class GlobalBatchSampler:
         for step in range(start, len(self)):
             yield order[step * size:(step + 1) * size]
 
+    def global_count(self, index: int) -> int:
+        """Samples in global batch ``index`` of a pass (the last one may be short; 0 past the end)."""
+        if not 0 <= index < len(self):
+            return 0
+        return min(self.global_batch_size, self.length - index * self.global_batch_size)
+
     def local_part(self, global_batch: list[int]) -> list[int]:
         """This rank's strided part of one global batch (possibly empty in a short last batch)."""
         return global_batch[self.rank::self.world_size]

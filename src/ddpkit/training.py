@@ -58,8 +58,9 @@ class Training:
         self.global_step = 0      # optimizer steps taken
         self._loaders: list[ShardedLoader] = []
         self._active: ShardedLoader | None = None
-        self._accumulation: tuple[int, bool] | None = None   # (steps, is this micro-step the last)
+        self._accumulation: tuple[float, bool] | None = None   # (divisor, is this micro-step the last)
         self._micro_steps = 0
+        self._group: tuple[int, float] = (1, 1.0)
         self._logger: Any = None
 
     def barrier(self) -> None:   # provided by Runtime
@@ -139,9 +140,12 @@ class Training:
         """
         self.heartbeat("backward")
         weight = 1.0
-        if self._active is not None and self._active.global_count:
-            weight = self._active.batch_weight()
-            if self._active.local_count == 0:
+        active = self._active
+        if active is not None and active.global_count:
+            weight = active.batch_weight()
+            if self._accumulation is not None:      # a share of the group's samples, not the batch's
+                weight *= active.global_count / active.sampler.global_batch_size
+            if active.local_count == 0:
                 loss = torch.nan_to_num(loss, nan=0.0)   # mean of nothing; contributes zero
         if self._accumulation is not None:
             weight /= self._accumulation[0]
@@ -168,15 +172,36 @@ class Training:
         """
         if steps < 1:
             raise UsageError(f"accumulate needs steps >= 1, got {steps}")
+        if self._micro_steps == 0:
+            self._group = self._group_weight(steps)
         self._micro_steps += 1
-        last = self._micro_steps % steps == 0
-        self._accumulation = (steps, last)
+        group_batches, divisor = self._group
+        last = self._micro_steps >= group_batches
+        if last:
+            self._micro_steps = 0
+        self._accumulation = (divisor, last)
         sync_off = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
         try:
             with sync_off:
                 yield last
         finally:
             self._accumulation = None
+
+    def _group_weight(self, steps: int) -> tuple[int, float]:
+        """(batches, divisor) of the accumulation group starting with the batch in hand.
+
+        A group never runs past the end of a pass over the data: a pass of 10 batches with
+        ``steps=4`` steps after 4, 8 and 10. The divisor counts full global batches, so a short
+        group (or one ending in a short batch) is the exact mean over the samples it saw.
+        """
+        loader = self._active
+        if loader is None or not len(loader):
+            return steps, float(steps)
+        first = loader.position - 1                      # index of the batch just handed out
+        batches = max(1, min(steps, len(loader) - first))
+        full = loader.sampler.global_batch_size
+        seen = sum(loader.sampler.global_count(first + i) for i in range(batches))
+        return batches, seen / full if seen else float(batches)
 
     # -- logging and checkpoints --------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
