@@ -76,3 +76,13 @@ def test_a_checkpoint_this_rank_cannot_read_is_a_clear_error(tmp_path, monkeypat
     with pytest.raises(DdpkitError, match=r"rank 0 resumes from .*elsewhere\.pt, which rank 0 cannot read on "
                                           r".*: put checkpoint_dir on a filesystem every node shares"):
         rt.resume({"model": torch.nn.Linear(4, 2)})
+
+
+@pytest.mark.timeout(120)
+def test_accumulating_two_batches_on_two_ranks_equals_one_big_batch():
+    """Under DDP (no_sync on the inner micro-step), ranks and micro-steps weigh as one big batch."""
+    accumulated = ddpkit.launch(workers.accumulated_run, nprocs=2, args=(2, 4))[0]
+    big_batch = workers.accumulated_run(1, 8)
+    assert accumulated["steps"] == big_batch["steps"] == 6       # 8, 8, 2 samples per step, twice
+    for name, value in big_batch["weights"].items():
+        assert torch.allclose(accumulated["weights"][name], value, atol=1e-6), name

@@ -193,3 +193,24 @@ def resume_auto_step(checkpoint_dirs: list[str]) -> int:
     model = rt.setup(torch.nn.Linear(4, 2))
     rt.resume({"model": model})
     return rt.global_step
+
+
+def accumulated_run(steps: int, global_batch: int) -> dict:
+    """Two passes over 18 samples with ``rt.accumulate(model, steps)``; rank 0's final weights."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    generator = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randn(18, 3, generator=generator),
+                                          torch.randn(18, 1, generator=generator))
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(data, global_batch_size=global_batch, shuffle=True)
+    for _ in rt.epochs(2):
+        for x, y in loader:
+            with rt.accumulate(model, steps):
+                rt.backward(F.mse_loss(model(x), y))
+                rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    return {"weights": weights, "steps": rt.global_step}
