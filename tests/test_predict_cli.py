@@ -98,3 +98,25 @@ def test_bad_input(digits_checkpoint, tmp_path):
     assert not (tmp_path / "a.csv").exists() and not (tmp_path / "missing").exists()
     assert sorted(os.listdir(tmp_path)) == sorted(["exists.csv", "mlp.pt", "mlp.pt.sha256", "norecipe.pt",
                                                    "norecipe.pt.sha256"])
+
+
+@pytest.mark.timeout(150)
+def test_the_forward_runs_in_the_precision_the_checkpoint_was_trained_in(tmp_path):
+    from ddpkit.recipes.datasets import load_dataset
+
+    path = _checkpoint(tmp_path / "bf16.pt", recipe={**RECIPE, "precision": "bf16"})
+    out = tmp_path / "pred.csv"
+    result = ddpkit_cli("predict", "--checkpoint", str(path), "--data", "digits", "--split", "test",
+                        "--nproc", "1", "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = np.array([[float(v) for v in r[2:]] for r in _rows(out)[1:]])
+    torch.manual_seed(0)
+    model = build_model("convnet", num_classes=10, in_channels=1, image_size=8).eval()
+    images = torch.stack([x for x, _ in load_dataset("digits", "test", None).dataset])
+    with torch.no_grad():
+        fp32 = torch.softmax(model(images), dim=1).numpy()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(images)
+        bf16 = torch.softmax(logits.float(), dim=1).numpy()
+    assert np.allclose(written, bf16, atol=1e-6)
+    assert not np.allclose(written, fp32, atol=1e-6)

@@ -107,7 +107,8 @@ def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:
     }
 
 
-def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_workers: int) -> Iterator[Any]:
+def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_workers: int,
+               autocast: Callable[[], Any] | None = None) -> Iterator[Any]:
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
     device = _device_of(module)
     was_training = module.training
@@ -116,13 +117,15 @@ def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_worke
         with torch.no_grad():
             for batch in _shard_batches(dataset, batch_size, num_workers):
                 inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-                yield _map(lambda t: t.detach().cpu(), module(to_device(inputs, device)))
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    outputs = module(to_device(inputs, device))
+                yield _map(lambda t: t.detach().cpu(), outputs)
     finally:
         module.train(was_training)
 
 
 def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: str = "main",
-            num_workers: int = 0) -> Any:
+            num_workers: int = 0, autocast: Callable[[], Any] | None = None) -> Any:
     """Outputs for every sample exactly once, in dataset order: first dimension ``len(dataset)``.
 
     Works for models returning a tensor, or a tuple/list/dict of tensors (the same
@@ -130,13 +133,14 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
 
     Args:
         to: ``"main"`` returns the result on rank 0 and None elsewhere; ``"all"`` on every rank.
+        autocast: makes the context each forward runs in (e.g. ``rt.autocast``), as in training.
     """
     if to not in ("main", "all"):
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
     if len(dataset) == 0:
         raise UsageError("predict: the dataset is empty")
     module = unwrap(model)
-    outputs = list(_run_shard(module, dataset, batch_size, num_workers))
+    outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast))
     local = _concat(outputs) if outputs else _empty_output(module, dataset)
     # Contiguous shards concatenated in rank order are the dataset order.
     collect = collectives.all_gather if to == "all" else collectives.gather

@@ -114,12 +114,13 @@ def run_worker(config: PredictConfig, path: Path) -> None:
     """Predict in this process (one of the world); rank 0 writes ``config.out``."""
     import ddpkit
 
-    rt = ddpkit.init()
     payload = checkpoint.read(path)
-    model, _ = _model_from(payload, path)
+    model, recipe = _model_from(payload, path)
+    rt = ddpkit.init(precision=recipe.get("precision", "fp32"))   # the forward as it was trained
     model.load_state_dict(payload["user"]["model"])
     model = model.to(rt.device)
-    logits = ddpkit.predict(model, _dataset(config).dataset, batch_size=config.batch, to="main")
+    logits = ddpkit.predict(model, _dataset(config).dataset, batch_size=config.batch, to="main",
+                            autocast=rt.autocast)
     if rt.is_main:
         write_predictions(Path(config.out), logits.float())
     rt.barrier()
