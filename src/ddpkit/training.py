@@ -1,24 +1,25 @@
-"""The training half of the runtime: model setup, sharded loaders, the loop, logs and checkpoints.
+"""The training half of the runtime: model setup, sharded loaders, the loop and its logs.
 
 :class:`Training` holds what a training run changes (epoch, step, loaders, precision, the
 metrics logger) and the methods a user script calls on ``rt`` for it. :class:`ddpkit.runtime.Runtime`
 builds on it with the place in the world (rank, device, barrier, heartbeat) and the process
-group's life; the methods here use those through ``self``.
+group's life; the methods here use those through ``self``. Saving and resuming the whole
+state is :class:`ddpkit.resume.Resumable`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, MutableMapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 
-from ddpkit import checkpoint, collectives
+from ddpkit import collectives
 from ddpkit.data import GlobalBatchSampler, ShardedLoader, check_batch_sizes
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import UsageError
 from ddpkit.precision import Precision
+from ddpkit.resume import Resumable
 
 
 def _buffer_sync_arg() -> str:
@@ -34,7 +35,7 @@ def _buffer_sync_arg() -> str:
 _BUFFER_SYNC_ARG = _buffer_sync_arg()
 
 
-class Training:
+class Training(Resumable):
     """Training state and the loop's API; the base of :class:`ddpkit.runtime.Runtime`.
 
     Subclasses provide ``device``, ``rank``, ``world_size``, ``is_main``, ``barrier()`` and
@@ -62,12 +63,6 @@ class Training:
         self._micro_steps = 0
         self._group: tuple[int, float] = (1, 1.0)
         self._logger: Any = None
-
-    def barrier(self) -> None:   # provided by Runtime
-        raise NotImplementedError
-
-    def heartbeat(self, phase: str) -> None:   # provided by Runtime
-        raise NotImplementedError
 
     # -- model, data, loop ---------------------------------------------------------------
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -230,111 +225,6 @@ class Training:
         """Draw ``out_dir``/loss.png from the logged losses (rank 0; None elsewhere)."""
         return self._logger.plot_loss() if self._logger is not None else None
 
-    def save(self, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
-        """Save ``state`` plus ddpkit's own (epoch, step, loader positions, RNGs, scaler).
-
-        Global rank 0 writes atomically; the others wait. A directory ``path`` gets
-        ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
-        """
-        self.heartbeat("save")
-        path = Path(path)
-        rotate = path.is_dir() or path.suffix == ""
-        target = checkpoint.step_path(path, self.global_step) if rotate else path
-        rngs = collectives.all_gather_object(checkpoint.rng_state())
-        if self.is_main:
-            payload = {
-                "format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": _version(),
-                "user": checkpoint.user_state(state),
-                "ddpkit": {
-                    "epoch": self.epoch, "step": self.global_step,
-                    "loaders": [made.state_dict() for made in self._loaders],
-                    "rng": rngs, "world_size": self.world_size,
-                    "precision": self.precision.state_dict(),
-                    "config": {"seed": self.seed, "precision": self.precision.name},
-                },
-            }
-            checkpoint.write(target, payload)
-            if rotate:
-                checkpoint.prune(path, self.keep_checkpoints)
-        self.barrier()
-        return target
-
-    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any]) -> Path:
-        """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
-
-        Resumes mid-epoch exactly: the next batch is the one after the last trained.
-        """
-        target = Path(path)
-        if target.is_dir():
-            found = checkpoint.latest(target)      # verifies what it returns
-            if found is None:
-                raise DdpkitError(f"no complete checkpoint in {target}")
-            return self._restore(found, state, verified=True)
-        return self._restore(target, state, verified=False)
-
-    def _restore(self, target: Path, state: MutableMapping[str, Any], *, verified: bool) -> Path:
-        payload = checkpoint.read(target, verified=verified)
-        checkpoint.restore_user_state(state, payload["user"], target)
-        own = payload["ddpkit"]
-        self.precision.load_state_dict(own["precision"])
-        self.epoch, self.global_step = int(own["epoch"]), int(own["step"])
-        for made, saved in zip(self._loaders, own.get("loaders", [])):
-            made.load_state_dict(saved)
-        if self._loaders and all(m.position >= len(m) for m in self._loaders):
-            self.epoch += 1            # saved at the end of an epoch: go on with the next
-            for made in self._loaders:
-                made.set_epoch(self.epoch)
-        saved_world = int(own.get("world_size", 1))
-        if saved_world == self.world_size:
-            checkpoint.set_rng_state(own["rng"][self.rank])
-        elif self.is_main:
-            import warnings
-
-            warnings.warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
-                          f"{self.world_size}: the data order and per-sample randomness continue exactly, "
-                          "per-process random streams (dropout) start afresh", stacklevel=2)
-        return target
-
-    def checkpoint(self, state: Mapping[str, Any]) -> Path:
-        """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
-        if self.checkpoint_dir is None:
-            raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
-        return self.save(self.checkpoint_dir, state)
-
-    def resume(self, state: MutableMapping[str, Any]) -> Path | None:
-        """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
-
-        ``resume="auto"`` takes the newest complete checkpoint of ``checkpoint_dir`` and does
-        nothing when there is none yet, so one script serves the first start and every
-        restart of ``ddpkit run --max-restarts K``.
-        """
-        if self.resume_from is None:
-            return None
-        if self.resume_from == "auto":
-            return self._resume_newest(state)
-        return self.load(self.resume_from, state)
-
-    def _resume_newest(self, state: MutableMapping[str, Any]) -> Path | None:
-        """Rank 0 picks the newest complete checkpoint; every rank loads that one, or none does.
-
-        Ranks looking on their own could disagree (a node-local disk holds no checkpoints, a
-        save lands between two looks) and silently train from different states.
-        """
-        found = None
-        if self.is_main and self.checkpoint_dir is not None:
-            found = checkpoint.latest(self.checkpoint_dir)      # verifies what it returns
-        found = collectives.broadcast_object(None if found is None else str(found))
-        if found is None:
-            return None
-        if not Path(found).is_file():
-            import socket
-
-            raise DdpkitError(
-                f"rank 0 resumes from {found}, which rank {self.rank} cannot read on {socket.gethostname()}: "
-                "put checkpoint_dir on a filesystem every node shares"
-            )
-        return self._restore(Path(found), state, verified=True)
-
     def _close_training(self) -> None:
         if self._logger is not None:
             self._logger.close()
@@ -369,9 +259,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _version() -> str:
-    from ddpkit import __version__
-
-    return __version__
