@@ -53,6 +53,16 @@ def test_sigkill_at_a_random_step_resumes_bitwise(uninterrupted, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_killed_twice_in_two_attempts_still_ends_bitwise(uninterrupted, tmp_path):
+    first, second = random.randint(2, 10), random.randint(12, 22)
+    killed = _elastic(tmp_path, "twice", "--kill-step", str(first), "--kill-rank", "1",
+                      "--kill-again-step", str(second))
+    assert "done after 2 restart(s)" in killed["stdout"], f"steps {first} and {second}"
+    assert killed["stdout"].count("resumed at step") == 2
+    _assert_bitwise(killed["weights"], uninterrupted["weights"])
+
+
+@pytest.mark.timeout(300)
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
     step = random.randint(3, 20)
     killed = _elastic(tmp_path, "insave", "--kill-step", str(step), "--kill-in-save")

@@ -1,4 +1,4 @@
-"""Training that kills itself with SIGKILL once (first attempt only), for fault-tolerance tests.
+"""Training that kills itself with SIGKILL once (first attempt), or twice, for fault-tolerance tests.
 
     ddpkit run -n 2 --max-restarts 2 tests/scripts/elastic_train.py --checkpoints DIR \
         --result weights.pt --kill-step 7 --kill-rank 1 [--kill-in-save]
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-in-save", action="store_true")
+    parser.add_argument("--kill-again-step", type=int, default=None, help="and once more in the second attempt")
     args = parser.parse_args()
 
     rt = ddpkit.init(seed=4, checkpoint_dir=args.checkpoints, resume="auto", keep_checkpoints=2)
@@ -69,6 +70,9 @@ def main() -> None:
                 rt.step(optimizer)
                 kill_here = args.kill_step == rt.global_step and rt.rank == args.kill_rank
                 if first_attempt and kill_here and not args.kill_in_save:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                second_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1"
+                if second_attempt and args.kill_again_step == rt.global_step and rt.rank == 0:
                     os.kill(os.getpid(), signal.SIGKILL)
                 rt.checkpoint(state)
                 if rt.global_step == args.steps:
