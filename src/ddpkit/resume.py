@@ -73,7 +73,7 @@ class Resumable:
         """
         target = Path(path)
         if target.is_dir():
-            found = checkpoint.latest(target)      # verifies what it returns
+            found = self._newest_agreed(target)
             if found is None:
                 raise DdpkitError(f"no complete checkpoint in {target}")
             return self._restore(found, state, verified=True)
@@ -118,18 +118,18 @@ class Resumable:
         if self.resume_from is None:
             return None
         if self.resume_from == "auto":
-            return self._resume_newest(state)
+            found = None if self.checkpoint_dir is None else self._newest_agreed(self.checkpoint_dir)
+            return None if found is None else self._restore(found, state, verified=True)
         return self.load(self.resume_from, state)
 
-    def _resume_newest(self, state: MutableMapping[str, Any]) -> Path | None:
-        """Rank 0 picks the newest complete checkpoint; every rank loads that one, or none does.
+    def _newest_agreed(self, directory: Path) -> Path | None:
+        """The newest complete checkpoint in ``directory`` as rank 0 sees it, the same on every rank.
 
         Ranks looking on their own could disagree (a node-local disk holds no checkpoints, a
-        save lands between two looks) and silently train from different states.
+        save lands between two looks) and silently train from different states; and only rank
+        0 hashes the file. Every rank must call it.
         """
-        found = None
-        if self.is_main and self.checkpoint_dir is not None:
-            found = checkpoint.latest(self.checkpoint_dir)      # verifies what it returns
+        found = checkpoint.latest(directory) if self.is_main else None     # verifies what it returns
         found = collectives.broadcast_object(None if found is None else str(found))
         if found is None:
             return None
@@ -140,7 +140,7 @@ class Resumable:
                 f"rank 0 resumes from {found}, which rank {self.rank} cannot read on {socket.gethostname()}: "
                 "put checkpoint_dir on a filesystem every node shares"
             )
-        return self._restore(Path(found), state, verified=True)
+        return Path(found)
 
 
 def _version() -> str:
