@@ -86,26 +86,13 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
     rendezvous numbers the nodes (by address), so global rank 0 may live on any node.
     Under ``srun`` (one task per node) nodes, node rank and master come from SLURM.
     """
-    env = detect() if env is None else env
     nproc = spec.nproc_per_node or default_nproc()
-    nnodes, node_rank, master = spec.nnodes, spec.node_rank, spec.master
-    run_id = None
-    if env.launcher == "slurm" and master is None:
-        if env.local_world_size != 1:
-            raise UsageError(
-                f"ddpkit run under srun needs one task per node, got {env.local_world_size}; "
-                "use srun --ntasks-per-node=1 ddpkit run -n GPUS_PER_NODE ..."
-            )
-        nnodes, node_rank = env.world_size, env.node_rank
-        master = f"{env.master_addr}:{env.master_port}"
-        run_id = os.environ.get("SLURM_JOB_ID")
+    nnodes, node_rank, master, run_id = _placement(spec, detect() if env is None else env)
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
-    if nnodes == 1 and master is None:
+    if master is None:
         # --local-addr: workers reach the store at 127.0.0.1, not at a host name that may not resolve
         return args + ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
                        f"--rdzv-id={uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *_target(spec)]
-    if master is None:
-        raise UsageError(f"--nnodes {nnodes} needs --master HOST:PORT (the host of node 0)")
     host, port = parse_master(master)
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
@@ -118,6 +105,23 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
     if local is not None:
         args.append(f"--local-addr={local}")     # peers reach rank 0's store here, not at its FQDN
     return args + _target(spec)
+
+
+def _placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | None, str | None]:
+    """(nodes, node rank, master, run id) of ``spec``: from SLURM under srun, else as given.
+
+    ``master`` is None only for a single-node run, which needs none.
+    """
+    if env.launcher == "slurm" and spec.master is None:
+        if env.local_world_size != 1:
+            raise UsageError(
+                f"ddpkit run under srun needs one task per node, got {env.local_world_size}; "
+                "use srun --ntasks-per-node=1 ddpkit run -n GPUS_PER_NODE ..."
+            )
+        return env.world_size, env.node_rank, f"{env.master_addr}:{env.master_port}", os.environ.get("SLURM_JOB_ID")
+    if spec.nnodes > 1 and spec.master is None:
+        raise UsageError(f"--nnodes {spec.nnodes} needs --master HOST:PORT (the host of node 0)")
+    return spec.nnodes, spec.node_rank, spec.master, None
 
 
 def _target(spec: RunSpec) -> list[str]:
@@ -148,8 +152,8 @@ def multi_node_env(spec: RunSpec, env: Environment | None = None) -> dict[str, s
     count that each node keeps for itself: after one node's worker fails, the nodes disagree
     on it. With the store not shared, rank 0 hosts a fresh store for every attempt instead.
     """
-    env = detect() if env is None else env
-    several = spec.nnodes > 1 or spec.master is not None or (env.launcher == "slurm" and env.world_size > 1)
+    nnodes, _, _, _ = _placement(spec, detect() if env is None else env)
+    several = nnodes > 1 or spec.master is not None
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if several else {}
 
 
