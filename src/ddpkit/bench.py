@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ddpkit.bench_report import PHASES, diagnose, write_outputs
+from ddpkit.cliparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
 
 MODES = ("single", "dp", "ddp", "ddp-amp")
@@ -225,10 +226,8 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ddpkit.cli import _Parser
-
     d = Settings()
-    parser = _Parser(prog="ddpkit bench", description="Measure throughput, scaling, memory and where "
+    parser = Parser(prog="ddpkit bench", description="Measure throughput, scaling, memory and where "
                      "each step's time goes, per mode, in fresh processes; writes bench.json, bench.md "
                      "and scaling.png into --out.")
     add = parser.add_argument

@@ -5,16 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Sequence
 
+from ddpkit.cliparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 # Options of `ddpkit run` that take a value; everything from the script on is the script's.
@@ -48,7 +42,7 @@ def _split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _run_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="ddpkit run",
         description="Start SCRIPT (or -m MODULE) in N processes per node under torch's elastic agent.",
     )
@@ -88,7 +82,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def cmd_doctor(argv: Sequence[str]) -> int:
     from ddpkit.doctor import examine
 
-    parser = _Parser(prog="ddpkit doctor", description="Check torch, devices, backends, launcher and network.")
+    parser = Parser(prog="ddpkit doctor", description="Check torch, devices, backends, launcher and network.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     opts = parser.parse_args(argv)
     report = examine()
@@ -99,7 +93,7 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 def cmd_demo(argv: Sequence[str]) -> int:
     from ddpkit.demo import main as demo_main
 
-    parser = _Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
+    parser = Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
     parser.add_argument("--nproc", type=int, default=2, help="processes for the distributed runs (default 2)")
     parser.add_argument("--epochs", type=int, default=5, help="epochs of every run (default 5)")
     parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
@@ -113,7 +107,7 @@ def _train_parser() -> argparse.ArgumentParser:
     from ddpkit.recipes.config import TrainConfig
 
     defaults = TrainConfig()
-    parser = _Parser(prog="ddpkit train", argument_default=argparse.SUPPRESS,
+    parser = Parser(prog="ddpkit train", argument_default=argparse.SUPPRESS,
                      description="Train a built-in recipe in N processes; writes metrics, plots, "
                                  "checkpoints and summary.json into --out.")
     add = parser.add_argument
@@ -181,7 +175,7 @@ def cmd_predict(argv: Sequence[str]) -> int:
     from ddpkit.launch import RunSpec, run
     from ddpkit.recipes.predict import PredictConfig, prepare, to_json
 
-    parser = _Parser(prog="ddpkit predict",
+    parser = Parser(prog="ddpkit predict",
                      description="Predict with a ddpkit train checkpoint; one row per input, in input order.")
     parser.add_argument("--checkpoint", required=True, help="checkpoint file (or directory: its newest)")
     parser.add_argument("--data", default="digits", help="digits, mnist, cifar10 or synthetic (default digits)")

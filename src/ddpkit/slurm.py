@@ -13,6 +13,7 @@ import shutil
 import sys
 from typing import Sequence
 
+from ddpkit.cliparse import Parser
 from ddpkit.errors import UsageError
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -70,9 +71,7 @@ def _ddpkit_command() -> str:
 
 
 def cmd_slurm(argv: Sequence[str]) -> int:
-    from ddpkit.cli import _Parser
-
-    parser = _Parser(prog="ddpkit slurm", description="Print an sbatch script that runs SCRIPT with ddpkit on N nodes.")
+    parser = Parser(prog="ddpkit slurm", description="Print an sbatch script that runs SCRIPT with ddpkit on N nodes.")
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=0, help="GPUs per node")
     parser.add_argument("--nproc-per-node", dest="nproc_per_node", type=int, default=None,
