@@ -92,6 +92,30 @@ def test_slurm_port_ignores_array_suffix():
     assert slurm_port({"SLURM_JOB_ID": "77_3"}) == 15000 + 773 % 20000
 
 
+
+@pytest.mark.parametrize("extra, own", [
+    ({}, False),                                                          # no GPUs asked for
+    ({"CUDA_VISIBLE_DEVICES": "0", "SLURM_GPUS_PER_TASK": "1"}, True),    # srun --gpus-per-task=1
+    ({"CUDA_VISIBLE_DEVICES": "0", "SLURM_STEP_GPUS": "2,3"}, True),      # --gpu-bind: one of two
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_STEP_GPUS": "0,1"}, False),   # both tasks see both
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_JOB_GPUS": "0,1"}, False),
+])
+def test_slurm_tasks_with_gpus_of_their_own(extra, own):
+    assert detect(_slurm(**extra)).own_gpus is own
+
+
+def test_torchrun_workers_never_have_gpus_of_their_own():
+    """torchrun hands one CUDA_VISIBLE_DEVICES to all its workers: they share what it names."""
+    env = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0"})
+    assert env.own_gpus is False
+
+
+def test_mpi_rank_with_its_own_visible_devices():
+    """An MPI wrapper that sets CUDA_VISIBLE_DEVICES per rank gives each its own GPU."""
+    base = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    assert detect({**base, "CUDA_VISIBLE_DEVICES": "1"}).own_gpus is True
+    assert detect(base).own_gpus is False
+
 def test_open_mpi():
     env = detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
                   "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",

@@ -94,6 +94,19 @@ def test_per_class_metrics_from_the_confusion_matrix():
     assert metrics["accuracy"] == 0.75
 
 
+
+def test_a_reused_torchmetrics_metric_is_reset_by_each_evaluate():
+    """One metric object passed every epoch must not carry the earlier epochs' samples."""
+    import torchmetrics
+
+    data = workers.indexed_dataset(7)
+    accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=5)
+    accuracy.update(torch.eye(5)[:4], torch.tensor([1, 2, 3, 4]))   # stale state: four wrong samples
+    first = ddpkit.evaluate(workers.LogitsOnly(), data, num_classes=5, extra_metrics={"tm": accuracy})
+    second = ddpkit.evaluate(workers.LogitsOnly(), data, num_classes=5, extra_metrics={"tm": accuracy})
+    assert first["tm"] == second["tm"] == pytest.approx(first["accuracy"])
+    assert accuracy.update_count == 1       # the second call's one batch of 7, nothing before it
+
 def test_predict_rejects_bad_arguments(tmp_path):
     with pytest.raises(ddpkit.UsageError, match="use 'main' or 'all'"):
         ddpkit.predict(workers.LogitsOnly(), workers.indexed_dataset(3), to="everyone")

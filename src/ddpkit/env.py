@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from ddpkit.errors import DdpkitError, UsageError
@@ -44,6 +44,8 @@ class Environment:
         run_id: the launcher's job id (TorchElastic run id), if any.
         restart_count: how often the elastic agent restarted the group before this attempt.
         agent_store: the elastic agent hosts the store at master_addr:master_port.
+        own_gpus: the launcher showed this process GPUs its node-mates do not see (``srun
+            --gpus-per-task=1``, ``--gpu-bind``), so local rank 3 may see one GPU, its own.
     """
 
     launcher: str = "none"
@@ -57,6 +59,7 @@ class Environment:
     run_id: str = ""
     restart_count: int = 0
     agent_store: bool = False
+    own_gpus: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -83,7 +86,7 @@ def detect(environ: Mapping[str, str] | None = None) -> Environment:
         env = probe(environ)
         if env is not None:
             _validate(env)
-            return env
+            return replace(env, own_gpus=_own_gpus(env.launcher, environ))
     return Environment()
 
 
@@ -216,6 +219,25 @@ def _from_mpi(environ: Mapping[str, str]) -> Environment | None:
         master_addr=master_addr,
         master_port=_port(environ, "MASTER_PORT", DEFAULT_MASTER_PORT),
     )
+
+
+def _own_gpus(launcher: str, environ: Mapping[str, str]) -> bool:
+    """Whether this process sees GPUs of its own rather than every GPU of its node.
+
+    Per-process visibility can only come from a launcher that starts each process itself:
+    SLURM binds GPUs per task by giving each task its own ``CUDA_VISIBLE_DEVICES``, and MPI
+    sites often wrap each rank in a script that does the same. torchrun cannot (its workers
+    inherit one ``CUDA_VISIBLE_DEVICES``), and without the variable every process sees every GPU.
+    """
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if launcher not in ("slurm", "mpi") or not visible:
+        return False
+    if launcher == "slurm" and not environ.get("SLURM_GPUS_PER_TASK"):
+        # Without per-task binding every task of the step sees the node's whole allocation.
+        allocated = environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS")
+        if allocated:
+            return len(visible) < len([d for d in allocated.split(",") if d.strip()])
+    return True
 
 
 _PROBES: tuple[Callable[[Mapping[str, str]], Environment | None], ...] = (

@@ -53,7 +53,8 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
 
     Every rank must call it. ``loss_fn(output, target, reduction="sum")`` is summed in float64;
     ``autocast`` (e.g. ``rt.autocast``) makes the context each forward runs in.
-    ``extra_metrics`` maps names to torchmetrics metrics: each is updated with
+    ``extra_metrics`` maps names to torchmetrics metrics: each is reset first (a metric
+    reused every epoch would otherwise accumulate the earlier epochs' samples), updated with
     ``(outputs, targets)`` on this rank's unpadded shard and computed (synced) once at the
     end, so nothing is counted twice; their values are returned under their names.
     Returns plain Python numbers and lists, identical on every rank.
@@ -64,6 +65,8 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
     device = _device_of(module)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
+    for metric in (extra_metrics or {}).values():
+        metric.reset()
     try:
         for inputs, targets in _shard_batches(dataset, batch_size, num_workers):
             inputs, targets = to_device(inputs, device), to_device(targets, device)

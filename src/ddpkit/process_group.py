@@ -15,10 +15,14 @@ BACKENDS = ("nccl", "gloo", "mpi")
 
 
 def choose_device(env: Environment, device: str | None = None) -> torch.device:
-    """The device of this process: the local rank's GPU when CUDA is usable, else the CPU.
+    """The device of this process: its own GPU when CUDA is usable, else the CPU.
+
+    ``device="cuda"`` (or ``"auto"`` with CUDA available) picks the GPU as :func:`_gpu_for`
+    explains; ``"cuda:1"``, ``"cpu"`` and the like are taken as given.
 
     Raises:
-        DdpkitError: more processes on this node than visible GPUs while asking for CUDA.
+        DdpkitError: CUDA asked for but no GPU visible, or more processes on this node than
+            GPUs while every process sees all of them.
     """
     if device is not None and device != "auto":
         chosen = torch.device(device)
@@ -31,15 +35,25 @@ def choose_device(env: Environment, device: str | None = None) -> torch.device:
 
 
 def _gpu_for(env: Environment) -> int:
+    """The local rank's GPU among those this process sees.
+
+    Usually every process of a node sees every GPU of it, and local rank r takes GPU r. Under
+    ``srun --gpus-per-task=1`` (or ``--gpu-bind``) each task sees only its own GPU, as cuda:0,
+    while its local rank may be 3: then local rank modulo the visible count is that GPU.
+    """
     count = torch.cuda.device_count()
     if count == 0:
         raise DdpkitError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
-    if env.local_world_size > count:
-        raise DdpkitError(
-            f"{env.local_world_size} processes on this node but only {count} visible GPU(s); "
-            f"start at most {count} processes per node (ddpkit run -n {count}) or use device='cpu'"
-        )
-    return env.local_rank
+    if env.local_world_size <= count:
+        return env.local_rank
+    if env.own_gpus:
+        return env.local_rank % count
+    raise DdpkitError(
+        f"{env.local_world_size} processes on this node but only {count} visible GPU(s), the same in "
+        "every process, and NCCL cannot run two ranks on one GPU: "
+        f"start at most {count} processes per node (ddpkit run -n {count}), give each process its "
+        "own GPU (srun --gpus-per-task=1), or use device='cpu'"
+    )
 
 
 def choose_backend(device: torch.device, backend: str | None = None) -> str:
