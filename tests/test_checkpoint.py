@@ -130,6 +130,7 @@ def test_fp16_scaler_state_survives_a_checkpoint(tmp_path):
             loss = state["model"](torch.randn(5, 3)).float().mean()
         rt.backward(loss)
         rt.step(state["optimizer"])
+    rt.precision.flush()          # the update owed by the last step (save applies it too)
     saved_scale = rt.precision.scaler.get_scale()
     saved_tracker = rt.precision.scaler.state_dict()["_growth_tracker"]
     path = rt.save(tmp_path / "fp16.pt", state)

@@ -127,9 +127,14 @@ def test_loader_resumes_mid_epoch_from_its_position():
     rt = ddpkit.init(seed=1)
     loader = rt.loader(list(range(10)), global_batch_size=2, shuffle=True)
     full = [b.tolist() for b in loader]
-    loader.load_state_dict({"epoch": 0, "position": 3})
+    loader.resume_at(0, 3)
     assert [b.tolist() for b in loader] == full[3:]
-    assert [b.tolist() for b in loader] == full        # a finished epoch starts again
+    assert [b.tolist() for b in loader] == full[3:]    # no batch trained: still the resume point
+    loader.resume_at(0, 3)
+    for _ in loader:
+        loader.mark_trained()                          # what rt.backward does
+        break
+    assert [b.tolist() for b in loader] == full        # used up: each pass starts the epoch
 
 
 def test_batch_weight_counts_true_samples():
@@ -146,4 +151,5 @@ def test_position_at_the_end_marks_a_finished_epoch():
     loader = rt.loader(list(range(6)), global_batch_size=2)
     for _ in loader:
         pass
-    assert loader.state_dict() == {"epoch": 0, "position": 3}
+    record = loader.position_record()
+    assert (record["epoch"], record["position"], record["finished"]) == (0, 3, True)

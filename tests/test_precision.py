@@ -66,12 +66,15 @@ def test_inf_gradient_skips_step_and_halves_scale() -> None:
     precision = Precision("fp16", CPU)
     model, optimizer = _model_and_optimizer()
     assert _train_step(precision, model, optimizer, _batch(0)) is True
+    precision.flush()
     scale = precision.scaler.get_scale()
     weight = model.weight.detach().clone()
 
     x = _batch(1)
     x[0, 0] = float("inf")
     assert _train_step(precision, model, optimizer, x) is False
+    assert precision.scaler.get_scale() == scale       # the update waits for the next backward
+    precision.flush()
     assert precision.scaler.get_scale() == scale / 2
     torch.testing.assert_close(model.weight, weight, rtol=0, atol=0)
     assert model.weight.grad is None  # zero_grad(set_to_none=True) ran even though it skipped

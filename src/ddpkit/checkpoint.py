@@ -3,9 +3,10 @@
 A checkpoint is one ``torch.save`` file holding only tensors and plain containers, so it
 loads with ``torch.load(weights_only=True)`` and never unpickles arbitrary objects:
 
-    {"format": "ddpkit-checkpoint", "version": 1, "ddpkit_version": "...",
+    {"format": "ddpkit-checkpoint", "version": 2, "ddpkit_version": "...",
      "user": {name: state_dict or plain value, ...},
-     "ddpkit": {"epoch", "step", "loaders", "rng", "world_size", "precision", "config"}}
+     "ddpkit": {"loop", "epoch", "step", "rng", "world_size", "precision", "config",
+                "accumulated_grads" (only inside an accumulation group)}}
 
 Beside it, ``NAME.sha256`` records the size and checksum written, so a torn or corrupted
 file is recognised before it is read.
@@ -27,15 +28,20 @@ import torch
 from ddpkit.errors import DdpkitError
 
 FORMAT = "ddpkit-checkpoint"
-VERSION = 1
+VERSION = 2   # 2: the loop state ("loop") replaced the list of loader positions
 _STEP_NAME = re.compile(r"^ckpt-step(\d+)\.pt$")
 
 
 # -- what goes in -----------------------------------------------------------------------
 
 def unwrap(obj: Any) -> Any:
-    """The module inside DDP / DataParallel, so checkpoints do not depend on the wrapping."""
-    return getattr(obj, "module", obj) if isinstance(obj, torch.nn.Module) else obj
+    """The module inside DDP / DataParallel / ``torch.compile``, so checkpoints hold plain names."""
+    while isinstance(obj, torch.nn.Module):
+        inner = getattr(obj, "_orig_mod", None) if hasattr(obj, "_orig_mod") else getattr(obj, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return obj
+        obj = inner
+    return obj
 
 
 def user_state(state: Mapping[str, Any]) -> dict[str, Any]:

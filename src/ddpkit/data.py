@@ -5,7 +5,9 @@ The data order of an epoch is a permutation keyed by ``seed + epoch`` (the same 
 size; rank ``r`` of ``W`` takes positions ``r, r+W, ...`` of each global batch. When the
 sizes divide, this is exactly what ``DistributedSampler`` + ``DataLoader`` give each rank;
 when they do not, the last global batch is split unevenly (never padded with duplicates)
-and :meth:`ShardedLoader.batch_weight` tells the loss how to weigh it.
+and :meth:`ddpkit.loader.ShardedLoader.batch_weight` tells the loss how to weigh it.
+With ``weights``, each epoch draws its order with replacement (like ``WeightedRandomSampler``),
+keyed the same way, so weighted sampling does not depend on the world size either.
 
 Example:
     >>> sampler = GlobalBatchSampler(10, global_batch_size=4, rank=1, world_size=2)
@@ -20,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ddpkit.errors import UsageError
 
@@ -29,9 +30,16 @@ class GlobalBatchSampler:
     """Index lists of one rank's part of each global batch (pure: rank and world size are arguments)."""
 
     def __init__(self, length: int, *, global_batch_size: int, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False):
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False,
+                 weights: Sequence[float] | torch.Tensor | None = None, num_samples: int | None = None):
         if global_batch_size < 1:
             raise UsageError(f"batch size must be at least 1, got {global_batch_size}")
+        self.weights = None if weights is None else _check_weights(weights, length)
+        if num_samples is not None and (self.weights is None or num_samples < 1):
+            raise UsageError("num_samples needs weights=... and must be at least 1")
+        self.dataset_length = length
+        if self.weights is not None:
+            length = len(self.weights) if num_samples is None else num_samples
         self.length = length
         self.global_batch_size = global_batch_size
         self.rank = rank
@@ -48,10 +56,19 @@ class GlobalBatchSampler:
 
     def order(self, epoch: int) -> list[int]:
         """The global order of dataset indices in ``epoch``."""
+        if self.weights is not None:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            return torch.multinomial(self.weights, self.length, replacement=True, generator=generator).tolist()
         if not self.shuffle:
             return list(range(self.length))
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.length, generator=generator).tolist()
+
+    def signature(self) -> dict[str, Any]:
+        """What must match for a saved position to name the same batches again (plain data)."""
+        return {"length": self.dataset_length, "global_batch_size": self.global_batch_size,
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
+                "weighted": self.weights is not None, "samples": self.length}
 
     def global_batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """Every global batch of ``epoch`` from step ``start`` on."""
@@ -120,110 +137,6 @@ def current_sample() -> SampleKey | None:
     return _current_key
 
 
-class _KeyedDataset(Dataset):
-    """Reads ``dataset[index]`` with the sample's key set, so :func:`sample_rng` can see it."""
-
-    def __init__(self, dataset: Any, seed: int):
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        global _current_key
-        epoch, index = key
-        _current_key = SampleKey(self.seed, epoch, index)
-        try:
-            return self.dataset[index]
-        finally:
-            _current_key = None
-
-
-class _EpochBatches:
-    """The batch sampler handed to DataLoader: the loader's plan for the pass it is starting."""
-
-    def __init__(self, loader: "ShardedLoader"):
-        self.loader = loader
-
-    def __len__(self) -> int:
-        return len(self.loader.sampler)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch = self.loader.epoch
-        for local, _ in self.loader._plan:
-            # An empty part still reads one sample so collate sees a batch; it is cut away later.
-            yield [(epoch, index) for index in (local or [0])]
-
-
-class ShardedLoader:
-    """An iterable of batches already on the device, sharded by :class:`GlobalBatchSampler`.
-
-    Knows its epoch and its position inside the epoch, so a checkpoint can resume mid-epoch,
-    and the true sample counts of the current batch, so the loss can weigh an uneven last batch.
-    """
-
-    def __init__(self, dataset: Any, sampler: GlobalBatchSampler, *, device: torch.device,
-                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 seed: int = 0, on_batch: Callable[["ShardedLoader"], None] | None = None):
-        self.dataset = dataset
-        self.sampler = sampler
-        self.device = device
-        self.epoch = 0
-        self.position = 0          # batches handed out in the current epoch
-        self.local_count = 0       # samples of this rank in the current batch
-        self.global_count = 0      # samples of all ranks in the current batch
-        self._plan: list[tuple[list[int], int]] = []   # (local part, global size) of each batch left
-        self._on_batch = on_batch
-        pin = device.type == "cuda"
-        self._loader = DataLoader(
-            _KeyedDataset(dataset, seed), batch_sampler=_EpochBatches(self),
-            num_workers=num_workers, collate_fn=collate_fn or default_collate, pin_memory=pin,
-            persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers > 0 else None,
-            generator=private_generator(seed),
-        )
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch (ddpkit's ``epochs()`` calls this for you)."""
-        if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.position >= len(self.sampler):
-            self.position = 0      # a finished epoch iterated again starts from its beginning
-        # One permutation per pass: the DataLoader's batch sampler reads this plan too.
-        self._plan = [(self.sampler.local_part(batch), len(batch))
-                      for batch in self.sampler.global_batches(self.epoch, self.position)]
-        for batch, (local, total) in zip(self._loader, self._plan):
-            if not local:
-                batch = _take_rows(batch, 0)
-            self.position += 1
-            self.local_count, self.global_count = len(local), total
-            if self._on_batch is not None:
-                self._on_batch(self)
-            yield to_device(batch, self.device)
-        # The position stays at the end: a checkpoint taken now says "this epoch is done".
-
-    def batch_weight(self) -> float:
-        """Factor that turns this rank's mean loss into its share of the global-batch mean.
-
-        DDP averages gradients over ``W`` ranks, so rank ``r`` must contribute
-        ``sum_r / n_global * W`` = ``mean_r * n_r * W / n_global``.
-        """
-        if self.global_count == 0:
-            return 1.0
-        return self.local_count * self.sampler.world_size / self.global_count
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
 def private_generator(seed: int = 0) -> torch.Generator:
     """A generator for a DataLoader's worker base seed.
 
@@ -255,8 +168,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device, non_blocking=device.type == "cuda"), batch)
 
 
-def _take_rows(batch: Any, count: int) -> Any:
-    return map_tensors(lambda t: t[:count], batch)
+def _check_weights(weights: Sequence[float] | torch.Tensor, length: int) -> torch.Tensor:
+    tensor = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if len(tensor) != length:
+        raise UsageError(f"weights has {len(tensor)} entries for a dataset of {length}; give one per sample")
+    if bool((tensor < 0).any()) or not bool(torch.isfinite(tensor).all()) or float(tensor.sum()) <= 0:
+        raise UsageError("weights must be finite, non-negative and not all zero")
+    return tensor
 
 
 def check_batch_sizes(world_size: int, batch_size: int | None, global_batch_size: int | None) -> int:

@@ -13,9 +13,10 @@ Notes for torch 2.13 on CPU (checked, not assumed):
     * ``torch.autocast("cpu", dtype=torch.float16)`` and ``torch.amp.GradScaler("cpu")``
       both work, so fp16 needs no special code on CPU.
     * ``GradScaler.step`` returns ``None`` both when it steps (for optimizers whose
-      ``step`` returns ``None``) and when it skips, so :meth:`Precision.step` detects a
-      skip by the scale shrinking in ``update()``: it shrinks exactly when an inf/nan
-      gradient was found (``backoff_factor`` < 1).
+      ``step`` returns ``None``) and when it skips, so :meth:`Precision.step` asks the
+      scaler's per-optimizer record (:func:`ddpkit._torch.scaler_found_inf`).
+    * Several optimizers in one step share one ``GradScaler.update()``: it is deferred to the
+      next backward (or to :meth:`state_dict`), so ``step(a); step(b)`` counts as one step.
     * The default initial scale, 2**16, is above the largest fp16 value (65504), so the
       first fp16 step or few are usually skipped while the scale backs off. That is normal.
     * CPU autocast keeps fewer ops in fp32 than CUDA autocast (``softmax`` for instance
@@ -56,6 +57,7 @@ class Precision:
         self.scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(self.device.type) if name == "fp16" else None
         )
+        self._update_due = False     # an optimizer stepped since the scaler last updated
 
     @property
     def dtype(self) -> torch.dtype:
@@ -73,7 +75,14 @@ class Precision:
         if self.scaler is None:
             loss.backward()
         else:
+            self.flush()
             self.scaler.scale(loss).backward()
+
+    def flush(self) -> None:
+        """Apply the scaler update owed by the last step (once, however many optimizers stepped)."""
+        if self.scaler is not None and self._update_due:
+            self.scaler.update()
+            self._update_due = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale now, e.g. before clipping them.
@@ -83,8 +92,11 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> bool:
         """Step ``optimizer`` (unless fp16 found inf/nan gradients) and clear the gradients.
+
+        ``set_to_none=False`` zeroes gradients in place, which keeps DDP's
+        ``gradient_as_bucket_view`` gradients as views into its buckets (no copy per step).
 
         Returns:
             True when the parameters were updated, False when the step was skipped.
@@ -93,15 +105,17 @@ class Precision:
             optimizer.step()
             stepped = True
         else:
-            scale_before = self.scaler.get_scale()
+            from ddpkit._torch import scaler_found_inf
+
             self.scaler.step(optimizer)
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale_before
-        optimizer.zero_grad(set_to_none=True)
+            stepped = not scaler_found_inf(self.scaler, optimizer)
+            self._update_due = True
+        optimizer.zero_grad(set_to_none=set_to_none)
         return stepped
 
     def state_dict(self) -> dict[str, Any]:
         """The precision name and the loss-scaler state; plain data for ``weights_only`` loads."""
+        self.flush()
         scaler_state = self.scaler.state_dict() if self.scaler is not None else None
         return {"precision": self.name, "scaler": scaler_state or None}
 

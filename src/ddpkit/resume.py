@@ -1,9 +1,11 @@
 """Saving and resuming a run's whole state: the user's objects and ddpkit's own.
 
 :class:`Resumable` is a base of :class:`ddpkit.training.Training`: ``rt.save``, ``rt.load``,
-``rt.checkpoint`` and ``rt.resume``. A checkpoint holds epoch, step, each loader's position,
-every rank's RNG states and the precision's scaler, so a resumed run continues with the very
-next batch and the same random streams (:mod:`ddpkit.checkpoint` is the file format).
+``rt.checkpoint`` and ``rt.resume``. A checkpoint holds the loop state (:mod:`ddpkit.loopstate`:
+epoch, step, the training loaders' positions by name, the accumulation group), every rank's RNG
+states, the precision's scaler and, inside an accumulation group, each rank's part-accumulated
+gradients, so a resumed run continues with the very next batch and the same random streams
+(:mod:`ddpkit.checkpoint` is the file format).
 """
 
 from __future__ import annotations
@@ -12,24 +14,25 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
-from ddpkit import checkpoint, collectives
+from ddpkit import checkpoint, collectives, meeting
 from ddpkit.errors import DdpkitError, UsageError
 
 
 class Resumable:
-    """Save, load and resume; uses the training state that :class:`Training` keeps on ``self``."""
+    """Save, load and resume; uses the loop state that :class:`Training` keeps in ``self.loop``."""
 
     rank: int
     world_size: int
     is_main: bool
-    epoch: int
-    global_step: int
     seed: int | None
     keep_checkpoints: int
     checkpoint_dir: Path | None
     resume_from: str | None
     precision: Any
-    _loaders: list[Any]
+    loop: Any
+    timeout_s: float
+    save_timeout: float
+    _models: list[Any]
 
     def barrier(self) -> None:   # provided by Runtime
         raise NotImplementedError
@@ -38,60 +41,82 @@ class Resumable:
         raise NotImplementedError
 
     def save(self, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
-        """Save ``state`` plus ddpkit's own (epoch, step, loader positions, RNGs, scaler).
+        """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
 
-        Global rank 0 writes atomically; the others wait. A directory ``path`` gets
+        Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
+        fails within ``save_timeout`` seconds, naming the ranks that did not come. Global rank 0
+        writes atomically; if the write fails, every rank raises. A directory ``path`` gets
         ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
         """
         self.heartbeat("save")
+        meeting_point = meeting.all_arrive("save", self.save_timeout)
         path = Path(path)
         rotate = path.is_dir() or path.suffix == ""
-        target = checkpoint.step_path(path, self.global_step) if rotate else path
+        target = checkpoint.step_path(path, self.loop.step) if rotate else path
         rngs = collectives.all_gather_object(checkpoint.rng_state())
-        if self.is_main:
-            payload = {
-                "format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": _version(),
-                "user": checkpoint.user_state(state),
-                "ddpkit": {
-                    "epoch": self.epoch, "step": self.global_step,
-                    "loaders": [made.state_dict() for made in self._loaders],
-                    "rng": rngs, "world_size": self.world_size,
-                    "precision": self.precision.state_dict(),
-                    "config": {"seed": self.seed, "precision": self.precision.name},
-                },
-            }
+        grads = self._open_group_grads()
+        if not self.is_main:
+            meeting.share_outcome(meeting_point, None, self.timeout_s)
+            return target
+        own = {"loop": self.loop.state_dict(), "epoch": self.loop.epoch, "step": self.loop.step,
+               "rng": rngs, "world_size": self.world_size, "precision": self.precision.state_dict(),
+               "config": {"seed": self.seed, "precision": self.precision.name}}
+        if grads is not None:
+            own["accumulated_grads"] = grads
+        payload = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": _version(),
+                   "user": checkpoint.user_state(state), "ddpkit": own}
+        try:
             checkpoint.write(target, payload)
             if rotate:
                 checkpoint.prune(path, self.keep_checkpoints)
-        self.barrier()
+        except Exception as exc:
+            meeting.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}", self.timeout_s)
+            raise
+        meeting.share_outcome(meeting_point, None, self.timeout_s)
         return target
 
-    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any]) -> Path:
+    def _open_group_grads(self) -> list[Any] | None:
+        """Every rank's part-accumulated gradients when a save falls inside an accumulation group."""
+        if self.loop.micro_step == 0:
+            return None
+        mine = [[None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()]
+                for model in self._models]
+        return collectives.all_gather_object(mine)
+
+    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
         """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
 
-        Resumes mid-epoch exactly: the next batch is the one after the last trained.
+        Resumes mid-epoch exactly: the next batch is the one after the last trained, also for
+        loaders built after ``load``. A saved position that matches no loader, or a loader built
+        differently from the saved one, is an error (a warning with ``strict=False``, and that
+        loader's epoch starts over). Every rank must call it.
         """
+        meeting.all_arrive("load", self.save_timeout)
         target = Path(path)
         if target.is_dir():
             found = self._newest_agreed(target)
             if found is None:
                 raise DdpkitError(f"no complete checkpoint in {target}")
-            return self._restore(found, state, verified=True)
-        return self._restore(target, state, verified=False)
+            return self._restore(found, state, verified=True, strict=strict)
+        return self._restore(target, state, verified=False, strict=strict)
 
-    def _restore(self, target: Path, state: MutableMapping[str, Any], *, verified: bool) -> Path:
+    def _restore(self, target: Path, state: MutableMapping[str, Any], *, verified: bool,
+                 strict: bool = True) -> Path:
         payload = checkpoint.read(target, verified=verified)
-        checkpoint.restore_user_state(state, payload["user"], target)
         own = payload["ddpkit"]
+        if "loop" not in own:
+            raise DdpkitError(f"checkpoint {target} was written by ddpkit {payload.get('ddpkit_version', '?')}, "
+                              "before loader positions were keyed by name: its weights load with "
+                              "ddpkit.checkpoint.read(path)['user'], but it cannot resume a loop")
+        checkpoint.restore_user_state(state, payload["user"], target)
         self.precision.load_state_dict(own["precision"])
-        self.epoch, self.global_step = int(own["epoch"]), int(own["step"])
-        for made, saved in zip(self._loaders, own.get("loaders", [])):
-            made.load_state_dict(saved)
-        if self._loaders and all(m.position >= len(m) for m in self._loaders):
-            self.epoch += 1            # saved at the end of an epoch: go on with the next
-            for made in self._loaders:
-                made.set_epoch(self.epoch)
         saved_world = int(own.get("world_size", 1))
+        if own["loop"].get("micro_step") and saved_world != self.world_size:
+            raise DdpkitError(f"checkpoint {target} was saved inside an accumulation group on {saved_world} "
+                              f"process(es); resume it on {saved_world}, or save at the step that ends a group")
+        self.loop.restore(own["loop"], source=str(target), strict=strict)
+        if "accumulated_grads" in own:
+            self._restore_grads(own["accumulated_grads"][self.rank], target)
         if saved_world == self.world_size:
             checkpoint.set_rng_state(own["rng"][self.rank])
         elif self.is_main:
@@ -102,25 +127,40 @@ class Resumable:
                           "per-process random streams (dropout) start afresh", stacklevel=2)
         return target
 
+    def _restore_grads(self, saved: list[list[Any]], target: Path) -> None:
+        if len(saved) != len(self._models):
+            raise DdpkitError(f"checkpoint {target} holds the gradients of {len(saved)} model(s) of an open "
+                              f"accumulation group; call rt.setup for each ({len(self._models)} so far) before load")
+        for model, grads in zip(self._models, saved):
+            for param, grad in zip(model.parameters(), grads):
+                if grad is None:
+                    param.grad = None
+                elif param.grad is None:
+                    param.grad = grad.to(param.device)
+                else:
+                    param.grad.copy_(grad)
+
     def checkpoint(self, state: Mapping[str, Any]) -> Path:
         """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
         if self.checkpoint_dir is None:
             raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
         return self.save(self.checkpoint_dir, state)
 
-    def resume(self, state: MutableMapping[str, Any]) -> Path | None:
+    def resume(self, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
         """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
 
         ``resume="auto"`` takes the newest complete checkpoint of ``checkpoint_dir`` and does
         nothing when there is none yet, so one script serves the first start and every
-        restart of ``ddpkit run --max-restarts K``.
+        restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
         """
         if self.resume_from is None:
             return None
         if self.resume_from == "auto":
             found = None if self.checkpoint_dir is None else self._newest_agreed(self.checkpoint_dir)
-            return None if found is None else self._restore(found, state, verified=True)
-        return self.load(self.resume_from, state)
+            if found is None:
+                return None
+            return self._restore(found, state, verified=True, strict=strict)
+        return self.load(self.resume_from, state, strict=strict)
 
     def _newest_agreed(self, directory: Path) -> Path | None:
         """The newest complete checkpoint in ``directory`` as rank 0 sees it, the same on every rank.

@@ -27,6 +27,7 @@ from ddpkit.precision import Precision
 from ddpkit.training import Training, seed_everything
 
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_SAVE_TIMEOUT_S = 60.0
 
 _current: "Runtime | None" = None
 
@@ -40,12 +41,14 @@ class Runtime(Training):
 
     def __init__(self, env: Environment, device: torch.device, backend: str, timeout_s: float, *,
                  seed: int | None = None, precision: str = "fp32", out_dir: str | None = None,
-                 keep_checkpoints: int = 3, hang_timeout: float | None = None):
+                 keep_checkpoints: int = 3, hang_timeout: float | None = None,
+                 save_timeout: float = DEFAULT_SAVE_TIMEOUT_S):
         self.env = env
         self.device = device
         self.backend = backend
         self.timeout_s = timeout_s
         self.hang_timeout = hang_timeout
+        self.save_timeout = save_timeout
         self._local_first_count = 0
         self._init_training(seed=seed, precision=precision, out_dir=out_dir, keep_checkpoints=keep_checkpoints)
         self._watchdog: watchdog.Watchdog | None = None
@@ -120,11 +123,11 @@ class Runtime(Training):
         if self.world_size == 1 or self.env.local_world_size == 1:
             yield
             return
-        import torch.distributed as dist
+        from ddpkit._torch import default_store
 
         self._local_first_count += 1
         key = f"ddpkit/local_main_first/node{self.node_rank}/{self._local_first_count}"
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         if self.is_local_main:
             try:
                 yield
@@ -194,6 +197,7 @@ def init(
     checkpoint_dir: str | os.PathLike | None = None,
     resume: str | os.PathLike | None = None,
     hang_timeout: float | None = None,
+    save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
 ) -> Runtime:
     """Learn our place from the launcher, pick device and backend, and join the process group.
 
@@ -212,12 +216,30 @@ def init(
         hang_timeout: seconds in which no rank makes progress before the job counts as hung:
             ddpkit prints where each rank is and the stuck rank's Python stack, then every
             rank exits with code 124 (see :mod:`ddpkit.watchdog`). None: no watchdog.
+        save_timeout: seconds ``rt.save`` and ``rt.load`` wait for every rank to arrive before
+            failing with one line that names the missing ranks (e.g. a save under ``if rt.is_main``).
 
     Returns:
-        The :class:`Runtime`; calling ``init`` again returns the same one until it is closed.
+        The :class:`Runtime`; calling ``init`` again with the same settings returns the same one
+        until it is closed.
+
+    Raises:
+        UsageError: ``init`` was already called with other settings and not closed.
     """
     global _current
+    settings = {"seed": seed, "precision": precision, "backend": backend, "device": device, "timeout": timeout,
+                "out_dir": None if out_dir is None else str(out_dir), "keep_checkpoints": keep_checkpoints,
+                "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
+                "resume": None if resume is None else str(resume), "hang_timeout": hang_timeout,
+                "save_timeout": save_timeout}
     if _current is not None and not _current._closed:
+        differ = {k: v for k, v in settings.items() if _current._settings.get(k) != v}
+        if differ:
+            from ddpkit.errors import UsageError
+
+            shown = ", ".join(f"{k}={v!r} (running: {_current._settings.get(k)!r})" for k, v in differ.items())
+            raise UsageError(f"ddpkit.init was already called with other settings: {shown}; "
+                             "call rt.close() first, or pass the same settings")
         return _current
     Precision(precision, torch.device("cpu"))   # a bad name fails before any process group exists
     if resume == "auto" and checkpoint_dir is None:
@@ -234,7 +256,8 @@ def init(
         seed_everything(seed)
     runtime = Runtime(env, chosen_device, chosen_backend, timeout, seed=seed, precision=precision,
                       out_dir=None if out_dir is None else str(out_dir), keep_checkpoints=keep_checkpoints,
-                      hang_timeout=hang_timeout)
+                      hang_timeout=hang_timeout, save_timeout=save_timeout)
+    runtime._settings = settings
     runtime.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     runtime.resume_from = None if resume is None else str(resume)
     if hang_timeout is not None:

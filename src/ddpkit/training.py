@@ -1,7 +1,8 @@
 """The training half of the runtime: model setup, sharded loaders, the loop and its logs.
 
-:class:`Training` holds what a training run changes (epoch, step, loaders, precision, the
-metrics logger) and the methods a user script calls on ``rt`` for it. :class:`ddpkit.runtime.Runtime`
+:class:`Training` holds the methods a user script calls on ``rt`` for its loop; where the loop
+stands (epoch, step, loader positions, accumulation) is one :class:`ddpkit.loopstate.LoopState`,
+``rt.loop``. :class:`ddpkit.runtime.Runtime`
 builds on it with the place in the world (rank, device, barrier, heartbeat) and the process
 group's life; the methods here use those through ``self``. Saving and resuming the whole
 state is :class:`ddpkit.resume.Resumable`.
@@ -16,27 +17,17 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 import torch
 
 from ddpkit import collectives
-from ddpkit.data import GlobalBatchSampler, ShardedLoader, check_batch_sizes
+from ddpkit.data import GlobalBatchSampler, check_batch_sizes
 from ddpkit.errors import UsageError
+from ddpkit.loader import ShardedLoader
+from ddpkit.loopstate import LoopState
 from ddpkit.precision import Precision
+from ddpkit.replicate import replicate
 from ddpkit.resume import Resumable
 
 
-def _buffer_sync_arg() -> str:
-    """DDP's name for per-forward buffer broadcasting (renamed in recent torch)."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-
-
-_BUFFER_SYNC_ARG = _buffer_sync_arg()
-
-
 class Training(Resumable):
-    """Training state and the loop's API; the base of :class:`ddpkit.runtime.Runtime`.
+    """The loop's API; the base of :class:`ddpkit.runtime.Runtime`. Its state is ``self.loop``.
 
     Subclasses provide ``device``, ``rank``, ``world_size``, ``is_main``, ``barrier()`` and
     ``heartbeat(phase)``.
@@ -55,39 +46,53 @@ class Training(Resumable):
         self.keep_checkpoints = keep_checkpoints
         self.checkpoint_dir: Path | None = None      # set by init(checkpoint_dir=...)
         self.resume_from: str | None = None          # set by init(resume=...)
-        self.epoch = 0            # the epoch being trained (or to be trained next)
-        self.global_step = 0      # optimizer steps taken
-        self._loaders: list[ShardedLoader] = []
+        self.loop = LoopState()
         self._active: ShardedLoader | None = None
         self._accumulation: tuple[float, bool] | None = None   # (divisor, is this micro-step the last)
-        self._micro_steps = 0
-        self._group: tuple[int, float] = (1, 1.0)
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._bucket_views = False        # a DDP model keeps its gradients in its buckets
+        self._backward_since_step = False
+        self._uses_backward = False       # the script calls rt.backward (else every rt.step counts)
+        self._unscaled: set[int] = set()  # optimizers whose fp16 gradients are unscaled this step
         self._logger: Any = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being trained (or to be trained next)."""
+        return self.loop.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.loop.epoch = value
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (several optimizers stepped together count once)."""
+        return self.loop.step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.loop.step = value
 
     # -- model, data, loop ---------------------------------------------------------------
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-              sync_batchnorm: bool = False, **ddp_kwargs: Any) -> Any:
+              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False, **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
+        ``compile=True`` (or a dict of ``torch.compile`` arguments) compiles the wrapped model;
+        a model compiled before ``setup`` works too. Checkpoints hold plain parameter names either way.
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
         Returns the model, or ``(model, optimizer)`` when an optimizer is given.
         """
-        model = model.to(self.device)
-        if sync_batchnorm and self.world_size > 1:
-            from ddpkit.sync_batchnorm import convert_sync_batchnorm
-
-            model = convert_sync_batchnorm(model, self.device)
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            ddp_kwargs.setdefault("gradient_as_bucket_view", True)
-            if sync_batchnorm and not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
-                # Synced statistics are already equal on every rank; no need to broadcast them.
-                ddp_kwargs[_BUFFER_SYNC_ARG] = False
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
-            if self.device.type == "cpu":
-                _fix_bucket_layout(model)
+        replica = replicate(model, device=self.device, world_size=self.world_size, is_main=self.is_main,
+                            sync_batchnorm=sync_batchnorm, compile=compile, **ddp_kwargs)
+        model = replica.model
+        self._bucket_views = self._bucket_views or replica.bucket_views
+        self.loop.not_bitwise = self.loop.not_bitwise or replica.not_bitwise
+        self._models.append(model)
+        if optimizer is not None and optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
         self.heartbeat("start")     # DDP's parameter broadcast is done: the set-up made progress
         if self.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
@@ -96,19 +101,30 @@ class Training(Resumable):
 
     def loader(self, dataset: Any, *, batch_size: int | None = None, global_batch_size: int | None = None,
                shuffle: bool = False, drop_last: bool = False, num_workers: int = 0,
-               collate_fn: Callable[[list[Any]], Any] | None = None) -> ShardedLoader:
+               collate_fn: Callable[[list[Any]], Any] | None = None, name: str | None = None,
+               weights: Any = None, num_samples: int | None = None, pin_memory: bool | None = None,
+               prefetch_factor: int | None = None, persistent_workers: bool | None = None,
+               worker_init_fn: Callable[[int], None] | None = None) -> ShardedLoader:
         """Batches of this rank's shard, on the device. Give exactly one of the two sizes.
 
-        With ``global_batch_size`` every world size visits the same samples at each step.
+        With ``global_batch_size`` every world size visits the same samples at each step. Each
+        ``iter(loader)`` starts the epoch, like a ``DataLoader``; after :meth:`load` the next pass
+        continues the saved one. ``name`` keys its position in checkpoints (default: made from the
+        dataset's type and these settings). ``weights`` (one per sample) draws each epoch's
+        ``num_samples`` (default: all) with replacement, like ``WeightedRandomSampler``.
+        ``pin_memory`` (default: on CUDA), ``prefetch_factor``, ``persistent_workers`` (default:
+        on with workers) and ``worker_init_fn`` (run after ddpkit seeds the worker) go to the
+        ``DataLoader``.
         """
         total = check_batch_sizes(self.world_size, batch_size, global_batch_size)
         sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=self.rank,
-                                     world_size=self.world_size, shuffle=shuffle,
-                                     seed=self.seed or 0, drop_last=drop_last)
+                                     world_size=self.world_size, shuffle=shuffle, seed=self.seed or 0,
+                                     drop_last=drop_last, weights=weights, num_samples=num_samples)
         made = ShardedLoader(dataset, sampler, device=self.device, num_workers=num_workers,
-                             collate_fn=collate_fn, seed=self.seed or 0, on_batch=self._on_batch)
-        made.set_epoch(self.epoch)
-        self._loaders.append(made)
+                             collate_fn=collate_fn, seed=self.seed or 0, on_batch=self._on_batch,
+                             pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                             persistent_workers=persistent_workers, worker_init_fn=worker_init_fn)
+        self.loop.register(made, name)
         return made
 
     def _on_batch(self, loader: ShardedLoader) -> None:
@@ -117,11 +133,12 @@ class Training(Resumable):
 
     def epochs(self, n: int) -> Iterator[int]:
         """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
-        while self.epoch < n:
-            for made in self._loaders:
-                made.set_epoch(self.epoch)
-            yield self.epoch
-            self.epoch += 1
+        while self.loop.epoch < n:
+            for made in self.loop.loaders():
+                if made.epoch != self.loop.epoch:
+                    made.set_epoch(self.loop.epoch)
+            yield self.loop.epoch
+            self.loop.epoch += 1
 
     def autocast(self) -> ContextManager[Any]:
         """Autocast for the run's precision (nothing for fp32)."""
@@ -136,6 +153,9 @@ class Training(Resumable):
         self.heartbeat("backward")
         weight = 1.0
         active = self._active
+        if active is not None:
+            active.mark_trained()
+        self.loop.check_pending()
         if active is not None and active.global_count:
             weight = active.batch_weight()
             if self._accumulation is not None:      # a share of the group's samples, not the batch's
@@ -144,19 +164,68 @@ class Training(Resumable):
                 loss = torch.nan_to_num(loss, nan=0.0)   # mean of nothing; contributes zero
         if self._accumulation is not None:
             weight /= self._accumulation[0]
+        if not self._backward_since_step:
+            self._unscaled.clear()
+        self._backward_since_step = self._uses_backward = True
         self.precision.backward(loss * weight if weight != 1.0 else loss)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Optimizer step (through the GradScaler for fp16), then ``zero_grad``.
+    def step(self, *optimizers: torch.optim.Optimizer) -> bool:
+        """Optimizer step (through the GradScaler for fp16), then ``zero_grad``, for each optimizer.
 
-        Inside :meth:`accumulate` only the last micro-step steps. Returns True when it stepped.
+        Several optimizers in one step (``rt.step(gen_opt, disc_opt)``, or one call each after the
+        same backward) update the fp16 scaler once and count as one step. Inside :meth:`accumulate`
+        only the last micro-step steps. Returns True when every optimizer updated its parameters;
+        False when fp16 skipped the step for inf/nan gradients, or inside an accumulation group,
+        so a learning-rate scheduler can follow (``if rt.step(opt): scheduler.step()``).
         """
+        if not optimizers:
+            raise UsageError("rt.step needs the optimizer(s) to step")
         if self._accumulation is not None and not self._accumulation[1]:
             return False
         self.heartbeat("optimizer")
-        stepped = self.precision.step(optimizer)
-        self.global_step += 1
+        stepped = True
+        for optimizer in optimizers:
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            stepped = self.precision.step(optimizer, set_to_none=not self._bucket_views) and stepped
+        if self._backward_since_step or not self._uses_backward:
+            self.loop.step += 1
+            self._backward_since_step = False
+        if not self._uses_backward:
+            self.precision.flush()        # no rt.backward will come to apply the scaler update
         return stepped
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the gradients of ``model`` to ``max_norm``; returns their total norm before clipping.
+
+        Under fp16 the gradients are unscaled first (the optimizers given to :meth:`setup` or
+        :meth:`step`). Inside :meth:`accumulate` it clips only on the micro-step that syncs,
+        where the gradients are complete, and returns None on the others.
+        """
+        if self._accumulation is not None and not self._accumulation[1]:
+            return None
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.precision.scaler is not None:
+            mine = {id(p) for p in params}
+            owners = [opt for opt in self._optimizers
+                      if any(id(p) in mine for group in opt.param_groups for p in group["params"])]
+            if not owners:
+                raise UsageError("rt.clip_grad_norm_ under fp16 must unscale the gradients first: "
+                                 "pass the optimizer to rt.setup(model, optimizer)")
+            for opt in owners:
+                if id(opt) not in self._unscaled:
+                    self.precision.unscale_(opt)
+                    self._unscaled.add(id(opt))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def should_stop(self, flag: bool) -> bool:
+        """True on every rank when any rank passes True: early stopping without a stranded rank.
+
+        Every rank must call it at the same point (it is one small all-reduce).
+        """
+        if self.world_size == 1:
+            return bool(flag)
+        return bool(collectives.all_reduce(1.0 if flag else 0.0, "max") > 0)
 
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[bool]:
@@ -167,13 +236,14 @@ class Training(Resumable):
         """
         if steps < 1:
             raise UsageError(f"accumulate needs steps >= 1, got {steps}")
-        if self._micro_steps == 0:
-            self._group = self._group_weight(steps)
-        self._micro_steps += 1
-        group_batches, divisor = self._group
-        last = self._micro_steps >= group_batches
+        loop = self.loop
+        if loop.micro_step == 0:
+            loop.group = self._group_weight(steps)
+        loop.micro_step += 1
+        group_batches, divisor = loop.group
+        last = loop.micro_step >= group_batches
         if last:
-            self._micro_steps = 0
+            loop.micro_step = 0
         self._accumulation = (divisor, last)
         sync_off = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
         try:
@@ -215,8 +285,9 @@ class Training(Resumable):
             if self._logger is None:
                 from ddpkit.tracking import MetricsLogger
 
-                # Rows after the step we resumed from belong to work a crash undid.
-                self._logger = MetricsLogger(self.out_dir, resume=self.global_step > 0,
+                # Rows after the step we resumed from belong to work a crash undid; a fresh run
+                # (nothing loaded) starts its files anew.
+                self._logger = MetricsLogger(self.out_dir, resume=self.loop.resumed_from is not None,
                                              resume_step=self.global_step)
             self._logger.log(values, step=self.global_step if step is None else step)
         return values
@@ -228,26 +299,6 @@ class Training(Resumable):
     def _close_training(self) -> None:
         if self._logger is not None:
             self._logger.close()
-
-
-def _fix_bucket_layout(model: Any) -> None:
-    """Settle DDP's gradient buckets now, so every step of every attempt uses the same layout.
-
-    DDP starts with one bucket in parameter order and, after the first backward, re-buckets in
-    the order gradients became ready. A run resumed from a checkpoint would take its first step
-    with the starting layout where the uninterrupted run used the re-bucketed one; with three or
-    more processes a ring allreduce sums each element in an order that depends on where it sits
-    in the bucket, so the two runs part by a rounding error. Re-bucketing at once (parameter
-    order, DDP's own size caps) makes resume bitwise exact. CPU only: on GPUs the ready order
-    lets communication overlap the backward pass, and bitwise results are not on offer anyway.
-    Uses DDP's private join hooks; without them (another torch) DDP's default stays.
-    """
-    reducer = getattr(model, "reducer", None)
-    try:
-        reducer._push_all_rebuilt_params()
-        reducer._rebuild_buckets()         # a collective: every rank calls setup
-    except (AttributeError, RuntimeError):
-        pass
 
 
 def seed_everything(seed: int) -> None:

@@ -247,9 +247,11 @@ def group_store() -> Any | None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    from ddpkit._torch import default_store
+
     try:
-        shared = dist.distributed_c10d._get_default_store()
-    except (AttributeError, ValueError, RuntimeError):
+        shared = default_store()      # a changed private API raises PrivateApiChanged: loud
+    except (ValueError, RuntimeError):
         return None
     try:
         store = shared.clone()

@@ -1,0 +1,199 @@
+"""The loader a script iterates: batches of this rank's share of each global batch, on the device.
+
+It behaves like a ``DataLoader`` where a PyTorch user expects it to: each ``iter(loader)``
+starts the epoch from its first batch, so ``next(iter(loader))`` to probe a shape takes
+nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
+
+* after :meth:`ddpkit.Runtime.load`, the next pass continues the saved epoch mid-way, and
+  keeps doing so (a probe or two) until a batch of it is trained on;
+* with ``num_workers > 0``, the global torch / numpy / ``random`` generators in each worker are
+  seeded from (seed, epoch, rank, worker id), so ranks draw different numbers; per-sample
+  randomness that must not depend on the world size comes from :func:`ddpkit.sample_rng`.
+
+The loop state (:mod:`ddpkit.loopstate`) reads each loader's :meth:`ShardedLoader.position_record`
+into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
+
+from ddpkit import data
+from ddpkit.data import GlobalBatchSampler, sample_seed, to_device
+
+
+class _KeyedDataset(Dataset):
+    """Reads ``dataset[index]`` with the sample's key set (for :func:`ddpkit.sample_rng`) and
+    seeds a worker's global generators at the start of every epoch it reads."""
+
+    def __init__(self, dataset: Any, seed: int, rank: int,
+                 worker_init_fn: Callable[[int], None] | None = None):
+        self.dataset = dataset
+        self.seed = seed
+        self.rank = rank
+        self.start_epoch = 0                  # the epoch being read when workers start
+        self.user_worker_init = worker_init_fn
+        self._seeded_epoch: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def seed_worker(self, worker_id: int) -> None:
+        """DataLoader's ``worker_init_fn``: ddpkit's seeding first, then the user's function."""
+        self._seed_globals(self.start_epoch, worker_id)
+        if self.user_worker_init is not None:
+            self.user_worker_init(worker_id)
+
+    def _seed_globals(self, epoch: int, worker_id: int) -> None:
+        value = sample_seed(self.seed, epoch, -1 - (self.rank * 4096 + worker_id))   # never a sample's key
+        random.seed(value)
+        torch.manual_seed(value)
+        import numpy as np
+
+        np.random.seed(value % 2**32)
+        self._seeded_epoch = epoch
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        worker = get_worker_info()
+        if worker is not None and self._seeded_epoch != epoch:
+            self._seed_globals(epoch, worker.id)    # a persistent worker reading a new epoch
+        data._current_key = data.SampleKey(self.seed, epoch, index)
+        try:
+            return self.dataset[index]
+        finally:
+            data._current_key = None
+
+
+class _EpochBatches:
+    """The batch sampler handed to DataLoader: the loader's plan for the pass it is starting."""
+
+    def __init__(self, loader: "ShardedLoader"):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.loader.epoch
+        for local, _ in self.loader._plan:
+            # An empty part still reads one sample so collate sees a batch; it is cut away later.
+            yield [(epoch, index) for index in (local or [0])]
+
+
+class ShardedLoader:
+    """An iterable of batches already on the device, sharded by :class:`GlobalBatchSampler`.
+
+    Knows its epoch and the position of its current pass, so a checkpoint can resume mid-epoch,
+    and the true sample counts of the current batch, so the loss can weigh an uneven last batch.
+    Made by :meth:`ddpkit.Runtime.loader`.
+    """
+
+    def __init__(self, dataset: Any, sampler: GlobalBatchSampler, *, device: torch.device,
+                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 seed: int = 0, on_batch: Callable[["ShardedLoader"], None] | None = None,
+                 pin_memory: bool | None = None, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None, name: str | None = None):
+        self.dataset = dataset
+        self.sampler = sampler
+        self.device = device
+        self.name = name           # the key its position is saved under (set by the loop state)
+        self.epoch = 0
+        self.position = 0          # batches handed out by the current pass
+        self.finished = False      # the current pass ran out or was left (``break``)
+        self.trained = False       # a batch of it fed a backward: its position matters for resume
+        self.local_count = 0       # samples of this rank in the current batch
+        self.global_count = 0      # samples of all ranks in the current batch
+        self._resume: int | None = None   # a saved position the next passes start from
+        self._passes = 0                  # passes started; an older iterator leaves no mark
+        self._plan: list[tuple[list[int], int]] = []   # (local part, global size) of each batch left
+        self._on_batch = on_batch
+        workers = num_workers > 0
+        self._keyed = _KeyedDataset(dataset, seed, sampler.rank, worker_init_fn)
+        self._loader = DataLoader(
+            self._keyed, batch_sampler=_EpochBatches(self), num_workers=num_workers,
+            collate_fn=collate_fn or default_collate,
+            pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
+            persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
+            prefetch_factor=(prefetch_factor or 2) if workers else None,
+            worker_init_fn=self._keyed.seed_worker if workers else None,
+            generator=data.private_generator(seed),
+        )
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass read ``epoch`` (ddpkit's ``epochs()`` calls this for you)."""
+        if epoch != self.epoch:
+            self.epoch, self.position, self.finished = epoch, 0, False
+            self._resume = None
+
+    def resume_at(self, epoch: int, position: int) -> None:
+        """Continue ``epoch`` at batch ``position`` in the next passes, until one is trained on."""
+        self.epoch, self.position, self.finished = epoch, position, False
+        self._resume = position
+
+    def __iter__(self) -> Iterator[Any]:
+        start = self._resume or 0
+        self._passes += 1
+        this_pass = self._passes
+        self.position, self.finished = start, False
+        self._keyed.start_epoch = self.epoch
+        # One permutation per pass: the DataLoader's batch sampler reads this plan too.
+        self._plan = [(self.sampler.local_part(batch), len(batch))
+                      for batch in self.sampler.global_batches(self.epoch, start)]
+        try:
+            for batch, (local, total) in zip(self._loader, self._plan):
+                if this_pass != self._passes:
+                    raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
+                                       "iter(loader); iterate one pass at a time, like a DataLoader")
+                if not local:
+                    batch = _take_rows(batch, 0)
+                self.position += 1
+                self.local_count, self.global_count = len(local), total
+                if self._on_batch is not None:
+                    self._on_batch(self)
+                yield to_device(batch, self.device)
+        finally:
+            # Run out, or left by ``break``: either way the script's next pass is a new one.
+            if this_pass == self._passes:
+                self.finished = True
+
+    def mark_trained(self) -> None:
+        """A batch of the current pass fed a backward: a pending resume point is used up."""
+        self.trained = True
+        self._resume = None
+
+    def batch_weight(self) -> float:
+        """Factor that turns this rank's mean loss into its share of the global-batch mean.
+
+        DDP averages gradients over ``W`` ranks, so rank ``r`` must contribute
+        ``sum_r / n_global * W`` = ``mean_r * n_r * W / n_global``.
+        """
+        if self.global_count == 0:
+            return 1.0
+        return self.local_count * self.sampler.world_size / self.global_count
+
+    def signature(self) -> dict[str, Any]:
+        """What must match for a saved position to mean the same batches again."""
+        return self.sampler.signature()
+
+    def position_record(self) -> dict[str, Any]:
+        """Where the current pass stands, for a checkpoint (plain data)."""
+        done = self.finished or self.position >= len(self)
+        return {"epoch": self.epoch, "position": self.position, "finished": done,
+                "signature": self.signature()}
+
+    def __repr__(self) -> str:
+        return (f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, "
+                f"position={self.position})")
+
+
+def _take_rows(batch: Any, count: int) -> Any:
+    return data.map_tensors(lambda t: t[:count], batch)

@@ -1,0 +1,122 @@
+"""Where the training loop stands, in one object: what a restart needs to continue exactly.
+
+:class:`LoopState` owns the epoch, the optimizer-step count, the position of every loader that
+feeds training (keyed by a stable name, not by the order loaders were built in), the open
+gradient-accumulation group and whether this run is bitwise resumable. ``rt.save`` writes
+:meth:`LoopState.state_dict` (with the RNG and scaler states) and ``rt.load`` hands it to
+:meth:`LoopState.restore`; restoring does not depend on whether the script built its loaders
+before or after ``load``: a loader made later picks up its saved position when it registers.
+
+Only loaders that fed a backward are saved: a validation loader read halfway, or not at all,
+never makes an end-of-epoch checkpoint look mid-epoch.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+from ddpkit.errors import DdpkitError
+
+
+class LoopState:
+    """Epoch, step, loader positions, accumulation position and resumability of one run."""
+
+    def __init__(self) -> None:
+        self.epoch = 0               # the epoch being trained (or to be trained next)
+        self.step = 0                # optimizer steps taken
+        self.micro_step = 0          # batches into the open accumulation group
+        self.group: tuple[int, float] = (1, 1.0)   # (batches, divisor) of that group
+        self.resumed_from: str | None = None
+        self.not_bitwise: str | None = None         # why a resume of this run is not bitwise
+        self._loaders: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+        self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
+        self._strict = True
+
+    # -- loaders --------------------------------------------------------------------------
+    def register(self, loader: Any, name: str | None) -> str:
+        """Give ``loader`` its key and, if a checkpoint saved a position under it, that position.
+
+        The key is ``name`` when given, else the dataset's type name (``#2``, ``#3`` for further
+        live loaders of the same type, in the order the script builds them), so the same script
+        finds the same key in every attempt, whatever the order of ``rt.load`` and ``rt.loader``.
+        A saved position whose length, batch size or seed differ from the loader's is refused.
+        """
+        base = name or type(loader.dataset).__name__
+        key, count = base, 1
+        while key in self._loaders and name is None:     # a second live loader of the same kind
+            count += 1
+            key = f"{base}#{count}"
+        if name is not None and name in self._loaders:
+            raise DdpkitError(f"two live loaders are named {name!r}; give each its own name=")
+        loader.name = key
+        self._loaders[key] = loader
+        loader.set_epoch(self.epoch)
+        saved = self._pending.pop(key, None)
+        if saved is None and name is None:
+            # A loader rebuilt every epoch can be "#2" in one attempt and the first in another.
+            kin = [k for k in self._pending if k.split("#")[0] == base]
+            saved = self._pending.pop(kin[0]) if len(kin) == 1 else None
+        if saved is not None:
+            self._apply(loader, saved)
+        return key
+
+    def loaders(self) -> list[Any]:
+        return list(self._loaders.values())
+
+    def _apply(self, loader: Any, saved: dict[str, Any]) -> None:
+        if saved["signature"] != loader.signature():
+            self._complain(f"the checkpoint's position for loader {loader.name!r} was saved for "
+                           f"{_describe(saved['signature'])}, but this loader has {_describe(loader.signature())}",
+                           "build the loader as it was saved, or give it another name=")
+            return
+        loader.resume_at(int(saved["epoch"]), int(saved["position"]))
+
+    def check_pending(self) -> None:
+        """Called when training resumes: a saved mid-epoch position nobody claimed is an error."""
+        if not self._pending:
+            return
+        left = ", ".join(f"{key!r} ({_describe(rec['signature'])}, batch {rec['position']})"
+                         for key, rec in self._pending.items())
+        self._pending = {}
+        self._complain(f"checkpoint {self.resumed_from} continues the epoch of loader(s) {left}, but no "
+                       "loader with that identity was built before training went on",
+                       "build it before the first step, pass the name= it was saved under")
+
+    def _complain(self, problem: str, fix: str) -> None:
+        if self._strict:
+            raise DdpkitError(f"{problem}; {fix}, or load with strict=False to start its epoch over")
+        warnings.warn(f"{problem}; its epoch starts over (strict=False)", stacklevel=4)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: where the loop stands and where each training loader's pass is."""
+        training = {key: made.position_record() for key, made in self._loaders.items() if made.trained}
+        current = [rec for rec in training.values() if rec["epoch"] == self.epoch]
+        epoch_done = bool(current) and all(rec["finished"] for rec in current)
+        mid = {key: rec for key, rec in training.items()
+               if rec["epoch"] == self.epoch and not rec["finished"]}
+        return {"epoch": self.epoch, "step": self.step, "epoch_done": epoch_done, "loaders": mid,
+                "micro_step": self.micro_step, "group": list(self.group), "not_bitwise": self.not_bitwise}
+
+    def restore(self, saved: dict[str, Any], *, source: str, strict: bool = True) -> None:
+        """Continue from ``saved``: the next epoch if it ended, else mid-epoch where it stood."""
+        self.resumed_from, self._strict = source, strict
+        self.step = int(saved["step"])
+        self.epoch = int(saved["epoch"]) + (1 if saved["epoch_done"] else 0)
+        self.micro_step = int(saved.get("micro_step", 0))
+        self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
+        self._pending = {} if saved["epoch_done"] else {k: dict(v) for k, v in saved["loaders"].items()}
+        for key, made in list(self._loaders.items()):
+            made.set_epoch(self.epoch)
+            if key in self._pending:
+                self._apply(made, self._pending.pop(key))
+        if saved.get("not_bitwise"):
+            warnings.warn(f"checkpoint {source} resumes, but not bitwise: {saved['not_bitwise']}", stacklevel=3)
+
+
+def _describe(sig: dict[str, Any]) -> str:
+    text = f"{sig['length']} samples in global batches of {sig['global_batch_size']}"
+    flags = [f"seed {sig['seed']}"] + [flag for flag in ("shuffle", "drop_last", "weighted") if sig.get(flag)]
+    return f"{text} ({', '.join(flags)})"

@@ -1,0 +1,77 @@
+"""Meeting points through the launcher's store: who arrived, and how rank 0's work went.
+
+A collective called on one rank only waits for the others until the collective timeout (ten
+minutes by default), then fails with a message that names neither the call nor the ranks.
+``rt.save`` and ``rt.load`` gather every rank's random state, so ``if rt.is_main: rt.save(...)``
+would do exactly that. :func:`all_arrive` checks first, through the store, with a short
+timeout, and names the call and the ranks that did not come. :func:`share_outcome` lets rank 0
+tell every rank at once that its write failed, instead of leaving them in a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from ddpkit import collectives
+from ddpkit.errors import DdpkitError, UsageError
+
+_count: dict[str, int] = {}
+
+
+def _prefix(what: str) -> str:
+    number = _count[what] = _count.get(what, 0) + 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")     # a restarted job starts afresh
+    return f"ddpkit/meet/{attempt}/{what}/{number}"
+
+
+def all_arrive(what: str, timeout_s: float) -> str:
+    """Wait until every rank calls ``what`` (its n-th call), or raise naming the ranks that did not.
+
+    Returns the key prefix of this meeting, for :func:`share_outcome`.
+
+    Raises:
+        UsageError: some rank did not reach ``what`` within ``timeout_s`` seconds.
+    """
+    prefix = _prefix(what)
+    world, me = collectives.world_size(), collectives.rank()
+    if world == 1:
+        return prefix
+    from ddpkit._torch import default_store
+
+    store = default_store()
+    store.set(f"{prefix}/rank{me}", "1")
+    if store.add(f"{prefix}/count", 1) == world:
+        store.set(f"{prefix}/all", "1")
+    try:
+        store.wait([f"{prefix}/all"], timedelta(seconds=timeout_s))
+    except RuntimeError:     # DistStoreError: the others did not come
+        missing = [r for r in range(world) if not store.check([f"{prefix}/rank{r}"])]
+        shown = ", ".join(map(str, missing)) or "?"
+        raise UsageError(
+            f"rt.{what} must be called on every rank, but rank(s) {shown} did not reach it within "
+            f"{timeout_s:.0f} s (it gathers each rank's random state): call rt.{what} outside "
+            "`if rt.is_main:`; ddpkit writes on rank 0 only"
+        ) from None
+    return prefix
+
+
+def share_outcome(prefix: str, error: str | None, timeout_s: float) -> None:
+    """Rank 0 posts ``error`` (None: it went well); every other rank waits for it and raises on failure.
+
+    Raises:
+        DdpkitError: on ranks other than 0, when rank 0 reported ``error``.
+    """
+    if collectives.world_size() == 1:
+        return
+    from ddpkit._torch import default_store
+
+    store = default_store()
+    key = f"{prefix}/outcome"
+    if collectives.rank() == 0:
+        store.set(key, "" if error is None else error)
+        return
+    store.wait([key], timedelta(seconds=timeout_s))
+    text = store.get(key).decode()
+    if text:
+        raise DdpkitError(f"rank 0 failed: {text}")

@@ -1,0 +1,89 @@
+"""How the model is replicated: device, SyncBatchNorm, DDP with a settled bucket layout, compile.
+
+:func:`replicate` is what ``rt.setup`` does to a model; it returns what the loop must know
+about the result (whether gradients live in DDP's buckets, and why a resume would not be bitwise).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def _buffer_sync_arg() -> str:
+    """DDP's name for per-forward buffer broadcasting (renamed in recent torch)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+
+
+_BUFFER_SYNC_ARG = _buffer_sync_arg()
+
+
+@dataclass
+class Replica:
+    """The wrapped model and what the loop needs to know about it."""
+
+    model: Any
+    bucket_views: bool = False       # DDP keeps the gradients in its buckets (zero them in place)
+    not_bitwise: str | None = None   # why a resumed run would not be bitwise, if it would not
+
+
+def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, is_main: bool,
+              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
+              **ddp_kwargs: Any) -> Replica:
+    """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile."""
+    model = model.to(device)
+    replica = Replica(model)
+    if sync_batchnorm and world_size > 1:
+        from ddpkit.sync_batchnorm import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model, device)
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+        if sync_batchnorm and not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
+            # Synced statistics are already equal on every rank; no need to broadcast them.
+            ddp_kwargs[_BUFFER_SYNC_ARG] = False
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        replica.bucket_views = bool(ddp_kwargs["gradient_as_bucket_view"])
+        if device.type == "cpu":
+            replica.not_bitwise = settle_buckets(model, is_main=is_main)
+    if compile:
+        model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
+    replica.model = model
+    return replica
+
+
+def settle_buckets(model: Any, *, is_main: bool) -> str | None:
+    """Settle DDP's gradient buckets now, so every step of every attempt uses the same layout.
+
+    DDP starts with one bucket in parameter order and, after the first backward, re-buckets in
+    the order gradients became ready. A run resumed from a checkpoint would take its first step
+    with the starting layout where the uninterrupted run used the re-bucketed one; with three or
+    more processes a ring allreduce sums each element in an order that depends on where it sits
+    in the bucket, so the two runs part by a rounding error. Re-bucketing at once (parameter
+    order, DDP's own size caps) makes resume bitwise exact. CPU only: on GPUs the ready order
+    lets communication overlap the backward pass, and bitwise results are not on offer anyway.
+
+    Returns:
+        None, or why resume is not bitwise: without the private API (another torch) DDP's
+        default stays, with a warning (rank 0, once), and checkpoints record it.
+    """
+    from ddpkit import _torch
+
+    try:
+        _torch.settle_ddp_buckets(model)     # a collective: every rank calls setup
+    except _torch.PrivateApiChanged as exc:
+        if is_main:
+            warnings.warn(f"{exc}: with 3 or more processes a resumed run may differ from an "
+                          "uninterrupted one by rounding", stacklevel=4)
+        return f"DDP buckets could not be settled at setup ({exc})"
+    return None

@@ -1,0 +1,145 @@
+"""Training functions for tests/test_loop_state.py, written the way real scripts are: importable,
+so ``ddpkit.launch`` can spawn them, and run in-process for a world of one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+
+N_TRAIN, GLOBAL_BATCH, EPOCHS = 50, 4, 3          # 13 steps per epoch, the last one short
+
+
+class Toy(torch.utils.data.Dataset):
+    """Seeded features and labels; augmentation noise from ddpkit.sample_rng()."""
+
+    def __init__(self, length: int, offset: int = 0):
+        generator = torch.Generator().manual_seed(100 + offset)
+        self.x = torch.randn(length, 8, generator=generator)
+        self.y = torch.randint(0, 3, (length,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        noise = 0.05 * torch.randn(8, generator=ddpkit.sample_rng())
+        return self.x[index] + noise, self.y[index]
+
+
+class Held(Toy):
+    """Validation data: another dataset type, so its loader has its own identity."""
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(16, 3))
+
+
+def variations(mode: str, checkpoint: str, stop_at: int = 20) -> dict:
+    """A loop with the habits of real scripts: ``load`` before the loaders, a shape probe, a
+    validation loader read partly (``break``) inside and after each epoch, an end-of-epoch save.
+
+    ``mode``: ``"full"`` runs to the end; ``"stop"`` saves to ``checkpoint`` after step ``stop_at``
+    and returns; ``"resume"`` loads ``checkpoint`` first and runs to the end.
+    """
+    rt = ddpkit.init(seed=3)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    if mode == "resume":
+        rt.load(checkpoint, state)                   # before any loader exists
+    train = rt.loader(Toy(N_TRAIN), global_batch_size=GLOBAL_BATCH, shuffle=True)
+    val = rt.loader(Held(12, offset=1), global_batch_size=4)
+    probe_x, _ = next(iter(train))                   # a shape probe
+    assert probe_x.shape[-1] == 8
+    steps_per_epoch = []
+    for _ in rt.epochs(EPOCHS):
+        steps = 0
+        for x, y in train:
+            loss = F.cross_entropy(model(x), y)
+            rt.backward(loss)
+            if rt.step(optimizer):
+                scheduler.step()
+            steps += 1
+            if rt.global_step % 5 == 0:              # a look at validation, cut short
+                with torch.no_grad():
+                    for vx, _ in val:
+                        model(vx)
+                        break
+            if mode == "stop" and rt.global_step == stop_at:
+                rt.save(checkpoint, state)
+                rt.close()
+                return {"stopped": rt.global_step}
+        steps_per_epoch.append(steps)
+        with torch.no_grad():
+            next(iter(val))                          # half-read validation at the end of the epoch
+        rt.save(checkpoint + f".epoch{rt.epoch}", state)
+    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    result = {"weights": weights, "steps": rt.global_step, "steps_per_epoch": steps_per_epoch,
+              "lr": scheduler.get_last_lr()[0]}
+    rt.close()
+    return result
+
+
+def worker_draws(num_workers: int) -> dict:
+    """Numbers the global torch / numpy / random generators give inside ``__getitem__``."""
+    rt = ddpkit.init(seed=7)
+    loader = rt.loader(_GlobalRandom(), batch_size=2, num_workers=num_workers)
+    draws = {}
+    for epoch in rt.epochs(2):
+        draws[epoch] = [batch.tolist() for batch in loader]
+    rt.close()
+    return draws
+
+
+class _GlobalRandom(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        import random
+
+        import numpy as np
+
+        return torch.tensor([float(torch.rand(())), float(np.random.rand()), random.random()])
+
+
+def rank0_only_save(checkpoint: str) -> dict:
+    """The README habit gone wrong: ``if rt.is_main: rt.save(...)``."""
+    rt = ddpkit.init(seed=0, save_timeout=5)
+    model = torch.nn.Linear(2, 1)
+    model = rt.setup(model)
+    if rt.is_main:
+        rt.save(checkpoint, {"model": model})
+    return {"rank": rt.rank}
+
+
+def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
+    """``rt.accumulate(model, 3)``; ``"stop"`` saves after batch ``stop_after_batch`` (inside a group)."""
+    rt = ddpkit.init(seed=5)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer}
+    train = rt.loader(Toy(40), global_batch_size=4, shuffle=True)
+    if mode == "resume":
+        rt.load(checkpoint, state)                   # after the loader this time
+    batches = 0
+    for _ in rt.epochs(2):
+        for x, y in train:
+            with rt.accumulate(model, 3):
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+            batches += 1
+            if mode == "stop" and batches == stop_after_batch:
+                micro = rt.loop.micro_step
+                rt.save(checkpoint, state)
+                rt.close()
+                return {"micro_step": micro}
+    weights = {k: v.detach().clone().tolist() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    result = {"weights": weights, "steps": rt.global_step, "batches": batches}
+    rt.close()
+    return result

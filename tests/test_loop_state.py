@@ -1,0 +1,243 @@
+"""The loop state in the loops people write: probes, load before loaders, half-read validation,
+several optimizers, accumulation, early stop, worker RNG, save on one rank."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.loopstate import LoopState
+
+sys.path.insert(0, str(Path(__file__).parent))
+import loop_workers  # noqa: E402
+from loop_workers import EPOCHS, GLOBAL_BATCH, N_TRAIN  # noqa: E402
+
+STEPS_PER_EPOCH = math.ceil(N_TRAIN / GLOBAL_BATCH)
+
+
+def _run(nprocs: int, fn, *args):
+    if nprocs == 1:
+        return fn(*args)                     # a world of one runs in this process
+    return ddpkit.launch(fn, nprocs=nprocs, args=args)[0]
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs):
+    ckpt = str(tmp_path / "ckpt.pt")
+    full = _run(nprocs, loop_workers.variations, "full", str(tmp_path / "full.pt"))
+    assert full["steps_per_epoch"] == [STEPS_PER_EPOCH] * EPOCHS     # the probe took no batch
+    assert full["steps"] == STEPS_PER_EPOCH * EPOCHS
+
+    assert _run(nprocs, loop_workers.variations, "stop", ckpt) == {"stopped": 20}
+    resumed = _run(nprocs, loop_workers.variations, "resume", ckpt)
+    assert resumed["steps"] == full["steps"]
+    # epoch 1 continued after its 7th batch (20 = 13 + 7), then one whole epoch
+    assert resumed["steps_per_epoch"] == [STEPS_PER_EPOCH - 7, STEPS_PER_EPOCH]
+    assert resumed["lr"] == full["lr"]                    # the scheduler came back too
+    _assert_bitwise(resumed["weights"], full["weights"])
+
+
+@pytest.mark.timeout(240)
+def test_end_of_epoch_checkpoint_with_half_read_validation_goes_on_with_the_next_epoch(tmp_path):
+    full = loop_workers.variations("full", str(tmp_path / "run.pt"))
+    end_of_epoch_0 = str(tmp_path / "run.pt.epoch0")
+    resumed = loop_workers.variations("resume", end_of_epoch_0)
+    assert resumed["steps_per_epoch"] == [STEPS_PER_EPOCH] * (EPOCHS - 1)   # epoch 0 not repeated
+    _assert_bitwise(resumed["weights"], full["weights"])
+
+
+def test_loader_built_after_load_that_differs_is_a_clear_error(tmp_path):
+    rt = ddpkit.init(seed=1)
+    model = torch.nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = rt.loader(loop_workers.Toy(20), global_batch_size=4, shuffle=True)
+    for step, (x, y) in enumerate(train):
+        rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+        rt.step(opt)
+        if step == 1:
+            break_at = rt.save(tmp_path / "c.pt", {"model": model})
+            break
+    rt.loop = LoopState()                                # a fresh run of the same script
+    rt.load(break_at, {"model": model})
+    with pytest.raises(ddpkit.DdpkitError, match="global batches of 4.*this loader has.*global batches of 5"):
+        rt.loader(loop_workers.Toy(20), global_batch_size=5, shuffle=True)
+
+
+def test_saved_position_that_matches_no_loader_is_an_error_or_a_warning(tmp_path):
+    rt = ddpkit.init(seed=1)
+    model = torch.nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = rt.loader(loop_workers.Toy(20), global_batch_size=4, shuffle=True, name="train")
+    batches = iter(train)                  # held: the pass is still open when we save
+    x, y = next(batches)
+    rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+    rt.step(opt)
+    path = rt.save(tmp_path / "c.pt", {"model": model})
+    for strict in (True, False):
+        rt.loop = LoopState()
+        rt.load(path, {"model": model}, strict=strict)
+        other = rt.loader(loop_workers.Toy(20), global_batch_size=4, shuffle=True, name="renamed")
+        x, y = next(iter(other))
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if strict:
+            with pytest.raises(ddpkit.DdpkitError, match="'train'.*no loader with that identity"):
+                rt.backward(loss)
+        else:
+            with pytest.warns(UserWarning, match="'train'.*starts over"):
+                rt.backward(loss)
+        del other
+
+
+def test_each_iter_starts_the_epoch_and_break_ends_it():
+    rt = ddpkit.init(seed=2)
+    loader = rt.loader(list(range(10)), global_batch_size=2, shuffle=True)
+    first = next(iter(loader)).tolist()
+    assert [b.tolist() for b in loader][0] == first          # the probe consumed nothing
+    for _ in loader:
+        break
+    assert loader.finished                                  # `break` ends the pass
+
+
+def test_two_optimizers_one_step_one_scaler_update():
+    rt = ddpkit.init(seed=0, precision="fp16")
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    updates = []
+    real_update = rt.precision.scaler.update
+    rt.precision.scaler.update = lambda *args: (updates.append(1), real_update(*args))[1]
+    for i in range(3):
+        with rt.autocast():
+            loss = b(a(torch.randn(8, 4))).float().mean()
+        rt.backward(loss)
+        rt.step(opt_a)
+        rt.step(opt_b)                       # the same step: counted once
+    rt.precision.flush()
+    assert rt.global_step == 3
+    assert len(updates) == 3
+    with rt.autocast():
+        loss = b(a(torch.randn(8, 4))).float().mean()
+    rt.backward(loss)
+    rt.step(opt_a, opt_b)                    # both in one call
+    assert rt.global_step == 4
+
+
+def test_step_reports_an_fp16_skip_so_the_scheduler_can_follow():
+    rt = ddpkit.init(seed=0, precision="fp16")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    x[0, 0] = float("inf")
+    with rt.autocast():
+        loss = model(x).float().mean()
+    rt.backward(loss)
+    before = model.weight.detach().clone()
+    assert rt.step(opt) is False
+    assert torch.equal(model.weight, before)
+
+
+def test_clip_grad_norm_unscales_fp16_and_only_clips_on_the_syncing_micro_step():
+    results = {}
+    for precision in ("fp32", "fp16"):
+        rt = ddpkit.init(seed=0, precision=precision)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = rt.setup(model, opt)
+        norms = []
+        x = torch.arange(32.0).reshape(8, 4) / 1000     # small: no fp16 overflow at the first scale
+        loader = rt.loader(list(zip(x, x.sum(1, keepdim=True))), global_batch_size=2)
+        for xb, yb in loader:
+            with rt.accumulate(model, 2):
+                with rt.autocast():
+                    loss = torch.nn.functional.mse_loss(model(xb).float(), yb)
+                rt.backward(loss)
+                norms.append(rt.clip_grad_norm_(model, 1.0))
+                rt.step(opt)
+        results[precision] = norms
+        rt.close()
+    assert [n is None for n in results["fp32"]] == [True, False, True, False]
+    for ours, reference in zip(results["fp16"], results["fp32"]):
+        if reference is not None:      # fp16 norms are of unscaled gradients: close to fp32's
+            assert math.isclose(float(ours), float(reference), rel_tol=2e-2)
+
+
+def test_should_stop_is_false_until_a_rank_says_so():
+    rt = ddpkit.init()
+    assert rt.should_stop(False) is False
+    assert rt.should_stop(True) is True
+
+
+def _should_stop_worker() -> list:
+    rt = ddpkit.init()
+    return [rt.should_stop(rt.rank == 1 and i == 2) for i in range(4)]
+
+
+@pytest.mark.timeout(120)
+def test_should_stop_agrees_across_ranks():
+    results = ddpkit.launch(_should_stop_worker, nprocs=2)
+    assert results[0] == results[1] == [False, False, True, False]
+
+
+@pytest.mark.timeout(120)
+def test_worker_global_rng_differs_across_ranks_and_epochs():
+    draws = ddpkit.launch(loop_workers.worker_draws, nprocs=2, args=(1,))
+    rank0, rank1 = draws[0], draws[1]
+    for epoch in (0, 1):
+        flat0 = [v for batch in rank0[epoch] for row in batch for v in row]
+        flat1 = [v for batch in rank1[epoch] for row in batch for v in row]
+        assert not set(flat0) & set(flat1)                 # torch, numpy and random all differ
+    assert rank0[0] != rank0[1]                            # and each epoch draws anew
+    again = ddpkit.launch(loop_workers.worker_draws, nprocs=2, args=(1,))
+    assert again == draws                                  # keyed by (seed, epoch, rank, worker)
+
+
+@pytest.mark.timeout(120)
+def test_save_on_rank_0_only_fails_with_one_line_naming_save(tmp_path):
+    with pytest.raises(ddpkit.LaunchError) as caught:
+        ddpkit.launch(loop_workers.rank0_only_save, nprocs=2, args=(str(tmp_path / "c.pt"),))
+    message = str(caught.value).splitlines()[0]
+    assert "rank 0" in message and "rt.save must be called on every rank" in message
+    assert "rank(s) 1 did not reach it" in message
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_second_init_with_other_settings_is_refused():
+    rt = ddpkit.init(precision="fp32")
+    assert ddpkit.init(precision="fp32") is rt
+    with pytest.raises(ddpkit.UsageError, match="precision='bf16' \\(running: 'fp32'\\)"):
+        ddpkit.init(precision="bf16")
+
+
+def test_compiled_model_checkpoints_plain_names(tmp_path):
+    rt = ddpkit.init(seed=0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt, compile=True)
+    for _ in range(2):
+        rt.backward(model(torch.randn(8, 4)).pow(2).mean())
+        rt.step(opt)
+    path = rt.save(tmp_path / "c.pt", {"model": model})
+    saved = ddpkit.checkpoint.read(path)["user"]["model"]
+    assert sorted(saved) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.timeout(240)
+def test_save_inside_an_accumulation_group_resumes_bitwise(tmp_path):
+    ckpt = str(tmp_path / "acc.pt")
+    full = ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("full", ckpt))[0]
+    assert full["steps"] == 2 * 4                        # 10 batches an epoch: groups of 3, 3, 3, 1
+    assert ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("stop", ckpt))[0] == {"micro_step": 1}
+    resumed = ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("resume", ckpt))[0]
+    assert resumed["batches"] == 20 - 4 and resumed["steps"] == full["steps"]
+    assert resumed["weights"] == full["weights"]

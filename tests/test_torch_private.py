@@ -1,0 +1,77 @@
+"""One test per private torch API in ddpkit._torch: each fails loudly on a torch that changed it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit import _torch
+
+
+def _one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    return dist
+
+
+def test_default_store_is_the_groups_store(tmp_path):
+    _one_process_group(tmp_path)
+    store = _torch.default_store()
+    store.set("ddpkit/test", "yes")
+    assert store.get("ddpkit/test") == b"yes"
+
+
+def test_settle_ddp_buckets_runs_on_this_torch(tmp_path):
+    _one_process_group(tmp_path)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)))
+    _torch.settle_ddp_buckets(model)           # raises PrivateApiChanged if torch renamed them
+    model(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_settle_ddp_buckets_is_loud_when_the_api_is_gone():
+    class NoReducer:
+        reducer = object()
+
+    with pytest.raises(_torch.PrivateApiChanged, match="_rebuild_buckets"):
+        _torch.settle_ddp_buckets(NoReducer())
+
+
+def test_missing_bucket_api_warns_and_marks_checkpoints_not_bitwise(tmp_path, monkeypatch):
+    def changed(model):
+        raise _torch.PrivateApiChanged("DistributedDataParallel.reducer._rebuild_buckets")
+
+    from ddpkit.replicate import settle_buckets
+
+    monkeypatch.setattr(_torch, "settle_ddp_buckets", changed)
+    rt = ddpkit.init()
+    with pytest.warns(UserWarning, match="rounding"):
+        rt.loop.not_bitwise = settle_buckets(object(), is_main=True)
+    path = rt.save(tmp_path / "c.pt", {})
+    assert "_rebuild_buckets" in ddpkit.checkpoint.read(path)["ddpkit"]["loop"]["not_bitwise"]
+    with pytest.warns(UserWarning, match="not bitwise"):
+        rt.load(path, {})
+
+
+def test_scaler_found_inf_tells_a_skip_from_a_step():
+    scaler = torch.amp.GradScaler("cpu")
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt)
+    assert _torch.scaler_found_inf(scaler, opt) is False
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(model(torch.tensor([[float("inf"), 1.0]])).sum()).backward()
+    scaler.step(opt)
+    assert _torch.scaler_found_inf(scaler, opt) is True
+
+
+def test_scaler_found_inf_is_loud_when_the_api_is_gone():
+    class OldScaler:
+        pass
+
+    with pytest.raises(_torch.PrivateApiChanged, match="_found_inf_per_device"):
+        _torch.scaler_found_inf(OldScaler(), None)
