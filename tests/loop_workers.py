@@ -143,3 +143,44 @@ def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
     result = {"weights": weights, "steps": rt.global_step, "batches": batches}
     rt.close()
     return result
+
+
+def failed_write(checkpoint_dir: str) -> dict:
+    """Rank 0 cannot write (a file stands where a directory should): every rank must raise."""
+    rt = ddpkit.init(seed=0)
+    model = rt.setup(torch.nn.Linear(2, 1))
+    try:
+        rt.save(checkpoint_dir, {"model": model})
+    except ddpkit.DdpkitError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    except OSError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
+def bucket_views() -> dict:
+    """After each rt.step the DDP gradients stay views into DDP's buckets (no copy per step)."""
+    rt = ddpkit.init(seed=0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    pointers = []
+    for _ in range(3):
+        rt.backward(model(torch.randn(2, 4)).sum())
+        rt.step(optimizer)
+        pointers.append([p.grad.data_ptr() if p.grad is not None else None for p in model.parameters()])
+    zeroed = all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
+    return {"pointers": pointers, "zeroed": zeroed}
+
+
+def weighted_batches(num_samples: int) -> list:
+    """The global batches a weighted loader gives, gathered from every rank."""
+    rt = ddpkit.init(seed=9)
+    weights = [0.0] * 5 + [1.0] * 5 + [8.0] * 2
+    loader = rt.loader(list(range(12)), global_batch_size=4, weights=weights, num_samples=num_samples)
+    seen = []
+    for batch in loader:
+        parts = ddpkit.all_gather_object(batch.tolist())
+        seen.append(sorted(i for part in parts for i in part))
+    rt.close()
+    return seen

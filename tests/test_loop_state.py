@@ -241,3 +241,63 @@ def test_save_inside_an_accumulation_group_resumes_bitwise(tmp_path):
     resumed = ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("resume", ckpt))[0]
     assert resumed["batches"] == 20 - 4 and resumed["steps"] == full["steps"]
     assert resumed["weights"] == full["weights"]
+
+
+@pytest.mark.timeout(120)
+def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("occupied")                       # rank 0 cannot write beneath a file
+    results = ddpkit.launch(loop_workers.failed_write, nprocs=2, args=(str(blocker / "c.pt"),))
+    assert results[0]["raised"] is not None
+    assert results[1]["raised"] == "DdpkitError" and "rank 0 failed" in results[1]["message"]
+    assert "could not write checkpoint" in results[1]["message"]
+    assert blocker.read_text() == "occupied"             # nothing lost
+
+
+@pytest.mark.timeout(120)
+def test_ddp_gradients_stay_bucket_views_across_steps():
+    result = ddpkit.launch(loop_workers.bucket_views, nprocs=2)[0]
+    assert None not in result["pointers"][0]            # zero_grad did not set them to None
+    assert result["pointers"][0] == result["pointers"][1] == result["pointers"][2]
+    assert result["zeroed"]
+
+
+@pytest.mark.timeout(120)
+def test_weighted_sampling_is_the_same_for_any_world_size():
+    one = loop_workers.weighted_batches(8)
+    two = ddpkit.launch(loop_workers.weighted_batches, nprocs=2, args=(8,))[0]
+    assert one == two and len(one) == 2
+    drawn = [i for batch in one for i in batch]
+    assert not any(i < 5 for i in drawn)                 # zero weight: never drawn
+
+
+def test_fresh_run_in_a_used_out_dir_starts_its_metrics_anew(tmp_path):
+    import json
+
+    for run in range(2):
+        rt = ddpkit.init(out_dir=tmp_path)
+        for step in range(3):
+            rt.global_step = step
+            rt.log({"loss": float(run)})
+        rt.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["loss"] for row in rows] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_save_on_rank_0_only_under_ddpkit_run_with_default_settings_fails_within_90_s(tmp_path):
+    from helpers import ddpkit as ddpkit_cli
+
+    script = tmp_path / "rank0_save.py"
+    script.write_text(
+        "import torch, ddpkit\n"
+        "rt = ddpkit.init()\n"
+        "model = rt.setup(torch.nn.Linear(2, 1))\n"
+        "if rt.is_main:\n"
+        f"    rt.save({str(tmp_path / 'c.pt')!r}, {{'model': model}})\n"
+    )
+    result = ddpkit_cli("run", "-n", "2", str(script), timeout=170)
+    assert result.returncode != 0
+    # the store check's default 60 s, not the 600 s collective timeout, ended it
+    assert "rt.save must be called on every rank, but rank(s) 1 did not reach it within 60 s" in result.stderr
