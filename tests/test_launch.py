@@ -54,9 +54,12 @@ def test_several_nodes_give_each_attempt_a_fresh_store():
     assert multi_node_env(one, slurm) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def test_module_target():
-    args = torchrun_args(RunSpec("pkg.train", ["x"], module=True, nproc_per_node=1), Environment())
-    assert args[-3:] == ["--module", "pkg.train", "x"]
+def test_workers_start_through_ddpkit_entry():
+    # ddpkit.entry runs the target as python would, then exits without interpreter teardown
+    module = torchrun_args(RunSpec("pkg.train", ["x"], module=True, nproc_per_node=1), Environment())
+    assert module[-5:] == ["--module", "ddpkit.entry", "-m", "pkg.train", "x"]
+    script = torchrun_args(RunSpec("train.py", ["-m", "y"], nproc_per_node=1), Environment())
+    assert script[-5:] == ["--module", "ddpkit.entry", "train.py", "-m", "y"]
 
 
 def test_under_srun_nodes_come_from_slurm(monkeypatch):

@@ -3,6 +3,8 @@
 ``ddpkit run`` is a thin front that fills in what torchrun leaves to the user (a free
 loopback port, nodes from SLURM, threads per process); :func:`launch` runs a function in N
 processes from a notebook or a script, the ``mp.spawn`` pattern without the index argument.
+Both end their workers through :mod:`ddpkit.entry`, so a finished job cannot abort in
+interpreter teardown.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import json
 import os
 import sys
 import tempfile
-import time
-import traceback
 import uuid
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -125,7 +125,9 @@ def _placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | 
 
 
 def _target(spec: RunSpec) -> list[str]:
-    return [*(["--module", spec.target] if spec.module else [spec.target]), *spec.target_args]
+    """The worker command: the target under :mod:`ddpkit.entry`, which ends it without teardown."""
+    return ["--module", "ddpkit.entry", *(["-m", spec.target] if spec.module else [spec.target]),
+            *spec.target_args]
 
 
 def local_address(host: str, port: int) -> str | None:
@@ -286,6 +288,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from ddpkit import entry        # not at the top: python -m ddpkit.entry must import it first
+
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -299,29 +303,9 @@ def launch(
     )
     with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, _thread_env(nprocs):
         try:
-            return elastic_launch(config, _call_and_record)(fn, error_dir, *args)
+            return elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
         except ChildFailedError as exc:
             raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
-
-
-def _call_and_record(fn: Callable[..., Any], error_dir: str, *args: Any) -> Any:
-    """Run ``fn`` in a child; on an exception, note when and what, so the parent finds the cause.
-
-    Peers of a failing rank fail too (their collectives lose a partner) and the agent may see
-    them first; the time each exception was raised tells the root cause apart.
-    """
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        record = {
-            "rank": int(os.environ.get("RANK", "0")),
-            "time": time.time(),
-            "message": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(),
-        }
-        path = Path(error_dir) / f"rank{record['rank']}.json"
-        path.write_text(json.dumps(record))
-        raise
 
 
 def _earliest_error(error_dir: str) -> LaunchError | None:

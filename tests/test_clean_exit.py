@@ -1,0 +1,222 @@
+"""Finished jobs exit 0, every time: workers end through ddpkit.entry, without interpreter teardown.
+
+A gloo job that finished can abort at exit (SIGABRT, "terminate called without an active
+exception") in torch's own teardown, a few runs in twenty on a loaded machine (BENCHMARKS.md).
+The repeated runs below allow no failure; the others check that ending early keeps what
+python's exit does: the exit status, atexit handlers, threads, files.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ddpkit
+from helpers import ddpkit as ddpkit_cli, kill_tree, python
+
+# What the script under test does at the end, by its first argument.
+_ENDINGS = """
+import atexit, json, sys, threading, time
+print(json.dumps({"name": __name__, "argv": sys.argv[1:], "file": __file__, "path0": sys.path[0]}))
+log = open(sys.argv[2], "w")
+log.write("left open, never flushed\\n")
+atexit.register(lambda: print("atexit handler ran", flush=True))
+atexit.register(lambda: open(sys.argv[2] + ".atexit", "w").write("written at exit\\n"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+ending = sys.argv[1]
+if ending == "exit3":
+    sys.exit(3)
+if ending == "raise":
+    raise ValueError("the script failed")
+if ending == "text":
+    raise SystemExit("a message instead of a code")
+if ending == "usage":
+    import ddpkit
+    raise ddpkit.UsageError("one clear line")
+"""
+
+
+@pytest.fixture
+def busy_core():
+    """A process spinning on a core while the test runs, as another job would on a shared machine."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending, code", [("end", 0), ("exit3", 3), ("raise", 1), ("text", 1), ("usage", 2)])
+def test_entry_ends_a_script_as_python_does(tmp_path, ending, code):
+    script = tmp_path / "endings.py"
+    script.write_text(_ENDINGS)
+    results = {}
+    for how, prefix in (("python", []), ("entry", ["-m", "ddpkit.entry"])):
+        log = tmp_path / f"{how}.log"
+        result = python(*prefix, str(script), ending, str(log), timeout=90)
+        first, *rest = result.stdout.splitlines()
+        results[how] = (result.returncode, json.loads(first), sorted(rest), log.read_text(),
+                        (tmp_path / f"{how}.log.atexit").read_text(), _last_line(result.stderr))
+        assert result.returncode == code, result.stderr
+    python_run, entry_run = results["python"], results["entry"]
+    assert entry_run[1]["name"] == "__main__" and entry_run[1]["path0"] == str(tmp_path)
+    assert entry_run[1]["file"] == python_run[1]["file"] == str(script)
+    assert entry_run[1]["argv"][0] == python_run[1]["argv"][0] == ending
+    if ending == "usage":
+        # ddpkit's excepthook (errors.py) ends the process itself, under python too: what it
+        # does not wait for (threads, files left open) must simply be the same under both.
+        assert "atexit handler ran" in entry_run[2] and entry_run[4] == "written at exit\n"
+        assert entry_run[3] == python_run[3]
+    else:
+        assert entry_run[2] == python_run[2] == ["atexit handler ran", "thread finished"]
+        assert entry_run[3] == python_run[3] == "left open, never flushed\n"
+        assert entry_run[4] == python_run[4] == "written at exit\n"
+    assert entry_run[5] == python_run[5]                 # the exception's last line, or the message
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip() and "Warning" not in line]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.timeout(120)
+def test_entry_traceback_starts_in_the_script(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("def inner():\n    raise KeyError('deep')\n\ninner()\n")
+    result = python("-m", "ddpkit.entry", str(script), timeout=90)
+    assert result.returncode == 1
+    frames = [line for line in result.stderr.splitlines() if line.lstrip().startswith("File ")]
+    assert [f.split(",")[0].strip() for f in frames] == [f'File "{script}"'] * 2   # <module>, inner
+    assert "KeyError: 'deep'" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_entry_runs_a_module_with_its_arguments(tmp_path):
+    (tmp_path / "endmod.py").write_text(_ENDINGS)
+    log = tmp_path / "mod.log"
+    result = python("-m", "ddpkit.entry", "-m", "endmod", "exit3", str(log), timeout=90, cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    info = json.loads(result.stdout.splitlines()[0])
+    assert info["name"] == "__main__" and info["file"] == str(tmp_path / "endmod.py")
+    assert info["argv"] == ["exit3", str(log)] and "atexit handler ran" in result.stdout
+    assert log.read_text() == "left open, never flushed\n"
+
+
+@pytest.mark.timeout(180)
+def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, sys
+        import ddpkit
+        rt = ddpkit.init()
+        out = open(f"{sys.argv[1]}.rank{rt.rank}", "w")
+        out.write("rank file\\n")
+        atexit.register(lambda: print(f"handler of rank {rt.rank}", flush=True))
+        rt.barrier()
+        if sys.argv[2] == "exit3" and rt.rank == 1:
+            sys.exit(3)
+        if sys.argv[2] == "raise" and rt.rank == 1:
+            raise ValueError("rank 1 gives up")
+    """))
+    ok = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "ok"), "end", timeout=150)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(line for line in ok.stdout.splitlines() if "handler" in line) == \
+        ["handler of rank 0", "handler of rank 1"]
+    assert [(tmp_path / f"ok.rank{r}").read_text() for r in (0, 1)] == ["rank file\n"] * 2
+    exit3 = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "e3"), "exit3", timeout=150)
+    assert exit3.returncode == 1 and "rank 1 failed first (exit code 3)" in exit3.stderr, exit3.stderr
+    raised = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "rs"), "raise", timeout=150)
+    assert raised.returncode == 1 and "rank 1 failed first (exit code 1)" in raised.stderr, raised.stderr
+    assert "ValueError: rank 1 gives up" in raised.stderr
+
+
+def note_at_exit(directory: str) -> int:
+    """A child of ddpkit.launch that registers an exit handler writing a file (module level: spawn)."""
+    import atexit
+    from pathlib import Path
+
+    rt = ddpkit.init()
+    atexit.register(lambda rank=rt.rank: (Path(directory) / f"rank{rank}.atexit").write_text("done"))
+    rt.barrier()
+    return rt.rank
+
+
+def return_a_lock():
+    import threading
+
+    return threading.Lock()
+
+
+@pytest.mark.timeout(120)
+def test_launch_children_run_exit_handlers_before_launch_returns(tmp_path):
+    results = ddpkit.launch(note_at_exit, nprocs=2, args=(str(tmp_path),))
+    assert results == {0: 0, 1: 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.atexit", "rank1.atexit"]
+
+
+@pytest.mark.timeout(120)
+def test_launch_refuses_a_return_value_that_cannot_travel_back():
+    with pytest.raises(ddpkit.LaunchError, match="cannot be sent back to the parent process"):
+        ddpkit.launch(return_a_lock, nprocs=2)
+
+
+TRAIN = """
+import torch
+import ddpkit
+
+rt = ddpkit.init(seed=0)
+model = torch.nn.Linear(8, 2)
+model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 2, (96,)))
+for features, labels in rt.loader(data, global_batch_size=24):
+    loss = torch.nn.functional.cross_entropy(model(features), labels)
+    rt.backward(loss)
+    rt.step(optimizer)
+rt.print("trained", rt.global_step)
+"""
+
+
+def _repeat_ddp_runs(tmp_path, runs: int) -> None:
+    script = tmp_path / "tiny_ddp.py"
+    script.write_text(TRAIN)
+    failures = []
+    for i in range(runs):
+        result = ddpkit_cli("run", "-n", "3", str(script), timeout=240)
+        if result.returncode != 0 or "trained 4" not in result.stdout:
+            failures.append(f"run {i}: exit {result.returncode}\n{result.stderr[-1500:]}")
+    assert failures == [], "\n\n".join(failures)
+
+
+def _repeat_bench_runs(tmp_path, runs: int) -> None:
+    failures = []
+    for i in range(runs):
+        result = ddpkit_cli("bench", "--model", "mlp", "--data", "synthetic", "--modes", "ddp", "--nproc", "2",
+                            "--batch", "8", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / f"b{i}"),
+                            timeout=240)
+        if result.returncode != 0:
+            failures.append(f"bench {i}: exit {result.returncode}\n{result.stderr[-1500:]}")
+    assert failures == [], "\n\n".join(failures)
+
+
+@pytest.mark.timeout(900)
+def test_finished_ddp_jobs_exit_0_beside_a_busy_core(tmp_path, busy_core):
+    _repeat_ddp_runs(tmp_path, runs=2)
+    _repeat_bench_runs(tmp_path, runs=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_twenty_finished_ddp_jobs_exit_0_beside_a_busy_core(tmp_path, busy_core):
+    _repeat_ddp_runs(tmp_path, runs=20)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_six_finished_bench_runs_exit_0_beside_a_busy_core(tmp_path, busy_core):
+    _repeat_bench_runs(tmp_path, runs=6)
