@@ -154,14 +154,13 @@ def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *
     if start_method == "fork":
         atexit._clear()         # the parent's handlers, copied by fork: never this child's to run
     try:
-        result = fn(*args)
-        _check_picklable(fn, result)
+        result = _by_value(fn, fn(*args))
     except SystemExit as exc:
         if exit_code(exc) != 0:
             _record(error_dir, exc)
             _leave_after_handoff(start_method, exit_code(exc))
             raise
-        result = None           # as torch's record() treats sys.exit(0)
+        result = _by_value(fn, None)    # as torch's record() treats sys.exit(0)
     except BaseException as exc:
         _record(error_dir, exc)
         _leave_after_handoff(start_method, 1)
@@ -180,16 +179,18 @@ def _record(error_dir: str, exc: BaseException) -> None:
     (Path(error_dir) / f"rank{record['rank']}.json").write_text(json.dumps(record))
 
 
-def _check_picklable(fn: Callable[..., Any], result: Any) -> None:
-    """Fail here, with a clear error, on a return value that cannot travel back to the parent.
+def _by_value(fn: Callable[..., Any], result: Any) -> bytes:
+    """``result`` pickled into bytes that :func:`ddpkit.launch` unpickles in the parent.
 
-    torch pickles it after ``fn`` returns; failing there would end the child with the status
-    of a success that :func:`_leave_after_handoff` already chose.
+    torch hands return values back through a multiprocessing queue, which sends tensors as file
+    descriptors served by a listener thread of this child; the exit steps, which run before the
+    hand-off, stop that listener. Plain bytes need no listener. Failing here, with a clear error,
+    also beats failing after :func:`_leave_after_handoff` chose the status of a success.
     """
-    from multiprocessing.reduction import ForkingPickler
+    import pickle
 
     try:
-        ForkingPickler.dumps(result)
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         raise TypeError(f"{getattr(fn, '__qualname__', fn)} returned a value that cannot be sent back "
                         f"to the parent process: {type(exc).__name__}: {exc}") from exc

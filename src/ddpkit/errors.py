@@ -26,8 +26,9 @@ def _is_file(stream) -> bool:  # type: ignore[no-untyped-def]
 def install_excepthook() -> None:
     """Report an uncaught :class:`DdpkitError` in a user script as one line, with its exit code.
 
-    Other exceptions keep the previous hook and their traceback. Exit handlers still run
-    (the process group is destroyed) before the process exits.
+    Other exceptions keep the previous hook and their traceback. The process then ends as
+    :func:`ddpkit.entry.finish` ends it: threads joined, exit handlers run (the process group is
+    destroyed), open files flushed, and no interpreter teardown that gloo could abort.
     """
     import os
     import sys
@@ -40,8 +41,6 @@ def install_excepthook() -> None:
         if not isinstance(value, DdpkitError):
             previous(kind, value, traceback)
             return
-        import atexit
-
         # torch's init_process_group wraps this hook and points sys.stderr at a buffer it prints
         # after the hook returns; this one never returns (os._exit), so write past the buffer.
         stream = sys.stderr if _is_file(sys.stderr) else sys.__stderr__
@@ -49,9 +48,9 @@ def install_excepthook() -> None:
         prefix = f"[rank{rank}]: " if rank is not None and stream is not sys.stderr else ""
         stream.write(f"{prefix}ddpkit: error: {value}\n")
         stream.flush()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        os._exit(value.exit_code)
+        from ddpkit.entry import finish
+
+        finish(value.exit_code)     # threads, atexit handlers, open files, then os._exit
 
     hook._ddpkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import sys
 import tempfile
 import uuid
@@ -303,9 +304,10 @@ def launch(
     )
     with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, _thread_env(nprocs):
         try:
-            return elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
+            returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
         except ChildFailedError as exc:
             raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
+    return {rank: pickle.loads(value) for rank, value in returned.items()}   # bytes: see entry._by_value
 
 
 def _earliest_error(error_dir: str) -> LaunchError | None:
