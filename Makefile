@@ -1,11 +1,12 @@
-# The two set-up commands: `make demo` and `make test`. Both create .venv when missing.
+# The set-up commands: `make demo`, `make test` and, on a GPU machine, `make test-gpu`.
+# All create .venv when missing.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test install clean
+.PHONY: demo test test-gpu install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Every CUDA/NCCL test (marker `gpu`). Refuses to run where torch sees no GPU, so an all-skipped
+# run never passes for a GPU check; -rs lists what still skipped (e.g. tests needing 2 GPUs).
+test-gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+		'make test-gpu: torch ' + torch.__version__ + ' sees no CUDA GPU (CPU wheel, or no driver)')"
+	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

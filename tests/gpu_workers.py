@@ -1,0 +1,53 @@
+"""Functions run in CUDA child processes by tests/test_gpu.py (module level so spawned children import them).
+
+They return plain lists, not tensors: nothing of a GPU run has to cross processes as shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import ddpkit
+import ddpkit.checkpoint
+from workers import _toy_data
+
+
+def gpu_ddp_steps(steps: int = 4) -> dict:
+    """A few DDP steps on this rank's GPU: backend, device, where batches arrive, losses, weights."""
+    import os
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    losses, batch_devices = [], set()
+    for images, labels, _ in rt.loader(_toy_data(64), global_batch_size=16, shuffle=True):
+        batch_devices.update({str(images.device), str(labels.device)})
+        loss = F.cross_entropy(model(images), labels)
+        rt.backward(loss)
+        rt.step(optimizer)
+        losses.append(loss.item())
+        if rt.global_step == steps:
+            break
+    # Parameters only: BatchNorm's running statistics are each rank's own after the last forward.
+    weights = {k: v.detach().cpu().tolist() for k, v in ddpkit.checkpoint.unwrap(model).named_parameters()}
+    return {"backend": dist.get_backend() if dist.is_initialized() else None, "device": str(rt.device),
+            "local_rank": int(os.environ["LOCAL_RANK"]), "rank_sum": int(rt.all_reduce(rt.rank)),
+            "batch_devices": sorted(batch_devices), "losses": losses, "weights": weights,
+            "param_devices": sorted({str(p.device) for p in model.parameters()})}
+
+
+def gpu_sync_bn_stats() -> dict:
+    """One training-mode forward of a sync-BN model on rank-dependent data: the running mean."""
+    rt = ddpkit.init(seed=0)
+    model = rt.setup(torch.nn.Sequential(torch.nn.BatchNorm1d(3)), sync_batchnorm=True)
+    generator = torch.Generator().manual_seed(100 + rt.rank)
+    data = torch.randn(4 + 2 * rt.rank, 3, generator=generator) + 10.0 * rt.rank     # uneven, shifted
+    model(data.to(rt.device)).sum().backward()
+    bn = ddpkit.checkpoint.unwrap(model)[0]
+    return {"data": data.tolist(), "running_mean": bn.running_mean.detach().cpu().tolist(),
+            "type": f"{type(bn).__module__}.{type(bn).__name__}"}

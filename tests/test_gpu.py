@@ -1,0 +1,146 @@
+"""CUDA and NCCL: placement, DDP on nccl, autocast, DataParallel, sync BN, pinned loading, bench memory.
+
+`make test-gpu` runs these (marker ``gpu``); without CUDA each skips and says why. With one GPU
+the nccl tests run a group of one; tests that need two GPUs skip with that reason on one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+from helpers import ddpkit as ddpkit_cli
+
+import gpu_workers
+import workers
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU: torch.cuda.is_available() is False here"),
+]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
+
+
+@pytest.mark.timeout(300)
+def test_ddp_on_nccl_trains_on_each_ranks_own_gpu():
+    """Two processes on two GPUs when there are two, else an nccl group of one."""
+    nprocs = min(2, GPUS)
+    runs = ddpkit.launch(gpu_workers.gpu_ddp_steps, nprocs=nprocs)
+    for rank, run in runs.items():
+        own = f"cuda:{run['local_rank']}"
+        assert run["backend"] == "nccl" and run["device"] == own, run
+        assert run["param_devices"] == [own] and run["batch_devices"] == [own], run
+        assert len(run["losses"]) == 4 and all(torch.isfinite(torch.tensor(run["losses"]))), run["losses"]
+        assert run["rank_sum"] == sum(range(nprocs))
+    for name, value in runs[0]["weights"].items():          # DDP keeps the replicas identical
+        assert all(runs[r]["weights"][name] == value for r in runs), name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_training_steps_on_cuda(precision, dtype, tmp_path):
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16 support")
+    rt = ddpkit.init(seed=0, precision=precision)
+    assert rt.device.type == "cuda"
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    x = torch.randn(16, 32, device=rt.device)
+    y = torch.randint(0, 10, (16,), device=rt.device)
+    start = [p.detach().clone() for p in model.parameters()]
+    stepped = []
+    for _ in range(6):
+        with rt.autocast():
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+        assert logits.dtype == dtype and torch.isfinite(loss), (logits.dtype, loss)
+        rt.backward(loss)
+        stepped.append(rt.step(optimizer))
+    assert any(stepped), stepped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start))
+    if precision == "fp16":
+        # The GradScaler skips an overflowing step instead of writing inf into the weights.
+        kept = [p.detach().clone() for p in model.parameters()]
+        with rt.autocast():
+            loss = F.cross_entropy(model(x), y) * 1e38
+        rt.backward(loss)
+        assert rt.step(optimizer) is False
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), kept))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_pins_memory_and_hands_out_cuda_batches(monkeypatch, num_workers):
+    pinned = []
+    real_init = torch.utils.data.DataLoader.__init__
+
+    def spy(self, *args, **kwargs):
+        pinned.append(kwargs.get("pin_memory", False))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", spy)
+    rt = ddpkit.init(seed=0)
+    data = workers.indexed_dataset(40)
+    seen = []
+    for features, labels in rt.loader(data, batch_size=8, num_workers=num_workers):
+        assert features.device == labels.device == rt.device and rt.device.type == "cuda"
+        seen.append(features.cpu())
+    assert pinned and all(pinned), f"DataLoader pin_memory per loader built: {pinned}"
+    assert torch.equal(torch.cat(seen), data.tensors[0])          # pinned, copied, unchanged
+
+
+@two_gpus
+@pytest.mark.timeout(300)
+def test_sync_batchnorm_on_cuda_spans_both_ranks():
+    runs = ddpkit.launch(gpu_workers.gpu_sync_bn_stats, nprocs=2)
+    everything = torch.tensor(runs[0]["data"] + runs[1]["data"], dtype=torch.float64)
+    expected = 0.1 * everything.mean(dim=0)                         # momentum 0.1 from zero
+    for rank, run in runs.items():
+        assert run["type"] == "torch.nn.modules.batchnorm.SyncBatchNorm", run["type"]
+        assert torch.allclose(torch.tensor(run["running_mean"], dtype=torch.float64), expected, atol=1e-4), \
+            (rank, run["running_mean"])
+
+
+def test_convert_sync_batchnorm_on_cuda_uses_torchs_own():
+    from ddpkit.sync_batchnorm import convert_sync_batchnorm
+
+    net = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)), torch.device("cuda", 0))
+    assert type(net[0]) is torch.nn.SyncBatchNorm
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-bench") / "out"
+    modes = "single,dp,ddp-amp" if GPUS >= 2 else "single,ddp-amp"
+    result = ddpkit_cli("bench", "--model", "mlp", "--data", "synthetic", "--modes", modes,
+                        "--nproc", str(min(2, GPUS)), "--batch", "8", "--steps", "3", "--warmup", "1",
+                        "--out", str(out), timeout=280)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out, json.loads((out / "bench.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_bench_reports_cuda_memory(bench):
+    out, report = bench
+    assert report["gpus"] == GPUS
+    rows = report["configurations"]
+    assert rows and all(r["applicable"] and r["peak_cuda_mb"] > 0 for r in rows), rows
+    assert [r["precision"] for r in rows if r["mode"] == "ddp-amp"] == ["fp16"]
+    assert "peak CUDA MB" in (out / "bench.md").read_text()
+
+
+@two_gpus
+@pytest.mark.timeout(300)
+def test_bench_data_parallel_drives_every_gpu(bench):
+    _, report = bench
+    dp = next(r for r in report["configurations"] if r["mode"] == "dp")
+    assert dp["applicable"] is True and dp["devices"] == GPUS and dp["nproc"] == 1
+    assert dp["samples_per_second"] > 0 and dp["peak_cuda_mb"] > 0
