@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -22,19 +24,42 @@ import workers
 SCRIPT = str(ROOT / "tests" / "scripts" / "elastic_train.py")
 
 
-def _elastic(tmp_path: Path, name: str, *extra: str) -> dict:
+class KillPoints(random.Random):
+    """Random kill steps and victims that a failure can replay: ``note`` names the seed."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.note = f"replay with DDPKIT_TEST_SEED={seed}"
+
+
+@pytest.fixture
+def kill(request) -> KillPoints:
+    """Kill points drawn from a printed seed; ``DDPKIT_TEST_SEED=<seed>`` replays a failure's."""
+    seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"{request.node.name}: kill points from DDPKIT_TEST_SEED={seed}")
+    return KillPoints(seed)
+
+
+def _elastic(tmp_path: Path, name: str, *extra: str, note: str = "", restarts: int = 2) -> dict:
     ckpt = tmp_path / f"{name}-ckpt"
     result_file = tmp_path / f"{name}.pt"
-    result = ddpkit_cli("run", "-n", "2", "--max-restarts", "2", SCRIPT, "--checkpoints", str(ckpt),
+    result = ddpkit_cli("run", "-n", "2", "--max-restarts", str(restarts), SCRIPT, "--checkpoints", str(ckpt),
                         "--result", str(result_file), *extra, timeout=140)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, f"{note}\n{result.stderr[-4000:]}"
     return {"weights": torch.load(result_file, weights_only=True), "stdout": result.stdout, "ckpt": ckpt}
 
 
-def _assert_bitwise(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
+def _assert_bitwise(a: dict, b: dict, where: str = "") -> None:
+    assert a.keys() == b.keys(), where
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(a[name], b[name]), f"{name} {where}"
+
+
+def _resumed_at(stdout: str) -> set[int]:
+    """The steps every rank's final process started at (elastic_train prints one per rank)."""
+    starts = re.findall(r"rank (\d+) started at step (\d+)", stdout)
+    assert sorted(rank for rank, _ in starts) == ["0", "1"], stdout[-3000:]
+    return {int(step) for _, step in starts}
 
 
 @pytest.fixture(scope="module")
@@ -43,36 +68,64 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_sigkill_at_a_random_step_resumes_bitwise(uninterrupted, tmp_path):
+def test_sigkill_at_a_random_step_resumes_bitwise(uninterrupted, tmp_path, kill):
     assert "done after 0 restart(s)" in uninterrupted["stdout"]
-    step, rank = random.randint(2, 22), random.randint(0, 1)
-    killed = _elastic(tmp_path, "killed", "--kill-step", str(step), "--kill-rank", str(rank))
-    assert "done after 1 restart(s)" in killed["stdout"], f"step {step} rank {rank}"
-    assert f"resumed at step {step - 1}" in killed["stdout"] or f"resumed at step {step}" in killed["stdout"]
-    _assert_bitwise(killed["weights"], uninterrupted["weights"])
+    step, rank = kill.randint(2, 22), kill.randint(0, 1)
+    where = f"step {step} rank {rank} ({kill.note})"
+    killed = _elastic(tmp_path, "killed", "--kill-step", str(step), "--kill-rank", str(rank), note=where)
+    assert "done after 1 restart(s)" in killed["stdout"], where
+    assert _resumed_at(killed["stdout"]) in ({step - 1}, {step}), where
+    _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
 
 
 @pytest.mark.timeout(300)
-def test_killed_twice_in_two_attempts_still_ends_bitwise(uninterrupted, tmp_path):
-    first, second = random.randint(2, 10), random.randint(12, 22)
+def test_killed_twice_in_two_attempts_still_ends_bitwise(uninterrupted, tmp_path, kill):
+    first, second = kill.randint(2, 10), kill.randint(12, 22)
+    where = f"steps {first} and {second} ({kill.note})"
     killed = _elastic(tmp_path, "twice", "--kill-step", str(first), "--kill-rank", "1",
-                      "--kill-again-step", str(second))
-    assert "done after 2 restart(s)" in killed["stdout"], f"steps {first} and {second}"
-    assert killed["stdout"].count("resumed at step") == 2
-    _assert_bitwise(killed["weights"], uninterrupted["weights"])
+                      "--kill-again-step", str(second), note=where)
+    assert "done after 2 restart(s)" in killed["stdout"], where
+    assert killed["stdout"].count("resumed at step") == 2, where
+    _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
 
 
 @pytest.mark.timeout(300)
-def test_sigkill_during_a_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
-    step = random.randint(3, 20)
-    killed = _elastic(tmp_path, "insave", "--kill-step", str(step), "--kill-in-save")
-    assert "done after 1 restart(s)" in killed["stdout"], f"step {step}"
-    assert f"resumed at step {step - 1}" in killed["stdout"]     # the torn save was skipped
-    _assert_bitwise(killed["weights"], uninterrupted["weights"])
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path, kill):
+    step = kill.randint(3, 20)
+    where = f"step {step} ({kill.note})"
+    killed = _elastic(tmp_path, "insave", "--kill-step", str(step), "--kill-in-save", note=where)
+    assert "done after 1 restart(s)" in killed["stdout"], where
+    assert _resumed_at(killed["stdout"]) == {step - 1}, where     # the torn save was skipped
+    _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
     left = sorted(p.name for p in killed["ckpt"].iterdir())
     assert left == ["ckpt-step00000023.pt", "ckpt-step00000023.pt.sha256",
                     "ckpt-step00000024.pt", "ckpt-step00000024.pt.sha256"]    # no torn leftovers
 
+
+
+def _holds_a_loss_scale(payload) -> bool:
+    """Whether a checkpoint payload holds a GradScaler state (a ``scale`` entry) anywhere."""
+    if isinstance(payload, dict):
+        return "scale" in payload or any(_holds_a_loss_scale(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return any(_holds_a_loss_scale(v) for v in payload)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fp16_under_ddp_survives_a_restart_bitwise(tmp_path, kill):
+    """README: the GradScaler is checkpointed, so a killed fp16 run resumes to the same bits."""
+    clean = _elastic(tmp_path, "fp16-clean", "--precision", "fp16", restarts=1)
+    step, rank = kill.randint(2, 22), kill.randint(0, 1)
+    where = f"fp16, step {step} rank {rank} ({kill.note})"
+    killed = _elastic(tmp_path, "fp16-killed", "--precision", "fp16", "--kill-step", str(step),
+                      "--kill-rank", str(rank), restarts=1, note=where)
+    assert "done after 1 restart(s)" in killed["stdout"], where
+    assert _resumed_at(killed["stdout"]) in ({step - 1}, {step}), where
+    newest = checkpoint.latest(killed["ckpt"])
+    assert newest is not None and _holds_a_loss_scale(checkpoint.read(newest)), where
+    _assert_bitwise(killed["weights"], clean["weights"], where)
 
 def _train_args(out: Path) -> list[str]:
     return ["train", "--nproc", "2", "--epochs", "2", "--checkpoint-every", "3", "--max-restarts", "2",
@@ -84,14 +137,14 @@ def _final_weights(out: Path) -> tuple[dict, dict]:
     return summary, checkpoint.read(summary["final_checkpoint"])["user"]["model"]
 
 
-def _kill_a_trainer(agent_pid: int, step: int) -> str | None:
+def _kill_a_trainer(agent_pid: int, step: int, kill: KillPoints) -> str | None:
     """SIGKILL one ``ddpkit train`` worker under the agent; say which and when, None if none yet."""
     try:
         trainers = [p for p in psutil.Process(agent_pid).children(recursive=True)
                     if "ddpkit.recipes.train" in " ".join(p.cmdline())]
         if not trainers:
             return None
-        victim = random.choice(trainers)
+        victim = kill.choice(sorted(trainers, key=lambda p: p.pid))
         victim.send_signal(signal.SIGKILL)
     except psutil.Error:          # a process came or went while we looked: look again
         return None
@@ -99,14 +152,14 @@ def _kill_a_trainer(agent_pid: int, step: int) -> str | None:
 
 
 @pytest.mark.timeout(400)
-def test_ddpkit_train_survives_a_killed_worker(tmp_path):
+def test_ddpkit_train_survives_a_killed_worker(tmp_path, kill):
     clean = tmp_path / "clean"
     result = ddpkit_cli(*_train_args(clean), timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     reference_summary, reference = _final_weights(clean)
 
     out = tmp_path / "killed"
-    target = random.randint(4, 30)            # of 46 steps: kill once a checkpoint at or past it exists
+    target = kill.randint(4, 30)              # of 46 steps: kill once a checkpoint at or past it exists
     log = tmp_path / "killed.log"             # a file, not a pipe: nobody blocks on a full pipe
     with open(log, "w") as sink:
         proc = subprocess.Popen([str(BIN / "ddpkit"), *_train_args(out)], stdout=sink,
@@ -118,18 +171,19 @@ def test_ddpkit_train_survives_a_killed_worker(tmp_path):
         while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
             steps = [int(p.name[9:17]) for p in (out / "checkpoints").glob("ckpt-step*.pt")] if out.exists() else []
             if steps and target <= max(steps) < 45:       # not after the last one: a resume must train
-                killed_at = _kill_a_trainer(proc.pid, max(steps))
+                killed_at = _kill_a_trainer(proc.pid, max(steps), kill)
             time.sleep(0.02)
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)
     output = log.read_text()
-    assert killed_at is not None, f"no worker was killed (target step {target})\n{output[-3000:]}"
-    assert proc.returncode == 0, f"killed at {killed_at}\n{output[-3000:]}"
-    assert "resuming from" in output
+    assert killed_at is not None, f"no worker was killed (target step {target}, {kill.note})\n{output[-3000:]}"
+    where = f"killed {killed_at} ({kill.note})"
+    assert proc.returncode == 0, f"{where}\n{output[-3000:]}"
+    assert "resuming from" in output, where
     summary, weights = _final_weights(out)
-    _assert_bitwise(weights, reference)
+    _assert_bitwise(weights, reference, where)
     assert summary["test_loss"] == reference_summary["test_loss"]
     assert summary["test_accuracy"] == reference_summary["test_accuracy"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -86,3 +86,19 @@ def test_accumulating_two_batches_on_two_ranks_equals_one_big_batch():
     assert accumulated["steps"] == big_batch["steps"] == 6       # 8, 8, 2 samples per step, twice
     for name, value in big_batch["weights"].items():
         assert torch.allclose(accumulated["weights"][name], value, atol=1e-6), name
+
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_allreduces_once_per_group():
+    """DDP no_sync on the inner micro-steps: 8 batches in groups of 4 are 2 allreduce rounds, not 8.
+
+    The pass with groups of 1 shows the counting hook sees every round DDP makes.
+    """
+    runs = ddpkit.launch(workers.accumulation_allreduces, nprocs=2, args=([4, 1], 8))
+    for rank, passes in runs.items():
+        for run, (steps, rounds) in zip(passes, [(2, 2), (8, 8)]):
+            buckets = run["buckets"]
+            assert run["steps"] == steps, (rank, run)
+            assert buckets.count(0) == rounds, (rank, buckets)                  # one round per group
+            assert len(buckets) == rounds * len(set(buckets)), (rank, buckets)   # every bucket each round

@@ -214,3 +214,76 @@ def accumulated_run(steps: int, global_batch: int) -> dict:
                 rt.step(optimizer)
     weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
     return {"weights": weights, "steps": rt.global_step}
+
+
+def accumulation_allreduces(group_sizes: list[int], batches: int) -> list[dict]:
+    """DDP's allreduce calls (bucket indices) in one pass of ``batches`` batches per group size."""
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    rt = ddpkit.init(seed=0)
+    generator = torch.Generator().manual_seed(6)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * batches, 3, generator=generator),
+                                          torch.randn(4 * batches, 1, generator=generator))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    buckets: list[int] = []
+
+    def counting_allreduce(process_group, bucket):
+        buckets.append(bucket.index())
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    loader = rt.loader(data, global_batch_size=4)
+    passes = []
+    for steps in group_sizes:
+        buckets.clear()
+        before = rt.global_step
+        for x, y in loader:
+            with rt.accumulate(model, steps):
+                rt.backward(F.mse_loss(model(x), y))
+                rt.step(optimizer)
+        passes.append({"buckets": list(buckets), "steps": rt.global_step - before})
+    return passes
+
+
+def buffer_broadcasts() -> dict:
+    """Whether DDP's forward broadcasts buffers, with sync BN and without (``{True: ..., False: ...}``).
+
+    A buffer tagged with the rank after setup survives a forward only without a broadcast.
+    """
+    rt = ddpkit.init(seed=0)
+    found = {}
+    for sync_batchnorm in (True, False):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        model.register_buffer("tag", torch.zeros(()))
+        model = rt.setup(model, sync_batchnorm=sync_batchnorm)
+        module = ddpkit.checkpoint.unwrap(model)
+        module.tag.fill_(float(rt.rank))          # after setup: DDP's start-up broadcast is done
+        model(torch.randn(8, 4))
+        found[sync_batchnorm] = {"tag": float(module.tag), "flag": bool(model.broadcast_buffers),
+                                 "sync_bn": any(type(m).__name__ == "SyncBatchNorm" for m in module.modules())}
+    return found
+
+
+class AugmentedIndex(torch.utils.data.Dataset):
+    """Each sample's index and three numbers of noise from ``ddpkit.sample_rng()``."""
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, index):
+        return torch.tensor(index), torch.randn(3, generator=ddpkit.sample_rng())
+
+
+def augmented_batches(num_workers: int, epochs: int = 2) -> list:
+    """(indices, noise) of every batch this rank saw over ``epochs`` shuffled epochs."""
+    rt = ddpkit.init(seed=7)
+    loader = rt.loader(AugmentedIndex(), global_batch_size=6, shuffle=True, num_workers=num_workers)
+    seen = []
+    for _ in rt.epochs(epochs):
+        for index, noise in loader:
+            seen.append((index.tolist(), noise.tolist()))
+    return seen
+

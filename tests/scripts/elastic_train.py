@@ -1,7 +1,10 @@
 """Training that kills itself with SIGKILL once (first attempt), or twice, for fault-tolerance tests.
 
     ddpkit run -n 2 --max-restarts 2 tests/scripts/elastic_train.py --checkpoints DIR \
-        --result weights.pt --kill-step 7 --kill-rank 1 [--kill-in-save]
+        --result weights.pt --kill-step 7 --kill-rank 1 [--kill-in-save] [--precision fp16]
+
+Every rank prints ``rank R started at step S`` when it finishes: S > 0 proves that this process
+was started by a restart and resumed, not merely that some process did.
 """
 
 import argparse
@@ -40,9 +43,11 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-in-save", action="store_true")
     parser.add_argument("--kill-again-step", type=int, default=None, help="and once more in the second attempt")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = parser.parse_args()
 
-    rt = ddpkit.init(seed=4, checkpoint_dir=args.checkpoints, resume="auto", keep_checkpoints=2)
+    rt = ddpkit.init(seed=4, checkpoint_dir=args.checkpoints, resume="auto", keep_checkpoints=2,
+                     precision=args.precision)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if args.kill_in_save and first_attempt and rt.rank == 0:
         real_replace = os.replace
@@ -62,10 +67,12 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer}
     if rt.resume(state):
         rt.print(f"resumed at step {rt.global_step}")
+    started_at = rt.global_step
     while rt.global_step < args.steps:
         for epoch in rt.epochs(rt.epoch + 1):
             for images, labels in loader:
-                loss = F.cross_entropy(model(images), labels)
+                with rt.autocast():
+                    loss = F.cross_entropy(model(images), labels)
                 rt.backward(loss)
                 rt.step(optimizer)
                 kill_here = args.kill_step == rt.global_step and rt.rank == args.kill_rank
@@ -77,6 +84,7 @@ def main() -> None:
                 rt.checkpoint(state)
                 if rt.global_step == args.steps:
                     break
+    print(f"rank {rt.rank} started at step {started_at}", flush=True)
     if rt.is_main:
         weights = {k: v.clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
         torch.save(weights, args.result)
