@@ -36,7 +36,7 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(16, 3))
 
 
-def variations(mode: str, checkpoint: str, stop_at: int = 20) -> dict:
+def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int = 0) -> dict:
     """A loop with the habits of real scripts: ``load`` before the loaders, a shape probe, a
     validation loader read partly (``break``) inside and after each epoch, an end-of-epoch save.
 
@@ -51,7 +51,7 @@ def variations(mode: str, checkpoint: str, stop_at: int = 20) -> dict:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     if mode == "resume":
         rt.load(checkpoint, state)                   # before any loader exists
-    train = rt.loader(Toy(N_TRAIN), global_batch_size=GLOBAL_BATCH, shuffle=True)
+    train = rt.loader(Toy(N_TRAIN), global_batch_size=GLOBAL_BATCH, shuffle=True, num_workers=num_workers)
     val = rt.loader(Held(12, offset=1), global_batch_size=4)
     probe_x, _ = next(iter(train))                   # a shape probe
     assert probe_x.shape[-1] == 8

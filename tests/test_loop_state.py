@@ -33,15 +33,15 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nprocs", [1, 2])
-def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs):
+@pytest.mark.parametrize("nprocs,workers", [(1, 0), (2, 0), (1, 1)])
+def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers):
     ckpt = str(tmp_path / "ckpt.pt")
-    full = _run(nprocs, loop_workers.variations, "full", str(tmp_path / "full.pt"))
+    full = _run(nprocs, loop_workers.variations, "full", str(tmp_path / "full.pt"), 20, workers)
     assert full["steps_per_epoch"] == [STEPS_PER_EPOCH] * EPOCHS     # the probe took no batch
     assert full["steps"] == STEPS_PER_EPOCH * EPOCHS
 
-    assert _run(nprocs, loop_workers.variations, "stop", ckpt) == {"stopped": 20}
-    resumed = _run(nprocs, loop_workers.variations, "resume", ckpt)
+    assert _run(nprocs, loop_workers.variations, "stop", ckpt, 20, workers) == {"stopped": 20}
+    resumed = _run(nprocs, loop_workers.variations, "resume", ckpt, 20, workers)
     assert resumed["steps"] == full["steps"]
     # epoch 1 continued after its 7th batch (20 = 13 + 7), then one whole epoch
     assert resumed["steps_per_epoch"] == [STEPS_PER_EPOCH - 7, STEPS_PER_EPOCH]
@@ -301,3 +301,15 @@ def test_save_on_rank_0_only_under_ddpkit_run_with_default_settings_fails_within
     assert result.returncode != 0
     # the store check's default 60 s, not the 600 s collective timeout, ended it
     assert "rt.save must be called on every rank, but rank(s) 1 did not reach it within 60 s" in result.stderr
+
+
+def test_model_compiled_before_setup_checkpoints_plain_names(tmp_path):
+    rt = ddpkit.init(seed=0)
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    rt.backward(model(torch.randn(3, 4)).sum())
+    rt.step(opt)
+    path = rt.save(tmp_path / "c.pt", {"model": model})
+    assert sorted(ddpkit.checkpoint.read(path)["user"]["model"]) == ["0.bias", "0.weight"]
+    rt.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(4, 2))})   # loads into a plain model
