@@ -10,19 +10,30 @@ tell every rank at once that its write failed, instead of leaving them in a barr
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from ddpkit import collectives
 from ddpkit.errors import DdpkitError, UsageError
 
 _count: dict[str, int] = {}
+_scope = "none"
+
+
+def begin(scope: str) -> None:
+    """Start counting meetings anew under ``scope``, a token every rank of this group agrees on.
+
+    ``ddpkit.init`` broadcasts one from rank 0. Keys from an earlier attempt of a restarted job
+    (the agent's store may outlive it) then never count, and nodes need not agree on anything
+    else: torchrun's restart count, for one, differs between nodes after one node's worker failed.
+    """
+    global _scope
+    _scope = scope
+    _count.clear()
 
 
 def _prefix(what: str) -> str:
     number = _count[what] = _count.get(what, 0) + 1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")     # a restarted job starts afresh
-    return f"ddpkit/meet/{attempt}/{what}/{number}"
+    return f"ddpkit/meet/{_scope}/{what}/{number}"
 
 
 def all_arrive(what: str, timeout_s: float) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ddpkit import collectives, process_group, watchdog
+from ddpkit import collectives, meeting, process_group, watchdog
 from ddpkit.env import Environment, detect
 from ddpkit.precision import Precision
 from ddpkit.training import Training, seed_everything
@@ -252,6 +252,9 @@ def init(
     chosen_backend = process_group.choose_backend(chosen_device, backend)
     if env.distributed:
         process_group.init(env, chosen_backend, chosen_device, timeout)
+        import uuid
+
+        meeting.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
     if seed is not None:
         seed_everything(seed)
     runtime = Runtime(env, chosen_device, chosen_backend, timeout, seed=seed, precision=precision,
