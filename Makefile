@@ -1,4 +1,5 @@
-# The set-up commands: `make demo`, `make test` and, on a GPU machine, `make test-gpu`.
+# The set-up commands: `make demo`, `make test` (CI also runs `make test-slow`) and, on a GPU
+# machine, `make test-gpu`.
 # All create .venv when missing.
 PYTHON ?= python3
 VENV   := .venv
@@ -6,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-gpu install clean
+.PHONY: demo test test-slow test-gpu install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,11 @@ demo: $(STAMP)
 	$(VENV)/bin/ddpkit demo
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The long multi-process runs (repeated exit checks beside a busy core, restarts, default timeouts).
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 # Every CUDA/NCCL test (marker `gpu`). Refuses to run where torch sees no GPU, so an all-skipped
 # run never passes for a GPU check; -rs lists what still skipped (e.g. tests needing 2 GPUs).

@@ -115,6 +115,7 @@ def test_nccl_without_cuda_is_refused():
         ddpkit.init(backend="nccl")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_more_processes_than_gpus_with_nccl(monkeypatch):
     count = torch.cuda.device_count()
@@ -125,6 +126,7 @@ def test_more_processes_than_gpus_with_nccl(monkeypatch):
         ddpkit.init()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_device_follows_local_rank():
     rt = ddpkit.init()
