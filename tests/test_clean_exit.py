@@ -123,6 +123,8 @@ def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
             sys.exit(3)
         if sys.argv[2] == "raise" and rt.rank == 1:
             raise ValueError("rank 1 gives up")
+        if sys.argv[2] == "raise" and rt.rank == 0:
+            raise ddpkit.UsageError("give --lr a number")
     """))
     ok = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "ok"), "end", timeout=150)
     assert ok.returncode == 0, ok.stderr
@@ -132,8 +134,10 @@ def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
     exit3 = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "e3"), "exit3", timeout=150)
     assert exit3.returncode == 1 and "rank 1 failed first (exit code 3)" in exit3.stderr, exit3.stderr
     raised = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "rs"), "raise", timeout=150)
-    assert raised.returncode == 1 and "rank 1 failed first (exit code 1)" in raised.stderr, raised.stderr
+    assert raised.returncode == 1 and "failed first (exit code " in raised.stderr, raised.stderr
     assert "ValueError: rank 1 gives up" in raised.stderr
+    # torch's init_process_group buffers stderr around the excepthook; ddpkit's one line gets out anyway
+    assert "[rank0]: ddpkit: error: give --lr a number" in raised.stderr
 
 
 def note_at_exit(directory: str) -> int:
@@ -202,12 +206,6 @@ def _repeat_bench_runs(tmp_path, runs: int) -> None:
         if result.returncode != 0:
             failures.append(f"bench {i}: exit {result.returncode}\n{result.stderr[-1500:]}")
     assert failures == [], "\n\n".join(failures)
-
-
-@pytest.mark.timeout(900)
-def test_finished_ddp_jobs_exit_0_beside_a_busy_core(tmp_path, busy_core):
-    _repeat_ddp_runs(tmp_path, runs=2)
-    _repeat_bench_runs(tmp_path, runs=1)
 
 
 @pytest.mark.slow
