@@ -92,11 +92,12 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` (unless fp16 found inf/nan gradients) and clear the gradients.
 
-        ``set_to_none=False`` zeroes gradients in place, which keeps DDP's
-        ``gradient_as_bucket_view`` gradients as views into its buckets (no copy per step).
+        Gradients are set to None (PyTorch's default). Zeroing them in place would keep DDP's
+        ``gradient_as_bucket_view`` gradients as bucket views through the step and save DDP one
+        copy per gradient, but measured slower on CPU (BENCHMARKS.md, parity).
 
         Returns:
             True when the parameters were updated, False when the step was skipped.
@@ -110,7 +111,7 @@ class Precision:
             self.scaler.step(optimizer)
             stepped = not scaler_found_inf(self.scaler, optimizer)
             self._update_due = True
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad(set_to_none=True)
         return stepped
 
     def state_dict(self) -> dict[str, Any]:

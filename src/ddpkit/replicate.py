@@ -1,7 +1,7 @@
 """How the model is replicated: device, SyncBatchNorm, DDP with a settled bucket layout, compile.
 
 :func:`replicate` is what ``rt.setup`` does to a model; it returns what the loop must know
-about the result (whether gradients live in DDP's buckets, and why a resume would not be bitwise).
+about the result (why a resume would not be bitwise, if it would not).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class Replica:
     """The wrapped model and what the loop needs to know about it."""
 
     model: Any
-    bucket_views: bool = False       # DDP keeps the gradients in its buckets (zero them in place)
     not_bitwise: str | None = None   # why a resumed run would not be bitwise, if it would not
 
 
@@ -53,7 +52,6 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
             ddp_kwargs[_BUFFER_SYNC_ARG] = False
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
-        replica.bucket_views = bool(ddp_kwargs["gradient_as_bucket_view"])
         if device.type == "cpu":
             replica.not_bitwise = settle_buckets(model, is_main=is_main)
     if compile:

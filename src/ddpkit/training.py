@@ -51,7 +51,6 @@ class Training(Resumable):
         self._accumulation: tuple[float, bool] | None = None   # (divisor, is this micro-step the last)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._bucket_views = False        # a DDP model keeps its gradients in its buckets
         self._backward_since_step = False
         self._uses_backward = False       # the script calls rt.backward (else every rt.step counts)
         self._unscaled: set[int] = set()  # optimizers whose fp16 gradients are unscaled this step
@@ -88,7 +87,6 @@ class Training(Resumable):
         replica = replicate(model, device=self.device, world_size=self.world_size, is_main=self.is_main,
                             sync_batchnorm=sync_batchnorm, compile=compile, **ddp_kwargs)
         model = replica.model
-        self._bucket_views = self._bucket_views or replica.bucket_views
         self.loop.not_bitwise = self.loop.not_bitwise or replica.not_bitwise
         self._models.append(model)
         if optimizer is not None and optimizer not in self._optimizers:
@@ -187,7 +185,7 @@ class Training(Resumable):
         for optimizer in optimizers:
             if optimizer not in self._optimizers:
                 self._optimizers.append(optimizer)
-            stepped = self.precision.step(optimizer, set_to_none=not self._bucket_views) and stepped
+            stepped = self.precision.step(optimizer) and stepped
         if self._backward_since_step or not self._uses_backward:
             self.loop.step += 1
             self._backward_since_step = False
