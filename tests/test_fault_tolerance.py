@@ -78,6 +78,7 @@ def test_sigkill_at_a_random_step_resumes_bitwise(uninterrupted, tmp_path, kill)
     _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_twice_in_two_attempts_still_ends_bitwise(uninterrupted, tmp_path, kill):
     first, second = kill.randint(2, 10), kill.randint(12, 22)
@@ -151,6 +152,7 @@ def _kill_a_trainer(agent_pid: int, step: int, kill: KillPoints) -> str | None:
     return f"pid {victim.pid} after checkpoint step {step}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ddpkit_train_survives_a_killed_worker(tmp_path, kill):
     clean = tmp_path / "clean"

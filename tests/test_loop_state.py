@@ -312,3 +312,39 @@ def test_model_compiled_before_setup_checkpoints_plain_names(tmp_path):
     path = rt.save(tmp_path / "c.pt", {"model": model})
     assert sorted(ddpkit.checkpoint.read(path)["user"]["model"]) == ["0.bias", "0.weight"]
     rt.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(4, 2))})   # loads into a plain model
+
+
+class _SeenByWorker(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        import os
+
+        return torch.tensor([float(os.environ.get("DDPKIT_TEST_WORKER_INIT", "-1")), float(torch.rand(()))])
+
+
+def _user_worker_init(worker_id: int) -> None:
+    import os
+
+    os.environ["DDPKIT_TEST_WORKER_INIT"] = str(worker_id + 10)
+    torch.manual_seed(1234)                 # the user's seeding runs after ddpkit's, and wins
+
+
+def test_worker_init_fn_prefetch_and_persistent_workers_reach_the_dataloader(monkeypatch):
+    made = {}
+    real_init = torch.utils.data.DataLoader.__init__
+
+    def spy(self, *args, **kwargs):
+        made.update(kwargs)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", spy)
+    rt = ddpkit.init(seed=0)
+    loader = rt.loader(_SeenByWorker(), batch_size=2, num_workers=1, prefetch_factor=3,
+                       persistent_workers=False, pin_memory=False, worker_init_fn=_user_worker_init)
+    assert (made["prefetch_factor"], made["persistent_workers"], made["pin_memory"]) == (3, False, False)
+    rows = [row for batch in loader for row in batch.tolist()]
+    assert [row[0] for row in rows] == [10.0] * 4                     # the user's function ran in the worker
+    torch.manual_seed(1234)
+    assert [row[1] for row in rows] == [float(torch.rand(())) for _ in range(4)]   # and seeded last
