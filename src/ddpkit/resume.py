@@ -108,12 +108,12 @@ class Resumable:
             raise DdpkitError(f"checkpoint {target} was written by ddpkit {payload.get('ddpkit_version', '?')}, "
                               "before loader positions were keyed by name: its weights load with "
                               "ddpkit.checkpoint.read(path)['user'], but it cannot resume a loop")
-        checkpoint.restore_user_state(state, payload["user"], target)
-        self.precision.load_state_dict(own["precision"])
         saved_world = int(own.get("world_size", 1))
-        if own["loop"].get("micro_step") and saved_world != self.world_size:
+        if own["loop"].get("micro_step") and saved_world != self.world_size:      # before anything changes
             raise DdpkitError(f"checkpoint {target} was saved inside an accumulation group on {saved_world} "
                               f"process(es); resume it on {saved_world}, or save at the step that ends a group")
+        checkpoint.restore_user_state(state, payload["user"], target)
+        self.precision.load_state_dict(own["precision"])
         self.loop.restore(own["loop"], source=str(target), strict=strict)
         if "accumulated_grads" in own:
             self._restore_grads(own["accumulated_grads"][self.rank], target)

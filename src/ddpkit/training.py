@@ -107,8 +107,8 @@ class Training(Resumable):
 
         With ``global_batch_size`` every world size visits the same samples at each step. Each
         ``iter(loader)`` starts the epoch, like a ``DataLoader``; after :meth:`load` the next pass
-        continues the saved one. ``name`` keys its position in checkpoints (default: made from the
-        dataset's type and these settings). ``weights`` (one per sample) draws each epoch's
+        continues the saved one. ``name`` keys its position in checkpoints (default: the dataset's
+        type name; see :meth:`ddpkit.loopstate.LoopState.register`). ``weights`` (one per sample) draws each epoch's
         ``num_samples`` (default: all) with replacement, like ``WeightedRandomSampler``.
         ``pin_memory`` (default: on CUDA), ``prefetch_factor``, ``persistent_workers`` (default:
         on with workers) and ``worker_init_fn`` (run after ddpkit seeds the worker) go to the
@@ -133,8 +133,7 @@ class Training(Resumable):
         """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
         while self.loop.epoch < n:
             for made in self.loop.loaders():
-                if made.epoch != self.loop.epoch:
-                    made.set_epoch(self.loop.epoch)
+                made.set_epoch(self.loop.epoch)      # a no-op for a loader already there
             yield self.loop.epoch
             self.loop.epoch += 1
 
