@@ -117,7 +117,9 @@ def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
         rt = ddpkit.init()
         out = open(f"{sys.argv[1]}.rank{rt.rank}", "w")
         out.write("rank file\\n")
-        atexit.register(lambda: print(f"handler of rank {rt.rank}", flush=True))
+        # one write per line: the builtin print writes text and newline apart, so two ranks'
+        # lines on one unbuffered pipe can interleave mid-line (CI saw exactly that)
+        atexit.register(lambda: (sys.stdout.write(f"handler of rank {rt.rank}\\n"), sys.stdout.flush()))
         rt.barrier()
         if sys.argv[2] == "exit3" and rt.rank == 1:
             sys.exit(3)
