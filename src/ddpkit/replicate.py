@@ -31,12 +31,18 @@ class Replica:
 
     model: Any
     not_bitwise: str | None = None   # why a resumed run would not be bitwise, if it would not
+    compressor: Any = None           # the gradient compression hook's state (ddpkit.compression)
 
 
 def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, is_main: bool,
               sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
+              grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
               **ddp_kwargs: Any) -> Replica:
-    """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile."""
+    """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
+
+    ``grad_compression`` (checked by :func:`ddpkit.compression.check`) registers its hook on the
+    DDP model; with one process nothing is sent, and it is left out with a warning.
+    """
     model = model.to(device)
     replica = Replica(model)
     if sync_batchnorm and world_size > 1:
@@ -54,6 +60,14 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
         if device.type == "cpu":
             replica.not_bitwise = settle_buckets(model, is_main=is_main)
+        if grad_compression is not None:
+            from ddpkit.compression import attach
+
+            replica.compressor = attach(model, grad_compression, rank=powersgd_rank, start=powersgd_start,
+                                        device=device)
+    elif grad_compression is not None and is_main:
+        warnings.warn(f"grad_compression={grad_compression!r} has no effect with one process: no gradients "
+                      "are sent", stacklevel=4)
     if compile:
         model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
     replica.model = model

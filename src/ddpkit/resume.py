@@ -33,6 +33,8 @@ class Resumable:
     timeout_s: float
     save_timeout: float
     _models: list[Any]
+    _compressors: list[Any]
+    _saved_compression: Any
 
     def barrier(self) -> None:   # provided by Runtime
         raise NotImplementedError
@@ -55,6 +57,10 @@ class Resumable:
         target = checkpoint.step_path(path, self.loop.step) if rotate else path
         rngs = collectives.all_gather_object(checkpoint.rng_state())
         grads = self._open_group_grads()
+        compression = None
+        if any(c is not None for c in self._compressors):    # the same models on every rank
+            compression = collectives.all_gather_object(
+                [None if c is None else c.state_dict() for c in self._compressors])
         if not self.is_main:
             meeting.share_outcome(meeting_point, None, self.timeout_s)
             return target
@@ -63,6 +69,8 @@ class Resumable:
                "config": {"seed": self.seed, "precision": self.precision.name}}
         if grads is not None:
             own["accumulated_grads"] = grads
+        if compression is not None:
+            own["compression"] = compression      # per rank, per model: the compressor's state
         payload = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": _version(),
                    "user": checkpoint.user_state(state), "ddpkit": own}
         try:
@@ -117,6 +125,11 @@ class Resumable:
         self.loop.restore(own["loop"], source=str(target), strict=strict)
         if "accumulated_grads" in own:
             self._restore_grads(own["accumulated_grads"][self.rank], target)
+        saved = own.get("compression")
+        mine = None if saved is None else saved[min(self.rank, saved_world - 1)]
+        self._saved_compression = (mine, saved_world == self.world_size, str(target))
+        for index in range(len(self._models)):
+            self._restore_compression(index)
         if saved_world == self.world_size:
             checkpoint.set_rng_state(own["rng"][self.rank])
         elif self.is_main:
@@ -126,6 +139,24 @@ class Resumable:
                           f"{self.world_size}: the data order and per-sample randomness continue exactly, "
                           "per-process random streams (dropout) start afresh", stacklevel=2)
         return target
+
+    def _restore_compression(self, index: int) -> None:
+        """Give model ``index``'s compressor its saved state (load may come before or after setup)."""
+        if self._saved_compression is None:
+            return
+        import warnings
+
+        states, same_world, source = self._saved_compression
+        saved = states[index] if states is not None and index < len(states) else None
+        compressor = self._compressors[index]
+        with warnings.catch_warnings():
+            if not self.is_main:
+                warnings.simplefilter("ignore")
+            if compressor is not None:
+                compressor.load_state_dict(saved or {"name": None}, same_world=same_world, source=source)
+            elif saved is not None:
+                warnings.warn(f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
+                              "resumes without compression", stacklevel=3)
 
     def _restore_grads(self, saved: list[list[Any]], target: Path) -> None:
         if len(saved) != len(self._models):

@@ -50,6 +50,8 @@ class Training(Resumable):
         self._active: ShardedLoader | None = None
         self._accumulation: tuple[float, bool] | None = None   # (divisor, is this micro-step the last)
         self._models: list[torch.nn.Module] = []
+        self._compressors: list[Any] = []            # per model: its gradient compressor, or None
+        self._saved_compression: list[Any] | None = None   # from a load before setup: (per model, same world)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._backward_since_step = False
         self._uses_backward = False       # the script calls rt.backward (else every rt.step counts)
@@ -76,19 +78,32 @@ class Training(Resumable):
 
     # -- model, data, loop ---------------------------------------------------------------
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False, **ddp_kwargs: Any) -> Any:
+              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
+              grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
+              **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
         ``compile=True`` (or a dict of ``torch.compile`` arguments) compiles the wrapped model;
         a model compiled before ``setup`` works too. Checkpoints hold plain parameter names either way.
+        ``grad_compression`` (``"fp16"``, ``"bf16"`` or ``"powersgd"``, see :mod:`ddpkit.compression`)
+        sends fewer bytes per step on slow links; PowerSGD sends rank-``powersgd_rank`` factors
+        after ``powersgd_start`` plain steps (default 10), and its state is in every checkpoint.
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
         Returns the model, or ``(model, optimizer)`` when an optimizer is given.
         """
+        from ddpkit import compression
+
+        backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+        compression.check(grad_compression, rank=powersgd_rank, start=powersgd_start, backend=backend,
+                          device=self.device, precision=self.precision.name, compile=compile)
         replica = replicate(model, device=self.device, world_size=self.world_size, is_main=self.is_main,
-                            sync_batchnorm=sync_batchnorm, compile=compile, **ddp_kwargs)
+                            sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
+                            powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, **ddp_kwargs)
         model = replica.model
         self.loop.not_bitwise = self.loop.not_bitwise or replica.not_bitwise
         self._models.append(model)
+        self._compressors.append(replica.compressor)
+        self._restore_compression(len(self._models) - 1)
         if optimizer is not None and optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
         self.heartbeat("start")     # DDP's parameter broadcast is done: the set-up made progress

@@ -1,0 +1,55 @@
+"""Training functions for tests/test_compression.py (importable, so ddpkit.launch can spawn them)."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+from ddpkit.recipes.datasets import load_dataset
+from ddpkit.recipes.models import build_model
+
+GLOBAL_BATCH, EPOCHS = 60, 2          # divides 1, 2 and 3 processes; digits: 24 steps per epoch
+
+
+def digest(model: torch.nn.Module) -> str:
+    found = hashlib.sha256()
+    for key, value in ddpkit.checkpoint.unwrap(model).state_dict().items():
+        found.update(key.encode() + value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return found.hexdigest()
+
+
+def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str = "", stop_at: int = 17,
+                  start: int = 5) -> dict:
+    """An MLP on digits with ``grad_compression``; ``mode`` "stop" saves after ``stop_at`` steps,
+    "resume" loads ``checkpoint`` first (before setup, as scripts that build the model late do)."""
+    rt = ddpkit.init(seed=0)
+    train, test = load_dataset("digits", "train"), load_dataset("digits", "test")
+    torch.manual_seed(0)
+    model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, grad_compression=compression, powersgd_start=start)
+    state = {"model": model, "optimizer": optimizer}
+    caught = []
+    if mode == "resume":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rt.load(checkpoint, state)
+    loader = rt.loader(train.dataset, global_batch_size=GLOBAL_BATCH, shuffle=True)
+    compressor = rt._compressors[0]
+    for _ in rt.epochs(EPOCHS):
+        for inputs, targets in loader:
+            rt.backward(F.cross_entropy(model(inputs), targets))
+            rt.step(optimizer)
+            if mode == "stop" and rt.global_step == stop_at:
+                rt.save(checkpoint, state)
+                return {"step": rt.global_step}
+    metrics = ddpkit.evaluate(model, test.dataset, num_classes=10)
+    return {"digest": digest(model), "accuracy": metrics["accuracy"], "steps": rt.global_step,
+            "payload_bytes": None if compressor is None else compressor.payload_bytes,
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "iter": getattr(getattr(compressor, "state", None), "iter", None),
+            "warnings": [str(w.message) for w in caught]}

@@ -1,0 +1,116 @@
+"""Gradient compression (fp16, bf16, PowerSGD) under DDP: it trains, it sends fewer bytes, and a
+stopped-and-resumed PowerSGD run is bitwise equal to the uninterrupted one."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.compression import PowerSGDCompressor, check
+from ddpkit.recipes.datasets import load_dataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compression_workers import mlp_on_digits  # noqa: E402
+
+
+@pytest.mark.timeout(240)
+def test_each_compression_trains_on_two_processes_and_halves_or_cuts_the_bytes():
+    found = {}
+    for choice in (None, "fp16", "bf16", "powersgd"):
+        ranks = ddpkit.launch(mlp_on_digits, nprocs=2, args=(choice,))
+        assert ranks[0]["digest"] == ranks[1]["digest"], choice          # replicas stay equal
+        found[choice] = ranks[0]
+    plain = found[None]
+    steps, grad_bytes = plain["steps"], plain["grad_bytes"]
+    assert plain["accuracy"] >= 0.93
+    for choice in ("fp16", "bf16"):
+        assert found[choice]["payload_bytes"] == steps * grad_bytes // 2, choice
+        assert found[choice]["accuracy"] >= plain["accuracy"] - 0.02, choice
+        assert found[choice]["digest"] != plain["digest"], choice         # the hook really ran
+    sgd = found["powersgd"]
+    assert sgd["iter"] == steps                                          # one PowerSGD iteration per step
+    plain_part = 5 * grad_bytes                                          # powersgd_start=5 plain steps
+    assert (sgd["payload_bytes"] - plain_part) * 10 < (steps - 5) * grad_bytes    # > 10x fewer bytes after
+    assert sgd["accuracy"] >= 0.85                                       # the same class as uncompressed
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_powersgd_stopped_at_step_17_resumes_bitwise(tmp_path, nprocs):
+    ckpt = str(tmp_path / "c.pt")
+    full = ddpkit.launch(mlp_on_digits, nprocs=nprocs, args=("powersgd",))[0]
+    assert ddpkit.launch(mlp_on_digits, nprocs=nprocs, args=("powersgd", "stop", ckpt))[0] == {"step": 17}
+    saved = ddpkit.checkpoint.read(ckpt)["ddpkit"]["compression"]
+    assert len(saved) == nprocs and all(rank[0]["iter"] == 17 and rank[0]["error"] for rank in saved)
+    assert not torch.equal(saved[0][0]["error"][0], saved[1][0]["error"][0])   # each rank's own feedback
+    resumed = ddpkit.launch(mlp_on_digits, nprocs=nprocs, args=("powersgd", "resume", ckpt))[0]
+    assert resumed["digest"] == full["digest"] and resumed["steps"] == full["steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_powersgd_resumed_on_another_world_size_restarts_its_feedback_with_a_warning(tmp_path):
+    ckpt = str(tmp_path / "c.pt")
+    ddpkit.launch(mlp_on_digits, nprocs=2, args=("powersgd", "stop", ckpt))
+    three = ddpkit.launch(mlp_on_digits, nprocs=3, args=("powersgd", "resume", ckpt))[0]
+    assert any("error feedback of another world size" in w for w in three["warnings"]), three["warnings"]
+    assert three["iter"] == three["steps"] > 17 and three["accuracy"] >= 0.85     # no second warm-up
+
+
+def test_powersgd_checkpoint_resumed_on_one_process_says_compression_is_gone(tmp_path):
+    ckpt = str(tmp_path / "c.pt")
+    ddpkit.launch(mlp_on_digits, nprocs=2, args=("powersgd", "stop", ckpt))
+    one = mlp_on_digits(None, "resume", ckpt)
+    assert any("trained with grad_compression='powersgd' and resumes without" in w for w in one["warnings"])
+    assert one["steps"] == 2 * math.ceil(len(load_dataset("digits", "train").dataset) / 60)
+
+
+def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    made = PowerSGDCompressor(rank=2, start=3, device=torch.device("cpu"))
+    made.state.iter = 9
+    made.state.error_dict[0] = torch.randn(10)
+    made.state.p_memory_dict[0], made.state.q_memory_dict[0] = torch.randn(6), torch.randn(4)
+    made.state.rng.randint(1000)                              # the stream has moved
+    torch.save(made.state_dict(), tmp_path / "s.pt")
+    loaded = PowerSGDCompressor(rank=2, start=3, device=torch.device("cpu"))
+    loaded.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True), same_world=True, source="s.pt")
+    assert loaded.state.iter == 9
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        assert torch.equal(getattr(loaded.state, name)[0], getattr(made.state, name)[0]), name
+    assert loaded.state.rng.randint(10**9) == made.state.rng.randint(10**9)
+    other_rank = PowerSGDCompressor(rank=4, start=3, device=torch.device("cpu"))
+    with pytest.warns(UserWarning, match="powersgd_rank 2"):
+        other_rank.load_state_dict(made.state_dict(), same_world=True, source="s.pt")
+    assert other_rank.state.iter == 9 and not other_rank.state.error_dict
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"choice": "int8"}, "grad_compression='int8' is not one of None, 'fp16', 'bf16', 'powersgd'"),
+    ({"choice": "powersgd", "rank": 0}, "powersgd_rank must be a whole number of at least 1"),
+    ({"choice": "powersgd", "start": 1}, "powersgd_start must be at least 2"),
+    ({"choice": "powersgd", "precision": "fp16"}, "use precision='bf16', or grad_compression='fp16'"),
+    ({"choice": "fp16", "compile": True}, "grad_compression with compile=True is not supported yet"),
+])
+def test_bad_choices_are_one_line_errors(kwargs, message):
+    args = {"choice": None, "rank": 2, "start": None, "backend": "gloo", "device": torch.device("cpu"),
+            "precision": "fp32", "compile": False, **kwargs}
+    with pytest.raises(ddpkit.UsageError) as caught:
+        check(args.pop("choice"), **args)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_setup_refuses_a_bad_choice_and_warns_that_one_process_sends_nothing():
+    rt = ddpkit.init()
+    with pytest.raises(ddpkit.UsageError, match="not one of"):
+        rt.setup(torch.nn.Linear(2, 2), grad_compression="topk")
+    with pytest.warns(UserWarning, match="has no effect with one process"):
+        rt.setup(torch.nn.Linear(2, 2), grad_compression="powersgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt.setup(torch.nn.Linear(2, 2))
