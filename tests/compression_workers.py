@@ -53,3 +53,31 @@ def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str =
             "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "iter": getattr(getattr(compressor, "state", None), "iter", None),
             "warnings": [str(w.message) for w in caught]}
+
+
+def each_compression(choices: list) -> dict:
+    """Every choice of ``choices`` trained from the same start in one process group (one launch)."""
+    rt = ddpkit.init(seed=0)
+    train, test = load_dataset("digits", "train"), load_dataset("digits", "test")
+    found = {}
+    for choice in choices:
+        torch.manual_seed(0)
+        model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = rt.setup(model, optimizer, grad_compression=choice, powersgd_start=5)
+        loader = rt.loader(train.dataset, global_batch_size=GLOBAL_BATCH, shuffle=True, name=str(choice))
+        steps = 0
+        for epoch in range(EPOCHS):
+            loader.set_epoch(epoch)
+            for inputs, targets in loader:
+                rt.backward(F.cross_entropy(model(inputs), targets))
+                rt.step(optimizer)
+                steps += 1
+        compressor = rt._compressors[-1]
+        found[str(choice)] = {
+            "digest": digest(model), "steps": steps,
+            "accuracy": ddpkit.evaluate(model, test.dataset, num_classes=10)["accuracy"],
+            "payload_bytes": None if compressor is None else compressor.payload_bytes,
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "iter": getattr(getattr(compressor, "state", None), "iter", None)}
+    return found

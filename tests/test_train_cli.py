@@ -63,6 +63,18 @@ def test_resume_auto_continues_a_finished_run(trained, tmp_path):
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_train_with_powersgd_reaches_95_percent_and_records_it(tmp_path):
+    out = tmp_path / "run"
+    result = ddpkit_cli("train", "--model", "convnet", "--data", "digits", "--nproc", "2", "--epochs", "3",
+                        "--grad-compression", "powersgd", "--out", str(out), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["grad_compression"] == "powersgd" and summary["powersgd_rank"] == 2
+    assert summary["test_accuracy"] >= 0.95
+
+
 def _another_model_checkpoint(path):
     rt = ddpkit.init()
     model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
@@ -83,6 +95,8 @@ BAD = [
     (["--batch", "8", "--global-batch", "16"], "not both"),
     (["--lr", "abc"], "invalid float value"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml not found"),
+    (["--grad-compression", "int8"], "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd"),
+    (["--grad-compression", "powersgd", "--precision", "fp16"], "use precision='bf16'"),
 ]
 
 

@@ -126,6 +126,9 @@ def _train_parser() -> argparse.ArgumentParser:
     add("--momentum", type=float, help=f"SGD momentum (default {defaults.momentum})")
     add("--scale-lr", dest="scale_lr", action="store_true", help="linear scaling rule with --batch")
     add("--sync-bn", dest="sync_bn", action="store_true", help="synchronise BatchNorm across processes")
+    add("--grad-compression", dest="grad_compression", help="gradients on the wire: none, fp16, bf16 or "
+        "powersgd (default none; see README 'Slow links')")
+    add("--powersgd-rank", dest="powersgd_rank", type=int, help="rank of PowerSGD's factors (default 2)")
     add("--workers", type=int, help="DataLoader workers per process (default 0)")
     add("--seed", type=int, help="seed (default 0)")
     add("--out", help=f"output directory (default {defaults.out})")

@@ -43,7 +43,7 @@ def check(choice: str | None, *, rank: int, start: int | None, backend: str | No
     if choice is None:
         return
     if choice not in CHOICES:
-        raise UsageError(f"grad_compression={choice!r} is not one of None, {', '.join(map(repr, CHOICES))}")
+        raise UsageError(f"unknown grad_compression {choice!r}; choose none, {', '.join(CHOICES)}")
     if choice == "powersgd":
         if not isinstance(rank, int) or rank < 1:
             raise UsageError(f"powersgd_rank must be a whole number of at least 1, got {rank!r}")

@@ -46,6 +46,10 @@ class TrainConfig:
     """Linear scaling rule: multiply lr by the world size when --batch is per process."""
     sync_bn: bool = False
     """Synchronise BatchNorm statistics across processes (needed for world-size invariance)."""
+    grad_compression: str | None = None
+    """Gradient compression on the wire: none, fp16, bf16 or powersgd (see ddpkit.compression)."""
+    powersgd_rank: int = 2
+    """Rank of PowerSGD's low-rank factors (higher: more bytes, closer to the full gradient)."""
     workers: int = 0
     """DataLoader worker processes per training process."""
     seed: int = 0
@@ -196,6 +200,14 @@ def validate(config: TrainConfig) -> None:
 
         if torch.cuda.device_count() < 2 or config.nproc != 1:
             raise UsageError("DataParallel mode needs --nproc 1 and at least 2 visible GPUs")
+    if config.grad_compression == "none":      # the flag's spelling of no compression
+        config.grad_compression = None
+    import torch
+
+    from ddpkit.compression import check
+
+    check(config.grad_compression, rank=config.powersgd_rank, start=None, backend=None,
+          device=torch.device("cpu"), precision=config.precision, compile=False)   # bf16 on NCCL: at setup
     if config.lr <= 0:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     if config.hang_timeout is not None and not config.hang_timeout > 0:

@@ -47,7 +47,8 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
                         image_size=train.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
-    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn)
+    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn,
+                                grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank)
     if config.data_parallel:   # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
     sizes = {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
@@ -100,7 +101,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "world_size": rt.world_size, "precision": config.precision, "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
         "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
-        "sync_bn": config.sync_bn, "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
+        "sync_bn": config.sync_bn, "grad_compression": config.grad_compression or "none",
+        "powersgd_rank": config.powersgd_rank if config.grad_compression == "powersgd" else None,
+        "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
         "test_count": metrics["count"], "wall_seconds": time.perf_counter() - started,
         "train_seconds": train_seconds, "samples_per_second": seen / train_seconds if train_seconds else 0.0,
         "final_checkpoint": str(final_checkpoint) if final_checkpoint else None,
