@@ -31,7 +31,8 @@ def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str =
     torch.manual_seed(0)
     model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = rt.setup(model, optimizer, grad_compression=compression, powersgd_start=start)
+    model, optimizer = rt.setup(model, optimizer, grad_compression=compression, powersgd_start=start,
+                                bucket_cap_mb=0.05)      # several buckets in flight
     state = {"model": model, "optimizer": optimizer}
     caught = []
     if mode == "resume":
@@ -64,7 +65,8 @@ def each_compression(choices: list) -> dict:
         torch.manual_seed(0)
         model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model, optimizer = rt.setup(model, optimizer, grad_compression=choice, powersgd_start=5)
+        model, optimizer = rt.setup(model, optimizer, grad_compression=choice, powersgd_start=5,
+                                    bucket_cap_mb=0.05)
         loader = rt.loader(train.dataset, global_batch_size=GLOBAL_BATCH, shuffle=True, name=str(choice))
         steps = 0
         for epoch in range(EPOCHS):

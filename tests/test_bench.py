@@ -1,13 +1,21 @@
 """`ddpkit bench`: the structure and internal consistency of bench.json, never a wall-clock figure.
 
-One tiny end-to-end run (mlp, batch 8, 1 + 4 steps, single + dp + ddp x2, and two interleaved
-raw/ddpkit pairs) feeds the structural checks; the diagnosis and statistics are also tested
+One tiny end-to-end run (mlp, batch 8, 2 + 4 steps, single + dp + ddp x2 without and with
+PowerSGD, and two interleaved raw/ddpkit pairs) feeds the structural checks; runs on simulated
+hosts over a shaped link are slow tests; the diagnosis and statistics are also tested
 on hand-made measurements, and bad input in-process through the CLI entry point.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +24,7 @@ from ddpkit import cli
 from ddpkit.bench import Configuration, Settings, plan, summarize
 from ddpkit.bench_report import PHASES, diagnose
 from ddpkit.recipes.models import build_model
+from helpers import clean_env, kill_tree
 from helpers import ddpkit as ddpkit_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -27,7 +36,8 @@ ROW_KEYS = {"mode", "nproc", "precision", "samples_per_second", "speedup", "effi
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out"
     result = ddpkit_cli("bench", "--model", "mlp", "--data", "synthetic", "--modes", "single,dp,ddp",
-                        "--nproc", "2", "--batch", "8", "--steps", "4", "--warmup", "1",
+                        "--nproc", "2", "--batch", "8", "--steps", "4", "--warmup", "2",
+                        "--grad-compression", "none,powersgd",
                         "--compare-raw", "--repeats", "2", "--out", str(out), timeout=220)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, json.loads((out / "bench.json").read_text()), result.stdout
@@ -37,7 +47,9 @@ def bench(tmp_path_factory):
 def test_bench_writes_consistent_rows(bench):
     out, report, stdout = bench
     rows = {r["mode"]: r for r in report["configurations"]}
-    assert [r["mode"] for r in report["configurations"]] == ["single", "dp", "ddp"]
+    assert [r["mode"] for r in report["configurations"]] == ["single", "dp", "ddp", "ddp"]
+    sgd = report["configurations"][-1]
+    rows["ddp"] = report["configurations"][2]
     single, ddp = rows["single"], rows["ddp"]
     for row in (single, ddp):
         assert ROW_KEYS <= row.keys() and row["applicable"] is True and row["precision"] == "fp32"
@@ -55,6 +67,11 @@ def test_bench_writes_consistent_rows(bench):
     assert ddp["comm"]["grad_bytes_per_step"] == 4 * sum(p.numel() for p in mlp.parameters())
     assert ddp["comm"]["allreduce_seconds"] > 0 and "MB of gradients per step" in ddp["diagnosis"]
     assert single["comm"] is None
+    assert ddp["grad_compression"] == "none" and ddp["payload_bytes_per_step"] == ddp["comm"]["grad_bytes_per_step"]
+    assert ddp["bytes_sent_per_step"] == ddp["payload_bytes_per_step"]              # a ring of 2 sends it once
+    assert sgd["grad_compression"] == "powersgd" and sgd["hosts"] is None and sgd["link_mbit"] is None
+    assert 0 < sgd["payload_bytes_per_step"] * 10 < ddp["payload_bytes_per_step"]    # timed steps compress
+    assert sgd["weights_sha256"] != ddp["weights_sha256"]
     if torch.cuda.device_count() < 2:
         assert rows["dp"]["applicable"] is False and rows["dp"]["samples_per_second"] is None
         assert "2 or more visible GPUs" in rows["dp"]["diagnosis"]
@@ -62,7 +79,8 @@ def test_bench_writes_consistent_rows(bench):
     assert "| mode" in markdown and "## Diagnosis" in markdown and "## ddpkit vs hand-written" in markdown
     assert (out / "scaling.png").read_bytes()[:8] == PNG
     progress = [line for line in stdout.splitlines() if line.startswith("bench: ")]
-    assert sum("samples/s" in line for line in progress) == 2 + 2 * 2   # two rows, two raw/ddpkit pairs
+    assert sum("samples/s" in line for line in progress) == 3 + 2 * 2   # three rows, two raw/ddpkit pairs
+    assert "ddp x2 fp32 powersgd: bound by" in markdown
 
 
 @pytest.mark.timeout(300)
@@ -107,6 +125,32 @@ def test_diagnosis_names_what_bounds_a_run():
     assert diagnose(crowded).startswith("bound by CPU threads oversubscribed (2 process(es) x 2 threads")
 
 
+def test_diagnosis_of_a_slow_link_names_the_fixes_with_their_gain():
+    comm = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.2, 0.7, 0.1]]] * 2, 0.5))
+    alone = diagnose(comm)
+    # step 1.0 s = 0.5 compute + 0.5 allreduce: fp16 leaves 0.75 s, a 2x batch 2 samples per 1.5 s
+    assert "grad_compression='fp16' halves the bytes: expect ~171 samples/s" in alone
+    assert "a 2x per-process batch or accumulating 2 micro-batches: expect ~171 samples/s" in alone
+    assert "measure it with --grad-compression none,powersgd" in alone
+    measured = {**comm, "grad_compression": "powersgd", "samples_per_second": 4 * comm["samples_per_second"],
+                "payload_bytes_per_step": 100_000.0}
+    assert "grad_compression='powersgd' measured 4.0x the samples/s (0.10 MB per step)" in diagnose(comm, [comm, measured])
+
+
+def test_plan_crosses_hosts_processes_and_compressions():
+    settings = Settings(modes=("single", "ddp", "ddp-amp"), nproc=(1,), hosts=(1, 2),
+                        grad_compression=("none", "powersgd"), link_mbit=100.0)
+    on_gpus = plan(settings, gpus=1)
+    assert [c.label for c in on_gpus] == [
+        "single x1 fp32", "ddp 1 host(s) x1 fp32", "ddp 1 host(s) x1 fp32 powersgd", "ddp 2 host(s) x1 fp32",
+        "ddp 2 host(s) x1 fp32 powersgd", "ddp-amp 1 host(s) x1 fp16", "ddp-amp 1 host(s) x1 fp16 powersgd",
+        "ddp-amp 2 host(s) x1 fp16", "ddp-amp 2 host(s) x1 fp16 powersgd"]
+    assert on_gpus[3].world_size == 2 and on_gpus[3].name == "ddp-h2-x1-fp32"
+    refused = [c for c in on_gpus if c.reason]
+    assert [c.label for c in refused] == ["ddp-amp 1 host(s) x1 fp16 powersgd", "ddp-amp 2 host(s) x1 fp16 powersgd"]
+    assert "use precision='bf16'" in refused[0].reason
+
+
 def test_plan_runs_dp_only_with_two_gpus():
     settings = Settings(modes=("single", "dp", "ddp", "ddp-amp"), nproc=(1, 2))
     on_cpu = plan(settings, gpus=0)
@@ -126,7 +170,14 @@ def test_plan_runs_dp_only_with_two_gpus():
     (["--model", "resnet50"], "invalid choice: 'resnet50'"),
     (["--compare-raw", "--modes", "single"], "add ddp or ddp-amp to --modes"),
     (["--compare-raw", "--nproc", "1"], "2 or more processes"),
-], ids=["mode", "nproc-0", "nproc-text", "steps-0", "batch-0", "model", "raw-no-ddp", "raw-one-process"])
+    (["--grad-compression", "none,zip"], "unknown compression 'zip' in --grad-compression"),
+    (["--hosts", "2"], "--hosts needs --link-mbit M"),
+    (["--link-mbit", "100"], "add --hosts H"),
+    (["--hosts", "2", "--link-mbit", "0"], "--link-mbit must be a positive number"),
+    (["--hosts", "0", "--link-mbit", "10"], "--hosts values must be at least 1"),
+    (["--hosts", "2", "--link-mbit", "10", "--modes", "single"], "add ddp or ddp-amp to --modes"),
+], ids=["mode", "nproc-0", "nproc-text", "steps-0", "batch-0", "model", "raw-no-ddp", "raw-one-process",
+        "compression", "hosts-no-link", "link-no-hosts", "link-0", "hosts-0", "hosts-no-ddp"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -134,3 +185,70 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert len(err.strip().splitlines()) == 1 and err.startswith("ddpkit bench: error: "), err
     assert message in err
     assert not (tmp_path / "out").exists()
+
+
+def netsim_usable() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+needs_netns = pytest.mark.skipif(not netsim_usable(), reason="simulated hosts need root and iproute2 (ip, tc)")
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.timeout(400)
+def test_bench_on_simulated_hosts_over_a_shaped_link(tmp_path):
+    from ddpkit import netsim
+
+    out = tmp_path / "out"
+    result = ddpkit_cli("bench", "--model", "mlp", "--modes", "ddp", "--hosts", "2", "--nproc", "1",
+                        "--link-mbit", "50", "--grad-compression", "none,powersgd", "--batch", "8",
+                        "--steps", "3", "--warmup", "2", "--out", str(out), timeout=380)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = json.loads((out / "bench.json").read_text())["configurations"]
+    assert [(r["hosts"], r["link_mbit"], r["grad_compression"], r["world_size"]) for r in rows] == \
+        [(2, 50.0, "none", 2), (2, 50.0, "powersgd", 2)]
+    assert all(r["samples_per_second"] > 0 for r in rows)
+    assert rows[1]["payload_bytes_per_step"] * 10 < rows[0]["payload_bytes_per_step"]
+    assert "| hosts | link Mbit/s |" in (out / "bench.md").read_text().replace("  ", " ")
+    assert netsim.leftovers() == {"namespaces": [], "links": []}
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_killed_hosts_bench_leaves_no_namespaces_links_or_processes(tmp_path, sig):
+    from ddpkit import netsim
+
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cli", "bench", "--model", "resnet18", "--modes", "ddp",
+                             "--hosts", "2", "--nproc", "1", "--link-mbit", "5", "--batch", "4", "--steps", "50",
+                             "--warmup", "1", "--out", str(tmp_path / "out")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not _bench_workers() and time.monotonic() < deadline:    # the hosts are up and training
+            time.sleep(0.5)
+        assert _bench_workers() and netsim.leftovers(str(proc.pid))["namespaces"]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert netsim.leftovers(str(proc.pid)) == {"namespaces": [], "links": []}, err[-2000:]
+        assert not _bench_workers(), err[-2000:]
+    finally:
+        kill_tree(proc.pid)
+        netsim.remove_leftovers(str(proc.pid))
+
+
+def _bench_workers() -> list[str]:
+    """Live (not zombie) processes running ddpkit.bench_worker."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue
+        if "-m ddpkit.bench_worker " in cmdline and state != "Z":
+            found.append(cmdline)
+    return found

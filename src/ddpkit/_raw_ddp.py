@@ -44,6 +44,21 @@ def _batches(sampler: DistributedSampler, loader: DataLoader) -> Iterator[Any]:
         yield from loader
 
 
+def _register_hook(model: DistributedDataParallel, choice: str, warmup: int) -> None:
+    """torch's own communication hook for ``choice``, as a hand-written script registers it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from ddpkit.bench_worker import powersgd_start
+
+    if choice == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=powersgd_start(warmup))
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif choice in ("fp16", "bf16"):
+        hook = default_hooks.fp16_compress_hook if choice == "fp16" else default_hooks.bf16_compress_hook
+        model.register_comm_hook(None, hook)
+
+
 def train(opts: Any) -> None:
     """Warm-up and timed steps of the raw loop; rank 0 writes ``opts.result``."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -59,6 +74,7 @@ def train(opts: Any) -> None:
         model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                             image_size=info.image_size).to(device)
         model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
+        _register_hook(model, opts.grad_compression, opts.warmup)
         optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
         amp_dtype = _AMP_DTYPES.get(opts.precision)
         scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None

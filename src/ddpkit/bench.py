@@ -8,6 +8,12 @@ and ddpkit interleaved, A B A B ..., so slow drift of the machine hits both alik
     ddpkit bench --model convnet --data synthetic --modes single,ddp,ddp-amp --nproc 2 \\
         --batch 32 --steps 50 --warmup 5 --out runs/bench
     ddpkit bench --modes ddp --nproc 2 --compare-raw --repeats 5 --out runs/parity
+    ddpkit bench --model resnet18 --modes ddp --hosts 1,2 --nproc 1 --link-mbit 100 \\
+        --grad-compression none,powersgd --batch 16 --steps 5 --warmup 2 --out runs/link
+
+``--hosts H`` runs each configuration on H simulated hosts (:mod:`ddpkit.netsim`: a network
+namespace each, joined by a bridge, every link shaped to ``--link-mbit`` by ``tc``), ``--nproc``
+processes per host, so the gradients cross a link as slow as real Ethernet between machines.
 
 Statistics: per step, the world's step time is its slowest rank's; ``samples_per_second`` is
 the global batch over the median of those, over the timed steps only. ``breakdown`` is the
@@ -32,6 +38,8 @@ from ddpkit.cliparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
 
 MODES = ("single", "dp", "ddp", "ddp-amp")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+HOST_PORT = 29500           # the rendezvous port on simulated host 0 (a fresh namespace: nothing else there)
 MODELS = ("convnet", "mlp", "resnet18")
 DATA = ("synthetic", "digits")
 
@@ -53,6 +61,9 @@ class Settings:
     out: str = "runs/bench"
     compare_raw: bool = False
     repeats: int = 3             # raw/ddpkit pairs of --compare-raw
+    grad_compression: tuple[str, ...] = ("none",)
+    hosts: tuple[int, ...] = ()  # simulated hosts per DDP configuration; () runs on this machine as is
+    link_mbit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,14 +75,24 @@ class Configuration:
     precision: str
     devices: int = 1             # GPUs one process drives (DataParallel), else 1
     reason: str | None = None    # why it cannot run here, when it cannot
+    grad_compression: str = "none"
+    hosts: int = 0               # simulated hosts (nproc processes each), 0: this machine as is
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * max(self.hosts, 1)
 
     @property
     def name(self) -> str:
-        return f"{self.mode}-x{self.nproc}-{self.precision}"
+        hosts = f"-h{self.hosts}" if self.hosts else ""
+        comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
+        return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}"
 
     @property
     def label(self) -> str:
-        return f"{self.mode} x{self.nproc} {self.precision}"
+        hosts = f" {self.hosts} host(s)" if self.hosts else ""
+        comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
+        return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}"
 
 
 def plan(settings: Settings, gpus: int) -> list[Configuration]:
@@ -85,8 +106,30 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
             reason = None if gpus >= 2 else f"DataParallel needs 2 or more visible GPUs, {gpus} visible"
             found.append(Configuration("dp", 1, "fp32", devices=max(gpus, 1), reason=reason))
         else:
-            found += [Configuration(mode, n, amp if mode == "ddp-amp" else "fp32") for n in settings.nproc]
+            precision = amp if mode == "ddp-amp" else "fp32"
+            found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h,
+                                    reason=_compression_reason(comp, precision))
+                      for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression]
     return found
+
+
+def _compression_reason(choice: str, precision: str) -> str | None:
+    """Why ``choice`` cannot run with ``precision`` (PowerSGD under fp16 loss scaling), or None."""
+    from ddpkit.compression import check
+
+    if choice == "none":
+        return None
+    try:
+        check(choice, rank=2, start=None, backend=None, device=_cpu(), precision=precision, compile=False)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
 
 
 def _launch(config: Configuration, settings: Settings, result: Path, *, raw: bool = False) -> dict[str, Any]:
@@ -96,16 +139,59 @@ def _launch(config: Configuration, settings: Settings, result: Path, *, raw: boo
     args = ["--model", settings.model, "--data", settings.data, "--precision", config.precision,
             "--batch", str(settings.batch), "--steps", str(settings.steps), "--warmup", str(settings.warmup),
             "--seed", str(settings.seed), "--lr", repr(settings.lr), "--momentum", repr(settings.momentum),
-            "--result", str(result)]
+            "--result", str(result), "--grad-compression", config.grad_compression]
     if config.mode == "dp":
         args.append("--data-parallel")
     result.unlink(missing_ok=True)
     target = "ddpkit._raw_ddp" if raw else "ddpkit.bench_worker"
-    code = run(RunSpec(target, args, module=True, nproc_per_node=config.nproc))
+    if config.hosts:
+        code = _run_on_hosts(config, settings, target, args)
+    else:
+        code = run(RunSpec(target, args, module=True, nproc_per_node=config.nproc))
     if code != 0 or not result.is_file():
         raise DdpkitError(f"bench {'raw ' if raw else ''}{config.label} failed (exit code {code}); "
                           "see its output above")
     return json.loads(result.read_text())
+
+
+def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: list[str]) -> int:
+    """``ddpkit run`` of ``target`` on each simulated host; the first failure's exit code, else 0.
+
+    Each host is one node of a multi-node job whose rendezvous is host 0. When a host fails the
+    others get a grace period to notice, then the simulation ends (it kills what is left).
+    """
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from ddpkit import netsim
+    from ddpkit.launch import usable_cores
+
+    with netsim.SimulatedHosts(config.hosts, float(settings.link_mbit or 0)) as sim:
+        master = f"{sim.addresses[0]}:{HOST_PORT}"
+        # NCCL would reach another GPU of this machine over shared memory or NVLink: the link is the point.
+        env = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+        if "OMP_NUM_THREADS" not in os.environ:      # the hosts share this machine's cores
+            env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // config.world_size))
+        procs = [sim.popen(host, [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", str(config.hosts),
+                                  "--node-rank", str(host), "--master", master, "-n", str(config.nproc),
+                                  "-m", target, *args], env=env)
+                 for host in range(config.hosts)]
+        failed_at = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(code is not None for code in codes):
+                break
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 30:
+                break                          # the simulation's close kills the rest
+            try:
+                procs[0].wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    return next((code for code in codes if code not in (None, 0)), 0 if None not in codes else 1)
 
 
 def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,8 +209,15 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
                 "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None}
     cuda = [r["peak_cuda_mb"] for r in ranks]
+    world = len(ranks)
+    payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
     return {
         "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
+        "grad_compression": config.grad_compression, "hosts": config.hosts or None,
+        "link_mbit": None, "world_size": world,
+        # what each rank hands to allreduce per step, and what a ring allreduce sends of it
+        "payload_bytes_per_step": payload,
+        "bytes_sent_per_step": payload * 2 * (world - 1) / world if world > 1 else 0.0,
         "device": result["device"], "devices": config.devices,
         "batch_per_process": result["batch_per_process"], "global_batch": result["global_batch"],
         "samples_per_second": result["global_batch"] / median_step,
@@ -141,6 +234,7 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
 
 def _not_applicable(config: Configuration) -> dict[str, Any]:
     return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
+            "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": None,
             "applicable": False, "reason": config.reason, "samples_per_second": None,
             "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}
 
@@ -149,7 +243,7 @@ def _with_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Speed-up over single; efficiency per device doing the work (GPUs of dp, else processes)."""
     from ddpkit.report import add_speedup
 
-    widths = [{**r, "processes": r["nproc"] * r.get("devices", 1)} for r in rows]
+    widths = [{**r, "processes": r["nproc"] * r.get("devices", 1) * (r.get("hosts") or 1)} for r in rows]
     return [{**row, "speedup": done["speedup"], "efficiency": done["efficiency"]}
             for row, done in zip(rows, add_speedup(widths))]
 
@@ -192,14 +286,17 @@ def run_bench(settings: Settings) -> dict[str, Any]:
             rows.append(_not_applicable(config))
             continue
         print(f"bench: {config.label} ...", end="", flush=True)
-        rows.append(summarize(config, _launch(config, settings, out / "runs" / f"{config.name}.json")))
+        row = summarize(config, _launch(config, settings, out / "runs" / f"{config.name}.json"))
+        rows.append({**row, "link_mbit": settings.link_mbit if config.hosts else None})
         print(f" {rows[-1]['samples_per_second']:.1f} samples/s", flush=True)
-    rows = [{**row, "diagnosis": diagnose(row)} for row in _with_speedup(rows)]
+    rows = _with_speedup(rows)
+    rows = [{**row, "diagnosis": diagnose(row, rows)} for row in rows]
     report: dict[str, Any] = {"settings": asdict(settings), "torch": torch.__version__,
                               "device": "cuda" if gpus else "cpu", "gpus": gpus, "configurations": rows}
     if settings.compare_raw:
-        target = next(c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp")
-                      and c.nproc == max(settings.nproc))
+        target = next(c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
+                      and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
+                      and c.grad_compression == settings.grad_compression[0])
         report["raw_vs_ddpkit"] = compare_raw(settings, target, out / "runs")
     return report
 
@@ -210,6 +307,14 @@ def _check_machine(settings: Settings, gpus: int) -> None:
 
     if gpus and max(settings.nproc) > gpus:
         raise UsageError(f"--nproc {max(settings.nproc)} needs as many GPUs, {gpus} visible")
+    if settings.compare_raw and settings.grad_compression[0] == "bf16" and not gpus:
+        raise UsageError("--compare-raw with bf16 compression: torch's bf16_compress_hook, which the "
+                         "hand-written loop uses, refuses CPUs; compare none, fp16 or powersgd here")
+    if settings.hosts:
+        from ddpkit import netsim
+
+        netsim.check_available()
+        netsim.remove_leftovers()        # of a bench killed before it could clean up (SIGKILL)
     if settings.data != "synthetic":
         runnable = [c for c in plan(settings, gpus) if c.reason is None]
         bench_dataset(settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1))
@@ -245,6 +350,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--compare-raw", action="store_true", help="also run a plain PyTorch DDP loop and ddpkit interleaved "
         "(the first ddp/ddp-amp mode, at the largest --nproc) and compare step time, memory and weights")
     add("--repeats", type=int, default=d.repeats, help=f"raw/ddpkit pairs of --compare-raw (default {d.repeats})")
+    add("--grad-compression", default="none", help=f"comma-separated {'|'.join(COMPRESSIONS)}: gradient "
+        "compression of the ddp and ddp-amp modes, one row each (default none)")
+    add("--hosts", default=None, help="comma-separated counts of simulated hosts (network namespaces "
+        "on a bridge, needs root), --nproc processes each; needs --link-mbit")
+    add("--link-mbit", type=float, default=None, help="each simulated host's link speed in Mbit/s (tc tbf)")
     return parser
 
 
@@ -263,13 +373,28 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                              ("--warmup", opts.warmup, 0), ("--repeats", opts.repeats, 1)):
         if value < low:
             raise UsageError(f"{flag} must be at least {low}, got {value}")
+    compressions = tuple(dict.fromkeys(c.strip() for c in opts.grad_compression.split(",")))
+    unknown = [c for c in compressions if c not in COMPRESSIONS]
+    if unknown:
+        raise UsageError(f"unknown compression {unknown[0]!r} in --grad-compression; choose from "
+                         f"{', '.join(COMPRESSIONS)}")
+    hosts = _int_list(opts.hosts, "--hosts") if opts.hosts is not None else ()
+    if hosts and opts.link_mbit is None:
+        raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
+    if opts.link_mbit is not None and not hosts:
+        raise UsageError("--link-mbit shapes the links of simulated hosts; add --hosts H")
+    if opts.link_mbit is not None and not opts.link_mbit > 0:
+        raise UsageError(f"--link-mbit must be a positive number of Mbit/s, got {opts.link_mbit}")
+    if hosts and not {"ddp", "ddp-amp"} & set(modes):
+        raise UsageError("--hosts runs DDP across simulated hosts; add ddp or ddp-amp to --modes")
     settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
-                        repeats=opts.repeats)
+                        repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
+                        link_mbit=opts.link_mbit)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
-    if settings.compare_raw and max(settings.nproc) < 2:
+    if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:
         raise UsageError("--compare-raw compares DDP runs of 2 or more processes; give --nproc 2")
     return settings
 

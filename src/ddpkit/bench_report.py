@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 PHASES = ("data_wait", "forward", "backward", "optimizer")
 
@@ -19,12 +19,17 @@ COMM_SHARE = 0.25      # an allreduce of all gradients this large cannot hide be
 SMALL_BATCH = 32       # below this, per-step fixed costs (Python, launches, latency) dominate
 
 
-def diagnose(row: Mapping[str, Any]) -> str:
-    """One line on what bounds a configuration: threads, communication, data, batch, or compute."""
+def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> str:
+    """One line on what bounds a configuration: threads, communication, data, batch, or compute.
+
+    When communication bounds it, the line names the fixes with their expected gain (see
+    :func:`comm_fixes`); ``peers`` (the other rows) supply measured gains where they exist.
+    """
     if not row.get("applicable", True):
         return f"not applicable: {row.get('reason')}"
     step, phases, comm = row["mean_step_seconds"], row["breakdown"], row.get("comm")
-    nproc, threads, cores = row["nproc"], row["threads_per_process"], row["cores"]
+    threads, cores = row["threads_per_process"], row["cores"]
+    nproc = row["nproc"] * (row.get("hosts") or 1)      # simulated hosts share this machine's cores
     found = []
     if row["device"] == "cpu" and cores and nproc * threads > cores:
         fix = (f"OMP_NUM_THREADS={cores // nproc} would fit" if nproc <= cores
@@ -32,12 +37,15 @@ def diagnose(row: Mapping[str, Any]) -> str:
         found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; {fix})")
     comm_text, comm_share = "", 0.0
     if comm is not None:
-        comm_share = comm["allreduce_seconds"] / step
+        seconds, ratio = comm_seconds(row)
+        comm_share = seconds / step
         rate = comm["allreduce_gb_per_s"]
-        comm_text = (f"{comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients per step, allreduce "
-                     f"{comm['allreduce_seconds'] * 1e3:.2f} ms at {rate or 0:.2f} GB/s = {comm_share:.0%} of the step")
+        sent = (f"{row['payload_bytes_per_step'] / 1e6:.2f} MB per step after {row['grad_compression']} "
+                f"(of {comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients), allreduce ~" if ratio < 1
+                else f"{comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients per step, allreduce ")
+        comm_text = f"{sent}{seconds * 1e3:.2f} ms at {rate or 0:.2f} GB/s = {comm_share:.0%} of the step"
         if comm_share >= COMM_SHARE:
-            found.append(f"communication ({comm_text})")
+            found.append(f"communication ({comm_text}); {comm_fixes(row, peers)}")
     if phases["data_wait"] / step >= DATA_SHARE:
         found.append(f"data loading ({phases['data_wait'] / step:.0%} of the step waits for batches)")
     per_device = row["batch_per_process"] // row.get("devices", 1)
@@ -48,6 +56,62 @@ def diagnose(row: Mapping[str, Any]) -> str:
         found.append(f"compute (forward+backward+optimizer {busy:.0%} of the step)")
     line = "bound by " + "; ".join(found)
     return line if not comm_text or comm_share >= COMM_SHARE else f"{line}; communication {comm_text}"
+
+
+def comm_seconds(row: Mapping[str, Any]) -> tuple[float, float]:
+    """Seconds of allreduce per step and the fraction of the gradient bytes sent.
+
+    The probe times an allreduce of every gradient; a compressed row sends a fraction of those
+    bytes, so its share is the probe's time scaled by that fraction (bandwidth-bound links).
+    """
+    comm = row["comm"]
+    payload, grads = row.get("payload_bytes_per_step"), comm["grad_bytes_per_step"]
+    ratio = payload / grads if payload and grads and payload < grads else 1.0
+    return comm["allreduce_seconds"] * ratio, ratio
+
+
+def comm_fixes(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> str:
+    """What would cut a communication-bound step, each with its expected samples/s.
+
+    A step is taken as compute + the allreduce (no overlap: an upper bound on the gain). A
+    compression that sends a fraction r of the bytes leaves compute + r x allreduce; doubling
+    the per-process batch (or accumulating 2 micro-batches) doubles compute, not the allreduce.
+    A compression measured in ``peers`` (same mode, processes and hosts) is quoted as measured.
+    """
+    step, comm = row["mean_step_seconds"], comm_seconds(row)[0]
+    rate = row["samples_per_second"]
+    compute = max(step - comm, 1e-9)
+    grad_bytes = row["comm"]["grad_bytes_per_step"]
+    same = [p for p in peers if p.get("applicable", True) and p is not row and p.get("samples_per_second")
+            and all(p.get(k) == row.get(k) for k in ("mode", "nproc", "hosts", "precision"))]
+    tips = []
+    for choice, ratio in (("powersgd", None), ("fp16", 0.5)):
+        if choice == row.get("grad_compression"):
+            continue
+        peer = next((p for p in same if p.get("grad_compression") == choice), None)
+        if peer is not None:
+            tips.append(f"grad_compression='{choice}' measured {peer['samples_per_second'] / rate:.1f}x "
+                        f"the samples/s ({peer['payload_bytes_per_step'] / 1e6:.2f} MB per step)")
+        elif ratio is not None and (row.get("payload_bytes_per_step") or grad_bytes) >= grad_bytes:
+            expect = rate * step / (compute + comm * ratio)
+            tips.append(f"grad_compression='{choice}' halves the bytes: expect ~{expect:.0f} samples/s")
+        elif ratio is None:
+            tips.append("grad_compression='powersgd' (weight matrices as rank-2 factors, often 10x+ fewer "
+                        "bytes; measure it with --grad-compression none,powersgd)")
+    bigger = rate * 2 * step / (2 * compute + comm)
+    tips.append(f"a 2x per-process batch or accumulating 2 micro-batches: expect ~{bigger:.0f} samples/s")
+    return "try " + "; ".join(tips)
+
+
+def row_label(row: Mapping[str, Any]) -> str:
+    """``ddp 2 hosts x1 fp32 powersgd``: what tells one configuration from another."""
+    hosts = f" {row['hosts']} hosts" if row.get("hosts") else ""
+    comp = f" {row['grad_compression']}" if row.get("grad_compression") not in (None, "none") else ""
+    return f"{row['mode']}{hosts} x{row['nproc']} {row['precision']}{comp}"
+
+
+def _mb(value: Any) -> str:
+    return f"{value / 1e6:.2f}"
 
 
 def _ms(value: Any) -> str:
@@ -61,11 +125,14 @@ def _markdown(report: Mapping[str, Any]) -> str:
     rows = [{**r, "step_ms": r.get("step_seconds"), **{f"{p}_ms": (r.get("breakdown") or {}).get(p) for p in PHASES}}
             for r in report["configurations"]]
     columns = [("mode", "mode"), ("nproc", "processes"), ("precision", "precision"),
+               ("grad_compression", "compression"),
                ("samples_per_second", "samples/s", RATE), ("speedup", "speed-up", SPEEDUP),
                ("efficiency", "efficiency", PERCENT), ("step_ms", "step ms", _ms),
                ("data_wait_ms", "data ms", _ms), ("forward_ms", "forward ms", _ms),
                ("backward_ms", "backward ms", _ms), ("optimizer_ms", "optimizer ms", _ms),
-               ("peak_rss_mb", "peak RSS MB", "{:.0f}")]
+               ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("payload_bytes_per_step", "MB/step", _mb)]
+    if any(r.get("hosts") for r in rows):
+        columns[2:2] = [("hosts", "hosts"), ("link_mbit", "link Mbit/s", "{:g}")]
     if report["gpus"]:
         columns.append(("peak_cuda_mb", "peak CUDA MB", "{:.0f}"))
     s = report["settings"]
@@ -78,8 +145,7 @@ def _markdown(report: Mapping[str, Any]) -> str:
              "samples/s: global batch / median step time (a step lasts as long as its slowest rank). "
              "step ms: that median. Phase columns: mean per step over ranks; backward includes the "
              "allreduce it waits for. Peak RSS: the largest rank's, in MiB.",
-             "## Diagnosis", "\n".join(f"- {r['mode']} x{r['nproc']} {r['precision']}: {r['diagnosis']}"
-                                       for r in report["configurations"])]
+             "## Diagnosis", "\n".join(f"- {row_label(r)}: {r['diagnosis']}" for r in report["configurations"])]
     raw = report.get("raw_vs_ddpkit")
     if raw:
         parts += ["## ddpkit vs hand-written PyTorch DDP",

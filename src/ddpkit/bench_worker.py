@@ -56,7 +56,13 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"))
     return parser
+
+
+def powersgd_start(warmup: int) -> int:
+    """PowerSGD's plain steps in a bench: the warm-up ones (at least 2), so timed steps compress."""
+    return max(2, warmup)
 
 
 def bench_dataset(name: str, global_batch: int) -> DatasetInfo:
@@ -90,12 +96,15 @@ def mark(device: torch.device) -> float:
 
 
 def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Module,
-               device: torch.device, world_size: int, devices: int = 1) -> dict[str, Any]:
+               device: torch.device, world_size: int, devices: int = 1,
+               payload_bytes: float | None = None) -> dict[str, Any]:
     """This rank's measurements after the loop: phase times, peak memory, gradients, weights.
 
     ``marks`` holds five clock readings per step (start, after data, forward, backward,
     optimizer). Peak memory is read before the allreduce probe, which allocates a flat
     gradient-sized buffer of its own; ``devices`` GPUs from ``device`` on count (DataParallel).
+    ``payload_bytes``: what a compression hook handed to allreduce per timed step (default: every
+    gradient once, as DDP's own buckets do).
     """
     memory = _peak_memory(device, devices)
     timed = [list(m) for m in marks[warmup:]]
@@ -109,6 +118,7 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
         "steps": [m[-1] - m[0] for m in timed],
         **memory,
         "grad_bytes": grad_bytes,
+        "payload_bytes_per_step": (grad_bytes if payload_bytes is None else payload_bytes) if world_size > 1 else 0,
         "allreduce_seconds": allreduce_s,
         "threads": torch.get_num_threads(),
         "cores": usable_cores(),
@@ -176,13 +186,18 @@ def train(opts: argparse.Namespace) -> None:
     model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                         image_size=info.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
-    model, optimizer = rt.setup(model, optimizer)
+    compression = None if opts.grad_compression == "none" else opts.grad_compression
+    model, optimizer = rt.setup(model, optimizer, grad_compression=compression,
+                                powersgd_start=powersgd_start(opts.warmup))
+    compressor = rt._compressors[-1]
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
     loader = rt.loader(info.dataset, batch_size=opts.batch * devices, shuffle=True)
     batches = _batches(rt, loader)
     device, marks = rt.device, []
-    for _ in range(opts.warmup + opts.steps):
+    for step in range(opts.warmup + opts.steps):
+        if step == opts.warmup and compressor is not None:
+            compressor.payload_elements = 0          # count the timed steps only
         start = mark(device)
         inputs, targets = next(batches)
         fetched = mark(device)
@@ -193,11 +208,13 @@ def train(opts: argparse.Namespace) -> None:
         backward = mark(device)
         rt.step(optimizer)
         marks.append((start, fetched, forward, backward, mark(device)))
-    stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices)
+    payload = None if compressor is None else compressor.payload_bytes / opts.steps
+    stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload)
     gathered = ddpkit.all_gather_object(stats)
     if rt.is_main:
         write_result(opts.result, gathered, loop="ddpkit", world_size=rt.world_size,
                      device=device.type, devices=devices, precision=opts.precision,
+                     grad_compression=opts.grad_compression,
                      batch_per_process=opts.batch * devices,
                      global_batch=opts.batch * devices * rt.world_size)
     rt.barrier()    # leave together: a rank tearing down while a peer still talks can abort

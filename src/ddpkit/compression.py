@@ -131,16 +131,24 @@ class PowerSGDCompressor(Compressor):
         super().__init__()
         self.device = device
         self._hook = powersgd.powerSGD_hook
+        self._previous: Any = None        # the last bucket's future
         self.state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=start, use_error_feedback=True,
                                             warm_start=True, random_seed=0)
 
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        # torch's hook issues its second and third allreduce from future callbacks, which run on
+        # the backend's threads: with two buckets in flight, ranks could issue bucket 1's first
+        # allreduce and bucket 0's second in different orders, and gloo pairs collectives by
+        # issue order (it aborts: "Received data size doesn't match"). One bucket at a time.
+        if self._previous is not None:
+            self._previous.wait()
         before = self.state.total_numel_after_compression
         plain = self.state.iter < self.state.start_powerSGD_iter
         future = self._hook(self.state, bucket)
         self.payload_elements += (bucket.buffer().numel() if plain
                                   else self.state.total_numel_after_compression - before)
+        self._previous = None if bucket.is_last() else future
         return future
 
     def state_dict(self) -> dict[str, Any]:

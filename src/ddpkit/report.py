@@ -190,8 +190,12 @@ def _run_label(row: Mapping[str, Any]) -> str:
     label = str(row.get("mode", "?"))
     if row.get("processes") is not None:
         label += f" ×{row['processes']}"
+    if row.get("hosts"):
+        label += f" ({row['hosts']} hosts)"
     if row.get("precision"):
         label += f"\n{row['precision']}"
+    if row.get("grad_compression") not in (None, "none"):
+        label += f" {row['grad_compression']}"
     return label
 
 
