@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from ddpkit import collectives, runtime
+from ddpkit import buffers, collectives, runtime
 from ddpkit.checkpoint import unwrap
 from ddpkit.data import map_tensors, private_generator, shard_range, to_device
 from ddpkit.errors import UsageError
@@ -59,6 +59,7 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
     end, so nothing is counted twice; their values are returned under their names.
     Returns plain Python numbers and lists, identical on every rank.
     """
+    buffers.settle(model)    # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)   # DDP's forward may broadcast buffers: a collective per batch
     was_training = module.training
     module.eval()
@@ -142,6 +143,7 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
     if len(dataset) == 0:
         raise UsageError("predict: the dataset is empty")
+    buffers.settle(model)
     module = unwrap(model)
     outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast))
     local = _concat(outputs) if outputs else _empty_output(module, dataset)
@@ -164,6 +166,7 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
     path = Path(path)
     rank, world = collectives.rank(), collectives.world_size()
     part = path.with_name(f".{path.name}.rank{rank}.part")
+    buffers.settle(model)
     module = unwrap(model)
     rows, tail, dtype = 0, None, None
     with open(part, "wb") as handle:

@@ -32,6 +32,7 @@ class Replica:
     model: Any
     not_bitwise: str | None = None   # why a resumed run would not be bitwise, if it would not
     compressor: Any = None           # the gradient compression hook's state (ddpkit.compression)
+    buffers: Any = None              # lazily averaged BatchNorm statistics (ddpkit.buffers)
 
 
 def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, is_main: bool,
@@ -52,12 +53,22 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
+        from ddpkit import buffers
+
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
-        if sync_batchnorm and not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
-            # Synced statistics are already equal on every rank; no need to broadcast them.
-            ddp_kwargs[_BUFFER_SYNC_ARG] = False
+        lazy = None
+        if not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
+            if sync_batchnorm:
+                # Synced statistics are already equal on every rank; no need to broadcast them.
+                ddp_kwargs[_BUFFER_SYNC_ARG] = False
+            elif not compile:
+                lazy = buffers.candidates(model)       # only BatchNorm statistics: average them lazily
+                if lazy is not None:
+                    ddp_kwargs[_BUFFER_SYNC_ARG] = False
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        if lazy is not None:
+            replica.buffers = buffers.install(model, lazy)
         if device.type == "cpu":
             replica.not_bitwise = settle_buckets(model, is_main=is_main)
         if grad_compression is not None:

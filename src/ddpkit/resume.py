@@ -35,6 +35,8 @@ class Resumable:
     _models: list[Any]
     _compressors: list[Any]
     _saved_compression: Any
+    _buffers: list[Any]
+    _saved_buffers: Any
 
     def barrier(self) -> None:   # provided by Runtime
         raise NotImplementedError
@@ -57,6 +59,10 @@ class Resumable:
         target = checkpoint.step_path(path, self.loop.step) if rotate else path
         rngs = collectives.all_gather_object(checkpoint.rng_state())
         grads = self._open_group_grads()
+        own_stats, averages = None, []
+        if any(b is not None for b in self._buffers):         # lazily averaged BatchNorm statistics
+            own_stats = collectives.all_gather_object([None if b is None else b.state_dict() for b in self._buffers])
+            averages = [None if b is None else b.averaged() for b in self._buffers]    # out of place
         compression = None
         if any(c is not None for c in self._compressors):    # the same models on every rank
             compression = collectives.all_gather_object(
@@ -71,8 +77,10 @@ class Resumable:
             own["accumulated_grads"] = grads
         if compression is not None:
             own["compression"] = compression      # per rank, per model: the compressor's state
+        if own_stats is not None:
+            own["buffers"] = own_stats            # per rank, per model: its own statistics, for resume
         payload = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": _version(),
-                   "user": checkpoint.user_state(state), "ddpkit": own}
+                   "user": self._with_averages(checkpoint.user_state(state), state, averages), "ddpkit": own}
         try:
             checkpoint.write(target, payload)
             if rotate:
@@ -82,6 +90,19 @@ class Resumable:
             raise
         meeting.share_outcome(meeting_point, None, self.timeout_s)
         return target
+
+    def _with_averages(self, user: dict[str, Any], state: Mapping[str, Any],
+                       averages: list[Any]) -> dict[str, Any]:
+        """The saved model entries with BatchNorm statistics replaced by their cross-rank averages."""
+        from ddpkit import buffers
+
+        for key, value in state.items():
+            syncer = buffers.of(value)
+            index = next((i for i, b in enumerate(self._buffers) if b is syncer), None)
+            if syncer is not None and index is not None and averages[index]:
+                saved = user[key]
+                user[key] = type(saved)({k: averages[index].get(k, v) for k, v in saved.items()})
+        return user
 
     def _open_group_grads(self) -> list[Any] | None:
         """Every rank's part-accumulated gradients when a save falls inside an accumulation group."""
@@ -128,8 +149,12 @@ class Resumable:
         saved = own.get("compression")
         mine = None if saved is None else saved[min(self.rank, saved_world - 1)]
         self._saved_compression = (mine, saved_world == self.world_size, str(target))
+        stats = own.get("buffers")
+        # on another world size every rank keeps the averages the model entry holds
+        self._saved_buffers = stats[self.rank] if stats is not None and saved_world == self.world_size else None
         for index in range(len(self._models)):
             self._restore_compression(index)
+            self._restore_buffers(index)
         if saved_world == self.world_size:
             checkpoint.set_rng_state(own["rng"][self.rank])
         elif self.is_main:
@@ -139,6 +164,13 @@ class Resumable:
                           f"{self.world_size}: the data order and per-sample randomness continue exactly, "
                           "per-process random streams (dropout) start afresh", stacklevel=2)
         return target
+
+    def _restore_buffers(self, index: int) -> None:
+        """Give model ``index`` this rank's own saved BatchNorm statistics (load before or after setup)."""
+        saved = self._saved_buffers
+        if saved is None or index >= len(saved) or saved[index] is None or self._buffers[index] is None:
+            return
+        self._buffers[index].load_state_dict(saved[index])
 
     def _restore_compression(self, index: int) -> None:
         """Give model ``index``'s compressor its saved state (load may come before or after setup)."""

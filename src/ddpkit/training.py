@@ -51,7 +51,9 @@ class Training(Resumable):
         self._accumulation: tuple[float, bool] | None = None   # (divisor, is this micro-step the last)
         self._models: list[torch.nn.Module] = []
         self._compressors: list[Any] = []            # per model: its gradient compressor, or None
-        self._saved_compression: list[Any] | None = None   # from a load before setup: (per model, same world)
+        self._buffers: list[Any] = []                # per model: its lazily averaged statistics, or None
+        self._saved_compression: Any = None     # from a load (maybe before setup): (per model, same world, source)
+        self._saved_buffers: Any = None         # this rank's saved statistics per model, same world only
         self._optimizers: list[torch.optim.Optimizer] = []
         self._backward_since_step = False
         self._uses_backward = False       # the script calls rt.backward (else every rt.step counts)
@@ -103,7 +105,9 @@ class Training(Resumable):
         self.loop.not_bitwise = self.loop.not_bitwise or replica.not_bitwise
         self._models.append(model)
         self._compressors.append(replica.compressor)
+        self._buffers.append(replica.buffers)
         self._restore_compression(len(self._models) - 1)
+        self._restore_buffers(len(self._models) - 1)
         if optimizer is not None and optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
         self.heartbeat("start")     # DDP's parameter broadcast is done: the set-up made progress

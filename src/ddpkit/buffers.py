@@ -1,0 +1,128 @@
+"""BatchNorm statistics synced lazily: nothing but gradients on the wire per training step.
+
+DDP broadcasts every buffer from rank 0 before each forward. A BatchNorm layer in training
+mode never reads its running statistics (it normalises by the batch's), so for a model whose
+only buffers are BatchNorm statistics that broadcast is pure cost. :func:`install` turns it off
+and keeps each rank's statistics its own (rank 0's evolve exactly as under DDP's broadcast, so
+parameters and rank 0's buffers stay bitwise equal to the hand-written loop's). They are
+averaged across ranks, which uses every rank's batches rather than rank 0's alone, where they
+are read or kept:
+
+- a forward through the DDP model with any BatchNorm layer in eval mode (evaluation written
+  by hand, a layer frozen during fine-tuning), as DDP's own first eval forward syncs buffers;
+- ``ddpkit.evaluate``, ``ddpkit.predict`` and ``predict_to_file`` (every rank calls them);
+- ``rt.save``: the checkpoint's model holds the averages, computed out of place so saving does
+  not change the run, and each rank's own statistics go into ddpkit's part of the checkpoint
+  so a resumed run continues bitwise.
+
+Only layers trained since the last average are averaged, so equal statistics are never
+touched. Models with any other buffer keep DDP's broadcast (their forward may read it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+
+_SYNCERS: "weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers]" = weakref.WeakKeyDictionary()
+
+_STATS = ("running_mean", "running_var")     # num_batches_tracked counts forwards: equal on every rank
+
+
+def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
+    """The BatchNorm layers (name, layer) when every buffer of ``module`` is one's statistics, else None."""
+    layers = [(name, m) for name, m in module.named_modules()
+              if isinstance(m, _BatchNorm) and m.track_running_stats]
+    owned = {id(b) for _, m in layers for b in m.buffers(recurse=False)}
+    if not layers or any(id(b) not in owned for b in module.buffers()):
+        return None
+    return layers
+
+
+class LazyBuffers:
+    """Which BatchNorm layers of one model trained since their statistics were last averaged."""
+
+    def __init__(self, layers: list[tuple[str, _BatchNorm]]) -> None:
+        self.layers = layers
+        self.dirty: set[int] = set()
+
+    def mark(self, index: int, layer: _BatchNorm) -> None:
+        if layer.training:
+            self.dirty.add(index)
+
+    def before_forward(self) -> None:
+        """Average first when a layer in eval mode would read statistics that ranks trained apart."""
+        if any(i in self.dirty and not layer.training for i, (_, layer) in enumerate(self.layers)):
+            self.average()
+
+    def _dirty_stats(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{name}.{stat}" if name else stat, getattr(layer, stat))
+                for i, (name, layer) in enumerate(self.layers) if i in self.dirty
+                for stat in _STATS if getattr(layer, stat) is not None]
+
+    def averaged(self) -> dict[str, torch.Tensor]:
+        """The cross-rank average of every dirty statistic, as new tensors (a collective)."""
+        stats = self._dirty_stats()
+        if not stats:
+            return {}
+        world = dist.get_world_size()
+        found: dict[str, torch.Tensor] = {}
+        for dtype in dict.fromkeys(t.dtype for _, t in stats):       # one allreduce per dtype
+            group = [(k, t) for k, t in stats if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for _, t in group])
+            dist.all_reduce(flat)
+            flat.div_(world)
+            offset = 0
+            for key, tensor in group:
+                found[key] = flat[offset:offset + tensor.numel()].view_as(tensor).clone()
+                offset += tensor.numel()
+        return found
+
+    def average(self) -> None:
+        """Replace every dirty statistic by its cross-rank average, in place (a collective)."""
+        values = self.averaged()
+        with torch.no_grad():
+            for key, tensor in self._dirty_stats():
+                tensor.copy_(values[key])
+        self.dirty.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's own dirty statistics and which layers are dirty (for an exact resume)."""
+        return {"dirty": sorted(self.dirty),
+                "values": {k: t.detach().cpu().clone() for k, t in self._dirty_stats()}}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.dirty = set(saved["dirty"])
+        with torch.no_grad():
+            for key, tensor in self._dirty_stats():
+                tensor.copy_(saved["values"][key])
+
+
+def install(ddp_model: torch.nn.Module, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
+    """Track ``layers`` of the DDP model (built with buffer broadcasting off)."""
+    syncer = LazyBuffers(layers)
+    for index, (_, layer) in enumerate(layers):
+        # marks every forward, also one through model.module; never a collective here
+        layer.register_forward_pre_hook(lambda module, args, i=index: syncer.mark(i, module))
+    ddp_model.register_forward_pre_hook(lambda module, args: syncer.before_forward())
+    _SYNCERS[ddp_model.module] = syncer
+    return syncer
+
+
+def of(model: Any) -> LazyBuffers | None:
+    """The syncer of ``model`` (DDP, compiled or plain), or None."""
+    from ddpkit.checkpoint import unwrap
+
+    inner = unwrap(model)
+    return _SYNCERS.get(inner) if isinstance(inner, torch.nn.Module) else None
+
+
+def settle(model: Any) -> None:
+    """Average ``model``'s dirty statistics before it is evaluated (every rank must call it)."""
+    syncer = of(model)
+    if syncer is not None and dist.is_initialized():
+        syncer.average()

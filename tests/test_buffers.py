@@ -1,0 +1,56 @@
+"""BatchNorm statistics synced lazily (ddpkit.buffers): no per-step broadcast, parameters as
+under DDP's broadcast, cross-rank averages wherever statistics are read or saved, exact resume."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+
+sys.path.insert(0, str(Path(__file__).parent))
+from buffers_workers import train_bn  # noqa: E402
+
+MEAN, VAR = "1.running_mean", "1.running_var"
+
+
+def _launch(mode, checkpoint="", *, extra_buffer=False, freeze_at=None):
+    return ddpkit.launch(train_bn, nprocs=2, args=(mode, checkpoint, 5, False, extra_buffer, freeze_at))
+
+
+@pytest.mark.timeout(300)
+def test_statistics_stay_each_ranks_own_and_are_averaged_where_read_or_saved(tmp_path):
+    full = _launch("full")
+    assert full[0]["lazy"] and full[0]["broadcast"] is False
+    own0, own1 = full[0]["own"], full[1]["own"]
+    assert not torch.equal(own0[MEAN], own1[MEAN])                  # trained apart, never broadcast
+    for key in (MEAN, VAR):                                          # evaluate averaged them first
+        assert torch.equal(full[0]["after"][key], (own0[key] + own1[key]) / 2)
+        assert torch.equal(full[1]["after"][key], full[0]["after"][key])
+    # DDP's broadcast kept (a buffer that is not BatchNorm's): the same parameters and rank 0 statistics
+    broadcast = _launch("full", extra_buffer=True)[0]
+    assert not broadcast["lazy"] and broadcast["broadcast"] is True
+    assert all(torch.equal(broadcast["own"][k], v) for k, v in own0.items())
+    # saving mid-run changes nothing, and the checkpoint holds the averages
+    ckpt = str(tmp_path / "c.pt")
+    saved_run = _launch("save", ckpt)
+    assert all(torch.equal(saved_run[0]["after"][k], v) for k, v in full[0]["after"].items())
+    stop = _launch("stop", ckpt)
+    model = ddpkit.checkpoint.read(ckpt)["user"]["model"]
+    assert torch.equal(model[MEAN], (stop[0]["own"][MEAN] + stop[1]["own"][MEAN]) / 2)
+    resumed = _launch("resume", ckpt)
+    for rank in (0, 1):
+        assert all(torch.equal(resumed[rank]["own"][k], v) for k, v in full[rank]["own"].items())
+        assert all(torch.equal(resumed[rank]["after"][k], v) for k, v in full[rank]["after"].items())
+
+
+@pytest.mark.timeout(200)
+def test_a_layer_frozen_in_eval_mode_reads_averaged_statistics():
+    ranks = _launch("full", freeze_at=3)
+    before = [ranks[r]["own_before_freeze"] for r in (0, 1)]
+    assert not torch.equal(before[0], before[1])
+    assert torch.equal(ranks[0]["after_frozen_step"], (before[0] + before[1]) / 2)
+    assert torch.equal(ranks[1]["after_frozen_step"], ranks[0]["after_frozen_step"])
