@@ -47,6 +47,7 @@ def test_statistics_stay_each_ranks_own_and_are_averaged_where_read_or_saved(tmp
         assert all(torch.equal(resumed[rank]["after"][k], v) for k, v in full[rank]["after"].items())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_layer_frozen_in_eval_mode_reads_averaged_statistics():
     ranks = _launch("full", freeze_at=3)

@@ -61,6 +61,8 @@ def test_powersgd_resumed_on_another_world_size_restarts_its_feedback_with_a_war
     assert three["iter"] == three["steps"] > 17 and three["accuracy"] >= 0.85     # no second warm-up
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_powersgd_checkpoint_resumed_on_one_process_says_compression_is_gone(tmp_path):
     ckpt = str(tmp_path / "c.pt")
     ddpkit.launch(mlp_on_digits, nprocs=2, args=("powersgd", "stop", ckpt))

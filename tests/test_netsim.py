@@ -182,6 +182,7 @@ def test_two_hosts_talk_over_links_shaped_both_ways(tag):
     sim.close()                                 # a second close does nothing
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("link_mbit", [100, 1000])
@@ -218,6 +219,7 @@ def test_upload_is_shaped(tag):
         assert _stats(sections[1, "download"])[0] >= payload   # and it went through host 1's download
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_download_is_shaped(tag):
@@ -263,6 +265,7 @@ def test_a_failing_step_removes_what_was_made(tag, monkeypatch):
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_names_in_use_are_refused_and_left_alone(tag):
@@ -319,6 +322,7 @@ def test_a_killed_owner_leaves_names_that_remove_leftovers_removes(tag):
     assert all(_gone(pid) for pid in sleeps)
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_what_ignores_sigterm_or_left_its_group_is_killed_too(tag):
@@ -334,6 +338,7 @@ def test_what_ignores_sigterm_or_left_its_group_is_killed_too(tag):
     assert leftovers(tag) == NOTHING
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_an_owner_that_never_closes_cleans_up_at_exit(tag):
@@ -350,6 +355,7 @@ def test_an_owner_that_never_closes_cleans_up_at_exit(tag):
     assert _gone(int(done.stdout))
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(120)
 def test_gloo_ranks_on_two_hosts_all_reduce_through_the_shaped_links(tag):
