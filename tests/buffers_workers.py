@@ -68,4 +68,14 @@ def train_bn(mode: str = "full", checkpoint: str = "", stop_at: int = 5, sync_bn
     seen["own"] = _stats(model)
     seen["eval"] = ddpkit.evaluate(model, Toy(), num_classes=3)
     seen["after"] = _stats(model)
+    if freeze_at is not None:
+        # one rank alone trains a BatchNorm layer through model.module: the ranks disagree on
+        # what is dirty, and the next average must still meet (not hang) and cover that layer
+        inner = ddpkit.checkpoint.unwrap(model)
+        inner.train()
+        if rt.rank == 0:
+            inner(Toy().x[:8])
+        rt.save(checkpoint, state)
+        ddpkit.sync_buffers(model)
+        seen["after_one_rank"] = _stats(model)
     return seen

@@ -146,9 +146,11 @@ def test_plan_crosses_hosts_processes_and_compressions():
         "ddp 2 host(s) x1 fp32 powersgd", "ddp-amp 1 host(s) x1 fp16", "ddp-amp 1 host(s) x1 fp16 powersgd",
         "ddp-amp 2 host(s) x1 fp16", "ddp-amp 2 host(s) x1 fp16 powersgd"]
     assert on_gpus[3].world_size == 2 and on_gpus[3].name == "ddp-h2-x1-fp32"
-    refused = [c for c in on_gpus if c.reason]
-    assert [c.label for c in refused] == ["ddp-amp 1 host(s) x1 fp16 powersgd", "ddp-amp 2 host(s) x1 fp16 powersgd"]
-    assert "use precision='bf16'" in refused[0].reason
+    refused = {c.label: c.reason for c in on_gpus if c.reason}
+    assert list(refused) == ["ddp 1 host(s) x1 fp32 powersgd", "ddp-amp 1 host(s) x1 fp16 powersgd",
+                             "ddp-amp 2 host(s) x1 fp16 powersgd"]
+    assert "one process sends nothing" in refused["ddp 1 host(s) x1 fp32 powersgd"]
+    assert "use precision='bf16'" in refused["ddp-amp 2 host(s) x1 fp16 powersgd"]
 
 
 def test_plan_runs_dp_only_with_two_gpus():

@@ -49,9 +49,24 @@ def test_statistics_stay_each_ranks_own_and_are_averaged_where_read_or_saved(tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_layer_frozen_in_eval_mode_reads_averaged_statistics():
-    ranks = _launch("full", freeze_at=3)
+def test_a_layer_frozen_in_eval_mode_reads_averaged_statistics(tmp_path):
+    ranks = _launch("full", str(tmp_path / "c.pt"), freeze_at=3)
     before = [ranks[r]["own_before_freeze"] for r in (0, 1)]
     assert not torch.equal(before[0], before[1])
     assert torch.equal(ranks[0]["after_frozen_step"], (before[0] + before[1]) / 2)
     assert torch.equal(ranks[1]["after_frozen_step"], ranks[0]["after_frozen_step"])
+    assert torch.equal(ranks[0]["after_one_rank"][MEAN], ranks[1]["after_one_rank"][MEAN])
+    assert not torch.equal(ranks[0]["after_one_rank"][MEAN], ranks[0]["after"][MEAN])   # rank 0's forward counted
+
+
+def test_only_models_whose_buffers_are_all_plain_batchnorm_statistics_sync_lazily():
+    from ddpkit import buffers
+
+    plain = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Sequential(torch.nn.BatchNorm2d(2)))
+    assert [name for name, _ in buffers.candidates(plain)] == ["1.0"]
+    synced = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SyncBatchNorm(2))
+    assert buffers.candidates(synced) is None
+    other = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
+    other.register_buffer("mask", torch.ones(2))
+    assert buffers.candidates(other) is None
+    assert buffers.candidates(torch.nn.Linear(2, 2)) is None

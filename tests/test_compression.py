@@ -111,6 +111,8 @@ def test_setup_refuses_a_bad_choice_and_warns_that_one_process_sends_nothing():
         rt.setup(torch.nn.Linear(2, 2), grad_compression="topk")
     with pytest.warns(UserWarning, match="has no effect with one process"):
         rt.setup(torch.nn.Linear(2, 2), grad_compression="powersgd")
+    with pytest.raises(ddpkit.UsageError, match="compile=True is not supported yet"):
+        rt.setup(torch.compile(torch.nn.Linear(2, 2)), grad_compression="fp16")   # compiled before setup
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rt.setup(torch.nn.Linear(2, 2))

@@ -13,6 +13,7 @@ Heavy optional libraries (matplotlib, tensorboard, scikit-learn) are imported on
 the features that need them.
 """
 
+from ddpkit.buffers import settle as sync_buffers
 from ddpkit.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
 from ddpkit.data import sample_rng
 from ddpkit.env import Environment, detect
@@ -45,5 +46,6 @@ __all__ = [
     "launch",
     "predict",
     "sample_rng",
+    "sync_buffers",
     "__version__",
 ]

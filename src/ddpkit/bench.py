@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 from dataclasses import asdict, dataclass
@@ -108,17 +109,19 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
         else:
             precision = amp if mode == "ddp-amp" else "fp32"
             found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h,
-                                    reason=_compression_reason(comp, precision))
+                                    reason=_compression_reason(comp, precision, n * max(h, 1)))
                       for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression]
     return found
 
 
-def _compression_reason(choice: str, precision: str) -> str | None:
-    """Why ``choice`` cannot run with ``precision`` (PowerSGD under fp16 loss scaling), or None."""
+def _compression_reason(choice: str, precision: str, world_size: int) -> str | None:
+    """Why ``choice`` cannot run here (PowerSGD under fp16 loss scaling, one process), or None."""
     from ddpkit.compression import check
 
     if choice == "none":
         return None
+    if world_size == 1:
+        return f"{choice} compresses what processes send each other; one process sends nothing"
     try:
         check(choice, rank=2, start=None, backend=None, device=_cpu(), precision=precision, compile=False)
     except UsageError as exc:
@@ -161,7 +164,6 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
     others get a grace period to notice, then the simulation ends (it kills what is left).
     """
     import os
-    import subprocess
     import sys
     import time
 
@@ -176,7 +178,7 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
             env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // config.world_size))
         procs = [sim.popen(host, [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", str(config.hosts),
                                   "--node-rank", str(host), "--master", master, "-n", str(config.nproc),
-                                  "-m", target, *args], env=env)
+                                  "-m", target, *args], env={**env, **_gpus_of_host(host, config.nproc)})
                  for host in range(config.hosts)]
         failed_at = None
         while True:
@@ -187,11 +189,19 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > 30:
                 break                          # the simulation's close kills the rest
-            try:
-                procs[0].wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+            time.sleep(0.5)
     return next((code for code in codes if code not in (None, 0)), 0 if None not in codes else 1)
+
+
+def _gpus_of_host(host: int, nproc: int) -> dict[str, str]:
+    """On a GPU machine each simulated host sees its own GPUs (local ranks count from 0 on each)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc:(host + 1) * nproc])}
 
 
 def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any]:
@@ -232,9 +242,9 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
     }
 
 
-def _not_applicable(config: Configuration) -> dict[str, Any]:
+def _not_applicable(config: Configuration, link_mbit: float | None = None) -> dict[str, Any]:
     return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
-            "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": None,
+            "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": link_mbit,
             "applicable": False, "reason": config.reason, "samples_per_second": None,
             "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}
 
@@ -283,7 +293,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     for config in plan(settings, gpus):
         if config.reason is not None:
             print(f"bench: {config.label}: not applicable ({config.reason})", flush=True)
-            rows.append(_not_applicable(config))
+            rows.append(_not_applicable(config, settings.link_mbit if config.hosts else None))
             continue
         print(f"bench: {config.label} ...", end="", flush=True)
         row = summarize(config, _launch(config, settings, out / "runs" / f"{config.name}.json"))
@@ -294,9 +304,12 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     report: dict[str, Any] = {"settings": asdict(settings), "torch": torch.__version__,
                               "device": "cuda" if gpus else "cpu", "gpus": gpus, "configurations": rows}
     if settings.compare_raw:
-        target = next(c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
-                      and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
-                      and c.grad_compression == settings.grad_compression[0])
+        target = next((c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
+                       and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
+                       and c.grad_compression == settings.grad_compression[0]), None)
+        if target is None:
+            raise UsageError(f"--compare-raw found no runnable DDP configuration with --grad-compression "
+                             f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first")
         report["raw_vs_ddpkit"] = compare_raw(settings, target, out / "runs")
     return report
 
@@ -305,8 +318,10 @@ def _check_machine(settings: Settings, gpus: int) -> None:
     """Refuse what would only fail inside the workers, before any process starts."""
     from ddpkit.bench_worker import bench_dataset
 
-    if gpus and max(settings.nproc) > gpus:
-        raise UsageError(f"--nproc {max(settings.nproc)} needs as many GPUs, {gpus} visible")
+    hosts = max(settings.hosts or (1,))
+    if gpus and max(settings.nproc) * hosts > gpus:
+        raise UsageError(f"--nproc {max(settings.nproc)}" + (f" x --hosts {hosts}" if settings.hosts else "")
+                         + f" needs as many GPUs, {gpus} visible")
     if settings.compare_raw and settings.grad_compression[0] == "bf16" and not gpus:
         raise UsageError("--compare-raw with bf16 compression: torch's bf16_compress_hook, which the "
                          "hand-written loop uses, refuses CPUs; compare none, fp16 or powersgd here")

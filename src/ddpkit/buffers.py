@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm
 from torch.nn.modules.batchnorm import _BatchNorm
 
 _SYNCERS: "weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers]" = weakref.WeakKeyDictionary()
@@ -34,9 +35,16 @@ _STATS = ("running_mean", "running_var")     # num_batches_tracked counts forwar
 
 
 def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
-    """The BatchNorm layers (name, layer) when every buffer of ``module`` is one's statistics, else None."""
+    """The BatchNorm layers (name, layer) when every buffer of ``module`` is one's statistics, else None.
+
+    Synchronised BatchNorm (torch's or ddpkit's) keeps equal statistics already: its buffers
+    count as others, so such a model keeps DDP's behaviour.
+    """
+    from ddpkit.sync_batchnorm import SyncBatchNorm
+
     layers = [(name, m) for name, m in module.named_modules()
-              if isinstance(m, _BatchNorm) and m.track_running_stats]
+              if isinstance(m, _BatchNorm) and m.track_running_stats
+              and not isinstance(m, (SyncBatchNorm, _TorchSyncBatchNorm))]
     owned = {id(b) for _, m in layers for b in m.buffers(recurse=False)}
     if not layers or any(id(b) not in owned for b in module.buffers()):
         return None
@@ -55,8 +63,13 @@ class LazyBuffers:
             self.dirty.add(index)
 
     def before_forward(self) -> None:
-        """Average first when a layer in eval mode would read statistics that ranks trained apart."""
-        if any(i in self.dirty and not layer.training for i, (_, layer) in enumerate(self.layers)):
+        """Average first when a layer in eval mode may read statistics that ranks trained apart.
+
+        Every rank sets the same modes, so every rank decides alike; whether a layer is dirty
+        may differ (a forward through ``model.module`` on one rank), so :meth:`averaged` agrees
+        on that first.
+        """
+        if any(not layer.training for _, layer in self.layers):
             self.average()
 
     def _dirty_stats(self) -> list[tuple[str, torch.Tensor]]:
@@ -64,8 +77,17 @@ class LazyBuffers:
                 for i, (name, layer) in enumerate(self.layers) if i in self.dirty
                 for stat in _STATS if getattr(layer, stat) is not None]
 
+    def agree(self) -> None:
+        """Make the dirty set the union over ranks (a small collective), so all average alike."""
+        mask = torch.zeros(len(self.layers), dtype=torch.int32)
+        mask[sorted(self.dirty)] = 1
+        device_mask = mask.to(_device_of(self.layers))
+        dist.all_reduce(device_mask, op=dist.ReduceOp.MAX)
+        self.dirty = {i for i, flag in enumerate(device_mask.tolist()) if flag}
+
     def averaged(self) -> dict[str, torch.Tensor]:
-        """The cross-rank average of every dirty statistic, as new tensors (a collective)."""
+        """The cross-rank average of every statistic dirty on any rank, as new tensors (collectives)."""
+        self.agree()
         stats = self._dirty_stats()
         if not stats:
             return {}
@@ -102,6 +124,17 @@ class LazyBuffers:
                 tensor.copy_(saved["values"][key])
 
 
+def _device_of(layers: list[tuple[str, _BatchNorm]]) -> torch.device:
+    """Where the statistics live (NCCL reduces only CUDA tensors)."""
+    return next(t.device for _, layer in layers for t in layer.buffers(recurse=False))
+
+
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Copy every buffer from rank 0 (what DDP's construction does when buffer syncing is on)."""
+    for buffer in module.buffers():
+        dist.broadcast(buffer, 0)
+
+
 def install(ddp_model: torch.nn.Module, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
     """Track ``layers`` of the DDP model (built with buffer broadcasting off)."""
     syncer = LazyBuffers(layers)
@@ -122,7 +155,12 @@ def of(model: Any) -> LazyBuffers | None:
 
 
 def settle(model: Any) -> None:
-    """Average ``model``'s dirty statistics before it is evaluated (every rank must call it)."""
+    """Average ``model``'s BatchNorm statistics across ranks where they were trained apart.
+
+    ``ddpkit.sync_buffers(model)``: call it on every rank before an evaluation of your own that
+    runs ``model.module`` (``ddpkit.evaluate``/``predict`` and an eval-mode forward through
+    the DDP model do it already). A no-op for models whose statistics are not synced lazily.
+    """
     syncer = of(model)
     if syncer is not None and dist.is_initialized():
         syncer.average()

@@ -130,6 +130,7 @@ class PowerSGDCompressor(Compressor):
 
         super().__init__()
         self.device = device
+        self.buckets_settled = True      # per-bucket state can be restored into the same buckets
         self._hook = powersgd.powerSGD_hook
         self._previous: Any = None        # the last bucket's future
         self.state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
@@ -177,8 +178,9 @@ class PowerSGDCompressor(Compressor):
         s.iter = int(saved["iter"])
         kind, keys, pos, has_gauss, gauss = saved["rng"]
         s.rng.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        if not same_world or saved["rank"] != s.matrix_approximation_rank:
-            why = "another world size" if not same_world else f"powersgd_rank {saved['rank']}"
+        if not same_world or saved["rank"] != s.matrix_approximation_rank or not self.buckets_settled:
+            why = ("another world size" if not same_world else f"powersgd_rank {saved['rank']}"
+                   if saved["rank"] != s.matrix_approximation_rank else "DDP buckets that could not be settled")
             warnings.warn(f"checkpoint {source} holds PowerSGD error feedback of {why}: it starts afresh "
                           "(the run continues, not bitwise as an uninterrupted one)", stacklevel=4)
             for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
@@ -189,11 +191,17 @@ class PowerSGDCompressor(Compressor):
             into.update({int(k): v.to(self.device) for k, v in saved[key].items()})
 
 
-def attach(model: Any, choice: str, *, rank: int, start: int | None, device: torch.device) -> Compressor:
-    """Register ``choice``'s hook on the DDP ``model``; returns its compressor (bytes, state)."""
+def attach(model: Any, choice: str, *, rank: int, start: int | None, device: torch.device,
+           buckets_settled: bool = True) -> Compressor:
+    """Register ``choice``'s hook on the DDP ``model``; returns its compressor (bytes, state).
+
+    ``buckets_settled``: whether DDP's buckets were settled at setup. PowerSGD keys its state by
+    bucket, so without settled buckets a resume keeps only its iteration and random stream.
+    """
     compressor: Compressor
     if choice == "powersgd":
         compressor = PowerSGDCompressor(rank, POWERSGD_START if start is None else start, device)
+        compressor.buckets_settled = buckets_settled
     else:
         compressor = CastCompressor(torch.float16 if choice == "fp16" else torch.bfloat16)
     model.register_comm_hook(None, compressor.hook)

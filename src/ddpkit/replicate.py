@@ -57,25 +57,30 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
 
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         lazy = None
+        compiled = compile or hasattr(model, "_orig_mod")      # compiled before setup counts too
         if not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
             if sync_batchnorm:
                 # Synced statistics are already equal on every rank; no need to broadcast them.
                 ddp_kwargs[_BUFFER_SYNC_ARG] = False
-            elif not compile:
+            elif not compiled:
                 lazy = buffers.candidates(model)       # only BatchNorm statistics: average them lazily
                 if lazy is not None:
                     ddp_kwargs[_BUFFER_SYNC_ARG] = False
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        if ddp_kwargs.get(_BUFFER_SYNC_ARG) is False and _BUFFER_SYNC_ARG == "broadcast_buffers":
+            # there, broadcast_buffers=False also skips the buffers' copy from rank 0 at construction
+            buffers.broadcast_from_rank0(model.module)
         if lazy is not None:
             replica.buffers = buffers.install(model, lazy)
-        if device.type == "cpu":
+        if device.type == "cpu" or grad_compression == "powersgd":
+            # PowerSGD's state is keyed by bucket: a resume needs the same buckets at its first step
             replica.not_bitwise = settle_buckets(model, is_main=is_main)
         if grad_compression is not None:
             from ddpkit.compression import attach
 
             replica.compressor = attach(model, grad_compression, rank=powersgd_rank, start=powersgd_start,
-                                        device=device)
+                                        device=device, buckets_settled=replica.not_bitwise is None)
     elif grad_compression is not None and is_main:
         warnings.warn(f"grad_compression={grad_compression!r} has no effect with one process: no gradients "
                       "are sent", stacklevel=4)

@@ -61,6 +61,9 @@ class Resumable:
         grads = self._open_group_grads()
         own_stats, averages = None, []
         if any(b is not None for b in self._buffers):         # lazily averaged BatchNorm statistics
+            for syncer in self._buffers:
+                if syncer is not None:
+                    syncer.agree()      # a layer trained on one rank only is saved as dirty on all
             own_stats = collectives.all_gather_object([None if b is None else b.state_dict() for b in self._buffers])
             averages = [None if b is None else b.averaged() for b in self._buffers]    # out of place
         compression = None
@@ -102,6 +105,8 @@ class Resumable:
             if syncer is not None and index is not None and averages[index]:
                 saved = user[key]
                 user[key] = type(saved)({k: averages[index].get(k, v) for k, v in saved.items()})
+                if hasattr(saved, "_metadata"):           # torch's per-module versions, for load
+                    user[key]._metadata = saved._metadata
         return user
 
     def _open_group_grads(self) -> list[Any] | None:
@@ -152,6 +157,10 @@ class Resumable:
         stats = own.get("buffers")
         # on another world size every rank keeps the averages the model entry holds
         self._saved_buffers = stats[self.rank] if stats is not None and saved_world == self.world_size else None
+        if self._saved_buffers is None:
+            for syncer in self._buffers:        # the loaded statistics are equal on every rank
+                if syncer is not None:
+                    syncer.dirty.clear()
         for index in range(len(self._models)):
             self._restore_compression(index)
             self._restore_buffers(index)

@@ -97,7 +97,8 @@ class Training(Resumable):
 
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         compression.check(grad_compression, rank=powersgd_rank, start=powersgd_start, backend=backend,
-                          device=self.device, precision=self.precision.name, compile=compile)
+                          device=self.device, precision=self.precision.name,
+                          compile=compile or hasattr(model, "_orig_mod"))     # compiled before setup too
         replica = replicate(model, device=self.device, world_size=self.world_size, is_main=self.is_main,
                             sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
                             powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, **ddp_kwargs)
