@@ -200,7 +200,7 @@ def _relative(a: dict, b: dict) -> float:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("new_world", [3, 1])
+@pytest.mark.parametrize("new_world", [pytest.param(3, marks=pytest.mark.slow), 1])    # 3: 25 s
 def test_checkpoint_of_two_processes_resumes_on(new_world, tmp_path):
     reference = ddpkit.launch(workers.train_steps, nprocs=2, args=(40,))[0]
     stopped = ddpkit.launch(workers.train_steps, nprocs=2, args=(40, 12, 100, True, 20, str(tmp_path)))

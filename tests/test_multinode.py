@@ -78,6 +78,7 @@ def test_local_rank_zero_prepares_each_node_first(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["node0.ready", "node1.ready"]
 
 
+@pytest.mark.slow       # 40 s; two agents forming a world of four stay in make test
 @pytest.mark.timeout(400)
 def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
     common = ["--model", "convnet", "--data", "digits", "--epochs", "1", "--global-batch", "64"]
@@ -100,6 +101,7 @@ def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
     assert two["test_accuracy"] == one["test_accuracy"]
 
 
+@pytest.mark.slow       # 35 s
 @pytest.mark.timeout(400)
 def test_a_worker_killed_on_one_node_restarts_both_and_resumes_bitwise(tmp_path):
     """c10d rendezvous: the other node's agent sees the failed node rejoin and restarts its workers."""

@@ -154,7 +154,11 @@ def _markdown(report: Mapping[str, Any]) -> str:
                   f"(median of pairs), peak-memory ratio ({raw['memory_metric']}) **{raw['memory_ratio']:.3f}**, "
                   f"final weights bitwise equal: **{'yes' if raw['weights_equal'] else 'no'}**. Both loops "
                   "train on the data set cut to whole global batches, so ddpkit's order and sharding equal "
-                  "DistributedSampler's."]
+                  "DistributedSampler's. The weights compared are rank 0's parameters and buffers at the "
+                  "end of training: ddpkit skips DDP's per-step buffer broadcast for BatchNorm statistics "
+                  "(rank 0's evolve as under it) and averages them across ranks only where they are read "
+                  "or saved, so after an evaluation or in a checkpoint they are the cross-rank average, "
+                  "not rank 0's copy."]
     return "\n\n".join(parts) + "\n"
 
 
