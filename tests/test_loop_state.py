@@ -219,6 +219,7 @@ def test_second_init_with_other_settings_is_refused():
         ddpkit.init(precision="bf16")
 
 
+@pytest.mark.slow       # 12 s: torch.compile
 def test_compiled_model_checkpoints_plain_names(tmp_path):
     rt = ddpkit.init(seed=0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))

@@ -237,6 +237,7 @@ def test_a_rank_sleeping_forever_is_named_and_the_job_fails_fast(script):
     assert f"rank 1 failed first (exit code {EXIT_HANG})" in result.stderr          # the stuck rank exits first
 
 
+@pytest.mark.slow       # 19 s
 @pytest.mark.timeout(90)
 def test_a_healthy_run_longer_than_hang_timeout_finishes(script):
     # 32 steps of at least 0.35 s each: over 11 s of training, beyond an 8 s hang_timeout.
