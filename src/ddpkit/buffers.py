@@ -66,7 +66,7 @@ class LazyBuffers:
         """Average first when a layer in eval mode may read statistics that ranks trained apart.
 
         Every rank sets the same modes, so every rank decides alike; whether a layer is dirty
-        may differ (a forward through ``model.module`` on one rank), so :meth:`averaged` agrees
+        may differ (a forward through ``model.module`` on one rank), so :meth:`average` agrees
         on that first.
         """
         if any(not layer.training for _, layer in self.layers):
@@ -86,8 +86,10 @@ class LazyBuffers:
         self.dirty = {i for i, flag in enumerate(device_mask.tolist()) if flag}
 
     def averaged(self) -> dict[str, torch.Tensor]:
-        """The cross-rank average of every statistic dirty on any rank, as new tensors (collectives)."""
-        self.agree()
+        """The cross-rank average of every dirty statistic, as new tensors (a collective per dtype).
+
+        Call :meth:`agree` first: every rank must hold the same dirty set.
+        """
         stats = self._dirty_stats()
         if not stats:
             return {}
@@ -105,7 +107,8 @@ class LazyBuffers:
         return found
 
     def average(self) -> None:
-        """Replace every dirty statistic by its cross-rank average, in place (a collective)."""
+        """Replace every statistic dirty on any rank by its cross-rank average, in place (collectives)."""
+        self.agree()
         values = self.averaged()
         with torch.no_grad():
             for key, tensor in self._dirty_stats():

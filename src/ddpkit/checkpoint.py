@@ -52,10 +52,9 @@ def user_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch, CUDA, numpy, python) as tensors and plain values."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "numpy": numpy_state(np.random.get_state()),
         "python": _to_lists(random.getstate()),
     }
     if torch.cuda.is_available():
@@ -66,11 +65,22 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore what :func:`rng_state` captured."""
     torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    np.random.set_state(numpy_state_tuple(state["numpy"]))
     random.setstate(_to_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def numpy_state(state: tuple) -> list[Any]:
+    """A numpy ``RandomState.get_state()`` tuple as a tensor and plain values (``weights_only``-safe)."""
+    kind, keys, pos, has_gauss, gauss = state
+    return [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
+
+
+def numpy_state_tuple(saved: list[Any]) -> tuple:
+    """What :func:`numpy_state` made, back as the tuple ``set_state`` takes."""
+    kind, keys, pos, has_gauss, gauss = saved
+    return (kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)
 
 
 def _to_lists(value: Any) -> Any:

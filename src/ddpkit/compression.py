@@ -20,7 +20,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -153,15 +152,16 @@ class PowerSGDCompressor(Compressor):
         return future
 
     def state_dict(self) -> dict[str, Any]:
+        from ddpkit.checkpoint import numpy_state
+
         s = self.state
-        kind, keys, pos, has_gauss, gauss = s.rng.get_state()
         return {
             "name": self.name, "rank": s.matrix_approximation_rank, "start": s.start_powerSGD_iter,
             "iter": s.iter,
             "error": {k: v.detach().cpu().clone() for k, v in s.error_dict.items()},
             "p": {k: v.detach().cpu().clone() for k, v in s.p_memory_dict.items()},
             "q": {k: v.detach().cpu().clone() for k, v in s.q_memory_dict.items()},
-            "rng": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "rng": numpy_state(s.rng.get_state()),
         }
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
@@ -171,13 +171,14 @@ class PowerSGDCompressor(Compressor):
         rank: neither carries over to another world size or ``powersgd_rank``, so they start
         afresh there (with a warning) while the plain warm-up is not repeated.
         """
+        from ddpkit.checkpoint import numpy_state_tuple
+
         _check_name(self.name, saved, source)
         if saved.get("name") != self.name:
             return
         s = self.state
         s.iter = int(saved["iter"])
-        kind, keys, pos, has_gauss, gauss = saved["rng"]
-        s.rng.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        s.rng.set_state(numpy_state_tuple(saved["rng"]))
         if not same_world or saved["rank"] != s.matrix_approximation_rank or not self.buckets_settled:
             why = ("another world size" if not same_world else f"powersgd_rank {saved['rank']}"
                    if saved["rank"] != s.matrix_approximation_rank else "DDP buckets that could not be settled")

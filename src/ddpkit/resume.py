@@ -59,13 +59,13 @@ class Resumable:
         target = checkpoint.step_path(path, self.loop.step) if rotate else path
         rngs = collectives.all_gather_object(checkpoint.rng_state())
         grads = self._open_group_grads()
-        own_stats, averages = None, []
+        own_stats, averages = None, {}
         if any(b is not None for b in self._buffers):         # lazily averaged BatchNorm statistics
             for syncer in self._buffers:
                 if syncer is not None:
                     syncer.agree()      # a layer trained on one rank only is saved as dirty on all
             own_stats = collectives.all_gather_object([None if b is None else b.state_dict() for b in self._buffers])
-            averages = [None if b is None else b.averaged() for b in self._buffers]    # out of place
+            averages = {b: b.averaged() for b in self._buffers if b is not None}    # out of place
         compression = None
         if any(c is not None for c in self._compressors):    # the same models on every rank
             compression = collectives.all_gather_object(
@@ -94,17 +94,16 @@ class Resumable:
         meeting.share_outcome(meeting_point, None, self.timeout_s)
         return target
 
-    def _with_averages(self, user: dict[str, Any], state: Mapping[str, Any],
-                       averages: list[Any]) -> dict[str, Any]:
+    @staticmethod
+    def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
         """The saved model entries with BatchNorm statistics replaced by their cross-rank averages."""
         from ddpkit import buffers
 
         for key, value in state.items():
-            syncer = buffers.of(value)
-            index = next((i for i, b in enumerate(self._buffers) if b is syncer), None)
-            if syncer is not None and index is not None and averages[index]:
+            found = averages.get(buffers.of(value))      # by syncer; empty when nothing was dirty
+            if found:
                 saved = user[key]
-                user[key] = type(saved)({k: averages[index].get(k, v) for k, v in saved.items()})
+                user[key] = type(saved)({k: found.get(k, v) for k, v in saved.items()})
                 if hasattr(saved, "_metadata"):           # torch's per-module versions, for load
                     user[key]._metadata = saved._metadata
         return user
