@@ -75,3 +75,26 @@ def test_scaler_found_inf_is_loud_when_the_api_is_gone():
 
     with pytest.raises(_torch.PrivateApiChanged, match="_found_inf_per_device"):
         _torch.scaler_found_inf(OldScaler(), None)
+
+
+class _Reports(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        with _torch.worker_info_hidden():
+            hidden = torch.utils.data.get_worker_info()
+        yield (info is not None and info.num_workers == 2, hidden is None,
+               torch.utils.data.get_worker_info() is info)
+
+
+def test_worker_info_hidden_hides_it_in_a_worker_and_restores_it():
+    seen = list(torch.utils.data.DataLoader(_Reports(), batch_size=None, num_workers=2))
+    assert [tuple(s) for s in seen] == [(True, True, True)] * 2
+
+
+def test_worker_info_hidden_is_loud_when_the_api_is_gone(monkeypatch):
+    from torch.utils.data._utils import worker
+
+    monkeypatch.delattr(worker, "_worker_info")
+    with pytest.raises(_torch.PrivateApiChanged, match="_worker_info"):
+        with _torch.worker_info_hidden():
+            pass

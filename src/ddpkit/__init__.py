@@ -21,6 +21,7 @@ from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.evaluate import evaluate, predict, predict_to_file
 from ddpkit.launch import LaunchError, launch
 from ddpkit.runtime import Runtime, current, init
+from ddpkit.streams import ShardError, Shards, read_tar
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,8 @@ __all__ = [
     "Environment",
     "LaunchError",
     "Runtime",
+    "ShardError",
+    "Shards",
     "UsageError",
     "all_gather",
     "all_gather_object",
@@ -45,6 +48,7 @@ __all__ = [
     "init",
     "launch",
     "predict",
+    "read_tar",
     "sample_rng",
     "sync_buffers",
     "__version__",

@@ -7,7 +7,8 @@ whether a missing API is an error or a warned, recorded loss (never a silent one
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -63,3 +64,23 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     except (AssertionError, KeyError) as exc:
         raise PrivateApiChanged("torch.amp.GradScaler._found_inf_per_device", repr(exc)) from None
     return bool(sum(float(value.item()) for value in per_device.values()))
+
+
+@contextlib.contextmanager
+def worker_info_hidden() -> Iterator[None]:
+    """Inside a DataLoader worker, make ``get_worker_info()`` return None for the code run here.
+
+    Streams split themselves between workers when they see worker info (torch's documented
+    pattern, Hugging Face's ``IterableDataset``); ddpkit splits streams itself, so the user's
+    stream must yield all of it. ``get_worker_info`` returns the module global ``_worker_info``.
+    """
+    from torch.utils.data._utils import worker
+
+    if not hasattr(worker, "_worker_info"):
+        raise PrivateApiChanged("torch.utils.data._utils.worker._worker_info")
+    saved = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = saved

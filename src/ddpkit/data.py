@@ -163,6 +163,21 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool =
     return batch
 
 
+def concat_batches(batches: list[Any]) -> Any:
+    """Join collated batches along the first dimension (tensors, dicts, tuples, lists of values)."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return {key: concat_batches([b[key] for b in batches]) for key in first}
+    if isinstance(first, (list, tuple)):
+        if all(not isinstance(v, (torch.Tensor, dict, list, tuple)) for b in batches for v in b):
+            return type(first)([v for b in batches for v in b])       # a per-sample list (strings)
+        joined = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    raise TypeError(f"cannot join batches of {type(first).__name__} from several workers")
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
     return map_tensors(lambda t: t.to(device, non_blocking=device.type == "cuda"), batch)

@@ -24,19 +24,42 @@ from torch.utils.data import DataLoader, Subset
 
 from ddpkit import buffers, collectives, runtime
 from ddpkit.checkpoint import unwrap
-from ddpkit.data import map_tensors, private_generator, shard_range, to_device
-from ddpkit.errors import UsageError
+from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device
+from ddpkit.errors import DdpkitError, UsageError
 
 
-def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0) -> Iterator[Any]:
-    """This rank's shard in batches; each batch counts as progress for the hang watchdog."""
-    indices = shard_range(len(dataset), collectives.rank(), collectives.world_size())
+def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
+                   stream: Any = None, positions: list[list[int]] | None = None) -> Iterator[Any]:
+    """This rank's shard in batches; each batch counts as progress for the hang watchdog.
+
+    For a stream pass its :class:`ddpkit.streams.evaluation.StreamShard`; ``positions`` then
+    receives the stream indices of each batch.
+    """
     active = runtime.current()
-    for batch in DataLoader(Subset(dataset, list(indices)), batch_size=batch_size, shuffle=False,
-                            num_workers=num_workers, generator=private_generator()):
+    if stream is not None:
+        batches = stream.batches()
+    else:
+        indices = shard_range(len(dataset), collectives.rank(), collectives.world_size())
+        batches = ((None, b) for b in DataLoader(Subset(dataset, list(indices)), batch_size=batch_size,
+                                                 shuffle=False, num_workers=num_workers,
+                                                 generator=private_generator()))
+    for where, batch in batches:
+        if positions is not None and where is not None:
+            positions.append(where)
         if active is not None:
             active.heartbeat("eval")
         yield batch
+
+
+def _stream_shard(dataset: Any, batch_size: int, num_workers: int) -> Any:
+    """A :class:`~ddpkit.streams.evaluation.StreamShard` for an ``IterableDataset``, else None."""
+    from torch.utils.data import IterableDataset
+
+    if not isinstance(dataset, IterableDataset):
+        return None
+    from ddpkit.streams.evaluation import StreamShard
+
+    return StreamShard(dataset, batch_size=batch_size, num_workers=num_workers)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -68,8 +91,9 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
     for metric in (extra_metrics or {}).values():
         metric.reset()
+    stream = _stream_shard(dataset, batch_size, num_workers)
     try:
-        for inputs, targets in _shard_batches(dataset, batch_size, num_workers):
+        for inputs, targets in _shard_batches(dataset, batch_size, num_workers, stream):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(inputs)
@@ -80,6 +104,8 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
                 metric.update(outputs.float(), targets)
     finally:
         module.train(was_training)
+    if stream is not None:
+        stream.total()          # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
     loss_total = float(collectives.all_reduce(loss_sum.cpu()))
     result = _metrics(confusion, loss_total)
@@ -112,14 +138,15 @@ def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:
 
 
 def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_workers: int,
-               autocast: Callable[[], Any] | None = None) -> Iterator[Any]:
+               autocast: Callable[[], Any] | None = None, stream: Any = None,
+               positions: list[list[int]] | None = None) -> Iterator[Any]:
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
     device = _device_of(module)
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            for batch in _shard_batches(dataset, batch_size, num_workers):
+            for batch in _shard_batches(dataset, batch_size, num_workers, stream, positions):
                 inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     outputs = module(to_device(inputs, device))
@@ -141,16 +168,27 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
     """
     if to not in ("main", "all"):
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
-    if len(dataset) == 0:
+    stream = _stream_shard(dataset, batch_size, num_workers)
+    if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:
         raise UsageError("predict: the dataset is empty")
     buffers.settle(model)
     module = unwrap(model)
-    outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast))
-    local = _concat(outputs) if outputs else _empty_output(module, dataset)
-    # Contiguous shards concatenated in rank order are the dataset order.
+    positions: list[list[int]] = []
+    outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions))
+    if stream is not None and stream.total() == 0:
+        raise UsageError("predict: the stream is empty")
+    local = concat_batches(outputs) if outputs else _empty_output(module, dataset)
     collect = collectives.all_gather if to == "all" else collectives.gather
     gathered = _map(collect, local)
-    return gathered if to == "all" or collectives.rank() == 0 else None
+    if stream is None:     # contiguous shards concatenated in rank order are the dataset order
+        return gathered if to == "all" or collectives.rank() == 0 else None
+    where = collect(torch.tensor([i for part in positions for i in part], dtype=torch.long))
+    if to == "main" and collectives.rank() != 0:
+        return None
+    order = torch.argsort(where)
+    if not torch.equal(where[order], torch.arange(len(where))):
+        raise DdpkitError(f"internal: predict read stream indices {where.tolist()[:20]}..., not each once")
+    return _map(lambda t: t[order], gathered)
 
 
 def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLike, *,
@@ -163,6 +201,11 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
     """
     import numpy as np
 
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        raise UsageError("predict_to_file needs a map-style dataset; for a stream use ddpkit.predict, "
+                         "which returns the outputs in stream order")
     path = Path(path)
     rank, world = collectives.rank(), collectives.world_size()
     part = path.with_name(f".{path.name}.rank{rank}.part")
@@ -225,18 +268,14 @@ def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
                          "or tuples, lists or dicts of tensors") from None
 
 
-def _concat(outputs: list[Any]) -> Any:
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(outputs)
-    if isinstance(first, dict):
-        return {key: _concat([o[key] for o in outputs]) for key in first}
-    return type(first)(_concat([o[i] for o in outputs]) for i in range(len(first)))
-
-
 def _empty_output(module: torch.nn.Module, dataset: Any) -> Any:
     """Zero rows with the right trailing shape, from one sample (a rank with an empty shard)."""
-    sample = dataset[0]
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        from ddpkit.streams.evaluation import first_sample
+
+        sample = first_sample(dataset)
+    else:
+        sample = dataset[0]
     inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
     was_training = module.training
     module.eval()

@@ -85,7 +85,68 @@ class _EpochBatches:
             yield [(epoch, index) for index in (local or [0])]
 
 
-class ShardedLoader:
+class LoaderPosition:
+    """Where a loader's passes stand: what the loop state saves and restores, for any kind of data.
+
+    Subclasses set ``sampler`` (with ``world_size`` and ``signature()``) and ``dataset``.
+    """
+
+    sampler: Any
+    length_known = True
+
+    def _start_positions(self, name: str | None, on_batch: Callable[[Any], None] | None) -> None:
+        self.name = name           # the key its position is saved under (set by the loop state)
+        self.epoch = 0
+        self.position = 0          # batches handed out by the current pass
+        self.finished = False      # the current pass ran out or was left (``break``)
+        self.trained = False       # a batch of it fed a backward: its position matters for resume
+        self.local_count = 0       # samples of this rank in the current batch
+        self.global_count = 0      # samples of all ranks in the current batch
+        self._resume: int | None = None   # a saved position the next passes start from
+        self._passes = 0                  # passes started; an older iterator leaves no mark
+        self._on_batch = on_batch
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass read ``epoch`` (ddpkit's ``epochs()`` calls this for you)."""
+        if epoch != self.epoch:
+            self.epoch, self.position, self.finished = epoch, 0, False
+            self._resume = None
+
+    def resume_at(self, epoch: int, position: int) -> None:
+        """Continue ``epoch`` at batch ``position`` in the next passes, until one is trained on."""
+        self.epoch, self.position, self.finished = epoch, position, False
+        self._resume = position
+
+    def mark_trained(self) -> None:
+        """A batch of the current pass fed a backward: a pending resume point is used up."""
+        self.trained = True
+        self._resume = None
+
+    def batch_weight(self) -> float:
+        """Factor that turns this rank's mean loss into its share of the global-batch mean.
+
+        DDP averages gradients over ``W`` ranks, so rank ``r`` must contribute
+        ``sum_r / n_global * W`` = ``mean_r * n_r * W / n_global``.
+        """
+        if self.global_count == 0:
+            return 1.0
+        return self.local_count * self.sampler.world_size / self.global_count
+
+    def signature(self) -> dict[str, Any]:
+        """What must match for a saved position to mean the same batches again."""
+        return self.sampler.signature()
+
+    def position_record(self) -> dict[str, Any]:
+        """Where the current pass stands, for a checkpoint (plain data)."""
+        done = self.finished or (self.length_known and self.position >= len(self))
+        return {"epoch": self.epoch, "position": self.position, "finished": done,
+                "signature": self.signature()}
+
+
+class ShardedLoader(LoaderPosition):
     """An iterable of batches already on the device, sharded by :class:`GlobalBatchSampler`.
 
     Knows its epoch and the position of its current pass, so a checkpoint can resume mid-epoch,
@@ -102,17 +163,8 @@ class ShardedLoader:
         self.dataset = dataset
         self.sampler = sampler
         self.device = device
-        self.name = name           # the key its position is saved under (set by the loop state)
-        self.epoch = 0
-        self.position = 0          # batches handed out by the current pass
-        self.finished = False      # the current pass ran out or was left (``break``)
-        self.trained = False       # a batch of it fed a backward: its position matters for resume
-        self.local_count = 0       # samples of this rank in the current batch
-        self.global_count = 0      # samples of all ranks in the current batch
-        self._resume: int | None = None   # a saved position the next passes start from
-        self._passes = 0                  # passes started; an older iterator leaves no mark
+        self._start_positions(name, on_batch)
         self._plan: list[tuple[list[int], int]] = []   # (local part, global size) of each batch left
-        self._on_batch = on_batch
         workers = num_workers > 0
         self._keyed = _KeyedDataset(dataset, seed, sampler.rank, worker_init_fn)
         self._loader = DataLoader(
@@ -124,20 +176,6 @@ class ShardedLoader:
             worker_init_fn=self._keyed.seed_worker if workers else None,
             generator=data.private_generator(seed),
         )
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass read ``epoch`` (ddpkit's ``epochs()`` calls this for you)."""
-        if epoch != self.epoch:
-            self.epoch, self.position, self.finished = epoch, 0, False
-            self._resume = None
-
-    def resume_at(self, epoch: int, position: int) -> None:
-        """Continue ``epoch`` at batch ``position`` in the next passes, until one is trained on."""
-        self.epoch, self.position, self.finished = epoch, position, False
-        self._resume = position
 
     def __iter__(self) -> Iterator[Any]:
         start = self._resume or 0
@@ -164,31 +202,6 @@ class ShardedLoader:
             # Run out, or left by ``break``: either way the script's next pass is a new one.
             if this_pass == self._passes:
                 self.finished = True
-
-    def mark_trained(self) -> None:
-        """A batch of the current pass fed a backward: a pending resume point is used up."""
-        self.trained = True
-        self._resume = None
-
-    def batch_weight(self) -> float:
-        """Factor that turns this rank's mean loss into its share of the global-batch mean.
-
-        DDP averages gradients over ``W`` ranks, so rank ``r`` must contribute
-        ``sum_r / n_global * W`` = ``mean_r * n_r * W / n_global``.
-        """
-        if self.global_count == 0:
-            return 1.0
-        return self.local_count * self.sampler.world_size / self.global_count
-
-    def signature(self) -> dict[str, Any]:
-        """What must match for a saved position to mean the same batches again."""
-        return self.sampler.signature()
-
-    def position_record(self) -> dict[str, Any]:
-        """Where the current pass stands, for a checkpoint (plain data)."""
-        done = self.finished or self.position >= len(self)
-        return {"epoch": self.epoch, "position": self.position, "finished": done,
-                "signature": self.signature()}
 
     def __repr__(self) -> str:
         return (f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, "

@@ -117,6 +117,9 @@ class LoopState:
 
 
 def _describe(sig: dict[str, Any]) -> str:
-    text = f"{sig['length']} samples in global batches of {sig['global_batch_size']}"
+    if sig.get("stream") and sig.get("length") is None:
+        text = f"a {sig['stream']} stream in global batches of {sig['global_batch_size']}"
+    else:
+        text = f"{sig['length']} samples in global batches of {sig['global_batch_size']}"
     flags = [f"seed {sig['seed']}"] + [flag for flag in ("shuffle", "drop_last", "weighted") if sig.get(flag)]
     return f"{text} ({', '.join(flags)})"

@@ -17,7 +17,7 @@ import io
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -156,6 +156,11 @@ class Runtime(Training):
         """
         if self._watchdog is not None:
             self._watchdog.beat(self.global_step, phase)
+
+    def watch_progress(self, probe: Callable[[], int]) -> None:
+        """Count a rise of ``probe()`` (samples a loader's workers read) as progress for the watchdog."""
+        if self._watchdog is not None:
+            self._watchdog.add_probe(probe)
 
     # -- life ---------------------------------------------------------------------------
     def close(self) -> None:

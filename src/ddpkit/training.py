@@ -135,6 +135,20 @@ class Training(Resumable):
         ``DataLoader``.
         """
         total = check_batch_sizes(self.world_size, batch_size, global_batch_size)
+        if _is_stream(dataset):
+            if weights is not None or num_samples is not None:
+                raise UsageError("weights= and num_samples= need a map-style dataset (they draw indices); "
+                                 "a stream is read in its own order")
+            from ddpkit.streams.loader import StreamLoader
+
+            stream = StreamLoader(dataset, global_batch_size=total, rank=self.rank, world_size=self.world_size,
+                                  device=self.device, shuffle=shuffle, drop_last=drop_last, seed=self.seed or 0,
+                                  num_workers=num_workers, collate_fn=collate_fn, on_batch=self._on_batch,
+                                  pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                                  persistent_workers=persistent_workers, worker_init_fn=worker_init_fn,
+                                  watch=self.watch_progress)
+            self.loop.register(stream, name)
+            return stream
         sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=self.rank,
                                      world_size=self.world_size, shuffle=shuffle, seed=self.seed or 0,
                                      drop_last=drop_last, weights=weights, num_samples=num_samples)
@@ -277,6 +291,9 @@ class Training(Resumable):
         group (or one ending in a short batch) is the exact mean over the samples it saw.
         """
         loader = self._active
+        if loader is not None and not getattr(loader, "length_known", True):
+            raise UsageError("rt.accumulate over a plain stream: its length is unknown, so the last "
+                             "group's size cannot be known; use ddpkit.Shards (lengths known) or step every batch")
         if loader is None or not len(loader):
             return steps, float(steps)
         first = loader.position - 1                      # index of the batch just handed out
@@ -327,3 +344,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _is_stream(dataset: Any) -> bool:
+    """An ``IterableDataset`` (read as a stream); a bare iterator or generator is refused."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        return True
+    if isinstance(dataset, Iterator) and not hasattr(dataset, "__getitem__"):
+        raise UsageError(f"rt.loader got a {type(dataset).__name__}, which can be read only once; wrap it "
+                         "in a torch IterableDataset whose __iter__ starts it anew each epoch")
+    return False

@@ -71,11 +71,23 @@ class Watchdog:
         self._watched = threading.get_ident()
         self._next_look = 0.0            # monotonic time before which peers cannot all be stalled
         self._stop = threading.Event()
+        self._probes: list[list[Any]] = []   # [probe, last value]: reads in DataLoader workers
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
 
     def beat(self, step: int, phase: str) -> None:
         """Record progress: now at ``step`` in ``phase``. One tuple store, no I/O."""
         self._last = (step, phase, time.monotonic())
+
+    def add_probe(self, probe: Callable[[], int]) -> None:
+        """Count a rise of ``probe()`` as progress in phase ``data`` (a stream read in workers)."""
+        self._probes.append([probe, probe()])
+
+    def _read_probes(self) -> None:
+        for entry in self._probes:
+            value = entry[0]()
+            if value != entry[1]:
+                entry[1] = value
+                self._last = (self._last[0], "data", time.monotonic())
 
     def start(self, step: int = 0) -> "Watchdog":
         self._watched = threading.get_ident()
@@ -106,6 +118,7 @@ class Watchdog:
         return Heartbeat(self.rank, step, phase, idle, time.time(), self._host, self._pid, self._where())
 
     def _tick(self) -> None:
+        self._read_probes()
         step, phase, since = self._last
         mine = self._heartbeat(step, phase, time.monotonic() - since)
         if self._store is not None:
@@ -230,10 +243,20 @@ def _silence() -> None:
 
 
 def _exit() -> None:
-    """Leave now: the main thread is blocked, so ``sys.exit`` from here would never happen."""
+    """Leave now: the main thread is blocked, so ``sys.exit`` from here would never happen.
+
+    Our own children (DataLoader workers) go first: a worker blocked writing a batch, or still
+    reading, would otherwise outlive us holding the launcher's pipes open.
+    """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
     os._exit(EXIT_HANG)
 
 

@@ -1,0 +1,167 @@
+"""The loader of a stream: the same contract as :class:`ddpkit.loader.ShardedLoader`.
+
+Each ``iter(loader)`` starts the epoch (after ``rt.load``: continues the saved one), every rank
+takes the same number of steps, a short last global batch is split unevenly and weighed by
+:meth:`StreamLoader.batch_weight`. The position saved in a checkpoint is the number of global
+batches done, so a :class:`ddpkit.Shards` run resumes on any world size and worker count, and a
+plain stream (read whole by every rank) does too.
+
+A plain stream's length is not known in advance. Ranks agree once per batch (one small
+all-reduce) that they read the same amount of it, so a stream that yields different samples
+on different ranks (one that splits itself by rank) is one clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from ddpkit import collectives, data
+from ddpkit.errors import DdpkitError
+from ddpkit.loader import LoaderPosition
+from ddpkit.streams.order import Layout
+from ddpkit.streams.pieces import Pieces, join
+from ddpkit.streams.shards import Shards, ensure_lengths
+
+_warned: set[str] = set()
+
+
+class StreamPlan:
+    """The part of :class:`ddpkit.data.GlobalBatchSampler`'s interface the training loop reads."""
+
+    def __init__(self, layout: Layout | None, global_batch_size: int, rank: int, world_size: int,
+                 signature: dict[str, Any]):
+        self.layout, self.global_batch_size = layout, global_batch_size
+        self.rank, self.world_size = rank, world_size
+        self._signature = signature
+
+    def __len__(self) -> int:
+        if self.layout is None:
+            raise TypeError("a plain stream's number of batches is not known before it ends")
+        return self.layout.batches
+
+    def global_count(self, index: int) -> int:
+        return self.layout.batch_count(index) if self.layout is not None else 0
+
+    def signature(self) -> dict[str, Any]:
+        return dict(self._signature)
+
+
+class StreamLoader(LoaderPosition):
+    """Batches of this rank's share of each global batch of a stream, on the device."""
+
+    def __init__(self, dataset: Any, *, global_batch_size: int, rank: int, world_size: int,
+                 device: torch.device, shuffle: bool = False, drop_last: bool = False, seed: int = 0,
+                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 on_batch: Callable[["StreamLoader"], None] | None = None,
+                 pin_memory: bool | None = None, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 watch: Callable[[Callable[[], int]], None] | None = None):
+        self.dataset = dataset
+        self.device = device
+        self._start_positions(None, on_batch)
+        self.positions: list[int] = []     # stream indices of this rank's current batch
+        self.is_shards = isinstance(dataset, Shards)
+        signature = {"stream": type(dataset).__name__, "global_batch_size": global_batch_size,
+                     "shuffle": shuffle, "seed": seed, "drop_last": drop_last, "weighted": False}
+        self._pieces = Pieces(dataset, mode="train", rank=rank, world_size=world_size,
+                              batch_size=global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                              collate_fn=collate_fn or default_collate)
+        if watch is not None:
+            progress = self._pieces.progress
+            watch(lambda: int(progress[0]))
+        layout = None
+        if self.is_shards:
+            ensure_lengths(dataset, num_workers=num_workers, rank=rank, world_size=world_size,
+                           progress=self._pieces.tick)
+            layout = Layout(sum(dataset.lengths), global_batch_size=global_batch_size, drop_last=drop_last)
+            signature.update(length=sum(dataset.lengths), samples=layout.length, shards=len(dataset.shards),
+                             window=dataset.shuffle_window if shuffle else None)
+            if layout.batches == 0 and rank == 0:
+                _warn_once(f"empty:{id(dataset)}", f"ddpkit: the stream has {sum(dataset.lengths)} samples, "
+                           f"fewer than one global batch of {global_batch_size}; drop_last leaves no batches")
+        else:
+            signature.update(length=None, samples=None)
+            if rank == 0 and world_size * max(1, num_workers) > 1:
+                readers = world_size * max(1, num_workers)
+                _warn_once(type(dataset).__name__,
+                           f"ddpkit: {type(dataset).__name__} is a plain IterableDataset, so each of the "
+                           f"{world_size} process(es) x {max(1, num_workers)} reader(s) reads the whole "
+                           f"stream and keeps its share: every sample is read {readers} times per epoch; "
+                           "make it a ddpkit.Shards to read each sample once")
+        self.sampler = StreamPlan(layout, global_batch_size, rank, world_size, signature)
+        self._parts = max(1, num_workers) if self.is_shards else 1
+        workers = num_workers > 0
+        self._pieces.user_worker_init = worker_init_fn
+        self._loader = DataLoader(
+            self._pieces, batch_size=None, num_workers=num_workers,
+            pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
+            persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
+            prefetch_factor=(prefetch_factor or 2) if workers else None,
+            worker_init_fn=self._pieces.seed_worker if workers else None,
+            generator=data.private_generator(seed))
+
+    @property
+    def length_known(self) -> bool:       # type: ignore[override]
+        return self.sampler.layout is not None
+
+    def position_record(self) -> dict[str, Any]:
+        """As a map-style loader's, plus the global sample count it stands at."""
+        return {**super().position_record(), "samples": self.position * self.sampler.global_batch_size}
+
+    def __repr__(self) -> str:
+        return f"StreamLoader(name={self.name!r}, dataset={self.dataset!r}, epoch={self.epoch}, position={self.position})"
+
+    # -- iteration --------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        start = self._resume or 0
+        self._passes += 1
+        this_pass = self._passes
+        self.position, self.finished = start, False
+        self._pieces.control[0], self._pieces.control[1] = self.epoch, start
+        expected = start
+        try:
+            for b, local, batch, count, seen in join(self._loader, self._parts):
+                if this_pass != self._passes:
+                    raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
+                                       "iter(loader); iterate one pass at a time, like a DataLoader")
+                if b != expected:
+                    raise DdpkitError(f"internal: stream batch {b} arrived where {expected} was due")
+                expected += 1
+                if not self.is_shards:
+                    self._agree(1, *seen)
+                self.position += 1
+                self.positions, self.local_count, self.global_count = local, len(local), count
+                if self._on_batch is not None:
+                    self._on_batch(self)
+                yield data.to_device(batch, self.device)
+            if not self.is_shards:
+                self._agree(0, -1, 0)
+            elif expected != len(self):
+                raise DdpkitError(f"internal: the stream pass ended after {expected} of {len(self)} batches")
+        finally:
+            if this_pass == self._passes:
+                self.finished = True
+
+    def _agree(self, more: int, seen: int, digest: int) -> None:
+        """Ranks of a plain stream check they read the same: as much of it, and the same first
+        sample of the global batch (all of them see the result, so all of them stop)."""
+        if self.sampler.world_size == 1:
+            return
+        value = torch.tensor([more, seen, digest, -more, -seen, -digest], dtype=torch.int64)
+        top = collectives.all_reduce(value, "max").tolist()
+        if top[0] != -top[3] or (more and (top[1] != -top[4] or top[2] != -top[5])):
+            raise DdpkitError(f"the ranks read different streams from {type(self.dataset).__name__}: at "
+                              f"batch {self.position} some have {'more' if top[0] else 'no more'} samples "
+                              "than others. ddpkit splits a plain stream itself, so it must yield the "
+                              "same samples on every rank (does it split itself by rank?); or use ddpkit.Shards")
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
