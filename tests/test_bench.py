@@ -153,6 +153,18 @@ def test_plan_crosses_hosts_processes_and_compressions():
     assert "use precision='bf16'" in refused["ddp-amp 2 host(s) x1 fp16 powersgd"]
 
 
+def test_plan_crosses_data_formats_and_a_shards_row_runs(tmp_path):
+    settings = Settings(modes=("single", "ddp"), nproc=(2,), data_format=("map", "shards"))
+    assert [c.label for c in plan(settings, gpus=0)] == ["single x1 fp32", "single x1 fp32 shards",
+                                                         "ddp x2 fp32", "ddp x2 fp32 shards"]
+    result = ddpkit_cli("bench", "--model", "mlp", "--modes", "single", "--data-format", "shards",
+                        "--batch", "8", "--steps", "3", "--warmup", "1", "--out", str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads((tmp_path / "bench.json").read_text())["configurations"][0]
+    assert row["data_format"] == "shards" and row["samples_per_second"] > 0
+    assert "| shards |" in (tmp_path / "bench.md").read_text()
+
+
 def test_plan_runs_dp_only_with_two_gpus():
     settings = Settings(modes=("single", "dp", "ddp", "ddp-amp"), nproc=(1, 2))
     on_cpu = plan(settings, gpus=0)
@@ -178,8 +190,9 @@ def test_plan_runs_dp_only_with_two_gpus():
     (["--hosts", "2", "--link-mbit", "0"], "--link-mbit must be a positive number"),
     (["--hosts", "0", "--link-mbit", "10"], "--hosts values must be at least 1"),
     (["--hosts", "2", "--link-mbit", "10", "--modes", "single"], "add ddp or ddp-amp to --modes"),
+    (["--data-format", "map,tar"], "unknown data format 'tar' in --data-format"),
 ], ids=["mode", "nproc-0", "nproc-text", "steps-0", "batch-0", "model", "raw-no-ddp", "raw-one-process",
-        "compression", "hosts-no-link", "link-no-hosts", "link-0", "hosts-0", "hosts-no-ddp"])
+        "compression", "hosts-no-link", "link-no-hosts", "link-0", "hosts-0", "hosts-no-ddp", "data-format"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err

@@ -7,8 +7,7 @@ whether a missing API is an error or a warned, recorded loss (never a silent one
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -66,21 +65,26 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     return bool(sum(float(value.item()) for value in per_device.values()))
 
 
-@contextlib.contextmanager
-def worker_info_hidden() -> Iterator[None]:
+class worker_info_hidden:
     """Inside a DataLoader worker, make ``get_worker_info()`` return None for the code run here.
 
     Streams split themselves between workers when they see worker info (torch's documented
     pattern, Hugging Face's ``IterableDataset``); ddpkit splits streams itself, so the user's
     stream must yield all of it. ``get_worker_info`` returns the module global ``_worker_info``.
+    A class, not a generator: it wraps every sample read.
     """
-    from torch.utils.data._utils import worker
 
-    if not hasattr(worker, "_worker_info"):
-        raise PrivateApiChanged("torch.utils.data._utils.worker._worker_info")
-    saved = worker._worker_info
-    worker._worker_info = None
-    try:
-        yield
-    finally:
-        worker._worker_info = saved
+    def __init__(self) -> None:
+        from torch.utils.data._utils import worker
+
+        if not hasattr(worker, "_worker_info"):
+            raise PrivateApiChanged("torch.utils.data._utils.worker._worker_info")
+        self._module = worker
+        self._saved = None
+
+    def __enter__(self) -> None:
+        self._saved = self._module._worker_info
+        self._module._worker_info = None
+
+    def __exit__(self, *exc: object) -> None:
+        self._module._worker_info = self._saved

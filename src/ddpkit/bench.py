@@ -30,6 +30,7 @@ import json
 import os
 import shlex
 import statistics
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -65,6 +66,7 @@ class Settings:
     grad_compression: tuple[str, ...] = ("none",)
     hosts: tuple[int, ...] = ()  # simulated hosts per DDP configuration; () runs on this machine as is
     link_mbit: float | None = None
+    data_format: tuple[str, ...] = ("map",)   # map: the Dataset; shards: the same samples as ddpkit.Shards
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Configuration:
     reason: str | None = None    # why it cannot run here, when it cannot
     grad_compression: str = "none"
     hosts: int = 0               # simulated hosts (nproc processes each), 0: this machine as is
+    data_format: str = "map"
 
     @property
     def world_size(self) -> int:
@@ -87,13 +90,15 @@ class Configuration:
     def name(self) -> str:
         hosts = f"-h{self.hosts}" if self.hosts else ""
         comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
-        return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}"
+        data = f"-{self.data_format}" if self.data_format != "map" else ""
+        return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}{data}"
 
     @property
     def label(self) -> str:
         hosts = f" {self.hosts} host(s)" if self.hosts else ""
         comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
-        return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}"
+        data = f" {self.data_format}" if self.data_format != "map" else ""
+        return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}{data}"
 
 
 def plan(settings: Settings, gpus: int) -> list[Configuration]:
@@ -111,7 +116,7 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
             found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h,
                                     reason=_compression_reason(comp, precision, n * max(h, 1)))
                       for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression]
-    return found
+    return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
 
 
 def _compression_reason(choice: str, precision: str, world_size: int) -> str | None:
@@ -142,7 +147,8 @@ def _launch(config: Configuration, settings: Settings, result: Path, *, raw: boo
     args = ["--model", settings.model, "--data", settings.data, "--precision", config.precision,
             "--batch", str(settings.batch), "--steps", str(settings.steps), "--warmup", str(settings.warmup),
             "--seed", str(settings.seed), "--lr", repr(settings.lr), "--momentum", repr(settings.momentum),
-            "--result", str(result), "--grad-compression", config.grad_compression]
+            "--result", str(result), "--grad-compression", config.grad_compression,
+            "--data-format", config.data_format]
     if config.mode == "dp":
         args.append("--data-parallel")
     result.unlink(missing_ok=True)
@@ -224,7 +230,7 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
     return {
         "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
         "grad_compression": config.grad_compression, "hosts": config.hosts or None,
-        "link_mbit": None, "world_size": world,
+        "link_mbit": None, "world_size": world, "data_format": config.data_format,
         # what each rank hands to allreduce per step, and what a ring allreduce sends of it
         "payload_bytes_per_step": payload,
         "bytes_sent_per_step": payload * 2 * (world - 1) / world if world > 1 else 0.0,
@@ -245,6 +251,7 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
 def _not_applicable(config: Configuration, link_mbit: float | None = None) -> dict[str, Any]:
     return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
             "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": link_mbit,
+            "data_format": config.data_format,
             "applicable": False, "reason": config.reason, "samples_per_second": None,
             "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}
 
@@ -306,7 +313,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     if settings.compare_raw:
         target = next((c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
                        and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
-                       and c.grad_compression == settings.grad_compression[0]), None)
+                       and c.grad_compression == settings.grad_compression[0] and c.data_format == "map"), None)
         if target is None:
             raise UsageError(f"--compare-raw found no runnable DDP configuration with --grad-compression "
                              f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first")
@@ -370,6 +377,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--hosts", default=None, help="comma-separated counts of simulated hosts (network namespaces "
         "on a bridge, needs root), --nproc processes each; needs --link-mbit")
     add("--link-mbit", type=float, default=None, help="each simulated host's link speed in Mbit/s (tc tbf)")
+    add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
+        "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
     return parser
 
 
@@ -393,6 +402,10 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     if unknown:
         raise UsageError(f"unknown compression {unknown[0]!r} in --grad-compression; choose from "
                          f"{', '.join(COMPRESSIONS)}")
+    formats = tuple(dict.fromkeys(f.strip() for f in opts.data_format.split(",")))
+    if set(formats) - {"map", "shards"}:
+        raise UsageError(f"unknown data format {sorted(set(formats) - {'map', 'shards'})[0]!r} in --data-format; "
+                         "choose from map, shards")
     hosts = _int_list(opts.hosts, "--hosts") if opts.hosts is not None else ()
     if hosts and opts.link_mbit is None:
         raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
@@ -406,7 +419,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
                         repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
-                        link_mbit=opts.link_mbit)
+                        link_mbit=opts.link_mbit, data_format=formats)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

@@ -107,7 +107,8 @@ def row_label(row: Mapping[str, Any]) -> str:
     """``ddp 2 hosts x1 fp32 powersgd``: what tells one configuration from another."""
     hosts = f" {row['hosts']} hosts" if row.get("hosts") else ""
     comp = f" {row['grad_compression']}" if row.get("grad_compression") not in (None, "none") else ""
-    return f"{row['mode']}{hosts} x{row['nproc']} {row['precision']}{comp}"
+    data = f" {row['data_format']}" if row.get("data_format") not in (None, "map") else ""
+    return f"{row['mode']}{hosts} x{row['nproc']} {row['precision']}{comp}{data}"
 
 
 def _mb(value: Any) -> str:
@@ -131,6 +132,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
                ("data_wait_ms", "data ms", _ms), ("forward_ms", "forward ms", _ms),
                ("backward_ms", "backward ms", _ms), ("optimizer_ms", "optimizer ms", _ms),
                ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("payload_bytes_per_step", "MB/step", _mb)]
+    if any(r.get("data_format") not in (None, "map") for r in rows):
+        columns[3:3] = [("data_format", "data")]
     if any(r.get("hosts") for r in rows):
         columns[2:2] = [("hosts", "hosts"), ("link_mbit", "link Mbit/s", "{:g}")]
     if report["gpus"]:

@@ -57,6 +57,7 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"))
+    parser.add_argument("--data-format", default="map", choices=("map", "shards"))
     return parser
 
 
@@ -192,7 +193,10 @@ def train(opts: argparse.Namespace) -> None:
     compressor = rt._compressors[-1]
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
-    loader = rt.loader(info.dataset, batch_size=opts.batch * devices, shuffle=True)
+    data = info.dataset
+    if opts.data_format == "shards":        # the same samples, read as a stream of 16 shards
+        data = ddpkit.Shards.from_dataset(data, shards=16)
+    loader = rt.loader(data, batch_size=opts.batch * devices, shuffle=True)
     batches = _batches(rt, loader)
     device, marks = rt.device, []
     for step in range(opts.warmup + opts.steps):

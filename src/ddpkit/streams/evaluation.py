@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, default_collate
 from ddpkit import collectives, runtime
 from ddpkit.errors import DdpkitError
 from ddpkit.streams.order import EpochOrder
-from ddpkit.streams.pieces import Pieces
+from ddpkit.streams.pieces import Pieces, as_is
 from ddpkit.streams.shards import ShardError, Shards, ensure_lengths, read_range
 
 _warned: set[str] = set()
@@ -53,7 +53,7 @@ class StreamShard:
         return self.seen if isinstance(self.dataset, Shards) else None
 
     def batches(self) -> Iterator[tuple[list[int], Any]]:
-        loader = DataLoader(self.pieces, batch_size=None, num_workers=self.num_workers)
+        loader = DataLoader(self.pieces, batch_size=None, collate_fn=as_is, num_workers=self.num_workers)
         for piece in loader:
             if piece["error"] is not None:
                 raise ShardError(piece["error"])
@@ -80,7 +80,7 @@ class StreamShard:
 def first_sample(dataset: Any) -> Any:
     """The stream's first sample (for the output shape on a rank that had none)."""
     if isinstance(dataset, Shards):
-        order = EpochOrder(dataset.lengths, shuffle=False, seed=0, epoch=0, window=1)
+        order = EpochOrder(dataset.lengths, shuffle=False, seed=0, epoch=0)
         for _, sample in read_range(dataset, order, 0, 1, seed=0):
             return sample
     for sample in dataset:

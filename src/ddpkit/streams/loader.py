@@ -23,7 +23,7 @@ from ddpkit import collectives, data
 from ddpkit.errors import DdpkitError
 from ddpkit.loader import LoaderPosition
 from ddpkit.streams.order import Layout
-from ddpkit.streams.pieces import Pieces, join
+from ddpkit.streams.pieces import Pieces, as_is, join
 from ddpkit.streams.shards import Shards, ensure_lengths
 
 _warned: set[str] = set()
@@ -98,7 +98,7 @@ class StreamLoader(LoaderPosition):
         workers = num_workers > 0
         self._pieces.user_worker_init = worker_init_fn
         self._loader = DataLoader(
-            self._pieces, batch_size=None, num_workers=num_workers,
+            self._pieces, batch_size=None, collate_fn=as_is, num_workers=num_workers,
             pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
             prefetch_factor=(prefetch_factor or 2) if workers else None,

@@ -70,21 +70,20 @@ def permutation(size: int, *key: int) -> list[int]:
 
 
 class EpochOrder:
-    """The sample order of one epoch of shards: shards permuted, samples permuted in windows.
+    """The shards of one epoch in order (permuted with ``shuffle``), their samples end to end.
 
-    Position ``p`` of the epoch's order lies in shard slot ``i`` (``order[i]`` is the shard) at
-    ``offset``; within that shard it is the ``read_index(shard, offset)``-th sample ``read``
-    yields. Windows are aligned to the start of each shard, so no window spans two shards.
+    Position ``p`` lies in shard ``locate(p)[0]`` at that offset; ``natural[shard]`` is the
+    stream index of a shard's first sample. Shuffling within windows happens per column, in
+    :func:`column_rows`, so a column reader reads only its own stretch.
     """
 
-    def __init__(self, lengths: Sequence[int], *, shuffle: bool, seed: int, epoch: int, window: int):
+    def __init__(self, lengths: Sequence[int], *, shuffle: bool, seed: int, epoch: int):
         self.lengths = list(lengths)
-        self.shuffle, self.seed, self.epoch, self.window = shuffle, seed, epoch, window
+        self.shuffle, self.seed, self.epoch = shuffle, seed, epoch
         count = len(self.lengths)
         self.order = permutation(count, seed, epoch) if shuffle and count > 1 else list(range(count))
         self.starts = [0, *itertools.accumulate(self.lengths[s] for s in self.order)]
         self.natural = [0, *itertools.accumulate(self.lengths)]
-        self._perms: dict[tuple[int, int], list[int]] = {}
 
     @property
     def length(self) -> int:
@@ -97,21 +96,12 @@ class EpochOrder:
             slot += 1
         return self.order[slot], position - self.starts[slot]
 
-    def window_of(self, shard: int, offset: int) -> tuple[int, int]:
-        """(first read index, size) of the shuffle window holding ``offset`` of ``shard``."""
-        if not self.shuffle:
-            return offset, 1
-        base = offset // self.window * self.window
-        return base, min(self.window, self.lengths[shard] - base)
 
-    def read_index(self, shard: int, offset: int) -> int:
-        base, size = self.window_of(shard, offset)
-        if size == 1:
-            return base + (offset - base)
-        key = (shard, base)
-        perm = self._perms.get(key)
-        if perm is None:
-            if len(self._perms) > 64:
-                self._perms.clear()
-            perm = self._perms[key] = permutation(size, self.seed, self.epoch, shard, base)
-        return base + perm[offset - base]
+def window_rows(rows: int, window: int, row: int, *key: int) -> tuple[int, list[int]]:
+    """The shuffle window of a column holding ``row``: its first row and the order of its rows.
+
+    Windows are aligned to the column's start; the order is keyed by ``key`` (seed, epoch, column).
+    """
+    first = row // window * window
+    size = min(window, rows - first)
+    return first, [first + i for i in permutation(size, *key, first)]

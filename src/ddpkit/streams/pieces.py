@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,7 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ddpkit import data
 from ddpkit._torch import worker_info_hidden
 from ddpkit.data import sample_seed, shard_range
-from ddpkit.streams.order import EpochOrder, Layout, permutation, worker_columns
+from ddpkit.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.streams.shards import ShardError, Shards, read_range
 
 PLAIN_WINDOW = 256        # shuffle window of a plain stream with shuffle=True
@@ -49,6 +50,7 @@ class Pieces(IterableDataset):
         self.collate_fn = collate_fn
         self.control = torch.zeros(2, dtype=torch.int64).share_memory_()
         self.progress = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._unsent, self._sent_at = 0, 0.0
         self.user_worker_init: Callable[[int], None] | None = None
         self._seeded_epoch: int | None = None
 
@@ -64,7 +66,12 @@ class Pieces(IterableDataset):
         self._seeded_epoch = epoch
 
     def tick(self) -> None:
-        self.progress += 1
+        """One sample read; the shared count (a tensor op) moves every 16 samples or 50 ms."""
+        self._unsent += 1
+        now = time.monotonic()
+        if self._unsent >= 16 or now - self._sent_at > 0.05:
+            self.progress += self._unsent
+            self._unsent, self._sent_at = 0, now
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch, start = (int(v) for v in self.control)
@@ -88,14 +95,11 @@ class Pieces(IterableDataset):
     # -- Shards -----------------------------------------------------------------------------
     def _shard_train(self, epoch: int, start: int, worker: int, workers: int) -> Iterator[dict[str, Any]]:
         shards = self.source
-        order = EpochOrder(shards.lengths, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-                           window=shards.shuffle_window)
+        order = EpochOrder(shards.lengths, shuffle=self.shuffle, seed=self.seed, epoch=epoch)
         layout = Layout(order.length, global_batch_size=self.batch_size, drop_last=self.drop_last)
         rank_columns = layout.rank_columns(self.rank, self.world_size)
-        mine = worker_columns(rank_columns, worker, workers)
-        readers = {j: read_range(shards, order, layout.column_start(j) + start,
-                                 layout.column_start(j) + layout.column_length(j), seed=self.seed,
-                                 progress=self.tick) for j in mine}
+        mine = [j for j in worker_columns(rank_columns, worker, workers) if start < layout.column_length(j)]
+        readers = {j: self._column(order, layout, j, start) for j in mine}
         template = None
         try:
             for b in range(start, layout.batches):
@@ -107,8 +111,7 @@ class Pieces(IterableDataset):
                     template = _zero_rows(piece["batch"])
                 elif worker == 0 and rank_columns.start >= count:     # the rank has nothing here
                     if template is None:
-                        first = layout.column_start(0) + b
-                        probe = [sample for _, sample in read_range(shards, order, first, first + 1, seed=self.seed)]
+                        probe = [s for _, s in read_range(shards, order, 0, 1, seed=self.seed)]
                         template = _zero_rows(self.collate_fn(probe))
                     piece["template"] = template
                 yield piece
@@ -116,9 +119,26 @@ class Pieces(IterableDataset):
             for reader in readers.values():
                 reader.close()
 
+    def _column(self, order: EpochOrder, layout: Layout, column: int, row: int) -> Iterator[tuple[int, Any]]:
+        """Rows ``row, row+1, ...`` of ``column``: its stretch read once, in order, and with
+        ``shuffle`` permuted within windows of ``shuffle_window`` rows."""
+        first, rows = layout.column_start(column), layout.column_length(column)
+        window = self.source.shuffle_window if self.shuffle else 1
+        block = row // window * window
+        stream = read_range(self.source, order, first + block, first + rows, seed=self.seed, progress=self.tick)
+        try:
+            while block < rows:
+                _, shuffled = window_rows(rows, window, block, self.seed, order.epoch, column)
+                held = [next(stream) for _ in shuffled]
+                for at in range(max(row, block), block + len(shuffled)):
+                    yield held[shuffled[at - block] - block]
+                block += len(shuffled)
+        finally:
+            stream.close()
+
     def _shard_eval(self, worker: int, workers: int) -> Iterator[dict[str, Any]]:
         shards = self.source
-        order = EpochOrder(shards.lengths, shuffle=False, seed=self.seed, epoch=0, window=1)
+        order = EpochOrder(shards.lengths, shuffle=False, seed=self.seed, epoch=0)
         rank_part = shard_range(order.length, self.rank, self.world_size)
         part = shard_range(len(rank_part), worker, workers)
         first, stop = rank_part.start + part.start, rank_part.start + part.stop
@@ -216,6 +236,11 @@ class Pieces(IterableDataset):
 
 class StreamError(ShardError):
     """A plain stream raised while being read."""
+
+
+def as_is(piece: dict[str, Any]) -> dict[str, Any]:
+    """The DataLoader's ``collate_fn`` for pieces: they are collated already."""
+    return piece
 
 
 def _failed(message: str) -> dict[str, Any]:

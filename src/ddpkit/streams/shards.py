@@ -44,7 +44,7 @@ class Shards(IterableDataset):
         lengths: samples per shard. Without them ddpkit counts the shards once, spread over
             ranks and workers, before the first epoch, and caches the counts (``cache``).
         shuffle_window: with ``shuffle=True`` samples are shuffled within windows of this many
-            consecutive samples of a shard (a reader holds one window per column in memory).
+            consecutive samples of a column (a rank holds one window per column in memory).
         cache: a directory for learned lengths, ``None`` for ``$XDG_CACHE_HOME/ddpkit`` (or
             ``~/.cache/ddpkit``), ``False`` to count every run.
 
@@ -105,7 +105,7 @@ class Shards(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         if self.lengths is None:
             self.lengths = [count_shard(self, i) for i in range(len(self.shards))]
-        order = EpochOrder(self.lengths, shuffle=False, seed=0, epoch=0, window=1)
+        order = EpochOrder(self.lengths, shuffle=False, seed=0, epoch=0)
         for _, sample in read_range(self, order, 0, order.length, seed=0):
             yield sample
 
@@ -244,32 +244,22 @@ def _check_end(shards: Shards, shard: int, it: Iterator[Any]) -> None:
 
 def read_shard(shards: Shards, order: EpochOrder, shard: int, first: int, stop: int,
                seed: int, progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
-    """(stream index, sample) for offsets ``[first, stop)`` of ``shard`` in ``order``'s epoch."""
-    length = order.lengths[shard]
-    base, _ = order.window_of(shard, first)
-    it, index = _open(shards, shard, base)
+    """(stream index, sample) for samples ``[first, stop)`` of ``shard``, read in order."""
+    it, index = _open(shards, shard, first)
     natural = order.natural[shard]
     try:
-        offset = base
-        while offset < stop:
-            window_base, size = order.window_of(shard, offset)
-            if index < window_base:                          # skip what read could not
-                _warn_skip(shards, shard, window_base - index)
-            while index < window_base:
-                _next(shards, shard, it, index, None)
-                index += 1
-            window = []
-            for _ in range(size):
-                key = data.SampleKey(seed, order.epoch, natural + index)
-                window.append(_next(shards, shard, it, index, key))
-                index += 1
-                if progress is not None:
-                    progress()
-            for at in range(max(offset, first), min(window_base + size, stop)):
-                read_index = order.read_index(shard, at)
-                yield natural + read_index, window[read_index - window_base]
-            offset = window_base + size
-        if index == length:
+        if index < first:                          # skip what read could not
+            _warn_skip(shards, shard, first - index)
+        while index < first:
+            _next(shards, shard, it, index, None)
+            index += 1
+        while index < stop:
+            item = _next(shards, shard, it, index, data.SampleKey(seed, order.epoch, natural + index))
+            if progress is not None:
+                progress()
+            yield natural + index, item
+            index += 1
+        if index == order.lengths[shard]:
             _check_end(shards, shard, it)
     finally:
         close = getattr(it, "close", None)
