@@ -73,8 +73,9 @@ class Net(torch.nn.Module):
         return self.fc(x)
 
 
-def train(mode: str, checkpoint: str, *, epochs: int = 2, stop_at: int = 25, workers: int = 0) -> dict:
-    """Shards, global batch 12, shuffle: ``full``, ``stop`` (save after step ``stop_at``), ``resume``."""
+def train(mode: str, checkpoint: str, *, epochs: int = 2, stop_at: int = 25, workers: int = 0,
+          kind: str = "shards") -> dict:
+    """Global batch 12, shuffle: ``full``, ``stop`` (save after step ``stop_at``), ``resume``."""
     rt = ddpkit.init(seed=0)
     torch.manual_seed(0)
     model = Net()
@@ -83,7 +84,7 @@ def train(mode: str, checkpoint: str, *, epochs: int = 2, stop_at: int = 25, wor
     state = {"model": model, "opt": opt}
     if mode == "resume":
         rt.load(checkpoint, state)
-    loader = rt.loader(shards(), global_batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers)
+    loader = rt.loader(make(kind), global_batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers)
     trained = []
     for _ in rt.epochs(epochs):
         for index, x, y in loader:

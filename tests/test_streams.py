@@ -139,6 +139,21 @@ def test_probe_and_break_take_nothing_and_a_stream_resumes_exactly(rt, tmp_path)
         len(loader)
 
 
+@pytest.mark.parametrize("kind", ["plain", "shards"])
+def test_a_stream_stopped_mid_epoch_resumes_bitwise_with_workers(tmp_path, kind):
+    ckpt = str(tmp_path / "ckpt.pt")
+    runs = []
+    for mode in ("full", "stop", "resume"):
+        runs.append(sw.train(mode, ckpt, workers=2, kind=kind))
+        ddpkit.current().close()
+    full, stopped, resumed = runs
+    assert stopped == {"stopped": 25} and resumed["steps"] == full["steps"] == 34
+    assert resumed["trained"] == full["trained"][-len(resumed["trained"]):]     # the same samples after step 25
+    assert len(resumed["trained"]) == sw.TOTAL - 8 * 12           # epoch 1 after its 8th batch
+    for key in full["weights"]:
+        assert torch.equal(resumed["weights"][key], full["weights"][key]), key
+
+
 def test_bad_input_is_one_clear_line(rt, tmp_path):
     def gen():
         yield from range(3)
