@@ -84,6 +84,7 @@ def slurm_cluster(tmp_path):
             subprocess.run(["pkill", "-x", "munged"], capture_output=True)
 
 
+@pytest.mark.slow      # 44 s: make test's budget; make test-slow (and CI) runs it
 @pytest.mark.timeout(300)
 def test_training_submitted_with_sbatch_finishes_with_the_expected_world(slurm_cluster):
     root, env = slurm_cluster
