@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Subset, default_collate
 
 from ddpkit import buffers, collectives, runtime
 from ddpkit.checkpoint import unwrap
@@ -49,6 +49,39 @@ def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
         if active is not None:
             active.heartbeat("eval")
         yield batch
+
+
+def _lockstep(batches: Iterator[Any], module: torch.nn.Module, dataset: Any) -> Iterator[Any]:
+    """Under ``strategy="fsdp"`` every forward all-gathers parameters, a collective: ranks agree
+    before each batch whether any still has one, and a rank that ran out forwards zero rows."""
+    from ddpkit.fsdp import is_sharded
+
+    if not is_sharded(module) or collectives.world_size() == 1:
+        yield from batches
+        return
+    empty = None
+    while True:
+        batch = next(batches, _END)
+        if not collectives.all_reduce(torch.tensor(0 if batch is _END else 1), "max"):
+            return
+        if batch is _END:
+            if empty is None:
+                empty = map_tensors(lambda t: t[:0], default_collate([_first_sample(dataset)]))
+            yield empty
+        else:
+            empty = map_tensors(lambda t: t[:0], batch)
+            yield batch
+
+
+_END = object()
+
+
+def _first_sample(dataset: Any) -> Any:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        from ddpkit.streams.evaluation import first_sample
+
+        return first_sample(dataset)
+    return dataset[0]
 
 
 def _stream_shard(dataset: Any, batch_size: int, num_workers: int) -> Any:
@@ -93,7 +126,7 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
         metric.reset()
     stream = _stream_shard(dataset, batch_size, num_workers)
     try:
-        for inputs, targets in _shard_batches(dataset, batch_size, num_workers, stream):
+        for inputs, targets in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream), module, dataset):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(inputs)
@@ -146,7 +179,8 @@ def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_worke
     module.eval()
     try:
         with torch.no_grad():
-            for batch in _shard_batches(dataset, batch_size, num_workers, stream, positions):
+            for batch in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream, positions),
+                                   module, dataset):
                 inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     outputs = module(to_device(inputs, device))
@@ -270,12 +304,7 @@ def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
 
 def _empty_output(module: torch.nn.Module, dataset: Any) -> Any:
     """Zero rows with the right trailing shape, from one sample (a rank with an empty shard)."""
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        from ddpkit.streams.evaluation import first_sample
-
-        sample = first_sample(dataset)
-    else:
-        sample = dataset[0]
+    sample = _first_sample(dataset)
     inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
     was_training = module.training
     module.eval()

@@ -52,6 +52,7 @@ class Resumable:
         writes atomically; if the write fails, every rank raises. A directory ``path`` gets
         ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
         """
+        self._refuse_sharded("rt.save")
         self.heartbeat("save")
         meeting_point = meeting.all_arrive("save", self.save_timeout)
         path = Path(path)
@@ -116,6 +117,13 @@ class Resumable:
                 for model in self._models]
         return collectives.all_gather_object(mine)
 
+    def _refuse_sharded(self, what: str) -> None:
+        from ddpkit.fsdp import is_sharded
+
+        if any(is_sharded(model) for model in self._models):
+            raise UsageError(f"{what} of a model set up with strategy='fsdp' is not built yet (sharded "
+                             "checkpoints, issue 13); rt.full_state_dict(model) exports the weights on rank 0")
+
     def load(self, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
         """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
 
@@ -124,6 +132,7 @@ class Resumable:
         differently from the saved one, is an error (a warning with ``strict=False``, and that
         loader's epoch starts over). Every rank must call it.
         """
+        self._refuse_sharded("rt.load")
         meeting.all_arrive("load", self.save_timeout)
         target = Path(path)
         if target.is_dir():

@@ -82,6 +82,7 @@ class Training(Resumable):
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
               sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
               grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
+              strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
               **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
@@ -91,9 +92,20 @@ class Training(Resumable):
         sends fewer bytes per step on slow links; PowerSGD sends rank-``powersgd_rank`` factors
         after ``powersgd_start`` plain steps (default 10), and its state is in every checkpoint.
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
+        ``strategy="fsdp"`` shards parameters, gradients and optimizer state instead (FSDP2, see
+        :mod:`ddpkit.fsdp`): per unit (``fsdp_units`` classes, else children above a size), with
+        ``reshard_after_forward`` (ZeRO-3; False: ZeRO-2) and bf16 compute under ``precision="bf16"``;
+        the optimizer, made before or after, is rebound to the sharded parameters.
         Returns the model, or ``(model, optimizer)`` when an optimizer is given.
         """
         from ddpkit import compression
+
+        if strategy not in ("ddp", "fsdp"):
+            raise UsageError(f"unknown strategy {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)")
+        if strategy == "fsdp":
+            return self._setup_fsdp(model, optimizer, sync_batchnorm=sync_batchnorm, compile=compile,
+                                    grad_compression=grad_compression, fsdp_units=fsdp_units,
+                                    reshard_after_forward=reshard_after_forward, ddp_kwargs=ddp_kwargs)
 
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         compression.check(grad_compression, rank=powersgd_rank, start=powersgd_start, backend=backend,
@@ -116,6 +128,42 @@ class Training(Resumable):
             # Identical weights came from one seed; dropout and the like now differ per rank.
             seed_everything(self.seed + 1_000_003 * (self.rank + 1))
         return model if optimizer is None else (model, optimizer)
+
+    def _setup_fsdp(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                    sync_batchnorm: bool, compile: Any, grad_compression: str | None, fsdp_units: Any,
+                    reshard_after_forward: bool, ddp_kwargs: dict[str, Any]) -> Any:
+        from ddpkit import fsdp
+
+        fsdp.check(precision=self.precision.name, grad_compression=grad_compression, compile=compile,
+                   sync_batchnorm=sync_batchnorm, model=model, ddp_kwargs=ddp_kwargs)
+        units = [fsdp_units] if isinstance(fsdp_units, type) else fsdp_units
+        model = fsdp.shard(model, [optimizer] if optimizer is not None else [], device=self.device,
+                           precision=self.precision.name, fsdp_units=units,
+                           reshard_after_forward=reshard_after_forward)
+        self._models.append(model)
+        self._compressors.append(None)
+        self._buffers.append(None)
+        if optimizer is not None and optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+        self.heartbeat("start")
+        if self.seed is not None:
+            seed_everything(self.seed + 1_000_003 * (self.rank + 1))
+        return model if optimizer is None else (model, optimizer)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
+
+        Every rank must call it. Under ``strategy="fsdp"`` it gathers the shards (for export);
+        under DDP it is rank 0's copy.
+        """
+        from ddpkit import fsdp
+        from ddpkit.checkpoint import unwrap
+
+        if fsdp.is_sharded(model):
+            return fsdp.full_state_dict(model)
+        if not self.is_main:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
     def loader(self, dataset: Any, *, batch_size: int | None = None, global_batch_size: int | None = None,
                shuffle: bool = False, drop_last: bool = False, num_workers: int = 0,
@@ -276,7 +324,13 @@ class Training(Resumable):
         if last:
             loop.micro_step = 0
         self._accumulation = (divisor, last)
-        sync_off = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
+        sync_off = contextlib.nullcontext()
+        if not last and hasattr(model, "no_sync"):
+            sync_off = model.no_sync()
+        elif not last and hasattr(model, "set_requires_gradient_sync"):     # strategy="fsdp"
+            from ddpkit.fsdp import no_gradient_sync
+
+            sync_off = no_gradient_sync(model)
         try:
             with sync_off:
                 yield last

@@ -1,0 +1,123 @@
+"""``strategy="fsdp"``: shard parameters, gradients and optimizer state with FSDP2 (``fully_shard``).
+
+Each *unit* (the user's ``fsdp_units`` classes, else every child of the model, or of its
+``Sequential``/``ModuleList`` children, holding at least ``min_unit_params`` parameters) is
+sharded on its own, then the root: one all-gather per unit in forward and backward. FSDP2
+replaces every parameter with a new ``DTensor`` parameter, so an optimizer made before
+``setup`` would silently train nothing; ddpkit rebinds it to the sharded parameters by name.
+
+Gradients are reduce-scattered and averaged over the world, as DDP's all-reduce averages them,
+so ddpkit's loss weighting keeps results independent of the world size.
+
+Example:
+    >>> model, opt = rt.setup(net, torch.optim.AdamW(net.parameters()), strategy="fsdp")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ddpkit.errors import UsageError
+
+MIN_UNIT_PARAMS = 100_000
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was sharded with FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def check(*, precision: str, grad_compression: str | None, compile: Any, sync_batchnorm: bool,
+          model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse, in one line each, what is not built or tested with ``strategy="fsdp"``."""
+    if precision == "fp16":
+        raise UsageError("strategy='fsdp' with precision='fp16' is not supported (loss scaling of sharded "
+                         "gradients is not tested); use precision='bf16' or 'fp32'")
+    if grad_compression is not None:
+        raise UsageError("grad_compression is a DDP communication hook; strategy='fsdp' reduce-scatters "
+                         "instead: drop grad_compression or use strategy='ddp'")
+    if compile or hasattr(model, "_orig_mod"):
+        raise UsageError("strategy='fsdp' with torch.compile is not tested; compile after training or use strategy='ddp'")
+    if sync_batchnorm or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise UsageError("strategy='fsdp' with BatchNorm layers: their running statistics would stay per "
+                         "rank; use strategy='ddp' (which averages them) or a norm without running statistics")
+    if ddp_kwargs:
+        raise UsageError(f"{', '.join(sorted(ddp_kwargs))}: DistributedDataParallel options do not apply "
+                         "to strategy='fsdp'")
+
+
+def units(model: torch.nn.Module, classes: Sequence[type] | None, min_params: int) -> list[torch.nn.Module]:
+    """The submodules sharded on their own, innermost first (FSDP2 wants children before parents)."""
+    if classes:
+        found = [m for m in model.modules() if m is not model and isinstance(m, tuple(classes))]
+        if not found:
+            raise UsageError(f"fsdp_units={[c.__name__ for c in classes]}: the model has no such module")
+        return list(reversed(found))
+    chosen: list[torch.nn.Module] = []
+    for child in model.children():
+        inner = list(child.children()) if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)) else [child]
+        chosen += [m for m in inner if sum(p.numel() for p in m.parameters()) >= min_params]
+    return list(reversed(chosen))
+
+
+def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, device: torch.device,
+          precision: str, fsdp_units: Sequence[type] | None = None, reshard_after_forward: bool = True,
+          min_unit_params: int = MIN_UNIT_PARAMS) -> torch.nn.Module:
+    """Shard ``model`` in place (moved to ``device`` first) and rebind ``optimizers`` to its new parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for optimizer in optimizers:
+        if optimizer.state:
+            raise UsageError("the optimizer has state already (it stepped); build it before training, "
+                             "then call rt.setup(model, optimizer, strategy='fsdp')")
+    model.to(device)
+    names = {id(p): name for name, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    mesh = _mesh(device)
+    for unit in units(model, fsdp_units, min_unit_params):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    sharded = dict(model.named_parameters())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            missing = [p for p in group["params"] if id(p) not in names]
+            if missing:
+                raise UsageError("the optimizer holds parameters that are not the model's; build it from "
+                                 "model.parameters() of the model passed to rt.setup")
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return model
+
+
+def _mesh(device: torch.device) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():      # a world of one (python script.py): a group of one to shard over
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2's counterpart of DDP's ``no_sync``: keep unsharded gradients, reduce-scatter later."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole model's state on rank 0, on the CPU, with plain names (None elsewhere); a collective."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if not dist.is_initialized() or dist.get_rank() == 0 else None

@@ -1,0 +1,123 @@
+"""Functions run by ddpkit.launch (or in-process for a world of one) in tests/test_fsdp.py."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+import ddpkit
+
+GLOBAL_BATCH = 12
+
+
+class Toy(Dataset):
+    def __init__(self, length: int, offset: int = 0):
+        self.length, self.offset = length, offset
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        g = torch.Generator().manual_seed(index + self.offset)
+        x = torch.randn(8, generator=g)
+        return x, int(x.sum() > 0) + int(x[0] > 0.5)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                        torch.nn.GELU())
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _train(rt, strategy: str, name: str, *, optimizer_first: bool = True, accumulate: int = 1, clip: float | None = None,
+           epochs: int = 2) -> dict:
+    torch.manual_seed(0)
+    net = Net()
+    kwargs = {"strategy": strategy}
+    if strategy == "fsdp":
+        kwargs["fsdp_units"] = [torch.nn.Linear]
+    if optimizer_first:
+        model, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2), **kwargs)
+    else:
+        model = rt.setup(net, **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = rt.loader(Toy(100), global_batch_size=GLOBAL_BATCH, shuffle=True, name=name)
+    norms = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            with rt.accumulate(model, accumulate) if accumulate > 1 else _nothing():
+                rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                if clip is not None:
+                    norm = rt.clip_grad_norm_(model, clip)
+                    if norm is not None:
+                        norms.append(float(norm))
+                rt.step(opt)
+    test = Toy(101, offset=10_000)          # 101 samples in batches of 10: uneven shards per rank
+    metrics = ddpkit.evaluate(model, test, num_classes=3, batch_size=10)
+    predicted = ddpkit.predict(model, test, batch_size=10, to="all")
+    weights = rt.full_state_dict(model)
+    return {"weights": weights, "metrics": metrics, "predicted": predicted, "norms": norms}
+
+
+class _nothing:
+    def __enter__(self):
+        return True
+
+    def __exit__(self, *exc):
+        return False
+
+
+def compare(variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc", "fsdp-acc")) -> dict:
+    """Several trainings in one world: DDP and FSDP, optimizer before/after, accumulate + clip."""
+    rt = ddpkit.init(seed=0)
+    out = {}
+    for variant in variants:
+        strategy = variant.split("-")[0]
+        options = {}
+        if variant.endswith("-after"):
+            options["optimizer_first"] = False
+        if variant.endswith("-acc"):
+            options.update(accumulate=2, clip=0.5)
+        out[variant] = _train(rt, strategy, variant, **options)
+    return out
+
+
+def refusals() -> dict:
+    """What strategy='fsdp' refuses, in one line each (a world of one, in this process)."""
+    import ddpkit.errors
+
+    rt = ddpkit.current() or ddpkit.init(seed=0)
+    said = {}
+    cases = {
+        "strategy": lambda: rt.setup(Net(), strategy="zero"),
+        "compression": lambda: rt.setup(Net(), strategy="fsdp", grad_compression="fp16"),
+        "batchnorm": lambda: rt.setup(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)),
+                                      strategy="fsdp"),
+        "ddp-option": lambda: rt.setup(Net(), strategy="fsdp", find_unused_parameters=True),
+        "units": lambda: rt.setup(Net(), strategy="fsdp", fsdp_units=[torch.nn.Conv2d]),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+        except ddpkit.errors.UsageError as exc:
+            said[name] = str(exc)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    try:
+        rt.setup(net, opt, strategy="fsdp")
+    except ddpkit.errors.UsageError as exc:
+        said["stepped-optimizer"] = str(exc)
+    model = rt.setup(Net(), strategy="fsdp")
+    try:
+        rt.save("/nonexistent/ckpt.pt", {"model": model})
+    except ddpkit.errors.UsageError as exc:
+        said["save"] = str(exc)
+    return said
