@@ -121,3 +121,26 @@ def refusals() -> dict:
     except ddpkit.errors.UsageError as exc:
         said["save"] = str(exc)
     return said
+
+
+def resumable(mode: str, checkpoint_dir: str, strategy: str = "fsdp", stop_at: int = 17, epochs: int = 3) -> dict:
+    """AdamW + a scheduler, global batch 12: ``full``, ``stop`` (save after ``stop_at``), ``resume``."""
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model, opt = rt.setup(net, opt, strategy=strategy)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    state = {"model": model, "opt": opt, "sched": sched}
+    if mode == "resume":
+        rt.load(checkpoint_dir, state)
+    loader = rt.loader(Toy(100), global_batch_size=GLOBAL_BATCH, shuffle=True)
+    for _ in rt.epochs(epochs):
+        for x, y in loader:
+            rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if rt.step(opt):
+                sched.step()
+            if mode == "stop" and rt.global_step == stop_at:
+                saved = rt.save(checkpoint_dir, state)
+                return {"stopped": rt.global_step, "path": str(saved)}
+    return {"weights": rt.full_state_dict(model), "steps": rt.global_step, "lr": sched.get_last_lr()}

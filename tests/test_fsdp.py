@@ -76,7 +76,7 @@ def test_what_fsdp_refuses_is_one_line_each():
         "ddp-option": "find_unused_parameters: DistributedDataParallel options do not apply",
         "units": "fsdp_units=['Conv2d']: the model has no such module",
         "stepped-optimizer": "the optimizer has state already",
-        "save": "rt.save of a model set up with strategy='fsdp' is not built yet",
+        "save": "under strategy='fsdp' a checkpoint is a directory of shards",
     }
     assert said.keys() == expected.keys()
     for name, text in expected.items():
@@ -90,3 +90,86 @@ def test_fp16_under_fsdp_is_refused():
             rt.setup(fw.Net(), strategy="fsdp")
     finally:
         rt.close()
+
+
+# -- checkpoints that reshard ----------------------------------------------------------------
+
+@pytest.mark.slow       # 32 s, for make test's budget
+@pytest.mark.timeout(300)
+def test_fsdp_stopped_on_two_resumes_on_three_and_crosses_strategies(tmp_path):
+    full = ddpkit.launch(fw.resumable, nprocs=2, args=("full", str(tmp_path / "unused")))[0]
+    stopped = ddpkit.launch(fw.resumable, nprocs=2, args=("stop", str(tmp_path / "fsdp")))[0]
+    assert stopped["stopped"] == 17
+    saved = Path(stopped["path"])
+    assert saved.name == "ckpt-step00000017"
+    assert {"manifest.json", "ddpkit.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in saved.iterdir()}
+    on_three = ddpkit.launch(fw.resumable, nprocs=3, args=("resume", str(tmp_path / "fsdp")))[0]
+    assert on_three["steps"] == full["steps"] == 27 and on_three["lr"] == full["lr"]    # the scheduler came back
+    _close(on_three["weights"], full["weights"])
+    as_ddp = ddpkit.launch(fw.resumable, nprocs=2, args=("resume", str(tmp_path / "fsdp"), "ddp"))[0]
+    _close(as_ddp["weights"], full["weights"])                          # fsdp checkpoint -> DDP
+    ddpkit.launch(fw.resumable, nprocs=2, args=("stop", str(tmp_path / "ddp"), "ddp"))
+    assert [p.name for p in (tmp_path / "ddp").iterdir() if p.suffix == ".pt"] == ["ckpt-step00000017.pt"]
+    from_ddp = ddpkit.launch(fw.resumable, nprocs=2, args=("resume", str(tmp_path / "ddp"), "fsdp"))[0]
+    _close(from_ddp["weights"], full["weights"])                        # DDP checkpoint -> fsdp
+
+
+def _one_process_checkpoint(tmp_path) -> Path:
+    rt = ddpkit.init(seed=0)
+    model = rt.setup(fw.Net(), strategy="fsdp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt.backward(model(torch.randn(4, 8)).sum())
+    rt.step(opt)
+    path = rt.save(tmp_path / "ckpts", {"model": model, "opt": opt})
+    rt.close()
+    return path
+
+
+def _load_error(path, model_factory=fw.Net) -> str:
+    rt = ddpkit.init(seed=0)
+    try:
+        model = rt.setup(model_factory(), strategy="fsdp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ddpkit.DdpkitError) as caught:
+            rt.load(path, {"model": model, "opt": opt})
+        return str(caught.value)
+    finally:
+        rt.close()
+
+
+def test_bad_sharded_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_path):
+    import shutil
+
+    good = _one_process_checkpoint(tmp_path)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    missing = shutil.copytree(good, tmp_path / "missing" / good.name)
+    (missing / "__0_0.distcp").unlink()
+    assert "is incomplete: __0_0.distcp (in its manifest) is missing" in _load_error(missing)
+    damaged = shutil.copytree(good, tmp_path / "damaged" / good.name)
+    with open(damaged / "__0_0.distcp", "r+b") as handle:
+        handle.write(b"\0\0\0\0")
+    assert "is damaged: __0_0.distcp" in _load_error(damaged)
+
+    class Wider(fw.Net):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(32, 5)
+
+    said = _load_error(good, Wider)
+    assert said.startswith(f"checkpoint {good} does not fit this model") and "\n" not in said
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before        # loads wrote nothing
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_inside_an_fsdp_save_keeps_the_previous_checkpoint(tmp_path):
+    from helpers import python
+
+    script = str(Path(__file__).parent / "scripts" / "fsdp_kill_in_save.py")
+    killed = python(script, str(tmp_path), "3", timeout=60)
+    assert killed.returncode == -9, killed.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[1:] == ["ckpt-step00000001", "ckpt-step00000002"] and names[0].startswith(".ckpt-step00000003.tmp-")
+    resumed = python(script, str(tmp_path), "99", timeout=60)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from ckpt-step00000002 at step 2" in resumed.stdout
+    assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())     # the leftover is swept

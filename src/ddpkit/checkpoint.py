@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
@@ -171,6 +172,9 @@ def prune(directory: str | os.PathLike, keep: int) -> None:
     directory = Path(directory)
     found = sorted(_step_checkpoints(directory))
     for _, path in found[:-keep] if keep > 0 else []:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         path.unlink(missing_ok=True)
         _sum_path(path).unlink(missing_ok=True)
     for path in directory.iterdir():
@@ -198,7 +202,10 @@ def _alive(pid: int) -> bool:
 def _step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     if not directory.is_dir():
         return []
-    return [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_NAME.match(p.name))]
+    from ddpkit.dcp import STEP_DIR     # sharded (strategy="fsdp") checkpoints are step directories
+
+    return [(int(m.group(1)), p) for p in directory.iterdir()
+            if (m := _STEP_NAME.match(p.name)) or (p.is_dir() and (m := STEP_DIR.match(p.name)))]
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -213,6 +220,11 @@ def verify(path: str | os.PathLike) -> None:
         DdpkitError: missing, truncated or corrupted file.
     """
     path = Path(path)
+    if path.is_dir():
+        from ddpkit import dcp
+
+        dcp.verify(path)
+        return
     if not path.is_file():
         raise DdpkitError(f"checkpoint {path} does not exist; give a checkpoint file, or its directory for the newest")
     record_path = _sum_path(path)

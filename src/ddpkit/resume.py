@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
 from ddpkit import checkpoint, collectives, meeting
+from ddpkit import dcp
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -52,8 +53,9 @@ class Resumable:
         writes atomically; if the write fails, every rank raises. A directory ``path`` gets
         ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
         """
-        self._refuse_sharded("rt.save")
         self.heartbeat("save")
+        if self._sharded():
+            return self._save_sharded(Path(path), state)
         meeting_point = meeting.all_arrive("save", self.save_timeout)
         path = Path(path)
         rotate = path.is_dir() or path.suffix == ""
@@ -117,12 +119,74 @@ class Resumable:
                 for model in self._models]
         return collectives.all_gather_object(mine)
 
-    def _refuse_sharded(self, what: str) -> None:
+    def _sharded(self) -> bool:
         from ddpkit.fsdp import is_sharded
 
-        if any(is_sharded(model) for model in self._models):
-            raise UsageError(f"{what} of a model set up with strategy='fsdp' is not built yet (sharded "
-                             "checkpoints, issue 13); rt.full_state_dict(model) exports the weights on rank 0")
+        return any(is_sharded(model) for model in self._models)
+
+    def _save_sharded(self, path: Path, state: Mapping[str, Any]) -> Path:
+        """A DCP checkpoint in a fresh step directory of ``path`` (see :mod:`ddpkit.dcp`)."""
+        import uuid
+
+        if path.suffix == ".pt":
+            raise UsageError(f"rt.save({str(path)!r}): under strategy='fsdp' a checkpoint is a directory of "
+                             "shards; give a checkpoint directory (each save makes a ckpt-stepNNNNNNNN in it)")
+        if self.loop.micro_step:
+            raise UsageError("rt.save inside an accumulation group under strategy='fsdp' is not supported; "
+                             "save at the step that ends a group")
+        meeting_point = meeting.all_arrive("save", self.save_timeout)
+        target = dcp.step_dir(path, self.loop.step)
+        rngs = collectives.all_gather_object(checkpoint.rng_state())
+        token = collectives.broadcast_object(uuid.uuid4().hex[:12] if self.is_main else None)
+        own = None
+        if self.is_main:
+            plain = {key: state[key] for key in dcp.plain_entries(state)}
+            own = {"loop": self.loop.state_dict(), "epoch": self.loop.epoch, "step": self.loop.step,
+                   "rng": rngs, "world_size": self.world_size, "precision": self.precision.state_dict(),
+                   "config": {"seed": self.seed, "precision": self.precision.name},
+                   "user": checkpoint.user_state(plain), "ddpkit_version": _version(), "strategy": "fsdp"}
+        try:
+            dcp.save(target, state, own, token)
+            if self.is_main:
+                dcp.prune(path, self.keep_checkpoints, token)
+        except Exception as exc:
+            meeting.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}" if self.is_main
+                                  else None, self.timeout_s)
+            raise
+        meeting.share_outcome(meeting_point, None, self.timeout_s)
+        return target
+
+    def _restore_sharded(self, target: Path, state: MutableMapping[str, Any], strict: bool) -> Path:
+        problem = None
+        if self.is_main:
+            try:
+                dcp.verify(target)
+            except DdpkitError as exc:
+                problem = str(exc)
+        problem = collectives.broadcast_object(problem)
+        if problem is not None:
+            raise DdpkitError(problem)
+        own = dcp.load_own(target)
+        dcp.load(target, state)
+        plain = {key: state[key] for key in dcp.plain_entries(state) if key in own["user"]}
+        checkpoint.restore_user_state(plain, own["user"], target)
+        for key in plain:
+            state[key] = plain[key]
+        self.precision.load_state_dict(own["precision"])
+        self.loop.restore(own["loop"], source=str(target), strict=strict)
+        self._restore_rng(own, target)
+        return target
+
+    def _restore_rng(self, own: Mapping[str, Any], target: Path) -> None:
+        saved_world = int(own.get("world_size", 1))
+        if saved_world == self.world_size:
+            checkpoint.set_rng_state(own["rng"][self.rank])
+        elif self.is_main:
+            import warnings
+
+            warnings.warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
+                          f"{self.world_size}: the data order and per-sample randomness continue exactly, "
+                          "per-process random streams (dropout) start afresh", stacklevel=3)
 
     def load(self, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
         """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
@@ -132,13 +196,16 @@ class Resumable:
         differently from the saved one, is an error (a warning with ``strict=False``, and that
         loader's epoch starts over). Every rank must call it.
         """
-        self._refuse_sharded("rt.load")
         meeting.all_arrive("load", self.save_timeout)
         target = Path(path)
+        if dcp.is_dcp(target):
+            return self._restore_sharded(target, state, strict)
         if target.is_dir():
             found = self._newest_agreed(target)
             if found is None:
                 raise DdpkitError(f"no complete checkpoint in {target}")
+            if dcp.is_dcp(found):
+                return self._restore_sharded(found, state, strict)
             return self._restore(found, state, verified=True, strict=strict)
         return self._restore(target, state, verified=False, strict=strict)
 
@@ -154,7 +221,12 @@ class Resumable:
         if own["loop"].get("micro_step") and saved_world != self.world_size:      # before anything changes
             raise DdpkitError(f"checkpoint {target} was saved inside an accumulation group on {saved_world} "
                               f"process(es); resume it on {saved_world}, or save at the step that ends a group")
-        checkpoint.restore_user_state(state, payload["user"], target)
+        taken: list[str] = []
+        if self._sharded():             # a replicated (DDP) run's checkpoint, into sharded models
+            taken = dcp.load_plain_into_sharded(state, payload["user"])
+        rest = {key: value for key, value in state.items() if key not in taken}
+        checkpoint.restore_user_state(rest, {k: v for k, v in payload["user"].items() if k not in taken}, target)
+        state.update(rest)
         self.precision.load_state_dict(own["precision"])
         self.loop.restore(own["loop"], source=str(target), strict=strict)
         if "accumulated_grads" in own:
@@ -172,14 +244,7 @@ class Resumable:
         for index in range(len(self._models)):
             self._restore_compression(index)
             self._restore_buffers(index)
-        if saved_world == self.world_size:
-            checkpoint.set_rng_state(own["rng"][self.rank])
-        elif self.is_main:
-            import warnings
-
-            warnings.warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
-                          f"{self.world_size}: the data order and per-sample randomness continue exactly, "
-                          "per-process random streams (dropout) start afresh", stacklevel=2)
+        self._restore_rng(own, target)
         return target
 
     def _restore_buffers(self, index: int) -> None:
@@ -239,6 +304,8 @@ class Resumable:
             found = None if self.checkpoint_dir is None else self._newest_agreed(self.checkpoint_dir)
             if found is None:
                 return None
+            if dcp.is_dcp(found):
+                return self._restore_sharded(found, state, strict)
             return self._restore(found, state, verified=True, strict=strict)
         return self.load(self.resume_from, state, strict=strict)
 
@@ -253,7 +320,7 @@ class Resumable:
         found = collectives.broadcast_object(None if found is None else str(found))
         if found is None:
             return None
-        if not Path(found).is_file():
+        if not Path(found).exists():
             import socket
 
             raise DdpkitError(

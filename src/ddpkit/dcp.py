@@ -1,0 +1,211 @@
+"""Checkpoints of sharded models: ``torch.distributed.checkpoint`` (DCP) in step directories.
+
+Under ``strategy="fsdp"`` each rank writes its own shards; nothing is gathered on one rank. A
+checkpoint is a directory ``ckpt-stepNNNNNNNN`` holding DCP's files, ``ddpkit.pt`` (loop state,
+RNGs, scaler, the state entries that are not sharded) and ``manifest.json`` (every file's size
+and SHA-256, the torch version, the world size). It is written under a temporary name and
+renamed into place last, with the parent directory fsynced, so a save cut short leaves no
+directory that looks complete. DCP reshards on load: a checkpoint of 2 processes loads on 3,
+into an FSDP model or a DDP one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+from ddpkit import collectives
+from ddpkit.checkpoint import _digest, _fsync_dir, unwrap
+from ddpkit.errors import DdpkitError
+
+STEP_DIR = re.compile(r"^ckpt-step(\d+)$")
+MANIFEST = "manifest.json"
+OWN = "ddpkit.pt"
+FORMAT = "ddpkit-dcp"
+
+
+def step_dir(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"ckpt-step{step:08d}"
+
+
+def is_dcp(path: str | os.PathLike) -> bool:
+    return (Path(path) / MANIFEST).is_file() or Path(path).is_dir() and bool(STEP_DIR.match(Path(path).name))
+
+
+def _entries(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """Split ``state`` into models and their optimizers (to DCP) and everything else."""
+    models = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    optimizers: dict[str, tuple[Any, Any]] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.optim.Optimizer):
+            params = {id(p) for group in value.param_groups for p in group["params"]}
+            owner = next((m for m in models.values() if params & {id(p) for p in m.parameters()}), None)
+            if owner is not None:
+                optimizers[key] = (owner, value)
+    return models, optimizers
+
+
+def sharded_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP state dict of ``state``'s models and optimizers (sharded where the model is)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    models, optimizers = _entries(state)
+    out: dict[str, Any] = {key: get_model_state_dict(unwrap(model)) for key, model in models.items()}
+    for key, (model, optimizer) in optimizers.items():
+        out[key] = get_optimizer_state_dict(unwrap(model), optimizer)
+    return out
+
+
+def plain_entries(state: Mapping[str, Any]) -> list[str]:
+    models, optimizers = _entries(state)
+    return [key for key in state if key not in models and key not in optimizers]
+
+
+def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, token: str) -> None:
+    """Write a DCP checkpoint into ``target`` atomically (every rank calls it; ``own`` on rank 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = target.with_name(f".{target.name}.tmp-{token}")
+    if collectives.rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    dcp.save(sharded_state(state), checkpoint_id=str(tmp))
+    _barrier()
+    if collectives.rank() == 0:
+        with open(tmp / OWN, "wb") as handle:
+            torch.save(dict(own or {}), handle)
+        files = {}
+        for path in sorted(tmp.iterdir()):
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            digest, size = _digest(path)
+            files[path.name] = {"size": size, "sha256": digest}
+        manifest = {"format": FORMAT, "torch": torch.__version__, "world_size": collectives.world_size(),
+                    "files": files}
+        with open(tmp / MANIFEST, "w") as handle:
+            json.dump(manifest, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+
+
+def prune(directory: Path, keep: int, token: str) -> None:
+    """Keep the newest ``keep`` checkpoints; remove what saves killed midway left (not ``token``'s)."""
+    from ddpkit.checkpoint import prune as prune_steps
+
+    prune_steps(directory, keep)
+    for path in directory.iterdir():
+        if path.is_dir() and path.name.startswith(".ckpt-step") and ".tmp-" in path.name \
+                and not path.name.endswith(token):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a complete, undamaged DCP checkpoint, or one clear :class:`DdpkitError`."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise DdpkitError(f"checkpoint {path} has no {MANIFEST}: it is not a complete ddpkit checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError:
+        raise DdpkitError(f"checkpoint {path}: its {MANIFEST} is damaged") from None
+    if manifest.get("format") != FORMAT:
+        raise DdpkitError(f"checkpoint {path}: {MANIFEST} is not a ddpkit DCP manifest")
+    if _major_minor(manifest.get("torch", "")) > _major_minor(torch.__version__):
+        raise DdpkitError(f"checkpoint {path} was written by torch {manifest.get('torch')}, newer than this "
+                          f"torch {torch.__version__}; load it with torch {manifest.get('torch')} or newer")
+    for name, record in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise DdpkitError(f"checkpoint {path} is incomplete: {name} (in its manifest) is missing")
+        digest, size = _digest(file)
+        if size != record["size"] or digest != record["sha256"]:
+            raise DdpkitError(f"checkpoint {path} is damaged: {name} has {size} bytes and another checksum "
+                              f"than its manifest records ({record['size']} bytes)")
+    return manifest
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def load_own(path: Path) -> dict[str, Any]:
+    return torch.load(path / OWN, map_location="cpu", weights_only=False)
+
+
+def load(path: Path, state: MutableMapping[str, Any]) -> None:
+    """Load the models and optimizers of ``state`` from the DCP checkpoint ``path``, resharding."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    template = sharded_state(state)
+    try:
+        dcp.load(template, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:     # CheckpointException is a BaseException
+        raise DdpkitError(f"checkpoint {path} does not fit this model: {_cause(exc)}") from None
+    models, optimizers = _entries(state)
+    for key, model in models.items():
+        set_model_state_dict(unwrap(model), template[key])
+    for key, (model, optimizer) in optimizers.items():
+        set_optimizer_state_dict(unwrap(model), optimizer, template[key])
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost ``SomeError: message`` line of DCP's per-rank tracebacks."""
+    found = [line.strip() for line in str(exc).splitlines() if re.match(r"^\s*\w+(Error|Exception): ", line)]
+    return found[-1] if found else f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def load_plain_into_sharded(state: MutableMapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """A ``.pt`` checkpoint of a replicated (DDP) run into sharded models; returns the keys it took."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from ddpkit.fsdp import is_sharded
+
+    models, optimizers = _entries(state)
+    full = StateDictOptions(full_state_dict=True)
+    taken = []
+    for key, model in models.items():
+        if is_sharded(model) and key in saved:
+            set_model_state_dict(model, saved[key], options=full)
+            taken.append(key)
+    for key, (model, optimizer) in optimizers.items():
+        if is_sharded(model) and key in saved:
+            set_optimizer_state_dict(model, optimizer, _by_name(model, optimizer, saved[key]), options=full)
+            taken.append(key)
+    return taken
+
+
+def _by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (parameters by position) keyed by parameter name, as DCP wants it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(saved_ids) != len(order):
+        raise DdpkitError(f"the checkpoint's optimizer holds {len(saved_ids)} parameters, this one "
+                          f"{len(order)}: build the optimizer over the same parameters")
+    name_of = dict(zip(saved_ids, order))
+    state = {name_of[i]: value for i, value in saved["state"].items()}
+    groups = [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,35 @@
+"""Train under strategy='fsdp' (a world of one), saving every step; killed inside the save of step
+``argv[2]`` just before its directory is renamed into place (argv[1]: the checkpoint directory).
+With ``resume`` it resumes from checkpoint_dir (resume='auto') and prints the step it resumed at."""
+
+import os
+import signal
+import sys
+
+import torch
+
+import ddpkit
+import ddpkit.dcp
+
+directory, kill_at = sys.argv[1], int(sys.argv[2])
+rt = ddpkit.init(seed=0, checkpoint_dir=directory, resume="auto")
+model = torch.nn.Linear(4, 2)
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="fsdp")
+state = {"model": model, "opt": opt}
+found = rt.resume(state)
+print(f"resumed from {found.name if found else None} at step {rt.global_step}", flush=True)
+real_replace = os.replace
+
+
+def killed(src, dst):
+    if os.path.basename(dst) == f"ckpt-step{kill_at:08d}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+
+
+ddpkit.dcp.os.replace = killed
+for _ in range(4):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    rt.backward(loss)
+    rt.step(opt)
+    rt.save(directory, state)
