@@ -165,6 +165,28 @@ def test_plan_crosses_data_formats_and_a_shards_row_runs(tmp_path):
     assert "| shards |" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.slow      # 55 s: an 80M-parameter model with AdamW on 2 processes, twice
+@pytest.mark.timeout(300)
+def test_fsdp_holds_half_the_state_of_ddp_per_rank(tmp_path):
+    result = ddpkit_cli("bench", "--model", "mlp-large", "--data", "synthetic", "--modes", "ddp,fsdp",
+                        "--nproc", "2", "--optimizer", "adamw", "--batch", "8", "--steps", "4", "--warmup", "1",
+                        "--out", str(tmp_path), timeout=280)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["configurations"]}
+    ddp, fsdp = rows["ddp"]["state_bytes_per_rank"], rows["fsdp"]["state_bytes_per_rank"]
+    assert len(ddp) == len(fsdp) == 2 and max(fsdp) <= 0.6 * min(ddp)
+    params = sum(p.numel() for p in build_model("mlp-large", num_classes=10, in_channels=3,
+                                                image_size=32).parameters())
+    assert ddp[0] == 16 * params                 # fp32 AdamW: weights, gradients, 2 moments (ZeRO's 16 bytes)
+
+
+def test_plan_refuses_compression_under_fsdp():
+    configs = plan(Settings(model="mlp", modes=("fsdp",), nproc=(2,), grad_compression=("none", "fp16")), gpus=0)
+    assert [c.label for c in configs] == ["fsdp x2 fp32", "fsdp x2 fp32 fp16"]
+    assert configs[0].reason is None and "DDP hook" in configs[1].reason
+    assert "BatchNorm" in plan(Settings(model="convnet", modes=("fsdp",)), gpus=0)[0].reason
+
+
 def test_plan_runs_dp_only_with_two_gpus():
     settings = Settings(modes=("single", "dp", "ddp", "ddp-amp"), nproc=(1, 2))
     on_cpu = plan(settings, gpus=0)
@@ -176,7 +198,7 @@ def test_plan_runs_dp_only_with_two_gpus():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--modes", "single,fsdp"], "unknown mode 'fsdp'"),
+    (["--modes", "single,zero"], "unknown mode 'zero'"),
     (["--nproc", "0"], "--nproc values must be at least 1"),
     (["--nproc", "two"], "--nproc takes comma-separated integers"),
     (["--steps", "0"], "--steps must be at least 1"),

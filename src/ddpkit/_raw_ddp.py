@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.bench_worker import bench_dataset, mark, rank_stats, worker_parser, write_result
+from ddpkit.bench_worker import bench_dataset, make_optimizer, mark, rank_stats, worker_parser, write_result
 from ddpkit.recipes.models import build_model
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,7 +75,7 @@ def train(opts: Any) -> None:
                             image_size=info.image_size).to(device)
         model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
         _register_hook(model, opts.grad_compression, opts.warmup)
-        optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
+        optimizer = make_optimizer(model, opts)
         amp_dtype = _AMP_DTYPES.get(opts.precision)
         scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None
         sampler = DistributedSampler(info.dataset, num_replicas=world_size, rank=rank, shuffle=True,

@@ -39,10 +39,10 @@ from ddpkit.bench_report import PHASES, diagnose, write_outputs
 from ddpkit.cliparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
 
-MODES = ("single", "dp", "ddp", "ddp-amp")
+MODES = ("single", "dp", "ddp", "ddp-amp", "fsdp")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 HOST_PORT = 29500           # the rendezvous port on simulated host 0 (a fresh namespace: nothing else there)
-MODELS = ("convnet", "mlp", "resnet18")
+MODELS = ("convnet", "mlp", "mlp-large", "resnet18")
 DATA = ("synthetic", "digits")
 
 
@@ -67,6 +67,7 @@ class Settings:
     hosts: tuple[int, ...] = ()  # simulated hosts per DDP configuration; () runs on this machine as is
     link_mbit: float | None = None
     data_format: tuple[str, ...] = ("map",)   # map: the Dataset; shards: the same samples as ddpkit.Shards
+    optimizer: str = "sgd"
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,24 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
         else:
             precision = amp if mode == "ddp-amp" else "fp32"
             found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h,
-                                    reason=_compression_reason(comp, precision, n * max(h, 1)))
+                                    reason=_fsdp_reason(settings.model, comp) if mode == "fsdp"
+                                    else _compression_reason(comp, precision, n * max(h, 1)))
                       for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression]
     return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
+
+
+def _fsdp_reason(model: str, compression: str) -> str | None:
+    """Why strategy='fsdp' cannot run ``model`` with ``compression``, or None."""
+    if compression != "none":
+        return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
+    import torch
+
+    from ddpkit.recipes.models import build_model
+
+    built = build_model(model, num_classes=10, in_channels=3, image_size=32)
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in built.modules()):
+        return f"fsdp refuses BatchNorm models ({model}); use --model mlp or mlp-large"
+    return None
 
 
 def _compression_reason(choice: str, precision: str, world_size: int) -> str | None:
@@ -148,7 +164,8 @@ def _launch(config: Configuration, settings: Settings, result: Path, *, raw: boo
             "--batch", str(settings.batch), "--steps", str(settings.steps), "--warmup", str(settings.warmup),
             "--seed", str(settings.seed), "--lr", repr(settings.lr), "--momentum", repr(settings.momentum),
             "--result", str(result), "--grad-compression", config.grad_compression,
-            "--data-format", config.data_format]
+            "--data-format", config.data_format, "--optimizer", settings.optimizer,
+            "--strategy", "fsdp" if config.mode == "fsdp" else "ddp"]
     if config.mode == "dp":
         args.append("--data-parallel")
     result.unlink(missing_ok=True)
@@ -241,6 +258,8 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "speedup": None, "efficiency": None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
+        # parameters + gradients + optimizer state this rank holds (DDP: all; fsdp: its shards)
+        "state_bytes_per_rank": [r.get("state_bytes") for r in ranks],
         "peak_cuda_mb": max(cuda) if None not in cuda else None,
         "breakdown": breakdown, "comm": comm,
         "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
@@ -377,6 +396,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--hosts", default=None, help="comma-separated counts of simulated hosts (network namespaces "
         "on a bridge, needs root), --nproc processes each; needs --link-mbit")
     add("--link-mbit", type=float, default=None, help="each simulated host's link speed in Mbit/s (tc tbf)")
+    add("--optimizer", choices=("sgd", "adamw"), default=d.optimizer, help=f"optimizer (default {d.optimizer}); "
+        "adamw holds 2 state tensors per parameter, what sharding (fsdp) divides")
     add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
         "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
     return parser
@@ -419,7 +440,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
                         repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
-                        link_mbit=opts.link_mbit, data_format=formats)
+                        link_mbit=opts.link_mbit, data_format=formats, optimizer=opts.optimizer)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

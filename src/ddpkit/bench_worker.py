@@ -58,6 +58,8 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"))
     parser.add_argument("--data-format", default="map", choices=("map", "shards"))
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     return parser
 
 
@@ -127,12 +129,36 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
     }
 
 
+def make_optimizer(model: torch.nn.Module, opts: argparse.Namespace) -> torch.optim.Optimizer:
+    """``--optimizer``: SGD with momentum, or AdamW (two state tensors per parameter)."""
+    if opts.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    return torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor      # a DTensor's own shard
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state this rank holds (under fsdp: its shards only).
+
+    Gradients count as one per trainable parameter: they exist from backward to the step.
+    """
+    params = [_local(p) for p in unwrap(model).parameters()]
+    held = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(_local(p).numel() * p.element_size() for p in unwrap(model).parameters() if p.requires_grad)
+    state = sum(_local(v).numel() * v.element_size() for entry in optimizer.state.values()
+                for v in entry.values() if isinstance(v, torch.Tensor))
+    return int(held + grads + state)
+
+
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 of every parameter and buffer, in state-dict order: equal digests = bitwise equal."""
     digest = hashlib.sha256()
     for key, value in unwrap(model).state_dict().items():
         digest.update(key.encode())
-        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(_local(value.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -186,10 +212,13 @@ def train(opts: argparse.Namespace) -> None:
     torch.manual_seed(opts.seed)
     model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                         image_size=info.image_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
+    optimizer = make_optimizer(model, opts)
     compression = None if opts.grad_compression == "none" else opts.grad_compression
-    model, optimizer = rt.setup(model, optimizer, grad_compression=compression,
-                                powersgd_start=powersgd_start(opts.warmup))
+    if opts.strategy == "fsdp":
+        model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
+    else:
+        model, optimizer = rt.setup(model, optimizer, grad_compression=compression,
+                                    powersgd_start=powersgd_start(opts.warmup))
     compressor = rt._compressors[-1]
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
@@ -214,6 +243,7 @@ def train(opts: argparse.Namespace) -> None:
         marks.append((start, fetched, forward, backward, mark(device)))
     payload = None if compressor is None else compressor.payload_bytes / opts.steps
     stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload)
+    stats["state_bytes"] = state_bytes(model, optimizer)
     gathered = ddpkit.all_gather_object(stats)
     if rt.is_main:
         write_result(opts.result, gathered, loop="ddpkit", world_size=rt.world_size,

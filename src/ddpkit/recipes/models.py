@@ -13,7 +13,7 @@ from torch import nn
 from ddpkit.errors import UsageError
 from ddpkit.recipes.resnet import ResNet
 
-MODELS = ("convnet", "mlp", "resnet18", "resnet50")
+MODELS = ("convnet", "mlp", "mlp-large", "resnet18", "resnet50")
 
 
 class _ConvNet(nn.Module):
@@ -54,6 +54,14 @@ def _mlp(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     )
 
 
+def _mlp_large(num_classes: int, in_channels: int, image_size: int, width: int = 4096) -> nn.Module:
+    """About 80M parameters on 3x32x32 inputs: large enough for sharding (fsdp) to matter."""
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_channels * image_size**2, width), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+
 def _check_sizes(name: str, num_classes: int, in_channels: int, image_size: int) -> None:
     """Reject sizes that would only fail later inside a layer with a cryptic shape error."""
     for label, value in (("num_classes", num_classes), ("in_channels", in_channels),
@@ -89,4 +97,6 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
         return _ConvNet(num_classes, in_channels, image_size)
     if name == "mlp":
         return _mlp(num_classes, in_channels, image_size)
+    if name == "mlp-large":
+        return _mlp_large(num_classes, in_channels, image_size)
     return ResNet(name, num_classes, in_channels)
