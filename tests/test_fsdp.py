@@ -173,3 +173,69 @@ def test_a_kill_inside_an_fsdp_save_keeps_the_previous_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from ckpt-step00000002 at step 2" in resumed.stdout
     assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())     # the leftover is swept
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+@pytest.mark.slow       # ~25 s: train on 2 processes, predict on 2, export
+@pytest.mark.timeout(300)
+def test_train_predict_and_export_with_strategy_fsdp(tmp_path):
+    from helpers import ddpkit as ddpkit_cli
+
+    out = tmp_path / "run"
+    trained = ddpkit_cli("train", "--model", "mlp", "--data", "digits", "--strategy", "fsdp", "--nproc", "2",
+                         "--epochs", "1", "--out", str(out), timeout=200)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    import json
+
+    assert json.loads((out / "summary.json").read_text())["strategy"] == "fsdp"
+    [saved] = [p for p in (out / "checkpoints").iterdir()]
+    assert (saved / "manifest.json").is_file()
+    predicted = ddpkit_cli("predict", "--checkpoint", str(out / "checkpoints"), "--data", "digits", "--nproc", "2",
+                           "--out", str(tmp_path / "p.csv"), timeout=200)
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    rows = (tmp_path / "p.csv").read_text().splitlines()
+    exported = ddpkit_cli("export", "--checkpoint", str(out / "checkpoints"), "--out", str(tmp_path / "m.pt"))
+    assert exported.returncode == 0, exported.stderr
+    weights = torch.load(tmp_path / "m.pt")
+    from ddpkit.recipes.datasets import load_dataset
+    from ddpkit.recipes.models import build_model
+
+    model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
+    model.load_state_dict(weights)              # plain names, the whole model
+    test = load_dataset("digits", "test")
+    first = test.dataset[0][0].unsqueeze(0)
+    assert rows[1].split(",")[1] == str(int(model(first).argmax()))
+
+
+def test_train_and_export_refuse_bad_input_in_one_line(tmp_path):
+    from helpers import ddpkit as ddpkit_cli
+
+    refused = ddpkit_cli("train", "--model", "convnet", "--strategy", "fsdp", "--out", str(tmp_path / "r"))
+    assert refused.returncode == 2 and "BatchNorm layers" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    wrong = ddpkit_cli("train", "--strategy", "zero", "--out", str(tmp_path / "r"))
+    assert wrong.returncode == 2 and "--strategy 'zero': choose ddp or fsdp" in wrong.stderr
+    (tmp_path / "m.pt").write_bytes(b"keep me")
+    kept = ddpkit_cli("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt"))
+    assert kept.returncode == 2 and "pass --overwrite" in kept.stderr
+    assert (tmp_path / "m.pt").read_bytes() == b"keep me"
+
+
+def test_fsdp_trains_and_evaluates_on_streams():
+    import stream_workers as sw
+
+    rt = ddpkit.init(seed=0)
+    try:
+        model = rt.setup(torch.nn.Linear(4, 3), strategy="fsdp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = rt.full_state_dict(model)["weight"].clone()
+        for _, x, y in rt.loader(sw.shards(), global_batch_size=12, shuffle=True):
+            rt.backward(torch.nn.functional.cross_entropy(model(x), (y[:, 0] > 1).long()))
+            rt.step(opt)
+        assert not torch.equal(rt.full_state_dict(model)["weight"], before)
+        metrics = ddpkit.evaluate(model, sw.pairs("shards"), num_classes=3, batch_size=10)
+        assert metrics["count"] == sw.TOTAL
+        assert ddpkit.predict(model, sw.pairs("plain"), batch_size=10).shape == (sw.TOTAL, 3)
+    finally:
+        rt.close()

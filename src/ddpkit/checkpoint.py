@@ -256,6 +256,10 @@ def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool =
         DdpkitError: corrupt, not a ddpkit checkpoint, from a newer ddpkit, or holding
             objects that would need arbitrary unpickling.
     """
+    if Path(path).is_dir():            # a sharded (strategy="fsdp") checkpoint, consolidated here
+        from ddpkit import dcp
+
+        return dcp.read_consolidated(Path(path), verified=verified)
     if not verified:
         verify(path)
     try:

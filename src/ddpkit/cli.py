@@ -129,6 +129,8 @@ def _train_parser() -> argparse.ArgumentParser:
     add("--grad-compression", dest="grad_compression", help="gradients on the wire: none, fp16, bf16 or "
         "powersgd (default none; see README 'Slow links')")
     add("--powersgd-rank", dest="powersgd_rank", type=int, help="rank of PowerSGD's factors (default 2)")
+    add("--strategy", help="ddp (replicated, default) or fsdp (sharded parameters, gradients and optimizer "
+        "state; checkpoints are directories of shards that resume on any world size)")
     add("--workers", type=int, help="DataLoader workers per process (default 0)")
     add("--seed", type=int, help="seed (default 0)")
     add("--out", help=f"output directory (default {defaults.out})")
@@ -199,6 +201,40 @@ def cmd_predict(argv: Sequence[str]) -> int:
     return code
 
 
+def cmd_export(argv: Sequence[str]) -> int:
+    """``ddpkit export``: one checkpoint's model weights as a plain ``torch.save`` state dict."""
+    from pathlib import Path
+
+    import torch
+
+    from ddpkit import checkpoint, dcp
+    from ddpkit.tracking import atomic_path
+
+    parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
+                    "as one state dict with plain names, loadable with torch.load and model.load_state_dict.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint (file, step directory, or a "
+                        "checkpoint directory: its newest)")
+    parser.add_argument("--out", required=True, help="FILE.pt to write")
+    parser.add_argument("--key", default="model", help="the state entry to export (default model)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    opts = parser.parse_args(argv)
+    source, out = Path(opts.checkpoint), Path(opts.out)
+    if out.exists() and not opts.overwrite:
+        raise UsageError(f"--out {out} exists; pass --overwrite to replace it")
+    if not source.exists():
+        raise UsageError(f"--checkpoint {source} does not exist")
+    path = source if source.is_file() or dcp.is_dcp(source) else checkpoint.latest(source)
+    if path is None:
+        raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
+    user = checkpoint.read(path)["user"]
+    if opts.key not in user:
+        raise DdpkitError(f"checkpoint {path} has no entry {opts.key!r}; it has {', '.join(sorted(user))}")
+    with atomic_path(out) as tmp:
+        torch.save(user[opts.key], tmp)
+    print(f"ddpkit export: wrote {out} ({opts.key} of {path})")
+    return 0
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     from ddpkit.bench import cmd_bench as bench_main
 
@@ -216,6 +252,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (cmd_train, "train a built-in recipe (convnet/mlp/resnet on digits/mnist/cifar10/synthetic)"),
     "predict": (cmd_predict, "predict with a ddpkit train checkpoint, one row per input in input order"),
     "bench": (cmd_bench, "measure throughput, scaling, memory and the step breakdown per mode"),
+    "export": (cmd_export, "write a checkpoint's model weights (sharded or not) as one plain state dict"),
     "slurm": (cmd_slurm, "print an sbatch script that runs a script with ddpkit on N nodes"),
     "doctor": (cmd_doctor, "check this machine and launch for what would make a run fail"),
     "demo": (cmd_demo, "run the built-in end-to-end demonstration"),

@@ -140,6 +140,25 @@ def _major_minor(version: str) -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
+def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
+    """The whole checkpoint in one process, as :func:`ddpkit.checkpoint.read` returns a ``.pt``
+    (``{"user": {...}, "ddpkit": {...}}``): for ``ddpkit predict`` and ``ddpkit export``, on request."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not verified:
+        verify(path)
+    own = load_own(path)
+    with tempfile.TemporaryDirectory(prefix="ddpkit-export-") as scratch:
+        whole = Path(scratch) / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        full = torch.load(whole, map_location="cpu", weights_only=True)
+    user = dict(own.pop("user", {}))
+    user.update(full)
+    return {"format": FORMAT, "user": user, "ddpkit": own, "ddpkit_version": own.get("ddpkit_version")}
+
+
 def load_own(path: Path) -> dict[str, Any]:
     return torch.load(path / OWN, map_location="cpu", weights_only=False)
 

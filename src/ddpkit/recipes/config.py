@@ -48,6 +48,8 @@ class TrainConfig:
     """Synchronise BatchNorm statistics across processes (needed for world-size invariance)."""
     grad_compression: str | None = None
     """Gradient compression on the wire: none, fp16, bf16 or powersgd (see ddpkit.compression)."""
+    strategy: str = "ddp"
+    """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded; see ddpkit.fsdp)."""
     powersgd_rank: int = 2
     """Rank of PowerSGD's low-rank factors (higher: more bytes, closer to the full gradient)."""
     workers: int = 0
@@ -208,11 +210,27 @@ def validate(config: TrainConfig) -> None:
 
     check(config.grad_compression, rank=config.powersgd_rank, start=None, backend=None,
           device=torch.device("cpu"), precision=config.precision, compile=False)   # bf16 on NCCL: at setup
+    if config.strategy not in ("ddp", "fsdp"):
+        raise UsageError(f"--strategy {config.strategy!r}: choose ddp or fsdp")
+    if config.strategy == "fsdp":
+        _check_fsdp(config)
     if config.lr <= 0:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     if config.hang_timeout is not None and not config.hang_timeout > 0:
         raise UsageError(f"--hang-timeout must be a positive number of seconds, got {config.hang_timeout}")
     _check_out(config)
+
+
+def _check_fsdp(config: TrainConfig) -> None:
+    """What ``--strategy fsdp`` refuses, before any process starts (rt.setup says the same)."""
+    from ddpkit.fsdp import check
+    from ddpkit.recipes.models import build_model
+
+    if config.data_parallel:
+        raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
+    check(precision=config.precision, grad_compression=config.grad_compression, compile=False,
+          sync_batchnorm=config.sync_bn, ddp_kwargs={},
+          model=build_model(config.model, num_classes=10, in_channels=3, image_size=32))
 
 
 def _check_out(config: TrainConfig) -> None:

@@ -47,8 +47,11 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
                         image_size=train.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
-    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn,
-                                grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank)
+    if config.strategy == "fsdp":
+        model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
+    else:
+        model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn,
+                                    grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank)
     if config.data_parallel:   # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
     sizes = {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
@@ -101,7 +104,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "world_size": rt.world_size, "precision": config.precision, "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
         "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
-        "sync_bn": config.sync_bn, "grad_compression": config.grad_compression or "none",
+        "sync_bn": config.sync_bn, "grad_compression": config.grad_compression or "none", "strategy": config.strategy,
         "powersgd_rank": config.powersgd_rank if config.grad_compression == "powersgd" else None,
         "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
         "test_count": metrics["count"], "wall_seconds": time.perf_counter() - started,
