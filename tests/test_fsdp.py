@@ -239,3 +239,14 @@ def test_fsdp_trains_and_evaluates_on_streams():
         assert ddpkit.predict(model, sw.pairs("plain"), batch_size=10).shape == (sw.TOTAL, 3)
     finally:
         rt.close()
+
+
+def test_fsdp_resumed_on_the_same_world_size_is_bitwise(tmp_path):
+    runs = []
+    for mode in ("full", "stop", "resume"):
+        runs.append(fw.resumable(mode, str(tmp_path / "ckpts")))
+        ddpkit.current().close()
+    full, stopped, resumed = runs
+    assert stopped["stopped"] == 17 and resumed["steps"] == full["steps"] == 27
+    for key in full["weights"]:
+        assert torch.equal(resumed["weights"][key], full["weights"][key]), key
