@@ -177,7 +177,8 @@ def test_fsdp_holds_half_the_state_of_ddp_per_rank(tmp_path):
     assert len(ddp) == len(fsdp) == 2 and max(fsdp) <= 0.6 * min(ddp)
     params = sum(p.numel() for p in build_model("mlp-large", num_classes=10, in_channels=3,
                                                 image_size=32).parameters())
-    assert ddp[0] == 16 * params                 # fp32 AdamW: weights, gradients, 2 moments (ZeRO's 16 bytes)
+    # fp32 AdamW: weights, gradients, 2 moments (ZeRO's 16 bytes), plus AdamW's scalar step counters
+    assert 0 <= ddp[0] - 16 * params < 1024
 
 
 def test_plan_refuses_compression_under_fsdp():
