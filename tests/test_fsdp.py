@@ -241,6 +241,7 @@ def test_fsdp_trains_and_evaluates_on_streams():
         rt.close()
 
 
+@pytest.mark.slow       # 15 s, for make test's budget
 def test_fsdp_resumed_on_the_same_world_size_is_bitwise(tmp_path):
     runs = []
     for mode in ("full", "stop", "resume"):
