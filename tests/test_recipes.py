@@ -137,7 +137,7 @@ def test_resnets_match_torchvision_without_needing_it(name, params, keys, monkey
 
 
 def test_unknown_model_lists_choices():
-    with pytest.raises(UsageError, match="unknown model 'vgg'.*convnet, mlp, resnet18, resnet50"):
+    with pytest.raises(UsageError, match="unknown model 'vgg'.*convnet, mlp, mlp-large, resnet18, resnet50"):
         build_model("vgg", num_classes=10, in_channels=1, image_size=8)
 
 
