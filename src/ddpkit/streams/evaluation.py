@@ -18,7 +18,8 @@ from ddpkit import collectives, runtime
 from ddpkit.errors import DdpkitError
 from ddpkit.streams.order import EpochOrder
 from ddpkit.streams.pieces import Pieces, as_is
-from ddpkit.streams.shards import ShardError, Shards, ensure_lengths, read_range
+from ddpkit.streams.reading import ensure_lengths, read_range
+from ddpkit.streams.shards import ShardError, Shards
 
 _warned: set[str] = set()
 

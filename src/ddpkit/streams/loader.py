@@ -24,7 +24,8 @@ from ddpkit.errors import DdpkitError
 from ddpkit.loader import LoaderPosition
 from ddpkit.streams.order import Layout
 from ddpkit.streams.pieces import Pieces, as_is, join
-from ddpkit.streams.shards import Shards, ensure_lengths
+from ddpkit.streams.reading import ensure_lengths
+from ddpkit.streams.shards import Shards
 
 _warned: set[str] = set()
 

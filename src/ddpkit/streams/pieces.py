@@ -29,7 +29,8 @@ from ddpkit import data
 from ddpkit._torch import worker_info_hidden
 from ddpkit.data import sample_seed, shard_range
 from ddpkit.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
-from ddpkit.streams.shards import ShardError, Shards, read_range
+from ddpkit.streams.reading import read_range
+from ddpkit.streams.shards import ShardError, Shards
 
 PLAIN_WINDOW = 256        # shuffle window of a plain stream with shuffle=True
 
