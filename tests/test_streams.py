@@ -297,11 +297,11 @@ def test_webdataset_tar_shards(rt, tmp_path):
 
 
 def test_hugging_face_streaming_dataset(rt, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))      # before the import: datasets reads them then
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     datasets = pytest.importorskip("datasets", reason="the test extra installs datasets")
     import json
 
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     files = []
     for shard, (start, size) in enumerate(zip(sw.STARTS, sw.SIZES)):
         path = tmp_path / f"part-{shard}.jsonl"
