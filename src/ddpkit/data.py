@@ -178,6 +178,24 @@ def concat_batches(batches: list[Any]) -> Any:
     raise TypeError(f"cannot join batches of {type(first).__name__} from several workers")
 
 
+def zero_rows(batch: Any) -> Any:
+    """The batch with no rows: its structure for a rank whose share of a batch is empty."""
+    return map_tensors(lambda t: t[:0], batch)
+
+
+def seed_worker_globals(seed: int, epoch: int, rank: int, worker: int) -> None:
+    """Seed a loader worker's global torch / numpy / ``random`` generators from (seed, epoch,
+    rank, worker id), so ranks and workers draw different numbers (never a sample's key)."""
+    import random
+
+    import numpy as np
+
+    value = sample_seed(seed, epoch, -1 - (rank * 4096 + worker))
+    random.seed(value)
+    torch.manual_seed(value)
+    np.random.seed(value % 2**32)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
     return map_tensors(lambda t: t.to(device, non_blocking=device.type == "cuda"), batch)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Subset, default_collate
 
 from ddpkit import buffers, collectives, runtime
 from ddpkit.checkpoint import unwrap
-from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device
+from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device, zero_rows
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -66,10 +66,10 @@ def _lockstep(batches: Iterator[Any], module: torch.nn.Module, dataset: Any) -> 
             return
         if batch is _END:
             if empty is None:
-                empty = map_tensors(lambda t: t[:0], default_collate([_first_sample(dataset)]))
+                empty = zero_rows(default_collate([_first_sample(dataset)]))
             yield empty
         else:
-            empty = map_tensors(lambda t: t[:0], batch)
+            empty = zero_rows(batch)
             yield batch
 
 

@@ -16,14 +16,13 @@ into checkpoints and hands saved positions back through :meth:`ShardedLoader.res
 
 from __future__ import annotations
 
-import random
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from ddpkit import data
-from ddpkit.data import GlobalBatchSampler, sample_seed, to_device
+from ddpkit.data import GlobalBatchSampler, to_device
 
 
 class _KeyedDataset(Dataset):
@@ -49,12 +48,7 @@ class _KeyedDataset(Dataset):
             self.user_worker_init(worker_id)
 
     def _seed_globals(self, epoch: int, worker_id: int) -> None:
-        value = sample_seed(self.seed, epoch, -1 - (self.rank * 4096 + worker_id))   # never a sample's key
-        random.seed(value)
-        torch.manual_seed(value)
-        import numpy as np
-
-        np.random.seed(value % 2**32)
+        data.seed_worker_globals(self.seed, epoch, self.rank, worker_id)
         self._seeded_epoch = epoch
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
@@ -192,7 +186,7 @@ class ShardedLoader(LoaderPosition):
                     raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
                                        "iter(loader); iterate one pass at a time, like a DataLoader")
                 if not local:
-                    batch = _take_rows(batch, 0)
+                    batch = data.zero_rows(batch)
                 self.position += 1
                 self.local_count, self.global_count = len(local), total
                 if self._on_batch is not None:
@@ -207,6 +201,3 @@ class ShardedLoader(LoaderPosition):
         return (f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, "
                 f"position={self.position})")
 
-
-def _take_rows(batch: Any, count: int) -> Any:
-    return data.map_tensors(lambda t: t[:count], batch)

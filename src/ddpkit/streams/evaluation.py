@@ -9,7 +9,6 @@ is compared across ranks once at the end.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Iterator
 
 from torch.utils.data import DataLoader, default_collate
@@ -17,12 +16,9 @@ from torch.utils.data import DataLoader, default_collate
 from ddpkit import collectives, runtime
 from ddpkit.errors import DdpkitError
 from ddpkit.streams.order import EpochOrder
-from ddpkit.streams.pieces import Pieces, as_is
+from ddpkit.streams.pieces import Pieces, as_is, warn_plain_stream
 from ddpkit.streams.reading import ensure_lengths, read_range
 from ddpkit.streams.shards import ShardError, Shards
-
-_warned: set[str] = set()
-
 
 class StreamShard:
     """This rank's batches of a stream, each with the stream indices of its samples."""
@@ -42,12 +38,8 @@ class StreamShard:
             ensure_lengths(dataset, num_workers=num_workers, rank=self.rank, world_size=self.world_size,
                            progress=self.pieces.tick)
             self.seen = sum(dataset.lengths)
-        elif self.rank == 0 and self.world_size * max(1, num_workers) > 1 and type(dataset).__name__ not in _warned:
-            _warned.add(type(dataset).__name__)
-            warnings.warn(f"ddpkit: {type(dataset).__name__} is a plain IterableDataset, so each of the "
-                          f"{self.world_size} process(es) x {max(1, num_workers)} reader(s) reads the whole "
-                          "stream to evaluate its share; make it a ddpkit.Shards to read each sample once",
-                          stacklevel=4)
+        elif self.rank == 0:
+            warn_plain_stream(dataset, self.world_size, num_workers, "to evaluate its share")
 
     @property
     def known_length(self) -> int | None:

@@ -13,7 +13,6 @@ on different ranks (one that splits itself by rank) is one clear error, never a 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,12 +22,9 @@ from ddpkit import collectives, data
 from ddpkit.errors import DdpkitError
 from ddpkit.loader import LoaderPosition
 from ddpkit.streams.order import Layout
-from ddpkit.streams.pieces import Pieces, as_is, join
+from ddpkit.streams.pieces import Pieces, as_is, join, warn_once, warn_plain_stream
 from ddpkit.streams.reading import ensure_lengths
 from ddpkit.streams.shards import Shards
-
-_warned: set[str] = set()
-
 
 class StreamPlan:
     """The part of :class:`ddpkit.data.GlobalBatchSampler`'s interface the training loop reads."""
@@ -83,17 +79,12 @@ class StreamLoader(LoaderPosition):
             signature.update(length=sum(dataset.lengths), samples=layout.length, shards=len(dataset.shards),
                              window=dataset.shuffle_window if shuffle else None)
             if layout.batches == 0 and rank == 0:
-                _warn_once(f"empty:{id(dataset)}", f"ddpkit: the stream has {sum(dataset.lengths)} samples, "
+                warn_once(f"empty:{id(dataset)}", f"ddpkit: the stream has {sum(dataset.lengths)} samples, "
                            f"fewer than one global batch of {global_batch_size}; drop_last leaves no batches")
         else:
             signature.update(length=None, samples=None)
-            if rank == 0 and world_size * max(1, num_workers) > 1:
-                readers = world_size * max(1, num_workers)
-                _warn_once(type(dataset).__name__,
-                           f"ddpkit: {type(dataset).__name__} is a plain IterableDataset, so each of the "
-                           f"{world_size} process(es) x {max(1, num_workers)} reader(s) reads the whole "
-                           f"stream and keeps its share: every sample is read {readers} times per epoch; "
-                           "make it a ddpkit.Shards to read each sample once")
+            if rank == 0:
+                warn_plain_stream(dataset, world_size, num_workers, "and keeps its share")
         self.sampler = StreamPlan(layout, global_batch_size, rank, world_size, signature)
         self._parts = max(1, num_workers) if self.is_shards else 1
         workers = num_workers > 0
@@ -160,9 +151,3 @@ class StreamLoader(LoaderPosition):
                               f"batch {self.position} some have {'more' if top[0] else 'no more'} samples "
                               "than others. ddpkit splits a plain stream itself, so it must yield the "
                               "same samples on every rank (does it split itself by rank?); or use ddpkit.Shards")
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=4)

@@ -18,8 +18,8 @@ process raises it, so the user sees the shard, not a worker's traceback).
 from __future__ import annotations
 
 import hashlib
-import random
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddpkit import data
 from ddpkit._torch import worker_info_hidden
-from ddpkit.data import sample_seed, shard_range
+from ddpkit.data import shard_range
 from ddpkit.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.streams.reading import read_range
 from ddpkit.streams.shards import ShardError, Shards
@@ -63,7 +63,7 @@ class Pieces(IterableDataset):
 
     def _seed(self, epoch: int, worker: int) -> None:
         """Seed a worker's global generators from (seed, epoch, rank, worker), as map-style loaders do."""
-        _seed_globals(sample_seed(self.seed, epoch, -1 - (self.rank * 4096 + worker)))
+        data.seed_worker_globals(self.seed, epoch, self.rank, worker)
         self._seeded_epoch = epoch
 
     def tick(self) -> None:
@@ -88,9 +88,7 @@ class Pieces(IterableDataset):
                 pieces = (self._plain_train(epoch, start, worker, workers) if self.mode == "train"
                           else self._plain_eval(worker, workers))
             yield from pieces
-        except ShardError as exc:
-            yield _failed(str(exc))
-        except StreamError as exc:
+        except ShardError as exc:       # StreamError too
             yield _failed(str(exc))
 
     # -- Shards -----------------------------------------------------------------------------
@@ -109,11 +107,11 @@ class Pieces(IterableDataset):
                 piece = self._piece(b, workers, samples, count)
                 piece["w"] = worker
                 if piece["batch"] is not None:
-                    template = _zero_rows(piece["batch"])
+                    template = data.zero_rows(piece["batch"])
                 elif worker == 0 and rank_columns.start >= count:     # the rank has nothing here
                     if template is None:
                         probe = [s for _, s in read_range(shards, order, 0, 1, seed=self.seed)]
-                        template = _zero_rows(self.collate_fn(probe))
+                        template = data.zero_rows(self.collate_fn(probe))
                     piece["template"] = template
                 yield piece
         finally:
@@ -206,7 +204,7 @@ class Pieces(IterableDataset):
         piece = self._piece(b, 1, batch[self.rank::self.world_size], len(batch))
         piece["seen"], piece["fp"] = seen, fingerprint(batch[0][1])
         if piece["batch"] is None:
-            piece["template"] = _zero_rows(self.collate_fn([batch[0][1]]))
+            piece["template"] = data.zero_rows(self.collate_fn([batch[0][1]]))
         return piece
 
     def _plain_eval(self, worker: int, workers: int) -> Iterator[dict[str, Any]]:
@@ -237,6 +235,26 @@ class Pieces(IterableDataset):
 
 class StreamError(ShardError):
     """A plain stream raised while being read."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn ``message`` once per process for ``key``."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def warn_plain_stream(dataset: Any, world_size: int, num_workers: int, doing: str) -> None:
+    """Rank 0, once per stream type: every rank and worker reads a plain stream whole, at this cost."""
+    readers = world_size * max(1, num_workers)
+    if readers > 1:
+        name = type(dataset).__name__
+        warn_once(f"plain:{name}:{doing}", f"ddpkit: {name} is a plain IterableDataset, so each of the {world_size} "
+                  f"process(es) x {max(1, num_workers)} reader(s) reads the whole stream {doing}: every sample "
+                  f"is read {readers} times per epoch; make it a ddpkit.Shards to read each sample once")
 
 
 def as_is(piece: dict[str, Any]) -> dict[str, Any]:
@@ -275,18 +293,6 @@ def fingerprint(sample: Any) -> int:
 
     add(sample)
     return int.from_bytes(digest.digest(), "little") & (2**62 - 1)
-
-
-def _zero_rows(batch: Any) -> Any:
-    return data.map_tensors(lambda t: t[:0], batch)
-
-
-def _seed_globals(value: int) -> None:
-    import numpy as np
-
-    random.seed(value)
-    torch.manual_seed(value)
-    np.random.seed(value % 2**32)
 
 
 def join(pieces: Any, parts: int) -> Iterator[tuple[int, list[int], Any, int, tuple[int, int]]]:
