@@ -122,16 +122,17 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
 
 
 def _fsdp_reason(model: str, compression: str) -> str | None:
-    """Why strategy='fsdp' cannot run ``model`` with ``compression``, or None."""
+    """Why strategy='fsdp' cannot run ``model`` with ``compression`` (what rt.setup refuses), or None."""
     if compression != "none":
         return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
-    import torch
-
+    from ddpkit.fsdp import check
     from ddpkit.recipes.models import build_model
 
-    built = build_model(model, num_classes=10, in_channels=3, image_size=32)
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in built.modules()):
-        return f"fsdp refuses BatchNorm models ({model}); use --model mlp or mlp-large"
+    try:
+        check(precision="fp32", grad_compression=None, compile=False, sync_batchnorm=False, ddp_kwargs={},
+              model=build_model(model, num_classes=10, in_channels=3, image_size=32))
+    except UsageError as exc:
+        return f"{exc} (--model {model}; mlp and mlp-large run)"
     return None
 
 

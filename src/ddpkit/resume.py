@@ -76,9 +76,7 @@ class Resumable:
         if not self.is_main:
             meeting.share_outcome(meeting_point, None, self.timeout_s)
             return target
-        own = {"loop": self.loop.state_dict(), "epoch": self.loop.epoch, "step": self.loop.step,
-               "rng": rngs, "world_size": self.world_size, "precision": self.precision.state_dict(),
-               "config": {"seed": self.seed, "precision": self.precision.name}}
+        own = self._own_state(rngs)
         if grads is not None:
             own["accumulated_grads"] = grads
         if compression is not None:
@@ -119,6 +117,12 @@ class Resumable:
                 for model in self._models]
         return collectives.all_gather_object(mine)
 
+    def _own_state(self, rngs: list[Any]) -> dict[str, Any]:
+        """ddpkit's part of every checkpoint: the loop, every rank's RNGs, precision, settings."""
+        return {"loop": self.loop.state_dict(), "epoch": self.loop.epoch, "step": self.loop.step,
+                "rng": rngs, "world_size": self.world_size, "precision": self.precision.state_dict(),
+                "config": {"seed": self.seed, "precision": self.precision.name}}
+
     def _sharded(self) -> bool:
         from ddpkit.fsdp import is_sharded
 
@@ -141,10 +145,8 @@ class Resumable:
         own = None
         if self.is_main:
             plain = {key: state[key] for key in dcp.plain_entries(state)}
-            own = {"loop": self.loop.state_dict(), "epoch": self.loop.epoch, "step": self.loop.step,
-                   "rng": rngs, "world_size": self.world_size, "precision": self.precision.state_dict(),
-                   "config": {"seed": self.seed, "precision": self.precision.name},
-                   "user": checkpoint.user_state(plain), "ddpkit_version": _version(), "strategy": "fsdp"}
+            own = {**self._own_state(rngs), "user": checkpoint.user_state(plain),
+                   "ddpkit_version": _version(), "strategy": "fsdp"}
         try:
             dcp.save(target, state, own, token)
             if self.is_main:
@@ -156,9 +158,10 @@ class Resumable:
         meeting.share_outcome(meeting_point, None, self.timeout_s)
         return target
 
-    def _restore_sharded(self, target: Path, state: MutableMapping[str, Any], strict: bool) -> Path:
+    def _restore_sharded(self, target: Path, state: MutableMapping[str, Any], strict: bool, *,
+                         verified: bool) -> Path:
         problem = None
-        if self.is_main:
+        if self.is_main and not verified:      # checkpoint.latest verified what it found
             try:
                 dcp.verify(target)
             except DdpkitError as exc:
@@ -168,10 +171,7 @@ class Resumable:
             raise DdpkitError(problem)
         own = dcp.load_own(target)
         dcp.load(target, state)
-        plain = {key: state[key] for key in dcp.plain_entries(state) if key in own["user"]}
-        checkpoint.restore_user_state(plain, own["user"], target)
-        for key in plain:
-            state[key] = plain[key]
+        _restore_entries(state, own["user"], [k for k in dcp.plain_entries(state) if k in own["user"]], target)
         self.precision.load_state_dict(own["precision"])
         self.loop.restore(own["loop"], source=str(target), strict=strict)
         self._restore_rng(own, target)
@@ -198,19 +198,17 @@ class Resumable:
         """
         meeting.all_arrive("load", self.save_timeout)
         target = Path(path)
-        if dcp.is_dcp(target):
-            return self._restore_sharded(target, state, strict)
-        if target.is_dir():
+        if target.is_dir() and not dcp.is_dcp(target):
             found = self._newest_agreed(target)
             if found is None:
                 raise DdpkitError(f"no complete checkpoint in {target}")
-            if dcp.is_dcp(found):
-                return self._restore_sharded(found, state, strict)
             return self._restore(found, state, verified=True, strict=strict)
         return self._restore(target, state, verified=False, strict=strict)
 
     def _restore(self, target: Path, state: MutableMapping[str, Any], *, verified: bool,
                  strict: bool = True) -> Path:
+        if dcp.is_dcp(target):           # a sharded checkpoint: rank 0 verifies it for everyone
+            return self._restore_sharded(target, state, strict, verified=verified)
         payload = checkpoint.read(target, verified=verified)
         own = payload["ddpkit"]
         if "loop" not in own:
@@ -224,9 +222,8 @@ class Resumable:
         taken: list[str] = []
         if self._sharded():             # a replicated (DDP) run's checkpoint, into sharded models
             taken = dcp.load_plain_into_sharded(state, payload["user"])
-        rest = {key: value for key, value in state.items() if key not in taken}
-        checkpoint.restore_user_state(rest, {k: v for k, v in payload["user"].items() if k not in taken}, target)
-        state.update(rest)
+        _restore_entries(state, {k: v for k, v in payload["user"].items() if k not in taken},
+                         [key for key in state if key not in taken], target)
         self.precision.load_state_dict(own["precision"])
         self.loop.restore(own["loop"], source=str(target), strict=strict)
         if "accumulated_grads" in own:
@@ -304,8 +301,6 @@ class Resumable:
             found = None if self.checkpoint_dir is None else self._newest_agreed(self.checkpoint_dir)
             if found is None:
                 return None
-            if dcp.is_dcp(found):
-                return self._restore_sharded(found, state, strict)
             return self._restore(found, state, verified=True, strict=strict)
         return self.load(self.resume_from, state, strict=strict)
 
@@ -328,6 +323,13 @@ class Resumable:
                 "put checkpoint_dir on a filesystem every node shares"
             )
         return Path(found)
+
+
+def _restore_entries(state: MutableMapping[str, Any], saved: Mapping[str, Any], keys: list[str], path: Path) -> None:
+    """Load ``saved`` into the entries ``keys`` of ``state`` (objects in place, plain values replaced)."""
+    part = {key: state[key] for key in keys}
+    checkpoint.restore_user_state(part, saved, path)
+    state.update(part)
 
 
 def _version() -> str:

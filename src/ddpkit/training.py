@@ -114,16 +114,20 @@ class Training(Resumable):
         replica = replicate(model, device=self.device, world_size=self.world_size, is_main=self.is_main,
                             sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
                             powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, **ddp_kwargs)
-        model = replica.model
         self.loop.not_bitwise = self.loop.not_bitwise or replica.not_bitwise
+        return self._adopt(replica.model, optimizer, replica.compressor, replica.buffers)
+
+    def _adopt(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+               compressor: Any = None, syncer: Any = None) -> Any:
+        """Track a set-up model (and its optimizer) for steps and checkpoints; seed per rank."""
         self._models.append(model)
-        self._compressors.append(replica.compressor)
-        self._buffers.append(replica.buffers)
+        self._compressors.append(compressor)
+        self._buffers.append(syncer)
         self._restore_compression(len(self._models) - 1)
         self._restore_buffers(len(self._models) - 1)
         if optimizer is not None and optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
-        self.heartbeat("start")     # DDP's parameter broadcast is done: the set-up made progress
+        self.heartbeat("start")     # the parameters are in place everywhere: the set-up made progress
         if self.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
             seed_everything(self.seed + 1_000_003 * (self.rank + 1))
@@ -140,15 +144,7 @@ class Training(Resumable):
         model = fsdp.shard(model, [optimizer] if optimizer is not None else [], device=self.device,
                            precision=self.precision.name, fsdp_units=units,
                            reshard_after_forward=reshard_after_forward)
-        self._models.append(model)
-        self._compressors.append(None)
-        self._buffers.append(None)
-        if optimizer is not None and optimizer not in self._optimizers:
-            self._optimizers.append(optimizer)
-        self.heartbeat("start")
-        if self.seed is not None:
-            seed_everything(self.seed + 1_000_003 * (self.rank + 1))
-        return model if optimizer is None else (model, optimizer)
+        return self._adopt(model, optimizer)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
