@@ -35,12 +35,12 @@ class Net(torch.nn.Module):
 
 
 def _train(rt, strategy: str, name: str, *, optimizer_first: bool = True, accumulate: int = 1, clip: float | None = None,
-           epochs: int = 2) -> dict:
+           epochs: int = 2, cpu_offload: bool = False) -> dict:
     torch.manual_seed(0)
     net = Net()
     kwargs = {"strategy": strategy}
     if strategy == "fsdp":
-        kwargs["fsdp_units"] = [torch.nn.Linear]
+        kwargs.update(fsdp_units=[torch.nn.Linear], cpu_offload=cpu_offload)
     if optimizer_first:
         model, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2), **kwargs)
     else:
@@ -52,7 +52,9 @@ def _train(rt, strategy: str, name: str, *, optimizer_first: bool = True, accumu
         loader.set_epoch(epoch)
         for x, y in loader:
             with rt.accumulate(model, accumulate) if accumulate > 1 else _nothing():
-                rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                with rt.autocast():
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                rt.backward(loss)
                 if clip is not None:
                     norm = rt.clip_grad_norm_(model, clip)
                     if norm is not None:
@@ -73,8 +75,9 @@ class _nothing:
         return False
 
 
-def compare(variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc", "fsdp-acc")) -> dict:
-    """Several trainings in one world: DDP and FSDP, optimizer before/after, accumulate + clip."""
+def compare(variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc", "fsdp-acc",
+                                         "fsdp-offload-acc")) -> dict:
+    """Several trainings in one world: DDP and FSDP, optimizer before/after, accumulate + clip, offload."""
     rt = ddpkit.init(seed=0)
     out = {}
     for variant in variants:
@@ -82,9 +85,34 @@ def compare(variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc",
         options = {}
         if variant.endswith("-after"):
             options["optimizer_first"] = False
+        if "-offload" in variant:
+            options["cpu_offload"] = True
         if variant.endswith("-acc"):
             options.update(accumulate=2, clip=0.5)
         out[variant] = _train(rt, strategy, variant, **options)
+    return out
+
+
+def scaled(strategy: str) -> dict:
+    """fp16 with loss scaling, accumulate and clip; under fsdp, then an inf in one rank's shard only."""
+    rt = ddpkit.init(seed=0, precision="fp16")
+    out = _train(rt, strategy, "fp16", accumulate=2, clip=0.5)
+    out["scale"] = rt.precision.scaler.get_scale()
+    if strategy == "fsdp":
+        torch.manual_seed(0)
+        net = Net()
+        model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy="fsdp")
+        x = torch.randn(4, 8)
+        with rt.autocast():
+            loss = model(x).float().pow(2).mean()
+        rt.backward(loss)
+        if rt.rank == rt.world_size - 1:        # a shard the other ranks do not hold
+            shard = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
+            shard.view(-1)[0] = float("inf")
+        before = rt.full_state_dict(model)
+        out["inf_stepped"] = rt.step(opt)
+        after = rt.full_state_dict(model)                  # a collective: every rank calls it
+        out["inf_unchanged"] = before is None or all(torch.equal(before[k], after[k]) for k in before)
     return out
 
 
@@ -100,6 +128,7 @@ def refusals() -> dict:
         "batchnorm": lambda: rt.setup(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)),
                                       strategy="fsdp"),
         "ddp-option": lambda: rt.setup(Net(), strategy="fsdp", find_unused_parameters=True),
+        "offload": lambda: rt.setup(Net(), cpu_offload=True),
         "units": lambda: rt.setup(Net(), strategy="fsdp", fsdp_units=[torch.nn.Conv2d]),
     }
     for name, call in cases.items():

@@ -51,3 +51,37 @@ def gpu_sync_bn_stats() -> dict:
     bn = ddpkit.checkpoint.unwrap(model)[0]
     return {"data": data.tolist(), "running_mean": bn.running_mean.detach().cpu().tolist(),
             "type": f"{type(bn).__module__}.{type(bn).__name__}"}
+
+
+def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> dict:
+    """fsdp on nccl: a few steps (fp16: through the sharded scaler), where the shards live, a DCP
+    save and a load into a fresh model that must give back the same weights."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0, precision=precision)
+
+    def build():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        return rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3), strategy="fsdp",
+                        fsdp_units=[torch.nn.Linear], cpu_offload=cpu_offload)
+
+    model, opt = build()
+    losses, stepped = [], []
+    for x, y, _ in rt.loader(_toy_data(64), global_batch_size=16, shuffle=True):
+        with rt.autocast():
+            loss = F.cross_entropy(model(x.flatten(1)), y)
+        rt.backward(loss)
+        stepped.append(rt.step(opt))
+        losses.append(loss.item())
+    shard_devices = sorted({str(p.to_local().device) for p in model.parameters()})
+    state_devices = sorted({str(v.to_local().device if hasattr(v, "to_local") else v.device)
+                            for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()})
+    saved = rt.save(checkpoint_dir, {"model": model, "opt": opt})
+    weights = rt.full_state_dict(model)
+    fresh, fresh_opt = build()
+    rt.load(saved, {"model": fresh, "opt": fresh_opt})
+    again = rt.full_state_dict(fresh)
+    same = weights is None or all(torch.equal(weights[k], again[k]) for k in weights)
+    return {"losses": losses, "stepped": stepped, "shard_devices": shard_devices, "state_devices": state_devices,
+            "same_after_load": same, "scaler": type(rt.precision.scaler).__name__ if rt.precision.scaler else None}

@@ -55,6 +55,8 @@ def test_fsdp_x2_equals_ddp_x2_and_one_process_with_the_loop_features(one, two):
     _close(run["fsdp"]["weights"], run["ddp"]["weights"])
     _close(run["fsdp-after"]["weights"], run["ddp"]["weights"])
     _close(run["fsdp-acc"]["weights"], run["ddp-acc"]["weights"])          # accumulate + clip
+    _close(run["fsdp-offload-acc"]["weights"], run["ddp-acc"]["weights"])  # and cpu_offload
+    assert run["fsdp-offload-acc"]["norms"] == pytest.approx(run["ddp-acc"]["norms"], rel=1e-5)
     _close(run["fsdp"]["weights"], one["fsdp"]["weights"])                  # 2 processes = 1
     assert not torch.equal(run["fsdp"]["weights"]["head.weight"], run["fsdp-acc"]["weights"]["head.weight"])
 
@@ -74,6 +76,7 @@ def test_what_fsdp_refuses_is_one_line_each():
         "compression": "grad_compression is a DDP communication hook",
         "batchnorm": "BatchNorm layers",
         "ddp-option": "find_unused_parameters: DistributedDataParallel options do not apply",
+        "offload": "cpu_offload=True shards parameters to CPU memory: it needs strategy='fsdp'",
         "units": "fsdp_units=['Conv2d']: the model has no such module",
         "stepped-optimizer": "the optimizer has state already",
         "save": "under strategy='fsdp' a checkpoint is a directory of shards",
@@ -83,11 +86,24 @@ def test_what_fsdp_refuses_is_one_line_each():
         assert text in said[name] and "\n" not in said[name], name
 
 
-def test_fp16_under_fsdp_is_refused():
+@pytest.mark.timeout(240)
+def test_fp16_under_fsdp_scales_like_ddp_and_every_rank_skips_an_inf_in_one_shard():
+    ddp = ddpkit.launch(fw.scaled, nprocs=2, args=("ddp",))[0]
+    sharded = ddpkit.launch(fw.scaled, nprocs=2, args=("fsdp",))
+    _close(sharded[0]["weights"], ddp["weights"])                  # fp16 + loss scale, accumulate, clip
+    assert sharded[0]["metrics"]["correct"] == ddp["metrics"]["correct"]
+    assert sharded[0]["norms"] == pytest.approx(ddp["norms"], rel=1e-4)
+    assert sharded[0]["scale"] == ddp["scale"]
+    for rank in (0, 1):         # the inf sat in rank 1's shard only: rank 0 skipped the step too
+        assert sharded[rank]["inf_stepped"] is False and sharded[rank]["inf_unchanged"] is True
+    assert type(ddpkit_scaler_after_fsdp_setup()).__name__ == "ShardedGradScaler"
+
+
+def ddpkit_scaler_after_fsdp_setup():
     rt = ddpkit.init(seed=0, precision="fp16")
     try:
-        with pytest.raises(ddpkit.UsageError, match="precision='fp16' is not supported"):
-            rt.setup(fw.Net(), strategy="fsdp")
+        rt.setup(fw.Net(), strategy="fsdp")
+        return rt.precision.scaler
     finally:
         rt.close()
 
@@ -175,6 +191,22 @@ def test_a_kill_inside_an_fsdp_save_keeps_the_previous_checkpoint(tmp_path):
     assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())     # the leftover is swept
 
 
+@pytest.mark.slow       # ~30 s: two 2-process runs
+@pytest.mark.timeout(240)
+def test_a_rank_killed_after_writing_its_shards_keeps_the_previous_checkpoint(tmp_path):
+    from helpers import ddpkit as ddpkit_cli
+
+    script = str(Path(__file__).parent / "scripts" / "fsdp_kill_in_save.py")
+    killed = ddpkit_cli("run", "-n", "2", script, str(tmp_path), "3", timeout=200)
+    assert killed.returncode != 0 and "rank 1" in killed.stderr, killed.stderr[-2000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[1:] == ["ckpt-step00000001", "ckpt-step00000002"] and names[0].startswith(".ckpt-step00000003.tmp-")
+    resumed = ddpkit_cli("run", "-n", "2", script, str(tmp_path), "99", timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.stdout.count("resumed from ckpt-step00000002 at step 2") == 2       # both ranks
+    assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())
+
+
 # -- the commands ----------------------------------------------------------------------------
 
 @pytest.mark.slow       # ~25 s: train on 2 processes, predict on 2, export
@@ -184,11 +216,13 @@ def test_train_predict_and_export_with_strategy_fsdp(tmp_path):
 
     out = tmp_path / "run"
     trained = ddpkit_cli("train", "--model", "mlp", "--data", "digits", "--strategy", "fsdp", "--nproc", "2",
-                         "--epochs", "1", "--out", str(out), timeout=200)
+                         "--precision", "fp16", "--cpu-offload", "--epochs", "1", "--out", str(out), timeout=200)
     assert trained.returncode == 0, trained.stderr[-2000:]
     import json
 
-    assert json.loads((out / "summary.json").read_text())["strategy"] == "fsdp"
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["strategy"], summary["precision"], summary["cpu_offload"]) == ("fsdp", "fp16", True)
+    assert summary["test_accuracy"] > 0.5
     [saved] = [p for p in (out / "checkpoints").iterdir()]
     assert (saved / "manifest.json").is_file()
     predicted = ddpkit_cli("predict", "--checkpoint", str(out / "checkpoints"), "--data", "digits", "--nproc", "2",
@@ -216,6 +250,9 @@ def test_train_and_export_refuse_bad_input_in_one_line(tmp_path):
     assert len(refused.stderr.strip().splitlines()) == 1
     wrong = ddpkit_cli("train", "--strategy", "zero", "--out", str(tmp_path / "r"))
     assert wrong.returncode == 2 and "--strategy 'zero': choose ddp or fsdp" in wrong.stderr
+    offload = ddpkit_cli("train", "--cpu-offload", "--out", str(tmp_path / "r"))
+    assert offload.returncode == 2 and "--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" \
+        in offload.stderr
     (tmp_path / "m.pt").write_bytes(b"keep me")
     kept = ddpkit_cli("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt"))
     assert kept.returncode == 2 and "pass --overwrite" in kept.stderr

@@ -76,6 +76,24 @@ def test_autocast_training_steps_on_cuda(precision, dtype, tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), kept))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision, cpu_offload", [("fp16", False), ("bf16", False), ("fp16", True)])
+def test_fsdp_on_nccl_shards_on_the_gpu_or_offloads_and_reloads(precision, cpu_offload, tmp_path):
+    """fsdp on each rank's GPU (two when there are two), with fp16's sharded scaler or bf16, and
+    cpu_offload: shards and optimizer state then sit in (pinned) CPU memory."""
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16 support")
+    runs = ddpkit.launch(gpu_workers.gpu_fsdp_steps, nprocs=min(2, GPUS),
+                         args=(str(tmp_path), precision, cpu_offload))
+    for run in runs.values():
+        assert len(run["losses"]) == 4 and all(torch.isfinite(torch.tensor(run["losses"]))), run
+        assert any(run["stepped"]), run
+        where = "cpu" if cpu_offload else "cuda"
+        assert [d.split(":")[0] for d in run["shard_devices"] + run["state_devices"]] == [where, where], run
+        assert run["same_after_load"], run
+        assert run["scaler"] == ("ShardedGradScaler" if precision == "fp16" else None)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_pins_memory_and_hands_out_cuda_batches(monkeypatch, num_workers):

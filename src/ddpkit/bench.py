@@ -129,7 +129,7 @@ def _fsdp_reason(model: str, compression: str) -> str | None:
     from ddpkit.recipes.models import build_model
 
     try:
-        check(precision="fp32", grad_compression=None, compile=False, sync_batchnorm=False, ddp_kwargs={},
+        check(grad_compression=None, compile=False, sync_batchnorm=False, ddp_kwargs={},
               model=build_model(model, num_classes=10, in_channels=3, image_size=32))
     except UsageError as exc:
         return f"{exc} (--model {model}; mlp and mlp-large run)"

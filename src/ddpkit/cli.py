@@ -131,6 +131,8 @@ def _train_parser() -> argparse.ArgumentParser:
     add("--powersgd-rank", dest="powersgd_rank", type=int, help="rank of PowerSGD's factors (default 2)")
     add("--strategy", help="ddp (replicated, default) or fsdp (sharded parameters, gradients and optimizer "
         "state; checkpoints are directories of shards that resume on any world size)")
+    add("--cpu-offload", dest="cpu_offload", action="store_true",
+        help="with --strategy fsdp: keep shards and optimizer state in CPU memory")
     add("--workers", type=int, help="DataLoader workers per process (default 0)")
     add("--seed", type=int, help="seed (default 0)")
     add("--out", help=f"output directory (default {defaults.out})")

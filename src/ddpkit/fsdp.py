@@ -32,12 +32,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def check(*, precision: str, grad_compression: str | None, compile: Any, sync_batchnorm: bool,
+def check(*, grad_compression: str | None, compile: Any, sync_batchnorm: bool,
           model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
     """Refuse, in one line each, what is not built or tested with ``strategy="fsdp"``."""
-    if precision == "fp16":
-        raise UsageError("strategy='fsdp' with precision='fp16' is not supported (loss scaling of sharded "
-                         "gradients is not tested); use precision='bf16' or 'fp32'")
     if grad_compression is not None:
         raise UsageError("grad_compression is a DDP communication hook; strategy='fsdp' reduce-scatters "
                          "instead: drop grad_compression or use strategy='ddp'")
@@ -67,9 +64,15 @@ def units(model: torch.nn.Module, classes: Sequence[type] | None, min_params: in
 
 def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, device: torch.device,
           precision: str, fsdp_units: Sequence[type] | None = None, reshard_after_forward: bool = True,
-          min_unit_params: int = MIN_UNIT_PARAMS) -> torch.nn.Module:
-    """Shard ``model`` in place (moved to ``device`` first) and rebind ``optimizers`` to its new parameters."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+          cpu_offload: bool = False, min_unit_params: int = MIN_UNIT_PARAMS) -> torch.nn.Module:
+    """Shard ``model`` in place (moved to ``device`` first) and rebind ``optimizers`` to its new parameters.
+
+    Under bf16 and fp16 the units compute with parameters in that dtype and reduce gradients in
+    fp32 into fp32 shards (the master weights). ``cpu_offload`` keeps the sharded parameters,
+    gradients and optimizer state in CPU memory (pinned on CUDA) and copies each unit to the
+    device for its forward and backward; the optimizer steps on the CPU.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     for optimizer in optimizers:
         if optimizer.state:
@@ -77,12 +80,13 @@ def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *
                              "then call rt.setup(model, optimizer, strategy='fsdp')")
     model.to(device)
     names = {id(p): name for name, p in model.named_parameters()}
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     mesh = _mesh(device)
-    for unit in units(model, fsdp_units, min_unit_params):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    for unit in units(model, fsdp_units, min_unit_params) + [model]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
     sharded = dict(model.named_parameters())
     for optimizer in optimizers:
         for group in optimizer.param_groups:

@@ -26,7 +26,7 @@ Notes for torch 2.13 on CPU (checked, not assumed):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -84,13 +84,29 @@ class Precision:
             self.scaler.update()
             self._update_due = False
 
+    def shard(self) -> None:
+        """Use a loss scaler for sharded gradients (``strategy="fsdp"``), keeping the scale so far.
+
+        Each rank then holds only a shard of every gradient, so an inf/nan found on one rank must
+        skip the step on all of them: torch's ``ShardedGradScaler`` all-reduces what it found.
+        Without it one rank would step while another skipped, and their shards would part.
+        """
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if self.scaler is None or isinstance(self.scaler, ShardedGradScaler):
+            return
+        sharded = ShardedGradScaler(self.device.type)
+        sharded.load_state_dict(self.scaler.state_dict())
+        self.scaler = sharded
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale now, e.g. before clipping them.
 
         A no-op without a scaler; calling it before :meth:`step` is optional.
         """
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            with _quiet_sharded_found_inf():
+                self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` (unless fp16 found inf/nan gradients) and clear the gradients.
@@ -108,7 +124,8 @@ class Precision:
         else:
             from ddpkit._torch import scaler_found_inf
 
-            self.scaler.step(optimizer)
+            with _quiet_sharded_found_inf():
+                self.scaler.step(optimizer)
             stepped = not scaler_found_inf(self.scaler, optimizer)
             self._update_due = True
         optimizer.zero_grad(set_to_none=True)
@@ -138,3 +155,17 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r}, device={str(self.device)!r})"
+
+
+@contextlib.contextmanager
+def _quiet_sharded_found_inf() -> Iterator[None]:
+    """Hide DTensor's note that ShardedGradScaler's one-element ``found_inf`` is taken as replicated.
+
+    That is what the scaler means (each rank counts its own shards, then all-reduces the count),
+    so the warning, printed once per process, says nothing a user can act on.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+        yield

@@ -83,7 +83,7 @@ class Training(Resumable):
               sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
               grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
               strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
-              **ddp_kwargs: Any) -> Any:
+              cpu_offload: bool = False, **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
         ``compile=True`` (or a dict of ``torch.compile`` arguments) compiles the wrapped model;
@@ -94,8 +94,9 @@ class Training(Resumable):
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
         ``strategy="fsdp"`` shards parameters, gradients and optimizer state instead (FSDP2, see
         :mod:`ddpkit.fsdp`): per unit (``fsdp_units`` classes, else children above a size), with
-        ``reshard_after_forward`` (ZeRO-3; False: ZeRO-2) and bf16 compute under ``precision="bf16"``;
-        the optimizer, made before or after, is rebound to the sharded parameters.
+        ``reshard_after_forward`` (ZeRO-3; False: ZeRO-2), bf16/fp16 compute under ``precision=`` with
+        fp32 reductions and master weights, and ``cpu_offload`` (shards and optimizer state in CPU
+        memory); the optimizer, made before or after, is rebound to the sharded parameters.
         Returns the model, or ``(model, optimizer)`` when an optimizer is given.
         """
         from ddpkit import compression
@@ -105,7 +106,10 @@ class Training(Resumable):
         if strategy == "fsdp":
             return self._setup_fsdp(model, optimizer, sync_batchnorm=sync_batchnorm, compile=compile,
                                     grad_compression=grad_compression, fsdp_units=fsdp_units,
-                                    reshard_after_forward=reshard_after_forward, ddp_kwargs=ddp_kwargs)
+                                    reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                                    ddp_kwargs=ddp_kwargs)
+        if cpu_offload:
+            raise UsageError("cpu_offload=True shards parameters to CPU memory: it needs strategy='fsdp'")
 
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         compression.check(grad_compression, rank=powersgd_rank, start=powersgd_start, backend=backend,
@@ -135,15 +139,16 @@ class Training(Resumable):
 
     def _setup_fsdp(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                     sync_batchnorm: bool, compile: Any, grad_compression: str | None, fsdp_units: Any,
-                    reshard_after_forward: bool, ddp_kwargs: dict[str, Any]) -> Any:
+                    reshard_after_forward: bool, cpu_offload: bool, ddp_kwargs: dict[str, Any]) -> Any:
         from ddpkit import fsdp
 
-        fsdp.check(precision=self.precision.name, grad_compression=grad_compression, compile=compile,
+        fsdp.check(grad_compression=grad_compression, compile=compile,
                    sync_batchnorm=sync_batchnorm, model=model, ddp_kwargs=ddp_kwargs)
         units = [fsdp_units] if isinstance(fsdp_units, type) else fsdp_units
         model = fsdp.shard(model, [optimizer] if optimizer is not None else [], device=self.device,
                            precision=self.precision.name, fsdp_units=units,
-                           reshard_after_forward=reshard_after_forward)
+                           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+        self.precision.shard()
         return self._adopt(model, optimizer)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -1,12 +1,14 @@
-"""Train under strategy='fsdp' (a world of one), saving every step; killed inside the save of step
-``argv[2]`` just before its directory is renamed into place (argv[1]: the checkpoint directory).
-With ``resume`` it resumes from checkpoint_dir (resume='auto') and prints the step it resumed at."""
+"""Train under strategy='fsdp', saving every step; killed inside the save of step ``argv[2]``
+(argv[1]: the checkpoint directory). In a world of one, just before the step directory is renamed
+into place; under ``ddpkit run -n N``, the last rank dies right after writing its shards, while
+rank 0 waits to commit. It resumes from checkpoint_dir (resume='auto') and prints the step it resumed at."""
 
 import os
 import signal
 import sys
 
 import torch
+import torch.distributed.checkpoint
 
 import ddpkit
 import ddpkit.dcp
@@ -27,7 +29,17 @@ def killed(src, dst):
     real_replace(src, dst)
 
 
+def killed_after_shards(*args, **kwargs):
+    written = real_dcp_save(*args, **kwargs)
+    if rt.global_step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+
+
 ddpkit.dcp.os.replace = killed
+real_dcp_save = torch.distributed.checkpoint.save
+if rt.world_size > 1 and rt.rank == rt.world_size - 1:
+    torch.distributed.checkpoint.save = killed_after_shards
 for _ in range(4):
     loss = model(torch.randn(8, 4)).pow(2).mean()
     rt.backward(loss)

@@ -50,6 +50,8 @@ class TrainConfig:
     """Gradient compression on the wire: none, fp16, bf16 or powersgd (see ddpkit.compression)."""
     strategy: str = "ddp"
     """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded; see ddpkit.fsdp)."""
+    cpu_offload: bool = False
+    """With --strategy fsdp: keep the shards and the optimizer state in CPU memory."""
     powersgd_rank: int = 2
     """Rank of PowerSGD's low-rank factors (higher: more bytes, closer to the full gradient)."""
     workers: int = 0
@@ -214,6 +216,8 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--strategy {config.strategy!r}: choose ddp or fsdp")
     if config.strategy == "fsdp":
         _check_fsdp(config)
+    elif config.cpu_offload:
+        raise UsageError("--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp")
     if config.lr <= 0:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     if config.hang_timeout is not None and not config.hang_timeout > 0:
@@ -228,7 +232,7 @@ def _check_fsdp(config: TrainConfig) -> None:
 
     if config.data_parallel:
         raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
-    check(precision=config.precision, grad_compression=config.grad_compression, compile=False,
+    check(grad_compression=config.grad_compression, compile=False,
           sync_batchnorm=config.sync_bn, ddp_kwargs={},
           model=build_model(config.model, num_classes=10, in_channels=3, image_size=32))
 

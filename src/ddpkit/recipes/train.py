@@ -48,7 +48,7 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
                         image_size=train.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
     if config.strategy == "fsdp":
-        model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
+        model, optimizer = rt.setup(model, optimizer, strategy="fsdp", cpu_offload=config.cpu_offload)
     else:
         model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn,
                                     grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank)
@@ -105,6 +105,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
         "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
         "sync_bn": config.sync_bn, "grad_compression": config.grad_compression or "none", "strategy": config.strategy,
+        "cpu_offload": config.cpu_offload,
         "powersgd_rank": config.powersgd_rank if config.grad_compression == "powersgd" else None,
         "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
         "test_count": metrics["count"], "wall_seconds": time.perf_counter() - started,
