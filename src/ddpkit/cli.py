@@ -11,72 +11,11 @@ from ddpkit.cliparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
 
 
-# Options of `ddpkit run` that take a value; everything from the script on is the script's.
-_RUN_VALUE_OPTIONS = {"-n", "--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
-                      "--node_rank", "--master", "--max-restarts", "--max_restarts", "-m", "--module"}
-_RUN_FLAGS = {"-h", "--help"}
-
-
-def _split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split ``ddpkit run`` arguments into ours and the script's (from SCRIPT or -m MODULE on)."""
-    ours: list[str] = []
-    index = 0
-    while index < len(argv):
-        token = argv[index]
-        name = token.split("=", 1)[0]
-        if name in ("-m", "--module"):
-            take = 1 if "=" in token else 2
-            return ours + list(argv[index:index + take]), list(argv[index + take:])
-        if name in _RUN_VALUE_OPTIONS:
-            take = 1 if "=" in token else 2
-            ours += argv[index:index + take]
-            index += take
-        elif name in _RUN_FLAGS:
-            ours.append(token)
-            index += 1
-        elif token.startswith("-") and token != "-":
-            raise UsageError(f"unknown option {token!r} for 'ddpkit run' (see 'ddpkit run --help')")
-        else:
-            return ours + [token], list(argv[index + 1:])
-    return ours, []
-
-
-def _run_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="ddpkit run",
-        description="Start SCRIPT (or -m MODULE) in N processes per node under torch's elastic agent.",
-    )
-    parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
-                        help="processes per node (default: one per visible GPU, else 1)")
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
-                        help="this node's index when --nnodes > 1")
-    parser.add_argument("--master", default=None, metavar="HOST:PORT", help="rendezvous host and port of node 0")
-    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-                        help="restart the whole group up to K times when a worker fails")
-    parser.add_argument("-m", "--module", default=None, help="run a module, like python -m")
-    parser.add_argument("script", nargs="?", help="the Python script to run, followed by its arguments")
-    return parser
-
-
 def cmd_run(argv: Sequence[str]) -> int:
-    from ddpkit.launch import RunSpec, run
+    from ddpkit.launch import run
+    from ddpkit.runargs import spec_of
 
-    ours, rest = _split_run_argv(argv)
-    opts = _run_parser().parse_args(ours)
-    if opts.module is None and opts.script is None:
-        raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
-    spec = RunSpec(
-        target=opts.module or opts.script,
-        target_args=rest,
-        module=opts.module is not None,
-        nproc_per_node=opts.nproc,
-        nnodes=opts.nnodes,
-        node_rank=opts.node_rank,
-        master=opts.master,
-        max_restarts=opts.max_restarts,
-    )
-    return run(spec)
+    return run(spec_of(argv))
 
 
 def cmd_doctor(argv: Sequence[str]) -> int:

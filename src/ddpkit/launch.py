@@ -37,6 +37,7 @@ class RunSpec:
     master: str | None = None
     max_restarts: int = 0
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    run_id: str | None = None           # the same on every node; default: derived from the master
 
 
 def parse_master(text: str) -> tuple[str, int]:
@@ -93,7 +94,7 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
     if master is None:
         # --local-addr: workers reach the store at 127.0.0.1, not at a host name that may not resolve
         return args + ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                       f"--rdzv-id={uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *_target(spec)]
+                       f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *_target(spec)]
     host, port = parse_master(master)
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
@@ -119,10 +120,11 @@ def _placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | 
                 f"ddpkit run under srun needs one task per node, got {env.local_world_size}; "
                 "use srun --ntasks-per-node=1 ddpkit run -n GPUS_PER_NODE ..."
             )
-        return env.world_size, env.node_rank, f"{env.master_addr}:{env.master_port}", os.environ.get("SLURM_JOB_ID")
+        return (env.world_size, env.node_rank, f"{env.master_addr}:{env.master_port}",
+                spec.run_id or os.environ.get("SLURM_JOB_ID"))
     if spec.nnodes > 1 and spec.master is None:
         raise UsageError(f"--nnodes {spec.nnodes} needs --master HOST:PORT (the host of node 0)")
-    return spec.nnodes, spec.node_rank, spec.master, None
+    return spec.nnodes, spec.node_rank, spec.master, spec.run_id
 
 
 def _target(spec: RunSpec) -> list[str]:

@@ -1,0 +1,204 @@
+"""``ddpkit run``'s command line, torchrun's own flags included.
+
+A torchrun command line keeps working with ``torchrun`` replaced by ``ddpkit run``:
+``--nproc_per_node`` / ``--nproc-per-node`` (a number, ``auto``, ``gpu`` or ``cpu``),
+``--nnodes``, ``--node_rank``, ``--master_addr`` + ``--master_port``, ``--rdzv_endpoint``,
+``--rdzv_id``, ``--rdzv_backend c10d|static``, ``--standalone`` and ``--max_restarts``, in both
+spellings, map onto ddpkit's ``-n``, ``--nnodes``, ``--node-rank``, ``--master HOST:PORT``,
+the run id and ``--max-restarts``. Two flags that say different things are a one-line error.
+
+Example:
+    >>> spec_of(["--nproc_per_node", "2", "--standalone", "hello.py"]).nproc_per_node
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+from ddpkit.cliparse import Parser
+from ddpkit.errors import UsageError
+from ddpkit.launch import RunSpec
+
+# (our spelling, torchrun's spelling) -> dest; each takes a value.
+_VALUED = {
+    ("-n",): "n",
+    ("--nproc-per-node", "--nproc_per_node"): "nproc_per_node",
+    ("--nnodes",): "nnodes",
+    ("--node-rank", "--node_rank"): "node_rank",
+    ("--master",): "master",
+    ("--master-addr", "--master_addr"): "master_addr",
+    ("--master-port", "--master_port"): "master_port",
+    ("--rdzv-endpoint", "--rdzv_endpoint"): "rdzv_endpoint",
+    ("--rdzv-id", "--rdzv_id"): "rdzv_id",
+    ("--rdzv-backend", "--rdzv_backend"): "rdzv_backend",
+    ("--max-restarts", "--max_restarts"): "max_restarts",
+    ("-m", "--module"): "module",
+}
+_FLAGS = {"-h", "--help", "--standalone"}
+_VALUE_OPTIONS = {name for names in _VALUED for name in names}
+
+# torchrun flags that ddpkit run does not take, and why or what instead.
+_NOT_TAKEN = {
+    "--no-python": "ddpkit run starts Python scripts or modules (-m)",
+    "--no_python": "ddpkit run starts Python scripts or modules (-m)",
+    "--run-path": "give the script's path; ddpkit run uses runpy already",
+    "--run_path": "give the script's path; ddpkit run uses runpy already",
+    "--tee": "every rank's output already reaches this terminal",
+    "--redirects": "every rank's output already reaches this terminal",
+    "--log-dir": "ranks print to this terminal; rt.print and rt.log write once, on rank 0",
+    "--log_dir": "ranks print to this terminal; rt.print and rt.log write once, on rank 0",
+    "--rdzv-conf": "ddpkit sets the rendezvous itself (node 0 hosts it)",
+    "--rdzv_conf": "ddpkit sets the rendezvous itself (node 0 hosts it)",
+    "--start-method": "workers are started the way torchrun starts them by default",
+    "--start_method": "workers are started the way torchrun starts them by default",
+    "--local-addr": "ddpkit picks this node's address on the route to the master",
+    "--local_addr": "ddpkit picks this node's address on the route to the master",
+}
+
+TORCHRUN_MASTER_PORT = 29500    # torchrun's default for --master_port
+TORCHRUN_RDZV_PORT = 29400      # and for an --rdzv_endpoint without a port
+
+
+def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``ddpkit run`` arguments into ours and the script's (from SCRIPT or -m MODULE on)."""
+    ours: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        name = token.split("=", 1)[0]
+        if name in ("-m", "--module"):
+            take = 1 if "=" in token else 2
+            return ours + list(argv[index:index + take]), list(argv[index + take:])
+        if name in _VALUE_OPTIONS:
+            take = 1 if "=" in token else 2
+            ours += argv[index:index + take]
+            index += take
+        elif name in _FLAGS:
+            ours.append(token)
+            index += 1
+        elif name in _NOT_TAKEN:
+            raise UsageError(f"{name} is a torchrun flag that ddpkit run does not take: {_NOT_TAKEN[name]}")
+        elif token.startswith("-") and token != "-":
+            raise UsageError(f"unknown option {token!r} for 'ddpkit run' (see 'ddpkit run --help')")
+        else:
+            return ours + [token], list(argv[index + 1:])
+    return ours, []
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit run``'s own arguments (those before the script)."""
+    parser = Parser(
+        prog="ddpkit run",
+        description="Start SCRIPT (or -m MODULE) in N processes per node under torch's elastic agent. "
+                    "torchrun's flags work too, in either spelling.",
+    )
+    add = parser.add_argument
+    add("-n", dest="n", type=int, default=None, help="processes per node (default: one per visible GPU, else 1)")
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None, metavar="N|auto|gpu|cpu",
+        help="torchrun's spelling of -n; auto: one per GPU, else 1; gpu: one per GPU; cpu: one per core")
+    add("--nnodes", default=None, help="number of nodes (default 1); torchrun's N:N is taken too")
+    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+        help="this node's index when --nnodes > 1")
+    add("--master", default=None, metavar="HOST:PORT", help="rendezvous host and port of node 0")
+    add("--master-addr", "--master_addr", dest="master_addr", default=None,
+        help=f"torchrun's host of node 0 (with --master-port, default {TORCHRUN_MASTER_PORT}): --master HOST:PORT")
+    add("--master-port", "--master_port", dest="master_port", type=int, default=None, help="see --master-addr")
+    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, metavar="HOST[:PORT]",
+        help=f"torchrun's rendezvous endpoint (port default {TORCHRUN_RDZV_PORT}): --master HOST:PORT")
+    add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id, the same on every node")
+    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
+        help="c10d (what ddpkit uses) or static (taken as c10d)")
+    add("--standalone", action="store_true", help="one node with its own rendezvous (the default)")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+        help="restart the whole group up to K times when a worker fails")
+    add("-m", "--module", default=None, help="run a module, like python -m")
+    add("script", nargs="?", help="the Python script to run, followed by its arguments")
+    return parser
+
+
+def spec_of(argv: Sequence[str]) -> RunSpec:
+    """The :class:`~ddpkit.launch.RunSpec` of a ``ddpkit run`` command line (without ``run``)."""
+    ours, rest = split(argv)
+    opts = parser().parse_args(ours)
+    if opts.module is None and opts.script is None:
+        raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
+    nnodes = _nnodes(opts.nnodes)
+    master = _master(opts, nnodes)
+    if opts.rdzv_backend not in (None, "c10d", "static"):
+        raise UsageError(f"--rdzv-backend {opts.rdzv_backend!r}: ddpkit run rendezvouses with c10d; "
+                         "drop the flag or give c10d")
+    return RunSpec(target=opts.module or opts.script, target_args=rest, module=opts.module is not None,
+                   nproc_per_node=_nproc(opts.n, opts.nproc_per_node), nnodes=nnodes, node_rank=opts.node_rank,
+                   master=master, max_restarts=opts.max_restarts, run_id=opts.rdzv_id)
+
+
+def _nproc(n: int | None, torchrun: str | None) -> int | None:
+    if torchrun is None:
+        return n
+    value = _nproc_value(torchrun)
+    if n is not None and value is not None and n != value:
+        raise UsageError(f"-n {n} and --nproc-per-node {torchrun} disagree; give one of them")
+    return value if value is not None else n
+
+
+def _nproc_value(text: str) -> int | None:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if text == "auto":
+        return None                             # ddpkit's default: one per GPU, else 1
+    if text == "gpu":
+        if not gpus:
+            raise UsageError("--nproc-per-node gpu: torch sees no CUDA GPU here; give a number or auto")
+        return gpus
+    if text == "cpu":
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node {text!r}: give a number, auto, gpu or cpu") from None
+
+
+def _nnodes(text: str | None) -> int:
+    if text is None:
+        return 1
+    low, sep, high = text.partition(":")
+    try:
+        low_n, high_n = int(low), int(high if sep else low)
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r}: give a number of nodes") from None
+    if low_n != high_n:
+        raise UsageError(f"--nnodes {text}: ddpkit run starts a fixed number of nodes (elastic MIN:MAX is "
+                         "not supported); give one number")
+    return low_n
+
+
+def _master(opts: argparse.Namespace, nnodes: int) -> str | None:
+    """``--master HOST:PORT`` from whichever of ours and torchrun's the user gave; only one may say it."""
+    said = {}
+    if opts.master is not None:
+        said["--master"] = opts.master
+    if opts.master_addr is not None or opts.master_port is not None:
+        host = opts.master_addr or "127.0.0.1"
+        said["--master-addr/--master-port"] = _join(host, opts.master_port or TORCHRUN_MASTER_PORT)
+    if opts.rdzv_endpoint is not None:
+        host, sep, port = opts.rdzv_endpoint.rpartition(":")
+        if not sep or "]" in port:                  # no port (or a bare [v6] address)
+            host, port = opts.rdzv_endpoint, str(TORCHRUN_RDZV_PORT)
+        said["--rdzv-endpoint"] = _join(host, port)
+    if len(said) > 1:
+        raise UsageError(f"{' and '.join(said)} both name the master; give one of them")
+    if opts.standalone:
+        if said or nnodes > 1:
+            raise UsageError(f"--standalone is one node with its own rendezvous; it does not combine with "
+                             f"{next(iter(said), '--nnodes ' + str(nnodes))}")
+        return None
+    return next(iter(said.values()), None)
+
+
+def _join(host: str, port: object) -> str:
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
