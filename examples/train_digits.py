@@ -2,6 +2,7 @@
 
     python examples/train_digits.py                          # one process
     ddpkit run -n 2 examples/train_digits.py --epochs 3      # two processes, same results
+    torchrun --standalone --nproc_per_node 2 examples/train_digits.py
     ddpkit slurm --nodes 2 examples/train_digits.py | sbatch # a cluster
 
 Rank 0 prints one line at the end: world_size, test_accuracy and test_count.
