@@ -28,7 +28,7 @@ def test_every_example_is_listed_and_says_how_to_run_it_everywhere():
     assert sorted(FINAL_LINES) == SCRIPTS
     for name in SCRIPTS:
         doc = ast.get_docstring(ast.parse((EXAMPLES / name).read_text()))
-        for launcher in (f"python examples/{name}", f"ddpkit run -n", "torchrun --", "srun"):
+        for launcher in (f"python examples/{name}", "ddpkit run -n", "torchrun --", "srun"):
             if launcher == "srun" and "slurm" in doc:
                 continue
             assert launcher in doc, (name, launcher)
