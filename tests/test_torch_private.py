@@ -7,6 +7,7 @@ import torch
 
 import ddpkit
 from ddpkit import _torch
+from workers import bucket_layout, three_layers as _three_layers
 
 
 def _one_process_group(tmp_path):
@@ -29,6 +30,33 @@ def test_settle_ddp_buckets_runs_on_this_torch(tmp_path):
     _torch.settle_ddp_buckets(model)           # raises PrivateApiChanged if torch renamed them
     model(torch.randn(2, 3)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_ready_order_ddp_settles_the_last_layers_into_the_first_bucket(tmp_path):
+    _one_process_group(tmp_path)
+    model = _torch.ready_order_ddp(_three_layers())
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    _torch.settle_ddp_buckets(model)
+    first, second = bucket_layout(model)
+    assert first == second                         # settled: DDP does not re-bucket after a backward
+    assert len(first) == 2 and "0.weight" not in first[0] and "4.weight" in first[0], first
+    assert first[1] == ["0.bias", "0.weight"]      # the first layer's gradients, ready last, go last
+
+
+def test_settled_in_registration_order_the_first_layer_would_go_first(tmp_path):
+    """What the test above guards against: the old settling (plain DDP) puts 0.weight in bucket 0."""
+    _one_process_group(tmp_path)
+    model = torch.nn.parallel.DistributedDataParallel(_three_layers())
+    _torch.settle_ddp_buckets(model)
+    assert "0.weight" in bucket_layout(model, steps=1)[0][0]
+
+
+def test_ready_order_is_loud_when_torch_builds_the_list_elsewhere(tmp_path, monkeypatch):
+    _one_process_group(tmp_path)
+    monkeypatch.delattr(_torch._ReadyOrderDDP, "_build_params_for_reducer")     # as if torch renamed it
+    model = _torch.ready_order_ddp(_three_layers())
+    with pytest.raises(_torch.PrivateApiChanged, match="_build_params_for_reducer"):
+        _torch.settle_ddp_buckets(model)
 
 
 def test_settle_ddp_buckets_is_loud_when_the_api_is_gone():

@@ -103,3 +103,13 @@ def test_accumulation_allreduces_once_per_group():
             assert run["steps"] == steps, (rank, run)
             assert buckets.count(0) == rounds, (rank, buckets)                  # one round per group
             assert len(buckets) == rounds * len(set(buckets)), (rank, buckets)   # every bucket each round
+
+
+@pytest.mark.timeout(120)
+def test_rt_setup_settles_buckets_last_layers_first_and_keeps_them():
+    """Overlap under exact resume: the first bucket reduced holds the last layer, never the first,
+    and the layout of step 1 is that of step 2 (no re-bucketing after the first backward)."""
+    first, second = ddpkit.launch(workers.ddpkit_bucket_layout, nprocs=2)[0]
+    assert first == second
+    assert "0.weight" not in first[0] and "4.weight" in first[0], first
+    assert first[-1] == ["0.bias", "0.weight"]

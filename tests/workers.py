@@ -287,3 +287,36 @@ def augmented_batches(num_workers: int, epochs: int = 2) -> list:
             seen.append((index.tolist(), noise.tolist()))
     return seen
 
+
+def three_layers():
+    torch.manual_seed(0)     # 1 MiB + 4 MiB + 40 KiB of fp32 weights: more than DDP's 1 MiB first bucket
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+def bucket_layout(model, steps: int = 2) -> list[list[list[str]]]:
+    """Per step, the parameter names of each bucket in the order DDP reduces them (a comm hook)."""
+    names = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
+    seen: list[list[str]] = []
+
+    def record(state, bucket):
+        seen.append([names[id(p)] for p in bucket.parameters()])
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    model.register_comm_hook(None, record)
+    layouts = []
+    for _ in range(steps):
+        seen.clear()
+        model(torch.randn(4, 256, device=next(model.parameters()).device)).sum().backward()
+        layouts.append(list(seen))
+    return layouts
+
+
+
+def ddpkit_bucket_layout() -> list:
+    """The bucket layout of a model set up by rt.setup (several processes), over two steps."""
+    rt = ddpkit.init(seed=0)
+    model = rt.setup(three_layers())
+    return bucket_layout(model)

@@ -35,11 +35,41 @@ def default_store() -> Any:
     return getter()
 
 
+def ready_order_ddp(module: torch.nn.Module, **kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel(module, **kwargs)`` whose reducer lists the parameters last first.
+
+    Backward makes gradients ready roughly in reverse registration order (DDP's own assumption for
+    its first buckets), so buckets settled in the reducer's order (:func:`settle_ddp_buckets`)
+    then start with the last layers: the first bucket is reduced while backward still computes
+    the earlier layers' gradients. DDP builds that list in ``_build_params_for_reducer``; the
+    returned model is a subclass that reverses it (``isinstance(model, DistributedDataParallel)``
+    holds). Where torch no longer builds the list there, :func:`settle_ddp_buckets` says so.
+    """
+    return _ReadyOrderDDP(module, **kwargs)
+
+
+class _ReadyOrderDDP(torch.nn.parallel.DistributedDataParallel):
+    """DDP with the reducer's parameters in reverse registration order; see :func:`ready_order_ddp`."""
+
+    def _build_params_for_reducer(self):  # noqa: ANN202 (torch's private signature)
+        parameters, expect_sparse = super()._build_params_for_reducer()
+        self.__dict__["_ddpkit_reversed"] = True
+        return list(reversed(parameters)), list(reversed(expect_sparse))
+
+
 def settle_ddp_buckets(model: Any) -> None:
-    """Re-bucket a DDP model's gradients now, in parameter order, as DDP does after its first backward.
+    """Re-bucket a DDP model's gradients now, in the reducer's parameter order, as DDP does in
+    ready order after its first backward; with :func:`ready_order_ddp` that order is last layer first.
 
     A collective: every rank must call it. See :func:`ddpkit.replicate.settle_buckets` for why.
+
+    Raises:
+        PrivateApiChanged: the reducer's re-bucketing calls are gone, or a :func:`ready_order_ddp`
+            model did not get its reversed parameter list (settling would put the first layers
+            in the first bucket and lose the overlap).
     """
+    if isinstance(model, _ReadyOrderDDP) and not model.__dict__.get("_ddpkit_reversed"):
+        raise PrivateApiChanged("DistributedDataParallel._build_params_for_reducer", "not called at construction")
     reducer = getattr(model, "reducer", None)
     push = getattr(reducer, "_push_all_rebuilt_params", None)
     rebuild = getattr(reducer, "_rebuild_buckets", None)

@@ -67,14 +67,21 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
                 if lazy is not None:
                     ddp_kwargs[_BUFFER_SYNC_ARG] = False
         device_ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        # DDP re-buckets after the first backward unless it looks for unused parameters (then its
+        # first layout, last layers first, stays); ddpkit settles that layout at once instead.
+        settle = not ddp_kwargs.get("find_unused_parameters") or ddp_kwargs.get("static_graph")
+        if settle:
+            from ddpkit._torch import ready_order_ddp
+
+            model = ready_order_ddp(model, device_ids=device_ids, **ddp_kwargs)
+        else:
+            model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
         if ddp_kwargs.get(_BUFFER_SYNC_ARG) is False and _BUFFER_SYNC_ARG == "broadcast_buffers":
             # there, broadcast_buffers=False also skips the buffers' copy from rank 0 at construction
             buffers.broadcast_from_rank0(model.module)
         if lazy is not None:
             replica.buffers = buffers.install(model, lazy)
-        if device.type == "cpu" or grad_compression == "powersgd":
-            # PowerSGD's state is keyed by bucket: a resume needs the same buckets at its first step
+        if settle:
             replica.not_bitwise = settle_buckets(model, is_main=is_main)
         if grad_compression is not None:
             from ddpkit.compression import attach
@@ -93,16 +100,18 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
 def settle_buckets(model: Any, *, is_main: bool) -> str | None:
     """Settle DDP's gradient buckets now, so every step of every attempt uses the same layout.
 
-    DDP starts with one bucket in parameter order and, after the first backward, re-buckets in
-    the order gradients became ready. A run resumed from a checkpoint would take its first step
-    with the starting layout where the uninterrupted run used the re-bucketed one; with three or
-    more processes a ring allreduce sums each element in an order that depends on where it sits
-    in the bucket, so the two runs part by a rounding error. Re-bucketing at once (parameter
-    order, DDP's own size caps) makes resume bitwise exact. CPU only: on GPUs the ready order
-    lets communication overlap the backward pass, and bitwise results are not on offer anyway.
+    DDP starts with one bucket and, after the first backward, re-buckets in the order gradients
+    became ready. A run resumed from a checkpoint would take its first step with the starting
+    layout where the uninterrupted run used the re-bucketed one; with three or more processes a
+    ring allreduce sums each element in an order that depends on where it sits in the bucket, so
+    the two runs part by a rounding error. ddpkit re-buckets at once, with DDP's own size caps
+    (a small first bucket), in reverse registration order (:func:`ddpkit._torch.ready_order_ddp`):
+    the order backward makes gradients ready, so the first bucket (the last layers) is reduced
+    while backward computes the rest, as DDP's ready order would. Same layout on every step of
+    every attempt: resume is bitwise exact and communication still overlaps. CPU and GPU alike.
 
     Returns:
-        None, or why resume is not bitwise: without the private API (another torch) DDP's
+        None, or why resume is not bitwise: without the private APIs (another torch) DDP's
         default stays, with a warning (rank 0, once), and checkpoints record it.
     """
     from ddpkit import _torch
