@@ -66,6 +66,8 @@ def test_bench_writes_consistent_rows(bench):
     mlp = build_model("mlp", num_classes=10, in_channels=3, image_size=32)
     assert ddp["comm"]["grad_bytes_per_step"] == 4 * sum(p.numel() for p in mlp.parameters())
     assert ddp["comm"]["allreduce_seconds"] > 0 and "MB of gradients per step" in ddp["diagnosis"]
+    assert 0 <= ddp["comm_overlap"] <= 1 and "hidden behind the backward pass" in ddp["diagnosis"]
+    assert single["comm_overlap"] is None
     assert single["comm"] is None
     assert ddp["grad_compression"] == "none" and ddp["payload_bytes_per_step"] == ddp["comm"]["grad_bytes_per_step"]
     assert ddp["bytes_sent_per_step"] == ddp["payload_bytes_per_step"]              # a ring of 2 sends it once
@@ -92,6 +94,7 @@ def test_compare_raw_matches_weights_bitwise(bench):
     assert raw["step_time_ratio"] > 0 and raw["memory_ratio"] > 0
     assert len(raw["pairs"]) == 1
     assert {p["raw_weights_sha256"] for p in raw["pairs"]} == {p["ddpkit_weights_sha256"] for p in raw["pairs"]}
+    assert all(0 <= raw["comm_overlap"][loop] <= 1 for loop in ("raw", "ddpkit"))    # both loops measured
 
 
 def _result(steps_by_rank, phases_by_rank, allreduce=None):
@@ -123,6 +126,27 @@ def test_diagnosis_names_what_bounds_a_run():
                                      "500.00 ms at 0.01 GB/s = 50% of the step)")
     crowded = {**comm, "threads_per_process": 2}
     assert diagnose(crowded).startswith("bound by CPU threads oversubscribed (2 process(es) x 2 threads")
+
+
+def test_comm_overlap_is_the_allreduce_the_backward_hid():
+    # backward 0.7 s in the step, 0.4 s alone: 0.3 s of a 0.5 s allreduce left exposed, 0.2 s hidden
+    phases = [[[0, 0.2, 0.7, 0.1]]] * 2
+    result = _result([[1.0], [1.0]], phases, 0.5)
+    for rank in result["ranks"]:
+        rank["backward_alone_seconds"] = 0.4
+    row = summarize(Configuration("ddp", 2, "fp32"), result)
+    assert row["comm"]["exposed_seconds"] == pytest.approx(0.3)
+    assert row["comm_overlap"] == pytest.approx(0.2 / 0.5)
+    assert row["comm"]["overlap_of_possible"] == pytest.approx(0.2 / 0.4)
+    assert "40% of it hidden behind the backward pass" in diagnose(row)
+    assert "hid only" not in diagnose(row)
+    for rank in result["ranks"]:             # backward alone 0.1 s: 0.6 exposed, nothing hidden
+        rank["backward_alone_seconds"] = 0.1
+    lost = summarize(Configuration("ddp", 2, "fp32"), result)
+    assert lost["comm_overlap"] == 0.0 and lost["comm"]["overlap_of_possible"] == 0.0
+    assert "the allreduce hid only 0% of what the backward pass could cover" in diagnose(lost)
+    unmeasured = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], phases, 0.5))
+    assert unmeasured["comm_overlap"] is None and "hidden behind" not in diagnose(unmeasured)
 
 
 def test_diagnosis_of_a_slow_link_names_the_fixes_with_their_gain():

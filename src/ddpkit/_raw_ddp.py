@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.bench_worker import bench_dataset, make_optimizer, mark, rank_stats, worker_parser, write_result
+from ddpkit.bench_worker import (backward_alone, bench_dataset, make_optimizer, mark, rank_stats, worker_parser,
+                                 write_result)
 from ddpkit.recipes.models import build_model
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,6 +108,11 @@ def train(opts: Any) -> None:
             optimizer.zero_grad(set_to_none=True)
             marks.append((start, fetched, forward, backward, mark(device)))
         stats = rank_stats(marks, opts.warmup, model, device, world_size)
+        if world_size > 1:
+            stats["backward_alone_seconds"] = backward_alone(
+                model, inputs, targets,
+                lambda: torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext(),
+                device)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, stats)
         if rank == 0:

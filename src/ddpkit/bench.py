@@ -238,13 +238,14 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
                  for i, phase in enumerate(PHASES)}
     allreduce = ranks[0]["allreduce_seconds"]
     comm = None
+    world = len(ranks)
+    payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
     if allreduce is not None:
         grad_bytes = ranks[0]["grad_bytes"]
         comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
-                "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None}
+                "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None,
+                **_overlap(ranks, allreduce * (payload / grad_bytes if 0 < payload < grad_bytes else 1.0))}
     cuda = [r["peak_cuda_mb"] for r in ranks]
-    world = len(ranks)
-    payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
     return {
         "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
         "grad_compression": config.grad_compression, "hosts": config.hosts or None,
@@ -263,9 +264,33 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "state_bytes_per_rank": [r.get("state_bytes") for r in ranks],
         "peak_cuda_mb": max(cuda) if None not in cuda else None,
         "breakdown": breakdown, "comm": comm,
+        # the share of the allreduce hidden behind the backward pass (None: not measured)
+        "comm_overlap": comm.get("overlap") if comm else None,
         "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
         "weights_sha256": ranks[0]["weights_sha256"],
     }
+
+
+def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> dict[str, Any]:
+    """How much of an allreduce of ``allreduce`` seconds the backward pass hid, per step.
+
+    A training step's backward phase waits for DDP's last bucket; a backward under ``no_sync``
+    (measured after the loop) is the compute alone. What the step's backward took beyond that
+    is the communication left exposed; the rest of the probe's allreduce time was hidden.
+    ``overlap``: hidden / allreduce. At most the backward's own length can be hidden, so
+    ``overlap_of_possible`` (hidden / min(allreduce, backward alone)) says whether the layout
+    hid what it could: a link far slower than the compute has a low ``overlap`` regardless.
+    """
+    alone = [r.get("backward_alone_seconds") for r in ranks]
+    if None in alone or allreduce <= 0:
+        return {"exposed_seconds": None, "overlap": None, "overlap_of_possible": None}
+    backward = PHASES.index("backward")
+    exposed = statistics.fmean(max(0.0, statistics.median(p[backward] for p in r["phases"]) - a)
+                               for r, a in zip(ranks, alone))
+    hidden = max(0.0, allreduce - exposed)
+    possible = min(allreduce, statistics.fmean(alone))
+    return {"exposed_seconds": exposed, "overlap": min(1.0, hidden / allreduce),
+            "overlap_of_possible": min(1.0, hidden / possible) if possible > 0 else None}
 
 
 def _not_applicable(config: Configuration, link_mbit: float | None = None) -> dict[str, Any]:
@@ -304,9 +329,15 @@ def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[s
         "step_time_ratio": statistics.median(p["ddpkit"]["step_seconds"] / p["raw"]["step_seconds"] for p in pairs),
         "memory_ratio": statistics.median(p["ddpkit"][memory] / p["raw"][memory] for p in pairs),
         "weights_equal": all(p["ddpkit"]["weights_sha256"] == p["raw"]["weights_sha256"] for p in pairs),
+        "comm_overlap": {loop: _median_or_none(p[loop]["comm_overlap"] for p in pairs) for loop in ("raw", "ddpkit")},
         "pairs": [{f"{loop}_{key}": p[loop][key] for loop in ("raw", "ddpkit")
                    for key in ("step_seconds", memory, "weights_sha256")} for p in pairs],
     }
+
+
+def _median_or_none(values: Any) -> float | None:
+    values = list(values)
+    return None if None in values or not values else statistics.median(values)
 
 
 def run_bench(settings: Settings) -> dict[str, Any]:

@@ -16,6 +16,7 @@ PHASES = ("data_wait", "forward", "backward", "optimizer")
 # Diagnosis thresholds: shares of the mean step time, and samples per process.
 DATA_SHARE = 0.15      # data loading this large is worth workers or a faster source
 COMM_SHARE = 0.25      # an allreduce of all gradients this large cannot hide behind backward
+LOW_OVERLAP = 0.25     # hiding less than this of what backward could cover is named
 SMALL_BATCH = 32       # below this, per-step fixed costs (Python, launches, latency) dominate
 
 
@@ -44,8 +45,15 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
                 f"(of {comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients), allreduce ~" if ratio < 1
                 else f"{comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients per step, allreduce ")
         comm_text = f"{sent}{seconds * 1e3:.2f} ms at {rate or 0:.2f} GB/s = {comm_share:.0%} of the step"
+        overlap = row.get("comm_overlap")
+        if overlap is not None:
+            comm_text += f", {overlap:.0%} of it hidden behind the backward pass"
         if comm_share >= COMM_SHARE:
-            found.append(f"communication ({comm_text}); {comm_fixes(row, peers)}")
+            of_possible = comm.get("overlap_of_possible")
+            lost = (f"; the allreduce hid only {of_possible:.0%} of what the backward pass could cover (gradient "
+                    "buckets reduced first-layers-first wait for the whole backward)"
+                    if of_possible is not None and of_possible < LOW_OVERLAP else "")
+            found.append(f"communication ({comm_text}){lost}; {comm_fixes(row, peers)}")
     if phases["data_wait"] / step >= DATA_SHARE:
         found.append(f"data loading ({phases['data_wait'] / step:.0%} of the step waits for batches)")
     per_device = row["batch_per_process"] // row.get("devices", 1)
@@ -132,6 +140,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
                ("data_wait_ms", "data ms", _ms), ("forward_ms", "forward ms", _ms),
                ("backward_ms", "backward ms", _ms), ("optimizer_ms", "optimizer ms", _ms),
                ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("payload_bytes_per_step", "MB/step", _mb)]
+    if any(r.get("comm_overlap") is not None for r in rows):
+        columns.append(("comm_overlap", "comm hidden", PERCENT))
     if any(r.get("data_format") not in (None, "map") for r in rows):
         columns[3:3] = [("data_format", "data")]
     if any(r.get("hosts") for r in rows):
@@ -147,7 +157,9 @@ def _markdown(report: Mapping[str, Any]) -> str:
              markdown_table(rows, columns),
              "samples/s: global batch / median step time (a step lasts as long as its slowest rank). "
              "step ms: that median. Phase columns: mean per step over ranks; backward includes the "
-             "allreduce it waits for. Peak RSS: the largest rank's, in MiB.",
+             "allreduce it waits for. Peak RSS: the largest rank's, in MiB. comm hidden: the share of "
+             "an allreduce of the step's gradients that the backward pass hid (the step's backward "
+             "against a backward with no gradient sync, measured after the loop).",
              "## Diagnosis", "\n".join(f"- {row_label(r)}: {r['diagnosis']}" for r in report["configurations"])]
     raw = report.get("raw_vs_ddpkit")
     if raw:
@@ -155,7 +167,9 @@ def _markdown(report: Mapping[str, Any]) -> str:
                   f"{raw['mode']} x{raw['nproc']} {raw['precision']}, {raw['repeats']} interleaved pairs "
                   f"(raw, ddpkit, raw, ...): step-time ratio ddpkit/raw **{raw['step_time_ratio']:.3f}** "
                   f"(median of pairs), peak-memory ratio ({raw['memory_metric']}) **{raw['memory_ratio']:.3f}**, "
-                  f"final weights bitwise equal: **{'yes' if raw['weights_equal'] else 'no'}**. Both loops "
+                  f"final weights bitwise equal: **{'yes' if raw['weights_equal'] else 'no'}**"
+                  + "".join(f", allreduce hidden behind backward ({loop}) {_pct(raw.get('comm_overlap', {}).get(loop))}"
+                            for loop in ("raw", "ddpkit")) + ". Both loops "
                   "train on the data set cut to whole global batches, so ddpkit's order and sharding equal "
                   "DistributedSampler's. The weights compared are rank 0's parameters and buffers at the "
                   "end of training: ddpkit skips DDP's per-step buffer broadcast for BatchNorm statistics "
@@ -163,6 +177,10 @@ def _markdown(report: Mapping[str, Any]) -> str:
                   "or saved, so after an evaluation or in a checkpoint they are the cross-rank average, "
                   "not rank 0's copy."]
     return "\n\n".join(parts) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
 
 
 def write_outputs(out: Path, report: Mapping[str, Any]) -> list[Path]:

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -180,6 +180,28 @@ def _peak_memory(device: torch.device, devices: int) -> dict[str, float | None]:
     return {"peak_rss_mb": rss_mb, "peak_cuda_mb": cuda_mb}
 
 
+def backward_alone(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   autocast: Callable[[], Any], device: torch.device, repeats: int = 2) -> float | None:
+    """Seconds of one backward pass with no gradient sync (DDP's ``no_sync``): the compute the
+    allreduce can hide behind. None for a model without ``no_sync`` (fsdp, one process).
+
+    Runs after the timed steps and after the weights' digest: its forwards move BatchNorm
+    statistics, and its gradients are dropped.
+    """
+    if not hasattr(model, "no_sync"):
+        return None
+    times = []
+    for _ in range(repeats):
+        with model.no_sync():
+            with autocast():
+                loss = F.cross_entropy(model(inputs), targets)
+            start = mark(device)
+            loss.backward()
+            times.append(mark(device) - start)
+        model.zero_grad(set_to_none=True)
+    return min(times)
+
+
 def _probe_allreduce(numel: int, dtype: torch.dtype, device: torch.device) -> float:
     """Median seconds of one allreduce of every gradient at once (what DDP's buckets add up to)."""
     flat = torch.zeros(numel, dtype=dtype, device=device)
@@ -243,6 +265,8 @@ def train(opts: argparse.Namespace) -> None:
         marks.append((start, fetched, forward, backward, mark(device)))
     payload = None if compressor is None else compressor.payload_bytes / opts.steps
     stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload)
+    if rt.world_size > 1 and not opts.data_parallel:
+        stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
     stats["state_bytes"] = state_bytes(model, optimizer)
     gathered = ddpkit.all_gather_object(stats)
     if rt.is_main:
