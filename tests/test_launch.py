@@ -7,7 +7,7 @@ import pytest
 import ddpkit
 from ddpkit.env import Environment
 from ddpkit.errors import UsageError
-from ddpkit.launch import RunSpec, multi_node_env, parse_master, threads_per_process, torchrun_args, validate
+from ddpkit.launch import AGENT_ENV, RunSpec, parse_master, threads_per_process, torchrun_args, validate
 
 import workers
 
@@ -45,13 +45,13 @@ def test_multi_node_without_node_rank_lets_torchrun_pick_the_store_host():
     assert not any(a.startswith(("--rdzv-conf", "--local-addr")) for a in args)   # no route: torchrun's FQDN
 
 
-def test_several_nodes_give_each_attempt_a_fresh_store():
-    one = RunSpec("t.py", nproc_per_node=2)
-    two = RunSpec("t.py", nproc_per_node=2, nnodes=2, master="h:1")
-    assert multi_node_env(one, Environment()) == {}
-    assert multi_node_env(two, Environment()) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    slurm = Environment(launcher="slurm", world_size=2, local_world_size=1)
-    assert multi_node_env(one, slurm) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+def test_every_attempt_gets_a_fresh_worker_store_and_the_agent_joins_ddpkits_own():
+    assert AGENT_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}    # no second agent store, on any job
+    args = torchrun_args(RunSpec("t.py", nproc_per_node=2), Environment(), store_port=41234)
+    assert {"--rdzv-endpoint=127.0.0.1:41234", "--rdzv-conf=is_host=false"} <= set(args)
+    node0 = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, node_rank=0, master="10.0.0.1:29400"),
+                          Environment(), store_port=29400)
+    assert "--rdzv-conf=is_host=false" in node0          # ddpkit serves node 0's store itself
 
 
 def test_workers_start_through_ddpkit_entry():

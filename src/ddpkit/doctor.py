@@ -77,8 +77,25 @@ def examine() -> Report:
         report.problems.append(str(exc))
 
     _network(report, env)
+    _listening(report, env)
     _threads(report, env.local_world_size)
     return report
+
+
+def _listening(report: Any, env: Any) -> None:
+    """Which addresses a run with these settings listens on, and what plain torchrun exposes."""
+    import os
+
+    if env.num_nodes > 1 or env.launcher == "slurm":
+        report.add("a run listens on", f"{env.master_addr} (rendezvous and rank 0's store, when that address "
+                   "is this node's), this node's address (gloo/nccl); see README 'Trust boundary'")
+    else:
+        report.add("a run listens on", "127.0.0.1 only (ddpkit run, ddpkit.launch, train/bench/predict/demo)")
+    if env.launcher == "torchelastic" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        report.warnings.append(
+            "started by plain torchrun: its agent's rendezvous and worker stores listen on every interface, "
+            "and its rendezvous unpickles what it reads there; anyone who can reach those ports can run code "
+            "as you. ddpkit run binds them to 127.0.0.1 on one machine")
 
 
 def _network(report: Any, env: Any) -> None:

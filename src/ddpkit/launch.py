@@ -79,9 +79,11 @@ def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> in
     return max(1, cpu_count // max(1, nproc_per_node))
 
 
-def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
+def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int | None = None) -> list[str]:
     """The ``torch.distributed.run`` arguments for ``spec``.
 
+    ``store_port``: ddpkit serves the rendezvous store itself on that port (see
+    :func:`rendezvous_store`), so the agent joins it as a client (``is_host=false``).
     Single node: c10d rendezvous on a free loopback port chosen by the OS. Several nodes: c10d
     rendezvous at the master, hosted by node 0 (``--node-rank 0``, or the first SLURM node),
     under one run id on every node, so a failed worker restarts the whole job together. The
@@ -93,8 +95,10 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if master is None:
         # --local-addr: workers reach the store at 127.0.0.1, not at a host name that may not resolve
-        return args + ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                       f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *_target(spec)]
+        own = ["--rdzv-conf=is_host=false"] if store_port else []
+        return args + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store_port or 0}",
+                       f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *own,
+                       *_target(spec)]
     host, port = parse_master(master)
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
@@ -102,7 +106,7 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None) -> list[str]:
     if node_rank is not None:
         if not 0 <= node_rank < nnodes:
             raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
-        args.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}")
+        args.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 and not store_port else 'false'}")
     local = local_address(host, port)
     if local is not None:
         args.append(f"--local-addr={local}")     # peers reach rank 0's store here, not at its FQDN
@@ -150,16 +154,41 @@ def local_address(host: str, port: int) -> str | None:
         return None
 
 
-def multi_node_env(spec: RunSpec, env: Environment | None = None) -> dict[str, str]:
-    """Variables for the agent of a job of several nodes, on top of ``spec.extra_env``.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""Variables for the elastic agent of every job, on top of ``spec.extra_env``.
 
-    torchrun's workers share one store across restarts and tell attempts apart by a restart
-    count that each node keeps for itself: after one node's worker fails, the nodes disagree
-    on it. With the store not shared, rank 0 hosts a fresh store for every attempt instead.
+The agent would otherwise open a second store for the workers, listening on every interface
+(and, between nodes, telling attempts apart by a restart count each node keeps for itself).
+Without it worker rank 0 hosts a fresh store for every attempt, bound to the master address
+(:func:`ddpkit.process_group.init`).
+"""
+
+
+def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
+    """The rendezvous store ddpkit serves for ``spec`` on one address, or None (the agent hosts it).
+
+    One node: on 127.0.0.1, a free port. Several nodes: on node 0 (``--node-rank 0`` or SLURM's
+    first node), at the master's port on the master's address when that is one of this
+    machine's non-loopback addresses; otherwise torchrun's agent hosts it, on every interface.
     """
-    nnodes, _, _, _ = _placement(spec, detect() if env is None else env)
-    several = nnodes > 1 or spec.master is not None
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if several else {}
+    from ddpkit import stores
+
+    nnodes, node_rank, master, _ = _placement(spec, detect() if env is None else env)
+    if master is None:
+        return stores.serve(stores.LOOPBACK, 0, timeout_s=_STORE_TIMEOUT_S)
+    if node_rank != 0:
+        return None
+    host, port = parse_master(master)
+    local = local_address(host, port)
+    if local is None or stores.is_loopback(local):
+        return None
+    try:
+        return stores.serve(local, port, timeout_s=_STORE_TIMEOUT_S)
+    except OSError:                 # the master's address is not this machine's: the agent decides
+        return None
+
+
+_STORE_TIMEOUT_S = 900.0
 
 
 def validate(spec: RunSpec) -> None:
@@ -201,9 +230,10 @@ def run(spec: RunSpec) -> int:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torch_run
 
-    argv = torchrun_args(spec)
+    store = rendezvous_store(spec)           # kept alive (and listening) until the run ends
+    argv = torchrun_args(spec, store_port=store.port if store is not None else None)
     nproc = spec.nproc_per_node or default_nproc()
-    with _thread_env(nproc, {**multi_node_env(spec), **spec.extra_env}):
+    with _thread_env(nproc, {**AGENT_ENV, **spec.extra_env}):
         try:
             torch_run(parse_args(argv))
         except ChildFailedError as exc:
@@ -293,18 +323,23 @@ def launch(
 
     from ddpkit import entry        # not at the top: python -m ddpkit.entry must import it first
 
+    from ddpkit import stores
+
+    store = stores.serve(stores.LOOPBACK, 0, timeout_s=_STORE_TIMEOUT_S)   # listens on loopback only
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
         run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_endpoint=f"127.0.0.1:{store.port}",
+        rdzv_configs={"is_host": False},
+        local_addr="127.0.0.1",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=start_method or _start_method(fn),
     )
-    with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, _thread_env(nprocs):
+    with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, _thread_env(nprocs, AGENT_ENV):
         try:
             returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
         except ChildFailedError as exc:

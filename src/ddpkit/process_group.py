@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -98,8 +100,13 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
     """
     host_store = not env.agent_store and env.rank == 0
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=host_store,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        if host_store:
+            store = _serve(env, timeout_s)
+        else:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except UsageError:
+        raise
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         if "address already in use" in str(exc).lower():
             raise UsageError(
@@ -116,6 +123,26 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
     # that rank 0 hosts is new for every attempt, and nodes may count their restarts differently.
     attempt = f"attempt{env.restart_count}/" if env.agent_store else ""
     return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/{attempt}", store)
+
+
+def _serve(env: Environment, timeout_s: float) -> dist.Store:
+    """Rank 0's store, listening on the master address only (loopback on one machine).
+
+    A master address that is not one of this machine's (a name resolving elsewhere, say) cannot
+    be bound; the store then listens on every interface, as torch's own would, with a warning.
+    """
+    from ddpkit import stores
+
+    try:
+        return stores.serve(env.master_addr, env.master_port, timeout_s=timeout_s, world_size=env.world_size)
+    except OSError as exc:
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            warnings.warn(f"MASTER_ADDR {env.master_addr} is not an address of this machine, so rank 0's "
+                          f"store listens on every interface ({exc.strerror or exc}); set MASTER_ADDR to "
+                          "this machine's address on the network the job uses", stacklevel=4)
+            return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                                 timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        raise
 
 
 def destroy() -> None:
