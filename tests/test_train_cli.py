@@ -9,6 +9,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 import ddpkit
 from ddpkit import cli
@@ -189,6 +190,28 @@ def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
         assert row["speedup"] == pytest.approx(row["samples_per_second"] / rows[0]["samples_per_second"])
     assert "| single" in (out / "report.md").read_text()
     assert (out / "scaling.png").read_bytes()[:8] == PNG and (out / "loss.png").read_bytes()[:8] == PNG
+    _check_diagnoses(rows, out, result.stdout)
+
+
+def _check_diagnoses(rows, out, stdout):
+    """Every row diagnosed (printed too), bf16 named where this CPU lacks it, a verdict naming DDP's bound."""
+    from ddpkit.bench_report import cpu_flags
+
+    for row in rows:
+        assert row["diagnosis"] and "\n" not in row["diagnosis"], row
+        assert f"{row['run']}: {row['diagnosis']}" in stdout
+        assert sum(row["shares"].values()) == pytest.approx(1.0) and row["threads_per_process"] >= 1
+        assert row["bound"]
+    bf16 = next(r for r in rows if r["precision"] == "bf16")
+    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert ("bf16 is not accelerated on this CPU" in bf16["diagnosis"]) is (not native and not torch.cuda.is_available())
+    ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
+    bound = ddp["diagnosis"].split(";")[0].removeprefix("bound by ").split(" (")[0]
+    markdown = (out / "report.md").read_text()
+    verdict = markdown.split("## Verdict", 1)[1]
+    assert f"DDP x2 runs at {ddp['speedup']:.2f}x" in verdict and f"bound by {bound}" in verdict
+    assert verdict.strip() in stdout
+    assert "## Diagnosis" in markdown and bf16["diagnosis"] in markdown
 
 
 def test_demo_adds_data_parallel_only_with_two_gpus():
@@ -227,3 +250,28 @@ def test_the_bar_shows_loss_and_samples_per_second_on_a_terminal(monkeypatch, tm
     assert f"{steps}/{steps}" in bar and "loss=" in bar
     rates = [float(r) for r in re.findall(r"samples/s=(\d+)", bar)]
     assert rates and all(rate > 0 for rate in rates)
+
+
+def test_bound_words_and_precision_notes():
+    from ddpkit.bench_report import bound_word, precision_note
+
+    assert precision_note("bf16", "cpu", flags={"avx2"}).startswith("bf16 is not accelerated on this CPU")
+    assert precision_note("bf16", "cpu", flags={"avx2", "amx_bf16"}) is None
+    assert precision_note("fp16", "cpu", flags=set()).startswith("fp16 is not accelerated on a CPU")
+    assert precision_note("fp32", "cpu", flags=set()) is None
+    assert bound_word("bound by communication (...)") == "sync-bound"
+    assert bound_word("bound by compute (...)") == "compute-bound"
+    assert bound_word(precision_note("bf16", "cpu", flags=set()) + "; bound by compute") == "bf16 not accelerated"
+
+
+def test_the_verdict_names_the_bound_of_the_ddp_row():
+    from ddpkit.demo import verdict
+
+    rows = [{"mode": "single", "processes": 1, "precision": "fp32", "speedup": 1.0, "diagnosis": "bound by compute"},
+            {"mode": "ddp", "processes": 2, "precision": "fp32", "speedup": 0.63, "cores": 2,
+             "threads_per_process": 1, "shares": {"compute": 0.6, "communication": 0.4},
+             "diagnosis": "bound by communication (0.06 MB ...); try ..."}]
+    said = verdict(rows)
+    assert said.startswith("On this machine (2 cores, 2 processes of 1 thread(s) each), DDP x2 runs at 0.63x")
+    assert "bound by communication (a step is compute 60%, communication 40%)" in said
+    assert "ddpkit bench --model resnet18" in said

@@ -181,6 +181,11 @@ def _launch(config: Configuration, settings: Settings, result: Path, *, raw: boo
     return json.loads(result.read_text())
 
 
+def measure(config: Configuration, settings: Settings, result: Path) -> dict[str, Any]:
+    """One bench row for ``config``: run it in fresh processes and summarise (no speed-up yet)."""
+    return summarize(config, _launch(config, settings, result))
+
+
 def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: list[str]) -> int:
     """``ddpkit run`` of ``target`` on each simulated host; the first failure's exit code, else 0.
 
@@ -354,7 +359,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
             rows.append(_not_applicable(config, settings.link_mbit if config.hosts else None))
             continue
         print(f"bench: {config.label} ...", end="", flush=True)
-        row = summarize(config, _launch(config, settings, out / "runs" / f"{config.name}.json"))
+        row = measure(config, settings, out / "runs" / f"{config.name}.json")
         rows.append({**row, "link_mbit": settings.link_mbit if config.hosts else None})
         print(f" {rows[-1]['samples_per_second']:.1f} samples/s", flush=True)
     rows = _with_speedup(rows)

@@ -28,6 +28,7 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
     """
     if not row.get("applicable", True):
         return f"not applicable: {row.get('reason')}"
+    slow = precision_note(row["precision"], row["device"])
     step, phases, comm = row["mean_step_seconds"], row["breakdown"], row.get("comm")
     threads, cores = row["threads_per_process"], row["cores"]
     nproc = row["nproc"] * (row.get("hosts") or 1)      # simulated hosts share this machine's cores
@@ -63,7 +64,55 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
         busy = (phases["forward"] + phases["backward"] + phases["optimizer"]) / step
         found.append(f"compute (forward+backward+optimizer {busy:.0%} of the step)")
     line = "bound by " + "; ".join(found)
-    return line if not comm_text or comm_share >= COMM_SHARE else f"{line}; communication {comm_text}"
+    line = line if not comm_text or comm_share >= COMM_SHARE else f"{line}; communication {comm_text}"
+    return f"{slow}; {line}" if slow else line
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def precision_note(precision: str, device: str, flags: set[str] | None = None) -> str | None:
+    """Why ``precision`` runs no faster than fp32 on ``device``, or None where it is accelerated.
+
+    bf16 needs AVX512-BF16 or AMX on a CPU (without them autocast only adds conversions); no CPU
+    path here speeds up fp16; a GPU without bf16 support emulates it.
+    """
+    if device == "cpu" and precision == "bf16":
+        flags = cpu_flags() if flags is None else flags
+        if not flags & {"avx512_bf16", "amx_bf16"}:
+            return ("bf16 is not accelerated on this CPU (no AVX512-BF16 or AMX flag): autocast only adds "
+                    "conversions, so expect it slower than fp32 here; CPUs with AMX (Xeon Sapphire Rapids "
+                    "and later) or GPUs with bf16 tensor cores (Ampere and later) run it faster")
+    if device == "cpu" and precision == "fp16":
+        return ("fp16 is not accelerated on a CPU: expect it slower than fp32 here; GPUs with tensor "
+                "cores run it 2x or more faster")
+    if device == "cuda" and precision == "bf16":
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return "bf16 is not supported natively by this GPU (before Ampere): use fp16 here"
+    return None
+
+
+_BOUNDS = (("bound by CPU threads", "thread-bound"), ("bound by communication", "sync-bound"),
+           ("bound by data loading", "data-bound"), ("bound by too-small", "overhead-bound"),
+           ("bound by compute", "compute-bound"))
+
+
+def bound_word(diagnosis: str) -> str:
+    """A word or two for a chart label: what bounds the row, from its diagnosis."""
+    if "is not accelerated" in diagnosis or "not supported natively" in diagnosis:
+        return f"{diagnosis.split()[0]} not accelerated"
+    return next((word for phrase, word in _BOUNDS if phrase in diagnosis), "")
 
 
 def comm_seconds(row: Mapping[str, Any]) -> tuple[float, float]:

@@ -88,7 +88,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column])
 
 
 def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
-    """Bar chart of samples/s per run, each bar labelled with its speed-up, saved as a PNG."""
+    """Bar chart of samples/s per run, each bar labelled with its speed-up (and a row's ``bound``,
+    e.g. "0.63x — sync-bound", where it has one), saved as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -99,12 +100,14 @@ def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> 
     if runs:
         labels = [_run_label(r) for r in runs]
         bars = ax.bar(labels, [r["samples_per_second"] for r in runs], color="tab:blue")
-        notes = [SPEEDUP.format(r["speedup"]) if _finite(r.get("speedup")) else "" for r in runs]
+        notes = [(SPEEDUP.format(r["speedup"]) if _finite(r.get("speedup")) else "")
+                 + (f" — {r['bound']}" if r.get("bound") else "") for r in runs]
         ax.bar_label(bars, labels=notes, padding=3)
         ax.margins(y=0.15)
     else:
         ax.text(0.5, 0.5, "no throughput measured", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title("Throughput by mode (bar labels: speed-up vs single)")
+    ax.set_title("Throughput by mode (labels: speed-up vs single"
+                 + (" — bound)" if any(r.get("bound") for r in runs) else ")"))
     ax.set_xlabel("mode × processes")
     ax.set_ylabel("samples/s")
     ax.grid(True, axis="y", alpha=0.3)
