@@ -114,3 +114,19 @@ def test_doctor_says_where_a_run_listens_and_what_plain_torchrun_exposes(tmp_pat
     ours = subprocess.run([str(BIN / "ddpkit"), "run", "-n", "1", str(script)],
                           env=clean_env(), capture_output=True, text=True, timeout=100)
     assert ours.returncode == 0 and "plain torchrun" not in ours.stdout, ours.stderr[-2000:]
+
+
+def test_rank_0s_store_binds_the_master_address_unless_a_multi_node_name_is_loopback_here(monkeypatch):
+    import torch.distributed as dist
+
+    from ddpkit import process_group
+    from ddpkit.env import Environment
+
+    served = []
+    monkeypatch.setattr("ddpkit.stores.serve", lambda host, port, **kw: served.append(host) or "bound")
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: "every interface")
+    one_node = Environment(launcher="torchelastic", world_size=2, local_world_size=2, master_addr="127.0.0.1")
+    assert process_group._serve(one_node, 5) == "bound" and served == ["127.0.0.1"]
+    # /etc/hosts maps the node's own name to loopback, other nodes reach it at its network address
+    two_nodes = Environment(launcher="slurm", world_size=4, local_world_size=2, master_addr="localhost")
+    assert process_group._serve(two_nodes, 5) == "every interface"

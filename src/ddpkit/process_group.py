@@ -130,9 +130,15 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
 
     A master address that is not one of this machine's (a name resolving elsewhere, say) cannot
     be bound; the store then listens on every interface, as torch's own would, with a warning.
+    So does a job of several nodes whose master name resolves to loopback here (``/etc/hosts``
+    often maps a machine's own name to 127.0.1.1) while the other nodes resolve it to this
+    node's network address.
     """
     from ddpkit import stores
 
+    if env.num_nodes > 1 and _resolves_to_loopback(env.master_addr):
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     try:
         return stores.serve(env.master_addr, env.master_port, timeout_s=timeout_s, world_size=env.world_size)
     except OSError as exc:
@@ -143,6 +149,16 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
             return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
                                  timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         raise
+
+
+def _resolves_to_loopback(host: str) -> bool:
+    from ddpkit import stores
+
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return False
+    return stores.is_loopback(address)
 
 
 def destroy() -> None:
