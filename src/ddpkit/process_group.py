@@ -100,13 +100,7 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
     """
     host_store = not env.agent_store and env.rank == 0
     try:
-        if host_store:
-            store = _serve(env, timeout_s)
-        else:
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    except UsageError:
-        raise
+        store = _serve(env, timeout_s) if host_store else _tcp_store(env, timeout_s, is_master=False)
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         if "address already in use" in str(exc).lower():
             raise UsageError(
@@ -136,9 +130,8 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
     """
     from ddpkit import stores
 
-    if env.num_nodes > 1 and _resolves_to_loopback(env.master_addr):
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
-                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    if env.num_nodes > 1 and stores.is_loopback(env.master_addr):
+        return _tcp_store(env, timeout_s, is_master=True)
     try:
         return stores.serve(env.master_addr, env.master_port, timeout_s=timeout_s, world_size=env.world_size)
     except OSError as exc:
@@ -146,19 +139,14 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
             warnings.warn(f"MASTER_ADDR {env.master_addr} is not an address of this machine, so rank 0's "
                           f"store listens on every interface ({exc.strerror or exc}); set MASTER_ADDR to "
                           "this machine's address on the network the job uses", stacklevel=4)
-            return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
-                                 timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+            return _tcp_store(env, timeout_s, is_master=True)
         raise
 
 
-def _resolves_to_loopback(host: str) -> bool:
-    from ddpkit import stores
-
-    try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        return False
-    return stores.is_loopback(address)
+def _tcp_store(env: Environment, timeout_s: float, *, is_master: bool) -> dist.Store:
+    """torch's own ``TCPStore`` at the master: a client, or a server on every interface."""
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_master,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def destroy() -> None:

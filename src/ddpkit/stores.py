@@ -58,8 +58,12 @@ def serve(host: str, port: int, *, timeout_s: float, world_size: int | None = No
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback (an address or ``localhost``)."""
+    """Whether ``host`` (an address, or a name: what it resolves to here) is a loopback address.
+
+    ``/etc/hosts`` often maps a machine's own name to 127.0.1.1. A name that does not resolve is not.
+    """
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
+        address = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return False
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
