@@ -154,6 +154,8 @@ def local_address(host: str, port: int) -> str | None:
         return None
 
 
+_STORE_TIMEOUT_S = 900.0         # how long the rendezvous store ddpkit serves waits on a client
+
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """Variables for the elastic agent of every job, on top of ``spec.extra_env``.
 
@@ -187,8 +189,6 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
     except OSError:                 # the master's address is not this machine's: the agent decides
         return None
 
-
-_STORE_TIMEOUT_S = 900.0
 
 
 def validate(spec: RunSpec) -> None:
@@ -321,9 +321,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ddpkit import entry        # not at the top: python -m ddpkit.entry must import it first
-
-    from ddpkit import stores
+    from ddpkit import entry, stores       # entry not at the top: python -m ddpkit.entry must import it first
 
     store = stores.serve(stores.LOOPBACK, 0, timeout_s=_STORE_TIMEOUT_S)   # listens on loopback only
     config = LaunchConfig(

@@ -40,22 +40,16 @@ _VALUED = {
 _FLAGS = {"-h", "--help", "--standalone"}
 _VALUE_OPTIONS = {name for names in _VALUED for name in names}
 
-# torchrun flags that ddpkit run does not take, and why or what instead.
+# torchrun flags that ddpkit run does not take, and why or what instead (either spelling: _ for -).
 _NOT_TAKEN = {
     "--no-python": "ddpkit run starts Python scripts or modules (-m)",
-    "--no_python": "ddpkit run starts Python scripts or modules (-m)",
     "--run-path": "give the script's path; ddpkit run uses runpy already",
-    "--run_path": "give the script's path; ddpkit run uses runpy already",
     "--tee": "every rank's output already reaches this terminal",
     "--redirects": "every rank's output already reaches this terminal",
     "--log-dir": "ranks print to this terminal; rt.print and rt.log write once, on rank 0",
-    "--log_dir": "ranks print to this terminal; rt.print and rt.log write once, on rank 0",
     "--rdzv-conf": "ddpkit sets the rendezvous itself (node 0 hosts it)",
-    "--rdzv_conf": "ddpkit sets the rendezvous itself (node 0 hosts it)",
     "--start-method": "workers are started the way torchrun starts them by default",
-    "--start_method": "workers are started the way torchrun starts them by default",
     "--local-addr": "ddpkit picks this node's address on the route to the master",
-    "--local_addr": "ddpkit picks this node's address on the route to the master",
 }
 
 TORCHRUN_MASTER_PORT = 29500    # torchrun's default for --master_port
@@ -79,8 +73,9 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         elif name in _FLAGS:
             ours.append(token)
             index += 1
-        elif name in _NOT_TAKEN:
-            raise UsageError(f"{name} is a torchrun flag that ddpkit run does not take: {_NOT_TAKEN[name]}")
+        elif name.replace("_", "-") in _NOT_TAKEN:
+            raise UsageError(f"{name} is a torchrun flag that ddpkit run does not take: "
+                             f"{_NOT_TAKEN[name.replace('_', '-')]}")
         elif token.startswith("-") and token != "-":
             raise UsageError(f"unknown option {token!r} for 'ddpkit run' (see 'ddpkit run --help')")
         else:
