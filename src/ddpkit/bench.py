@@ -242,14 +242,16 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
     breakdown = {phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
                  for i, phase in enumerate(PHASES)}
     allreduce = ranks[0]["allreduce_seconds"]
-    comm = None
+    comm, overlap = None, None
     world = len(ranks)
     payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
     if allreduce is not None:
         grad_bytes = ranks[0]["grad_bytes"]
+        sent = payload / grad_bytes if 0 < payload < grad_bytes else 1.0     # compressed: a fraction
+        overlap, exposed, of_possible = _overlap(ranks, allreduce * sent)
         comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
                 "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None,
-                **_overlap(ranks, allreduce * (payload / grad_bytes if 0 < payload < grad_bytes else 1.0))}
+                "exposed_seconds": exposed, "overlap_of_possible": of_possible}
     cuda = [r["peak_cuda_mb"] for r in ranks]
     return {
         "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
@@ -270,14 +272,15 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "peak_cuda_mb": max(cuda) if None not in cuda else None,
         "breakdown": breakdown, "comm": comm,
         # the share of the allreduce hidden behind the backward pass (None: not measured)
-        "comm_overlap": comm.get("overlap") if comm else None,
+        "comm_overlap": overlap,
         "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
         "weights_sha256": ranks[0]["weights_sha256"],
     }
 
 
-def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> dict[str, Any]:
-    """How much of an allreduce of ``allreduce`` seconds the backward pass hid, per step.
+def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> tuple[float | None, ...]:
+    """How much of an allreduce of ``allreduce`` seconds the backward pass hid, per step:
+    ``(overlap, exposed seconds, overlap_of_possible)``, Nones where it was not measured.
 
     A training step's backward phase waits for DDP's last bucket; a backward under ``no_sync``
     (measured after the loop) is the compute alone. What the step's backward took beyond that
@@ -288,14 +291,13 @@ def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> dict[str, 
     """
     alone = [r.get("backward_alone_seconds") for r in ranks]
     if None in alone or allreduce <= 0:
-        return {"exposed_seconds": None, "overlap": None, "overlap_of_possible": None}
+        return None, None, None
     backward = PHASES.index("backward")
     exposed = statistics.fmean(max(0.0, statistics.median(p[backward] for p in r["phases"]) - a)
                                for r, a in zip(ranks, alone))
     hidden = max(0.0, allreduce - exposed)
     possible = min(allreduce, statistics.fmean(alone))
-    return {"exposed_seconds": exposed, "overlap": min(1.0, hidden / allreduce),
-            "overlap_of_possible": min(1.0, hidden / possible) if possible > 0 else None}
+    return min(1.0, hidden / allreduce), exposed, (min(1.0, hidden / possible) if possible > 0 else None)
 
 
 def _not_applicable(config: Configuration, link_mbit: float | None = None) -> dict[str, Any]:
