@@ -147,6 +147,12 @@ def test_comm_overlap_is_the_allreduce_the_backward_hid():
     assert "the allreduce hid only 0% of what the backward pass could cover" in diagnose(lost)
     unmeasured = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], phases, 0.5))
     assert unmeasured["comm_overlap"] is None and "hidden behind" not in diagnose(unmeasured)
+    for rank in result["ranks"]:             # compressed: exposed time includes the compressor's work
+        rank["payload_bytes_per_step"] = 100_000
+    compressed = summarize(Configuration("ddp", 2, "fp32", grad_compression="powersgd"), result)
+    assert compressed["comm"]["exposed_seconds"] == pytest.approx(0.6)
+    assert compressed["comm_overlap"] is None and compressed["comm"]["overlap_of_possible"] is None
+    assert "hidden behind" not in diagnose(compressed)
 
 
 def test_diagnosis_of_a_slow_link_names_the_fixes_with_their_gain():

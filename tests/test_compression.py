@@ -74,20 +74,105 @@ def test_powersgd_checkpoint_resumed_on_one_process_says_compression_is_gone(tmp
 def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     made = PowerSGDCompressor(rank=2, start=3, device=torch.device("cpu"))
     made.state.iter = 9
-    made.state.error_dict[0] = torch.randn(10)
-    made.state.p_memory_dict[0], made.state.q_memory_dict[0] = torch.randn(6), torch.randn(4)
+    made.state.saved[0] = (torch.randn(10), torch.randn(4))      # feedback and factors of bucket 0
     made.state.rng.randint(1000)                              # the stream has moved
     torch.save(made.state_dict(), tmp_path / "s.pt")
     loaded = PowerSGDCompressor(rank=2, start=3, device=torch.device("cpu"))
     loaded.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True), same_world=True, source="s.pt")
     assert loaded.state.iter == 9
-    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
-        assert torch.equal(getattr(loaded.state, name)[0], getattr(made.state, name)[0]), name
+    for got, want in zip(loaded.state.saved[0], made.state.saved[0]):
+        assert torch.equal(got, want)
     assert loaded.state.rng.randint(10**9) == made.state.rng.randint(10**9)
     other_rank = PowerSGDCompressor(rank=4, start=3, device=torch.device("cpu"))
     with pytest.warns(UserWarning, match="powersgd_rank 2"):
         other_rank.load_state_dict(made.state_dict(), same_world=True, source="s.pt")
-    assert other_rank.state.iter == 9 and not other_rank.state.error_dict
+    assert other_rank.state.iter == 9 and not other_rank.state.saved
+    earlier = {**made.state_dict(), "p": {}}
+    del earlier["format"]                                     # what torch's hook left in ddpkit's checkpoints
+    with pytest.warns(UserWarning, match="an earlier ddpkit's layout: it starts afresh"):
+        loaded.load_state_dict(earlier, same_world=True, source="s.pt")
+    assert loaded.state.iter == 9 and not loaded.state.saved
+
+
+class _Bucket:
+    """What DDP hands a communication hook: one flat buffer, the gradients as views into it."""
+
+    def __init__(self, tensors):
+        self.flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.views, at = [], 0
+        for t in tensors:
+            self.views.append(self.flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+
+    def buffer(self):
+        return self.flat
+
+    def gradients(self):
+        return self.views
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def _reference_step(m, q_rows, feedback):
+    """PowerSGD on one matrix in a world of one, written out: (sent back, feedback, Q rows)."""
+    m = m + feedback
+    p_rows = q_rows @ m.t()
+    for i in range(p_rows.shape[0]):
+        p_rows[i] /= p_rows[i].norm()
+        p_rows[i + 1:] -= (p_rows[i + 1:] @ p_rows[i])[:, None] * p_rows[i]
+    q_rows = p_rows @ m
+    sent = p_rows.t() @ q_rows
+    return sent, m - sent, q_rows
+
+
+def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors_whole(tmp_path):
+    import numpy as np
+    import torch.distributed as dist
+
+    from ddpkit.powersgd import PowerSGD
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    sgd = PowerSGD(rank=2, start=0, device=torch.device("cpu"))
+    sgd.group = dist.new_group()
+    seed = np.random.RandomState(0).randint(1_000_000_000)           # the stream's first draw
+    q_rows = torch.randn(2 * 40, generator=torch.Generator().manual_seed(int(seed))).view(2, 40)
+    feedback = torch.zeros(30, 40)
+    for step in range(3):
+        weight, bias, zero = torch.randn(30, 40), torch.randn(30), torch.zeros(20, 40)
+        bucket = _Bucket([weight, bias, zero])
+        out = sgd.hook(bucket).wait()
+        assert out is bucket.flat
+        sent, feedback, q_rows = _reference_step(weight, q_rows, feedback)
+        assert torch.allclose(bucket.views[0], sent, atol=1e-5), step
+        assert torch.linalg.matrix_rank(bucket.views[0]) == 2
+        assert torch.equal(bucket.views[1], bias)                       # vectors travel whole
+        assert torch.equal(bucket.views[2], zero)                       # a zero gradient stays zero, no NaN
+        assert torch.allclose(sgd.buckets[0].error[:1200].view(30, 40), feedback, atol=1e-5), step
+    assert sgd.iter == 3
+    assert sgd.payload_elements == 3 * (2 * (30 + 40) + 2 * (20 + 40) + 30)    # factors and the bias
+
+
+def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from ddpkit import powersgd
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    sgd = powersgd.PowerSGD(rank=2, start=0, device=torch.device("cpu"))
+    sgd.group = dist.new_group()
+
+    def broken(p):
+        raise ValueError("orthogonalisation failed")
+
+    monkeypatch.setattr(powersgd, "_orthonormal_rows", broken)
+    future = sgd.hook(_Bucket([torch.randn(30, 40)]))     # run on the backend's thread: no hang
+    with pytest.raises(ValueError, match="orthogonalisation failed"):
+        future.wait()
 
 
 @pytest.mark.parametrize("kwargs,message", [

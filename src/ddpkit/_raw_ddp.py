@@ -52,12 +52,33 @@ def _register_hook(model: DistributedDataParallel, choice: str, warmup: int) -> 
     from ddpkit.bench_worker import powersgd_start
 
     if choice == "powersgd":
+        # what Accelerate registers for DDPCommunicationHookType.POWER_SGD, at rank 2
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                             start_powerSGD_iter=powersgd_start(warmup))
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        model.register_comm_hook(state, hook if dist.get_backend() == "nccl" else _one_bucket_at_a_time(hook))
     elif choice in ("fp16", "bf16"):
         hook = default_hooks.fp16_compress_hook if choice == "fp16" else default_hooks.bf16_compress_hook
         model.register_comm_hook(None, hook)
+
+
+def _one_bucket_at_a_time(hook: Any) -> Any:
+    """torch's PowerSGD hook, waiting for the previous bucket: what a script on gloo needs.
+
+    The hook issues its second and third allreduce from callbacks on gloo's threads; with two
+    buckets in flight, ranks can issue them in different orders, and gloo aborts ("Received
+    data size doesn't match expected size", seen here on ResNet-18 at the first compressed step).
+    """
+    previous: list[Any] = [None]
+
+    def hook_in_order(state, bucket):  # noqa: ANN001, ANN202 — DDP checks a hook's annotations
+        if previous[0] is not None:
+            previous[0].wait()
+        future = hook(state, bucket)
+        previous[0] = None if bucket.is_last() else future
+        return future
+
+    return hook_in_order
 
 
 def train(opts: Any) -> None:

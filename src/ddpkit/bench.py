@@ -249,6 +249,10 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         grad_bytes = ranks[0]["grad_bytes"]
         sent = payload / grad_bytes if 0 < payload < grad_bytes else 1.0     # compressed: a fraction
         overlap, exposed, of_possible = _overlap(ranks, allreduce * sent)
+        if sent < 1:
+            # the backward under no_sync skips the hook, so what a compressed step's backward took
+            # beyond it is the compressor's own work as well as the wait: no share of the wire's
+            overlap = of_possible = None
         comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
                 "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None,
                 "exposed_seconds": exposed, "overlap_of_possible": of_possible}

@@ -6,8 +6,9 @@ on the DDP model, on every backend (gloo on CPUs included):
 - ``fp16`` / ``bf16``: each gradient bucket is cast to 16 bits, divided by the world size,
   summed, and cast back: half the bytes, rounding of the averaged gradient only.
 - ``powersgd``: after ``powersgd_start`` plain steps, each weight matrix's gradient is sent as
-  two rank-``powersgd_rank`` factors (torch's ``powerSGD_hook``, with error feedback and warm
-  start); vectors (biases, norms) are sent whole. The state (iteration, each rank's error
+  two rank-``powersgd_rank`` factors (:mod:`ddpkit.powersgd`: torch's ``powerSGD_hook``'s
+  algorithm, with error feedback and warm start, laid out and ordered for speed); vectors
+  (biases, norms) are sent whole. The state (iteration, each rank's error
   feedback, the warm-start factors, the random stream that starts them) is in every checkpoint,
   so a resumed run is bitwise equal to an uninterrupted one.
 
@@ -120,47 +121,39 @@ class CastCompressor(Compressor):
 
 
 class PowerSGDCompressor(Compressor):
-    """torch's PowerSGD hook with its state kept where checkpoints can reach it."""
+    """PowerSGD (:mod:`ddpkit.powersgd`) with its state where checkpoints can reach it."""
 
     name = "powersgd"
 
     def __init__(self, rank: int, start: int, device: torch.device) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        from ddpkit.powersgd import PowerSGD
 
         super().__init__()
-        self.device = device
         self.buckets_settled = True      # per-bucket state can be restored into the same buckets
-        self._hook = powersgd.powerSGD_hook
-        self._previous: Any = None        # the last bucket's future
-        self.state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=start, use_error_feedback=True,
-                                            warm_start=True, random_seed=0)
+        self.state = PowerSGD(rank, start, device)
+
+    @property
+    def payload_elements(self) -> int:
+        return self.state.payload_elements
+
+    @payload_elements.setter
+    def payload_elements(self, value: int) -> None:
+        if hasattr(self, "state"):
+            self.state.payload_elements = value
 
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
-        # torch's hook issues its second and third allreduce from future callbacks, which run on
-        # the backend's threads: with two buckets in flight, ranks could issue bucket 1's first
-        # allreduce and bucket 0's second in different orders, and gloo pairs collectives by
-        # issue order (it aborts: "Received data size doesn't match"). One bucket at a time.
-        if self._previous is not None:
-            self._previous.wait()
-        before = self.state.total_numel_after_compression
-        plain = self.state.iter < self.state.start_powerSGD_iter
-        future = self._hook(self.state, bucket)
-        self.payload_elements += (bucket.buffer().numel() if plain
-                                  else self.state.total_numel_after_compression - before)
-        self._previous = None if bucket.is_last() else future
-        return future
+        return self.state.hook(bucket)
 
     def state_dict(self) -> dict[str, Any]:
         from ddpkit.checkpoint import numpy_state
+        from ddpkit.powersgd import FORMAT
 
         s = self.state
+        held = {**{k: (v.error, v.q) for k, v in s.buckets.items()}, **s.saved}
         return {
-            "name": self.name, "rank": s.matrix_approximation_rank, "start": s.start_powerSGD_iter,
-            "iter": s.iter,
-            "error": {k: v.detach().cpu().clone() for k, v in s.error_dict.items()},
-            "p": {k: v.detach().cpu().clone() for k, v in s.p_memory_dict.items()},
-            "q": {k: v.detach().cpu().clone() for k, v in s.q_memory_dict.items()},
+            "name": self.name, "format": FORMAT, "rank": s.rank, "start": s.start, "iter": s.iter,
+            "error": {k: e.detach().cpu().clone() for k, (e, _) in held.items()},
+            "q": {k: q.detach().cpu().clone() for k, (_, q) in held.items()},
             "rng": numpy_state(s.rng.get_state()),
         }
 
@@ -172,6 +165,7 @@ class PowerSGDCompressor(Compressor):
         afresh there (with a warning) while the plain warm-up is not repeated.
         """
         from ddpkit.checkpoint import numpy_state_tuple
+        from ddpkit.powersgd import FORMAT
 
         _check_name(self.name, saved, source)
         if saved.get("name") != self.name:
@@ -179,17 +173,17 @@ class PowerSGDCompressor(Compressor):
         s = self.state
         s.iter = int(saved["iter"])
         s.rng.set_state(numpy_state_tuple(saved["rng"]))
-        if not same_world or saved["rank"] != s.matrix_approximation_rank or not self.buckets_settled:
+        s.buckets.clear()
+        s.saved.clear()
+        if (not same_world or saved["rank"] != s.rank or not self.buckets_settled
+                or saved.get("format") != FORMAT):
             why = ("another world size" if not same_world else f"powersgd_rank {saved['rank']}"
-                   if saved["rank"] != s.matrix_approximation_rank else "DDP buckets that could not be settled")
+                   if saved["rank"] != s.rank else "DDP buckets that could not be settled"
+                   if not self.buckets_settled else "an earlier ddpkit's layout")
             warnings.warn(f"checkpoint {source} holds PowerSGD error feedback of {why}: it starts afresh "
                           "(the run continues, not bitwise as an uninterrupted one)", stacklevel=4)
-            for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
-                memory.clear()
             return
-        for into, key in ((s.error_dict, "error"), (s.p_memory_dict, "p"), (s.q_memory_dict, "q")):
-            into.clear()
-            into.update({int(k): v.to(self.device) for k, v in saved[key].items()})
+        s.saved.update({int(k): (saved["error"][k], saved["q"][k]) for k in saved["error"]})
 
 
 def attach(model: Any, choice: str, *, rank: int, start: int | None, device: torch.device,
@@ -203,6 +197,7 @@ def attach(model: Any, choice: str, *, rank: int, start: int | None, device: tor
     if choice == "powersgd":
         compressor = PowerSGDCompressor(rank, POWERSGD_START if start is None else start, device)
         compressor.buckets_settled = buckets_settled
+        compressor.state.group = dist.new_group()     # for Q: see ddpkit.powersgd (collective)
     else:
         compressor = CastCompressor(torch.float16 if choice == "fp16" else torch.bfloat16)
     model.register_comm_hook(None, compressor.hook)
