@@ -18,6 +18,7 @@ bytes each rank puts on the wire per step.
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from typing import Any
 
@@ -187,7 +188,7 @@ class PowerSGDCompressor(Compressor):
 
 
 def attach(model: Any, choice: str, *, rank: int, start: int | None, device: torch.device,
-           buckets_settled: bool = True) -> Compressor:
+           buckets_settled: bool = True, timeout_s: float | None = None) -> Compressor:
     """Register ``choice``'s hook on the DDP ``model``; returns its compressor (bytes, state).
 
     ``buckets_settled``: whether DDP's buckets were settled at setup. PowerSGD keys its state by
@@ -197,7 +198,9 @@ def attach(model: Any, choice: str, *, rank: int, start: int | None, device: tor
     if choice == "powersgd":
         compressor = PowerSGDCompressor(rank, POWERSGD_START if start is None else start, device)
         compressor.buckets_settled = buckets_settled
-        compressor.state.group = dist.new_group()     # for Q: see ddpkit.powersgd (collective)
+        # Q's own group (see ddpkit.powersgd), with the default group's timeout; a collective call
+        compressor.state.group = dist.new_group(
+            timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
     else:
         compressor = CastCompressor(torch.float16 if choice == "fp16" else torch.bfloat16)
     model.register_comm_hook(None, compressor.hook)

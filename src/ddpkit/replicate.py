@@ -38,7 +38,7 @@ class Replica:
 def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, is_main: bool,
               sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
               grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
-              **ddp_kwargs: Any) -> Replica:
+              timeout_s: float | None = None, **ddp_kwargs: Any) -> Replica:
     """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
 
     ``grad_compression`` (checked by :func:`ddpkit.compression.check`) registers its hook on the
@@ -87,7 +87,8 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
             from ddpkit.compression import attach
 
             replica.compressor = attach(model, grad_compression, rank=powersgd_rank, start=powersgd_start,
-                                        device=device, buckets_settled=replica.not_bitwise is None)
+                                        device=device, buckets_settled=replica.not_bitwise is None,
+                                        timeout_s=timeout_s)
     elif grad_compression is not None and is_main:
         warnings.warn(f"grad_compression={grad_compression!r} has no effect with one process: no gradients "
                       "are sent", stacklevel=4)

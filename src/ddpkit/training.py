@@ -37,6 +37,7 @@ class Training(Resumable):
     rank: int
     world_size: int
     is_main: bool
+    timeout_s: float
 
     def _init_training(self, *, seed: int | None, precision: str, out_dir: str | None,
                        keep_checkpoints: int) -> None:
@@ -117,7 +118,8 @@ class Training(Resumable):
                           compile=compile or hasattr(model, "_orig_mod"))     # compiled before setup too
         replica = replicate(model, device=self.device, world_size=self.world_size, is_main=self.is_main,
                             sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
-                            powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, **ddp_kwargs)
+                            powersgd_rank=powersgd_rank, powersgd_start=powersgd_start,
+                            timeout_s=self.timeout_s, **ddp_kwargs)
         self.loop.not_bitwise = self.loop.not_bitwise or replica.not_bitwise
         return self._adopt(replica.model, optimizer, replica.compressor, replica.buffers)
 
