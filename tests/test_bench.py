@@ -145,6 +145,12 @@ def test_comm_overlap_is_the_allreduce_the_backward_hid():
     lost = summarize(Configuration("ddp", 2, "fp32"), result)
     assert lost["comm_overlap"] == 0.0 and lost["comm"]["overlap_of_possible"] == 0.0
     assert "the allreduce hid only 0% of what the backward pass could cover" in diagnose(lost)
+    # 2 processes x 1 thread fill the 2 cores: the transfers compete with compute, whatever the layout
+    assert "compete with the backward pass for cores that 2 process(es) x 1 thread(s) already fill" in diagnose(lost)
+    assert "first-layers-first" not in diagnose(lost)
+    spare = {**lost, "cores": 4}               # a core to spare: a low overlap points at the layout
+    assert "(gradient buckets reduced first-layers-first wait for the whole backward)" in diagnose(spare)
+    assert "compete" not in diagnose(spare)
     unmeasured = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], phases, 0.5))
     assert unmeasured["comm_overlap"] is None and "hidden behind" not in diagnose(unmeasured)
     for rank in result["ranks"]:             # compressed: exposed time includes the compressor's work

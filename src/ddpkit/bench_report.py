@@ -51,9 +51,14 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
             comm_text += f", {overlap:.0%} of it hidden behind the backward pass"
         if comm_share >= COMM_SHARE:
             of_possible = comm.get("overlap_of_possible")
-            lost = (f"; the allreduce hid only {of_possible:.0%} of what the backward pass could cover (gradient "
-                    "buckets reduced first-layers-first wait for the whole backward)"
-                    if of_possible is not None and of_possible < LOW_OVERLAP else "")
+            lost = ""
+            if of_possible is not None and of_possible < LOW_OVERLAP:
+                # with every core computing, gloo's transfers take turns with the backward: no layout helps
+                why = (f"on CPU, gloo's transfers compete with the backward pass for cores that {nproc} "
+                       f"process(es) x {threads} thread(s) already fill, as they would in any loop"
+                       if row["device"] == "cpu" and cores and nproc * threads >= cores
+                       else "gradient buckets reduced first-layers-first wait for the whole backward")
+                lost = f"; the allreduce hid only {of_possible:.0%} of what the backward pass could cover ({why})"
             found.append(f"communication ({comm_text}){lost}; {comm_fixes(row, peers)}")
     if phases["data_wait"] / step >= DATA_SHARE:
         found.append(f"data loading ({phases['data_wait'] / step:.0%} of the step waits for batches)")
