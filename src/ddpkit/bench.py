@@ -157,8 +157,17 @@ def _cpu() -> Any:
     return torch.device("cpu")
 
 
-def _launch(config: Configuration, settings: Settings, result: Path, *, raw: bool = False) -> dict[str, Any]:
-    """Run ``config`` in fresh processes and return what its rank 0 wrote."""
+RAW_LOOP = "ddpkit._raw_ddp"
+DDPKIT_LOOP = "ddpkit.bench_worker"
+
+
+def run_loop(config: Configuration, settings: Settings, result: Path, *, target: str = DDPKIT_LOOP) -> dict[str, Any]:
+    """Run the loop module ``target`` as ``config`` in fresh processes; return what its rank 0 wrote.
+
+    ``target`` takes :func:`ddpkit.bench_worker.worker_parser`'s arguments and writes
+    :func:`ddpkit.bench_worker.write_result`'s file: ddpkit's loop, the hand-written one
+    (:data:`RAW_LOOP`), or another library's (``benchmarks/peers.py``).
+    """
     from ddpkit.launch import RunSpec, run
 
     args = ["--model", settings.model, "--data", settings.data, "--precision", config.precision,
@@ -170,20 +179,20 @@ def _launch(config: Configuration, settings: Settings, result: Path, *, raw: boo
     if config.mode == "dp":
         args.append("--data-parallel")
     result.unlink(missing_ok=True)
-    target = "ddpkit._raw_ddp" if raw else "ddpkit.bench_worker"
     if config.hosts:
         code = _run_on_hosts(config, settings, target, args)
     else:
         code = run(RunSpec(target, args, module=True, nproc_per_node=config.nproc))
     if code != 0 or not result.is_file():
-        raise DdpkitError(f"bench {'raw ' if raw else ''}{config.label} failed (exit code {code}); "
+        loop = {DDPKIT_LOOP: "", RAW_LOOP: "raw "}.get(target, f"{target} ")
+        raise DdpkitError(f"bench {loop}{config.label} failed (exit code {code}); "
                           "see its output above")
     return json.loads(result.read_text())
 
 
 def measure(config: Configuration, settings: Settings, result: Path) -> dict[str, Any]:
     """One bench row for ``config``: run it in fresh processes and summarise (no speed-up yet)."""
-    return summarize(config, _launch(config, settings, result))
+    return summarize(config, run_loop(config, settings, result))
 
 
 def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: list[str]) -> int:
@@ -328,8 +337,8 @@ def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[s
         pair = {}
         for loop in ("raw", "ddpkit"):
             print(f"bench: compare {i}/{settings.repeats} {loop} {config.label} ...", end="", flush=True)
-            row = summarize(config, _launch(config, settings, runs / f"compare-{i}-{loop}.json",
-                                            raw=loop == "raw"))
+            row = summarize(config, run_loop(config, settings, runs / f"compare-{i}-{loop}.json",
+                                             target=RAW_LOOP if loop == "raw" else DDPKIT_LOOP))
             print(f" {row['samples_per_second']:.1f} samples/s", flush=True)
             pair[loop] = row
         pairs.append(pair)
