@@ -7,12 +7,16 @@ sample exactly once and ``ddpkit.predict`` returns one row per input, in input o
 number of processes, and the global batch keeps the result the same on 1 or N processes.
 
     python examples/classify_digits.py                           # one process
-    ddpkit run -n 2 examples/classify_digits.py                  # two, the same numbers
+    ddpkit run -n 2 examples/classify_digits.py                  # two, the same numbers (*)
     torchrun --standalone --nproc_per_node 2 examples/classify_digits.py
     srun --ntasks-per-node=1 ddpkit run -n 4 examples/classify_digits.py   # SLURM, or: ddpkit slurm ...
 
 Writes OUT/predictions.csv (index, label, predicted) and prints one line:
 ``world_size=2 test_accuracy=0.9861 test_count=360 macro_f1=0.9850 predictions=OUT/predictions.csv``.
+
+(*) The same arithmetic up to the order of float sums (the gradients' allreduce, SyncBN's
+statistics): on one Intel Xeon 1 and 2 processes matched to 4 decimals; on an AMD EPYC two
+processes scored 0.9833, one test sample of 360 flipped. The count and the order are exact.
 """
 
 import argparse
