@@ -158,12 +158,13 @@ def failed_write(checkpoint_dir: str) -> dict:
     return {"raised": None}
 
 
-def bucket_views() -> dict:
-    """After each backward DDP's gradients are views into its one bucket (gradient_as_bucket_view)."""
+def bucket_views(as_views: bool | None = None) -> dict:
+    """How many storages DDP's gradients live in after each backward, and whether rt.step clears them."""
     rt = ddpkit.init(seed=0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = rt.setup(model, optimizer)
+    ddp_kwargs = {} if as_views is None else {"gradient_as_bucket_view": as_views}
+    model, optimizer = rt.setup(model, optimizer, **ddp_kwargs)
     storages, cleared = [], []
     for _ in range(3):
         rt.backward(model(torch.randn(2, 4)).sum())

@@ -256,10 +256,13 @@ def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_ddp_gradients_live_in_its_bucket_after_each_backward():
-    result = ddpkit.launch(loop_workers.bucket_views, nprocs=2)[0]
-    assert result["storages"] == [1, 1, 1]                # all four gradients share one bucket's storage
-    assert result["cleared"] == [True, True, True]        # rt.step sets them to None (PyTorch's default)
+def test_ddp_gradients_are_bucket_views_where_asked_and_never_on_cpu_by_default():
+    default = ddpkit.launch(loop_workers.bucket_views, nprocs=2)[0]
+    assert default["storages"] == [4, 4, 4]               # on CPU each gradient has its own storage
+    assert default["cleared"] == [True, True, True]       # rt.step sets them to None (PyTorch's default)
+    views = ddpkit.launch(loop_workers.bucket_views, nprocs=2, args=(True,))[0]
+    assert views["storages"] == [1, 1, 1]                 # all four gradients share one bucket's storage
+    assert views["cleared"] == [True, True, True]
 
 
 @pytest.mark.timeout(120)

@@ -2,9 +2,9 @@
 
 Plain ``torch.distributed`` in the style of the PyTorch DDP tutorials: the process group
 from torchrun's environment variables, ``DistributedSampler`` + ``DataLoader``,
-``DistributedDataParallel`` with its defaults, optional autocast + ``GradScaler``. (ddpkit
-passes ``gradient_as_bucket_view=True``, which saves a copy of the gradients; the results are
-bitwise the same, the memory and time are what the comparison is for.) Start it
+``DistributedDataParallel`` with its defaults, optional autocast + ``GradScaler``. (On CUDA
+ddpkit passes ``gradient_as_bucket_view=True``, which saves a copy of the gradients; the results
+are bitwise the same, the memory and time are what the comparison is for.) Start it
 as ``ddpkit bench`` does (or with ``torchrun --nproc-per-node 2 -m ddpkit._raw_ddp ...``)::
 
     ddpkit run -n 2 -m ddpkit._raw_ddp --model convnet --data synthetic --precision fp32 \\

@@ -55,7 +55,10 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
 
         from ddpkit import buffers
 
-        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+        # Gradients as views into DDP's buckets save a gradient-sized copy of memory, which a GPU
+        # wants; on a CPU they cost backward time (ResNet-18: 8 ms a step, BENCHMARKS.md), and
+        # memory is rarely what runs out there. Bitwise the same either way.
+        ddp_kwargs.setdefault("gradient_as_bucket_view", device.type == "cuda")
         lazy = None
         compiled = compile or hasattr(model, "_orig_mod")      # compiled before setup counts too
         if not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
