@@ -228,6 +228,15 @@ def main() -> int:
     if unknown:
         print(f"peers: unknown loop {unknown[0]!r}; choose from {', '.join(LOOPS)}", file=sys.stderr)
         return 2
+    import importlib.util
+
+    needed = {"Fabric": "lightning_fabric", "Accelerate": "accelerate"}
+    missing = [module for word, module in needed.items()
+               if any(word in name for name in names) and importlib.util.find_spec(module) is None]
+    if missing:
+        print(f"peers: {', '.join(missing)} not installed; pip install -c constraints.txt -e '.[peers]'",
+              file=sys.stderr)
+        return 2
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     here = str(Path(__file__).resolve().parent)
