@@ -95,13 +95,11 @@ def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: tor
 
 
 def _powersgd_payload(model: torch.nn.Module, rank: int) -> float:
+    from ddpkit.powersgd import _is_matrix     # torch's rule too: compress where the factors halve it
+
     total = 0
     for p in model.parameters():
-        if p.dim() <= 1:
-            total += p.numel()
-        else:
-            n, m = p.shape[0], p[0].numel()       # torch compresses where (n + m) r halves n m at least
-            total += (n + m) * rank if (n + m) * rank * 2 < n * m else p.numel()
+        total += (p.shape[0] + p[0].numel()) * rank if _is_matrix(p.shape, rank) else p.numel()
     return float(total * 4)
 
 
@@ -251,11 +249,10 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 — a peer that fails is a finding, not the end
                     print(f" failed: {exc}", flush=True)
                     rows.append({"loop": name, "link_mbit": link, "round": i, "failed": str(exc)})
-                    continue
-                print(f" {row['samples_per_second']:.1f} samples/s", flush=True)
-                rows.append({**row, "round": i})
-                (out / "peers.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "peers.json").write_text(json.dumps(rows, indent=1) + "\n")
+                else:
+                    print(f" {row['samples_per_second']:.1f} samples/s", flush=True)
+                    rows.append({**row, "round": i})
+                (out / "peers.json").write_text(json.dumps(rows, indent=1) + "\n")   # kept as it goes
     table = _table(rows, links, opts.steps + opts.warmup)
     (out / "peers.md").write_text(table + "\n")
     print(table)
