@@ -12,17 +12,31 @@ from ddpkit.launch import AGENT_ENV, RunSpec, parse_master, threads_per_process,
 import workers
 
 
-def test_single_node_uses_free_loopback_port():
-    args = torchrun_args(RunSpec("train.py", ["--lr", "0.1"], nproc_per_node=2), Environment())
-    assert "--rdzv-endpoint=127.0.0.1:0" in args and "--rdzv-backend=c10d" in args
+PRIVATE = "/private/ddpkit-job-x"
+
+
+def test_single_node_meets_through_a_file_of_its_private_directory():
+    args = torchrun_args(RunSpec("train.py", ["--lr", "0.1"], nproc_per_node=2), Environment(), store_dir=PRIVATE)
+    assert {"--rdzv-backend=c10d", f"--rdzv-endpoint={PRIVATE}/rendezvous", "--rdzv-conf=store_type=file"} <= set(args)
     assert "--local-addr=127.0.0.1" in args          # workers never depend on the host name resolving
     assert "--nproc-per-node=2" in args and "--nnodes=1" in args
     assert args[-3:] == ["train.py", "--lr", "0.1"]
+    with pytest.raises(UsageError, match="private store directory"):
+        torchrun_args(RunSpec("train.py", nproc_per_node=2), Environment())
+
+
+@pytest.mark.parametrize("master", ["127.0.0.1:29511", "localhost:29511", "10.0.0.1:29511"])
+def test_one_node_with_a_master_stays_on_the_private_path(master):
+    # torchrun's one-machine spellings (--master_addr/--master_port, --rdzv-endpoint, --master) used to
+    # send the job down the multi-node path, where the agent hosts the store on every interface
+    args = torchrun_args(RunSpec("t.py", nproc_per_node=2, master=master), Environment(), store_dir=PRIVATE)
+    assert f"--rdzv-endpoint={PRIVATE}/rendezvous" in args and "--rdzv-conf=store_type=file" in args
+    assert not any(a.startswith("--rdzv-conf=is_host") for a in args)
 
 
 def test_two_single_node_runs_get_different_ids():
-    first = torchrun_args(RunSpec("a.py", nproc_per_node=1), Environment())
-    second = torchrun_args(RunSpec("a.py", nproc_per_node=1), Environment())
+    first = torchrun_args(RunSpec("a.py", nproc_per_node=1), Environment(), store_dir=PRIVATE)
+    second = torchrun_args(RunSpec("a.py", nproc_per_node=1), Environment(), store_dir=PRIVATE)
     ids = [a for a in first + second if a.startswith("--rdzv-id=")]
     assert len(set(ids)) == 2
 
@@ -47,8 +61,6 @@ def test_multi_node_without_node_rank_lets_torchrun_pick_the_store_host():
 
 def test_every_attempt_gets_a_fresh_worker_store_and_the_agent_joins_ddpkits_own():
     assert AGENT_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}    # no second agent store, on any job
-    args = torchrun_args(RunSpec("t.py", nproc_per_node=2), Environment(), store_port=41234)
-    assert {"--rdzv-endpoint=127.0.0.1:41234", "--rdzv-conf=is_host=false"} <= set(args)
     node0 = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, node_rank=0, master="10.0.0.1:29400"),
                           Environment(), store_port=29400)
     assert "--rdzv-conf=is_host=false" in node0          # ddpkit serves node 0's store itself
@@ -56,9 +68,9 @@ def test_every_attempt_gets_a_fresh_worker_store_and_the_agent_joins_ddpkits_own
 
 def test_workers_start_through_ddpkit_entry():
     # ddpkit.entry runs the target as python would, then exits without interpreter teardown
-    module = torchrun_args(RunSpec("pkg.train", ["x"], module=True, nproc_per_node=1), Environment())
+    module = torchrun_args(RunSpec("pkg.train", ["x"], module=True, nproc_per_node=1), Environment(), store_dir=PRIVATE)
     assert module[-5:] == ["--module", "ddpkit.entry", "-m", "pkg.train", "x"]
-    script = torchrun_args(RunSpec("train.py", ["-m", "y"], nproc_per_node=1), Environment())
+    script = torchrun_args(RunSpec("train.py", ["-m", "y"], nproc_per_node=1), Environment(), store_dir=PRIVATE)
     assert script[-5:] == ["--module", "ddpkit.entry", "train.py", "-m", "y"]
 
 
@@ -83,7 +95,10 @@ def test_parse_master(text, expected):
 
 
 @pytest.mark.parametrize("text, message", [("nohost", "has no port"), ("h:0", "out of range"),
-                                           ("h:99999", "out of range"), ("h:abc", "not a number")])
+                                           ("h:99999", "out of range"), ("h:abc", "not a number"),
+                                           ("[::1", "unbalanced brackets"), ("[::1:29500", "unbalanced brackets"),
+                                           ("::1]:29500", "unbalanced brackets"), (":29500", "has no host"),
+                                           ("[]:29500", "has no host"), ("h:", "has no port")])
 def test_parse_master_errors(text, message):
     with pytest.raises(UsageError, match=message):
         parse_master(text)

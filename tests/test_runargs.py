@@ -16,7 +16,7 @@ LOCAL = Environment()          # not under SLURM: the flags alone decide
 
 def _agent_args(argv: list[str]) -> list[str]:
     """torchrun's arguments for a ddpkit run command line, without the single-node random run id."""
-    return [a for a in torchrun_args(spec_of(argv), LOCAL) if not a.startswith("--rdzv-id=") or "ddpkit-" in a]
+    return [a for a in torchrun_args(spec_of(argv), LOCAL, store_dir="/private") if not a.startswith("--rdzv-id=") or "ddpkit-" in a]
 
 
 @pytest.mark.parametrize("torchrun, ours", [
@@ -43,7 +43,7 @@ def test_nproc_words_and_rdzv_id():
     assert spec_of(["--nproc-per-node", "cpu", HELLO]).nproc_per_node >= 1
     spec = spec_of(["--nnodes", "2", "--master", "h:1", "--rdzv_id", "job42", HELLO])
     assert "--rdzv-id=job42" in torchrun_args(spec, LOCAL)
-    assert "--rdzv-id=job7" in torchrun_args(spec_of(["--rdzv-id", "job7", HELLO]), LOCAL)
+    assert "--rdzv-id=job7" in torchrun_args(spec_of(["--rdzv-id", "job7", HELLO]), LOCAL, store_dir="/private")
     assert spec_of(["-n", "2", "--nproc_per_node", "2", HELLO]).nproc_per_node == 2      # agreeing is fine
     script = spec_of(["--nproc_per_node", "2", HELLO, "--nproc_per_node", "9"])           # the script's own
     assert script.nproc_per_node == 2 and list(script.target_args) == ["--nproc_per_node", "9"]

@@ -126,3 +126,32 @@ def test_worker_info_hidden_is_loud_when_the_api_is_gone(monkeypatch):
     with pytest.raises(_torch.PrivateApiChanged, match="_worker_info"):
         with _torch.worker_info_hidden():
             pass
+
+
+def test_use_env_rendezvous_makes_init_process_group_meet_through_the_given_handler(monkeypatch, tmp_path):
+    import importlib
+
+    import torch.distributed as dist
+
+    module = importlib.import_module("torch.distributed.rendezvous")
+    monkeypatch.setitem(module._rendezvous_handlers, "env", module._rendezvous_handlers["env"])  # restored after
+    used = []
+
+    def handler(url, timeout=None, **kwargs):
+        used.append(url)
+        yield dist.FileStore(str(tmp_path / "store"), 1), 0, 1
+
+    _torch.use_env_rendezvous(handler)
+    dist.init_process_group("gloo")         # env:// with no MASTER_ADDR/PORT: only our handler can serve it
+    try:
+        assert used and used[0].startswith("env://") and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_use_env_rendezvous_is_loud_when_the_registry_is_gone(monkeypatch):
+    import importlib
+
+    monkeypatch.delattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers")
+    with pytest.raises(_torch.PrivateApiChanged, match="_rendezvous_handlers"):
+        _torch.use_env_rendezvous(lambda url, **kw: iter(()))

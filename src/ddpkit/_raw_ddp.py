@@ -134,8 +134,10 @@ def train(opts: Any) -> None:
                 model, inputs, targets,
                 lambda: torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext(),
                 device)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, stats)
+        # Not dist.all_gather_object: it unpickles what arrives, and between hosts that is a socket.
+        from ddpkit.collectives import all_gather_object
+
+        gathered = all_gather_object(stats)
         if rank == 0:
             write_result(opts.result, gathered, loop="raw", world_size=world_size, device=device.type,
                          devices=1, precision=opts.precision, batch_per_process=opts.batch,

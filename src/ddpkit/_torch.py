@@ -95,6 +95,61 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     return bool(sum(float(value.item()) for value in per_device.values()))
 
 
+def dcp_metadata_path(reader: Any, rank: int | None = None) -> Any:
+    """The ``.metadata`` file (``__RANK.metadata`` for ``rank``) a DCP ``FileSystemReader`` reads.
+
+    ``FileSystemReader._get_metadata_path`` knows the name (``filesystem._metadata_fn``); ddpkit's
+    reader reads that file itself, with an allowlist unpickler.
+    """
+    getter = getattr(reader, "_get_metadata_path", None)
+    if getter is None:
+        raise PrivateApiChanged("torch.distributed.checkpoint.FileSystemReader._get_metadata_path")
+    return getter(rank)
+
+
+def dcp_item_file(reader: Any, storage_index: Any) -> str:
+    """The file (relative to the checkpoint) that holds DCP item ``storage_index``.
+
+    The reader's ``storage_data`` maps each item to a private ``filesystem._StorageInfo``
+    (``relative_path``, ``offset``, ``length``). For messages: which file wanted what.
+    """
+    info = getattr(reader, "storage_data", {}).get(storage_index)
+    path = getattr(info, "relative_path", None)
+    if not isinstance(path, str):
+        raise PrivateApiChanged("torch.distributed.checkpoint.filesystem._StorageInfo.relative_path",
+                                f"storage_data[{storage_index!r}] is {info!r}")
+    return path
+
+
+def dcp_rebuilding_planner() -> type:
+    """DCP's load planner that rebuilds the whole state dict from the metadata (no template needed).
+
+    ``format_utils._EmptyStateDictLoadPlanner``, what ``dcp_to_torch_save`` uses to consolidate a
+    checkpoint in one process; ddpkit subclasses it to read its non-tensor values safely.
+    """
+    from torch.distributed.checkpoint import format_utils
+
+    planner = getattr(format_utils, "_EmptyStateDictLoadPlanner", None)
+    if not isinstance(planner, type):
+        raise PrivateApiChanged("torch.distributed.checkpoint.format_utils._EmptyStateDictLoadPlanner")
+    return planner
+
+
+def dcp_load_in_one_process(state_dict: dict[str, Any], reader: Any, planner: Any) -> None:
+    """Load a DCP checkpoint into ``state_dict`` in this process alone, as ``dcp_to_torch_save`` does.
+
+    ``state_dict_loader._load_state_dict(..., no_dist=True)``: the public ``dcp.load`` passes a
+    copy of the state dict to the planner, so the state rebuilt by :func:`dcp_rebuilding_planner`
+    would be lost.
+    """
+    from torch.distributed.checkpoint import state_dict_loader
+
+    load = getattr(state_dict_loader, "_load_state_dict", None)
+    if load is None:
+        raise PrivateApiChanged("torch.distributed.checkpoint.state_dict_loader._load_state_dict")
+    load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+
+
 class worker_info_hidden:
     """Inside a DataLoader worker, make ``get_worker_info()`` return None for the code run here.
 
@@ -118,3 +173,21 @@ class worker_info_hidden:
 
     def __exit__(self, *exc: object) -> None:
         self._module._worker_info = self._saved
+
+
+def use_env_rendezvous(handler: Any) -> None:
+    """Make ``init_process_group()`` (``env://``, its default) rendezvous through ``handler``.
+
+    torch offers ``register_rendezvous_handler`` for new schemes only; ``env://`` is registered at
+    import, so its entry in ``torch.distributed.rendezvous._rendezvous_handlers`` is replaced. ddpkit
+    does this in the workers of a one-machine job only, so that scripts calling
+    ``init_process_group`` themselves use the job's private store instead of a ``TCPStore`` that
+    rank 0 would host on every interface.
+    """
+    import importlib
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")   # the module: dist.rendezvous is a function
+    handlers = getattr(rendezvous, "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or "env" not in handlers:
+        raise PrivateApiChanged("torch.distributed.rendezvous._rendezvous_handlers['env']")
+    handlers["env"] = handler

@@ -117,18 +117,72 @@ def _gather_sizes(size: int) -> list[int]:
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (a picklable object)."""
+    """Rank ``src``'s ``obj`` on every rank.
+
+    ``obj`` is what a checkpoint may hold: tensors, numbers, strings, None and dicts, lists and
+    tuples of them. It travels as the bytes of ``torch.save`` and is read with
+    ``torch.load(weights_only=True)``, so bytes that arrive over a socket never build anything
+    else (unlike ``dist.broadcast_object_list``, which unpickles them).
+
+    Raises:
+        TypeError: ``obj`` holds an object of another kind.
+    """
     if world_size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_comm_device())
-    return box[0]
+    device = _comm_device()
+    mine = _to_bytes(obj) if rank() == src else torch.zeros(0, dtype=torch.uint8)
+    size = torch.tensor([mine.numel()], dtype=torch.long, device=device)
+    dist.broadcast(size, src=src)
+    payload = mine.to(device) if rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src)
+    return _from_bytes(payload)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order."""
+    """Every rank's ``obj``, in rank order; ``obj`` as for :func:`broadcast_object` (never unpickled freely).
+
+    Raises:
+        TypeError: ``obj`` holds an object of another kind.
+    """
     if world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    mine = _to_bytes(obj).to(_comm_device())
+    padded, sizes = _padded_rows(mine, _comm_device())
+    chunks = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(chunks, padded)
+    return [_from_bytes(chunk[:size]) for chunk, size in zip(chunks, sizes)]
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    """``obj`` as ``torch.save`` bytes in a uint8 tensor, refused here if the receiver could not read it."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        _load(buffer.getvalue())
+    except Exception as exc:            # noqa: BLE001 - torch's weights_only errors are several types
+        raise TypeError("ddpkit sends between ranks only tensors, numbers, strings, None and dicts, lists and "
+                        f"tuples of them (read with torch.load(weights_only=True)); {type(obj).__name__} "
+                        f"holds something else: {_first_line(exc)}") from None
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(payload: torch.Tensor) -> Any:
+    return _load(payload.cpu().numpy().tobytes())
+
+
+def _load(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    import re
+
+    wanted = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if wanted:
+        return f"it needs {wanted.group(1)}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines or [type(exc).__name__])[0]

@@ -51,6 +51,7 @@ def run_target(argv: Sequence[str]) -> int:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.stderr.write(_USAGE)
         return 2
+    private_rendezvous()
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]           # run_module puts the module's file in argv[0]
@@ -141,6 +142,19 @@ def finish(code: int) -> NoReturn:
     leave(code)
 
 
+def private_rendezvous() -> None:
+    """In a worker of a one-machine ``ddpkit run`` / ``ddpkit.launch`` job: ``init_process_group()``
+    of the user's own code meets through the job's private store, not a ``TCPStore`` on every interface.
+
+    A no-op elsewhere (plain torchrun, srun, several nodes): there ``env://`` is torch's own.
+    """
+    if not os.environ.get("DDPKIT_STORE_DIR"):      # ddpkit.stores.STORE_DIR_ENV
+        return
+    from ddpkit import _torch, stores
+
+    _torch.use_env_rendezvous(stores.env_rendezvous)
+
+
 # -- the children of ddpkit.launch ---------------------------------------------------------------
 
 def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *args: Any) -> Any:
@@ -153,6 +167,7 @@ def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *
     """
     if start_method == "fork":
         atexit._clear()         # the parent's handlers, copied by fork: never this child's to run
+    private_rendezvous()
     try:
         result = _by_value(fn, fn(*args))
     except SystemExit as exc:

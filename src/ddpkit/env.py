@@ -44,6 +44,8 @@ class Environment:
         run_id: the launcher's job id (TorchElastic run id), if any.
         restart_count: how often the elastic agent restarted the group before this attempt.
         agent_store: the elastic agent hosts the store at master_addr:master_port.
+        store_dir: the private directory of a one-machine ``ddpkit run`` / ``ddpkit.launch`` job,
+            which holds its stores as files (empty: the stores are sockets).
         own_gpus: the launcher showed this process GPUs its node-mates do not see (``srun
             --gpus-per-task=1``, ``--gpu-bind``), so local rank 3 may see one GPU, its own.
     """
@@ -60,6 +62,7 @@ class Environment:
     restart_count: int = 0
     agent_store: bool = False
     own_gpus: bool = False
+    store_dir: str = ""
 
     @property
     def distributed(self) -> bool:
@@ -137,6 +140,7 @@ def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
         run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        store_dir=environ.get("DDPKIT_STORE_DIR", ""),      # stores.STORE_DIR_ENV, set by ddpkit run / launch
     )
 
 

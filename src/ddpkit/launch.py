@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ddpkit.env import Environment, detect
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.stores import local_address
 
 
 @dataclass(frozen=True)
@@ -41,21 +42,60 @@ class RunSpec:
 
 
 def parse_master(text: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` too) and check the port.
+    """Split ``HOST:PORT`` (``[v6]:PORT`` too) and check it: a host, balanced brackets, a port in range.
 
     Raises:
-        UsageError: no port, or a port outside 1-65535.
+        UsageError: no host, no port, unbalanced brackets, or a port outside 1-65535.
     """
+    example = "write HOST:PORT, e.g. --master node01:29500 or --master [fe80::1]:29500"
     host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise UsageError(f"--master {text!r} has no port; write HOST:PORT, e.g. --master node01:29500")
+    if not sep or not port_text:
+        raise UsageError(f"--master {text!r} has no port; {example}")
+    if host.startswith("[") != host.endswith("]") or host.count("[") > 1 or host.count("]") > 1 or \
+            ("[" in host.strip("[]") or "]" in host.strip("[]")):
+        raise UsageError(f"--master {text!r} has unbalanced brackets; {example}")
+    host = host[1:-1] if host.startswith("[") else host
+    if not host.strip():
+        raise UsageError(f"--master {text!r} has no host; {example}")
+    if "[" in port_text or "]" in port_text:
+        raise UsageError(f"--master {text!r} has unbalanced brackets; {example}")
     try:
         port = int(port_text)
     except ValueError:
-        raise UsageError(f"--master {text!r}: port {port_text!r} is not a number") from None
+        raise UsageError(f"--master {text!r}: port {port_text!r} is not a number; {example}") from None
     if not 0 < port < 65536:
         raise UsageError(f"--master {text!r}: port {port} is out of range; use 1-65535")
-    return host.strip("[]"), port
+    return host, port
+
+
+RESOLVE_TIMEOUT_S = 5.0
+
+
+def resolve_master(host: str, port: int, timeout_s: float = RESOLVE_TIMEOUT_S) -> str:
+    """The address ``host`` resolves to, within ``timeout_s`` (a resolver that hangs does not hang us).
+
+    Raises:
+        UsageError: the name does not resolve, or its resolver did not answer in time.
+    """
+    import socket
+    import threading
+
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answer["address"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            answer["error"] = exc
+
+    asker = threading.Thread(target=ask, daemon=True, name="ddpkit-resolve-master")
+    asker.start()
+    asker.join(timeout_s)
+    if "address" in answer:
+        return answer["address"]
+    why = f"its resolver did not answer within {timeout_s:g} s" if asker.is_alive() else "it does not resolve"
+    raise UsageError(f"master host {host!r} cannot be used: {why}; give node 0's address or a name that "
+                     "resolves on every node (check /etc/hosts or DNS)")
 
 
 def default_nproc() -> int:
@@ -79,26 +119,34 @@ def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> in
     return max(1, cpu_count // max(1, nproc_per_node))
 
 
-def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int | None = None) -> list[str]:
+def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int | None = None,
+                  store_dir: str | None = None) -> list[str]:
     """The ``torch.distributed.run`` arguments for ``spec``.
 
-    ``store_port``: ddpkit serves the rendezvous store itself on that port (see
-    :func:`rendezvous_store`), so the agent joins it as a client (``is_host=false``).
-    Single node: c10d rendezvous on a free loopback port chosen by the OS. Several nodes: c10d
-    rendezvous at the master, hosted by node 0 (``--node-rank 0``, or the first SLURM node),
-    under one run id on every node, so a failed worker restarts the whole job together. The
-    rendezvous numbers the nodes (by address), so global rank 0 may live on any node.
-    Under ``srun`` (one task per node) nodes, node rank and master come from SLURM.
+    One node (``--nnodes 1``, whatever master is named): the c10d rendezvous keeps its state in a
+    ``FileStore`` file of ``store_dir``, the job's private directory (torchrun's
+    ``store_type=file``), so no rendezvous socket exists. Several nodes: c10d rendezvous at the
+    master, hosted by node 0 (``--node-rank 0``, or the first SLURM node), under one run id on every
+    node, so a failed worker restarts the whole job together; ``store_port``: ddpkit serves that
+    store itself (see :func:`rendezvous_store`), so the agent joins it as a client. The rendezvous
+    numbers the nodes (by address), so global rank 0 may live on any node. Under ``srun`` (one task
+    per node) nodes, node rank and master come from SLURM.
+
+    Raises:
+        UsageError: a one-node job without ``store_dir``, or a node rank outside the nodes.
     """
     nproc = spec.nproc_per_node or default_nproc()
     nnodes, node_rank, master, run_id = _placement(spec, detect() if env is None else env)
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if master is None:
-        # --local-addr: workers reach the store at 127.0.0.1, not at a host name that may not resolve
-        own = ["--rdzv-conf=is_host=false"] if store_port else []
-        return args + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store_port or 0}",
-                       f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}", "--local-addr=127.0.0.1", *own,
-                       *_target(spec)]
+        if not store_dir:
+            raise UsageError("a one-node job needs its private store directory (ddpkit.stores.private_dir)")
+        from ddpkit.stores import rendezvous_file
+
+        # --local-addr: the node's name in the rendezvous; nothing listens there
+        return args + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous_file(store_dir)}",
+                       "--rdzv-conf=store_type=file", f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}",
+                       "--local-addr=127.0.0.1", *_target(spec)]
     host, port = parse_master(master)
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
@@ -116,7 +164,9 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
 def _placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | None, str | None]:
     """(nodes, node rank, master, run id) of ``spec``: from SLURM under srun, else as given.
 
-    ``master`` is None only for a single-node run, which needs none.
+    ``master`` is None for a one-node run, whatever master was named (torchrun's
+    ``--master_addr``/``--rdzv-endpoint`` spellings of one machine included): it meets through its
+    private directory and needs no address.
     """
     if env.launcher == "slurm" and spec.master is None:
         if env.local_world_size != 1:
@@ -124,10 +174,14 @@ def _placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | 
                 f"ddpkit run under srun needs one task per node, got {env.local_world_size}; "
                 "use srun --ntasks-per-node=1 ddpkit run -n GPUS_PER_NODE ..."
             )
-        return (env.world_size, env.node_rank, f"{env.master_addr}:{env.master_port}",
-                spec.run_id or os.environ.get("SLURM_JOB_ID"))
+        run_id = spec.run_id or os.environ.get("SLURM_JOB_ID")
+        if env.world_size == 1:
+            return 1, None, None, run_id
+        return env.world_size, env.node_rank, f"{env.master_addr}:{env.master_port}", run_id
     if spec.nnodes > 1 and spec.master is None:
         raise UsageError(f"--nnodes {spec.nnodes} needs --master HOST:PORT (the host of node 0)")
+    if spec.nnodes == 1:
+        return 1, None, None, spec.run_id
     return spec.nnodes, spec.node_rank, spec.master, spec.run_id
 
 
@@ -135,23 +189,6 @@ def _target(spec: RunSpec) -> list[str]:
     """The worker command: the target under :mod:`ddpkit.entry`, which ends it without teardown."""
     return ["--module", "ddpkit.entry", *(["-m", spec.target] if spec.module else [spec.target]),
             *spec.target_args]
-
-
-def local_address(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host``: where the other nodes can reach it.
-
-    Sends nothing (a UDP socket only picks its route). None if ``host`` does not resolve or
-    has no route; torchrun then falls back to this machine's FQDN.
-    """
-    import socket
-
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return None
 
 
 _STORE_TIMEOUT_S = 900.0         # how long the rendezvous store ddpkit serves waits on a client
@@ -167,18 +204,17 @@ Without it worker rank 0 hosts a fresh store for every attempt, bound to the mas
 
 
 def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
-    """The rendezvous store ddpkit serves for ``spec`` on one address, or None (the agent hosts it).
+    """The rendezvous store ddpkit serves for a job of several nodes, or None (the agent hosts it).
 
-    One node: on 127.0.0.1, a free port. Several nodes: on node 0 (``--node-rank 0`` or SLURM's
-    first node), at the master's port on the master's address when that is one of this
-    machine's non-loopback addresses; otherwise torchrun's agent hosts it, on every interface.
+    On node 0 (``--node-rank 0`` or SLURM's first node), at the master's port on the master's
+    address when that is one of this machine's non-loopback addresses, bound before any port is
+    published; otherwise torchrun's agent hosts it, on every interface. A one-node job has none
+    (its stores are files: :func:`ddpkit.stores.private_dir`).
     """
     from ddpkit import stores
 
     nnodes, node_rank, master, _ = _placement(spec, detect() if env is None else env)
-    if master is None:
-        return stores.serve(stores.LOOPBACK, 0, timeout_s=_STORE_TIMEOUT_S)
-    if node_rank != 0:
+    if master is None or node_rank != 0:
         return None
     host, port = parse_master(master)
     local = local_address(host, port)
@@ -190,6 +226,28 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
         return None
 
 
+@contextlib.contextmanager
+def private_job(nnodes: int = 1, master: str | None = None) -> Iterator[tuple[str | None, dict[str, str]]]:
+    """(private directory or None, variables for the workers) of a job; the directory goes at the end.
+
+    One node: a new directory only this user can open, which holds the rendezvous and the workers'
+    stores, and gloo/NCCL on loopback. Several nodes: no directory, gloo/NCCL on the interface of
+    the route to the master (the user's ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` stay).
+    """
+    import shutil
+
+    from ddpkit import stores
+
+    if master is not None:
+        host, port = parse_master(master)
+        yield None, stores.socket_env(nnodes, host, port)
+        return
+    directory = stores.private_dir()
+    try:
+        yield directory, {stores.STORE_DIR_ENV: directory, **stores.socket_env(1, stores.LOOPBACK, 0)}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
 
 def validate(spec: RunSpec) -> None:
     """Check what can be checked before any process starts."""
@@ -200,7 +258,7 @@ def validate(spec: RunSpec) -> None:
     if spec.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     if spec.master is not None:
-        parse_master(spec.master)
+        resolve_master(*parse_master(spec.master))
     if not spec.module and not os.path.isfile(spec.target):
         raise UsageError(f"script {spec.target!r} not found; give the path of a Python file or use -m MODULE")
 
@@ -230,16 +288,18 @@ def run(spec: RunSpec) -> int:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torch_run
 
+    nnodes, _, master, _ = _placement(spec, detect())
     store = rendezvous_store(spec)           # kept alive (and listening) until the run ends
-    argv = torchrun_args(spec, store_port=store.port if store is not None else None)
     nproc = spec.nproc_per_node or default_nproc()
-    with _thread_env(nproc, {**AGENT_ENV, **spec.extra_env}):
-        try:
-            torch_run(parse_args(argv))
-        except ChildFailedError as exc:
-            rank, failure = _root_failure(exc.failures)
-            sys.stderr.write(f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n")
-            return 1
+    with private_job(nnodes, master) as (directory, worker_env):
+        argv = torchrun_args(spec, store_port=store.port if store is not None else None, store_dir=directory)
+        with _thread_env(nproc, {**AGENT_ENV, **worker_env, **spec.extra_env}):
+            try:
+                torch_run(parse_args(argv))
+            except ChildFailedError as exc:
+                rank, failure = _root_failure(exc.failures)
+                sys.stderr.write(f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n")
+                return 1
     return 0
 
 
@@ -301,7 +361,8 @@ def launch(
     """Call ``fn(*args)`` in ``nprocs`` processes on one machine and wait for all of them.
 
     Unlike ``mp.spawn`` no index is passed first: ``ddpkit.init()`` inside ``fn`` knows the
-    rank. The rendezvous uses a free loopback port, so two launches never collide.
+    rank. The rendezvous keeps its state in a new private directory, so two launches never collide
+    and nothing of the job listens beyond loopback.
 
     Returns:
         Each rank's return value, ``{rank: value}``.
@@ -323,25 +384,26 @@ def launch(
 
     from ddpkit import entry, stores       # entry not at the top: python -m ddpkit.entry must import it first
 
-    store = stores.serve(stores.LOOPBACK, 0, timeout_s=_STORE_TIMEOUT_S)   # listens on loopback only
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nprocs,
-        run_id=uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{store.port}",
-        rdzv_configs={"is_host": False},
-        local_addr="127.0.0.1",
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method=start_method or _start_method(fn),
-    )
-    with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, _thread_env(nprocs, AGENT_ENV):
-        try:
-            returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
-        except ChildFailedError as exc:
-            raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
+    with private_job() as (directory, worker_env):
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nprocs,
+            run_id=uuid.uuid4().hex[:12],
+            rdzv_backend="c10d",
+            rdzv_endpoint=stores.rendezvous_file(directory),
+            rdzv_configs={"store_type": "file"},     # a file of the private directory: no socket
+            local_addr="127.0.0.1",
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method=start_method or _start_method(fn),
+        )
+        with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, \
+                _thread_env(nprocs, {**AGENT_ENV, **worker_env}):
+            try:
+                returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
+            except ChildFailedError as exc:
+                raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
     return {rank: pickle.loads(value) for rank, value in returned.items()}   # bytes: see entry._by_value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import os
 import socket
 import warnings
 
@@ -85,6 +86,10 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
     if backend == "nccl":
         # Binds NCCL's communicator to this process's GPU (avoids a guess by rank).
         kwargs["device_id"] = device
+    from ddpkit import stores
+
+    # Before the first group: every group of this process (PowerSGD's, fsdp's mesh) binds there too.
+    os.environ.update(stores.socket_env(env.num_nodes, env.master_addr, env.master_port))
     store = _store(env, timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
@@ -93,11 +98,17 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
 def _store(env: Environment, timeout_s: float) -> dist.Store:
     """The rendezvous store, scoped to this attempt of this run.
 
+    A one-machine job of ``ddpkit run`` or ``ddpkit.launch`` keeps it in a file of the job's
+    private directory, one file per attempt (:func:`ddpkit.stores.worker_store`): nothing listens.
     Under the elastic agent on one node the agent hosts the store and it outlives a restart;
     without a prefix per attempt, restarted workers read the previous attempt's peer addresses
     and hang or fail connecting to dead processes. Elsewhere (``ddpkit run`` on several nodes,
     srun, mpirun, by hand) rank 0 hosts a store of its own.
     """
+    if env.store_dir:       # one machine under ddpkit run / launch: a file only this user can open
+        from ddpkit import stores
+
+        return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/", stores.worker_store(env.store_dir, env.restart_count))
     host_store = not env.agent_store and env.rank == 0
     try:
         store = _serve(env, timeout_s) if host_store else _tcp_store(env, timeout_s, is_master=False)

@@ -1,10 +1,13 @@
-"""c10d stores that listen on one address, not on every interface.
+"""Where a job's stores live and which addresses its sockets listen on.
 
-torch's ``TCPStore`` server binds the wildcard address whatever host it is given, so a job's
-rendezvous store is reachable from the whole network, and torch's dynamic rendezvous
-unpickles the state it keeps there. ddpkit binds the socket itself (``127.0.0.1`` for a job on
-one machine, the node's own address between nodes) and hands it to ``TCPStore`` through
-``master_listen_fd``.
+One machine (``ddpkit run -n N``, :func:`ddpkit.launch`): the rendezvous state and the workers'
+store are ``FileStore`` files in a directory only the user can open, so no socket carries them,
+and gloo and NCCL bind loopback. Between nodes: stores and gloo on the job's interface only.
+
+Between nodes a store must be a socket. torch's ``TCPStore`` server binds the wildcard address
+whatever host it is given, and torch's dynamic rendezvous unpickles the state it keeps there, so
+ddpkit binds the socket itself, on the node's own address, before any port is published, and
+hands it to ``TCPStore`` through ``master_listen_fd``.
 
 Example:
     >>> store = serve("127.0.0.1", 0, timeout_s=30)       # doctest: +SKIP
@@ -18,7 +21,7 @@ import datetime
 import errno
 import ipaddress
 import socket
-from typing import Any
+from typing import Any, Iterator
 
 from ddpkit.errors import UsageError
 
@@ -67,3 +70,159 @@ def is_loopback(host: str) -> bool:
     except OSError:
         return False
     return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+# -- one machine: stores in a directory only the user can open -----------------------------------
+
+STORE_DIR_ENV = "DDPKIT_STORE_DIR"
+"""Set by ``ddpkit run`` and :func:`ddpkit.launch` for the workers of a one-machine job: the
+private directory that holds the job's stores (read by :mod:`ddpkit.env` only)."""
+
+
+def private_dir() -> str:
+    """A new directory only this user can open (mode 0700, a fresh random name), for a job's stores.
+
+    The rendezvous state and the workers' store live there as torch ``FileStore`` files, so no
+    socket carries them: another user of this machine can neither read nor write them (root can).
+
+    Raises:
+        DdpkitError: the directory came out readable by others (a umask cannot widen mkdtemp's
+            mode, but a file system without permissions can).
+    """
+    import os
+    import stat
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="ddpkit-job-")
+    info = os.lstat(path)
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        from ddpkit.errors import DdpkitError
+
+        raise DdpkitError(f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}), so it cannot "
+                          "hold the job's stores privately: set TMPDIR to a directory on a local file system")
+    return path
+
+
+def rendezvous_file(directory: str) -> str:
+    """The file of the elastic agent's rendezvous state in ``directory`` (torchrun's ``store_type=file``)."""
+    return f"{directory}/rendezvous"
+
+
+def worker_store(directory: str, attempt: int) -> Any:
+    """The workers' store of one attempt of a one-machine job: a ``FileStore`` in ``directory``.
+
+    One file per attempt: a restarted group never reads the addresses of the processes it replaced.
+    """
+    import torch.distributed as dist
+
+    return dist.FileStore(f"{directory}/workers-{attempt}", -1)
+
+
+def env_rendezvous(url: str, timeout: datetime.timedelta | None = None, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    """torch's ``env://`` rendezvous for a worker of a one-machine ddpkit job, through the private store.
+
+    Scripts that call ``dist.init_process_group()`` themselves read ``env://``; torch's own handler
+    would make rank 0 host a ``TCPStore`` on every interface. :mod:`ddpkit.entry` installs this one in
+    the workers of ``ddpkit run`` and :func:`ddpkit.launch` instead (:func:`ddpkit._torch.use_env_rendezvous`).
+    Rank and world size come from the URL's query or the launcher, as in torch's.
+    """
+    import urllib.parse
+
+    import torch.distributed as dist
+
+    from ddpkit.env import detect
+
+    env = detect()
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
+    rank, world_size = int(query.get("rank", env.rank)), int(query.get("world_size", env.world_size))
+    store = worker_store(env.store_dir, env.restart_count)
+    if timeout is not None:
+        store.set_timeout(timeout)
+    yield dist.PrefixStore("torch-env", store), rank, world_size
+    raise RuntimeError("env:// cannot rendezvous again within one attempt; the launcher restarts the group")
+
+
+def local_address(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host``: where the other nodes can reach it.
+
+    Sends nothing (a UDP socket only picks its route). None if ``host`` does not resolve or
+    has no route; torchrun then falls back to this machine's FQDN.
+    """
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+# -- which interface gloo and NCCL bind ----------------------------------------------------------
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds ``address``, or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS)."""
+    return interface_of(LOOPBACK) or "lo"
+
+
+def address_of(interface: str) -> str | None:
+    """The first IPv4 (else IPv6) address of ``interface``, or None when it has none or does not exist."""
+    import psutil
+
+    found = psutil.net_if_addrs().get(interface, [])
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for entry in found:
+            if entry.family == family:
+                return entry.address.split("%")[0]
+    return None
+
+
+def gloo_interface(num_nodes: int, master_addr: str, master_port: int, environ: Any = None) -> tuple[str, str | None]:
+    """(interface, address) gloo binds for a job of ``num_nodes`` nodes: what ddpkit sets and what doctor prints.
+
+    The user's ``GLOO_SOCKET_IFNAME`` wins. Otherwise one machine: loopback. Several nodes: the
+    interface of this node's route to the master, the job's network. Without either, gloo would bind
+    whatever the host name resolves to, which in a container is its network address.
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    chosen = environ.get(GLOO_IFNAME, "").split(",")[0].strip()
+    if chosen:
+        return chosen, address_of(chosen)
+    if num_nodes <= 1:
+        return loopback_interface(), LOOPBACK
+    local = local_address(master_addr, master_port)
+    name = interface_of(local) if local else None
+    return (name, local) if name else ("", None)
+
+
+def socket_env(num_nodes: int, master_addr: str, master_port: int, environ: Any = None) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` for a job's processes; the user's own stay.
+
+    Every process group of the job reads them when it is created (PowerSGD's second group and
+    fsdp's device mesh too), so one setting before the first group covers all of them.
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    name, _ = gloo_interface(num_nodes, master_addr, master_port, environ)
+    if not name:
+        return {}
+    return {key: name for key in (GLOO_IFNAME, NCCL_IFNAME) if not environ.get(key)}
