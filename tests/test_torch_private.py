@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -103,6 +105,76 @@ def test_scaler_found_inf_is_loud_when_the_api_is_gone():
 
     with pytest.raises(_torch.PrivateApiChanged, match="_found_inf_per_device"):
         _torch.scaler_found_inf(OldScaler(), None)
+
+
+def _dcp_checkpoint(path):
+    """A DCP checkpoint written by this torch alone: a model of several dtypes, AdamW, plain values."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "plain": {"lr": 0.5, "name": "x"},
+             "more": {"half": torch.ones(2, dtype=torch.bfloat16), "ids": torch.arange(3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # no process group: dcp warns that it saves alone
+        dcp.save(state, checkpoint_id=str(path))
+    return state
+
+
+def test_dcp_metadata_of_this_torch_is_made_of_the_allowlist_and_read_as_torch_reads_it(tmp_path):
+    """ddpkit's reader unpickles ``.metadata`` with an allowlist: a global torch starts to use is named here."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ddpkit import dcp_reader
+
+    _dcp_checkpoint(tmp_path)
+    reader, theirs = dcp_reader.Reader(tmp_path), FileSystemReader(tmp_path)
+    assert _torch.dcp_metadata_path(reader).name == ".metadata"
+    assert _torch.dcp_metadata_path(reader, 1).name == "__1.metadata"
+    ours, expected = reader.read_metadata(), theirs.read_metadata()     # raises UnsafeCheckpoint, naming it
+    assert ours.state_dict_metadata == expected.state_dict_metadata
+    assert ours.planner_data == expected.planner_data and ours.storage_data == expected.storage_data
+    assert ours.storage_meta.load_id == reader.load_id and ours.storage_meta.save_id == expected.storage_meta.save_id
+    assert reader.read_metadata() is ours                                # read once per load
+    reader.reset()
+    again = reader.read_metadata()
+    assert again is not ours and again.storage_meta.load_id == reader.load_id != ours.storage_meta.load_id
+    reader.set_up_storage_reader(ours, True)
+    index = next(iter(ours.storage_data))
+    assert _torch.dcp_item_file(reader, index) == "__0_0.distcp"
+
+
+def test_dcp_rebuilds_a_whole_checkpoint_in_one_process(tmp_path):
+    from ddpkit import dcp_reader
+
+    state = _dcp_checkpoint(tmp_path)
+    assert isinstance(_torch.dcp_rebuilding_planner(), type)
+    whole = dcp_reader.load_whole(tmp_path)          # dcp_rebuilding_planner + dcp_load_in_one_process
+    assert whole["plain"] == {"lr": 0.5, "name": "x"} and whole["opt"]["param_groups"][0]["lr"] == 0.01
+    for key, value in state["model"].items():
+        assert torch.equal(whole["model"][key], value)
+    assert whole["more"]["half"].dtype == torch.bfloat16 and torch.equal(whole["more"]["ids"], torch.arange(3))
+
+
+def test_dcp_private_apis_are_loud_when_gone(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader, format_utils, state_dict_loader
+
+    from ddpkit import dcp_reader
+
+    reader = dcp_reader.Reader(tmp_path)
+    with pytest.raises(_torch.PrivateApiChanged, match="_StorageInfo.relative_path"):
+        _torch.dcp_item_file(reader, "no such item")
+    monkeypatch.delattr(FileSystemReader, "_get_metadata_path")
+    with pytest.raises(_torch.PrivateApiChanged, match="_get_metadata_path"):
+        _torch.dcp_metadata_path(reader)
+    monkeypatch.delattr(format_utils, "_EmptyStateDictLoadPlanner")
+    with pytest.raises(_torch.PrivateApiChanged, match="_EmptyStateDictLoadPlanner"):
+        _torch.dcp_rebuilding_planner()
+    monkeypatch.delattr(state_dict_loader, "_load_state_dict")
+    with pytest.raises(_torch.PrivateApiChanged, match="_load_state_dict"):
+        _torch.dcp_load_in_one_process({}, reader, None)
 
 
 class _Reports(torch.utils.data.IterableDataset):

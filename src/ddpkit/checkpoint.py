@@ -26,7 +26,7 @@ from typing import Any, Mapping, MutableMapping
 import numpy as np
 import torch
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, UnsafeCheckpoint, one_line, refused
 
 FORMAT = "ddpkit-checkpoint"
 VERSION = 2   # 2: the loop state ("loop") replaced the list of loader positions
@@ -263,15 +263,11 @@ def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool =
     if not verified:
         verify(path)
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        payload = safe_load(path, path, map_location=map_location)
+    except UnsafeCheckpoint:
+        raise
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        first = _reason(exc)
-        if re.search(r"unsupported global|unsupported class", str(exc), re.IGNORECASE):
-            raise DdpkitError(
-                f"checkpoint {path} holds objects that are not plain tensors or containers; "
-                "ddpkit refuses to unpickle them (they could run code)"
-            ) from None
-        raise DdpkitError(f"checkpoint {path} cannot be read ({first[:160]})") from None
+        raise DdpkitError(f"checkpoint {path} cannot be read ({_reason(exc)}); {_DAMAGED}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise DdpkitError(f"{path} is not a ddpkit checkpoint (no '{FORMAT}' header)")
     if int(payload.get("version", 0)) > VERSION:
@@ -282,12 +278,55 @@ def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool =
     return payload
 
 
-def _reason(exc: Exception) -> str:
-    """The line of torch's load error that says what is wrong (not its advice about weights_only)."""
+_DAMAGED = "it is damaged or not a checkpoint"
+
+
+def safe_load(source: Any, where: Any, *, map_location: Any = "cpu") -> Any:
+    """``torch.load(source, weights_only=True)``: tensors and plain containers, nothing that runs code.
+
+    A file that wants any other global is refused before it is called, with one line naming
+    ``where`` (the file, for messages) and the global: torch's own refusal spans many lines of
+    advice on how to load the file anyway.
+
+    Raises:
+        UnsafeCheckpoint: the file asks for something beyond plain data.
+        Exception: whatever ``torch.load`` raises for a damaged file, unchanged.
+    """
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        refusal = unsafe_refusal(exc, where)
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
+def unsafe_refusal(exc: BaseException, where: Any) -> UnsafeCheckpoint | None:
+    """The :class:`UnsafeCheckpoint` that torch's ``weights_only`` error ``exc`` amounts to, if it is one.
+
+    torch names the global in ``Unsupported global: GLOBAL getattr was not an allowed global``
+    (builtins without their module) or ``unsupported GLOBAL posix.system whose module posix is
+    blocked``; its other refusals (``Can only build ...``, ``Trying to call reduce ...``) name a
+    class or function instead.
+    """
+    text = str(exc)
+    found = re.search(r"GLOBAL (\S+?)(?: was not an allowed global| whose module )", text)
+    if found:
+        wanted = found.group(1)
+        return refused(where, wanted if "." in wanted else f"builtins.{wanted}")
+    unsafe = re.search(r"^.*(Can only (?:build|create new object)|Trying to call reduce|"
+                       r"unsupported class).*$", text, re.IGNORECASE | re.MULTILINE)
+    if unsafe:
+        return refused(where, None, unsafe.group(0))
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """What torch's load error says is wrong, on one line (not its advice about weights_only)."""
     advice = ("weights_only", "weights only", "torch.load", "please file an issue")
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     useful = [line for line in lines if not any(word in line.lower() for word in advice)]
-    return (useful or lines or [type(exc).__name__])[0]
+    return one_line((useful or lines or [type(exc).__name__])[0])
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
@@ -318,8 +357,7 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
             try:
                 obj.load_state_dict(saved[key])
             except (ValueError, KeyError, RuntimeError) as exc:
-                first = str(exc).strip().splitlines()[0]
-                raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {first[:200]}") from None
+                raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {one_line(str(exc), 200)}") from None
         else:
             state[key] = saved[key]
 

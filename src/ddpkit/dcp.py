@@ -7,6 +7,12 @@ and SHA-256, the torch version, the world size). It is written under a temporary
 renamed into place last, with the parent directory fsynced, so a save cut short leaves no
 directory that looks complete. DCP reshards on load: a checkpoint of 2 processes loads on 3,
 into an FSDP model or a DDP one.
+
+Loading unpickles nothing beyond plain data: ``ddpkit.pt`` holds tensors and plain containers
+and is read with ``weights_only=True``; DCP's ``.metadata`` and the non-tensor values in its
+``.distcp`` files go through :mod:`ddpkit.dcp_reader`. A file that wants more is refused in one
+line (:class:`ddpkit.errors.UnsafeCheckpoint`): checksums that match the manifest say nothing
+about who wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from ddpkit import collectives
-from ddpkit.checkpoint import _digest, _fsync_dir, unwrap
-from ddpkit.errors import DdpkitError
+from ddpkit.checkpoint import _digest, _fsync_dir, _reason, safe_load, unwrap
+from ddpkit.errors import DdpkitError, UnsafeCheckpoint
 
 STEP_DIR = re.compile(r"^ckpt-step(\d+)$")
 MANIFEST = "manifest.json"
@@ -142,37 +148,66 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
     """The whole checkpoint in one process, as :func:`ddpkit.checkpoint.read` returns a ``.pt``
-    (``{"user": {...}, "ddpkit": {...}}``): for ``ddpkit predict`` and ``ddpkit export``, on request."""
-    import tempfile
+    (``{"user": {...}, "ddpkit": {...}}``): for ``ddpkit predict`` and ``ddpkit export``, on request.
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    Nothing in it is unpickled beyond plain data (:mod:`ddpkit.dcp_reader`).
+
+    Raises:
+        UnsafeCheckpoint: a file of the checkpoint wants something that could run code.
+        DdpkitError: incomplete or damaged.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ddpkit import dcp_reader
 
     if not verified:
         verify(path)
     own = load_own(path)
-    with tempfile.TemporaryDirectory(prefix="ddpkit-export-") as scratch:
-        whole = Path(scratch) / "whole.pt"
-        dcp_to_torch_save(path, whole)
-        full = torch.load(whole, map_location="cpu", weights_only=True)
+    try:
+        full = dcp_reader.load_whole(path)
+    except DdpkitError:
+        raise
+    except (Exception, CheckpointException) as exc:     # CheckpointException is a BaseException
+        raise DdpkitError(f"checkpoint {path} cannot be read: {_cause(exc)}") from None
     user = dict(own.pop("user", {}))
     user.update(full)
     return {"format": FORMAT, "user": user, "ddpkit": own, "ddpkit_version": own.get("ddpkit_version")}
 
 
 def load_own(path: Path) -> dict[str, Any]:
-    return torch.load(path / OWN, map_location="cpu", weights_only=False)
+    """ddpkit's part of the checkpoint ``path`` (``ddpkit.pt``): tensors and plain containers only.
+
+    Raises:
+        UnsafeCheckpoint: the file wants something beyond plain data (it could run code).
+        DdpkitError: the file is damaged.
+    """
+    file = path / OWN
+    try:
+        own = safe_load(file, file)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as exc:
+        raise DdpkitError(f"checkpoint {file} cannot be read ({_reason(exc)}); it is damaged") from None
+    if not isinstance(own, dict):
+        raise DdpkitError(f"checkpoint {file} does not hold ddpkit's state (it holds a {type(own).__name__})")
+    return own
 
 
 def load(path: Path, state: MutableMapping[str, Any]) -> None:
-    """Load the models and optimizers of ``state`` from the DCP checkpoint ``path``, resharding."""
-    import torch.distributed.checkpoint as dcp
+    """Load the models and optimizers of ``state`` from the DCP checkpoint ``path``, resharding.
+
+    Nothing in it is unpickled beyond plain data (:mod:`ddpkit.dcp_reader`).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from torch.distributed.checkpoint.api import CheckpointException
+    from ddpkit import dcp_reader
 
     template = sharded_state(state)
     try:
-        dcp.load(template, checkpoint_id=str(path))
+        dcp_reader.load(path, template)
+    except DdpkitError:                                 # a refusal, or no readable .metadata
+        raise
     except (Exception, CheckpointException) as exc:     # CheckpointException is a BaseException
         raise DdpkitError(f"checkpoint {path} does not fit this model: {_cause(exc)}") from None
     models, optimizers = _entries(state)

@@ -83,19 +83,34 @@ def examine() -> Report:
 
 
 def _listening(report: Any, env: Any) -> None:
-    """Which addresses a run with these settings listens on, and what plain torchrun exposes."""
-    import os
+    """Every address a run with these settings listens on, from what the launcher itself uses.
 
-    if env.num_nodes > 1 or env.launcher == "slurm":
-        report.add("a run listens on", f"{env.master_addr} (rendezvous and rank 0's store, when that address "
-                   "is this node's), this node's address (gloo/nccl); see README 'Trust boundary'")
+    gloo's (and NCCL's) interface comes from :func:`ddpkit.stores.gloo_interface`, the function
+    ``ddpkit run``, ``ddpkit.launch`` and ``ddpkit.init`` set it with, so a container whose host
+    name resolves to its network address gets the real answer.
+    """
+    from ddpkit import stores
+
+    interface, address = stores.gloo_interface(env.num_nodes, env.master_addr, env.master_port)
+    where = f"{address or '(no address)'} ({interface or 'the interface of the host name'})"
+    report.add("gloo/NCCL listen on", where)
+    if env.num_nodes > 1 or (env.launcher == "slurm" and env.world_size > 1):
+        report.add("a run listens on", f"{env.master_addr}:{env.master_port} (rendezvous and rank 0's store, on "
+                   f"node 0) and {where} for gloo/NCCL; see README 'Security'")
+        return
+    if address is not None and stores.is_loopback(address):
+        report.add("a run listens on", f"{address} only (gloo's ports; the rendezvous and the workers' store are "
+                   "files in a private directory) for ddpkit run, ddpkit.launch, train/bench/predict/demo")
     else:
-        report.add("a run listens on", "127.0.0.1 only (ddpkit run, ddpkit.launch, train/bench/predict/demo)")
-    if env.launcher == "torchelastic" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        report.add("a run listens on", f"{where}: gloo's ports, reachable from the network")
+        report.warnings.append(
+            f"GLOO_SOCKET_IFNAME={interface} makes gloo listen on {address or interface}, where other hosts can "
+            "connect; unset it (a job on one machine binds loopback) unless this is meant")
+    if env.launcher == "torchelastic" and not env.store_dir and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         report.warnings.append(
             "started by plain torchrun: its agent's rendezvous and worker stores listen on every interface, "
             "and its rendezvous unpickles what it reads there; anyone who can reach those ports can run code "
-            "as you. ddpkit run binds them to 127.0.0.1 on one machine")
+            "as you. ddpkit run keeps them in files only you can open on one machine")
 
 
 def _network(report: Any, env: Any) -> None:

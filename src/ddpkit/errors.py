@@ -15,6 +15,49 @@ class UsageError(DdpkitError):
     exit_code = 2
 
 
+class UnsafeCheckpoint(UsageError):
+    """A checkpoint file that asks to unpickle something beyond plain data: it could run code.
+
+    Raised before anything it names is called. A usage error (exit code 2): the file is the
+    user's input, and the fix is another file.
+    """
+
+
+def refused(where: object, wanted: str | None, detail: str = "") -> UnsafeCheckpoint:
+    """The one-line :class:`UnsafeCheckpoint` for file ``where``, which wanted the global ``wanted``.
+
+    ``wanted`` is ``module.name`` (``posix.system``); None when the unpickler said something
+    else (``detail``, its own words).
+    """
+    if wanted:
+        return UnsafeCheckpoint(f"checkpoint {where} wants {wanted}, which is not among what a checkpoint is "
+                                "made of; ddpkit refuses to unpickle it (it could run code)")
+    said = f" ({one_line(detail)})" if detail else ""
+    return UnsafeCheckpoint(f"checkpoint {where} holds objects that are not plain tensors or containers{said}; "
+                            "ddpkit refuses to unpickle them (they could run code)")
+
+
+def one_line(text: str, budget: int = 160) -> str:
+    """``text`` on one line, shortened only between whole sentences.
+
+    Newlines and runs of spaces become one space. Text longer than ``budget`` characters keeps
+    as many whole sentences from its start as fit, and at least the first sentence whatever
+    its length: an error message is never cut inside a sentence.
+    """
+    import re
+
+    flat = " ".join(text.split())
+    if len(flat) <= budget:
+        return flat
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z])", flat)
+    kept = sentences[0]
+    for sentence in sentences[1:]:
+        if len(kept) + 1 + len(sentence) > budget:
+            break
+        kept += " " + sentence
+    return kept
+
+
 def _is_file(stream) -> bool:  # type: ignore[no-untyped-def]
     try:
         stream.fileno()
