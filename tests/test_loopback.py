@@ -421,3 +421,32 @@ def test_bad_masters_fail_in_one_line_with_exit_2(master, message):
         assert done.returncode == 2, (done.stdout, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+class _Boom:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_bytes_that_arrive_for_an_object_collective_never_build_anything_but_plain_data(tmp_path):
+    import io
+
+    import torch
+
+    from ddpkit import collectives
+    from ddpkit.errors import DdpkitError
+
+    marker = tmp_path / "pwned"
+    crafted = io.BytesIO()
+    torch.save({"rng": _Boom(marker)}, crafted)       # what a peer, or an impostor on its port, could send
+    with pytest.raises(DdpkitError, match=r"not plain data \(it needs builtins.getattr\); ddpkit refuses"):
+        collectives._from_bytes(torch.frombuffer(bytearray(crafted.getvalue()), dtype=torch.uint8))
+    assert not marker.exists()
+    with pytest.raises(TypeError, match="only tensors, numbers, strings"):
+        collectives._to_bytes({"rng": _Boom(marker)})             # refused before it is sent
+    plain = {"torch": torch.arange(3), "python": [3, (1, 2), None], "name": "x", "lr": 0.1}
+    back = collectives._from_bytes(collectives._to_bytes(plain))
+    assert torch.equal(back["torch"], plain["torch"]) and back["python"] == [3, (1, 2), None] and back["lr"] == 0.1

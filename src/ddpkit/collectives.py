@@ -169,7 +169,19 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
 
 def _from_bytes(payload: torch.Tensor) -> Any:
-    return _load(payload.cpu().numpy().tobytes())
+    """What :func:`_to_bytes` made, read back with ``weights_only=True``.
+
+    Raises:
+        DdpkitError: the bytes ask for more than plain data (not what a peer's ``_to_bytes`` sends);
+            nothing they name is called.
+    """
+    from ddpkit.errors import DdpkitError
+
+    try:
+        return _load(payload.cpu().numpy().tobytes())
+    except Exception as exc:            # noqa: BLE001 - torch's weights_only errors are several types
+        raise DdpkitError("bytes received for an object collective are not plain data "
+                          f"({_first_line(exc)}); ddpkit refuses to unpickle them") from None
 
 
 def _load(data: bytes) -> Any:
@@ -183,6 +195,7 @@ def _first_line(exc: BaseException) -> str:
 
     wanted = re.search(r"GLOBAL ([\w.]+)", str(exc))
     if wanted:
-        return f"it needs {wanted.group(1)}"
+        name = wanted.group(1)
+        return f"it needs {name if '.' in name else 'builtins.' + name}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines or [type(exc).__name__])[0]

@@ -134,7 +134,7 @@ def _network(report: Any, env: Any) -> None:
         report.add("master port free", free)
         if not free:
             report.warnings.append(
-                f"port {env.master_port} is taken on this host; ddpkit run picks a free port itself, "
+                f"port {env.master_port} is taken on this host; ddpkit run needs no port on one machine, "
                 "but a hand-set MASTER_PORT would collide"
             )
 

@@ -1,7 +1,7 @@
 """Starting processes, always through torch's elastic launcher (``torch.distributed.run``).
 
-``ddpkit run`` is a thin front that fills in what torchrun leaves to the user (a free
-loopback port, nodes from SLURM, threads per process); :func:`launch` runs a function in N
+``ddpkit run`` is a thin front that fills in what torchrun leaves to the user (stores in a
+private directory on one node, nodes from SLURM, threads per process); :func:`launch` runs a function in N
 processes from a notebook or a script, the ``mp.spawn`` pattern without the index argument.
 Both end their workers through :mod:`ddpkit.entry`, so a finished job cannot abort in
 interpreter teardown.
@@ -257,8 +257,10 @@ def validate(spec: RunSpec) -> None:
         raise UsageError(f"--nnodes must be at least 1, got {spec.nnodes}")
     if spec.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    if spec.node_rank is not None and spec.nnodes > 1 and not 0 <= spec.node_rank < spec.nnodes:
+        raise UsageError(f"--node-rank {spec.node_rank} is outside 0..{spec.nnodes - 1}")
     if spec.master is not None:
-        resolve_master(*parse_master(spec.master))
+        resolve_master(*parse_master(spec.master))      # last: a resolver may take its 5 s
     if not spec.module and not os.path.isfile(spec.target):
         raise UsageError(f"script {spec.target!r} not found; give the path of a Python file or use -m MODULE")
 

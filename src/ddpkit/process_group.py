@@ -116,7 +116,7 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
         if "address already in use" in str(exc).lower():
             raise UsageError(
                 f"port {env.master_port} on {env.master_addr} is already in use, so rank 0 cannot host "
-                "the rendezvous: choose another MASTER_PORT (ddpkit run picks a free port itself)"
+                "the rendezvous: choose another MASTER_PORT (ddpkit run needs none on one machine)"
             ) from None
         raise DdpkitError(
             f"could not reach the master at {env.master_addr}:{env.master_port} within "

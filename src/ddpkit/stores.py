@@ -45,7 +45,7 @@ def bound_socket(host: str, port: int) -> socket.socket:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise UsageError(f"port {port} on {host} is already in use, so this machine cannot host the "
-                             "rendezvous store: choose another port (ddpkit run picks a free one itself)") from None
+                             "rendezvous store: choose another port in --master HOST:PORT") from None
         raise
     return sock
 
