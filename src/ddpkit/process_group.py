@@ -114,9 +114,15 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
         store = _serve(env, timeout_s) if host_store else _tcp_store(env, timeout_s, is_master=False)
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         if "address already in use" in str(exc).lower():
+            if env.launcher == "torchelastic":      # the agent picked the port free, then let it go
+                raise DdpkitError(
+                    f"port {env.master_port} on {env.master_addr}, which the launcher picked for rank 0's "
+                    "store, was taken by another process before rank 0 could bind it: a process on this node "
+                    "holds ports it does not own; with --max-restarts the next attempt gets another port"
+                ) from None
             raise UsageError(
                 f"port {env.master_port} on {env.master_addr} is already in use, so rank 0 cannot host "
-                "the rendezvous: choose another MASTER_PORT (ddpkit run needs none on one machine)"
+                "the rendezvous: choose another MASTER_PORT"
             ) from None
         raise DdpkitError(
             f"could not reach the master at {env.master_addr}:{env.master_port} within "
