@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.env import Environment
+from ddpkit.dist.environment import Environment
+from ddpkit.dist.process_group import choose_backend, choose_device
 from ddpkit.errors import DdpkitError
-from ddpkit.process_group import choose_backend, choose_device
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_an_explicit_device_is_taken_as_given(gpus):
 
 def test_a_bound_task_under_srun_end_to_end(gpus, monkeypatch):
     """From SLURM's variables to the device: detect() and choose_device() together."""
-    from ddpkit.env import detect
+    from ddpkit.dist.environment import detect
 
     gpus(1)
     env = detect({"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.env import Environment, detect, expand_nodelist, slurm_port, slurm_tasks_on_node
+from ddpkit.dist.environment import Environment, detect
+from ddpkit.dist.slurm_env import expand_nodelist, slurm_port, slurm_tasks_on_node
 from ddpkit.errors import DdpkitError
 
 

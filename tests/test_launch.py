@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 import ddpkit
-from ddpkit.env import Environment
+from ddpkit.dist.environment import Environment
+from ddpkit.dist.host import threads_per_process
+from ddpkit.dist.torchrun import AGENT_ENV, RunSpec, parse_master, torchrun_args, validate
 from ddpkit.errors import UsageError
-from ddpkit.launch import AGENT_ENV, RunSpec, parse_master, threads_per_process, torchrun_args, validate
 
 import workers
 

@@ -283,7 +283,7 @@ def test_another_local_user_writing_every_port_and_store_file_runs_nothing_and_t
         try:
             job.ready()
             ports = sorted({port for _, _, port in _listening(psutil.Process(job.proc.pid))})
-            from ddpkit import stores as ddpkit_stores
+            from ddpkit.dist import stores as ddpkit_stores
 
             control = ddpkit_stores.serve("127.0.0.1", 0, timeout_s=30)     # the probe can tell a store
             stores = _stores_among([*ports, control.port])              # would take keys, from any uid
@@ -343,19 +343,19 @@ def test_doctor_in_a_container_names_the_addresses_gloo_would_really_use():
 
 
 def test_worker_variables_bind_loopback_on_one_machine_and_keep_the_users_own(monkeypatch):
-    from ddpkit import stores
+    from ddpkit.dist import host, stores
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    lo = stores.loopback_interface()
-    assert stores.address_of(lo) == "127.0.0.1"
+    lo = host.loopback_interface()
+    assert host.address_of(lo) == "127.0.0.1"
     assert stores.socket_env(1, "127.0.0.1", 0) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
     assert stores.socket_env(1, "127.0.0.1", 0, {"GLOO_SOCKET_IFNAME": "eth9"}) == {"NCCL_SOCKET_IFNAME": "eth9"}
 
 
 @needs_network
 def test_between_nodes_gloo_binds_the_interface_of_the_route_to_the_master():
-    from ddpkit import stores
+    from ddpkit.dist import stores
 
     interface = next(name for name, addrs in psutil.net_if_addrs().items()
                      if any(a.address == NETWORK[0] for a in addrs))
@@ -365,7 +365,7 @@ def test_between_nodes_gloo_binds_the_interface_of_the_route_to_the_master():
 def test_the_private_directory_is_the_users_alone(tmp_path, monkeypatch):
     import stat
 
-    from ddpkit import stores
+    from ddpkit.dist import stores
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
@@ -382,11 +382,11 @@ def test_the_private_directory_is_the_users_alone(tmp_path, monkeypatch):
 def test_rank_0s_store_binds_the_master_address_unless_a_multi_node_name_is_loopback_here(monkeypatch):
     import torch.distributed as dist
 
-    from ddpkit import process_group
-    from ddpkit.env import Environment
+    from ddpkit.dist import process_group
+    from ddpkit.dist.environment import Environment
 
     served = []
-    monkeypatch.setattr("ddpkit.stores.serve", lambda host, port, **kw: served.append(host) or "bound")
+    monkeypatch.setattr("ddpkit.dist.stores.serve", lambda host, port, **kw: served.append(host) or "bound")
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: "every interface")
     one_node = Environment(launcher="torchelastic", world_size=2, local_world_size=2, master_addr="127.0.0.1")
     assert process_group._serve(one_node, 5) == "bound" and served == ["127.0.0.1"]
@@ -396,8 +396,8 @@ def test_rank_0s_store_binds_the_master_address_unless_a_multi_node_name_is_loop
 
 
 def test_a_master_that_does_not_resolve_in_time_is_one_line(monkeypatch):
+    from ddpkit.dist.torchrun import resolve_master
     from ddpkit.errors import UsageError
-    from ddpkit.launch import resolve_master
 
     def slow(*args, **kwargs):
         time.sleep(30)
@@ -436,7 +436,7 @@ def test_bytes_that_arrive_for_an_object_collective_never_build_anything_but_pla
 
     import torch
 
-    from ddpkit import collectives
+    from ddpkit.dist import collectives
     from ddpkit.errors import DdpkitError
 
     marker = tmp_path / "pwned"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.launch import threads_per_process
+from ddpkit.dist.host import threads_per_process
 from helpers import ROOT, clean_env, ddpkit as ddpkit_cli
 
 import workers

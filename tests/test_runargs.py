@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.env import Environment
+from ddpkit.dist.environment import Environment
+from ddpkit.dist.torchrun import torchrun_args
 from ddpkit.errors import UsageError
-from ddpkit.launch import torchrun_args
 from ddpkit.runargs import spec_of
 from helpers import EXAMPLES, ddpkit as ddpkit_cli
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.dist.host import free_port
 from ddpkit.errors import DdpkitError
-from ddpkit.process_group import free_port
 
 from helpers import clean_env, python
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.process_group import free_port
+from ddpkit.dist.host import free_port
 from helpers import BIN, EXAMPLES, clean_env, kill_tree
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import collectives
+from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError
 
 import workers

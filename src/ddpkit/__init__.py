@@ -14,12 +14,12 @@ the features that need them.
 """
 
 from ddpkit.buffers import settle as sync_buffers
-from ddpkit.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
 from ddpkit.data import sample_rng
-from ddpkit.env import Environment, detect
+from ddpkit.dist.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
+from ddpkit.dist.environment import Environment, detect
+from ddpkit.dist.launch import LaunchError, launch
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.evaluate import evaluate, predict, predict_to_file
-from ddpkit.launch import LaunchError, launch
 from ddpkit.runtime import Runtime, current, init
 from ddpkit.streams import ShardError, Shards, read_tar
 

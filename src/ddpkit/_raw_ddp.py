@@ -135,7 +135,7 @@ def train(opts: Any) -> None:
                 lambda: torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext(),
                 device)
         # Not dist.all_gather_object: it unpickles what arrives, and between hosts that is a socket.
-        from ddpkit.collectives import all_gather_object
+        from ddpkit.dist.collectives import all_gather_object
 
         gathered = all_gather_object(stats)
         if rank == 0:

@@ -168,7 +168,7 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
     :func:`ddpkit.bench_worker.write_result`'s file: ddpkit's loop, the hand-written one
     (:data:`RAW_LOOP`), or another library's (``benchmarks/peers.py``).
     """
-    from ddpkit.launch import RunSpec, run
+    from ddpkit.dist.torchrun import RunSpec, run
 
     args = ["--model", settings.model, "--data", settings.data, "--precision", config.precision,
             "--batch", str(settings.batch), "--steps", str(settings.steps), "--warmup", str(settings.warmup),
@@ -206,7 +206,7 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
     import time
 
     from ddpkit import netsim
-    from ddpkit.launch import usable_cores
+    from ddpkit.dist.host import usable_cores
 
     with netsim.SimulatedHosts(config.hosts, float(settings.link_mbit or 0)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ddpkit.checkpoint import unwrap
 from ddpkit.errors import UsageError
-from ddpkit.launch import usable_cores
+from ddpkit.dist.host import usable_cores
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 from ddpkit.recipes.models import build_model
 

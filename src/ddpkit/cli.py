@@ -12,7 +12,7 @@ from ddpkit.errors import DdpkitError, UsageError
 
 
 def cmd_run(argv: Sequence[str]) -> int:
-    from ddpkit.launch import run
+    from ddpkit.dist.torchrun import run
     from ddpkit.runargs import spec_of
 
     return run(spec_of(argv))
@@ -101,7 +101,7 @@ def train_config(argv: Sequence[str]):
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-    from ddpkit.launch import RunSpec, run
+    from ddpkit.dist.torchrun import RunSpec, run
     from ddpkit.recipes.train import clear_previous_run, preflight
 
     config = train_config(argv)
@@ -118,7 +118,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 
 def cmd_predict(argv: Sequence[str]) -> int:
-    from ddpkit.launch import RunSpec, run
+    from ddpkit.dist.torchrun import RunSpec, run
     from ddpkit.recipes.predict import PredictConfig, prepare, to_json
 
     parser = Parser(prog="ddpkit predict",

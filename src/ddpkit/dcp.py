@@ -26,8 +26,8 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from ddpkit import collectives
 from ddpkit.checkpoint import _digest, _fsync_dir, _reason, safe_load, unwrap
+from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UnsafeCheckpoint
 
 STEP_DIR = re.compile(r"^ckpt-step(\d+)$")
@@ -80,9 +80,9 @@ def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, 
     tmp = target.with_name(f".{target.name}.tmp-{token}")
     if collectives.rank() == 0:
         tmp.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    collectives.barrier()
     dcp.save(sharded_state(state), checkpoint_id=str(tmp))
-    _barrier()
+    collectives.barrier()
     if collectives.rank() == 0:
         with open(tmp / OWN, "wb") as handle:
             torch.save(dict(own or {}), handle)
@@ -256,10 +256,3 @@ def _by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Ma
     state = {name_of[i]: value for i, value in saved["state"].items()}
     groups = [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import DdpkitError
-from ddpkit.launch import RunSpec, run
+from ddpkit.dist.torchrun import RunSpec, run
 from ddpkit.recipes.config import TrainConfig, validate
 from ddpkit.report import COLUMNS, add_speedup, markdown_table, write_report
 

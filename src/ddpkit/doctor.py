@@ -8,8 +8,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit import process_group
-from ddpkit.env import detect
+from ddpkit.dist import host, process_group
+from ddpkit.dist.environment import detect
 from ddpkit.errors import DdpkitError
 
 
@@ -85,11 +85,11 @@ def examine() -> Report:
 def _listening(report: Any, env: Any) -> None:
     """Every address a run with these settings listens on, from what the launcher itself uses.
 
-    gloo's (and NCCL's) interface comes from :func:`ddpkit.stores.gloo_interface`, the function
+    gloo's (and NCCL's) interface comes from :func:`ddpkit.dist.stores.gloo_interface`, the function
     ``ddpkit run``, ``ddpkit.launch`` and ``ddpkit.init`` set it with, so a container whose host
     name resolves to its network address gets the real answer.
     """
-    from ddpkit import stores
+    from ddpkit.dist import stores
 
     interface, address = stores.gloo_interface(env.num_nodes, env.master_addr, env.master_port)
     where = f"{address or '(no address)'} ({interface or 'the interface of the host name'})"
@@ -98,7 +98,7 @@ def _listening(report: Any, env: Any) -> None:
         report.add("a run listens on", f"{env.master_addr}:{env.master_port} (rendezvous and rank 0's store, on "
                    f"node 0) and {where} for gloo/NCCL; see README 'Security'")
         return
-    if address is not None and stores.is_loopback(address):
+    if address is not None and host.is_loopback(address):
         report.add("a run listens on", f"{address} only (gloo's ports; the rendezvous and the workers' store are "
                    "files in a private directory) for ddpkit run, ddpkit.launch, train/bench/predict/demo")
     else:
@@ -130,7 +130,7 @@ def _network(report: Any, env: Any) -> None:
                 f"master host {env.master_addr!r} does not resolve from here; fix MASTER_ADDR or DNS"
             )
     else:
-        free = process_group.port_is_free("127.0.0.1", env.master_port)
+        free = host.port_is_free("127.0.0.1", env.master_port)
         report.add("master port free", free)
         if not free:
             report.warnings.append(
@@ -142,9 +142,7 @@ def _network(report: Any, env: Any) -> None:
 def _threads(report: Any, local_world_size: int) -> None:
     import torch
 
-    from ddpkit.launch import usable_cores
-
-    cpus = usable_cores()
+    cpus = host.usable_cores()
     report.add("cpu cores", cpus)
     report.add("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "(unset)"))
     report.add("torch threads", torch.get_num_threads())

@@ -148,9 +148,10 @@ def private_rendezvous() -> None:
 
     A no-op elsewhere (plain torchrun, srun, several nodes): there ``env://`` is torch's own.
     """
-    if not os.environ.get("DDPKIT_STORE_DIR"):      # ddpkit.stores.STORE_DIR_ENV
+    if not os.environ.get("DDPKIT_STORE_DIR"):      # ddpkit.dist.stores.STORE_DIR_ENV
         return
-    from ddpkit import _torch, stores
+    from ddpkit import _torch
+    from ddpkit.dist import stores
 
     _torch.use_env_rendezvous(stores.env_rendezvous)
 

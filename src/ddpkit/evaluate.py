@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from ddpkit import buffers, collectives, runtime
+from ddpkit import buffers, runtime
 from ddpkit.checkpoint import unwrap
 from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device, zero_rows
+from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -260,7 +261,7 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
     if rank == 0:
         _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)],
                      counts, tail, dtype)
-    _sync()
+    collectives.barrier()
     part.unlink(missing_ok=True)
     return path if rank == 0 else None
 
@@ -285,13 +286,6 @@ def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, 
     merged.flush()
     del merged
     os.replace(tmp, path)
-
-
-def _sync() -> None:
-    if collectives.world_size() > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:

@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
-from ddpkit import checkpoint, collectives, meeting
+from ddpkit import checkpoint
 from ddpkit import dcp
+from ddpkit.dist import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -56,7 +57,7 @@ class Resumable:
         self.heartbeat("save")
         if self._sharded():
             return self._save_sharded(Path(path), state)
-        meeting_point = meeting.all_arrive("save", self.save_timeout)
+        meeting_point = store_sync.all_arrive("save", self.save_timeout)
         path = Path(path)
         rotate = path.is_dir() or path.suffix == ""
         target = checkpoint.step_path(path, self.loop.step) if rotate else path
@@ -74,7 +75,7 @@ class Resumable:
             compression = collectives.all_gather_object(
                 [None if c is None else c.state_dict() for c in self._compressors])
         if not self.is_main:
-            meeting.share_outcome(meeting_point, None, self.timeout_s)
+            store_sync.share_outcome(meeting_point, None, self.timeout_s)
             return target
         own = self._own_state(rngs)
         if grads is not None:
@@ -90,9 +91,9 @@ class Resumable:
             if rotate:
                 checkpoint.prune(path, self.keep_checkpoints)
         except Exception as exc:
-            meeting.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}", self.timeout_s)
+            store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}", self.timeout_s)
             raise
-        meeting.share_outcome(meeting_point, None, self.timeout_s)
+        store_sync.share_outcome(meeting_point, None, self.timeout_s)
         return target
 
     @staticmethod
@@ -138,7 +139,7 @@ class Resumable:
         if self.loop.micro_step:
             raise UsageError("rt.save inside an accumulation group under strategy='fsdp' is not supported; "
                              "save at the step that ends a group")
-        meeting_point = meeting.all_arrive("save", self.save_timeout)
+        meeting_point = store_sync.all_arrive("save", self.save_timeout)
         target = dcp.step_dir(path, self.loop.step)
         rngs = collectives.all_gather_object(checkpoint.rng_state())
         token = collectives.broadcast_object(uuid.uuid4().hex[:12] if self.is_main else None)
@@ -152,10 +153,10 @@ class Resumable:
             if self.is_main:
                 dcp.prune(path, self.keep_checkpoints, token)
         except Exception as exc:
-            meeting.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}" if self.is_main
-                                  else None, self.timeout_s)
+            store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}" if self.is_main
+                                     else None, self.timeout_s)
             raise
-        meeting.share_outcome(meeting_point, None, self.timeout_s)
+        store_sync.share_outcome(meeting_point, None, self.timeout_s)
         return target
 
     def _restore_sharded(self, target: Path, state: MutableMapping[str, Any], strict: bool, *,
@@ -196,7 +197,7 @@ class Resumable:
         differently from the saved one, is an error (a warning with ``strict=False``, and that
         loader's epoch starts over). Every rank must call it.
         """
-        meeting.all_arrive("load", self.save_timeout)
+        store_sync.all_arrive("load", self.save_timeout)
         target = Path(path)
         if target.is_dir() and not dcp.is_dcp(target):
             found = self._newest_agreed(target)

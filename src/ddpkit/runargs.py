@@ -20,7 +20,7 @@ from typing import Sequence
 
 from ddpkit.cliparse import Parser
 from ddpkit.errors import UsageError
-from ddpkit.launch import RunSpec
+from ddpkit.dist.torchrun import RunSpec
 
 # (our spelling, torchrun's spelling) -> dest; each takes a value.
 _VALUED = {
@@ -115,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:
-    """The :class:`~ddpkit.launch.RunSpec` of a ``ddpkit run`` command line (without ``run``)."""
+    """The :class:`~ddpkit.dist.torchrun.RunSpec` of a ``ddpkit run`` command line (without ``run``)."""
     ours, rest = split(argv)
     opts = parser().parse_args(ours)
     if opts.module is None and opts.script is None:

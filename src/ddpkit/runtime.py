@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ddpkit import collectives, meeting, process_group, watchdog
-from ddpkit.env import Environment, detect
+from ddpkit import watchdog
+from ddpkit.dist import collectives, process_group, store_sync
+from ddpkit.dist.environment import Environment, detect
 from ddpkit.precision import Precision
 from ddpkit.training import Training, seed_everything
 
@@ -107,7 +108,7 @@ class Runtime(Training):
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
-        process_group.barrier()
+        collectives.barrier()
 
     @contextlib.contextmanager
     def local_main_first(self) -> Iterator[None]:
@@ -259,7 +260,7 @@ def init(
         process_group.init(env, chosen_backend, chosen_device, timeout)
         import uuid
 
-        meeting.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
+        store_sync.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
     if seed is not None:
         seed_everything(seed)
     runtime = Runtime(env, chosen_device, chosen_backend, timeout, seed=seed, precision=precision,

@@ -1,7 +1,7 @@
 """``ddpkit slurm``: an sbatch script that runs ``srun ddpkit run ...``, one task per node.
 
 Inside the job, ``ddpkit run`` reads nodes, node rank and master from SLURM (see
-:func:`ddpkit.launch.torchrun_args`), so the script needs no addresses or ports.
+:func:`ddpkit.dist.torchrun.torchrun_args`), so the script needs no addresses or ports.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 
-from ddpkit import collectives
+from ddpkit.dist import collectives
 from ddpkit.data import GlobalBatchSampler, check_batch_sizes
 from ddpkit.errors import UsageError
 from ddpkit.loader import ShardedLoader

@@ -13,7 +13,8 @@ from typing import Any, Iterator
 
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit import collectives, runtime
+from ddpkit import runtime
+from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError
 from ddpkit.streams.order import EpochOrder
 from ddpkit.streams.pieces import Pieces, as_is, warn_plain_stream

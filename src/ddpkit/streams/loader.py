@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit import collectives, data
+from ddpkit import data
+from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError
 from ddpkit.loader import LoaderPosition
 from ddpkit.streams.order import Layout

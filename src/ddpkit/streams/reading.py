@@ -166,7 +166,7 @@ def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: i
     """
     if shards.lengths is not None:
         return
-    from ddpkit import collectives
+    from ddpkit.dist import collectives
 
     cached = shards.load_cached() if rank == 0 else None
     if world_size > 1:

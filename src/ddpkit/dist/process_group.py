@@ -1,4 +1,7 @@
-"""Init, destroy and barrier of the default process group; the backend chosen from the device."""
+"""Init and destroy of the default process group; the backend chosen from the device.
+
+Its barrier, like every other collective, is :func:`ddpkit.dist.collectives.barrier`.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ddpkit.env import Environment
+from ddpkit.dist.environment import Environment
 from ddpkit.errors import DdpkitError, UsageError
 
 BACKENDS = ("nccl", "gloo", "mpi")
@@ -86,7 +89,7 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
     if backend == "nccl":
         # Binds NCCL's communicator to this process's GPU (avoids a guess by rank).
         kwargs["device_id"] = device
-    from ddpkit import stores
+    from ddpkit.dist import stores
 
     # Before the first group: every group of this process (PowerSGD's, fsdp's mesh) binds there too.
     os.environ.update(stores.socket_env(env.num_nodes, env.master_addr, env.master_port))
@@ -99,14 +102,14 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
     """The rendezvous store, scoped to this attempt of this run.
 
     A one-machine job of ``ddpkit run`` or ``ddpkit.launch`` keeps it in a file of the job's
-    private directory, one file per attempt (:func:`ddpkit.stores.worker_store`): nothing listens.
+    private directory, one file per attempt (:func:`ddpkit.dist.stores.worker_store`): nothing listens.
     Under the elastic agent on one node the agent hosts the store and it outlives a restart;
     without a prefix per attempt, restarted workers read the previous attempt's peer addresses
     and hang or fail connecting to dead processes. Elsewhere (``ddpkit run`` on several nodes,
     srun, mpirun, by hand) rank 0 hosts a store of its own.
     """
     if env.store_dir:       # one machine under ddpkit run / launch: a file only this user can open
-        from ddpkit import stores
+        from ddpkit.dist import stores
 
         return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/", stores.worker_store(env.store_dir, env.restart_count))
     host_store = not env.agent_store and env.rank == 0
@@ -145,9 +148,9 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
     often maps a machine's own name to 127.0.1.1) while the other nodes resolve it to this
     node's network address.
     """
-    from ddpkit import stores
+    from ddpkit.dist import host, stores
 
-    if env.num_nodes > 1 and stores.is_loopback(env.master_addr):
+    if env.num_nodes > 1 and host.is_loopback(env.master_addr):
         return _tcp_store(env, timeout_s, is_master=True)
     try:
         return stores.serve(env.master_addr, env.master_port, timeout_s=timeout_s, world_size=env.world_size)
@@ -170,27 +173,3 @@ def destroy() -> None:
     """Destroy the default process group if one exists."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def barrier() -> None:
-    """Wait for every rank; identity in a world of one."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def port_is_free(host: str, port: int) -> bool:
-    """True when nothing listens on ``host:port`` and we could bind it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

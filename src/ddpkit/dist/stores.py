@@ -3,6 +3,8 @@
 One machine (``ddpkit run -n N``, :func:`ddpkit.launch`): the rendezvous state and the workers'
 store are ``FileStore`` files in a directory only the user can open, so no socket carries them,
 and gloo and NCCL bind loopback. Between nodes: stores and gloo on the job's interface only.
+Which interface that is (:func:`gloo_interface`, :func:`socket_env`) is decided here, for the job;
+the facts it is decided from, this machine's addresses and interfaces, are in :mod:`ddpkit.dist.host`.
 
 Between nodes a store must be a socket. torch's ``TCPStore`` server binds the wildcard address
 whatever host it is given, and torch's dynamic rendezvous unpickles the state it keeps there, so
@@ -19,13 +21,11 @@ from __future__ import annotations
 
 import datetime
 import errno
-import ipaddress
 import socket
 from typing import Any, Iterator
 
+from ddpkit.dist.host import LOOPBACK, address_of, interface_of, local_address, loopback_interface
 from ddpkit.errors import UsageError
-
-LOOPBACK = "127.0.0.1"
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -60,23 +60,11 @@ def serve(host: str, port: int, *, timeout_s: float, world_size: int | None = No
                          wait_for_workers=False, master_listen_fd=sock.detach())   # the store owns the fd now
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address, or a name: what it resolves to here) is a loopback address.
-
-    ``/etc/hosts`` often maps a machine's own name to 127.0.1.1. A name that does not resolve is not.
-    """
-    try:
-        address = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        return False
-    return ipaddress.ip_address(address.split("%")[0]).is_loopback
-
-
 # -- one machine: stores in a directory only the user can open -----------------------------------
 
 STORE_DIR_ENV = "DDPKIT_STORE_DIR"
 """Set by ``ddpkit run`` and :func:`ddpkit.launch` for the workers of a one-machine job: the
-private directory that holds the job's stores (read by :mod:`ddpkit.env` only)."""
+private directory that holds the job's stores (read by :mod:`ddpkit.dist.environment` only)."""
 
 
 def private_dir() -> str:
@@ -133,7 +121,7 @@ def env_rendezvous(url: str, timeout: datetime.timedelta | None = None, **kwargs
 
     import torch.distributed as dist
 
-    from ddpkit.env import detect
+    from ddpkit.dist.environment import detect
 
     env = detect()
     query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
@@ -145,52 +133,10 @@ def env_rendezvous(url: str, timeout: datetime.timedelta | None = None, **kwargs
     raise RuntimeError("env:// cannot rendezvous again within one attempt; the launcher restarts the group")
 
 
-def local_address(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host``: where the other nodes can reach it.
-
-    Sends nothing (a UDP socket only picks its route). None if ``host`` does not resolve or
-    has no route; torchrun then falls back to this machine's FQDN.
-    """
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return None
-
-
 # -- which interface gloo and NCCL bind ----------------------------------------------------------
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
-
-
-def interface_of(address: str) -> str | None:
-    """The name of this machine's network interface that holds ``address``, or None."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == address for a in addresses):
-            return name
-    return None
-
-
-def loopback_interface() -> str:
-    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS)."""
-    return interface_of(LOOPBACK) or "lo"
-
-
-def address_of(interface: str) -> str | None:
-    """The first IPv4 (else IPv6) address of ``interface``, or None when it has none or does not exist."""
-    import psutil
-
-    found = psutil.net_if_addrs().get(interface, [])
-    for family in (socket.AF_INET, socket.AF_INET6):
-        for entry in found:
-            if entry.family == family:
-                return entry.address.split("%")[0]
-    return None
 
 
 def gloo_interface(num_nodes: int, master_addr: str, master_port: int, environ: Any = None) -> tuple[str, str | None]:

@@ -1,4 +1,4 @@
-"""Reductions and gathers that are identity in a world of one.
+"""Reductions, gathers and the barrier, identity in a world of one.
 
 Every function takes plain tensors or numbers and works the same with or without a
 process group, so user code and ddpkit's own code never branch on the world size.
@@ -24,6 +24,16 @@ def world_size() -> int:
 def rank() -> int:
     """Rank in the default group, 0 without one."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group; identity in a world of one (or without a group).
+
+    The one barrier of ddpkit: ``rt.barrier()``, the DCP save (:mod:`ddpkit.dcp`) and the merge
+    of prediction parts (:mod:`ddpkit.evaluate`) all wait here.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def _comm_device() -> torch.device:

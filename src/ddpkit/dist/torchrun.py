@@ -1,28 +1,24 @@
-"""Starting processes, always through torch's elastic launcher (``torch.distributed.run``).
+"""``ddpkit run``: starting a script's processes through torch's elastic launcher (``torch.distributed.run``).
 
 ``ddpkit run`` is a thin front that fills in what torchrun leaves to the user (stores in a
-private directory on one node, nodes from SLURM, threads per process); :func:`launch` runs a function in N
-processes from a notebook or a script, the ``mp.spawn`` pattern without the index argument.
-Both end their workers through :mod:`ddpkit.entry`, so a finished job cannot abort in
-interpreter teardown.
+private directory on one node, nodes from SLURM, threads per process). Its workers end through
+:mod:`ddpkit.entry`, so a finished job cannot abort in interpreter teardown. :func:`ddpkit.launch`
+(:mod:`ddpkit.dist.launch`) starts its processes with the same private job, agent variables and
+failure ranking, from here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import pickle
 import sys
-import tempfile
 import uuid
-from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from ddpkit.env import Environment, detect
-from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.stores import local_address
+from ddpkit.dist.environment import Environment, detect
+from ddpkit.dist.host import LOOPBACK, default_nproc, is_loopback, local_address, threads_per_process
+from ddpkit.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -98,27 +94,6 @@ def resolve_master(host: str, port: int, timeout_s: float = RESOLVE_TIMEOUT_S) -
                      "resolves on every node (check /etc/hosts or DNS)")
 
 
-def default_nproc() -> int:
-    """One process per visible GPU, else one."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which containers and SLURM narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> int:
-    """CPU cores shared fairly among the processes of a node (at least one each)."""
-    if cpu_count is None:
-        cpu_count = usable_cores()
-    return max(1, cpu_count // max(1, nproc_per_node))
-
-
 def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int | None = None,
                   store_dir: str | None = None) -> list[str]:
     """The ``torch.distributed.run`` arguments for ``spec``.
@@ -140,8 +115,8 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if master is None:
         if not store_dir:
-            raise UsageError("a one-node job needs its private store directory (ddpkit.stores.private_dir)")
-        from ddpkit.stores import rendezvous_file
+            raise UsageError("a one-node job needs its private store directory (ddpkit.dist.stores.private_dir)")
+        from ddpkit.dist.stores import rendezvous_file
 
         # --local-addr: the node's name in the rendezvous; nothing listens there
         return args + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous_file(store_dir)}",
@@ -199,7 +174,7 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 The agent would otherwise open a second store for the workers, listening on every interface
 (and, between nodes, telling attempts apart by a restart count each node keeps for itself).
 Without it worker rank 0 hosts a fresh store for every attempt, bound to the master address
-(:func:`ddpkit.process_group.init`).
+(:func:`ddpkit.dist.process_group.init`).
 """
 
 
@@ -209,16 +184,16 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
     On node 0 (``--node-rank 0`` or SLURM's first node), at the master's port on the master's
     address when that is one of this machine's non-loopback addresses, bound before any port is
     published; otherwise torchrun's agent hosts it, on every interface. A one-node job has none
-    (its stores are files: :func:`ddpkit.stores.private_dir`).
+    (its stores are files: :func:`ddpkit.dist.stores.private_dir`).
     """
-    from ddpkit import stores
+    from ddpkit.dist import stores
 
     nnodes, node_rank, master, _ = _placement(spec, detect() if env is None else env)
     if master is None or node_rank != 0:
         return None
     host, port = parse_master(master)
     local = local_address(host, port)
-    if local is None or stores.is_loopback(local):
+    if local is None or is_loopback(local):
         return None
     try:
         return stores.serve(local, port, timeout_s=_STORE_TIMEOUT_S)
@@ -236,7 +211,7 @@ def private_job(nnodes: int = 1, master: str | None = None) -> Iterator[tuple[st
     """
     import shutil
 
-    from ddpkit import stores
+    from ddpkit.dist import stores
 
     if master is not None:
         host, port = parse_master(master)
@@ -244,7 +219,7 @@ def private_job(nnodes: int = 1, master: str | None = None) -> Iterator[tuple[st
         return
     directory = stores.private_dir()
     try:
-        yield directory, {stores.STORE_DIR_ENV: directory, **stores.socket_env(1, stores.LOOPBACK, 0)}
+        yield directory, {stores.STORE_DIR_ENV: directory, **stores.socket_env(1, LOOPBACK, 0)}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -340,101 +315,3 @@ def _describe(failure: Any) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
-
-
-class LaunchError(DdpkitError):
-    """A process started by :func:`launch` failed; carries its rank and traceback."""
-
-    def __init__(self, rank: int, message: str, traceback: str = ""):
-        self.rank = rank
-        self.child_traceback = traceback
-        text = f"rank {rank} failed: {message}"
-        super().__init__(text + (f"\n\nTraceback from rank {rank}:\n{traceback}" if traceback else ""))
-
-
-def launch(
-    fn: Callable[..., Any],
-    nprocs: int,
-    args: Sequence[Any] = (),
-    *,
-    max_restarts: int = 0,
-    start_method: str | None = None,
-) -> dict[int, Any]:
-    """Call ``fn(*args)`` in ``nprocs`` processes on one machine and wait for all of them.
-
-    Unlike ``mp.spawn`` no index is passed first: ``ddpkit.init()`` inside ``fn`` knows the
-    rank. The rendezvous keeps its state in a new private directory, so two launches never collide
-    and nothing of the job listens beyond loopback.
-
-    Returns:
-        Each rank's return value, ``{rank: value}``.
-
-    Raises:
-        LaunchError: the first rank that failed, with its traceback.
-
-    Example:
-        >>> def work():
-        ...     rt = ddpkit.init()
-        ...     return rt.all_reduce(rt.rank)
-        >>> ddpkit.launch(work, nprocs=2)        # doctest: +SKIP
-        {0: 1.0, 1: 1.0}
-    """
-    if nprocs < 1:
-        raise UsageError(f"nprocs must be at least 1, got {nprocs}")
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from ddpkit import entry, stores       # entry not at the top: python -m ddpkit.entry must import it first
-
-    with private_job() as (directory, worker_env):
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nprocs,
-            run_id=uuid.uuid4().hex[:12],
-            rdzv_backend="c10d",
-            rdzv_endpoint=stores.rendezvous_file(directory),
-            rdzv_configs={"store_type": "file"},     # a file of the private directory: no socket
-            local_addr="127.0.0.1",
-            max_restarts=max_restarts,
-            monitor_interval=0.1,
-            start_method=start_method or _start_method(fn),
-        )
-        with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, \
-                _thread_env(nprocs, {**AGENT_ENV, **worker_env}):
-            try:
-                returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
-            except ChildFailedError as exc:
-                raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
-    return {rank: pickle.loads(value) for rank, value in returned.items()}   # bytes: see entry._by_value
-
-
-def _earliest_error(error_dir: str) -> LaunchError | None:
-    records = []
-    for path in Path(error_dir).glob("rank*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            records.append(json.loads(path.read_text()))
-    if not records:
-        return None
-    first = min(records, key=lambda r: (_is_secondary(r["message"]), r["time"], r["rank"]))
-    return LaunchError(first["rank"], first["message"], first["traceback"].strip())
-
-
-def _start_method(fn: Callable[..., Any]) -> str:
-    # Functions typed into a notebook or REPL live in a __main__ that spawned children
-    # cannot import; fork them instead. Everything else gets the safe default, spawn.
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
-        return "fork"
-    return "spawn"
-
-
-def _launch_error(rank: int, failure: Any) -> LaunchError:
-    data = getattr(failure, "error_file_data", None) or {}
-    message = data.get("message", {}) if isinstance(data, dict) else {}
-    if isinstance(message, dict):
-        text = str(message.get("message", "")).strip()
-        traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).strip()
-    else:
-        text, traceback = str(message), ""
-    return LaunchError(rank, text or _describe(failure), traceback)

@@ -1,7 +1,8 @@
 """Which launcher started us, and our place in the world.
 
-This is the only module that reads launcher variables. Everything else receives an
-:class:`Environment`, so configuration flows explicitly from here.
+This is the only module that reads launcher variables (SLURM's host lists and task counts through
+:mod:`ddpkit.dist.slurm_env`). Everything else receives an :class:`Environment`, so configuration
+flows explicitly from here.
 
 Launchers are tried in order: torchrun / TorchElastic, SLURM (under ``srun``), MPI
 (Open MPI, MPICH, Intel MPI), and finally none — a plain ``python script.py`` is a world
@@ -17,15 +18,14 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.dist._vars import read_int as _int, read_port as _port
+from ddpkit.dist.slurm_env import expand_nodelist, slurm_port, slurm_tasks_on_node
+from ddpkit.errors import UsageError
 
 DEFAULT_MASTER_PORT = 29500
-_SLURM_PORT_BASE = 15000
-_SLURM_PORT_SPAN = 20000
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class Environment:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the job: the world divided by the processes of this node (at least 1)."""
         return max(1, self.world_size // max(1, self.local_world_size))
 
 
@@ -91,25 +92,6 @@ def detect(environ: Mapping[str, str] | None = None) -> Environment:
             _validate(env)
             return replace(env, own_gpus=_own_gpus(env.launcher, environ))
     return Environment()
-
-
-def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    value = environ.get(name)
-    if value is None or value == "":
-        if default is None:
-            raise UsageError(f"environment variable {name} is missing; the launcher did not set it")
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _port(environ: Mapping[str, str], name: str, default: int) -> int:
-    port = _int(environ, name, default)
-    if not 0 < port < 65536:
-        raise UsageError(f"{name}={port} is not a valid port; use 1-65535")
-    return port
 
 
 _TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -140,7 +122,7 @@ def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
         run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        store_dir=environ.get("DDPKIT_STORE_DIR", ""),      # stores.STORE_DIR_ENV, set by ddpkit run / launch
+        store_dir=environ.get("DDPKIT_STORE_DIR", ""),      # ddpkit.dist.stores.STORE_DIR_ENV, set by ddpkit run / launch
     )
 
 
@@ -165,29 +147,6 @@ def _from_slurm(environ: Mapping[str, str]) -> Environment | None:
         master_addr=environ.get("MASTER_ADDR") or hosts[0],
         master_port=_port(environ, "MASTER_PORT", slurm_port(environ)),
     )
-
-
-def slurm_port(environ: Mapping[str, str]) -> int:
-    """A port derived from the job id, so concurrent jobs on one node do not collide."""
-    job_id = re.sub(r"\D", "", environ.get("SLURM_JOB_ID", "")) or "0"
-    return _SLURM_PORT_BASE + int(job_id) % _SLURM_PORT_SPAN
-
-
-def slurm_tasks_on_node(environ: Mapping[str, str], world_size: int, num_hosts: int) -> int:
-    """Tasks on this node, from ``SLURM_NTASKS_PER_NODE`` or the ``2(x3),1`` form."""
-    if environ.get("SLURM_NTASKS_PER_NODE"):
-        return _int(environ, "SLURM_NTASKS_PER_NODE")
-    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    if spec:
-        counts: list[int] = []
-        for part in spec.split(","):
-            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-            if match:
-                counts += [int(match.group(1))] * int(match.group(2) or 1)
-        node = _int(environ, "SLURM_NODEID", 0)
-        if node < len(counts):
-            return counts[node]
-    return max(1, world_size // max(1, num_hosts))
 
 
 def _from_mpi(environ: Mapping[str, str]) -> Environment | None:
@@ -269,70 +228,3 @@ def _validate(env: Environment) -> None:
             f"{env.launcher}: {env.local_world_size} processes on this node but a world of "
             f"only {env.world_size}"
         )
-
-
-_RANGE = re.compile(r"\[([^\]]*)\]")
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM host list such as ``node[01-03,07],gpu5`` or ``a[1-2]-b[3-4]``.
-
-    Zero padding is kept (``node[08-10]`` gives ``node08 node09 node10``). Several bracket
-    groups in one name expand as a product, in SLURM's order.
-
-    Raises:
-        DdpkitError: unbalanced brackets or a malformed range.
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist):
-        hosts.extend(_expand_host(item))
-    return hosts
-
-
-def _split_top_level(nodelist: str) -> list[str]:
-    items, depth, current = [], 0, []
-    for char in nodelist.strip():
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise DdpkitError(f"SLURM node list {nodelist!r} has an unbalanced ']'")
-        if char == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth != 0:
-        raise DdpkitError(f"SLURM node list {nodelist!r} has an unbalanced '['")
-    items.append("".join(current))
-    return [item.strip() for item in items if item.strip()]
-
-
-def _expand_host(pattern: str) -> list[str]:
-    match = _RANGE.search(pattern)
-    if match is None:
-        return [pattern]
-    prefix, suffix = pattern[: match.start()], pattern[match.end():]
-    expanded = []
-    for value in _expand_ranges(match.group(1), pattern):
-        expanded.extend(_expand_host(prefix + value + suffix))
-    return expanded
-
-
-def _expand_ranges(spec: str, pattern: str) -> list[str]:
-    values = []
-    for part in spec.split(","):
-        part = part.strip()
-        bounds = part.split("-")
-        if len(bounds) == 1 and part.isdigit():
-            values.append(part)
-        elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
-            low, high = int(bounds[0]), int(bounds[1])
-            if high < low:
-                raise DdpkitError(f"SLURM node list {pattern!r}: range {part} runs backwards")
-            width = len(bounds[0])
-            values.extend(str(n).zfill(width) for n in range(low, high + 1))
-        else:
-            raise DdpkitError(f"SLURM node list {pattern!r}: cannot read range {part!r}")
-    return values

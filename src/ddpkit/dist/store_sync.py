@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from ddpkit import collectives
+from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UsageError
 
 _count: dict[str, int] = {}

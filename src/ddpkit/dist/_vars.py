@@ -1,0 +1,40 @@
+"""Reading one launcher variable: an integer or a port, each failure one line naming the variable.
+
+Shared by the launcher readers of :mod:`ddpkit.dist.environment` and the SLURM helpers of
+:mod:`ddpkit.dist.slurm_env`, which both import it (neither imports the other's readers).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ddpkit.errors import UsageError
+
+
+def read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """``environ[name]`` as an integer; ``default`` when it is unset or empty.
+
+    Raises:
+        UsageError: the variable is missing and there is no default, or it is not an integer.
+    """
+    value = environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise UsageError(f"environment variable {name} is missing; the launcher did not set it")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_port(environ: Mapping[str, str], name: str, default: int) -> int:
+    """``environ[name]`` as a port (1-65535); ``default`` when it is unset or empty.
+
+    Raises:
+        UsageError: not an integer, or outside 1-65535.
+    """
+    port = read_int(environ, name, default)
+    if not 0 < port < 65536:
+        raise UsageError(f"{name}={port} is not a valid port; use 1-65535")
+    return port

@@ -1,0 +1,120 @@
+""":func:`ddpkit.launch`: a function in N processes on one machine, through torch's elastic launcher.
+
+The ``mp.spawn`` pattern without the index argument, from a notebook or a script. The job meets
+in a private directory (:func:`ddpkit.dist.torchrun.private_job`), like a one-machine ``ddpkit
+run``, and its children end through :mod:`ddpkit.entry`, so a finished job cannot abort in
+interpreter teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ddpkit.dist.torchrun import AGENT_ENV, _describe, _is_secondary, _root_failure, _thread_env, private_job
+from ddpkit.errors import DdpkitError, UsageError
+
+
+class LaunchError(DdpkitError):
+    """A process started by :func:`launch` failed; carries its rank and traceback."""
+
+    def __init__(self, rank: int, message: str, traceback: str = ""):
+        self.rank = rank
+        self.child_traceback = traceback
+        text = f"rank {rank} failed: {message}"
+        super().__init__(text + (f"\n\nTraceback from rank {rank}:\n{traceback}" if traceback else ""))
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    max_restarts: int = 0,
+    start_method: str | None = None,
+) -> dict[int, Any]:
+    """Call ``fn(*args)`` in ``nprocs`` processes on one machine and wait for all of them.
+
+    Unlike ``mp.spawn`` no index is passed first: ``ddpkit.init()`` inside ``fn`` knows the
+    rank. The rendezvous keeps its state in a new private directory, so two launches never collide
+    and nothing of the job listens beyond loopback.
+
+    Returns:
+        Each rank's return value, ``{rank: value}``.
+
+    Raises:
+        LaunchError: the first rank that failed, with its traceback.
+
+    Example:
+        >>> def work():
+        ...     rt = ddpkit.init()
+        ...     return rt.all_reduce(rt.rank)
+        >>> ddpkit.launch(work, nprocs=2)        # doctest: +SKIP
+        {0: 1.0, 1: 1.0}
+    """
+    if nprocs < 1:
+        raise UsageError(f"nprocs must be at least 1, got {nprocs}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ddpkit import entry       # not at the top: python -m ddpkit.entry must import it first
+    from ddpkit.dist import stores
+
+    with private_job() as (directory, worker_env):
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nprocs,
+            run_id=uuid.uuid4().hex[:12],
+            rdzv_backend="c10d",
+            rdzv_endpoint=stores.rendezvous_file(directory),
+            rdzv_configs={"store_type": "file"},     # a file of the private directory: no socket
+            local_addr="127.0.0.1",
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method=start_method or _start_method(fn),
+        )
+        with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, \
+                _thread_env(nprocs, {**AGENT_ENV, **worker_env}):
+            try:
+                returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
+            except ChildFailedError as exc:
+                raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
+    return {rank: pickle.loads(value) for rank, value in returned.items()}   # bytes: see entry._by_value
+
+
+def _earliest_error(error_dir: str) -> LaunchError | None:
+    records = []
+    for path in Path(error_dir).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    if not records:
+        return None
+    first = min(records, key=lambda r: (_is_secondary(r["message"]), r["time"], r["rank"]))
+    return LaunchError(first["rank"], first["message"], first["traceback"].strip())
+
+
+def _start_method(fn: Callable[..., Any]) -> str:
+    # Functions typed into a notebook or REPL live in a __main__ that spawned children
+    # cannot import; fork them instead. Everything else gets the safe default, spawn.
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        return "fork"
+    return "spawn"
+
+
+def _launch_error(rank: int, failure: Any) -> LaunchError:
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message", {}) if isinstance(data, dict) else {}
+    if isinstance(message, dict):
+        text = str(message.get("message", "")).strip()
+        traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).strip()
+    else:
+        text, traceback = str(message), ""
+    return LaunchError(rank, text or _describe(failure), traceback)
