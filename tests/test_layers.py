@@ -1,0 +1,37 @@
+"""The import layers of issue 26, checked by import-linter with the contracts in pyproject.toml."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import BIN, ROOT, clean_env
+
+
+def _lint(src: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` with the project's contracts, over the ``ddpkit`` package found in ``src``."""
+    return subprocess.run([str(BIN / "lint-imports"), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
+                          cwd=src, env=clean_env(PYTHONPATH=str(src)), capture_output=True, text=True, timeout=120)
+
+
+def test_the_layers_contracts_are_kept():
+    done = _lint(ROOT / "src")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout and "ddpkit.dist stands on the base modules alone KEPT" in done.stdout
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    ("dist/host.py", "from ddpkit import runtime", "ddpkit.dist stands on the base modules alone BROKEN"),
+    ("dist/host.py", "from ddpkit.dist import torchrun", "no circles between the modules of ddpkit.dist BROKEN"),
+    ("errors.py", "from ddpkit.dist import collectives",
+     "base modules (errors, _torch, entry) import no other part of ddpkit BROKEN"),
+])
+def test_an_upward_import_or_a_circle_breaks_them(tmp_path, module, line, broken):
+    shutil.copytree(ROOT / "src" / "ddpkit", tmp_path / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "ddpkit" / module
+    target.write_text(target.read_text() + f"\n{line}  # an import up a layer\n")
+    done = _lint(tmp_path)
+    assert done.returncode != 0 and broken in done.stdout, done.stdout[-3000:]
