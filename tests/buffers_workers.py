@@ -32,7 +32,7 @@ def _model(extra_buffer: bool = False) -> torch.nn.Module:
 
 
 def _stats(model: torch.nn.Module) -> dict:
-    inner = ddpkit.checkpoint.unwrap(model)
+    inner = ddpkit._torch.unwrap(model)
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 
@@ -53,7 +53,7 @@ def train_bn(mode: str = "full", checkpoint: str = "", stop_at: int = 5, sync_bn
     for _ in rt.epochs(2):
         for inputs, targets in loader:
             if freeze_at is not None and rt.global_step == freeze_at:
-                ddpkit.checkpoint.unwrap(model)[1].eval()
+                ddpkit._torch.unwrap(model)[1].eval()
                 seen["own_before_freeze"] = _stats(model)["1.running_mean"]
             rt.backward(F.cross_entropy(model(inputs), targets))
             rt.step(optimizer)
@@ -71,7 +71,7 @@ def train_bn(mode: str = "full", checkpoint: str = "", stop_at: int = 5, sync_bn
     if freeze_at is not None:
         # one rank alone trains a BatchNorm layer through model.module: the ranks disagree on
         # what is dirty, and the next average must still meet (not hang) and cover that layer
-        inner = ddpkit.checkpoint.unwrap(model)
+        inner = ddpkit._torch.unwrap(model)
         inner.train()
         if rt.rank == 0:
             inner(Toy().x[:8])

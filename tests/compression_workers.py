@@ -17,7 +17,7 @@ GLOBAL_BATCH, EPOCHS = 60, 2          # divides 1, 2 and 3 processes; digits: 24
 
 def digest(model: torch.nn.Module) -> str:
     found = hashlib.sha256()
-    for key, value in ddpkit.checkpoint.unwrap(model).state_dict().items():
+    for key, value in ddpkit._torch.unwrap(model).state_dict().items():
         found.update(key.encode() + value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return found.hexdigest()
 

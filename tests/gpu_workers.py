@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import ddpkit
-import ddpkit.checkpoint
+import ddpkit._torch
 from workers import _toy_data
 
 
@@ -34,7 +34,7 @@ def gpu_ddp_steps(steps: int = 4) -> dict:
         if rt.global_step == steps:
             break
     # Parameters only: BatchNorm's running statistics are each rank's own after the last forward.
-    weights = {k: v.detach().cpu().tolist() for k, v in ddpkit.checkpoint.unwrap(model).named_parameters()}
+    weights = {k: v.detach().cpu().tolist() for k, v in ddpkit._torch.unwrap(model).named_parameters()}
     return {"backend": dist.get_backend() if dist.is_initialized() else None, "device": str(rt.device),
             "local_rank": int(os.environ["LOCAL_RANK"]), "rank_sum": int(rt.all_reduce(rt.rank)),
             "batch_devices": sorted(batch_devices), "losses": losses, "weights": weights,
@@ -48,7 +48,7 @@ def gpu_sync_bn_stats() -> dict:
     generator = torch.Generator().manual_seed(100 + rt.rank)
     data = torch.randn(4 + 2 * rt.rank, 3, generator=generator) + 10.0 * rt.rank     # uneven, shifted
     model(data.to(rt.device)).sum().backward()
-    bn = ddpkit.checkpoint.unwrap(model)[0]
+    bn = ddpkit._torch.unwrap(model)[0]
     return {"data": data.tolist(), "running_mean": bn.running_mean.detach().cpu().tolist(),
             "type": f"{type(bn).__module__}.{type(bn).__name__}"}
 

@@ -77,7 +77,7 @@ def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int =
         with torch.no_grad():
             next(iter(val))                          # half-read validation at the end of the epoch
         rt.save(checkpoint + f".epoch{rt.epoch}", state)
-    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     result = {"weights": weights, "steps": rt.global_step, "steps_per_epoch": steps_per_epoch,
               "lr": scheduler.get_last_lr()[0]}
     rt.close()
@@ -139,7 +139,7 @@ def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
                 rt.save(checkpoint, state)
                 rt.close()
                 return {"micro_step": micro}
-    weights = {k: v.detach().clone().tolist() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    weights = {k: v.detach().clone().tolist() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     result = {"weights": weights, "steps": rt.global_step, "batches": batches}
     rt.close()
     return result

@@ -95,7 +95,7 @@ def train(mode: str, checkpoint: str, *, epochs: int = 2, stop_at: int = 25, wor
             if mode == "stop" and rt.global_step == stop_at:
                 rt.save(checkpoint, state)
                 return {"stopped": rt.global_step}
-    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     return {"weights": weights, "steps": rt.global_step, "trained": trained}
 
 

@@ -205,7 +205,8 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
     def die(*args):
         raise KeyboardInterrupt("killed between the checksum record and the rename")
 
-    monkeypatch.setattr(checkpoint.os, "replace", lambda src, dst: die() if str(dst) == str(path) else os.rename(src, dst))
+    monkeypatch.setattr(checkpoint.pt.os, "replace",
+                        lambda src, dst: die() if str(dst) == str(path) else os.rename(src, dst))
     with pytest.raises(KeyboardInterrupt):
         rt.save(path, state)
     monkeypatch.undo()

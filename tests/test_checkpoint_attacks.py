@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import checkpoint, dcp_reader
+from ddpkit import checkpoint
+from ddpkit.checkpoint import dcp_reader
 from ddpkit.errors import DdpkitError, UnsafeCheckpoint, one_line
 from helpers import ddpkit as ddpkit_cli
 
@@ -88,7 +89,7 @@ def made(tmp_path_factory):
 
 
 def _reseal(step: Path) -> None:
-    """Write ``manifest.json`` again as ``ddpkit.dcp.save`` does, so sizes and SHA-256 match the files."""
+    """Write ``manifest.json`` again as ``ddpkit.checkpoint.dcp.save`` does, so sizes and SHA-256 match the files."""
     manifest = json.loads((step / "manifest.json").read_text())
     files = {}
     for path in sorted(step.iterdir()):

@@ -107,6 +107,16 @@ def test_scaler_found_inf_is_loud_when_the_api_is_gone():
         _torch.scaler_found_inf(OldScaler(), None)
 
 
+def test_unwrap_reaches_the_module_inside_compile_and_data_parallel():
+    inner = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)    # torch's own, as it imports dynamo
+        wrapped = torch.compile(torch.nn.DataParallel(inner))  # torch.compile keeps it in _orig_mod
+    assert _torch.unwrap(wrapped) is inner
+    assert list(_torch.unwrap(wrapped).state_dict()) == ["weight", "bias"]     # plain names
+    assert _torch.unwrap(inner) is inner and _torch.unwrap({"x": 1}) == {"x": 1}
+
+
 def _dcp_checkpoint(path):
     """A DCP checkpoint written by this torch alone: a model of several dtypes, AdamW, plain values."""
     import torch.distributed.checkpoint as dcp
@@ -127,7 +137,7 @@ def test_dcp_metadata_of_this_torch_is_made_of_the_allowlist_and_read_as_torch_r
     """ddpkit's reader unpickles ``.metadata`` with an allowlist: a global torch starts to use is named here."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ddpkit import dcp_reader
+    from ddpkit.checkpoint import dcp_reader
 
     _dcp_checkpoint(tmp_path)
     reader, theirs = dcp_reader.Reader(tmp_path), FileSystemReader(tmp_path)
@@ -147,7 +157,7 @@ def test_dcp_metadata_of_this_torch_is_made_of_the_allowlist_and_read_as_torch_r
 
 
 def test_dcp_rebuilds_a_whole_checkpoint_in_one_process(tmp_path):
-    from ddpkit import dcp_reader
+    from ddpkit.checkpoint import dcp_reader
 
     state = _dcp_checkpoint(tmp_path)
     assert isinstance(_torch.dcp_rebuilding_planner(), type)
@@ -161,7 +171,7 @@ def test_dcp_rebuilds_a_whole_checkpoint_in_one_process(tmp_path):
 def test_dcp_private_apis_are_loud_when_gone(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader, format_utils, state_dict_loader
 
-    from ddpkit import dcp_reader
+    from ddpkit.checkpoint import dcp_reader
 
     reader = dcp_reader.Reader(tmp_path)
     with pytest.raises(_torch.PrivateApiChanged, match="_StorageInfo.relative_path"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import ddpkit
+import ddpkit._torch
 import ddpkit.checkpoint
 import ddpkit.data
 
@@ -76,7 +77,7 @@ def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: 
                 break
         if rt.global_step == steps:
             break
-    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     return {"weights": weights, "visited": visited, "epoch": rt.epoch}
 
 
@@ -124,7 +125,7 @@ def resumable_run(total_steps: int, stop_at: int | None, checkpoint_dir: str) ->
                 break
         if rt.global_step == total_steps:
             break
-    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     return {"weights": weights, "step": rt.global_step, "note": state["note"]}
 
 
@@ -212,7 +213,7 @@ def accumulated_run(steps: int, global_batch: int) -> dict:
             with rt.accumulate(model, steps):
                 rt.backward(F.mse_loss(model(x), y))
                 rt.step(optimizer)
-    weights = {k: v.detach().clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     return {"weights": weights, "steps": rt.global_step}
 
 
@@ -259,7 +260,7 @@ def buffer_broadcasts() -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
         model.register_buffer("tag", torch.zeros(()))
         model = rt.setup(model, sync_batchnorm=sync_batchnorm)
-        module = ddpkit.checkpoint.unwrap(model)
+        module = ddpkit._torch.unwrap(model)
         module.tag.fill_(float(rt.rank))          # after setup: DDP's start-up broadcast is done
         model(torch.randn(8, 4))
         found[sync_batchnorm] = {"tag": float(module.tag), "flag": bool(model.broadcast_buffers),

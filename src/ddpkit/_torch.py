@@ -21,6 +21,20 @@ class PrivateApiChanged(Exception):
         self.api = api
 
 
+def unwrap(obj: Any) -> Any:
+    """The module inside DDP / DataParallel / ``torch.compile``, so checkpoints hold plain names.
+
+    ``torch.compile`` keeps the module it wraps in the private attribute ``_orig_mod``; DDP and
+    DataParallel in ``module``. Anything else is returned as it is.
+    """
+    while isinstance(obj, torch.nn.Module):
+        inner = getattr(obj, "_orig_mod", None) if hasattr(obj, "_orig_mod") else getattr(obj, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return obj
+        obj = inner
+    return obj
+
+
 def default_store() -> Any:
     """The c10d store of the default process group (the launcher's TCPStore).
 

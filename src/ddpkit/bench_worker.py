@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddpkit.checkpoint import unwrap
+from ddpkit._torch import unwrap
 from ddpkit.errors import UsageError
 from ddpkit.dist.host import usable_cores
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset

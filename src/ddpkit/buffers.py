@@ -151,7 +151,7 @@ def install(ddp_model: torch.nn.Module, layers: list[tuple[str, _BatchNorm]]) ->
 
 def of(model: Any) -> LazyBuffers | None:
     """The syncer of ``model`` (DDP, compiled or plain), or None."""
-    from ddpkit.checkpoint import unwrap
+    from ddpkit._torch import unwrap
 
     inner = unwrap(model)
     return _SYNCERS.get(inner) if isinstance(inner, torch.nn.Module) else None

@@ -148,7 +148,7 @@ def cmd_export(argv: Sequence[str]) -> int:
 
     import torch
 
-    from ddpkit import checkpoint, dcp
+    from ddpkit import checkpoint
     from ddpkit.tracking import atomic_path
 
     parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
@@ -164,7 +164,7 @@ def cmd_export(argv: Sequence[str]) -> int:
         raise UsageError(f"--out {out} exists; pass --overwrite to replace it")
     if not source.exists():
         raise UsageError(f"--checkpoint {source} does not exist")
-    path = source if source.is_file() or dcp.is_dcp(source) else checkpoint.latest(source)
+    path = source if source.is_file() or checkpoint.dcp.is_dcp(source) else checkpoint.latest(source)
     if path is None:
         raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
     user = checkpoint.read(path)["user"]

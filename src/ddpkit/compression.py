@@ -146,7 +146,7 @@ class PowerSGDCompressor(Compressor):
         return self.state.hook(bucket)
 
     def state_dict(self) -> dict[str, Any]:
-        from ddpkit.checkpoint import numpy_state
+        from ddpkit.rng import numpy_state
         from ddpkit.powersgd import FORMAT
 
         s = self.state
@@ -165,7 +165,7 @@ class PowerSGDCompressor(Compressor):
         rank: neither carries over to another world size or ``powersgd_rank``, so they start
         afresh there (with a warning) while the plain warm-up is not repeated.
         """
-        from ddpkit.checkpoint import numpy_state_tuple
+        from ddpkit.rng import numpy_state_tuple
         from ddpkit.powersgd import FORMAT
 
         _check_name(self.name, saved, source)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from ddpkit import buffers, runtime
-from ddpkit.checkpoint import unwrap
+from ddpkit._torch import unwrap
 from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device, zero_rows
 from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UsageError

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
-from ddpkit import checkpoint
-from ddpkit import dcp
+from ddpkit import checkpoint, rng
+from ddpkit.checkpoint import dcp
 from ddpkit.dist import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError
 
@@ -61,7 +61,7 @@ class Resumable:
         path = Path(path)
         rotate = path.is_dir() or path.suffix == ""
         target = checkpoint.step_path(path, self.loop.step) if rotate else path
-        rngs = collectives.all_gather_object(checkpoint.rng_state())
+        rngs = collectives.all_gather_object(rng.rng_state())
         grads = self._open_group_grads()
         own_stats, averages = None, {}
         if any(b is not None for b in self._buffers):         # lazily averaged BatchNorm statistics
@@ -130,7 +130,7 @@ class Resumable:
         return any(is_sharded(model) for model in self._models)
 
     def _save_sharded(self, path: Path, state: Mapping[str, Any]) -> Path:
-        """A DCP checkpoint in a fresh step directory of ``path`` (see :mod:`ddpkit.dcp`)."""
+        """A DCP checkpoint in a fresh step directory of ``path`` (see :mod:`ddpkit.checkpoint.dcp`)."""
         import uuid
 
         if path.suffix == ".pt":
@@ -140,8 +140,8 @@ class Resumable:
             raise UsageError("rt.save inside an accumulation group under strategy='fsdp' is not supported; "
                              "save at the step that ends a group")
         meeting_point = store_sync.all_arrive("save", self.save_timeout)
-        target = dcp.step_dir(path, self.loop.step)
-        rngs = collectives.all_gather_object(checkpoint.rng_state())
+        target = checkpoint.step_dir(path, self.loop.step)
+        rngs = collectives.all_gather_object(rng.rng_state())
         token = collectives.broadcast_object(uuid.uuid4().hex[:12] if self.is_main else None)
         own = None
         if self.is_main:
@@ -181,7 +181,7 @@ class Resumable:
     def _restore_rng(self, own: Mapping[str, Any], target: Path) -> None:
         saved_world = int(own.get("world_size", 1))
         if saved_world == self.world_size:
-            checkpoint.set_rng_state(own["rng"][self.rank])
+            rng.set_rng_state(own["rng"][self.rank])
         elif self.is_main:
             import warnings
 

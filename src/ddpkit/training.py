@@ -160,7 +160,7 @@ class Training(Resumable):
         under DDP it is rank 0's copy.
         """
         from ddpkit import fsdp
-        from ddpkit.checkpoint import unwrap
+        from ddpkit._torch import unwrap
 
         if fsdp.is_sharded(model):
             return fsdp.full_state_dict(model)

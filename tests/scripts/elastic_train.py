@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
+import ddpkit._torch
 import ddpkit.checkpoint
 
 
@@ -57,7 +58,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_replace(src, dst)
 
-        ddpkit.checkpoint.os.replace = replace
+        ddpkit.checkpoint.pt.os.replace = replace
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 10))
@@ -86,7 +87,7 @@ def main() -> None:
                     break
     print(f"rank {rt.rank} started at step {started_at}", flush=True)
     if rt.is_main:
-        weights = {k: v.clone() for k, v in ddpkit.checkpoint.unwrap(model).state_dict().items()}
+        weights = {k: v.clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
         torch.save(weights, args.result)
         print(f"done after {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} restart(s)")
 

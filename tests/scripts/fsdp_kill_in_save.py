@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint
 
 import ddpkit
-import ddpkit.dcp
+import ddpkit.checkpoint.dcp
 
 directory, kill_at = sys.argv[1], int(sys.argv[2])
 rt = ddpkit.init(seed=0, checkpoint_dir=directory, resume="auto")
@@ -36,7 +36,7 @@ def killed_after_shards(*args, **kwargs):
     return written
 
 
-ddpkit.dcp.os.replace = killed
+ddpkit.checkpoint.dcp.os.replace = killed
 real_dcp_save = torch.distributed.checkpoint.save
 if rt.world_size > 1 and rt.rank == rt.world_size - 1:
     torch.distributed.checkpoint.save = killed_after_shards

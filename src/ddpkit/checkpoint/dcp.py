@@ -10,9 +10,12 @@ into an FSDP model or a DDP one.
 
 Loading unpickles nothing beyond plain data: ``ddpkit.pt`` holds tensors and plain containers
 and is read with ``weights_only=True``; DCP's ``.metadata`` and the non-tensor values in its
-``.distcp`` files go through :mod:`ddpkit.dcp_reader`. A file that wants more is refused in one
-line (:class:`ddpkit.errors.UnsafeCheckpoint`): checksums that match the manifest say nothing
-about who wrote the checkpoint.
+``.distcp`` files go through :mod:`ddpkit.checkpoint.dcp_reader`. A file that wants more is
+refused in one line (:class:`ddpkit.errors.UnsafeCheckpoint`): checksums that match the manifest
+say nothing about who wrote the checkpoint.
+
+The step directory's name and the pruning of old steps are :mod:`ddpkit.checkpoint.steps`; the
+single-file format (:mod:`ddpkit.checkpoint.pt`) is not imported here.
 """
 
 from __future__ import annotations
@@ -26,22 +29,21 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from ddpkit.checkpoint import _digest, _fsync_dir, _reason, safe_load, unwrap
+from ddpkit._files import digest, fsync_dir, fsync_file, temp_path
+from ddpkit._torch import unwrap
+from ddpkit.checkpoint import steps
+from ddpkit.checkpoint.safe import reason, safe_load
 from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UnsafeCheckpoint
 
-STEP_DIR = re.compile(r"^ckpt-step(\d+)$")
 MANIFEST = "manifest.json"
 OWN = "ddpkit.pt"
 FORMAT = "ddpkit-dcp"
 
 
-def step_dir(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"ckpt-step{step:08d}"
-
-
 def is_dcp(path: str | os.PathLike) -> bool:
-    return (Path(path) / MANIFEST).is_file() or Path(path).is_dir() and bool(STEP_DIR.match(Path(path).name))
+    """Whether ``path`` is a sharded checkpoint: a directory with a manifest, or named as a step directory."""
+    return (Path(path) / MANIFEST).is_file() or Path(path).is_dir() and bool(steps.STEP_DIR.match(Path(path).name))
 
 
 def _entries(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
@@ -69,6 +71,7 @@ def sharded_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def plain_entries(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` that are neither models nor their optimizers: saved in ``ddpkit.pt``."""
     models, optimizers = _entries(state)
     return [key for key in state if key not in models and key not in optimizers]
 
@@ -77,7 +80,7 @@ def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, 
     """Write a DCP checkpoint into ``target`` atomically (every rank calls it; ``own`` on rank 0)."""
     import torch.distributed.checkpoint as dcp
 
-    tmp = target.with_name(f".{target.name}.tmp-{token}")
+    tmp = temp_path(target, token)
     if collectives.rank() == 0:
         tmp.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
@@ -88,28 +91,25 @@ def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, 
             torch.save(dict(own or {}), handle)
         files = {}
         for path in sorted(tmp.iterdir()):
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-            digest, size = _digest(path)
-            files[path.name] = {"size": size, "sha256": digest}
+            fsync_file(path)
+            sha, size = digest(path)
+            files[path.name] = {"size": size, "sha256": sha}
         manifest = {"format": FORMAT, "torch": torch.__version__, "world_size": collectives.world_size(),
                     "files": files}
         with open(tmp / MANIFEST, "w") as handle:
             json.dump(manifest, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
 
 def prune(directory: Path, keep: int, token: str) -> None:
     """Keep the newest ``keep`` checkpoints; remove what saves killed midway left (not ``token``'s)."""
-    from ddpkit.checkpoint import prune as prune_steps
-
-    prune_steps(directory, keep)
+    steps.prune(directory, keep)
     for path in directory.iterdir():
         if path.is_dir() and path.name.startswith(".ckpt-step") and ".tmp-" in path.name \
                 and not path.name.endswith(token):
@@ -134,8 +134,8 @@ def verify(path: Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise DdpkitError(f"checkpoint {path} is incomplete: {name} (in its manifest) is missing")
-        digest, size = _digest(file)
-        if size != record["size"] or digest != record["sha256"]:
+        sha, size = digest(file)
+        if size != record["size"] or sha != record["sha256"]:
             raise DdpkitError(f"checkpoint {path} is damaged: {name} has {size} bytes and another checksum "
                               f"than its manifest records ({record['size']} bytes)")
     return manifest
@@ -150,7 +150,7 @@ def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
     """The whole checkpoint in one process, as :func:`ddpkit.checkpoint.read` returns a ``.pt``
     (``{"user": {...}, "ddpkit": {...}}``): for ``ddpkit predict`` and ``ddpkit export``, on request.
 
-    Nothing in it is unpickled beyond plain data (:mod:`ddpkit.dcp_reader`).
+    Nothing in it is unpickled beyond plain data (:mod:`ddpkit.checkpoint.dcp_reader`).
 
     Raises:
         UnsafeCheckpoint: a file of the checkpoint wants something that could run code.
@@ -158,7 +158,7 @@ def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ddpkit import dcp_reader
+    from ddpkit.checkpoint import dcp_reader
 
     if not verified:
         verify(path)
@@ -187,7 +187,7 @@ def load_own(path: Path) -> dict[str, Any]:
     except UnsafeCheckpoint:
         raise
     except Exception as exc:
-        raise DdpkitError(f"checkpoint {file} cannot be read ({_reason(exc)}); it is damaged") from None
+        raise DdpkitError(f"checkpoint {file} cannot be read ({reason(exc)}); it is damaged") from None
     if not isinstance(own, dict):
         raise DdpkitError(f"checkpoint {file} does not hold ddpkit's state (it holds a {type(own).__name__})")
     return own
@@ -196,12 +196,12 @@ def load_own(path: Path) -> dict[str, Any]:
 def load(path: Path, state: MutableMapping[str, Any]) -> None:
     """Load the models and optimizers of ``state`` from the DCP checkpoint ``path``, resharding.
 
-    Nothing in it is unpickled beyond plain data (:mod:`ddpkit.dcp_reader`).
+    Nothing in it is unpickled beyond plain data (:mod:`ddpkit.checkpoint.dcp_reader`).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from ddpkit import dcp_reader
+    from ddpkit.checkpoint import dcp_reader
 
     template = sharded_state(state)
     try:

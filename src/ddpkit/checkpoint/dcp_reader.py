@@ -9,11 +9,12 @@ whose checksums match proves only that the files are the ones their writer meant
 - :class:`Reader` reads ``.metadata`` with :class:`MetadataUnpickler`, which builds only what
   DCP metadata is made of (:data:`METADATA_GLOBALS` and torch's dtypes);
 - the planners read the non-tensor values with ``torch.load(weights_only=True)``
-  (:func:`ddpkit.checkpoint.safe_load`); DCP reads tensors with ``weights_only=True`` itself.
+  (:func:`ddpkit.checkpoint.safe.safe_load`); DCP reads tensors with ``weights_only=True`` itself.
 
 Anything else is refused before it is called, in one line naming the file and what it wanted
 (:class:`ddpkit.errors.UnsafeCheckpoint`). Importing this module imports
-``torch.distributed.checkpoint`` (most of a second): :mod:`ddpkit.dcp` imports it when it loads.
+``torch.distributed.checkpoint`` (most of a second): :mod:`ddpkit.checkpoint.dcp` imports it when it
+loads.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ddpkit import _torch
-from ddpkit.checkpoint import safe_load
+from ddpkit.checkpoint.safe import safe_load
 from ddpkit.errors import DdpkitError, UnsafeCheckpoint, one_line, refused
 
 _METADATA = "torch.distributed.checkpoint.metadata"

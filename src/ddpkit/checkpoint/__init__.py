@@ -1,0 +1,93 @@
+"""Checkpoints: atomic save, verified safe load, and the state for an exact resume, in two formats.
+
+A checkpoint is either one file (:mod:`ddpkit.checkpoint.pt`: a ``torch.save`` of tensors and
+plain containers beside its ``.sha256`` record, written by rank 0) or, under
+``strategy="fsdp"``, a step directory of ``torch.distributed.checkpoint`` shards with a
+manifest (:mod:`ddpkit.checkpoint.dcp`). Either loads without unpickling anything beyond plain
+data (:mod:`ddpkit.checkpoint.safe`, :mod:`ddpkit.checkpoint.dcp_reader`).
+
+Callers use this package: :func:`read`, :func:`verify` and :func:`latest` choose the format
+by what is on disk (a file or a directory); the names of step checkpoints and pruning are
+:mod:`ddpkit.checkpoint.steps`, the user's entries :mod:`ddpkit.checkpoint.state` and the
+RNG states a checkpoint holds :mod:`ddpkit.rng`, all re-exported here. The two formats do not
+import each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ddpkit.checkpoint import dcp, pt, steps
+from ddpkit.checkpoint.pt import FORMAT, VERSION, write
+from ddpkit.checkpoint.state import check_model_state, restore_user_state, user_state
+from ddpkit.checkpoint.steps import prune, step_dir, step_path
+from ddpkit.errors import DdpkitError
+from ddpkit.rng import rng_state, set_rng_state
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "check_model_state",
+    "latest",
+    "prune",
+    "read",
+    "restore_user_state",
+    "rng_state",
+    "set_rng_state",
+    "step_dir",
+    "step_path",
+    "user_state",
+    "verify",
+    "write",
+]
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check size and checksum against what was recorded when the checkpoint was written.
+
+    A file is checked against its ``.sha256`` record, a sharded checkpoint (a directory)
+    against its manifest.
+
+    Raises:
+        DdpkitError: missing, truncated or corrupted checkpoint.
+    """
+    path = Path(path)
+    if path.is_dir():
+        dcp.verify(path)
+        return
+    pt.verify(path)
+
+
+def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool = False) -> dict[str, Any]:
+    """Verify and load a ddpkit checkpoint with ``weights_only=True``.
+
+    A sharded checkpoint (a directory) is consolidated in this process, in the same shape
+    (``{"user": {...}, "ddpkit": {...}}``).
+
+    Args:
+        verified: the caller just verified ``path`` (as :func:`latest` does): skip hashing
+            the whole file again.
+
+    Raises:
+        DdpkitError: corrupt, not a ddpkit checkpoint, from a newer ddpkit, or holding
+            objects that would need arbitrary unpickling.
+    """
+    if Path(path).is_dir():            # a sharded (strategy="fsdp") checkpoint, consolidated here
+        return dcp.read_consolidated(Path(path), verified=verified)
+    return pt.read(path, map_location, verified=verified)
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest step checkpoint in ``directory`` that verifies, or None."""
+    import warnings
+
+    for _, path in sorted(steps.step_checkpoints(Path(directory)), reverse=True):
+        try:
+            verify(path)
+        except DdpkitError as exc:
+            warnings.warn(f"skipping {exc}", stacklevel=2)
+            continue
+        return path
+    return None

@@ -1,0 +1,63 @@
+"""Loading a checkpoint's pickles without running code: ``torch.load(weights_only=True)``, refusals in one line.
+
+Both formats read through here: the single ``.pt`` file (:mod:`ddpkit.checkpoint.pt`), and a
+sharded checkpoint's ``ddpkit.pt`` and the non-tensor values of its ``.distcp`` files
+(:mod:`ddpkit.checkpoint.dcp`, :mod:`ddpkit.checkpoint.dcp_reader`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ddpkit.errors import UnsafeCheckpoint, one_line, refused
+
+
+def safe_load(source: Any, where: Any, *, map_location: Any = "cpu") -> Any:
+    """``torch.load(source, weights_only=True)``: tensors and plain containers, nothing that runs code.
+
+    A file that wants any other global is refused before it is called, with one line naming
+    ``where`` (the file, for messages) and the global: torch's own refusal spans many lines of
+    advice on how to load the file anyway.
+
+    Raises:
+        UnsafeCheckpoint: the file asks for something beyond plain data.
+        Exception: whatever ``torch.load`` raises for a damaged file, unchanged.
+    """
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        refusal = unsafe_refusal(exc, where)
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
+def unsafe_refusal(exc: BaseException, where: Any) -> UnsafeCheckpoint | None:
+    """The :class:`UnsafeCheckpoint` that torch's ``weights_only`` error ``exc`` amounts to, if it is one.
+
+    torch names the global in ``Unsupported global: GLOBAL getattr was not an allowed global``
+    (builtins without their module) or ``unsupported GLOBAL posix.system whose module posix is
+    blocked``; its other refusals (``Can only build ...``, ``Trying to call reduce ...``) name a
+    class or function instead.
+    """
+    text = str(exc)
+    found = re.search(r"GLOBAL (\S+?)(?: was not an allowed global| whose module )", text)
+    if found:
+        wanted = found.group(1)
+        return refused(where, wanted if "." in wanted else f"builtins.{wanted}")
+    unsafe = re.search(r"^.*(Can only (?:build|create new object)|Trying to call reduce|"
+                       r"unsupported class).*$", text, re.IGNORECASE | re.MULTILINE)
+    if unsafe:
+        return refused(where, None, unsafe.group(0))
+    return None
+
+
+def reason(exc: BaseException) -> str:
+    """What torch's load error says is wrong, on one line (not its advice about weights_only)."""
+    advice = ("weights_only", "weights only", "torch.load", "please file an issue")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if not any(word in line.lower() for word in advice)]
+    return one_line((useful or lines or [type(exc).__name__])[0])
