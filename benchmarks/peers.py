@@ -95,7 +95,7 @@ def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: tor
 
 
 def _powersgd_payload(model: torch.nn.Module, rank: int) -> float:
-    from ddpkit.powersgd import _is_matrix     # torch's rule too: compress where the factors halve it
+    from ddpkit.parallel.powersgd import _is_matrix     # torch's rule too: compress where the factors halve it
 
     total = 0
     for p in model.parameters():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit import buffers
+from ddpkit.parallel import lazy_buffers
 
 
 class Toy(torch.utils.data.Dataset):
@@ -48,7 +48,7 @@ def train_bn(mode: str = "full", checkpoint: str = "", stop_at: int = 5, sync_bn
     if mode == "resume":
         rt.load(checkpoint, state)
     loader = rt.loader(Toy(), global_batch_size=8, shuffle=True)
-    seen = {"lazy": buffers.of(model) is not None,
+    seen = {"lazy": lazy_buffers.of(model) is not None,
             "broadcast": getattr(model, "broadcast_buffers", getattr(model, "forward_sync_buffers", None))}
     for _ in rt.epochs(2):
         for inputs, targets in loader:

@@ -1,4 +1,4 @@
-"""BatchNorm statistics synced lazily (ddpkit.buffers): no per-step broadcast, parameters as
+"""BatchNorm statistics synced lazily (ddpkit.parallel.lazy_buffers): no per-step broadcast, parameters as
 under DDP's broadcast, cross-rank averages wherever statistics are read or saved, exact resume."""
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ def test_a_layer_frozen_in_eval_mode_reads_averaged_statistics(tmp_path):
 
 
 def test_only_models_whose_buffers_are_all_plain_batchnorm_statistics_sync_lazily():
-    from ddpkit import buffers
+    from ddpkit.parallel import lazy_buffers
 
     plain = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Sequential(torch.nn.BatchNorm2d(2)))
-    assert [name for name, _ in buffers.candidates(plain)] == ["1.0"]
+    assert [name for name, _ in lazy_buffers.candidates(plain)] == ["1.0"]
     synced = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SyncBatchNorm(2))
-    assert buffers.candidates(synced) is None
+    assert lazy_buffers.candidates(synced) is None
     other = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
     other.register_buffer("mask", torch.ones(2))
-    assert buffers.candidates(other) is None
-    assert buffers.candidates(torch.nn.Linear(2, 2)) is None
+    assert lazy_buffers.candidates(other) is None
+    assert lazy_buffers.candidates(torch.nn.Linear(2, 2)) is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.compression import PowerSGDCompressor, check
+from ddpkit.parallel.compression import PowerSGDCompressor, check
 from ddpkit.recipes.datasets import load_dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -133,7 +133,7 @@ def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors
     import numpy as np
     import torch.distributed as dist
 
-    from ddpkit.powersgd import PowerSGD
+    from ddpkit.parallel.powersgd import PowerSGD
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     torch.manual_seed(0)
@@ -160,7 +160,7 @@ def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors
 def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from ddpkit import powersgd
+    from ddpkit.parallel import powersgd
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     sgd = powersgd.PowerSGD(rank=2, start=0, device=torch.device("cpu"))

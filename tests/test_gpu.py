@@ -128,7 +128,7 @@ def test_sync_batchnorm_on_cuda_spans_both_ranks():
 
 
 def test_convert_sync_batchnorm_on_cuda_uses_torchs_own():
-    from ddpkit.sync_batchnorm import convert_sync_batchnorm
+    from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
     net = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)), torch.device("cuda", 0))
     assert type(net[0]) is torch.nn.SyncBatchNorm

@@ -21,7 +21,9 @@ def test_the_layers_contracts_are_kept():
     done = _lint(ROOT / "src")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout and "ddpkit.dist stands on the base modules alone KEPT" in done.stdout
-    assert "ddpkit.checkpoint stands on dist, fsdp and the base modules alone KEPT" in done.stdout
+    assert "ddpkit.checkpoint stands on parallel, dist and the base modules alone KEPT" in done.stdout
+    assert "ddpkit.parallel stands on dist, observe and the base modules alone KEPT" in done.stdout
+    assert "no circles between the modules of ddpkit.parallel KEPT" in done.stdout
 
 
 @pytest.mark.parametrize("module, line, broken", [
@@ -30,7 +32,9 @@ def test_the_layers_contracts_are_kept():
     ("errors.py", "from ddpkit.dist import collectives",
      "base modules (errors, _torch, entry, _files, rng) import nothing above BROKEN"),
     ("checkpoint/pt.py", "from ddpkit import runtime",
-     "ddpkit.checkpoint stands on dist, fsdp and the base modules alone BROKEN"),
+     "ddpkit.checkpoint stands on parallel, dist and the base modules alone BROKEN"),
+    ("parallel/ddp.py", "from ddpkit import runtime",
+     "ddpkit.parallel stands on dist, observe and the base modules alone BROKEN"),
 ])
 def test_an_upward_import_or_a_circle_breaks_them(tmp_path, module, line, broken):
     shutil.copytree(ROOT / "src" / "ddpkit", tmp_path / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))

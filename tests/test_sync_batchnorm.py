@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from ddpkit.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 C = 4

@@ -73,7 +73,7 @@ def test_missing_bucket_api_warns_and_marks_checkpoints_not_bitwise(tmp_path, mo
     def changed(model):
         raise _torch.PrivateApiChanged("DistributedDataParallel.reducer._rebuild_buckets")
 
-    from ddpkit.replicate import settle_buckets
+    from ddpkit.parallel.ddp import settle_buckets
 
     monkeypatch.setattr(_torch, "settle_ddp_buckets", changed)
     rt = ddpkit.init()

@@ -13,7 +13,7 @@ Heavy optional libraries (matplotlib, tensorboard, scikit-learn) are imported on
 the features that need them.
 """
 
-from ddpkit.buffers import settle as sync_buffers
+from ddpkit.parallel.lazy_buffers import settle as sync_buffers
 from ddpkit.data import sample_rng
 from ddpkit.dist.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
 from ddpkit.dist.environment import Environment, detect

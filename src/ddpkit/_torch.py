@@ -75,7 +75,7 @@ def settle_ddp_buckets(model: Any) -> None:
     """Re-bucket a DDP model's gradients now, in the reducer's parameter order, as DDP does in
     ready order after its first backward; with :func:`ready_order_ddp` that order is last layer first.
 
-    A collective: every rank must call it. See :func:`ddpkit.replicate.settle_buckets` for why.
+    A collective: every rank must call it. See :func:`ddpkit.parallel.ddp.settle_buckets` for why.
 
     Raises:
         PrivateApiChanged: the reducer's re-bucketing calls are gone, or a :func:`ready_order_ddp`

@@ -125,7 +125,7 @@ def _fsdp_reason(model: str, compression: str) -> str | None:
     """Why strategy='fsdp' cannot run ``model`` with ``compression`` (what rt.setup refuses), or None."""
     if compression != "none":
         return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
-    from ddpkit.fsdp import check
+    from ddpkit.parallel.fsdp import check
     from ddpkit.recipes.models import build_model
 
     try:
@@ -138,7 +138,7 @@ def _fsdp_reason(model: str, compression: str) -> str | None:
 
 def _compression_reason(choice: str, precision: str, world_size: int) -> str | None:
     """Why ``choice`` cannot run here (PowerSGD under fp16 loss scaling, one process), or None."""
-    from ddpkit.compression import check
+    from ddpkit.parallel.compression import check
 
     if choice == "none":
         return None

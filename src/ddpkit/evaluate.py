@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from ddpkit import buffers, runtime
+from ddpkit import runtime
 from ddpkit._torch import unwrap
 from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device, zero_rows
 from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.parallel import lazy_buffers
 
 
 def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
@@ -55,7 +56,7 @@ def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
 def _lockstep(batches: Iterator[Any], module: torch.nn.Module, dataset: Any) -> Iterator[Any]:
     """Under ``strategy="fsdp"`` every forward all-gathers parameters, a collective: ranks agree
     before each batch whether any still has one, and a rank that ran out forwards zero rows."""
-    from ddpkit.fsdp import is_sharded
+    from ddpkit.parallel.fsdp import is_sharded
 
     if not is_sharded(module) or collectives.world_size() == 1:
         yield from batches
@@ -116,8 +117,8 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
     end, so nothing is counted twice; their values are returned under their names.
     Returns plain Python numbers and lists, identical on every rank.
     """
-    buffers.settle(model)    # BatchNorm statistics trained apart are averaged first
-    module = unwrap(model)   # DDP's forward may broadcast buffers: a collective per batch
+    lazy_buffers.settle(model)   # BatchNorm statistics trained apart are averaged first
+    module = unwrap(model)       # DDP's forward may broadcast buffers: a collective per batch
     was_training = module.training
     module.eval()
     device = _device_of(module)
@@ -206,7 +207,7 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
     stream = _stream_shard(dataset, batch_size, num_workers)
     if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:
         raise UsageError("predict: the dataset is empty")
-    buffers.settle(model)
+    lazy_buffers.settle(model)
     module = unwrap(model)
     positions: list[list[int]] = []
     outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions))
@@ -244,7 +245,7 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
     path = Path(path)
     rank, world = collectives.rank(), collectives.world_size()
     part = path.with_name(f".{path.name}.rank{rank}.part")
-    buffers.settle(model)
+    lazy_buffers.settle(model)
     module = unwrap(model)
     rows, tail, dtype = 0, None, None
     with open(part, "wb") as handle:

@@ -99,10 +99,10 @@ class Resumable:
     @staticmethod
     def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
         """The saved model entries with BatchNorm statistics replaced by their cross-rank averages."""
-        from ddpkit import buffers
+        from ddpkit.parallel import lazy_buffers
 
         for key, value in state.items():
-            found = averages.get(buffers.of(value))      # by syncer; empty when nothing was dirty
+            found = averages.get(lazy_buffers.of(value))      # by syncer; empty when nothing was dirty
             if found:
                 saved = user[key]
                 user[key] = type(saved)({k: found.get(k, v) for k, v in saved.items()})
@@ -125,7 +125,7 @@ class Resumable:
                 "config": {"seed": self.seed, "precision": self.precision.name}}
 
     def _sharded(self) -> bool:
-        from ddpkit.fsdp import is_sharded
+        from ddpkit.parallel.fsdp import is_sharded
 
         return any(is_sharded(model) for model in self._models)
 

@@ -2,7 +2,7 @@
 
 A base module (it imports nothing of ddpkit). Every state is made of tensors and plain values,
 so a checkpoint holding it loads with ``torch.load(weights_only=True)``; numpy's state tuple
-(:func:`numpy_state`) is also how PowerSGD's generator is saved (:mod:`ddpkit.compression`).
+(:func:`numpy_state`) is also how PowerSGD's generator is saved (:mod:`ddpkit.parallel.compression`).
 """
 
 from __future__ import annotations

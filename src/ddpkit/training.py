@@ -22,7 +22,7 @@ from ddpkit.errors import UsageError
 from ddpkit.loader import ShardedLoader
 from ddpkit.loopstate import LoopState
 from ddpkit.precision import Precision
-from ddpkit.replicate import replicate
+from ddpkit.parallel.ddp import replicate
 from ddpkit.resume import Resumable
 
 
@@ -89,18 +89,18 @@ class Training(Resumable):
 
         ``compile=True`` (or a dict of ``torch.compile`` arguments) compiles the wrapped model;
         a model compiled before ``setup`` works too. Checkpoints hold plain parameter names either way.
-        ``grad_compression`` (``"fp16"``, ``"bf16"`` or ``"powersgd"``, see :mod:`ddpkit.compression`)
+        ``grad_compression`` (``"fp16"``, ``"bf16"`` or ``"powersgd"``, see :mod:`ddpkit.parallel.compression`)
         sends fewer bytes per step on slow links; PowerSGD sends rank-``powersgd_rank`` factors
         after ``powersgd_start`` plain steps (default 10), and its state is in every checkpoint.
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
         ``strategy="fsdp"`` shards parameters, gradients and optimizer state instead (FSDP2, see
-        :mod:`ddpkit.fsdp`): per unit (``fsdp_units`` classes, else children above a size), with
+        :mod:`ddpkit.parallel.fsdp`): per unit (``fsdp_units`` classes, else children above a size), with
         ``reshard_after_forward`` (ZeRO-3; False: ZeRO-2), bf16/fp16 compute under ``precision=`` with
         fp32 reductions and master weights, and ``cpu_offload`` (shards and optimizer state in CPU
         memory); the optimizer, made before or after, is rebound to the sharded parameters.
         Returns the model, or ``(model, optimizer)`` when an optimizer is given.
         """
-        from ddpkit import compression
+        from ddpkit.parallel import compression
 
         if strategy not in ("ddp", "fsdp"):
             raise UsageError(f"unknown strategy {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)")
@@ -142,7 +142,7 @@ class Training(Resumable):
     def _setup_fsdp(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                     sync_batchnorm: bool, compile: Any, grad_compression: str | None, fsdp_units: Any,
                     reshard_after_forward: bool, cpu_offload: bool, ddp_kwargs: dict[str, Any]) -> Any:
-        from ddpkit import fsdp
+        from ddpkit.parallel import fsdp
 
         fsdp.check(grad_compression=grad_compression, compile=compile,
                    sync_batchnorm=sync_batchnorm, model=model, ddp_kwargs=ddp_kwargs)
@@ -159,7 +159,7 @@ class Training(Resumable):
         Every rank must call it. Under ``strategy="fsdp"`` it gathers the shards (for export);
         under DDP it is rank 0's copy.
         """
-        from ddpkit import fsdp
+        from ddpkit.parallel import fsdp
         from ddpkit._torch import unwrap
 
         if fsdp.is_sharded(model):
@@ -331,7 +331,7 @@ class Training(Resumable):
         if not last and hasattr(model, "no_sync"):
             sync_off = model.no_sync()
         elif not last and hasattr(model, "set_requires_gradient_sync"):     # strategy="fsdp"
-            from ddpkit.fsdp import no_gradient_sync
+            from ddpkit.parallel.fsdp import no_gradient_sync
 
             sync_off = no_gradient_sync(model)
         try:

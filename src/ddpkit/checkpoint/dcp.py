@@ -228,7 +228,7 @@ def load_plain_into_sharded(state: MutableMapping[str, Any], saved: Mapping[str,
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    from ddpkit.fsdp import is_sharded
+    from ddpkit.parallel.fsdp import is_sharded
 
     models, optimizers = _entries(state)
     full = StateDictOptions(full_state_dict=True)

@@ -47,9 +47,9 @@ class TrainConfig:
     sync_bn: bool = False
     """Synchronise BatchNorm statistics across processes (needed for world-size invariance)."""
     grad_compression: str | None = None
-    """Gradient compression on the wire: none, fp16, bf16 or powersgd (see ddpkit.compression)."""
+    """Gradient compression on the wire: none, fp16, bf16 or powersgd (see ddpkit.parallel.compression)."""
     strategy: str = "ddp"
-    """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded; see ddpkit.fsdp)."""
+    """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded; see ddpkit.parallel.fsdp)."""
     cpu_offload: bool = False
     """With --strategy fsdp: keep the shards and the optimizer state in CPU memory."""
     powersgd_rank: int = 2
@@ -208,7 +208,7 @@ def validate(config: TrainConfig) -> None:
         config.grad_compression = None
     import torch
 
-    from ddpkit.compression import check
+    from ddpkit.parallel.compression import check
 
     check(config.grad_compression, rank=config.powersgd_rank, start=None, backend=None,
           device=torch.device("cpu"), precision=config.precision, compile=False)   # bf16 on NCCL: at setup
@@ -227,7 +227,7 @@ def validate(config: TrainConfig) -> None:
 
 def _check_fsdp(config: TrainConfig) -> None:
     """What ``--strategy fsdp`` refuses, before any process starts (rt.setup says the same)."""
-    from ddpkit.fsdp import check
+    from ddpkit.parallel.fsdp import check
     from ddpkit.recipes.models import build_model
 
     if config.data_parallel:

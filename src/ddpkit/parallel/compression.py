@@ -6,7 +6,7 @@ on the DDP model, on every backend (gloo on CPUs included):
 - ``fp16`` / ``bf16``: each gradient bucket is cast to 16 bits, divided by the world size,
   summed, and cast back: half the bytes, rounding of the averaged gradient only.
 - ``powersgd``: after ``powersgd_start`` plain steps, each weight matrix's gradient is sent as
-  two rank-``powersgd_rank`` factors (:mod:`ddpkit.powersgd`: torch's ``powerSGD_hook``'s
+  two rank-``powersgd_rank`` factors (:mod:`ddpkit.parallel.powersgd`: torch's ``powerSGD_hook``'s
   algorithm, with error feedback and warm start, laid out and ordered for speed); vectors
   (biases, norms) are sent whole. The state (iteration, each rank's error
   feedback, the warm-start factors, the random stream that starts them) is in every checkpoint,
@@ -80,6 +80,7 @@ class Compressor:
         return self.payload_elements * self.element_size
 
     def hook(self, state: Any, bucket: Any) -> Any:
+        """DDP's communication hook: reduce ``bucket``, return a future of its averaged gradients."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -109,6 +110,7 @@ class CastCompressor(Compressor):
 
     # DDP checks a hook's annotations against its own types: this one has none on purpose.
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        """Cast ``bucket`` to 16 bits, divide by the world, all-reduce, copy the result back."""
         buffer = bucket.buffer()
         sent = buffer.to(self.dtype).div_(dist.get_world_size())    # divide first: fp16 overflows later
         self.payload_elements += sent.numel()
@@ -122,12 +124,12 @@ class CastCompressor(Compressor):
 
 
 class PowerSGDCompressor(Compressor):
-    """PowerSGD (:mod:`ddpkit.powersgd`) with its state where checkpoints can reach it."""
+    """PowerSGD (:mod:`ddpkit.parallel.powersgd`) with its state where checkpoints can reach it."""
 
     name = "powersgd"
 
     def __init__(self, rank: int, start: int, device: torch.device) -> None:
-        from ddpkit.powersgd import PowerSGD
+        from ddpkit.parallel.powersgd import PowerSGD
 
         super().__init__()
         self.buckets_settled = True      # per-bucket state can be restored into the same buckets
@@ -135,19 +137,23 @@ class PowerSGDCompressor(Compressor):
 
     @property
     def payload_elements(self) -> int:
+        """Elements PowerSGD handed to ``allreduce`` so far (kept by :class:`PowerSGD` itself)."""
         return self.state.payload_elements
 
     @payload_elements.setter
     def payload_elements(self, value: int) -> None:
+        """Reset the count (the base class sets it before ``state`` exists)."""
         if hasattr(self, "state"):
             self.state.payload_elements = value
 
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        """DDP's communication hook: hand ``bucket`` to :meth:`PowerSGD.hook`."""
         return self.state.hook(bucket)
 
     def state_dict(self) -> dict[str, Any]:
+        """Iteration, this rank's error feedback, the warm-start factors and the RNG, as plain data."""
         from ddpkit.rng import numpy_state
-        from ddpkit.powersgd import FORMAT
+        from ddpkit.parallel.powersgd import FORMAT
 
         s = self.state
         held = {**{k: (v.error, v.q) for k, v in s.buckets.items()}, **s.saved}
@@ -166,7 +172,7 @@ class PowerSGDCompressor(Compressor):
         afresh there (with a warning) while the plain warm-up is not repeated.
         """
         from ddpkit.rng import numpy_state_tuple
-        from ddpkit.powersgd import FORMAT
+        from ddpkit.parallel.powersgd import FORMAT
 
         _check_name(self.name, saved, source)
         if saved.get("name") != self.name:
@@ -198,7 +204,7 @@ def attach(model: Any, choice: str, *, rank: int, start: int | None, device: tor
     if choice == "powersgd":
         compressor = PowerSGDCompressor(rank, POWERSGD_START if start is None else start, device)
         compressor.buckets_settled = buckets_settled
-        # Q's own group (see ddpkit.powersgd), with the default group's timeout; a collective call
+        # Q's own group (see ddpkit.parallel.powersgd), with the default group's timeout; a collective call
         compressor.state.group = dist.new_group(
             timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
     else:

@@ -31,8 +31,8 @@ class Replica:
 
     model: Any
     not_bitwise: str | None = None   # why a resumed run would not be bitwise, if it would not
-    compressor: Any = None           # the gradient compression hook's state (ddpkit.compression)
-    buffers: Any = None              # lazily averaged BatchNorm statistics (ddpkit.buffers)
+    compressor: Any = None           # the gradient compression hook's state (ddpkit.parallel.compression)
+    buffers: Any = None              # lazily averaged BatchNorm statistics (ddpkit.parallel.lazy_buffers)
 
 
 def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, is_main: bool,
@@ -41,19 +41,19 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
               timeout_s: float | None = None, **ddp_kwargs: Any) -> Replica:
     """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
 
-    ``grad_compression`` (checked by :func:`ddpkit.compression.check`) registers its hook on the
+    ``grad_compression`` (checked by :func:`ddpkit.parallel.compression.check`) registers its hook on the
     DDP model; with one process nothing is sent, and it is left out with a warning.
     """
     model = model.to(device)
     replica = Replica(model)
     if sync_batchnorm and world_size > 1:
-        from ddpkit.sync_batchnorm import convert_sync_batchnorm
+        from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, device)
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        from ddpkit import buffers
+        from ddpkit.parallel import lazy_buffers
 
         # Gradients as views into DDP's buckets save a gradient-sized copy of memory, which a GPU
         # wants; on a CPU they cost backward time (ResNet-18: 8 ms a step, BENCHMARKS.md), and
@@ -66,7 +66,7 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
                 # Synced statistics are already equal on every rank; no need to broadcast them.
                 ddp_kwargs[_BUFFER_SYNC_ARG] = False
             elif not compiled:
-                lazy = buffers.candidates(model)       # only BatchNorm statistics: average them lazily
+                lazy = lazy_buffers.candidates(model)       # only BatchNorm statistics: average them lazily
                 if lazy is not None:
                     ddp_kwargs[_BUFFER_SYNC_ARG] = False
         device_ids = [device.index] if device.type == "cuda" else None
@@ -81,13 +81,13 @@ def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, 
             model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
         if ddp_kwargs.get(_BUFFER_SYNC_ARG) is False and _BUFFER_SYNC_ARG == "broadcast_buffers":
             # there, broadcast_buffers=False also skips the buffers' copy from rank 0 at construction
-            buffers.broadcast_from_rank0(model.module)
+            lazy_buffers.broadcast_from_rank0(model.module)
         if lazy is not None:
-            replica.buffers = buffers.install(model, lazy)
+            replica.buffers = lazy_buffers.install(model, lazy)
         if settle:
             replica.not_bitwise = settle_buckets(model, is_main=is_main)
         if grad_compression is not None:
-            from ddpkit.compression import attach
+            from ddpkit.parallel.compression import attach
 
             replica.compressor = attach(model, grad_compression, rank=powersgd_rank, start=powersgd_start,
                                         device=device, buckets_settled=replica.not_bitwise is None,

@@ -40,7 +40,7 @@ def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
     Synchronised BatchNorm (torch's or ddpkit's) keeps equal statistics already: its buffers
     count as others, so such a model keeps DDP's behaviour.
     """
-    from ddpkit.sync_batchnorm import SyncBatchNorm
+    from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
     layers = [(name, m) for name, m in module.named_modules()
               if isinstance(m, _BatchNorm) and m.track_running_stats
@@ -59,6 +59,7 @@ class LazyBuffers:
         self.dirty: set[int] = set()
 
     def mark(self, index: int, layer: _BatchNorm) -> None:
+        """Record that layer ``index`` is about to train (a forward pre-hook; no collective)."""
         if layer.training:
             self.dirty.add(index)
 
@@ -121,6 +122,7 @@ class LazyBuffers:
                 "values": {k: t.detach().cpu().clone() for k, t in self._dirty_stats()}}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore this rank's own statistics and dirty layers from :meth:`state_dict`'s result."""
         self.dirty = set(saved["dirty"])
         with torch.no_grad():
             for key, tensor in self._dirty_stats():

@@ -82,7 +82,7 @@ def _is_matrix(shape: torch.Size, rank: int) -> bool:
 
 
 class PowerSGD:
-    """The hook's state and work; :class:`ddpkit.compression.PowerSGDCompressor` wraps it."""
+    """The hook's state and work; :class:`ddpkit.parallel.compression.PowerSGDCompressor` wraps it."""
 
     def __init__(self, rank: int, start: int, device: torch.device, seed: int = 0) -> None:
         self.rank = rank
@@ -100,6 +100,7 @@ class PowerSGD:
     # -- the hook -------------------------------------------------------------------------------
 
     def hook(self, bucket: Any) -> Any:
+        """Reduce ``bucket``: plain before ``start`` steps, then as P and Q factors; a future of it."""
         buffer = bucket.buffer()
         last = bucket.is_last()
         if self.iter < self.start:
@@ -110,7 +111,8 @@ class PowerSGD:
                 self.iter += 1
             return future
         if self.group is None:
-            raise RuntimeError("PowerSGD needs its own process group for Q; ddpkit.compression.attach makes it")
+            raise RuntimeError("PowerSGD needs its own process group for Q; "
+                               "ddpkit.parallel.compression.attach makes it")
         grads = bucket.gradients()
         state = self._bucket(bucket.index(), grads, buffer)
         state.buffer, state.grads = buffer, grads
