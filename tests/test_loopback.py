@@ -37,6 +37,10 @@ def _can_unshare() -> bool:
     return subprocess.run(["unshare", "-u", "true"], capture_output=True).returncode == 0
 
 
+def _interface_of(address: str) -> str:
+    return next(name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs))
+
+
 NETWORK = _network_addresses()
 needs_network = pytest.mark.skipif(not NETWORK, reason="this machine has no non-loopback IPv4 address to connect from")
 needs_uts = pytest.mark.skipif(not (NETWORK and _can_unshare()),
@@ -334,8 +338,7 @@ def test_doctor_in_a_container_names_the_addresses_gloo_would_really_use():
                                        timeout=50).stdout)
     assert inside["facts"]["hostname resolves to"] == NETWORK[0]          # as in Docker
     assert inside["facts"]["a run listens on"].startswith("127.0.0.1 only")
-    interface = next(name for name, addrs in psutil.net_if_addrs().items()
-                     if any(a.address == NETWORK[0] for a in addrs))
+    interface = _interface_of(NETWORK[0])
     told = json.loads(subprocess.run(_in_container(doctor), env=clean_env(GLOO_SOCKET_IFNAME=interface),
                                      capture_output=True, text=True, timeout=50).stdout)
     assert told["facts"]["gloo/NCCL listen on"] == f"{NETWORK[0]} ({interface})"
@@ -357,8 +360,7 @@ def test_worker_variables_bind_loopback_on_one_machine_and_keep_the_users_own(mo
 def test_between_nodes_gloo_binds_the_interface_of_the_route_to_the_master():
     from ddpkit.dist import stores
 
-    interface = next(name for name, addrs in psutil.net_if_addrs().items()
-                     if any(a.address == NETWORK[0] for a in addrs))
+    interface = _interface_of(NETWORK[0])
     assert stores.gloo_interface(2, NETWORK[0], 29500, {}) == (interface, NETWORK[0])
 
 

@@ -148,7 +148,7 @@ def private_rendezvous() -> None:
 
     A no-op elsewhere (plain torchrun, srun, several nodes): there ``env://`` is torch's own.
     """
-    if not os.environ.get("DDPKIT_STORE_DIR"):      # ddpkit.dist.stores.STORE_DIR_ENV
+    if not os.environ.get("DDPKIT_STORE_DIR"):      # ddpkit.dist.environment.STORE_DIR_ENV (entry stays light)
         return
     from ddpkit import _torch
     from ddpkit.dist import stores

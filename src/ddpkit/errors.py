@@ -37,6 +37,21 @@ def refused(where: object, wanted: str | None, detail: str = "") -> UnsafeCheckp
                             "ddpkit refuses to unpickle them (they could run code)")
 
 
+def refused_global(exc: BaseException) -> str | None:
+    """The global (``module.name``) that torch's ``weights_only`` refusal ``exc`` names, or None.
+
+    torch names it in ``Unsupported global: GLOBAL getattr was not an allowed global`` (builtins
+    without their module) or ``unsupported GLOBAL posix.system whose module posix is blocked``.
+    """
+    import re
+
+    found = re.search(r"GLOBAL (\S+?)(?: was not an allowed global| whose module )", str(exc))
+    if not found:
+        return None
+    wanted = found.group(1)
+    return wanted if "." in wanted else f"builtins.{wanted}"
+
+
 def one_line(text: str, budget: int = 160) -> str:
     """``text`` on one line, shortened only between whole sentences.
 

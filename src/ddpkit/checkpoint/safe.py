@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.errors import UnsafeCheckpoint, one_line, refused
+from ddpkit.errors import UnsafeCheckpoint, one_line, refused, refused_global
 
 
 def safe_load(source: Any, where: Any, *, map_location: Any = "cpu") -> Any:
@@ -38,16 +38,13 @@ def safe_load(source: Any, where: Any, *, map_location: Any = "cpu") -> Any:
 def unsafe_refusal(exc: BaseException, where: Any) -> UnsafeCheckpoint | None:
     """The :class:`UnsafeCheckpoint` that torch's ``weights_only`` error ``exc`` amounts to, if it is one.
 
-    torch names the global in ``Unsupported global: GLOBAL getattr was not an allowed global``
-    (builtins without their module) or ``unsupported GLOBAL posix.system whose module posix is
-    blocked``; its other refusals (``Can only build ...``, ``Trying to call reduce ...``) name a
+    Most name a global (:func:`ddpkit.errors.refused_global`); torch's other refusals (``Can only build ...``, ``Trying to call reduce ...``) name a
     class or function instead.
     """
     text = str(exc)
-    found = re.search(r"GLOBAL (\S+?)(?: was not an allowed global| whose module )", text)
-    if found:
-        wanted = found.group(1)
-        return refused(where, wanted if "." in wanted else f"builtins.{wanted}")
+    wanted = refused_global(exc)
+    if wanted:
+        return refused(where, wanted)
     unsafe = re.search(r"^.*(Can only (?:build|create new object)|Trying to call reduce|"
                        r"unsupported class).*$", text, re.IGNORECASE | re.MULTILINE)
     if unsafe:

@@ -169,13 +169,14 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
+    data = buffer.getvalue()
     try:
-        _load(buffer.getvalue())
+        _load(data)
     except Exception as exc:            # noqa: BLE001 - torch's weights_only errors are several types
         raise TypeError("ddpkit sends between ranks only tensors, numbers, strings, None and dicts, lists and "
                         f"tuples of them (read with torch.load(weights_only=True)); {type(obj).__name__} "
                         f"holds something else: {_first_line(exc)}") from None
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _from_bytes(payload: torch.Tensor) -> Any:
@@ -201,11 +202,10 @@ def _load(data: bytes) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    import re
+    from ddpkit.errors import refused_global
 
-    wanted = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    wanted = refused_global(exc)
     if wanted:
-        name = wanted.group(1)
-        return f"it needs {name if '.' in name else 'builtins.' + name}"
+        return f"it needs {wanted}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines or [type(exc).__name__])[0]

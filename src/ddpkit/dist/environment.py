@@ -27,6 +27,10 @@ from ddpkit.errors import UsageError
 
 DEFAULT_MASTER_PORT = 29500
 
+STORE_DIR_ENV = "DDPKIT_STORE_DIR"
+"""Set by ``ddpkit run`` and :func:`ddpkit.launch` for the workers of a one-machine job: the
+private directory that holds the job's stores (:func:`ddpkit.dist.stores.private_dir`)."""
+
 
 @dataclass(frozen=True)
 class Environment:
@@ -122,7 +126,7 @@ def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
         run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        store_dir=environ.get("DDPKIT_STORE_DIR", ""),      # ddpkit.dist.stores.STORE_DIR_ENV, set by ddpkit run / launch
+        store_dir=environ.get(STORE_DIR_ENV, ""),
     )
 
 

@@ -24,6 +24,7 @@ import errno
 import socket
 from typing import Any, Iterator
 
+from ddpkit.dist.environment import STORE_DIR_ENV, detect   # STORE_DIR_ENV: re-exported for the launchers
 from ddpkit.dist.host import LOOPBACK, address_of, interface_of, local_address, loopback_interface
 from ddpkit.errors import UsageError
 
@@ -62,9 +63,6 @@ def serve(host: str, port: int, *, timeout_s: float, world_size: int | None = No
 
 # -- one machine: stores in a directory only the user can open -----------------------------------
 
-STORE_DIR_ENV = "DDPKIT_STORE_DIR"
-"""Set by ``ddpkit run`` and :func:`ddpkit.launch` for the workers of a one-machine job: the
-private directory that holds the job's stores (read by :mod:`ddpkit.dist.environment` only)."""
 
 
 def private_dir() -> str:
@@ -120,8 +118,6 @@ def env_rendezvous(url: str, timeout: datetime.timedelta | None = None, **kwargs
     import urllib.parse
 
     import torch.distributed as dist
-
-    from ddpkit.dist.environment import detect
 
     env = detect()
     query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
