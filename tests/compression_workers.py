@@ -40,7 +40,7 @@ def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str =
             warnings.simplefilter("always")
             rt.load(checkpoint, state)
     loader = rt.loader(train.dataset, global_batch_size=GLOBAL_BATCH, shuffle=True)
-    compressor = rt._compressors[0]
+    compressor = rt.run.compressors[0]
     for _ in rt.epochs(EPOCHS):
         for inputs, targets in loader:
             rt.backward(F.cross_entropy(model(inputs), targets))
@@ -75,7 +75,7 @@ def each_compression(choices: list) -> dict:
                 rt.backward(F.cross_entropy(model(inputs), targets))
                 rt.step(optimizer)
                 steps += 1
-        compressor = rt._compressors[-1]
+        compressor = rt.run.compressors[-1]
         found[str(choice)] = {
             "digest": digest(model), "steps": steps,
             "accuracy": ddpkit.evaluate(model, test.dataset, num_classes=10)["accuracy"],

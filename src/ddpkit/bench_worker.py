@@ -241,7 +241,7 @@ def train(opts: argparse.Namespace) -> None:
     else:
         model, optimizer = rt.setup(model, optimizer, grad_compression=compression,
                                     powersgd_start=powersgd_start(opts.warmup))
-    compressor = rt._compressors[-1]
+    compressor = rt.run.compressors[-1]
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
     data = info.dataset

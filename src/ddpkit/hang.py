@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 EXIT_HANG = 124
 """Exit code of every rank of a job the watchdog found hung (as ``timeout(1)``)."""
@@ -170,3 +170,21 @@ def _ranges(ranks: list[int]) -> str:
             runs.append([rank, rank])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
     return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+_beat_target: Callable[[str], None] | None = None
+
+
+def beat(phase: str) -> None:
+    """Tell the running job's watchdog that this rank made progress and is now in ``phase``.
+
+    Loop code calls it without knowing the runtime; with no watchdog running it does nothing.
+    """
+    if _beat_target is not None:
+        _beat_target(phase)
+
+
+def set_beat_target(target: Callable[[str], None] | None) -> None:
+    """Where :func:`beat` goes: the runtime's heartbeat while one runs, None after it closes."""
+    global _beat_target
+    _beat_target = target

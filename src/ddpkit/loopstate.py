@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit.errors import DdpkitError
@@ -114,6 +115,64 @@ class LoopState:
                 self._apply(made, self._pending.pop(key))
         if saved.get("not_bitwise"):
             warnings.warn(f"checkpoint {source} resumes, but not bitwise: {saved['not_bitwise']}", stacklevel=3)
+
+
+@dataclass(eq=False)
+class RunState:
+    """Everything one run carries from step to step, in one place: what ``rt`` composes.
+
+    The loop's position (:class:`LoopState`), the precision (autocast and the fp16 scaler), the
+    set-up models with their gradient compressors and lazily averaged statistics (one entry per
+    model, None where a model has none), the optimizers, and the step in progress. The loop's
+    functions (:mod:`ddpkit.loop.steps`) and the checkpoint's (:mod:`ddpkit.checkpoint.resume`)
+    read and change it; nothing else holds training state.
+    """
+
+    precision: Any
+    """The run's :class:`~ddpkit.precision.Precision`."""
+    seed: int | None = None
+    """The seed of ``ddpkit.init`` (None: unseeded); keys the data order."""
+    loop: LoopState = field(default_factory=LoopState)
+    """Epoch, step, loader positions, the open accumulation group."""
+    models: list[Any] = field(default_factory=list)
+    """The models ``rt.setup`` returned, in set-up order."""
+    compressors: list[Any] = field(default_factory=list)
+    """Per model: its gradient compressor, or None."""
+    buffers: list[Any] = field(default_factory=list)
+    """Per model: its lazily averaged BatchNorm statistics, or None."""
+    optimizers: list[Any] = field(default_factory=list)
+    """Every optimizer given to ``rt.setup`` or ``rt.step``."""
+    saved_compression: Any = None
+    """From a load (maybe before setup): (this rank's states per model, same world, source)."""
+    saved_buffers: Any = None
+    """From a load on the same world size: this rank's saved statistics per model."""
+    active: Any = None
+    """The loader whose batch is in hand."""
+    accumulation: tuple[float, bool] | None = None
+    """Inside ``rt.accumulate``: (divisor, whether this micro-step is the group's last)."""
+    backward_since_step: bool = False
+    """A backward ran since the last optimizer step."""
+    uses_backward: bool = False
+    """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
+    unscaled: set[int] = field(default_factory=set)
+    """Optimizers (by id) whose fp16 gradients are unscaled this step."""
+
+    def adopt(self, model: Any, optimizer: Any = None, *, compressor: Any = None, buffers: Any = None,
+              not_bitwise: str | None = None) -> int:
+        """Track a set-up model (and its optimizer) for steps and checkpoints; returns its index."""
+        self.models.append(model)
+        self.compressors.append(compressor)
+        self.buffers.append(buffers)
+        self.loop.not_bitwise = self.loop.not_bitwise or not_bitwise
+        if optimizer is not None and optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+        return len(self.models) - 1
+
+    def sharded(self) -> bool:
+        """Whether any set-up model is sharded (``strategy="fsdp"``: checkpoints are DCP directories)."""
+        from ddpkit.parallel.fsdp import is_sharded
+
+        return any(is_sharded(model) for model in self.models)
 
 
 def _describe(sig: dict[str, Any]) -> str:

@@ -1,7 +1,11 @@
-"""The progress bar of long work: tqdm on rank 0, silent elsewhere and when not on a terminal."""
+"""What a job shows while it runs: a progress bar of long work (tqdm on rank 0, silent elsewhere
+and when not on a terminal), and whole lines printed once (``rt.print``).
+"""
 
 from __future__ import annotations
 
+import builtins
+import io
 import sys
 from typing import Any
 
@@ -52,6 +56,23 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def print_line(*args: Any, prefix: str | None = None, **kwargs: Any) -> None:
+    """``print`` as one ``write`` of the whole line (``prefix`` first), flushed unless ``flush=False``.
+
+    Lines printed by several ranks onto one shared pipe then do not interleave mid-line (with
+    ``PYTHONUNBUFFERED`` the builtin ``print`` writes the text and its newline separately).
+    """
+    if prefix is not None:
+        args = (prefix, *args)
+    stream = kwargs.pop("file", None) or sys.stdout
+    flush = kwargs.pop("flush", True)
+    line = io.StringIO()
+    builtins.print(*args, file=line, **kwargs)
+    stream.write(line.getvalue())
+    if flush:
+        stream.flush()
 
 
 def _postfix_value(value: Any) -> Any:

@@ -14,6 +14,13 @@ import numpy as np
 import torch
 
 
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch identically (the same initial weights on every rank)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch, CUDA, numpy, python) as tensors and plain values."""
     state = {

@@ -207,6 +207,12 @@ class MetricsLogger:
 
 
 # -- helpers ----------------------------------------------------------------------------
+def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Each metric as a float: a tensor's mean, or the number itself."""
+    return {k: float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
+            for k, v in metrics.items()}
+
+
 def _as_step(step: Any) -> int:
     if isinstance(step, bool):
         raise UsageError(f"step must be an integer, got {step!r}")

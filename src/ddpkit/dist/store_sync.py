@@ -10,7 +10,9 @@ tell every rank at once that its write failed, instead of leaving them in a barr
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
+from typing import Iterator
 
 from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UsageError
@@ -86,3 +88,24 @@ def share_outcome(prefix: str, error: str | None, timeout_s: float) -> None:
     text = store.get(key).decode()
     if text:
         raise DdpkitError(f"rank 0 failed: {text}")
+
+
+@contextlib.contextmanager
+def local_main_first(node_rank: int, is_local_main: bool, count: int) -> Iterator[None]:
+    """Local rank 0 of node ``node_rank`` runs the block first; the node's other ranks wait, then run it.
+
+    ``count`` numbers this block among the script's calls (the same on every rank of the node).
+    Local rank 0 marks the block done also when it fails, so the others go on to fail on their own.
+    """
+    from ddpkit._torch import default_store
+
+    key = f"ddpkit/local_main_first/node{node_rank}/{count}"
+    store = default_store()
+    if is_local_main:
+        try:
+            yield
+        finally:
+            store.set(key, "done")
+    else:
+        store.wait([key])
+        yield

@@ -1,17 +1,19 @@
 """How the model is replicated: device, SyncBatchNorm, DDP with a settled bucket layout, compile.
 
-:func:`replicate` is what ``rt.setup`` does to a model; it returns what the loop must know
-about the result (why a resume would not be bitwise, if it would not).
+:func:`replicate` is what ``rt.setup`` does to a model under ``strategy="ddp"``; it returns a
+:class:`~ddpkit.parallel.options.Wrapped`: the model and what the loop must know about it (why a
+resume would not be bitwise, if it would not; the compressor; lazily averaged statistics).
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ddpkit.parallel.options import SetupOptions, Wrapped
 
 
 def _buffer_sync_arg() -> str:
@@ -25,80 +27,98 @@ def _buffer_sync_arg() -> str:
 _BUFFER_SYNC_ARG = _buffer_sync_arg()
 
 
-@dataclass
-class Replica:
-    """The wrapped model and what the loop needs to know about it."""
-
-    model: Any
-    not_bitwise: str | None = None   # why a resumed run would not be bitwise, if it would not
-    compressor: Any = None           # the gradient compression hook's state (ddpkit.parallel.compression)
-    buffers: Any = None              # lazily averaged BatchNorm statistics (ddpkit.parallel.lazy_buffers)
-
-
-def replicate(model: torch.nn.Module, *, device: torch.device, world_size: int, is_main: bool,
-              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
-              grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
-              timeout_s: float | None = None, **ddp_kwargs: Any) -> Replica:
+def replicate(model: torch.nn.Module, options: SetupOptions, *, device: torch.device, world_size: int,
+              is_main: bool, timeout_s: float | None = None) -> Wrapped:
     """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
 
-    ``grad_compression`` (checked by :func:`ddpkit.parallel.compression.check`) registers its hook on the
+    ``options.grad_compression`` (checked by :meth:`SetupOptions.check`) registers its hook on the
     DDP model; with one process nothing is sent, and it is left out with a warning.
+
+    Args:
+        model: the user's model (maybe compiled already).
+        options: ``rt.setup``'s options; the DDP ones and ``sync_batchnorm``, ``compile`` and the
+            compression are read here.
+        device: where the parameters go.
+        world_size: processes of the job (one: no DDP wrapper).
+        is_main: global rank 0, the one that warns.
+        timeout_s: the collective timeout, for PowerSGD's own group.
     """
     model = model.to(device)
-    replica = Replica(model)
-    if sync_batchnorm and world_size > 1:
+    wrapped = Wrapped(model)
+    if options.sync_batchnorm and world_size > 1:
         from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, device)
     if world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
+        model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
+    elif options.grad_compression is not None and is_main:
+        warnings.warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no "
+                      "gradients are sent", stacklevel=4)
+    if options.compile:
+        model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
+    wrapped.model = model
+    return wrapped
 
-        from ddpkit.parallel import lazy_buffers
 
-        # Gradients as views into DDP's buckets save a gradient-sized copy of memory, which a GPU
-        # wants; on a CPU they cost backward time (ResNet-18: 8 ms a step, BENCHMARKS.md), and
-        # memory is rarely what runs out there. Bitwise the same either way.
-        ddp_kwargs.setdefault("gradient_as_bucket_view", device.type == "cuda")
-        lazy = None
-        compiled = compile or hasattr(model, "_orig_mod")      # compiled before setup counts too
-        if not ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
-            if sync_batchnorm:
-                # Synced statistics are already equal on every rank; no need to broadcast them.
-                ddp_kwargs[_BUFFER_SYNC_ARG] = False
-            elif not compiled:
-                lazy = lazy_buffers.candidates(model)       # only BatchNorm statistics: average them lazily
-                if lazy is not None:
-                    ddp_kwargs[_BUFFER_SYNC_ARG] = False
-        device_ids = [device.index] if device.type == "cuda" else None
-        # DDP re-buckets after the first backward unless it looks for unused parameters (then its
-        # first layout, last layers first, stays); ddpkit settles that layout at once instead.
-        settle = not ddp_kwargs.get("find_unused_parameters") or ddp_kwargs.get("static_graph")
-        if settle:
-            from ddpkit._torch import ready_order_ddp
+def _buffer_policy(model: torch.nn.Module, options: SetupOptions, ddp_kwargs: dict[str, Any]) -> Any:
+    """Decide how BatchNorm statistics stay equal across ranks; returns the lazily averaged ones, if any.
 
-            model = ready_order_ddp(model, device_ids=device_ids, **ddp_kwargs)
-        else:
-            model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
-        if ddp_kwargs.get(_BUFFER_SYNC_ARG) is False and _BUFFER_SYNC_ARG == "broadcast_buffers":
-            # there, broadcast_buffers=False also skips the buffers' copy from rank 0 at construction
-            lazy_buffers.broadcast_from_rank0(model.module)
-        if lazy is not None:
-            replica.buffers = lazy_buffers.install(model, lazy)
-        if settle:
-            replica.not_bitwise = settle_buckets(model, is_main=is_main)
-        if grad_compression is not None:
-            from ddpkit.parallel.compression import attach
+    Synced statistics (SyncBatchNorm) are equal already, so nothing is broadcast; otherwise the
+    BatchNorm statistics are averaged lazily (when read or saved) instead of broadcast from rank 0
+    every forward. A compiled model, or the user's own buffer setting, keeps DDP's broadcast.
+    """
+    from ddpkit.parallel import lazy_buffers
 
-            replica.compressor = attach(model, grad_compression, rank=powersgd_rank, start=powersgd_start,
-                                        device=device, buckets_settled=replica.not_bitwise is None,
-                                        timeout_s=timeout_s)
-    elif grad_compression is not None and is_main:
-        warnings.warn(f"grad_compression={grad_compression!r} has no effect with one process: no gradients "
-                      "are sent", stacklevel=4)
-    if compile:
-        model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
-    replica.model = model
-    return replica
+    if ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
+        return None
+    if options.sync_batchnorm:
+        ddp_kwargs[_BUFFER_SYNC_ARG] = False
+        return None
+    if options.compile or hasattr(model, "_orig_mod"):      # compiled before setup counts too
+        return None
+    lazy = lazy_buffers.candidates(model)       # only BatchNorm statistics: average them lazily
+    if lazy is not None:
+        ddp_kwargs[_BUFFER_SYNC_ARG] = False
+    return lazy
+
+
+def _distributed(model: torch.nn.Module, options: SetupOptions, wrapped: Wrapped, *, device: torch.device,
+                 is_main: bool, timeout_s: float | None) -> Any:
+    """Wrap ``model`` in DDP (buckets settled, buffers policy, compression); fills ``wrapped``'s extras."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpkit.parallel import lazy_buffers
+
+    ddp_kwargs = dict(options.ddp_kwargs)
+    # Gradients as views into DDP's buckets save a gradient-sized copy of memory, which a GPU
+    # wants; on a CPU they cost backward time (ResNet-18: 8 ms a step, BENCHMARKS.md), and
+    # memory is rarely what runs out there. Bitwise the same either way.
+    ddp_kwargs.setdefault("gradient_as_bucket_view", device.type == "cuda")
+    lazy = _buffer_policy(model, options, ddp_kwargs)
+    device_ids = [device.index] if device.type == "cuda" else None
+    # DDP re-buckets after the first backward unless it looks for unused parameters (then its
+    # first layout, last layers first, stays); ddpkit settles that layout at once instead.
+    settle = not ddp_kwargs.get("find_unused_parameters") or ddp_kwargs.get("static_graph")
+    if settle:
+        from ddpkit._torch import ready_order_ddp
+
+        model = ready_order_ddp(model, device_ids=device_ids, **ddp_kwargs)
+    else:
+        model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+    if ddp_kwargs.get(_BUFFER_SYNC_ARG) is False and _BUFFER_SYNC_ARG == "broadcast_buffers":
+        # there, broadcast_buffers=False also skips the buffers' copy from rank 0 at construction
+        lazy_buffers.broadcast_from_rank0(model.module)
+    if lazy is not None:
+        wrapped.buffers = lazy_buffers.install(model, lazy)
+    if settle:
+        wrapped.not_bitwise = settle_buckets(model, is_main=is_main)
+    if options.grad_compression is not None:
+        from ddpkit.parallel.compression import attach
+
+        wrapped.compressor = attach(model, options.grad_compression, rank=options.powersgd_rank,
+                                    start=options.powersgd_start, device=device,
+                                    buckets_settled=wrapped.not_bitwise is None, timeout_s=timeout_s)
+    return model
 
 
 def settle_buckets(model: Any, *, is_main: bool) -> str | None:

@@ -1,0 +1,106 @@
+"""``rt.loader``: a map-style dataset becomes a :class:`~ddpkit.loop.loader.ShardedLoader`, an
+``IterableDataset`` a :class:`~ddpkit.loop.streams.loader.StreamLoader`, registered with the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ddpkit.data import GlobalBatchSampler, check_batch_sizes
+from ddpkit.errors import UsageError
+from ddpkit.loader import ShardedLoader
+from ddpkit.loopstate import RunState
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How ``rt.loader`` reads a dataset (its keyword arguments)."""
+
+    batch_size: int | None = None
+    """Samples per step per process; the global batch then grows with the world size."""
+    global_batch_size: int | None = None
+    """Samples per step across all processes: every world size visits the same samples at each step."""
+    shuffle: bool = False
+    """A new order every epoch, keyed by the run's seed and the epoch."""
+    drop_last: bool = False
+    """Leave out the last, short global batch."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """Makes a batch of samples (the DataLoader's default when None)."""
+    name: str | None = None
+    """Keys the loader's position in checkpoints (default: the dataset's type name)."""
+    weights: Any = None
+    """One per sample: each epoch draws ``num_samples`` with replacement (map-style data only)."""
+    num_samples: int | None = None
+    """Samples drawn per epoch with ``weights`` (default: all)."""
+    pin_memory: bool | None = None
+    """DataLoader's pin_memory (default: on CUDA)."""
+    prefetch_factor: int | None = None
+    """DataLoader's prefetch_factor."""
+    persistent_workers: bool | None = None
+    """DataLoader's persistent_workers (default: on with workers)."""
+    worker_init_fn: Callable[[int], None] | None = None
+    """Run in each worker after ddpkit seeds it."""
+
+
+def loader_options(given: dict[str, Any]) -> LoaderOptions:
+    """``rt.loader``'s keyword arguments as :class:`LoaderOptions`; an unknown name is a TypeError."""
+    known = {f.name for f in fields(LoaderOptions)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"rt.loader() got an unexpected keyword argument {unknown[0]!r}; "
+                        f"it takes {', '.join(sorted(known))}")
+    return LoaderOptions(**given)
+
+
+def build_loader(run: RunState, dataset: Any, options: LoaderOptions, *, rank: int, world_size: int,
+                 device: torch.device, on_batch: Callable[[Any], None],
+                 watch: Callable[[Callable[[], int]], None]) -> Any:
+    """Make and register the loader of ``dataset`` for this rank.
+
+    Args:
+        run: the run whose loop registers the loader (and its saved position, if any).
+        dataset: a map-style dataset or an ``IterableDataset``.
+        options: ``rt.loader``'s keyword arguments.
+        rank: this process's global rank.
+        world_size: processes of the job.
+        device: where batches go.
+        on_batch: called with the loader each time it hands out a batch.
+        watch: registers a probe of samples read by workers, as progress for the watchdog.
+    """
+    total = check_batch_sizes(world_size, options.batch_size, options.global_batch_size)
+    seed = run.seed or 0
+    common = dict(device=device, num_workers=options.num_workers, collate_fn=options.collate_fn, seed=seed,
+                  on_batch=on_batch, pin_memory=options.pin_memory, prefetch_factor=options.prefetch_factor,
+                  persistent_workers=options.persistent_workers, worker_init_fn=options.worker_init_fn)
+    if _is_stream(dataset):
+        if options.weights is not None or options.num_samples is not None:
+            raise UsageError("weights= and num_samples= need a map-style dataset (they draw indices); "
+                             "a stream is read in its own order")
+        from ddpkit.streams.loader import StreamLoader
+
+        made: Any = StreamLoader(dataset, global_batch_size=total, rank=rank, world_size=world_size,
+                                 shuffle=options.shuffle, drop_last=options.drop_last, watch=watch, **common)
+    else:
+        sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=rank, world_size=world_size,
+                                     shuffle=options.shuffle, seed=seed, drop_last=options.drop_last,
+                                     weights=options.weights, num_samples=options.num_samples)
+        made = ShardedLoader(dataset, sampler, **common)
+    run.loop.register(made, options.name)
+    return made
+
+
+def _is_stream(dataset: Any) -> bool:
+    """An ``IterableDataset`` (read as a stream); a bare iterator or generator is refused."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        return True
+    if isinstance(dataset, Iterator) and not hasattr(dataset, "__getitem__"):
+        raise UsageError(f"rt.loader got a {type(dataset).__name__}, which can be read only once; wrap it "
+                         "in a torch IterableDataset whose __iter__ starts it anew each epoch")
+    return False

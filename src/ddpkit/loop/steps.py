@@ -1,0 +1,149 @@
+"""One training step as functions of the run's state: backward, step, clip, accumulate, epochs.
+
+What ``rt.backward``, ``rt.step``, ``rt.clip_grad_norm_``, ``rt.accumulate``, ``rt.epochs`` and
+``rt.should_stop`` do, on a :class:`~ddpkit.loop.state.RunState`. They send the watchdog their
+heartbeats through :func:`ddpkit.observe.heartbeats.beat`, so nothing here knows the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ddpkit.dist import collectives
+from ddpkit.errors import UsageError
+from ddpkit.hang import beat
+from ddpkit.loopstate import RunState
+
+
+def on_batch(run: RunState, loader: Any) -> None:
+    """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
+    run.active = loader
+    beat("data")     # a batch is in hand; the forward follows
+
+
+def epochs(run: RunState, n: int) -> Iterator[int]:
+    """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
+    while run.loop.epoch < n:
+        for made in run.loop.loaders():
+            made.set_epoch(run.loop.epoch)      # a no-op for a loader already there
+        yield run.loop.epoch
+        run.loop.epoch += 1
+
+
+def backward(run: RunState, loss: torch.Tensor) -> None:
+    """Backward of the mean loss of this rank's batch, weighted by its true sample count."""
+    beat("backward")
+    weight = 1.0
+    active = run.active
+    if active is not None:
+        active.mark_trained()
+    run.loop.check_pending()
+    if active is not None and active.global_count:
+        weight = active.batch_weight()
+        if run.accumulation is not None:      # a share of the group's samples, not the batch's
+            weight *= active.global_count / active.sampler.global_batch_size
+        if active.local_count == 0:
+            loss = torch.nan_to_num(loss, nan=0.0)   # mean of nothing; contributes zero
+    if run.accumulation is not None:
+        weight /= run.accumulation[0]
+    if not run.backward_since_step:
+        run.unscaled.clear()
+    run.backward_since_step = run.uses_backward = True
+    run.precision.backward(loss * weight if weight != 1.0 else loss)
+
+
+def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+    """Step each optimizer (through the fp16 scaler) and zero its gradients; True when all updated."""
+    if not optimizers:
+        raise UsageError("rt.step needs the optimizer(s) to step")
+    if run.accumulation is not None and not run.accumulation[1]:
+        return False
+    beat("optimizer")
+    stepped = True
+    for optimizer in optimizers:
+        if optimizer not in run.optimizers:
+            run.optimizers.append(optimizer)
+        stepped = run.precision.step(optimizer) and stepped
+    if run.backward_since_step or not run.uses_backward:
+        run.loop.step += 1
+        run.backward_since_step = False
+    if not run.uses_backward:
+        run.precision.flush()        # no rt.backward will come to apply the scaler update
+    return stepped
+
+
+def clip_grad_norm_(run: RunState, model: torch.nn.Module, max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor | None:
+    """Clip ``model``'s gradients (unscaled first under fp16); None on a micro-step that does not sync."""
+    if run.accumulation is not None and not run.accumulation[1]:
+        return None
+    params = [p for p in model.parameters() if p.grad is not None]
+    if run.precision.scaler is not None:
+        mine = {id(p) for p in params}
+        owners = [opt for opt in run.optimizers
+                  if any(id(p) in mine for group in opt.param_groups for p in group["params"])]
+        if not owners:
+            raise UsageError("rt.clip_grad_norm_ under fp16 must unscale the gradients first: "
+                             "pass the optimizer to rt.setup(model, optimizer)")
+        for opt in owners:
+            if id(opt) not in run.unscaled:
+                run.precision.unscale_(opt)
+                run.unscaled.add(id(opt))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def should_stop(flag: bool, world_size: int) -> bool:
+    """True on every rank when any rank passes True (one small all-reduce; every rank must call it)."""
+    if world_size == 1:
+        return bool(flag)
+    return bool(collectives.all_reduce(1.0 if flag else 0.0, "max") > 0)
+
+
+@contextlib.contextmanager
+def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bool]:
+    """One micro-step of a group of ``steps``: gradients sync only on the last, which it yields True."""
+    if steps < 1:
+        raise UsageError(f"accumulate needs steps >= 1, got {steps}")
+    loop = run.loop
+    if loop.micro_step == 0:
+        loop.group = group_weight(run.active, steps)
+    loop.micro_step += 1
+    group_batches, divisor = loop.group
+    last = loop.micro_step >= group_batches
+    if last:
+        loop.micro_step = 0
+    run.accumulation = (divisor, last)
+    sync_off: Any = contextlib.nullcontext()
+    if not last and hasattr(model, "no_sync"):
+        sync_off = model.no_sync()
+    elif not last and hasattr(model, "set_requires_gradient_sync"):     # strategy="fsdp"
+        from ddpkit.parallel.fsdp import no_gradient_sync
+
+        sync_off = no_gradient_sync(model)
+    try:
+        with sync_off:
+            yield last
+    finally:
+        run.accumulation = None
+
+
+def group_weight(loader: Any, steps: int) -> tuple[int, float]:
+    """(batches, divisor) of the accumulation group starting with ``loader``'s batch in hand.
+
+    A group never runs past the end of a pass over the data: a pass of 10 batches with
+    ``steps=4`` steps after 4, 8 and 10. The divisor counts full global batches, so a short
+    group (or one ending in a short batch) is the exact mean over the samples it saw.
+    """
+    if loader is not None and not getattr(loader, "length_known", True):
+        raise UsageError("rt.accumulate over a plain stream: its length is unknown, so the last "
+                         "group's size cannot be known; use ddpkit.Shards (lengths known) or step every batch")
+    if loader is None or not len(loader):
+        return steps, float(steps)
+    first = loader.position - 1                      # index of the batch just handed out
+    batches = max(1, min(steps, len(loader) - first))
+    full = loader.sampler.global_batch_size
+    seen = sum(loader.sampler.global_count(first + i) for i in range(batches))
+    return batches, seen / full if seen else float(batches)

@@ -1,0 +1,95 @@
+"""The options of ``rt.setup`` and what a wrap returns, checked in one place.
+
+:class:`SetupOptions` is every argument of ``rt.setup`` but the model and the optimizer;
+:meth:`SetupOptions.check` refuses what cannot work before any collective runs, and
+:func:`check_strategy` is the part ``ddpkit train`` runs on its flags before any process starts.
+:class:`Wrapped` is what :func:`ddpkit.parallel.wrap.wrap` (and :func:`ddpkit.parallel.ddp.replicate`)
+return: the model and what the loop and the checkpoints must keep of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddpkit.errors import UsageError
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def check_strategy(strategy: str, cpu_offload: bool, *, flag: str = "strategy") -> None:
+    """Refuse an unknown ``strategy``, or ``cpu_offload`` without ``"fsdp"``, in one line.
+
+    ``flag`` names the setting in the message: ``strategy`` for ``rt.setup``, ``--strategy`` for
+    ``ddpkit train``.
+    """
+    if strategy not in STRATEGIES:
+        raise UsageError(f"unknown {flag} {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)")
+    if cpu_offload and strategy != "fsdp":
+        offload = "--cpu-offload" if flag.startswith("--") else "cpu_offload=True"
+        raise UsageError(f"{offload} keeps fsdp's shards in CPU memory: it needs {flag} fsdp")
+
+
+@dataclass(frozen=True)
+class SetupOptions:
+    """How ``rt.setup`` wraps a model (its arguments besides the model and the optimizer)."""
+
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (with more than one process)."""
+    compile: bool | dict[str, Any] = False
+    """``torch.compile`` the wrapped model; a dict gives compile's arguments."""
+    grad_compression: str | None = None
+    """``"fp16"``, ``"bf16"`` or ``"powersgd"``: fewer bytes per step (:mod:`ddpkit.parallel.compression`)."""
+    powersgd_rank: int = 2
+    """Rank of PowerSGD's low-rank factors."""
+    powersgd_start: int | None = None
+    """Plain steps before PowerSGD compresses (None: ddpkit's default)."""
+    strategy: str = "ddp"
+    """``"ddp"`` (replicated) or ``"fsdp"`` (parameters, gradients and optimizer state sharded)."""
+    fsdp_units: Any = None
+    """Module classes that become FSDP units (a class or a list of them); None: children above a size."""
+    reshard_after_forward: bool = True
+    """FSDP: free the gathered parameters after each unit's forward (ZeRO-3); False: ZeRO-2."""
+    cpu_offload: bool = False
+    """FSDP: keep shards and optimizer state in CPU memory."""
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further ``DistributedDataParallel`` arguments (``find_unused_parameters``, ...)."""
+
+    def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
+        """Refuse, in one line, options that cannot work for ``model`` here (before any collective).
+
+        Raises:
+            UsageError: an unknown strategy or compression, a combination that is refused
+                (fsdp with compression, compile or BatchNorm; cpu_offload without fsdp), or a
+                compression this backend or device cannot run.
+        """
+        check_strategy(self.strategy, self.cpu_offload)
+        if self.strategy == "fsdp":
+            from ddpkit.parallel import fsdp
+
+            fsdp.check(grad_compression=self.grad_compression, compile=self.compile,
+                       sync_batchnorm=self.sync_batchnorm, model=model, ddp_kwargs=self.ddp_kwargs)
+            return
+        from ddpkit.parallel import compression
+
+        compression.check(self.grad_compression, rank=self.powersgd_rank, start=self.powersgd_start,
+                          backend=backend, device=device, precision=precision,
+                          compile=self.compile or hasattr(model, "_orig_mod"))    # compiled before setup too
+
+
+@dataclass
+class Wrapped:
+    """A set-up model and what the loop and the checkpoints keep of it."""
+
+    model: Any
+    """The model to train: DDP-wrapped, sharded, compiled, or the model itself (one process)."""
+    sharded: bool = False
+    """``strategy="fsdp"``: parameters are shards (checkpoints are DCP directories)."""
+    not_bitwise: str | None = None
+    """Why a resumed run would not be bitwise equal to an uninterrupted one, if it would not."""
+    compressor: Any = None
+    """The gradient compression hook's state (:mod:`ddpkit.parallel.compression`), or None."""
+    buffers: Any = None
+    """Lazily averaged BatchNorm statistics (:mod:`ddpkit.parallel.lazy_buffers`), or None."""

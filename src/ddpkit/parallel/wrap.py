@@ -1,0 +1,65 @@
+"""What ``rt.setup`` does to a model: replicate it (:mod:`ddpkit.parallel.ddp`) or shard it
+(:mod:`ddpkit.parallel.fsdp`), as its :class:`~ddpkit.parallel.options.SetupOptions` say.
+
+Example:
+    >>> import torch
+    >>> from ddpkit.parallel.options import SetupOptions
+    >>> from ddpkit.parallel.wrap import wrap
+    >>> options = SetupOptions()
+    >>> options.check(torch.nn.Linear(2, 2), device=torch.device("cpu"), backend=None, precision="fp32")
+    >>> wrapped = wrap(torch.nn.Linear(2, 2), None, options, device=torch.device("cpu"), world_size=1,
+    ...                is_main=True, precision="fp32", timeout_s=60)
+    >>> wrapped.sharded, wrapped.compressor is None
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddpkit.parallel.options import SetupOptions, Wrapped
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions, *,
+         device: torch.device, world_size: int, is_main: bool, precision: str, timeout_s: float) -> Wrapped:
+    """Replicate or shard ``model`` as ``options`` say (checked already with :meth:`SetupOptions.check`).
+
+    Args:
+        model: the user's model (maybe compiled already).
+        optimizer: its optimizer, if built; under fsdp it is rebound to the sharded parameters.
+        options: the checked options.
+        device: where the model's parameters go.
+        world_size: processes of the job (one process: no DDP wrapper).
+        is_main: global rank 0, the one that warns.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: fsdp's compute dtype.
+        timeout_s: the collective timeout, for PowerSGD's own group.
+
+    Returns:
+        The :class:`Wrapped` model.
+    """
+    if options.strategy == "fsdp":
+        from ddpkit.parallel import fsdp
+
+        units = [options.fsdp_units] if isinstance(options.fsdp_units, type) else options.fsdp_units
+        sharded = fsdp.shard(model, [optimizer] if optimizer is not None else [], device=device,
+                             precision=precision, fsdp_units=units,
+                             reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload)
+        return Wrapped(sharded, sharded=True)
+    from ddpkit.parallel.ddp import replicate
+
+    return replicate(model, options, device=device, world_size=world_size, is_main=is_main, timeout_s=timeout_s)
+
+
+def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
+
+    Every rank must call it: a sharded model gathers its shards; a replicated one is rank 0's copy.
+    """
+    from ddpkit._torch import unwrap
+    from ddpkit.parallel import fsdp
+
+    if fsdp.is_sharded(model):
+        return fsdp.full_state_dict(model)
+    if not is_main:
+        return None
+    return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}

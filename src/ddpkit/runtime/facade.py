@@ -1,0 +1,393 @@
+"""``rt``, the object a user script holds: a thin facade over the run's parts.
+
+:class:`Runtime` composes the place in the world (:class:`~ddpkit.dist.environment.Environment`,
+device, backend), one :class:`~ddpkit.loop.state.RunState` (loop position, precision, models,
+optimizers, compressors, statistics) and the watchdog and metrics of :mod:`ddpkit.observe`. Each
+method hands its work to the module that owns it: set-up to :mod:`ddpkit.parallel.wrap`, loaders
+to :mod:`ddpkit.loop.build`, a step to :mod:`ddpkit.loop.steps`, save and load to
+:mod:`ddpkit.checkpoint.resume`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Mapping, MutableMapping
+
+import torch
+
+from ddpkit import hang, progress, rng, watchdog
+from ddpkit.checkpoint import resume as resuming
+from ddpkit.dist import collectives, process_group, store_sync
+from ddpkit.dist.environment import Environment
+from ddpkit.errors import UsageError
+from ddpkit.loop import build
+from ddpkit.loop import steps as loop_steps
+from ddpkit.loopstate import RunState
+from ddpkit.parallel.options import SetupOptions
+from ddpkit.parallel.wrap import full_state_dict, wrap
+from ddpkit.precision import Precision
+
+class Runtime:
+    """Rank, device and backend of this process, the collectives it may call, and the training API.
+
+    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`RunState`,
+    ``rt.run``; where it stands in the world is ``rt.env``.
+    """
+
+    def __init__(self, env: Environment, device: torch.device, backend: str, settings: Any) -> None:
+        self.env = env
+        self.device = device
+        self.backend = backend
+        self.settings = settings
+        self.timeout_s = settings.timeout
+        self.hang_timeout = settings.hang_timeout
+        self.save_timeout = settings.save_timeout
+        self.out_dir = Path(settings.out_dir) if settings.out_dir is not None else None
+        self.keep_checkpoints = settings.keep_checkpoints
+        self.checkpoint_dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else None
+        self.resume_from = settings.resume
+        self.run = RunState(Precision(settings.precision, device), seed=settings.seed)
+        self.peers = resuming.Peers(env.rank, env.world_size, settings.timeout, settings.save_timeout)
+        self._watchdog: watchdog.Watchdog | None = None
+        self._logger: Any = None
+        self._local_first_count = 0
+        self._closed = False
+        self._on_close: Callable[["Runtime"], None] | None = None     # init's: forget the current runtime
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job."""
+        return self.env.world_size
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this node."""
+        return self.env.node_rank
+
+    @property
+    def launcher(self) -> str:
+        """What started this process: ``python``, ``torchrun``, ``slurm``, ..."""
+        return self.env.launcher
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the one process that prints, logs and saves."""
+        return self.env.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on local rank 0 of each node: the one that prepares node-local files."""
+        return self.env.local_rank == 0
+
+    @property
+    def seed(self) -> int | None:
+        """The seed given to :func:`init` (None: unseeded)."""
+        return self.run.seed
+
+    @property
+    def precision(self) -> Precision:
+        """Autocast, the fp16 GradScaler (``rt.precision.scaler``) and the optimizer step."""
+        return self.run.precision
+
+    @property
+    def loop(self) -> Any:
+        """Where the loop stands (:class:`~ddpkit.loop.state.LoopState`)."""
+        return self.run.loop
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being trained (or to be trained next)."""
+        return self.run.loop.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.run.loop.epoch = value
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (several optimizers stepped together count once)."""
+        return self.run.loop.step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.run.loop.step = value
+
+    def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (every rank, prefixed, with ``all_ranks=True``), one whole line at a time."""
+        if self.is_main or all_ranks:
+            progress.print_line(*args, prefix=f"[rank {self.rank}]" if all_ranks and self.world_size > 1 else None,
+                                **kwargs)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+        collectives.barrier()
+
+    @contextlib.contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Local rank 0 of each node runs the block first; the node's other ranks wait, then run it.
+
+        For node-local work such as unpacking or caching a data set: one process per node
+        prepares the files, the others find them ready. Ranks of other nodes do not wait.
+
+        Example:
+            >>> with rt.local_main_first():
+            ...     data = load_or_prepare("data/")          # doctest: +SKIP
+        """
+        if self.world_size == 1 or self.env.local_world_size == 1:
+            yield
+            return
+        self._local_first_count += 1
+        with store_sync.local_main_first(self.node_rank, self.is_local_main, self._local_first_count):
+            yield
+
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """Sum, mean, max or min of ``value`` across ranks (see :func:`ddpkit.all_reduce`)."""
+        return collectives.all_reduce(value, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows concatenated in rank order; first dimensions may differ."""
+        return collectives.all_gather(tensor)
+
+    def heartbeat(self, phase: str) -> None:
+        """Tell the hang watchdog this rank made progress and is now in ``phase``.
+
+        ddpkit beats at ``start`` (end of :meth:`setup`), ``data``, ``backward``, ``optimizer``,
+        ``save``, and ``eval`` (each batch of :func:`ddpkit.evaluate` and :func:`ddpkit.predict`);
+        call it in long stretches of your own (a slow export) so they count as progress. It only
+        records a tuple (no I/O), and does nothing without ``hang_timeout``.
+        """
+        if self._watchdog is not None:
+            self._watchdog.beat(self.global_step, phase)
+
+    def watch_progress(self, probe: Callable[[], int]) -> None:
+        """Count a rise of ``probe()`` (samples a loader's workers read) as progress for the watchdog."""
+        if self._watchdog is not None:
+            self._watchdog.add_probe(probe)
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
+              grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
+              strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
+              cpu_offload: bool = False, **ddp_kwargs: Any) -> Any:
+        """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
+
+        Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
+        Checkpoints hold plain parameter names whether the model is compiled or wrapped.
+
+        Args:
+            model: the model (maybe compiled already).
+            optimizer: its optimizer; returned with the model, and stepped by :meth:`step`.
+            sync_batchnorm: SyncBatchNorm across processes (world-size invariant statistics).
+            compile: ``True`` or a dict of ``torch.compile`` arguments: compile the wrapped model.
+            grad_compression: ``"fp16"``, ``"bf16"`` or ``"powersgd"`` (see
+                :mod:`ddpkit.parallel.compression`): fewer bytes per step on slow links; its
+                state is in every checkpoint.
+            powersgd_rank: rank of PowerSGD's factors.
+            powersgd_start: plain steps before PowerSGD compresses (default 10).
+            strategy: ``"ddp"`` (replicated) or ``"fsdp"`` (FSDP2, :mod:`ddpkit.parallel.fsdp`:
+                parameters, gradients and optimizer state sharded; the optimizer is rebound).
+            fsdp_units: module classes that become FSDP units (else children above a size).
+            reshard_after_forward: FSDP frees gathered parameters after each forward (ZeRO-3).
+            cpu_offload: FSDP keeps shards and optimizer state in CPU memory.
+            **ddp_kwargs: further ``DistributedDataParallel`` arguments.
+
+        Returns:
+            The model, or ``(model, optimizer)`` when an optimizer is given.
+        """
+        options = SetupOptions(sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
+                               powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, strategy=strategy,
+                               fsdp_units=fsdp_units, reshard_after_forward=reshard_after_forward,
+                               cpu_offload=cpu_offload, ddp_kwargs=ddp_kwargs)
+        backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+        options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
+        wrapped = wrap(model, optimizer, options, device=self.device, world_size=self.world_size,
+                       is_main=self.is_main, precision=self.run.precision.name, timeout_s=self.timeout_s)
+        if wrapped.sharded:
+            self.run.precision.shard()
+        index = self.run.adopt(wrapped.model, optimizer, compressor=wrapped.compressor, buffers=wrapped.buffers,
+                               not_bitwise=wrapped.not_bitwise)
+        resuming.restore_pending(self.run, index, is_main=self.is_main)
+        self.heartbeat("start")     # the parameters are in place everywhere: the set-up made progress
+        if self.seed is not None:
+            # Identical weights came from one seed; dropout and the like now differ per rank.
+            rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
+        return wrapped.model if optimizer is None else (wrapped.model, optimizer)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
+
+        Every rank must call it. Under ``strategy="fsdp"`` it gathers the shards (for export);
+        under DDP it is rank 0's copy.
+        """
+        return full_state_dict(model, is_main=self.is_main)
+
+    def loader(self, dataset: Any, **options: Any) -> Any:
+        """Batches of this rank's shard, on the device. Give exactly one of the two sizes.
+
+        With ``global_batch_size`` every world size visits the same samples at each step. Each
+        ``iter(loader)`` starts the epoch, like a ``DataLoader``; after :meth:`load` the next pass
+        continues the saved one. An ``IterableDataset`` is read as a stream.
+
+        Args:
+            dataset: a map-style dataset or an ``IterableDataset``.
+            **options: the fields of :class:`ddpkit.loop.build.LoaderOptions`: ``batch_size`` or
+                ``global_batch_size``, ``shuffle``, ``drop_last``, ``num_workers``,
+                ``collate_fn``, ``name`` (keys its position in checkpoints), ``weights`` and
+                ``num_samples`` (drawn with replacement, like ``WeightedRandomSampler``),
+                ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``.
+        """
+        return build.build_loader(self.run, dataset, build.loader_options(options), rank=self.rank,
+                                  world_size=self.world_size, device=self.device,
+                                  on_batch=lambda made: loop_steps.on_batch(self.run, made), watch=self.watch_progress)
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
+        return loop_steps.epochs(self.run, n)
+
+    def autocast(self) -> ContextManager[Any]:
+        """Autocast for the run's precision (nothing for fp32)."""
+        return self.run.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the mean loss of this rank's batch, weighted by its true sample count.
+
+        ``loss`` must be the mean over the local batch (PyTorch's default reduction). Uneven
+        last batches then count every sample once, as in a single process.
+        """
+        loop_steps.backward(self.run, loss)
+
+    def step(self, *optimizers: torch.optim.Optimizer) -> bool:
+        """Optimizer step (through the GradScaler for fp16), then ``zero_grad``, for each optimizer.
+
+        Several optimizers in one step (``rt.step(gen_opt, disc_opt)``, or one call each after the
+        same backward) update the fp16 scaler once and count as one step. Inside :meth:`accumulate`
+        only the last micro-step steps. Returns True when every optimizer updated its parameters;
+        False when fp16 skipped the step for inf/nan gradients, or inside an accumulation group,
+        so a learning-rate scheduler can follow (``if rt.step(opt): scheduler.step()``).
+        """
+        return loop_steps.step(self.run, optimizers)
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the gradients of ``model`` to ``max_norm``; returns their total norm before clipping.
+
+        Under fp16 the gradients are unscaled first (the optimizers given to :meth:`setup` or
+        :meth:`step`). Inside :meth:`accumulate` it clips only on the micro-step that syncs,
+        where the gradients are complete, and returns None on the others.
+        """
+        return loop_steps.clip_grad_norm_(self.run, model, max_norm, norm_type)
+
+    def should_stop(self, flag: bool) -> bool:
+        """True on every rank when any rank passes True: early stopping without a stranded rank.
+
+        Every rank must call it at the same point (it is one small all-reduce).
+        """
+        return loop_steps.should_stop(flag, self.world_size)
+
+    def accumulate(self, model: torch.nn.Module, steps: int) -> ContextManager[bool]:
+        """One micro-step of gradient accumulation over ``steps`` batches.
+
+        Gradients are not all-reduced (DDP ``no_sync``) except on the last micro-step, and
+        :meth:`step` only steps there. Yields True on the last micro-step.
+        """
+        return loop_steps.accumulate(self.run, model, steps)
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
+        """Write metrics on rank 0 (``out_dir``/metrics.jsonl, .csv, TensorBoard).
+
+        Every rank must call it: values are reduced across ranks (``reduce="mean"``, ``"sum"``,
+        ``"max"`` or None to keep rank 0's). Returns the values written.
+        """
+        from ddpkit import tracking
+
+        values = tracking.as_floats(metrics)
+        if reduce is not None and self.world_size > 1 and values:
+            reduced = collectives.all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), reduce)
+            values = dict(zip(values, reduced.tolist()))
+        if self.is_main and self.out_dir is not None:
+            if self._logger is None:
+                # Rows after the step we resumed from belong to work a crash undid; a fresh run
+                # (nothing loaded) starts its files anew.
+                self._logger = tracking.MetricsLogger(self.out_dir, resume=self.loop.resumed_from is not None,
+                                                      resume_step=self.global_step)
+            self._logger.log(values, step=self.global_step if step is None else step)
+        return values
+
+    def plot_loss(self) -> Path | None:
+        """Draw ``out_dir``/loss.png from the logged losses (rank 0; None elsewhere)."""
+        return self._logger.plot_loss() if self._logger is not None else None
+
+    def save(self, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+        """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
+
+        Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
+        fails within ``save_timeout`` seconds, naming the ranks that did not come. Global rank 0
+        writes atomically; if the write fails, every rank raises. A directory ``path`` gets
+        ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
+        """
+        return resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
+
+    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
+        """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
+
+        Resumes mid-epoch exactly: the next batch is the one after the last trained, also for
+        loaders built after ``load``. A saved position that matches no loader, or a loader built
+        differently from the saved one, is an error (a warning with ``strict=False``, and that
+        loader's epoch starts over). Every rank must call it.
+        """
+        return resuming.load(self.run, self.peers, path, state, strict=strict)
+
+    def checkpoint(self, state: Mapping[str, Any]) -> Path:
+        """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
+        if self.checkpoint_dir is None:
+            raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
+        return self.save(self.checkpoint_dir, state)
+
+    def resume(self, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
+        """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
+
+        ``resume="auto"`` takes the newest complete checkpoint of ``checkpoint_dir`` and does
+        nothing when there is none yet, so one script serves the first start and every
+        restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
+        """
+        return resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, state, strict=strict)
+
+    def close(self) -> None:
+        """Flush logs and destroy the process group. Runs at exit too, also when the script raised."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self._logger is not None:
+            self._logger.close()
+        hang.set_beat_target(None)
+        process_group.destroy()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Runtime(launcher={self.launcher!r}, rank={self.rank}, local_rank={self.local_rank}, "
+            f"world_size={self.world_size}, device={str(self.device)!r}, backend={self.backend!r})"
+        )
+
+
