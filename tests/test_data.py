@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ddpkit
-from ddpkit.data import (GlobalBatchSampler, check_batch_sizes, sample_rng, sample_seed,
-                         shard_range)
+from ddpkit.rng import sample_rng, sample_seed
+from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes, shard_range
 from ddpkit.errors import UsageError
 
 

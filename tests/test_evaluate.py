@@ -126,7 +126,7 @@ def test_predict_rejects_bad_arguments(tmp_path):
 def test_nested_batches_move_and_keep_their_types():
     from collections import namedtuple
 
-    from ddpkit.data import map_tensors, to_device
+    from ddpkit.loop.batch import map_tensors, to_device
 
     Pair = namedtuple("Pair", "x y")
     batch = {"a": [torch.ones(2), (torch.zeros(1), "label")], "b": Pair(torch.ones(3), 7)}

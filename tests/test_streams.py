@@ -11,8 +11,8 @@ from torch.utils.data import IterableDataset
 
 import ddpkit
 from ddpkit.errors import UsageError
-from ddpkit.streams.order import EpochOrder, Layout
-from ddpkit.streams.pieces import Pieces, join
+from ddpkit.loop.streams.order import EpochOrder, Layout
+from ddpkit.loop.streams.pieces import Pieces, join
 
 sys.path.insert(0, str(Path(__file__).parent))
 import stream_workers as sw  # noqa: E402
@@ -391,7 +391,7 @@ def test_the_watchdog_counts_stream_reads_in_workers_as_progress():
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_the_watchdog_still_fires_when_a_worker_reads_nothing():
-    from ddpkit.hang import EXIT_HANG
+    from ddpkit.observe.heartbeats import EXIT_HANG
 
     stalled = _slow_stream("stalled")
     assert stalled.returncode == EXIT_HANG, stalled.stderr

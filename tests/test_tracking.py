@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit import tracking
+from ddpkit.observe import metrics as tracking
 from ddpkit.errors import UsageError
-from ddpkit.progress import Progress
-from ddpkit.tracking import MetricsLogger, atomic_path
+from ddpkit.observe.progress import Progress
+from ddpkit._files import atomic_path
+from ddpkit.observe.metrics import MetricsLogger
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -191,7 +192,7 @@ def test_progress_draws_on_a_tty(monkeypatch):
 
 
 def test_resume_drops_rows_a_crash_undid(tmp_path):
-    from ddpkit.tracking import MetricsLogger
+    from ddpkit.observe.metrics import MetricsLogger
 
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for step in (10, 20, 30):

@@ -11,7 +11,7 @@ import torch
 
 import ddpkit
 from ddpkit import cli
-from ddpkit.hang import (CLOSED, EXIT_HANG, Heartbeat, culprit, format_report, job_is_hung, phase_order,
+from ddpkit.observe.heartbeats import (CLOSED, EXIT_HANG, Heartbeat, culprit, format_report, job_is_hung, phase_order,
                          seconds_until_hung)
 from ddpkit.recipes import train as train_recipe
 from ddpkit.recipes.config import TrainConfig, validate

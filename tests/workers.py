@@ -7,7 +7,7 @@ import torch
 import ddpkit
 import ddpkit._torch
 import ddpkit.checkpoint
-import ddpkit.data
+import ddpkit.loop.sampler
 
 
 def rank_sum() -> dict:
@@ -182,7 +182,7 @@ def evaluate_everything(stream_dir: str | None = None) -> dict:
             path = predict_to_file(LogitsOnly(), data, f"{stream_dir}/pred{length}.npy", batch_size=64)
             streamed = None if path is None else str(path)
         results[length] = {"main": main, "all": everywhere, "metrics": metrics, "streamed": streamed,
-                           "shard": len(ddpkit.data.shard_range(length, rt.rank, rt.world_size))}
+                           "shard": len(ddpkit.loop.sampler.shard_range(length, rt.rank, rt.world_size))}
     return results
 
 

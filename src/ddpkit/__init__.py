@@ -14,16 +14,15 @@ the features that need them.
 """
 
 from ddpkit.parallel.lazy_buffers import settle as sync_buffers
-from ddpkit.data import sample_rng
+from ddpkit.rng import sample_rng
 from ddpkit.dist.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
 from ddpkit.dist.environment import Environment, detect
 from ddpkit.dist.launch import LaunchError, launch
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.evaluate import evaluate, predict, predict_to_file
+from ddpkit.loop.evaluate import evaluate, predict, predict_to_file
 from ddpkit.runtime import Runtime, current, init
-from ddpkit.streams import ShardError, Shards, read_tar
-
-__version__ = "0.1.0"
+from ddpkit.loop.streams import ShardError, Shards, read_tar
+from ddpkit._version import __version__
 
 from ddpkit.errors import install_excepthook as _install_excepthook
 

@@ -1,7 +1,9 @@
 """Files written so that a kill at any moment leaves the old one or the new one: names, fsync, checksums.
 
-A base module (it imports nothing of ddpkit): both checkpoint formats (:mod:`ddpkit.checkpoint.pt`,
-:mod:`ddpkit.checkpoint.dcp`) write through it. A file or directory is written under
+A base module (it imports nothing of ddpkit): every file ddpkit writes goes through it, the
+checkpoint formats (:mod:`ddpkit.checkpoint.pt`, :mod:`ddpkit.checkpoint.dcp`) through
+:func:`temp_path`, everything else (metrics, predictions, summaries, reports, caches) through
+:func:`atomic_path`. A file or directory is written under
 :func:`temp_path`, fsynced, renamed into place with ``os.replace`` and its directory fsynced;
 :func:`digest` is the size and SHA-256 that a checksum record (:func:`sum_path`) or a manifest
 keeps of what was written.
@@ -9,14 +11,39 @@ keeps of what was written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def temp_path(path: Path, token: str | int | None = None) -> Path:
     """``.NAME.tmp-TOKEN`` beside ``path``: where it is written before its rename (token: this pid)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid() if token is None else token}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds, fsync it and move it into place.
+
+    Readers never see a half-written file, a failure leaves the old file untouched, and once the
+    block returns the new file and its name are on the disk (the file and its directory fsynced).
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        fsync_file(Path(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(final.parent)
 
 
 def sum_path(path: Path) -> Path:

@@ -240,7 +240,7 @@ def _pct(value: float | None) -> str:
 def write_outputs(out: Path, report: Mapping[str, Any]) -> list[Path]:
     """Write bench.json, bench.md and scaling.png (skipped, with a note, without matplotlib)."""
     from ddpkit.report import plot_scaling
-    from ddpkit.tracking import atomic_path
+    from ddpkit._files import atomic_path
 
     written = []
     for name, text in (("bench.json", json.dumps(report, indent=2, allow_nan=False) + "\n"),

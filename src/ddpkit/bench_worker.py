@@ -164,7 +164,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def write_result(path: str, gathered: list[dict[str, Any]], **meta: Any) -> None:
     """Rank 0: every rank's :func:`rank_stats` plus what was run, for the parent to read."""
-    from ddpkit.tracking import atomic_path
+    from ddpkit._files import atomic_path
 
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps({**meta, "torch": torch.__version__, "ranks": gathered}) + "\n")

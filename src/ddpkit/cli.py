@@ -149,7 +149,7 @@ def cmd_export(argv: Sequence[str]) -> int:
     import torch
 
     from ddpkit import checkpoint
-    from ddpkit.tracking import atomic_path
+    from ddpkit._files import atomic_path
 
     parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
                     "as one state dict with plain names, loadable with torch.load and model.load_state_dict.")
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     if argv[0] == "--version":
-        from ddpkit import __version__
+        from ddpkit._version import __version__
 
         print(f"ddpkit {__version__}")
         return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from ddpkit.errors import UsageError
-from ddpkit.tracking import atomic_path
+from ddpkit._files import atomic_path
 
 Formatter = Union[str, Callable[[Any], str]]
 Column = Union[tuple[str, str], tuple[str, str, Formatter]]

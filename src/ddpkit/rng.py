@@ -1,4 +1,9 @@
-"""Random states captured and restored: torch, CUDA, numpy and python, as a checkpoint holds them.
+"""Every seed and random state of a run: seeding, per-sample randomness, capture and restore.
+
+:func:`seed_everything` seeds a process; :func:`sample_rng` gives the sample being read its own
+generator, keyed by (seed, epoch, index) so augmentations never change with the number of
+processes or workers (:func:`reading` marks that sample, :func:`seed_worker_globals` seeds a
+loader worker); :func:`rng_state` and :func:`set_rng_state` are the states a checkpoint holds.
 
 A base module (it imports nothing of ddpkit). Every state is made of tensors and plain values,
 so a checkpoint holding it loads with ``torch.load(weights_only=True)``; numpy's state tuple
@@ -7,8 +12,11 @@ so a checkpoint holding it loads with ``torch.load(weights_only=True)``; numpy's
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import random
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -19,6 +27,81 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """Which sample is being read: the run's seed, the epoch and the dataset index."""
+
+    seed: int
+    epoch: int
+    index: int
+
+
+_current_key: SampleKey | None = None
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed for one sample in one epoch, independent of rank, worker and world size."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def sample_rng(device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator for augmentations of the sample being read, keyed by (seed, epoch, index).
+
+    Call it inside ``Dataset.__getitem__`` (or a transform) of a dataset read through a ddpkit
+    loader. Augmentations then differ across samples and epochs but never change with the
+    number of processes or workers.
+
+    Example:
+        >>> class Noisy(torch.utils.data.Dataset):
+        ...     def __len__(self): return 4
+        ...     def __getitem__(self, i):
+        ...         return torch.randn(2, generator=ddpkit.sample_rng())   # doctest: +SKIP
+    """
+    if _current_key is None:
+        raise RuntimeError("sample_rng() is only available while a ddpkit loader reads a sample")
+    key = _current_key
+    return torch.Generator(device=device).manual_seed(sample_seed(key.seed, key.epoch, key.index))
+
+
+@contextlib.contextmanager
+def reading(key: SampleKey | None) -> Iterator[None]:
+    """Mark the sample ``key`` as the one being read for the block (what :func:`sample_rng` keys on).
+
+    The one place the current sample is set: the loaders, the stream readers and the shard
+    readers all read a sample inside it, and it is cleared after, also when the read fails.
+    """
+    global _current_key
+    _current_key = key
+    try:
+        yield
+    finally:
+        _current_key = None
+
+
+def current_sample() -> SampleKey | None:
+    """The (seed, epoch, index) of the sample being read, or None outside a ddpkit loader."""
+    return _current_key
+
+
+def private_generator(seed: int = 0) -> torch.Generator:
+    """A generator for a DataLoader's worker base seed.
+
+    Without one, every ``iter(DataLoader)`` draws from the global torch RNG, so a run resumed
+    mid-epoch (one more iterator) would see other dropout masks than an uninterrupted run.
+    """
+    return torch.Generator().manual_seed(seed)
+
+
+def seed_worker_globals(seed: int, epoch: int, rank: int, worker: int) -> None:
+    """Seed a loader worker's global torch / numpy / ``random`` generators from (seed, epoch,
+    rank, worker id), so ranks and workers draw different numbers (never a sample's key)."""
+    value = sample_seed(seed, epoch, -1 - (rank * 4096 + worker))
+    random.seed(value)
+    torch.manual_seed(value)
+    np.random.seed(value % 2**32)
 
 
 def rng_state() -> dict[str, Any]:

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Mapping, MutableMapping, Protocol
 
 from ddpkit import checkpoint, rng
+from ddpkit._version import __version__
 from ddpkit.checkpoint import dcp
 from ddpkit.dist import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.hang import beat
+from ddpkit.observe.heartbeats import beat
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
         own["compression"] = compression      # per rank, per model: the compressor's state
     if own_stats is not None:
         own["buffers"] = own_stats            # per rank, per model: its own statistics, for resume
-    payload = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": _version(),
+    payload = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": __version__,
                "user": _with_averages(checkpoint.user_state(state), state, averages), "ddpkit": own}
     try:
         checkpoint.write(target, payload)
@@ -169,7 +170,7 @@ def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, An
     if peers.is_main:
         plain = {key: state[key] for key in dcp.plain_entries(state)}
         own = {**_own_state(run, peers, rngs), "user": checkpoint.user_state(plain),
-               "ddpkit_version": _version(), "strategy": "fsdp"}
+               "ddpkit_version": __version__, "strategy": "fsdp"}
     try:
         dcp.save(target, state, own, token)
         if peers.is_main:
@@ -378,9 +379,3 @@ def _restore_entries(state: MutableMapping[str, Any], saved: Mapping[str, Any], 
     part = {key: state[key] for key in keys}
     checkpoint.restore_user_state(part, saved, path)
     state.update(part)
-
-
-def _version() -> str:
-    from ddpkit import __version__
-
-    return __version__

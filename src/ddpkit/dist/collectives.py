@@ -30,7 +30,7 @@ def barrier() -> None:
     """Wait for every rank of the default group; identity in a world of one (or without a group).
 
     The one barrier of ddpkit: ``rt.barrier()``, the DCP save (:mod:`ddpkit.checkpoint.dcp`) and the merge
-    of prediction parts (:mod:`ddpkit.evaluate`) all wait here.
+    of prediction parts (:mod:`ddpkit.loop.evaluate`) all wait here.
     """
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ddpkit.data import GlobalBatchSampler, check_batch_sizes
+from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
 from ddpkit.errors import UsageError
-from ddpkit.loader import ShardedLoader
-from ddpkit.loopstate import RunState
+from ddpkit.loop.loader import ShardedLoader
+from ddpkit.loop.state import RunState
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def build_loader(run: RunState, dataset: Any, options: LoaderOptions, *, rank: i
         if options.weights is not None or options.num_samples is not None:
             raise UsageError("weights= and num_samples= need a map-style dataset (they draw indices); "
                              "a stream is read in its own order")
-        from ddpkit.streams.loader import StreamLoader
+        from ddpkit.loop.streams.loader import StreamLoader
 
         made: Any = StreamLoader(dataset, global_batch_size=total, rank=rank, world_size=world_size,
                                  shuffle=options.shuffle, drop_last=options.drop_last, watch=watch, **common)

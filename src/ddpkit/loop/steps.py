@@ -14,8 +14,8 @@ import torch
 
 from ddpkit.dist import collectives
 from ddpkit.errors import UsageError
-from ddpkit.hang import beat
-from ddpkit.loopstate import RunState
+from ddpkit.observe.heartbeats import beat
+from ddpkit.loop.state import RunState
 
 
 def on_batch(run: RunState, loader: Any) -> None:

@@ -162,7 +162,7 @@ def _check_type(path: str, name: str, value: Any) -> None:
 
 def validate(config: TrainConfig) -> None:
     """Check everything that can be checked before a process starts or a file is written."""
-    from ddpkit.precision import PRECISIONS
+    from ddpkit.loop.precision import PRECISIONS
     from ddpkit.recipes.datasets import DATASETS
     from ddpkit.recipes.models import MODELS
 

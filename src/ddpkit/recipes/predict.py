@@ -128,7 +128,7 @@ def run_worker(config: PredictConfig, path: Path) -> None:
 
 def write_predictions(out: Path, logits: torch.Tensor) -> None:
     """Write one row per input, atomically, in the format the suffix names."""
-    from ddpkit.tracking import atomic_path
+    from ddpkit._files import atomic_path
 
     probabilities = torch.softmax(logits, dim=1)
     prediction = probabilities.argmax(dim=1)

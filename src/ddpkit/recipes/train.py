@@ -18,12 +18,12 @@ import torch.nn.functional as F
 import ddpkit
 from ddpkit import checkpoint
 from ddpkit.errors import DdpkitError
-from ddpkit.evaluate import evaluate
+from ddpkit.loop.evaluate import evaluate
 from ddpkit.recipes.config import TrainConfig
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 from ddpkit.recipes.models import build_model
-from ddpkit.progress import Progress
-from ddpkit.tracking import atomic_path
+from ddpkit.observe.progress import Progress
+from ddpkit._files import atomic_path
 
 
 def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:

@@ -17,17 +17,19 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, MutableMapp
 
 import torch
 
-from ddpkit import hang, progress, rng, watchdog
+from ddpkit import rng
+from ddpkit.observe import heartbeats, progress, watchdog
+from ddpkit.observe.metrics import MetricsLogger, as_floats
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.dist import collectives, process_group, store_sync
 from ddpkit.dist.environment import Environment
 from ddpkit.errors import UsageError
 from ddpkit.loop import build
 from ddpkit.loop import steps as loop_steps
-from ddpkit.loopstate import RunState
+from ddpkit.loop.state import RunState
 from ddpkit.parallel.options import SetupOptions
 from ddpkit.parallel.wrap import full_state_dict, wrap
-from ddpkit.precision import Precision
+from ddpkit.loop.precision import Precision
 
 class Runtime:
     """Rank, device and backend of this process, the collectives it may call, and the training API.
@@ -309,9 +311,7 @@ class Runtime:
         Every rank must call it: values are reduced across ranks (``reduce="mean"``, ``"sum"``,
         ``"max"`` or None to keep rank 0's). Returns the values written.
         """
-        from ddpkit import tracking
-
-        values = tracking.as_floats(metrics)
+        values = as_floats(metrics)
         if reduce is not None and self.world_size > 1 and values:
             reduced = collectives.all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), reduce)
             values = dict(zip(values, reduced.tolist()))
@@ -319,8 +319,8 @@ class Runtime:
             if self._logger is None:
                 # Rows after the step we resumed from belong to work a crash undid; a fresh run
                 # (nothing loaded) starts its files anew.
-                self._logger = tracking.MetricsLogger(self.out_dir, resume=self.loop.resumed_from is not None,
-                                                      resume_step=self.global_step)
+                self._logger = MetricsLogger(self.out_dir, resume=self.loop.resumed_from is not None,
+                                             resume_step=self.global_step)
             self._logger.log(values, step=self.global_step if step is None else step)
         return values
 
@@ -373,7 +373,7 @@ class Runtime:
             self._watchdog = None
         if self._logger is not None:
             self._logger.close()
-        hang.set_beat_target(None)
+        heartbeats.set_target(None)
         process_group.destroy()
         if self._on_close is not None:
             self._on_close(self)

@@ -17,11 +17,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ddpkit import hang, rng, watchdog
+from ddpkit import rng
+from ddpkit.observe import heartbeats, watchdog
 from ddpkit.dist import collectives, process_group, store_sync
 from ddpkit.dist.environment import Environment, detect
 from ddpkit.errors import UsageError
-from ddpkit.precision import Precision
+from ddpkit.loop.precision import Precision
 from ddpkit.runtime.facade import Runtime
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -89,7 +90,7 @@ def init(
             a run restarted by ``ddpkit run --max-restarts`` needs), a checkpoint path, or None.
         hang_timeout: seconds in which no rank makes progress before the job counts as hung:
             ddpkit prints where each rank is and the stuck rank's Python stack, then every
-            rank exits with code 124 (see :mod:`ddpkit.watchdog`). None: no watchdog.
+            rank exits with code 124 (see :mod:`ddpkit.observe.watchdog`). None: no watchdog.
         save_timeout: seconds ``rt.save`` and ``rt.load`` wait for every rank to arrive before
             failing with one line that names the missing ranks (e.g. a save under ``if rt.is_main``).
 
@@ -115,7 +116,7 @@ def init(
     runtime = Runtime(env, chosen_device, chosen_backend, settings)
     if hang_timeout is not None:
         runtime._watchdog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
-        hang.set_beat_target(runtime.heartbeat)
+        heartbeats.set_target(runtime)
     runtime._on_close = _forget
     _current = runtime
     atexit.register(runtime.close)

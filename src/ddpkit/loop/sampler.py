@@ -1,11 +1,11 @@
-"""Sharding that does not depend on the number of processes, and per-sample randomness.
+"""Sharding that does not depend on the number of processes: the global-batch sampler and shard ranges.
 
 The data order of an epoch is a permutation keyed by ``seed + epoch`` (the same one
 ``DistributedSampler`` draws). It is cut into *global* batches, the same for any world
 size; rank ``r`` of ``W`` takes positions ``r, r+W, ...`` of each global batch. When the
 sizes divide, this is exactly what ``DistributedSampler`` + ``DataLoader`` give each rank;
 when they do not, the last global batch is split unevenly (never padded with duplicates)
-and :meth:`ddpkit.loader.ShardedLoader.batch_weight` tells the loss how to weigh it.
+and :meth:`ddpkit.loop.loader.ShardedLoader.batch_weight` tells the loss how to weigh it.
 With ``weights``, each epoch draws its order with replacement (like ``WeightedRandomSampler``),
 keyed the same way, so weighted sampling does not depend on the world size either.
 
@@ -17,9 +17,7 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -91,114 +89,6 @@ class GlobalBatchSampler:
         """This rank's part of each global batch."""
         for batch in self.global_batches(epoch, start):
             yield self.local_part(batch)
-
-
-# -- per-sample randomness ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SampleKey:
-    """Which sample is being read: the run's seed, the epoch and the dataset index."""
-
-    seed: int
-    epoch: int
-    index: int
-
-
-_current_key: SampleKey | None = None
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 63-bit seed for one sample in one epoch, independent of rank, worker and world size."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def sample_rng(device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator for augmentations of the sample being read, keyed by (seed, epoch, index).
-
-    Call it inside ``Dataset.__getitem__`` (or a transform) of a dataset read through a ddpkit
-    loader. Augmentations then differ across samples and epochs but never change with the
-    number of processes or workers.
-
-    Example:
-        >>> class Noisy(torch.utils.data.Dataset):
-        ...     def __len__(self): return 4
-        ...     def __getitem__(self, i):
-        ...         return torch.randn(2, generator=ddpkit.sample_rng())   # doctest: +SKIP
-    """
-    if _current_key is None:
-        raise RuntimeError("sample_rng() is only available while a ddpkit loader reads a sample")
-    key = _current_key
-    return torch.Generator(device=device).manual_seed(sample_seed(key.seed, key.epoch, key.index))
-
-
-def current_sample() -> SampleKey | None:
-    """The (seed, epoch, index) of the sample being read, or None outside a ddpkit loader."""
-    return _current_key
-
-
-def private_generator(seed: int = 0) -> torch.Generator:
-    """A generator for a DataLoader's worker base seed.
-
-    Without one, every ``iter(DataLoader)`` draws from the global torch RNG, so a run resumed
-    mid-epoch (one more iterator) would see other dropout masks than an uninterrupted run.
-    """
-    return torch.Generator().manual_seed(seed)
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool = False) -> Any:
-    """Apply ``fn`` to every tensor of a (nested) batch: tensors, dicts, lists, tuples, namedtuples.
-
-    Other leaves come back unchanged, or raise ``TypeError`` with ``strict=True``.
-    """
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return {key: map_tensors(fn, value, strict=strict) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        mapped = [map_tensors(fn, value, strict=strict) for value in batch]
-        return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
-    if strict:
-        raise TypeError(type(batch).__name__)
-    return batch
-
-
-def concat_batches(batches: list[Any]) -> Any:
-    """Join collated batches along the first dimension (tensors, dicts, tuples, lists of values)."""
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(batches)
-    if isinstance(first, dict):
-        return {key: concat_batches([b[key] for b in batches]) for key in first}
-    if isinstance(first, (list, tuple)):
-        if all(not isinstance(v, (torch.Tensor, dict, list, tuple)) for b in batches for v in b):
-            return type(first)([v for b in batches for v in b])       # a per-sample list (strings)
-        joined = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
-        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
-    raise TypeError(f"cannot join batches of {type(first).__name__} from several workers")
-
-
-def zero_rows(batch: Any) -> Any:
-    """The batch with no rows: its structure for a rank whose share of a batch is empty."""
-    return map_tensors(lambda t: t[:0], batch)
-
-
-def seed_worker_globals(seed: int, epoch: int, rank: int, worker: int) -> None:
-    """Seed a loader worker's global torch / numpy / ``random`` generators from (seed, epoch,
-    rank, worker id), so ranks and workers draw different numbers (never a sample's key)."""
-    import random
-
-    import numpy as np
-
-    value = sample_seed(seed, epoch, -1 - (rank * 4096 + worker))
-    random.seed(value)
-    torch.manual_seed(value)
-    np.random.seed(value % 2**32)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
-    return map_tensors(lambda t: t.to(device, non_blocking=device.type == "cuda"), batch)
 
 
 def _check_weights(weights: Sequence[float] | torch.Tensor, length: int) -> torch.Tensor:

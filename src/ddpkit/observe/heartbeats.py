@@ -1,7 +1,8 @@
 """What a hang looks like: each rank's heartbeat, the shared verdict, who is stuck, the report.
 
 Pure functions of the heartbeats and a clock, so every decision the watchdog makes is tested
-without threads, stores or processes; :mod:`ddpkit.watchdog` runs them on a daemon thread.
+without threads, stores or processes; :mod:`ddpkit.observe.watchdog` runs them on a daemon thread. :func:`beat` and
+:func:`watch` are how code below the runtime reports progress to it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 EXIT_HANG = 124
 """Exit code of every rank of a job the watchdog found hung (as ``timeout(1)``)."""
@@ -172,19 +173,34 @@ def _ranges(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
-_beat_target: Callable[[str], None] | None = None
+
+class Target(Protocol):
+    """Where :func:`beat` and :func:`watch` go: the runtime of a job that runs a watchdog."""
+
+    def heartbeat(self, phase: str) -> None: ...
+
+    def watch_progress(self, probe: Callable[[], int]) -> None: ...
+
+
+_target: Target | None = None
 
 
 def beat(phase: str) -> None:
     """Tell the running job's watchdog that this rank made progress and is now in ``phase``.
 
-    Loop code calls it without knowing the runtime; with no watchdog running it does nothing.
+    Loop and checkpoint code call it without knowing the runtime; with no watchdog it does nothing.
     """
-    if _beat_target is not None:
-        _beat_target(phase)
+    if _target is not None:
+        _target.heartbeat(phase)
 
 
-def set_beat_target(target: Callable[[str], None] | None) -> None:
-    """Where :func:`beat` goes: the runtime's heartbeat while one runs, None after it closes."""
-    global _beat_target
-    _beat_target = target
+def watch(probe: Callable[[], int]) -> None:
+    """Count a rise of ``probe()`` (samples a loader's workers read) as progress for the watchdog."""
+    if _target is not None:
+        _target.watch_progress(probe)
+
+
+def set_target(target: Target | None) -> None:
+    """Send :func:`beat` and :func:`watch` to ``target`` (the runtime, while its watchdog runs), or nowhere."""
+    global _target
+    _target = target

@@ -22,22 +22,24 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from ddpkit import runtime
+from ddpkit._files import atomic_path
 from ddpkit._torch import unwrap
-from ddpkit.data import concat_batches, map_tensors, private_generator, shard_range, to_device, zero_rows
 from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
+from ddpkit.loop.sampler import shard_range
+from ddpkit.observe import heartbeats
 from ddpkit.parallel import lazy_buffers
+from ddpkit.rng import private_generator
 
 
 def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
                    stream: Any = None, positions: list[list[int]] | None = None) -> Iterator[Any]:
     """This rank's shard in batches; each batch counts as progress for the hang watchdog.
 
-    For a stream pass its :class:`ddpkit.streams.evaluation.StreamShard`; ``positions`` then
+    For a stream pass its :class:`ddpkit.loop.streams.evaluation.StreamShard`; ``positions`` then
     receives the stream indices of each batch.
     """
-    active = runtime.current()
     if stream is not None:
         batches = stream.batches()
     else:
@@ -48,8 +50,7 @@ def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
     for where, batch in batches:
         if positions is not None and where is not None:
             positions.append(where)
-        if active is not None:
-            active.heartbeat("eval")
+        heartbeats.beat("eval")
         yield batch
 
 
@@ -80,21 +81,33 @@ _END = object()
 
 def _first_sample(dataset: Any) -> Any:
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        from ddpkit.streams.evaluation import first_sample
+        from ddpkit.loop.streams.evaluation import first_sample
 
         return first_sample(dataset)
     return dataset[0]
 
 
 def _stream_shard(dataset: Any, batch_size: int, num_workers: int) -> Any:
-    """A :class:`~ddpkit.streams.evaluation.StreamShard` for an ``IterableDataset``, else None."""
+    """A :class:`~ddpkit.loop.streams.evaluation.StreamShard` for an ``IterableDataset``, else None."""
     from torch.utils.data import IterableDataset
 
     if not isinstance(dataset, IterableDataset):
         return None
-    from ddpkit.streams.evaluation import StreamShard
+    from ddpkit.loop.streams.evaluation import StreamShard
 
     return StreamShard(dataset, batch_size=batch_size, num_workers=num_workers)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in eval mode with gradients off for the block, then back in the mode it was in."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        module.train(was_training)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -119,15 +132,13 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
     """
     lazy_buffers.settle(model)   # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)       # DDP's forward may broadcast buffers: a collective per batch
-    was_training = module.training
-    module.eval()
     device = _device_of(module)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
     for metric in (extra_metrics or {}).values():
         metric.reset()
     stream = _stream_shard(dataset, batch_size, num_workers)
-    try:
+    with _eval_mode(module):
         for inputs, targets in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream), module, dataset):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
@@ -137,8 +148,6 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
             confusion += torch.bincount(targets * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs.float(), targets)
-    finally:
-        module.train(was_training)
     if stream is not None:
         stream.total()          # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
@@ -177,18 +186,12 @@ def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_worke
                positions: list[list[int]] | None = None) -> Iterator[Any]:
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
     device = _device_of(module)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            for batch in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream, positions),
-                                   module, dataset):
-                inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-                with autocast() if autocast is not None else contextlib.nullcontext():
-                    outputs = module(to_device(inputs, device))
-                yield _map(lambda t: t.detach().cpu(), outputs)
-    finally:
-        module.train(was_training)
+    with _eval_mode(module):
+        for batch in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream, positions), module, dataset):
+            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                outputs = module(to_device(inputs, device))
+            yield _map(lambda t: t.detach().cpu(), outputs)
 
 
 def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: str = "main",
@@ -270,8 +273,15 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
 def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:
     import numpy as np
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    merged = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(counts), *tail))
+    with atomic_path(path) as tmp:
+        _copy_parts(np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(counts), *tail)),
+                    parts, counts, tail, dtype)
+
+
+def _copy_parts(merged: Any, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:
+    """Copy each rank's rows into ``merged`` (a memory-mapped ``.npy``) in rank order, 64 MiB at a time."""
+    import numpy as np
+
     row_bytes = int(np.prod(tail, dtype=np.int64)) * np.dtype(dtype).itemsize
     start = 0
     for part, count in zip(parts, counts):
@@ -286,7 +296,6 @@ def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, 
         start += count
     merged.flush()
     del merged
-    os.replace(tmp, path)
 
 
 def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -301,11 +310,6 @@ def _empty_output(module: torch.nn.Module, dataset: Any) -> Any:
     """Zero rows with the right trailing shape, from one sample (a rank with an empty shard)."""
     sample = _first_sample(dataset)
     inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            out = module(to_device(inputs, _device_of(module)).unsqueeze(0))
-    finally:
-        module.train(was_training)
+    with _eval_mode(module):
+        out = module(to_device(inputs, _device_of(module)).unsqueeze(0))
     return _map(lambda t: t.detach().cpu()[:0], out)

@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ddpkit.errors import UsageError
-from ddpkit.hang import CLOSED, EXIT_HANG, Heartbeat, Verdict, culprit, format_report, seconds_until_hung
+from ddpkit.observe.heartbeats import CLOSED, EXIT_HANG, Heartbeat, Verdict, culprit, format_report, seconds_until_hung
 
 _PREFIX = "ddpkit/watchdog/"
 _VERDICT, _READY, _DUMPED = _PREFIX + "verdict", _PREFIX + "ready", _PREFIX + "dumped"

@@ -13,42 +13,22 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import operator
 import os
-import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from ddpkit._files import atomic_path
 from ddpkit.errors import UsageError
 
 Number = int | float
 _TB_WARNED = False  # warn about a missing TensorBoard once per process, not once per logger
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` and move it into place only if the block succeeds.
-
-    Readers never see a half-written file, and a failure leaves the old file untouched.
-    """
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 class MetricsLogger:
@@ -287,4 +267,4 @@ def _summary_writer(log_dir: Path) -> Any:
     return SummaryWriter(log_dir=str(log_dir))
 
 
-__all__ = ["MetricsLogger", "atomic_path"]
+__all__ = ["MetricsLogger", "as_floats"]

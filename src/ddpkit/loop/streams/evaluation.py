@@ -13,13 +13,13 @@ from typing import Any, Iterator
 
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit import runtime
 from ddpkit.dist import collectives
+from ddpkit.observe import heartbeats
 from ddpkit.errors import DdpkitError
-from ddpkit.streams.order import EpochOrder
-from ddpkit.streams.pieces import Pieces, as_is, warn_plain_stream
-from ddpkit.streams.reading import ensure_lengths, read_range
-from ddpkit.streams.shards import ShardError, Shards
+from ddpkit.loop.streams.order import EpochOrder
+from ddpkit.loop.streams.pieces import Pieces, as_is, warn_plain_stream
+from ddpkit.loop.streams.lengths import ensure_lengths
+from ddpkit.loop.streams.shards import ShardError, Shards, read_range
 
 class StreamShard:
     """This rank's batches of a stream, each with the stream indices of its samples."""
@@ -30,10 +30,8 @@ class StreamShard:
         self.pieces = Pieces(dataset, mode="eval", rank=self.rank, world_size=self.world_size,
                              batch_size=batch_size, shuffle=False, seed=0, drop_last=False,
                              collate_fn=default_collate)
-        active = runtime.current()
-        if active is not None:
-            progress = self.pieces.progress
-            active.watch_progress(lambda: int(progress[0]))
+        progress = self.pieces.progress
+        heartbeats.watch(lambda: int(progress[0]))
         self.seen, self.first = -1, 0
         if isinstance(dataset, Shards):
             ensure_lengths(dataset, num_workers=num_workers, rank=self.rank, world_size=self.world_size,

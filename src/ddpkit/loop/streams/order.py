@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from ddpkit.data import shard_range
+from ddpkit.loop.sampler import shard_range
 
 
 class Layout:

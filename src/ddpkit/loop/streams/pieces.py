@@ -25,12 +25,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ddpkit import data
+from ddpkit import rng
 from ddpkit._torch import worker_info_hidden
-from ddpkit.data import shard_range
-from ddpkit.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
-from ddpkit.streams.reading import read_range
-from ddpkit.streams.shards import ShardError, Shards
+from ddpkit.loop.batch import concat_batches, zero_rows
+from ddpkit.loop.sampler import shard_range
+from ddpkit.loop.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
+from ddpkit.loop.streams.shards import ShardError, Shards, read_range
 
 PLAIN_WINDOW = 256        # shuffle window of a plain stream with shuffle=True
 
@@ -63,7 +63,7 @@ class Pieces(IterableDataset):
 
     def _seed(self, epoch: int, worker: int) -> None:
         """Seed a worker's global generators from (seed, epoch, rank, worker), as map-style loaders do."""
-        data.seed_worker_globals(self.seed, epoch, self.rank, worker)
+        rng.seed_worker_globals(self.seed, epoch, self.rank, worker)
         self._seeded_epoch = epoch
 
     def tick(self) -> None:
@@ -107,11 +107,11 @@ class Pieces(IterableDataset):
                 piece = self._piece(b, workers, samples, count)
                 piece["w"] = worker
                 if piece["batch"] is not None:
-                    template = data.zero_rows(piece["batch"])
+                    template = zero_rows(piece["batch"])
                 elif worker == 0 and rank_columns.start >= count:     # the rank has nothing here
                     if template is None:
                         probe = [s for _, s in read_range(shards, order, 0, 1, seed=self.seed)]
-                        template = data.zero_rows(self.collate_fn(probe))
+                        template = zero_rows(self.collate_fn(probe))
                     piece["template"] = template
                 yield piece
         finally:
@@ -159,17 +159,14 @@ class Pieces(IterableDataset):
         window: list[tuple[int, Any]] = []
         block = 0
         while True:
-            data._current_key = data.SampleKey(self.seed, epoch, index)
             try:
-                with worker_info_hidden():
+                with rng.reading(rng.SampleKey(self.seed, epoch, index)), worker_info_hidden():
                     sample = next(it)
             except StopIteration:
                 break
             except Exception as exc:
                 raise StreamError(f"{type(self.source).__name__} failed at sample {index}: "
                                   f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                data._current_key = None
             self.tick()
             if not self.shuffle:
                 yield index, sample
@@ -204,7 +201,7 @@ class Pieces(IterableDataset):
         piece = self._piece(b, 1, batch[self.rank::self.world_size], len(batch))
         piece["seen"], piece["fp"] = seen, fingerprint(batch[0][1])
         if piece["batch"] is None:
-            piece["template"] = data.zero_rows(self.collate_fn([batch[0][1]]))
+            piece["template"] = zero_rows(self.collate_fn([batch[0][1]]))
         return piece
 
     def _plain_eval(self, worker: int, workers: int) -> Iterator[dict[str, Any]]:
@@ -313,7 +310,7 @@ def join(pieces: Any, parts: int) -> Iterator[tuple[int, list[int], Any, int, tu
         group.sort(key=lambda p: p["w"])
         filled = [p["batch"] for p in group if p["batch"] is not None]
         if filled:
-            batch = filled[0] if len(filled) == 1 else data.concat_batches(filled)
+            batch = filled[0] if len(filled) == 1 else concat_batches(filled)
         else:
             batch = next((p["template"] for p in group if p["template"] is not None), None)
             if batch is None:

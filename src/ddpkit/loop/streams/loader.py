@@ -1,4 +1,4 @@
-"""The loader of a stream: the same contract as :class:`ddpkit.loader.ShardedLoader`.
+"""The loader of a stream: the same contract as :class:`ddpkit.loop.loader.ShardedLoader`.
 
 Each ``iter(loader)`` starts the epoch (after ``rt.load``: continues the saved one), every rank
 takes the same number of steps, a short last global batch is split unevenly and weighed by
@@ -18,14 +18,15 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit import data
+from ddpkit import rng
+from ddpkit.loop.batch import to_device
 from ddpkit.dist import collectives
 from ddpkit.errors import DdpkitError
-from ddpkit.loader import LoaderPosition
-from ddpkit.streams.order import Layout
-from ddpkit.streams.pieces import Pieces, as_is, join, warn_once, warn_plain_stream
-from ddpkit.streams.reading import ensure_lengths
-from ddpkit.streams.shards import Shards
+from ddpkit.loop.loader import LoaderPosition
+from ddpkit.loop.streams.order import Layout
+from ddpkit.loop.streams.pieces import Pieces, as_is, join, warn_once, warn_plain_stream
+from ddpkit.loop.streams.lengths import ensure_lengths
+from ddpkit.loop.streams.shards import Shards
 
 class StreamPlan:
     """The part of :class:`ddpkit.data.GlobalBatchSampler`'s interface the training loop reads."""
@@ -96,7 +97,7 @@ class StreamLoader(LoaderPosition):
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
             prefetch_factor=(prefetch_factor or 2) if workers else None,
             worker_init_fn=self._pieces.seed_worker if workers else None,
-            generator=data.private_generator(seed))
+            generator=rng.private_generator(seed))
 
     @property
     def length_known(self) -> bool:       # type: ignore[override]
@@ -131,7 +132,7 @@ class StreamLoader(LoaderPosition):
                 self.positions, self.local_count, self.global_count = local, len(local), count
                 if self._on_batch is not None:
                     self._on_batch(self)
-                yield data.to_device(batch, self.device)
+                yield to_device(batch, self.device)
             if not self.is_shards:
                 self._agree(0, -1, 0)
             elif expected != len(self):

@@ -1,10 +1,14 @@
 """``ddpkit.Shards``: a stream made of shards, read so that no sample depends on the world size.
 
+This module is the stream's description and how it is read: in order, from a start, counted,
+with errors that name the shard. :mod:`ddpkit.loop.streams.lengths` learns the lengths of all
+shards across ranks and workers.
+
 A shard is anything ``read`` understands (a file path, a URL, an index into a Hugging Face
 streaming dataset); ``read(shard)`` yields its samples, always in the same order. If ``read``
 takes a second argument, ddpkit calls ``read(shard, start)`` to begin at sample ``start``
 (:func:`ddpkit.read_tar` does that without reading the skipped samples); otherwise it reads
-and drops them. See :mod:`ddpkit.streams.order` for the order an epoch reads them in.
+and drops them. See :mod:`ddpkit.loop.streams.order` for the order an epoch reads them in.
 
 Example:
     >>> shards = Shards(["a.tar", "b.tar"], read=ddpkit.read_tar)        # doctest: +SKIP
@@ -23,8 +27,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch.utils.data import IterableDataset
 
+from ddpkit import rng
+from ddpkit._files import atomic_path
+from ddpkit._torch import worker_info_hidden
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.streams.order import EpochOrder
+from ddpkit.loop.streams.order import EpochOrder
 
 DEFAULT_WINDOW = 256
 
@@ -86,7 +93,7 @@ class Shards(IterableDataset):
     def from_dataset(cls, dataset: Any, *, shards: int = 16, **kwargs: Any) -> "Shards":
         """A map-style ``dataset`` as a stream of ``shards`` contiguous shards (to compare, or to
         read an indexable set in stream order)."""
-        from ddpkit.data import shard_range
+        from ddpkit.loop.sampler import shard_range
 
         parts = [shard_range(len(dataset), i, shards) for i in range(shards)]
         return cls(parts, _DatasetShard(dataset), lengths=[len(p) for p in parts], **kwargs)
@@ -101,8 +108,6 @@ class Shards(IterableDataset):
         return f"Shards({len(self.shards)} shards, {known})"
 
     def __iter__(self) -> Iterator[Any]:
-        from ddpkit.streams.reading import count_shard, read_range
-
         if self.lengths is None:
             self.lengths = [count_shard(self, i) for i in range(len(self.shards))]
         order = EpochOrder(self.lengths, shuffle=False, seed=0, epoch=0)
@@ -135,12 +140,132 @@ class Shards(IterableDataset):
         if path is None or self.lengths is None:
             return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.lengths))
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                tmp.write_text(json.dumps(self.lengths))
         except OSError as exc:
             warnings.warn(f"ddpkit: could not cache shard lengths in {path}: {exc}", stacklevel=3)
+
+
+# -- reading ------------------------------------------------------------------------------
+# Every call into the user's ``read`` runs with worker info hidden (see
+# :func:`ddpkit._torch.worker_info_hidden`) and marks the sample for :func:`ddpkit.sample_rng`.
+
+def shard_name(shards: Shards, shard: int) -> str:
+    value = shards.shards[shard]
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else repr(value)
+
+
+def _open(shards: Shards, shard: int, start: int) -> tuple[Iterator[Any], int]:
+    """An iterator over ``shard`` and the read index it yields first (``start`` if read can skip)."""
+    try:
+        with worker_info_hidden():
+            if shards.takes_start and start:
+                return iter(shards.read(shards.shards[shard], start)), start
+            return iter(shards.read(shards.shards[shard])), 0
+    except Exception as exc:   # the user's read: name the shard, whatever it raised
+        raise ShardError(f"shard {shard_name(shards, shard)} failed to open: {type(exc).__name__}: {exc}") from exc
+
+
+def _next(shards: Shards, shard: int, it: Iterator[Any], index: int, key: rng.SampleKey | None) -> Any:
+    """The next sample of ``shard`` (read index ``index``); a short shard or an error names it."""
+    try:
+        with rng.reading(key), worker_info_hidden():
+            return next(it)
+    except StopIteration:
+        expected = shards.lengths[shard] if shards.lengths is not None else index
+        raise ShardError(f"shard {shard_name(shards, shard)} ended after {index} samples, but its length "
+                         f"is {expected}; it changed since its length was counted (pass lengths= "
+                         f"or delete {shards.cache_file() or 'the cached lengths'})") from None
+    except ShardError:
+        raise
+    except Exception as exc:
+        raise ShardError(f"shard {shard_name(shards, shard)} failed at sample {index}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+def _check_end(shards: Shards, shard: int, it: Iterator[Any]) -> None:
+    try:
+        with worker_info_hidden():
+            next(it)
+    except StopIteration:
+        return
+    except Exception:
+        return      # an error past the last counted sample: not one of ours to read
+    raise ShardError(f"shard {shard_name(shards, shard)} yields more than its length "
+                     f"{shards.lengths[shard]}; it changed since its length was counted (pass "
+                     f"lengths= or delete {shards.cache_file() or 'the cached lengths'})")
+
+
+def read_shard(shards: Shards, order: EpochOrder, shard: int, first: int, stop: int,
+               seed: int, progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """(stream index, sample) for samples ``[first, stop)`` of ``shard``, read in order."""
+    it, index = _open(shards, shard, first)
+    natural = order.natural[shard]
+    try:
+        if index < first:                          # skip what read could not
+            _warn_skip(shards, shard, first - index)
+        while index < first:
+            _next(shards, shard, it, index, None)
+            index += 1
+        while index < stop:
+            item = _next(shards, shard, it, index, rng.SampleKey(seed, order.epoch, natural + index))
+            if progress is not None:
+                progress()
+            yield natural + index, item
+            index += 1
+        if index == order.lengths[shard]:
+            _check_end(shards, shard, it)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+_SKIP_WARNING = 1000
+_skip_warned = False
+
+
+def _warn_skip(shards: Shards, shard: int, count: int) -> None:
+    global _skip_warned
+    if count >= _SKIP_WARNING and not _skip_warned:
+        _skip_warned = True
+        warnings.warn(f"ddpkit: read({shard_name(shards, shard)}) cannot start mid-shard, so {count} samples "
+                      "were read and dropped to reach a reader's first sample; give read a second "
+                      "parameter, read(shard, start), that starts at sample start", stacklevel=2)
+
+
+def read_range(shards: Shards, order: EpochOrder, first: int, stop: int, *, seed: int,
+               progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """(stream index, sample) for positions ``[first, stop)`` of the epoch's order, lazily."""
+    position = first
+    while position < stop:
+        shard, offset = order.locate(position)
+        end = min(order.lengths[shard], offset + stop - position)
+        yield from read_shard(shards, order, shard, offset, end, seed, progress)
+        position += end - offset
+
+
+def count_shard(shards: Shards, shard: int, progress: Callable[[], None] | None = None) -> int:
+    """Samples in ``shard``, by reading it (without a key: nothing random is drawn for counting)."""
+    it, _ = _open(shards, shard, 0)
+    count = 0
+    try:
+        while True:
+            try:
+                with worker_info_hidden():
+                    next(it)
+            except StopIteration:
+                return count
+            except Exception as exc:
+                raise ShardError(f"shard {shard_name(shards, shard)} failed at sample {count}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            count += 1
+            if progress is not None:
+                progress()
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
 
 
 class _HfShard:

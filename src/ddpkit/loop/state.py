@@ -129,7 +129,7 @@ class RunState:
     """
 
     precision: Any
-    """The run's :class:`~ddpkit.precision.Precision`."""
+    """The run's :class:`~ddpkit.loop.precision.Precision`."""
     seed: int | None = None
     """The seed of ``ddpkit.init`` (None: unseeded); keys the data order."""
     loop: LoopState = field(default_factory=LoopState)

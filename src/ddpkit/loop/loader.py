@@ -10,7 +10,7 @@ nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
   seeded from (seed, epoch, rank, worker id), so ranks draw different numbers; per-sample
   randomness that must not depend on the world size comes from :func:`ddpkit.sample_rng`.
 
-The loop state (:mod:`ddpkit.loopstate`) reads each loader's :meth:`ShardedLoader.position_record`
+The loop state (:mod:`ddpkit.loop.state`) reads each loader's :meth:`ShardedLoader.position_record`
 into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.
 """
 
@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from ddpkit import data
-from ddpkit.data import GlobalBatchSampler, to_device
+from ddpkit import rng
+from ddpkit.loop.batch import zero_rows
+from ddpkit.loop.batch import to_device
+from ddpkit.loop.sampler import GlobalBatchSampler
 
 
 class _KeyedDataset(Dataset):
@@ -48,7 +50,7 @@ class _KeyedDataset(Dataset):
             self.user_worker_init(worker_id)
 
     def _seed_globals(self, epoch: int, worker_id: int) -> None:
-        data.seed_worker_globals(self.seed, epoch, self.rank, worker_id)
+        rng.seed_worker_globals(self.seed, epoch, self.rank, worker_id)
         self._seeded_epoch = epoch
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
@@ -56,11 +58,8 @@ class _KeyedDataset(Dataset):
         worker = get_worker_info()
         if worker is not None and self._seeded_epoch != epoch:
             self._seed_globals(epoch, worker.id)    # a persistent worker reading a new epoch
-        data._current_key = data.SampleKey(self.seed, epoch, index)
-        try:
+        with rng.reading(rng.SampleKey(self.seed, epoch, index)):
             return self.dataset[index]
-        finally:
-            data._current_key = None
 
 
 class _EpochBatches:
@@ -168,7 +167,7 @@ class ShardedLoader(LoaderPosition):
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
             prefetch_factor=(prefetch_factor or 2) if workers else None,
             worker_init_fn=self._keyed.seed_worker if workers else None,
-            generator=data.private_generator(seed),
+            generator=rng.private_generator(seed),
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -186,7 +185,7 @@ class ShardedLoader(LoaderPosition):
                     raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
                                        "iter(loader); iterate one pass at a time, like a DataLoader")
                 if not local:
-                    batch = data.zero_rows(batch)
+                    batch = zero_rows(batch)
                 self.position += 1
                 self.local_count, self.global_count = len(local), total
                 if self._on_batch is not None:
