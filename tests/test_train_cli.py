@@ -195,7 +195,7 @@ def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
 
 def _check_diagnoses(rows, out, stdout):
     """Every row diagnosed (printed too), bf16 named where this CPU lacks it, a verdict naming DDP's bound."""
-    from ddpkit.bench_report import cpu_flags
+    from ddpkit.bench.diagnose import cpu_flags
 
     for row in rows:
         assert row["diagnosis"] and "\n" not in row["diagnosis"], row
@@ -253,7 +253,7 @@ def test_the_bar_shows_loss_and_samples_per_second_on_a_terminal(monkeypatch, tm
 
 
 def test_bound_words_and_precision_notes():
-    from ddpkit.bench_report import bound_word, precision_note
+    from ddpkit.bench.diagnose import bound_word, precision_note
 
     assert precision_note("bf16", "cpu", flags={"avx2"}).startswith("bf16 is not accelerated on this CPU")
     assert precision_note("bf16", "cpu", flags={"avx2", "amx_bf16"}) is None

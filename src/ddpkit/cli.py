@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from ddpkit.cliparse import Parser
+from ddpkit._argparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -177,7 +177,7 @@ def cmd_export(argv: Sequence[str]) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    from ddpkit.bench import cmd_bench as bench_main
+    from ddpkit.bench.run import cmd_bench as bench_main
 
     return bench_main(argv)
 

@@ -18,7 +18,8 @@ from typing import Any
 from ddpkit.errors import DdpkitError
 from ddpkit.dist.torchrun import RunSpec, run
 from ddpkit.recipes.config import TrainConfig, validate
-from ddpkit.report import COLUMNS, add_speedup, markdown_table, write_report
+from ddpkit.bench.outputs import write_report
+from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
 
 
 def modes(nproc: int, gpus: int) -> list[tuple[str, dict[str, Any]]]:
@@ -82,7 +83,8 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
 
 def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path) -> dict[str, Any]:
     """A ``ddpkit bench`` row of this configuration: 64 samples a step, as the training used."""
-    from ddpkit.bench import Configuration, Settings, measure
+    from ddpkit.bench.plan import Configuration, Settings
+    from ddpkit.bench.run import measure
 
     nproc, devices = overrides["nproc"], (gpus if overrides.get("data_parallel") else 1)
     config = Configuration(mode, nproc, overrides["precision"], devices=devices)
@@ -93,7 +95,7 @@ def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path) -> d
 
 def _diagnosed(row: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
     """``row`` with the bench diagnosis of its step, the step's shares and its threads per process."""
-    from ddpkit.bench_report import bound_word, diagnose
+    from ddpkit.bench.diagnose import bound_word, diagnose
 
     step = row["step"]
     diagnosis = diagnose(step, steps)

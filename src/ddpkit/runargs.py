@@ -18,7 +18,7 @@ import argparse
 import os
 from typing import Sequence
 
-from ddpkit.cliparse import Parser
+from ddpkit._argparse import Parser
 from ddpkit.errors import UsageError
 from ddpkit.dist.torchrun import RunSpec
 

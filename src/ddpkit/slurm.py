@@ -13,7 +13,7 @@ import shutil
 import sys
 from typing import Sequence
 
-from ddpkit.cliparse import Parser
+from ddpkit._argparse import Parser
 from ddpkit.errors import UsageError
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")

@@ -1,8 +1,9 @@
-"""The argument parser every ``ddpkit`` command uses, below the commands that borrow it.
+"""The argument parser every ``ddpkit`` command uses, in the base layer below all of them.
 
-:mod:`ddpkit.cli`, :mod:`ddpkit.bench` and :mod:`ddpkit.slurm` all build their parsers from
-:class:`Parser`; it lives here, under all three, so that none of them imports another to get it
-(``cli`` imports ``bench`` and ``slurm`` to run their commands).
+The commands of :mod:`ddpkit.cli`, ``ddpkit bench`` (:mod:`ddpkit.bench.plan`) and
+:mod:`ddpkit.slurm` build their parsers from :class:`Parser`. It needs only
+:mod:`ddpkit.errors`, so it lives with the base modules: ``bench`` sits below ``cli`` and must
+not import it, and ``cli`` imports ``bench`` and ``slurm`` to run their commands.
 """
 
 from __future__ import annotations
@@ -22,4 +23,5 @@ class Parser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
+        """Raise ``message`` as a :class:`~ddpkit.errors.UsageError` naming ``PROG --help``."""
         raise UsageError(f"{message} (see '{self.prog} --help')")
