@@ -30,6 +30,9 @@ def test_the_layers_contracts_are_kept():
     assert "no circles between the modules of ddpkit.parallel KEPT" in done.stdout
     assert "ddpkit.bench stands on runtime and below KEPT" in done.stdout
     assert "no circles between the modules of ddpkit.bench KEPT" in done.stdout
+    assert "ddpkit.recipes stands on runtime and below KEPT" in done.stdout
+    assert "nothing imports ddpkit.cli but python -m ddpkit KEPT" in done.stdout
+    assert "no circles between the modules of ddpkit.cli KEPT" in done.stdout
 
 
 @pytest.mark.parametrize("module, line, broken", [
@@ -45,10 +48,26 @@ def test_the_layers_contracts_are_kept():
      "ddpkit.parallel stands on dist, observe and the base modules alone BROKEN"),
     ("bench/run.py", "from ddpkit import cli", "ddpkit.bench stands on runtime and below BROKEN"),
     ("bench/stopwatch.py", "from ddpkit.bench import run", "no circles between the modules of ddpkit.bench BROKEN"),
+    ("recipes/models.py", "from ddpkit.bench import plan", "ddpkit.recipes stands on runtime and below BROKEN"),
+    ("recipes/models.py", "from ddpkit import cli", "nothing imports ddpkit.cli but python -m ddpkit BROKEN"),
+    ("dist/host.py", "from ddpkit.cli import run", "nothing imports ddpkit.cli but python -m ddpkit BROKEN"),
 ])
 def test_an_upward_import_or_a_circle_breaks_them(tmp_path, module, line, broken):
-    shutil.copytree(ROOT / "src" / "ddpkit", tmp_path / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
-    target = tmp_path / "ddpkit" / module
-    target.write_text(target.read_text() + f"\n{line}  # an import up a layer\n")
-    done = _lint(tmp_path)
+    done = _lint_with(tmp_path, {module: line})
     assert done.returncode != 0 and broken in done.stdout, done.stdout[-3000:]
+
+
+def test_two_commands_importing_each_other_break_the_cli_contract(tmp_path):
+    done = _lint_with(tmp_path, {"cli/train.py": "from ddpkit.cli import predict",
+                                 "cli/predict.py": "from ddpkit.cli import train"})
+    assert done.returncode != 0 and "no circles between the modules of ddpkit.cli BROKEN" in done.stdout, \
+        done.stdout[-3000:]
+
+
+def _lint_with(tmp_path: Path, lines: dict[str, str]) -> subprocess.CompletedProcess:
+    """``lint-imports`` over a copy of the package with each line appended to its module."""
+    shutil.copytree(ROOT / "src" / "ddpkit", tmp_path / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for module, line in lines.items():
+        target = tmp_path / "ddpkit" / module
+        target.write_text(target.read_text() + f"\n{line}  # an import up a layer, or round in a circle\n")
+    return _lint(tmp_path)

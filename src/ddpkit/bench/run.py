@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ddpkit.bench.diagnose import diagnose
-from ddpkit.bench.outputs import write_outputs
-from ddpkit.bench.plan import Configuration, Settings, parse_settings, plan
+from ddpkit.bench.plan import Configuration, Settings, plan
 from ddpkit.bench.summary import not_applicable, summarize, with_speedup
 from ddpkit.errors import DdpkitError, UsageError
 
@@ -199,13 +197,3 @@ def _check_machine(settings: Settings, gpus: int) -> None:
     if settings.data != "synthetic":
         runnable = [c for c in plan(settings, gpus) if c.reason is None]
         bench_dataset(settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1))
-
-
-def cmd_bench(argv: Sequence[str]) -> int:
-    """``ddpkit bench``: run, print the table, write bench.json, bench.md and scaling.png."""
-    settings = parse_settings(argv)
-    report = run_bench(settings)
-    report["command"] = shlex.join(["ddpkit", "bench", *argv])
-    paths = write_outputs(Path(settings.out), report)
-    print(f"bench: wrote {', '.join(str(p) for p in paths)}")
-    return 0
