@@ -5,8 +5,8 @@ on simulated hosts whose links are shaped (issue 16's table)::
         --batch 16 --steps 6 --warmup 2 --rounds 3 --out runs/peers
 
 Every loop is started the same way (``ddpkit run`` of a module on each host of
-:class:`ddpkit.netsim.SimulatedHosts`, one process per host), builds the same model from the
-same seed on the same data, and is timed by the same stopwatch (:mod:`ddpkit.bench_worker`);
+:class:`ddpkit.bench.netsim.SimulatedHosts`, one process per host), builds the same model from the
+same seed on the same data, and is timed by the same stopwatch (:mod:`ddpkit.bench.stopwatch`);
 the loops run interleaved, one round after another, because this VM's speed drifts. Needs
 root (network namespaces and ``tc``) and the two libraries: ``pip install -c constraints.txt
 -e '.[peers]'``. ``--links 10000`` stands in for an unshaped link.
@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 # (name in the table, module that runs it, --grad-compression)
 LOOPS = {
-    "hand-written DDP": ("ddpkit._raw_ddp", "none"),
+    "hand-written DDP": ("ddpkit.bench.raw_ddp", "none"),
     "Lightning Fabric (defaults)": ("peers:fabric", "none"),
     "Accelerate (defaults)": ("peers:accelerate", "none"),
-    "ddpkit": ("ddpkit.bench_worker", "none"),
+    "ddpkit": ("ddpkit.bench.worker", "none"),
     "Accelerate + PowerSGD (rank 2)": ("peers:accelerate", "powersgd"),
-    "ddpkit + PowerSGD (rank 2)": ("ddpkit.bench_worker", "powersgd"),
+    "ddpkit + PowerSGD (rank 2)": ("ddpkit.bench.worker", "powersgd"),
 }
 _RUN_LIMIT_S = 400
 _PRECISION = {"fabric": {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"},
@@ -48,7 +48,7 @@ _PRECISION = {"fabric": {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mi
 
 def _timed_steps(opts: Any, device: torch.device, batches: Iterator[Any], model: Any,
                  backward: Callable[[torch.Tensor], None], optimizer: Any) -> list[tuple[float, ...]]:
-    from ddpkit.bench_worker import mark
+    from ddpkit.bench.stopwatch import mark
 
     marks = []
     for _ in range(opts.warmup + opts.steps):
@@ -79,7 +79,7 @@ def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: tor
 
     import torch.distributed as dist
 
-    from ddpkit.bench_worker import backward_alone, rank_stats, write_result
+    from ddpkit.bench.stopwatch import backward_alone, rank_stats, write_result
 
     payload = None
     if opts.grad_compression == "powersgd":      # what torch's hook hands to allreduce: P and Q, 1-D whole
@@ -108,7 +108,7 @@ def fabric(opts: Any) -> None:
     from lightning_fabric import Fabric
     from torch.utils.data import DataLoader
 
-    from ddpkit.bench_worker import bench_dataset, make_optimizer
+    from ddpkit.bench.workload import bench_dataset, make_optimizer
     from ddpkit.recipes.models import build_model
 
     world_size, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -134,7 +134,7 @@ def accelerate(opts: Any) -> None:
     from accelerate.utils import DDPCommunicationHookType
     from torch.utils.data import DataLoader
 
-    from ddpkit.bench_worker import bench_dataset, make_optimizer, powersgd_start
+    from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start
     from ddpkit.recipes.models import build_model
 
     handlers = []
@@ -161,19 +161,21 @@ def accelerate(opts: Any) -> None:
 # -- the driver ----------------------------------------------------------------------------------
 
 def _measure(name: str, link: float, opts: Any, runs: Path) -> dict[str, Any]:
-    from ddpkit import bench
+    from ddpkit.bench.plan import parse_settings, plan
+    from ddpkit.bench.run import run_loop
+    from ddpkit.bench.summary import summarize
 
     target, compression = LOOPS[name]
     module, _, loop = target.partition(":")
-    settings = bench.parse_settings(["--model", opts.model, "--data", "synthetic", "--modes", "ddp",
-                                     "--hosts", str(opts.hosts), "--nproc", "1", "--link-mbit", str(link),
-                                     "--batch", str(opts.batch), "--steps", str(opts.steps),
-                                     "--warmup", str(opts.warmup), "--grad-compression", compression])
-    config = bench.plan(settings, gpus=0)[0]
+    settings = parse_settings(["--model", opts.model, "--data", "synthetic", "--modes", "ddp",
+                               "--hosts", str(opts.hosts), "--nproc", "1", "--link-mbit", str(link),
+                               "--batch", str(opts.batch), "--steps", str(opts.steps),
+                               "--warmup", str(opts.warmup), "--grad-compression", compression])
+    config = plan(settings, gpus=0)[0]
     slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
     result = runs / f"{slug}-{link:g}.json"
     os.environ["DDPKIT_PEER_LOOP"] = loop        # read by this module's worker entry below
-    row = bench.summarize(config, bench.run_loop(config, settings, result, target=module))
+    row = summarize(config, run_loop(config, settings, result, target=module))
     return {"loop": name, "link_mbit": link, "samples_per_second": row["samples_per_second"],
             "step_seconds": row["step_seconds"], "comm_overlap": row["comm_overlap"],
             "weights_sha256": row["weights_sha256"]}
@@ -262,7 +264,7 @@ def main() -> int:
 def _worker() -> int:
     import threading
 
-    from ddpkit.bench_worker import worker_parser
+    from ddpkit.bench.workload import worker_parser
 
     opts = worker_parser("python -m peers").parse_args()
     # a hang that the process group's timeout misses (torch's PowerSGD hook on gloo) ends the run

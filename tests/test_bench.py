@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from ddpkit import cli
-from ddpkit.bench import Configuration, Settings, plan, summarize
-from ddpkit.bench_report import PHASES, diagnose
+from ddpkit.bench.diagnose import diagnose
+from ddpkit.bench.plan import Configuration, Settings, plan
+from ddpkit.bench.stopwatch import PHASES
+from ddpkit.bench.summary import summarize
 from ddpkit.recipes.models import build_model
 from helpers import clean_env, kill_tree
 from helpers import ddpkit as ddpkit_cli
@@ -272,7 +274,7 @@ needs_netns = pytest.mark.skipif(not netsim_usable(), reason="simulated hosts ne
 @needs_netns
 @pytest.mark.timeout(400)
 def test_bench_on_simulated_hosts_over_a_shaped_link(tmp_path):
-    from ddpkit import netsim
+    from ddpkit.bench import netsim
 
     out = tmp_path / "out"
     result = ddpkit_cli("bench", "--model", "mlp", "--modes", "ddp", "--hosts", "2", "--nproc", "1",
@@ -293,7 +295,7 @@ def test_bench_on_simulated_hosts_over_a_shaped_link(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_killed_hosts_bench_leaves_no_namespaces_links_or_processes(tmp_path, sig):
-    from ddpkit import netsim
+    from ddpkit.bench import netsim
 
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cli", "bench", "--model", "resnet18", "--modes", "ddp",
                              "--hosts", "2", "--nproc", "1", "--link-mbit", "5", "--batch", "4", "--steps", "50",
@@ -315,7 +317,7 @@ def test_a_killed_hosts_bench_leaves_no_namespaces_links_or_processes(tmp_path, 
 
 
 def _bench_workers() -> list[str]:
-    """Live (not zombie) processes running ddpkit.bench_worker."""
+    """Live (not zombie) processes running ddpkit.bench.worker."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -323,6 +325,6 @@ def _bench_workers() -> list[str]:
             cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, IndexError):
             continue
-        if "-m ddpkit.bench_worker " in cmdline and state != "Z":
+        if "-m ddpkit.bench.worker " in cmdline and state != "Z":
             found.append(cmdline)
     return found

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -128,31 +127,3 @@ def test_hello_itself_under_launch(capfd, monkeypatch):
 
     assert ddpkit.launch(hello.main, nprocs=2) == {0: None, 1: None}
     assert _hello_lines(capfd.readouterr().out) == ["world_size=2 rank_sum=1"]
-
-
-SRC = Path(ddpkit.__file__).parent
-
-
-def _imports_of(path: Path) -> set[str]:
-    """The modules ``path`` imports, and ``module.name`` for each ``from module import name``."""
-    import ast
-    import importlib.util
-
-    package = ".".join(["ddpkit", *path.parent.relative_to(SRC).parts])
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
-
-
-def test_nothing_below_the_cli_imports_it():
-    """bench and slurm borrow the parser from ddpkit.cliparse; importing ddpkit.cli would be a cycle."""
-    importers = [path.relative_to(SRC).as_posix() for path in sorted(SRC.rglob("*.py"))
-                 if path.name != "cli.py" and "ddpkit.cli" in _imports_of(path)]
-    assert importers == []
-    assert "ddpkit.cliparse.Parser" in _imports_of(SRC / "bench.py") & _imports_of(SRC / "slurm.py")

@@ -319,7 +319,7 @@ def test_doctor_says_where_a_run_listens_and_what_plain_torchrun_exposes(tmp_pat
     assert facts["a run listens on"].startswith("127.0.0.1 only")
     assert facts["gloo/NCCL listen on"].startswith("127.0.0.1 (")
     script = tmp_path / "doctor.py"      # doctor inside a job started by plain torchrun, rank 0 reporting
-    script.write_text("import json, os, sys\nfrom ddpkit.doctor import examine\n"
+    script.write_text("import json, os, sys\nfrom ddpkit.cli.doctor import examine\n"
                       "r = examine()\nif os.environ['RANK'] == '0': print(json.dumps(r.warnings))\n")
     plain = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", str(script)],
                            env=clean_env(), capture_output=True, text=True, timeout=100)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import ddpkit
-from ddpkit.runargs import parser as run_parser
+from ddpkit.cli.run import parser as run_parser
 from helpers import ROOT
 
 DOC = ROOT / "docs" / "migrating.md"

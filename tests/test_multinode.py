@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddpkit import checkpoint
-from ddpkit.slurm import sbatch_script
+from ddpkit.cli.slurm import sbatch_script
 from helpers import BIN, EXAMPLES, ROOT, clean_env, ddpkit as ddpkit_cli, kill_tree, master_port
 
 HELLO = str(EXAMPLES / "hello.py")

@@ -20,9 +20,9 @@ import time
 import psutil
 import pytest
 
-from ddpkit import netsim
+from ddpkit.bench import netns, netsim
+from ddpkit.bench.netsim import NetsimError, SimulatedHosts, check_available, leftovers, remove_leftovers
 from ddpkit.errors import UsageError
-from ddpkit.netsim import NetsimError, SimulatedHosts, check_available, leftovers, remove_leftovers
 from helpers import clean_env
 
 needs_netns = pytest.mark.skipif(
@@ -58,7 +58,7 @@ CLIENT = textwrap.dedent("""
 
 OWNER = textwrap.dedent("""
     import sys, time
-    from ddpkit.netsim import SimulatedHosts
+    from ddpkit.bench.netsim import SimulatedHosts
     with SimulatedHosts(2, 10, tag=sys.argv[1]) as sim:
         sleeps = [sim.popen(host, ["sleep", "300"]) for host in range(2)]
         print("ready", *[proc.pid for proc in sleeps], flush=True)
@@ -330,7 +330,7 @@ def test_what_ignores_sigterm_or_left_its_group_is_killed_too(tag):
         stubborn = sim.popen(0, ["sh", "-c", "trap '' TERM; sleep 300 & wait"])
         sim.popen(1, ["setsid", "-f", "sleep", "300"]).wait(timeout=30)    # its own session, parent gone
         deadline = time.monotonic() + 20
-        while not (escaped := netsim._namespace_pids([f"ddpk-{tag}-h1"])[f"ddpk-{tag}-h1"]):
+        while not (escaped := netns._namespace_pids([f"ddpk-{tag}-h1"])[f"ddpk-{tag}-h1"]):
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert stubborn.returncode == -signal.SIGKILL       # SIGTERM was ignored: SIGKILL after the grace
@@ -344,7 +344,7 @@ def test_what_ignores_sigterm_or_left_its_group_is_killed_too(tag):
 def test_an_owner_that_never_closes_cleans_up_at_exit(tag):
     script = textwrap.dedent("""
         import sys
-        from ddpkit.netsim import SimulatedHosts
+        from ddpkit.bench.netsim import SimulatedHosts
         sim = SimulatedHosts(1, 10, tag=sys.argv[1]).__enter__()
         print(sim.popen(0, ["sleep", "300"]).pid, flush=True)
     """)

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from ddpkit.errors import UsageError
-from ddpkit.report import COLUMNS, add_speedup, markdown_table, plot_scaling, write_report
+from ddpkit.bench.outputs import plot_scaling, write_report
+from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -74,10 +74,10 @@ def test_setup_options_refuse_in_one_place():
     cpu = torch.device("cpu")
     with pytest.raises(UsageError, match="unknown strategy 'zero'"):
         SetupOptions(strategy="zero").check(torch.nn.Linear(2, 2), device=cpu, backend=None, precision="fp32")
-    with pytest.raises(UsageError, match="cpu_offload=True .* needs strategy fsdp"):
+    with pytest.raises(UsageError, match="cpu_offload=True shards parameters .* needs strategy='fsdp'"):
         SetupOptions(cpu_offload=True).check(torch.nn.Linear(2, 2), device=cpu, backend=None, precision="fp32")
-    with pytest.raises(UsageError, match="--cpu-offload .* needs --strategy fsdp"):
-        check_strategy("ddp", True, flag="--strategy")
+    with pytest.raises(UsageError, match="--cpu-offload keeps .* add --strategy fsdp"):
+        check_strategy("ddp", True, cli=True)
     with pytest.raises(UsageError, match="grad_compression is a DDP communication hook"):
         SetupOptions(strategy="fsdp", grad_compression="fp16").check(torch.nn.Linear(2, 2), device=cpu,
                                                                      backend=None, precision="fp32")

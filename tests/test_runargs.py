@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from ddpkit.cli.run import spec_of
 from ddpkit.dist.environment import Environment
 from ddpkit.dist.torchrun import torchrun_args
 from ddpkit.errors import UsageError
-from ddpkit.runargs import spec_of
 from helpers import EXAMPLES, ddpkit as ddpkit_cli
 
 HELLO = str(EXAMPLES / "hello.py")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import cli
+from ddpkit.cli.train import train_config
 from ddpkit.errors import UsageError
 from ddpkit.recipes import train as train_recipe
 from ddpkit.recipes.models import build_model
@@ -93,6 +93,7 @@ BAD = [
     (["--resume", "/nonexistent/ckpt.pt"], "--resume /nonexistent/ckpt.pt does not exist"),
     (["--precision", "fp8"], "unknown precision 'fp8'"),
     (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--nnodes", "0"], "--nnodes must be at least 1"),
     (["--batch", "8", "--global-batch", "16"], "not both"),
     (["--lr", "abc"], "invalid float value"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml not found"),
@@ -157,20 +158,20 @@ def test_config_files_and_flag_precedence(tmp_path):
     (tmp_path / "c.yaml").write_text("model: mlp\nepochs: 7\nglobal-batch: 32\nsync_bn: true\n")
     (tmp_path / "c.toml").write_text('model = "mlp"\nepochs = 2\nlr = 0.2\n')
     out = str(tmp_path / "o")
-    config = cli.train_config(["--config", str(tmp_path / "c.yaml"), "--epochs", "3", "--out", out])
+    config = train_config(["--config", str(tmp_path / "c.yaml"), "--epochs", "3", "--out", out])
     assert (config.model, config.epochs, config.global_batch_size, config.sync_bn) == ("mlp", 3, 32, True)
-    config = cli.train_config(["--config", str(tmp_path / "c.toml"), "--out", out])
+    config = train_config(["--config", str(tmp_path / "c.toml"), "--out", out])
     assert (config.model, config.epochs, config.lr) == ("mlp", 2, 0.2)
     (tmp_path / "bad.yaml").write_text("modle: mlp\n")
     with pytest.raises(UsageError, match="unknown setting\\(s\\) modle"):
-        cli.train_config(["--config", str(tmp_path / "bad.yaml"), "--out", out])
+        train_config(["--config", str(tmp_path / "bad.yaml"), "--out", out])
     (tmp_path / "broken.toml").write_text("model = \n")
     with pytest.raises(UsageError, match="cannot be parsed"):
-        cli.train_config(["--config", str(tmp_path / "broken.toml"), "--out", out])
+        train_config(["--config", str(tmp_path / "broken.toml"), "--out", out])
 
 
 def test_scale_lr_and_per_process_batch(tmp_path):
-    config = cli.train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05",
+    config = train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05",
                                "--out", str(tmp_path / "o")])
     assert config.global_batch_size == 32 and config.effective_lr == pytest.approx(0.1)
 
@@ -195,7 +196,7 @@ def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
 
 def _check_diagnoses(rows, out, stdout):
     """Every row diagnosed (printed too), bf16 named where this CPU lacks it, a verdict naming DDP's bound."""
-    from ddpkit.bench_report import cpu_flags
+    from ddpkit.bench.diagnose import cpu_flags
 
     for row in rows:
         assert row["diagnosis"] and "\n" not in row["diagnosis"], row
@@ -215,7 +216,7 @@ def _check_diagnoses(rows, out, stdout):
 
 
 def test_demo_adds_data_parallel_only_with_two_gpus():
-    from ddpkit.demo import modes
+    from ddpkit.cli.demo import modes
 
     assert [m for m, _ in modes(2, gpus=0)] == ["single", "ddp", "ddp"]
     with_gpus = modes(4, gpus=2)
@@ -243,7 +244,7 @@ class _Tty(io.StringIO):
 def test_the_bar_shows_loss_and_samples_per_second_on_a_terminal(monkeypatch, tmp_path):
     terminal = _Tty()
     monkeypatch.setattr(sys, "stderr", terminal)
-    config = cli.train_config(["--model", "mlp", "--epochs", "1", "--out", str(tmp_path / "run")])
+    config = train_config(["--model", "mlp", "--epochs", "1", "--out", str(tmp_path / "run")])
     summary = train_recipe.train(config)
     bar = terminal.getvalue()
     steps = summary["steps"]
@@ -253,7 +254,7 @@ def test_the_bar_shows_loss_and_samples_per_second_on_a_terminal(monkeypatch, tm
 
 
 def test_bound_words_and_precision_notes():
-    from ddpkit.bench_report import bound_word, precision_note
+    from ddpkit.bench.diagnose import bound_word, precision_note
 
     assert precision_note("bf16", "cpu", flags={"avx2"}).startswith("bf16 is not accelerated on this CPU")
     assert precision_note("bf16", "cpu", flags={"avx2", "amx_bf16"}) is None
@@ -265,7 +266,7 @@ def test_bound_words_and_precision_notes():
 
 
 def test_the_verdict_names_the_bound_of_the_ddp_row():
-    from ddpkit.demo import verdict
+    from ddpkit.cli.demo import verdict
 
     rows = [{"mode": "single", "processes": 1, "precision": "fp32", "speedup": 1.0, "diagnosis": "bound by compute"},
             {"mode": "ddp", "processes": 2, "precision": "fp32", "speedup": 0.63, "cores": 2,

@@ -155,7 +155,7 @@ def test_without_hang_timeout_heartbeat_does_nothing():
 
 
 def test_train_flag_reaches_ddpkit_init(monkeypatch, tmp_path):
-    config = cli.train_config(["--hang-timeout", "2.5", "--out", str(tmp_path / "run")])
+    config = cli.train.train_config(["--hang-timeout", "2.5", "--out", str(tmp_path / "run")])
     assert config.hang_timeout == 2.5
     assert TrainConfig.from_json(config.to_json()).hang_timeout == 2.5
     with pytest.raises(ddpkit.UsageError, match="--hang-timeout must be a positive"):

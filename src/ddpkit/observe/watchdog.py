@@ -45,10 +45,13 @@ _LINGER_S = 2.0          # peers of the stuck rank exit this much later, so the 
 _STORE_TIMEOUT_S = 10.0
 
 
-def check_timeout(hang_timeout: float | None) -> None:
-    """Raise :class:`UsageError` unless ``hang_timeout`` is None or a positive number of seconds."""
+def check_timeout(hang_timeout: float | None, *, flag: str = "hang_timeout") -> None:
+    """Raise :class:`UsageError` unless ``hang_timeout`` is None or a positive number of seconds.
+
+    ``flag`` names the setting in the message (``--hang-timeout`` for ``ddpkit train``).
+    """
     if hang_timeout is not None and not (isinstance(hang_timeout, (int, float)) and hang_timeout > 0):
-        raise UsageError(f"hang_timeout must be a positive number of seconds, got {hang_timeout!r}")
+        raise UsageError(f"{flag} must be a positive number of seconds, got {hang_timeout!r}")
 
 
 class Watchdog:

@@ -19,17 +19,17 @@ from ddpkit.errors import UsageError
 STRATEGIES = ("ddp", "fsdp")
 
 
-def check_strategy(strategy: str, cpu_offload: bool, *, flag: str = "strategy") -> None:
+def check_strategy(strategy: str, cpu_offload: bool, *, cli: bool = False) -> None:
     """Refuse an unknown ``strategy``, or ``cpu_offload`` without ``"fsdp"``, in one line.
 
-    ``flag`` names the setting in the message: ``strategy`` for ``rt.setup``, ``--strategy`` for
-    ``ddpkit train``.
+    ``rt.setup`` and ``ddpkit train`` (``cli=True``: the message names the flags) both check here.
     """
     if strategy not in STRATEGIES:
-        raise UsageError(f"unknown {flag} {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)")
+        raise UsageError(f"--strategy {strategy!r}: choose ddp or fsdp" if cli else
+                         f"unknown strategy {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)")
     if cpu_offload and strategy != "fsdp":
-        offload = "--cpu-offload" if flag.startswith("--") else "cpu_offload=True"
-        raise UsageError(f"{offload} keeps fsdp's shards in CPU memory: it needs {flag} fsdp")
+        raise UsageError("--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" if cli else
+                         "cpu_offload=True shards parameters to CPU memory: it needs strategy='fsdp'")
 
 
 @dataclass(frozen=True)

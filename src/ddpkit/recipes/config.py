@@ -37,7 +37,8 @@ class TrainConfig:
     global_batch: int | None = None
     """Samples per optimizer step across all processes (the default: 64)."""
     batch: int | None = None
-    """Samples per step per process; the global batch then grows with the world size."""
+    """Samples per step per process, instead of --global-batch; the global batch then grows with the
+    world size."""
     lr: float = 0.05
     """Learning rate of SGD with momentum."""
     momentum: float = 0.9
@@ -47,13 +48,15 @@ class TrainConfig:
     sync_bn: bool = False
     """Synchronise BatchNorm statistics across processes (needed for world-size invariance)."""
     grad_compression: str | None = None
-    """Gradient compression on the wire: none, fp16, bf16 or powersgd (see ddpkit.parallel.compression)."""
-    strategy: str = "ddp"
-    """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded; see ddpkit.parallel.fsdp)."""
-    cpu_offload: bool = False
-    """With --strategy fsdp: keep the shards and the optimizer state in CPU memory."""
+    """Gradients on the wire: none (the default), fp16, bf16 or powersgd (see the README's 'Slow
+    links' and ddpkit.parallel.compression)."""
     powersgd_rank: int = 2
     """Rank of PowerSGD's low-rank factors (higher: more bytes, closer to the full gradient)."""
+    strategy: str = "ddp"
+    """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded, see
+    ddpkit.parallel.fsdp; its checkpoints are directories of shards that resume on any world size)."""
+    cpu_offload: bool = False
+    """With --strategy fsdp: keep the shards and the optimizer state in CPU memory."""
     workers: int = 0
     """DataLoader worker processes per training process."""
     seed: int = 0
@@ -71,7 +74,8 @@ class TrainConfig:
     hang_timeout: float | None = None
     """Seconds in which no rank makes progress before the job counts as hung: ddpkit prints where
     each rank is and the stuck rank's stack, and exits (code 124) instead of waiting for the
-    collective timeout. Must exceed the longest step, evaluation or save. None: no watchdog."""
+    collective timeout. Must exceed the longest step, evaluation or save. None (the default): no
+    watchdog."""
     eval_batch: int = 256
     """Batch size of the per-epoch evaluation."""
     synthetic_size: int = 2048
@@ -79,29 +83,35 @@ class TrainConfig:
     data_parallel: bool = False
     """One process driving all visible GPUs with torch.nn.DataParallel (for comparison only)."""
     overwrite: bool = False
-    """Allow writing into an --out that already holds a run."""
+    """Replace the run an --out already holds (its checkpoints, metrics and summary; other files
+    stay)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings a test or a later feature passes through unchanged."""
 
     @property
     def world_size(self) -> int:
+        """Processes of the whole job: ``nproc`` on each of ``nnodes`` nodes."""
         return self.nproc * self.nnodes
 
     @property
     def global_batch_size(self) -> int:
+        """Samples per optimizer step across all processes: ``batch`` x world, ``global_batch``, or 64."""
         if self.batch is not None:
             return self.batch * self.world_size
         return self.global_batch if self.global_batch is not None else 64
 
     @property
     def effective_lr(self) -> float:
+        """``lr``, times the world size under ``scale_lr`` with a per-process ``batch``."""
         return self.lr * self.world_size if (self.scale_lr and self.batch is not None) else self.lr
 
     def to_json(self) -> str:
+        """The settings as JSON, for the workers' ``--config-json``."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
+        """The settings :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
 
@@ -160,11 +170,38 @@ def _check_type(path: str, name: str, value: Any) -> None:
     raise UsageError(f"config file {path}: {name} must be {wanted}, got {value!r}")
 
 
+_DATA_PARALLEL = "DataParallel mode needs --nproc 1 and at least 2 visible GPUs"
+
+
 def validate(config: TrainConfig) -> None:
-    """Check everything that can be checked before a process starts or a file is written."""
+    """Check everything that can be checked before a process starts or a file is written.
+
+    :func:`check` first (the settings alone), then :func:`probe` (this machine: GPUs, files,
+    the model). ``grad_compression="none"``, the flag's spelling of no compression, becomes None.
+
+    Raises:
+        UsageError: the first setting that would fail, in one line.
+    """
+    if config.grad_compression == "none":
+        config.grad_compression = None
+    check(config)
+    probe(config)
+
+
+def check(config: TrainConfig) -> None:
+    """Check the settings by themselves: names, counts, batch sizes, combinations of flags.
+
+    Looks at nothing outside ``config`` (no GPU, file or model), so it answers the same on every
+    machine and in a test.
+
+    Raises:
+        UsageError: the first setting that is wrong, in one line.
+    """
     from ddpkit.loop.precision import PRECISIONS
     from ddpkit.recipes.datasets import DATASETS
     from ddpkit.recipes.models import MODELS
+    from ddpkit.observe.watchdog import check_timeout
+    from ddpkit.parallel.options import check_strategy
 
     if config.model not in MODELS:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
@@ -172,10 +209,46 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
     if config.data in ("mnist", "cifar10") and not config.data_dir:
         raise UsageError(f"--data {config.data} needs --data-dir DIR with torchvision's files; nothing is downloaded")
-    if config.data_dir and not os.path.isdir(config.data_dir):
-        raise UsageError(f"--data-dir {config.data_dir} is not a directory")
     if config.precision not in PRECISIONS:
         raise UsageError(f"unknown precision {config.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    _check_counts(config)
+    if config.data_parallel and config.nproc != 1:
+        raise UsageError(_DATA_PARALLEL)
+    _check_compression(config)
+    check_strategy(config.strategy, config.cpu_offload, cli=True)
+    if config.strategy == "fsdp" and config.data_parallel:
+        raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
+    if config.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {config.lr}")
+    check_timeout(config.hang_timeout, flag="--hang-timeout")
+
+
+def probe(config: TrainConfig) -> None:
+    """Check ``config`` against this machine: ``--data-dir`` and ``--out`` on disk, the GPUs that
+    DataParallel needs, and (under fsdp) the model that would be sharded.
+
+    Raises:
+        UsageError: the first thing here that would make the run fail, in one line.
+    """
+    if config.data_dir and not os.path.isdir(config.data_dir):
+        raise UsageError(f"--data-dir {config.data_dir} is not a directory")
+    if config.data_parallel:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise UsageError(_DATA_PARALLEL)
+    if config.strategy == "fsdp":
+        from ddpkit.parallel.fsdp import check as check_fsdp
+        from ddpkit.recipes.models import build_model
+
+        # what rt.setup refuses, before any process starts
+        check_fsdp(grad_compression=config.grad_compression, compile=False, sync_batchnorm=config.sync_bn,
+                   ddp_kwargs={}, model=build_model(config.model, num_classes=10, in_channels=3, image_size=32))
+    _check_out(config)
+
+
+def _check_counts(config: TrainConfig) -> None:
+    """Counts in range, one way of giving the batch, a global batch the world divides, the nodes."""
     for name in ("nproc", "epochs", "eval_batch", "synthetic_size"):
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
@@ -190,51 +263,26 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--batch must be at least 1, got {config.batch}")
     if config.global_batch is not None and config.global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
+    if config.nnodes < 1:                   # before the world size divides anything
+        raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
     if config.global_batch_size % config.world_size:
         world = f"--nproc {config.nproc}" + (f" x --nnodes {config.nnodes} = {config.world_size}"
                                               if config.nnodes > 1 else "")
         raise UsageError(f"global batch {config.global_batch_size} does not divide by {world}; "
                          f"use a multiple of {config.world_size} or --batch per process")
-    if config.nnodes < 1:
-        raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
     if config.nnodes > 1 and config.master is None:
         raise UsageError("--nnodes > 1 needs --master HOST:PORT (the host of node 0) and --node-rank R")
-    if config.data_parallel:
-        import torch
 
-        if torch.cuda.device_count() < 2 or config.nproc != 1:
-            raise UsageError("DataParallel mode needs --nproc 1 and at least 2 visible GPUs")
-    if config.grad_compression == "none":      # the flag's spelling of no compression
-        config.grad_compression = None
+
+def _check_compression(config: TrainConfig) -> None:
+    """What ``grad_compression`` refuses (rt.setup says the same); bf16 on NCCL is checked at setup."""
     import torch
 
-    from ddpkit.parallel.compression import check
+    from ddpkit.parallel.compression import check as check_compression
 
-    check(config.grad_compression, rank=config.powersgd_rank, start=None, backend=None,
-          device=torch.device("cpu"), precision=config.precision, compile=False)   # bf16 on NCCL: at setup
-    if config.strategy not in ("ddp", "fsdp"):
-        raise UsageError(f"--strategy {config.strategy!r}: choose ddp or fsdp")
-    if config.strategy == "fsdp":
-        _check_fsdp(config)
-    elif config.cpu_offload:
-        raise UsageError("--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp")
-    if config.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {config.lr}")
-    if config.hang_timeout is not None and not config.hang_timeout > 0:
-        raise UsageError(f"--hang-timeout must be a positive number of seconds, got {config.hang_timeout}")
-    _check_out(config)
-
-
-def _check_fsdp(config: TrainConfig) -> None:
-    """What ``--strategy fsdp`` refuses, before any process starts (rt.setup says the same)."""
-    from ddpkit.parallel.fsdp import check
-    from ddpkit.recipes.models import build_model
-
-    if config.data_parallel:
-        raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
-    check(grad_compression=config.grad_compression, compile=False,
-          sync_batchnorm=config.sync_bn, ddp_kwargs={},
-          model=build_model(config.model, num_classes=10, in_channels=3, image_size=32))
+    choice = None if config.grad_compression == "none" else config.grad_compression
+    check_compression(choice, rank=config.powersgd_rank, start=None, backend=None, device=torch.device("cpu"),
+                      precision=config.precision, compile=False)
 
 
 def _check_out(config: TrainConfig) -> None:

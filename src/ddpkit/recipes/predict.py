@@ -26,17 +26,17 @@ class PredictConfig:
     """One ``ddpkit predict`` run."""
 
     checkpoint: str
-    """A checkpoint written by ``ddpkit train`` (file, or directory for its newest)."""
+    """A checkpoint written by ddpkit train (a file, or a directory: its newest)."""
     out: str
     """Output file: .csv (index,prediction,prob_0..), .npy (probabilities) or .pt (tensors)."""
     data: str = "digits"
-    """Data set to predict on."""
+    """Data set to predict on: digits, mnist, cifar10 or synthetic."""
     data_dir: str | None = None
-    """torchvision's files for mnist/cifar10."""
+    """Directory with torchvision's files for mnist and cifar10 (nothing is downloaded)."""
     split: str = "test"
-    """train or test."""
+    """Which split of the data set: train or test."""
     nproc: int = 1
-    """Processes."""
+    """Processes on this machine."""
     batch: int = 256
     """Batch size per process."""
     overwrite: bool = False
@@ -151,6 +151,7 @@ def write_predictions(out: Path, logits: torch.Tensor) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A worker of ``ddpkit predict`` (``--config-json J --checkpoint-file F``, as the command passes them)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 4 or argv[0] != "--config-json" or argv[2] != "--checkpoint-file":
         sys.stderr.write("usage: use 'ddpkit predict'\n")
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def to_json(config: PredictConfig) -> str:
+    """The settings as JSON, for the workers' ``--config-json``."""
     return json.dumps(asdict(config))
 
 

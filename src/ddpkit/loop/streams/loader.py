@@ -29,7 +29,7 @@ from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.shards import Shards
 
 class StreamPlan:
-    """The part of :class:`ddpkit.data.GlobalBatchSampler`'s interface the training loop reads."""
+    """The part of :class:`ddpkit.loop.sampler.GlobalBatchSampler`'s interface the training loop reads."""
 
     def __init__(self, layout: Layout | None, global_batch_size: int, rank: int, world_size: int,
                  signature: dict[str, Any]):

@@ -1,4 +1,4 @@
-"""What ``ddpkit bench`` found, in words: a diagnosis per configuration, bench.md/json, a chart.
+"""What ``ddpkit bench`` found, in words: what bounds each configuration, and what would help.
 
 The diagnosis names what bounds a configuration, in this order of blame: oversubscribed CPU
 threads, communication that cannot hide behind backward, data loading, a batch too small to
@@ -7,11 +7,7 @@ amortise per-step costs; else compute. Thresholds are shares of the mean step ti
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Mapping, Sequence
-
-PHASES = ("data_wait", "forward", "backward", "optimizer")
 
 # Diagnosis thresholds: shares of the mean step time, and samples per process.
 DATA_SHARE = 0.15      # data loading this large is worth workers or a faster source
@@ -164,93 +160,3 @@ def comm_fixes(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) 
     tips.append(f"a 2x per-process batch or accumulating 2 micro-batches: expect ~{bigger:.0f} samples/s")
     return "try " + "; ".join(tips)
 
-
-def row_label(row: Mapping[str, Any]) -> str:
-    """``ddp 2 hosts x1 fp32 powersgd``: what tells one configuration from another."""
-    hosts = f" {row['hosts']} hosts" if row.get("hosts") else ""
-    comp = f" {row['grad_compression']}" if row.get("grad_compression") not in (None, "none") else ""
-    data = f" {row['data_format']}" if row.get("data_format") not in (None, "map") else ""
-    return f"{row['mode']}{hosts} x{row['nproc']} {row['precision']}{comp}{data}"
-
-
-def _mb(value: Any) -> str:
-    return f"{value / 1e6:.2f}"
-
-
-def _ms(value: Any) -> str:
-    return f"{value * 1e3:.2f}"
-
-
-def _markdown(report: Mapping[str, Any]) -> str:
-    """bench.md: the table, a diagnosis per configuration, the raw comparison, how it was run."""
-    from ddpkit.report import PERCENT, RATE, SPEEDUP, markdown_table
-
-    rows = [{**r, "step_ms": r.get("step_seconds"), **{f"{p}_ms": (r.get("breakdown") or {}).get(p) for p in PHASES}}
-            for r in report["configurations"]]
-    columns = [("mode", "mode"), ("nproc", "processes"), ("precision", "precision"),
-               ("grad_compression", "compression"),
-               ("samples_per_second", "samples/s", RATE), ("speedup", "speed-up", SPEEDUP),
-               ("efficiency", "efficiency", PERCENT), ("step_ms", "step ms", _ms),
-               ("data_wait_ms", "data ms", _ms), ("forward_ms", "forward ms", _ms),
-               ("backward_ms", "backward ms", _ms), ("optimizer_ms", "optimizer ms", _ms),
-               ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("payload_bytes_per_step", "MB/step", _mb)]
-    if any(r.get("comm_overlap") is not None for r in rows):
-        columns.append(("comm_overlap", "comm hidden", PERCENT))
-    if any(r.get("data_format") not in (None, "map") for r in rows):
-        columns[3:3] = [("data_format", "data")]
-    if any(r.get("hosts") for r in rows):
-        columns[2:2] = [("hosts", "hosts"), ("link_mbit", "link Mbit/s", "{:g}")]
-    if report["gpus"]:
-        columns.append(("peak_cuda_mb", "peak CUDA MB", "{:.0f}"))
-    s = report["settings"]
-    parts = ["# ddpkit bench", f"`{report.get('command', 'ddpkit bench')}`",
-             f"{s['model']} on {s['data']}, {s['batch']} samples per process per step, {s['warmup']} warm-up "
-             f"+ {s['steps']} timed steps, SGD lr {s['lr']} momentum {s['momentum']}, seed {s['seed']}; "
-             f"torch {report['torch']} on {report['device']}"
-             + (f" ({report['gpus']} GPUs)." if report["gpus"] else "."),
-             markdown_table(rows, columns),
-             "samples/s: global batch / median step time (a step lasts as long as its slowest rank). "
-             "step ms: that median. Phase columns: mean per step over ranks; backward includes the "
-             "allreduce it waits for. Peak RSS: the largest rank's, in MiB. comm hidden: the share of "
-             "an allreduce of the step's gradients that the backward pass hid (the step's backward "
-             "against a backward with no gradient sync, measured after the loop).",
-             "## Diagnosis", "\n".join(f"- {row_label(r)}: {r['diagnosis']}" for r in report["configurations"])]
-    raw = report.get("raw_vs_ddpkit")
-    if raw:
-        parts += ["## ddpkit vs hand-written PyTorch DDP",
-                  f"{raw['mode']} x{raw['nproc']} {raw['precision']}, {raw['repeats']} interleaved pairs "
-                  f"(raw, ddpkit, raw, ...): step-time ratio ddpkit/raw **{raw['step_time_ratio']:.3f}** "
-                  f"(median of pairs), peak-memory ratio ({raw['memory_metric']}) **{raw['memory_ratio']:.3f}**, "
-                  f"final weights bitwise equal: **{'yes' if raw['weights_equal'] else 'no'}**"
-                  + "".join(f", allreduce hidden behind backward ({loop}) {_pct(raw.get('comm_overlap', {}).get(loop))}"
-                            for loop in ("raw", "ddpkit")) + ". Both loops "
-                  "train on the data set cut to whole global batches, so ddpkit's order and sharding equal "
-                  "DistributedSampler's. The weights compared are rank 0's parameters and buffers at the "
-                  "end of training: ddpkit skips DDP's per-step buffer broadcast for BatchNorm statistics "
-                  "(rank 0's evolve as under it) and averages them across ranks only where they are read "
-                  "or saved, so after an evaluation or in a checkpoint they are the cross-rank average, "
-                  "not rank 0's copy."]
-    return "\n\n".join(parts) + "\n"
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0%}"
-
-
-def write_outputs(out: Path, report: Mapping[str, Any]) -> list[Path]:
-    """Write bench.json, bench.md and scaling.png (skipped, with a note, without matplotlib)."""
-    from ddpkit.report import plot_scaling
-    from ddpkit._files import atomic_path
-
-    written = []
-    for name, text in (("bench.json", json.dumps(report, indent=2, allow_nan=False) + "\n"),
-                       ("bench.md", _markdown(report))):
-        with atomic_path(out / name) as tmp:
-            tmp.write_text(text, encoding="utf-8")
-        written.append(out / name)
-    try:
-        plotted = [{**r, "processes": r["nproc"]} for r in report["configurations"]]
-        written.append(plot_scaling(plotted, out / "scaling.png"))
-    except ImportError:
-        print("bench: scaling.png skipped: matplotlib is not installed (pip install matplotlib)", flush=True)
-    return written

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
+from ddpkit._argparse import Parser
 from ddpkit.dist import host, process_group
 from ddpkit.dist.environment import detect
 from ddpkit.errors import DdpkitError
@@ -22,9 +24,11 @@ class Report:
     warnings: list[str] = field(default_factory=list)
 
     def add(self, name: str, value: Any) -> None:
+        """Record the fact ``name: value``, in the order the report prints it."""
         self.facts.append((name, value))
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as ``--json`` prints it: facts, problems, warnings and ``ok``."""
         return {
             "facts": dict(self.facts),
             "problems": self.problems,
@@ -33,12 +37,23 @@ class Report:
         }
 
     def render(self) -> str:
+        """The report as text: one fact a line, then the warnings and problems, then the verdict."""
         width = max(len(name) for name, _ in self.facts)
         lines = [f"{name:<{width}}  {value}" for name, value in self.facts]
         lines += [f"warning: {text}" for text in self.warnings]
         lines += [f"problem: {text}" for text in self.problems]
         lines.append("ok" if not self.problems else f"{len(self.problems)} problem(s) found")
         return "\n".join(lines)
+
+
+def cmd_doctor(argv: Sequence[str]) -> int:
+    """``ddpkit doctor``: print the report (``--json``: as JSON); 1 when a run would fail, else 0."""
+    parser = Parser(prog="ddpkit doctor", description="Check torch, devices, backends, launcher and network.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    opts = parser.parse_args(argv)
+    report = examine()
+    print(json.dumps(report.as_dict(), default=str, indent=2) if opts.json else report.render())
+    return 0 if not report.problems else 1
 
 
 def examine() -> Report:

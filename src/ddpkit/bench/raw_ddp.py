@@ -5,16 +5,17 @@ from torchrun's environment variables, ``DistributedSampler`` + ``DataLoader``,
 ``DistributedDataParallel`` with its defaults, optional autocast + ``GradScaler``. (On CUDA
 ddpkit passes ``gradient_as_bucket_view=True``, which saves a copy of the gradients; the results
 are bitwise the same, the memory and time are what the comparison is for.) Start it
-as ``ddpkit bench`` does (or with ``torchrun --nproc-per-node 2 -m ddpkit._raw_ddp ...``)::
+as ``ddpkit bench`` does (or with ``torchrun --nproc-per-node 2 -m ddpkit.bench.raw_ddp ...``)::
 
-    ddpkit run -n 2 -m ddpkit._raw_ddp --model convnet --data synthetic --precision fp32 \\
+    ddpkit run -n 2 -m ddpkit.bench.raw_ddp --model convnet --data synthetic --precision fp32 \\
         --batch 32 --steps 50 --warmup 5 --result raw.json
 
 It lives inside the package (``benchmarks/raw_ddp.py`` only runs it) so that an installed
 ddpkit can run the comparison without a source checkout, and so both loops start the same
 way: as a module under the same launcher. From ddpkit it takes only what must be
 identical for a fair comparison and is not training code: the model and data builders
-(plain ``nn.Module`` and ``Dataset``) and the stopwatch of :mod:`ddpkit.bench_worker`.
+(plain ``nn.Module`` and ``Dataset``), the workload of :mod:`ddpkit.bench.workload` and the
+stopwatch of :mod:`ddpkit.bench.stopwatch`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.bench_worker import (backward_alone, bench_dataset, make_optimizer, mark, rank_stats, worker_parser,
-                                 write_result)
+from ddpkit.bench.stopwatch import backward_alone, mark, rank_stats, write_result
+from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
 from ddpkit.recipes.models import build_model
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,8 +49,6 @@ def _batches(sampler: DistributedSampler, loader: DataLoader) -> Iterator[Any]:
 def _register_hook(model: DistributedDataParallel, choice: str, warmup: int) -> None:
     """torch's own communication hook for ``choice``, as a hand-written script registers it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    from ddpkit.bench_worker import powersgd_start
 
     if choice == "powersgd":
         # what Accelerate registers for DDPCommunicationHookType.POWER_SGD, at rank 2
@@ -148,9 +147,11 @@ def train(opts: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = worker_parser("python -m ddpkit._raw_ddp").parse_args(argv)
+    """``python -m ddpkit.bench.raw_ddp`` under a launcher: parse the arguments and run the raw loop."""
+    opts = worker_parser("python -m ddpkit.bench.raw_ddp").parse_args(argv)
     if "RANK" not in os.environ:
-        sys.stderr.write("start the raw loop under a launcher: torchrun --nproc-per-node 2 -m ddpkit._raw_ddp ...\n")
+        sys.stderr.write("start the raw loop under a launcher: "
+                         "torchrun --nproc-per-node 2 -m ddpkit.bench.raw_ddp ...\n")
         return 2
     train(opts)
     return 0

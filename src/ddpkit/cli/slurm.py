@@ -13,7 +13,7 @@ import shutil
 import sys
 from typing import Sequence
 
-from ddpkit.cliparse import Parser
+from ddpkit._argparse import Parser
 from ddpkit.errors import UsageError
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -27,6 +27,22 @@ def sbatch_script(script: str, script_args: Sequence[str], *, nodes: int, gpus_p
 
     Each node gets one task (``srun --ntasks-per-node=1``) that runs ``ddpkit run`` with one
     process per GPU (or ``nproc_per_node``); the rendezvous port is derived from the job id.
+
+    Args:
+        script: the training script each node's ``ddpkit run`` starts.
+        script_args: its arguments.
+        nodes: ``#SBATCH --nodes``.
+        gpus_per_node: ``#SBATCH --gpus-per-node`` (0: none asked for).
+        nproc_per_node: processes per node (default: ``gpus_per_node``, else 1).
+        cpus_per_task: ``#SBATCH --cpus-per-task`` of each node's one task.
+        partition: ``#SBATCH --partition``.
+        time: ``#SBATCH --time``, in one of SLURM's forms (``30``, ``4:00:00``, ``1-12:00:00``).
+        job_name: ``#SBATCH --job-name``.
+        max_restarts: ``ddpkit run --max-restarts``.
+        ddpkit_command: the ``ddpkit`` to run (default: the one running now, else the one on PATH).
+
+    Raises:
+        UsageError: a count out of range or a time SLURM would not take.
     """
     if nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {nodes}")
@@ -71,6 +87,7 @@ def _ddpkit_command() -> str:
 
 
 def cmd_slurm(argv: Sequence[str]) -> int:
+    """``ddpkit slurm``: print the sbatch script of the flags on stdout; 0."""
     parser = Parser(prog="ddpkit slurm", description="Print an sbatch script that runs SCRIPT with ddpkit on N nodes.")
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=0, help="GPUs per node")

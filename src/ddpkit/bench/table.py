@@ -1,8 +1,9 @@
-"""The comparison table of the demo and benchmarks: markdown, JSON and a scaling chart.
+"""The comparison tables of the demo and the bench: columns, cells, speed-up, markdown.
 
 A column is ``(key, header)`` or ``(key, header, fmt)``. ``fmt`` is a ``str.format``
 template such as ``"{:.2f}x"`` or a callable ``value -> str``; without one, floats get four
-significant digits. Missing or None values print as ``-``.
+significant digits. Missing or None values print as ``-``. :mod:`ddpkit.bench.outputs` writes
+the tables into files, with a scaling chart.
 
 Example:
     >>> rows = add_speedup([{"mode": "single", "processes": 1, "samples_per_second": 100.0},
@@ -16,15 +17,11 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Union
 
 from ddpkit.errors import UsageError
-from ddpkit._files import atomic_path
 
 Formatter = Union[str, Callable[[Any], str]]
 Column = Union[tuple[str, str], tuple[str, str, Formatter]]
@@ -87,67 +84,6 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column])
     return "\n".join([line(headers), "| " + " | ".join(separator) + " |", *map(line, body)])
 
 
-def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
-    """Bar chart of samples/s per run, each bar labelled with its speed-up (and a row's ``bound``,
-    e.g. "0.63x — sync-bound", where it has one), saved as a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    runs = [r for r in rows if _finite(r.get("samples_per_second"))]
-    fig = Figure(figsize=(max(5.0, 1.4 * len(runs) + 2), 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if runs:
-        labels = [_run_label(r) for r in runs]
-        bars = ax.bar(labels, [r["samples_per_second"] for r in runs], color="tab:blue")
-        notes = [(SPEEDUP.format(r["speedup"]) if _finite(r.get("speedup")) else "")
-                 + (f" — {r['bound']}" if r.get("bound") else "") for r in runs]
-        ax.bar_label(bars, labels=notes, padding=3)
-        ax.margins(y=0.15)
-    else:
-        ax.text(0.5, 0.5, "no throughput measured", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title("Throughput by mode (labels: speed-up vs single"
-                 + (" — bound)" if any(r.get("bound") for r in runs) else ")"))
-    ax.set_xlabel("mode × processes")
-    ax.set_ylabel("samples/s")
-    ax.grid(True, axis="y", alpha=0.3)
-    target = Path(path)
-    with atomic_path(target) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    return target
-
-
-def write_report(out_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]], *, title: str,
-                 columns: Sequence[Column] = COLUMNS, extra_markdown: str = "") -> dict[str, Path]:
-    """Write ``report.md``, ``report.json`` and ``scaling.png`` into ``out_dir``.
-
-    Everything is rendered before anything is written, and each file is replaced
-    atomically, so a failure leaves an earlier report whole instead of half-overwritten.
-
-    Returns:
-        ``{"markdown": ..., "json": ..., "plot": ...}`` paths.
-
-    Raises:
-        UsageError: a row holds a value JSON cannot represent.
-    """
-    out = Path(out_dir)
-    parts = [f"# {title}", markdown_table(rows, columns)]
-    if extra_markdown.strip():
-        parts.append(extra_markdown.strip())
-    markdown = "\n\n".join(parts) + "\n"
-    try:
-        as_json = json.dumps([_strict(r) for r in rows], indent=2, allow_nan=False,
-                             default=_json_default) + "\n"
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"report rows cannot be written as JSON: {exc}") from None
-    paths = {"markdown": out / "report.md", "json": out / "report.json", "plot": out / "scaling.png"}
-    plot_scaling(rows, paths["plot"])
-    for key, text in (("markdown", markdown), ("json", as_json)):
-        with atomic_path(paths[key]) as tmp:
-            tmp.write_text(text, encoding="utf-8")
-    return paths
-
-
 # -- helpers ----------------------------------------------------------------------------
 def _column(column: Sequence[Any]) -> tuple[str, str, Formatter | None]:
     if not isinstance(column, (tuple, list)) or len(column) not in (2, 3):
@@ -181,40 +117,14 @@ def _is_numeric(values: Any) -> bool:
                                  for v in present)
 
 
-def _finite(value: Any) -> bool:
+def finite(value: Any) -> bool:
+    """A real number (not a bool), neither NaN nor infinite: one that can be plotted and compared."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive(value: Any) -> float | None:
-    return float(value) if _finite(value) and value > 0 else None
+    return float(value) if finite(value) and value > 0 else None
 
 
-def _run_label(row: Mapping[str, Any]) -> str:
-    label = str(row.get("mode", "?"))
-    if row.get("processes") is not None:
-        label += f" ×{row['processes']}"
-    if row.get("hosts"):
-        label += f" ({row['hosts']} hosts)"
-    if row.get("precision"):
-        label += f"\n{row['precision']}"
-    if row.get("grad_compression") not in (None, "none"):
-        label += f" {row['grad_compression']}"
-    return label
-
-
-def _strict(row: Mapping[str, Any]) -> dict[str, Any]:
-    """NaN and infinity become null: standard JSON has no spelling for them."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-
-
-def _json_default(value: Any) -> Any:
-    """Tensors and NumPy scalars become plain numbers; paths become strings."""
-    if hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    raise TypeError(f"{type(value).__name__} {value!r} is not JSON serializable")
-
-
-__all__ = ["COLUMNS", "Column", "PERCENT", "RATE", "SECONDS", "SPEEDUP",
-           "add_speedup", "markdown_table", "plot_scaling", "write_report"]
+__all__ = ["COLUMNS", "Column", "PERCENT", "RATE", "SECONDS", "SPEEDUP", "add_speedup", "finite",
+           "markdown_table"]

@@ -1,4 +1,4 @@
-"""``ddpkit run``'s command line, torchrun's own flags included.
+"""``ddpkit run``: a script in N processes per node, with torchrun's own flags understood.
 
 A torchrun command line keeps working with ``torchrun`` replaced by ``ddpkit run``:
 ``--nproc_per_node`` / ``--nproc-per-node`` (a number, ``auto``, ``gpu`` or ``cpu``),
@@ -18,9 +18,9 @@ import argparse
 import os
 from typing import Sequence
 
-from ddpkit.cliparse import Parser
+from ddpkit._argparse import Parser
+from ddpkit.dist.torchrun import RunSpec, run
 from ddpkit.errors import UsageError
-from ddpkit.dist.torchrun import RunSpec
 
 # (our spelling, torchrun's spelling) -> dest; each takes a value.
 _VALUED = {
@@ -112,6 +112,11 @@ def parser() -> argparse.ArgumentParser:
     add("-m", "--module", default=None, help="run a module, like python -m")
     add("script", nargs="?", help="the Python script to run, followed by its arguments")
     return parser
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """``ddpkit run``: start the script under torch's elastic agent; the job's exit code."""
+    return run(spec_of(argv))
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:

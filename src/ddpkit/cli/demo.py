@@ -13,12 +13,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from ddpkit.errors import DdpkitError
+from ddpkit._argparse import Parser
+from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.dist.torchrun import RunSpec, run
 from ddpkit.recipes.config import TrainConfig, validate
-from ddpkit.report import COLUMNS, add_speedup, markdown_table, write_report
+from ddpkit.bench.outputs import write_report
+from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    """``ddpkit demo``: parse ``--nproc``, ``--epochs`` and ``--out``, then run :func:`main`."""
+    parser = Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
+    parser.add_argument("--nproc", type=int, default=2, help="processes for the distributed runs (default 2)")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs of every run (default 5)")
+    parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    opts = parser.parse_args(argv)
+    if opts.nproc < 1 or opts.epochs < 1:
+        raise UsageError("--nproc and --epochs must be at least 1")
+    return main(nproc=opts.nproc, out=opts.out, epochs=opts.epochs)
 
 
 def modes(nproc: int, gpus: int) -> list[tuple[str, dict[str, Any]]]:
@@ -41,6 +55,7 @@ def _train(config: TrainConfig) -> dict[str, Any]:
 
 
 def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
+    """Train and measure every mode, print the table, the diagnoses and the verdict, write the files."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -82,7 +97,8 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
 
 def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path) -> dict[str, Any]:
     """A ``ddpkit bench`` row of this configuration: 64 samples a step, as the training used."""
-    from ddpkit.bench import Configuration, Settings, measure
+    from ddpkit.bench.plan import Configuration, Settings
+    from ddpkit.bench.run import measure
 
     nproc, devices = overrides["nproc"], (gpus if overrides.get("data_parallel") else 1)
     config = Configuration(mode, nproc, overrides["precision"], devices=devices)
@@ -93,7 +109,7 @@ def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path) -> d
 
 def _diagnosed(row: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
     """``row`` with the bench diagnosis of its step, the step's shares and its threads per process."""
-    from ddpkit.bench_report import bound_word, diagnose
+    from ddpkit.bench.diagnose import bound_word, diagnose
 
     step = row["step"]
     diagnosis = diagnose(step, steps)

@@ -1,0 +1,224 @@
+"""What ``ddpkit bench`` measures: its settings, their validation, and the rows they plan.
+
+:class:`Settings` is what the command was asked (``parse_settings`` reads it from the command
+line); :func:`plan` turns it into the table's rows, one :class:`Configuration` each, with the
+reason a row cannot run on this machine where it cannot. Nothing here starts a process:
+:mod:`ddpkit.bench.run` runs the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ddpkit._argparse import Parser
+from ddpkit.errors import UsageError
+
+MODES = ("single", "dp", "ddp", "ddp-amp", "fsdp")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+MODELS = ("convnet", "mlp", "mlp-large", "resnet18")
+DATA = ("synthetic", "digits")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``ddpkit bench`` was asked to measure (validated)."""
+
+    model: str = "convnet"
+    data: str = "synthetic"
+    modes: tuple[str, ...] = ("single", "dp", "ddp", "ddp-amp")
+    nproc: tuple[int, ...] = (2,)
+    batch: int = 32              # samples per process (per GPU for dp) per step
+    steps: int = 50              # timed steps
+    warmup: int = 5              # untimed steps before them
+    seed: int = 0
+    lr: float = 0.05
+    momentum: float = 0.9
+    out: str = "runs/bench"
+    compare_raw: bool = False
+    repeats: int = 3             # raw/ddpkit pairs of --compare-raw
+    grad_compression: tuple[str, ...] = ("none",)
+    hosts: tuple[int, ...] = ()  # simulated hosts per DDP configuration; () runs on this machine as is
+    link_mbit: float | None = None
+    data_format: tuple[str, ...] = ("map",)   # map: the Dataset; shards: the same samples as ddpkit.Shards
+    optimizer: str = "sgd"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One row of the table: a mode, its processes, its precision and its devices."""
+
+    mode: str
+    nproc: int
+    precision: str
+    devices: int = 1             # GPUs one process drives (DataParallel), else 1
+    reason: str | None = None    # why it cannot run here, when it cannot
+    grad_compression: str = "none"
+    hosts: int = 0               # simulated hosts (nproc processes each), 0: this machine as is
+    data_format: str = "map"
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the whole job: ``nproc`` on each simulated host, or on this machine."""
+        return self.nproc * max(self.hosts, 1)
+
+    @property
+    def name(self) -> str:
+        """``ddp-h2-x1-fp32-powersgd``: the row's file name under ``--out``/runs."""
+        hosts = f"-h{self.hosts}" if self.hosts else ""
+        comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
+        data = f"-{self.data_format}" if self.data_format != "map" else ""
+        return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}{data}"
+
+    @property
+    def label(self) -> str:
+        """``ddp 2 host(s) x1 fp32 powersgd``: the row as the progress lines name it."""
+        hosts = f" {self.hosts} host(s)" if self.hosts else ""
+        comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
+        data = f" {self.data_format}" if self.data_format != "map" else ""
+        return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}{data}"
+
+
+def plan(settings: Settings, gpus: int) -> list[Configuration]:
+    """The configurations of ``settings`` in order: each mode, each ``--nproc`` for DDP."""
+    amp = "fp16" if gpus else "bf16"
+    found: list[Configuration] = []
+    for mode in settings.modes:
+        if mode == "single":
+            found.append(Configuration("single", 1, "fp32"))
+        elif mode == "dp":
+            reason = None if gpus >= 2 else f"DataParallel needs 2 or more visible GPUs, {gpus} visible"
+            found.append(Configuration("dp", 1, "fp32", devices=max(gpus, 1), reason=reason))
+        else:
+            precision = amp if mode == "ddp-amp" else "fp32"
+            found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h,
+                                    reason=_fsdp_reason(settings.model, comp) if mode == "fsdp"
+                                    else _compression_reason(comp, precision, n * max(h, 1)))
+                      for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression]
+    return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
+
+
+def _fsdp_reason(model: str, compression: str) -> str | None:
+    """Why strategy='fsdp' cannot run ``model`` with ``compression`` (what rt.setup refuses), or None."""
+    if compression != "none":
+        return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
+    from ddpkit.parallel.fsdp import check
+    from ddpkit.recipes.models import build_model
+
+    try:
+        check(grad_compression=None, compile=False, sync_batchnorm=False, ddp_kwargs={},
+              model=build_model(model, num_classes=10, in_channels=3, image_size=32))
+    except UsageError as exc:
+        return f"{exc} (--model {model}; mlp and mlp-large run)"
+    return None
+
+
+def _compression_reason(choice: str, precision: str, world_size: int) -> str | None:
+    """Why ``choice`` cannot run here (PowerSGD under fp16 loss scaling, one process), or None."""
+    from ddpkit.parallel.compression import check
+
+    if choice == "none":
+        return None
+    if world_size == 1:
+        return f"{choice} compresses what processes send each other; one process sends nothing"
+    try:
+        check(choice, rank=2, start=None, backend=None, device=_cpu(), precision=precision, compile=False)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(part) for part in text.split(",")))
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers such as 1,2,4, got {text!r}") from None
+    if min(values) < 1:
+        raise UsageError(f"{flag} values must be at least 1, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Settings()
+    parser = Parser(prog="ddpkit bench", description="Measure throughput, scaling, memory and where "
+                     "each step's time goes, per mode, in fresh processes; writes bench.json, bench.md "
+                     "and scaling.png into --out.")
+    add = parser.add_argument
+    add("--model", choices=MODELS, default=d.model, help=f"model (default {d.model})")
+    add("--data", choices=DATA, default=d.data, help=f"data set (default {d.data})")
+    add("--modes", default=",".join(d.modes), help=f"comma-separated {'|'.join(MODES)} (default all)")
+    add("--nproc", default="2", help="comma-separated process counts of ddp and ddp-amp (default 2)")
+    add("--batch", type=int, default=d.batch, help=f"samples per process per step (default {d.batch})")
+    add("--steps", type=int, default=d.steps, help=f"timed steps (default {d.steps})")
+    add("--warmup", type=int, default=d.warmup, help=f"untimed steps before them (default {d.warmup})")
+    add("--seed", type=int, default=d.seed, help=f"seed of weights and data order (default {d.seed})")
+    add("--lr", type=float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
+    add("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
+    add("--out", default=d.out, help=f"output directory (default {d.out})")
+    add("--compare-raw", action="store_true", help="also run a plain PyTorch DDP loop and ddpkit interleaved "
+        "(the first ddp/ddp-amp mode, at the largest --nproc) and compare step time, memory and weights")
+    add("--repeats", type=int, default=d.repeats, help=f"raw/ddpkit pairs of --compare-raw (default {d.repeats})")
+    add("--grad-compression", default="none", help=f"comma-separated {'|'.join(COMPRESSIONS)}: gradient "
+        "compression of the ddp and ddp-amp modes, one row each (default none)")
+    add("--hosts", default=None, help="comma-separated counts of simulated hosts (network namespaces "
+        "on a bridge, needs root), --nproc processes each; needs --link-mbit")
+    add("--link-mbit", type=float, default=None, help="each simulated host's link speed in Mbit/s (tc tbf)")
+    add("--optimizer", choices=("sgd", "adamw"), default=d.optimizer, help=f"optimizer (default {d.optimizer}); "
+        "adamw holds 2 state tensors per parameter, what sharding (fsdp) divides")
+    add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
+        "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
+    return parser
+
+
+def parse_settings(argv: Sequence[str]) -> Settings:
+    """Validated :class:`Settings` from ``ddpkit bench`` arguments.
+
+    Raises:
+        UsageError: unknown flag or mode, or a count out of range.
+    """
+    opts = _parser().parse_args(argv)
+    modes = tuple(dict.fromkeys(m.strip() for m in opts.modes.split(",")))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise UsageError(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
+    for flag, value, low in (("--batch", opts.batch, 1), ("--steps", opts.steps, 1),
+                             ("--warmup", opts.warmup, 0), ("--repeats", opts.repeats, 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, got {value}")
+    compressions = tuple(dict.fromkeys(c.strip() for c in opts.grad_compression.split(",")))
+    unknown = [c for c in compressions if c not in COMPRESSIONS]
+    if unknown:
+        raise UsageError(f"unknown compression {unknown[0]!r} in --grad-compression; choose from "
+                         f"{', '.join(COMPRESSIONS)}")
+    formats = tuple(dict.fromkeys(f.strip() for f in opts.data_format.split(",")))
+    if set(formats) - {"map", "shards"}:
+        raise UsageError(f"unknown data format {sorted(set(formats) - {'map', 'shards'})[0]!r} in --data-format; "
+                         "choose from map, shards")
+    hosts = _int_list(opts.hosts, "--hosts") if opts.hosts is not None else ()
+    if hosts and opts.link_mbit is None:
+        raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
+    if opts.link_mbit is not None and not hosts:
+        raise UsageError("--link-mbit shapes the links of simulated hosts; add --hosts H")
+    if opts.link_mbit is not None and not opts.link_mbit > 0:
+        raise UsageError(f"--link-mbit must be a positive number of Mbit/s, got {opts.link_mbit}")
+    if hosts and not {"ddp", "ddp-amp"} & set(modes):
+        raise UsageError("--hosts runs DDP across simulated hosts; add ddp or ddp-amp to --modes")
+    settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
+                        batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
+                        momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
+                        repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
+                        link_mbit=opts.link_mbit, data_format=formats, optimizer=opts.optimizer)
+    if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
+        raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
+    if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:
+        raise UsageError("--compare-raw compares DDP runs of 2 or more processes; give --nproc 2")
+    return settings
+

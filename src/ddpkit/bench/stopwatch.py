@@ -1,0 +1,165 @@
+"""The stopwatch both bench loops share: phase marks, per-rank statistics, memory, fingerprints.
+
+ddpkit's loop (:mod:`ddpkit.bench.worker`), the hand-written one (:mod:`ddpkit.bench.raw_ddp`)
+and the peers of ``benchmarks/peers.py`` take five :func:`mark` readings a step and hand them to
+:func:`rank_stats`, so every loop is timed, sized and fingerprinted by the same code and they
+differ only in the training calls themselves. Rank 0 writes every rank's measurements with
+:func:`write_result`; the parent (:mod:`ddpkit.bench.summary`) turns them into statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddpkit._torch import unwrap
+from ddpkit.dist.host import usable_cores
+
+PHASES = ("data_wait", "forward", "backward", "optimizer")
+"""The four phases between a step's five :func:`mark` readings (start, data, forward, backward, optimizer)."""
+
+_ALLREDUCE_REPEATS = 5
+
+
+def mark(device: torch.device) -> float:
+    """A phase boundary: wait for queued GPU work (CUDA runs asynchronously), then read the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Module,
+               device: torch.device, world_size: int, devices: int = 1,
+               payload_bytes: float | None = None) -> dict[str, Any]:
+    """This rank's measurements after the loop: phase times, peak memory, gradients, weights.
+
+    Peak memory is read before the allreduce probe, which allocates a flat gradient-sized buffer
+    of its own.
+
+    Args:
+        marks: five :func:`mark` readings per step (start, after data, forward, backward,
+            optimizer), warm-up steps included.
+        warmup: how many of the first steps are not timed.
+        model: the trained model (wrapped or not); its gradients are sized and its weights hashed.
+        device: this rank's device.
+        world_size: processes in the job; with one, nothing is sent and no allreduce is probed.
+        devices: GPUs from ``device`` on whose memory counts (DataParallel), else 1.
+        payload_bytes: what a compression hook handed to allreduce per timed step (default:
+            every gradient once, as DDP's own buckets do).
+    """
+    memory = _peak_memory(device, devices)
+    timed = [list(m) for m in marks[warmup:]]
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    allreduce_s = None
+    if world_size > 1 and params:
+        allreduce_s = _probe_allreduce(sum(p.numel() for p in params), params[0].dtype, device)
+    return {
+        "phases": [[b - a for a, b in zip(m, m[1:])] for m in timed],
+        "steps": [m[-1] - m[0] for m in timed],
+        **memory,
+        "grad_bytes": grad_bytes,
+        "payload_bytes_per_step": (grad_bytes if payload_bytes is None else payload_bytes) if world_size > 1 else 0,
+        "allreduce_seconds": allreduce_s,
+        "threads": torch.get_num_threads(),
+        "cores": usable_cores(),
+        "weights_sha256": weights_digest(model),
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor      # a DTensor's own shard
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state this rank holds (under fsdp: its shards only).
+
+    Gradients count as one per trainable parameter: they exist from backward to the step.
+    """
+    params = [_local(p) for p in unwrap(model).parameters()]
+    held = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(_local(p).numel() * p.element_size() for p in unwrap(model).parameters() if p.requires_grad)
+    state = sum(_local(v).numel() * v.element_size() for entry in optimizer.state.values()
+                for v in entry.values() if isinstance(v, torch.Tensor))
+    return int(held + grads + state)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter and buffer, in state-dict order: equal digests = bitwise equal."""
+    digest = hashlib.sha256()
+    for key, value in unwrap(model).state_dict().items():
+        digest.update(key.encode())
+        digest.update(_local(value.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_result(path: str, gathered: list[dict[str, Any]], **meta: Any) -> None:
+    """Rank 0: every rank's :func:`rank_stats` plus what was run, for the parent to read."""
+    from ddpkit._files import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({**meta, "torch": torch.__version__, "ranks": gathered}) + "\n")
+
+
+def _peak_memory(device: torch.device, devices: int) -> dict[str, float | None]:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 1024   # bytes on macOS, KiB on Linux
+    cuda_mb = None
+    if device.type == "cuda":
+        first = device.index or 0      # only our own GPUs: touching others could create contexts there
+        cuda_mb = max(torch.cuda.max_memory_allocated(i) for i in range(first, first + devices)) / 2**20
+    return {"peak_rss_mb": rss_mb, "peak_cuda_mb": cuda_mb}
+
+
+def backward_alone(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   autocast: Callable[[], Any], device: torch.device, repeats: int = 2) -> float | None:
+    """Seconds of one backward pass with no gradient sync (DDP's ``no_sync``): the compute the
+    allreduce can hide behind. None for a model without ``no_sync`` (fsdp, one process).
+
+    Runs after the timed steps and after the weights' digest: its forwards move BatchNorm
+    statistics, and its gradients are dropped.
+
+    Args:
+        model: the DDP model of the timed loop.
+        inputs: the last batch's inputs, run forward again.
+        targets: the last batch's targets.
+        autocast: the loop's autocast, a callable returning a context manager.
+        device: this rank's device, for :func:`mark`.
+        repeats: backward passes timed; the fastest counts.
+    """
+    if not hasattr(model, "no_sync"):
+        return None
+    times = []
+    for _ in range(repeats):
+        with model.no_sync():
+            with autocast():
+                loss = F.cross_entropy(model(inputs), targets)
+            start = mark(device)
+            loss.backward()
+            times.append(mark(device) - start)
+        model.zero_grad(set_to_none=True)
+    return min(times)
+
+
+def _probe_allreduce(numel: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Median seconds of one allreduce of every gradient at once (what DDP's buckets add up to)."""
+    flat = torch.zeros(numel, dtype=dtype, device=device)
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(flat)                  # first call sets up connections and buffers
+    times = []
+    for _ in range(_ALLREDUCE_REPEATS):
+        dist.all_reduce(token)             # line the ranks up so no one times a peer's lateness
+        start = mark(device)
+        dist.all_reduce(flat)
+        times.append(mark(device) - start)
+    return statistics.median(times)
+

@@ -1,0 +1,106 @@
+"""A bench row from the workers' per-rank measurements: step time, throughput, phases, overlap.
+
+Per step, the world's step time is its slowest rank's; ``samples_per_second`` is the global
+batch over the median of those, over the timed steps only. ``breakdown`` is the mean seconds
+per step of each phase over ranks and steps, so its phases add up to at most
+``mean_step_seconds``. ``comm.allreduce_gb_per_s`` is the gradient bytes over the median time of
+one allreduce of all of them at once, timed after the steps (algorithm bandwidth). Memory is in
+MiB: the peak RSS of the largest rank, and CUDA's max allocated on GPUs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping, Sequence
+
+from ddpkit.bench.plan import Configuration
+from ddpkit.bench.stopwatch import PHASES
+from ddpkit.bench.table import add_speedup
+
+
+def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any]:
+    """One table row from a worker's per-rank measurements (no speed-up yet)."""
+    ranks = result["ranks"]
+    world_steps = [max(steps) for steps in zip(*(r["steps"] for r in ranks))]
+    median_step = statistics.median(world_steps)
+    count = len(ranks) * len(world_steps)
+    breakdown = {phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
+                 for i, phase in enumerate(PHASES)}
+    allreduce = ranks[0]["allreduce_seconds"]
+    comm, overlap = None, None
+    world = len(ranks)
+    payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
+    if allreduce is not None:
+        grad_bytes = ranks[0]["grad_bytes"]
+        sent = payload / grad_bytes if 0 < payload < grad_bytes else 1.0     # compressed: a fraction
+        overlap, exposed, of_possible = _overlap(ranks, allreduce * sent)
+        if sent < 1:
+            # the backward under no_sync skips the hook, so what a compressed step's backward took
+            # beyond it is the compressor's own work as well as the wait: no share of the wire's
+            overlap = of_possible = None
+        comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
+                "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None,
+                "exposed_seconds": exposed, "overlap_of_possible": of_possible}
+    cuda = [r["peak_cuda_mb"] for r in ranks]
+    return {
+        "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
+        "grad_compression": config.grad_compression, "hosts": config.hosts or None,
+        "link_mbit": None, "world_size": world, "data_format": config.data_format,
+        # what each rank hands to allreduce per step, and what a ring allreduce sends of it
+        "payload_bytes_per_step": payload,
+        "bytes_sent_per_step": payload * 2 * (world - 1) / world if world > 1 else 0.0,
+        "device": result["device"], "devices": config.devices,
+        "batch_per_process": result["batch_per_process"], "global_batch": result["global_batch"],
+        "samples_per_second": result["global_batch"] / median_step,
+        "step_seconds": median_step, "mean_step_seconds": statistics.fmean(world_steps),
+        "speedup": None, "efficiency": None,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+        "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
+        # parameters + gradients + optimizer state this rank holds (DDP: all; fsdp: its shards)
+        "state_bytes_per_rank": [r.get("state_bytes") for r in ranks],
+        "peak_cuda_mb": max(cuda) if None not in cuda else None,
+        "breakdown": breakdown, "comm": comm,
+        # the share of the allreduce hidden behind the backward pass (None: not measured)
+        "comm_overlap": overlap,
+        "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
+        "weights_sha256": ranks[0]["weights_sha256"],
+    }
+
+
+def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> tuple[float | None, ...]:
+    """How much of an allreduce of ``allreduce`` seconds the backward pass hid, per step:
+    ``(overlap, exposed seconds, overlap_of_possible)``, Nones where it was not measured.
+
+    A training step's backward phase waits for DDP's last bucket; a backward under ``no_sync``
+    (measured after the loop) is the compute alone. What the step's backward took beyond that
+    is the communication left exposed; the rest of the probe's allreduce time was hidden.
+    ``overlap``: hidden / allreduce. At most the backward's own length can be hidden, so
+    ``overlap_of_possible`` (hidden / min(allreduce, backward alone)) says whether the layout
+    hid what it could: a link far slower than the compute has a low ``overlap`` regardless.
+    """
+    alone = [r.get("backward_alone_seconds") for r in ranks]
+    if None in alone or allreduce <= 0:
+        return None, None, None
+    backward = PHASES.index("backward")
+    exposed = statistics.fmean(max(0.0, statistics.median(p[backward] for p in r["phases"]) - a)
+                               for r, a in zip(ranks, alone))
+    hidden = max(0.0, allreduce - exposed)
+    possible = min(allreduce, statistics.fmean(alone))
+    return min(1.0, hidden / allreduce), exposed, (min(1.0, hidden / possible) if possible > 0 else None)
+
+
+def not_applicable(config: Configuration, link_mbit: float | None = None) -> dict[str, Any]:
+    """The row of a configuration that cannot run here: its names, its reason, no measurements."""
+    return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
+            "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": link_mbit,
+            "data_format": config.data_format,
+            "applicable": False, "reason": config.reason, "samples_per_second": None,
+            "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}
+
+
+def with_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Speed-up over single; efficiency per device doing the work (GPUs of dp, else processes)."""
+    widths = [{**r, "processes": r["nproc"] * r.get("devices", 1) * (r.get("hosts") or 1)} for r in rows]
+    return [{**row, "speedup": done["speedup"], "efficiency": done["efficiency"]}
+            for row, done in zip(rows, add_speedup(widths))]
+

@@ -1,0 +1,102 @@
+"""One process of ``ddpkit bench``: ddpkit's own training loop, timed step by step.
+
+``ddpkit bench`` starts this module in N processes for every configuration::
+
+    ddpkit run -n 2 -m ddpkit.bench.worker --model convnet --data synthetic --precision fp32 \\
+        --batch 32 --steps 50 --warmup 5 --result runs/bench/runs/ddp-x2-fp32.json
+
+It runs the workload of :mod:`ddpkit.bench.workload` through ``ddpkit.init``, ``rt.setup``,
+``rt.loader``, ``rt.backward`` and ``rt.step``, and times it with :mod:`ddpkit.bench.stopwatch`,
+as the hand-written loop it is compared with (:mod:`ddpkit.bench.raw_ddp`) does. Rank 0 writes
+the per-rank measurements to ``--result``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ddpkit.bench.stopwatch import backward_alone, mark, rank_stats, state_bytes, write_result
+from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
+from ddpkit.recipes.models import build_model
+
+
+def _batches(rt: Any, loader: Any) -> Iterator[Any]:
+    """Batches without end, epoch after epoch (``rt.epochs`` sets each epoch's order)."""
+    for _ in rt.epochs(sys.maxsize):
+        yield from loader
+
+
+def train(opts: argparse.Namespace) -> None:
+    """Warm-up and timed steps of the ddpkit loop; rank 0 writes ``opts.result``."""
+    import ddpkit
+
+    rt = ddpkit.init(seed=opts.seed, precision=opts.precision)
+    devices = torch.cuda.device_count() if opts.data_parallel else 1
+    info = bench_dataset(opts.data, opts.batch * devices * rt.world_size)
+    torch.manual_seed(opts.seed)
+    model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                        image_size=info.image_size)
+    optimizer = make_optimizer(model, opts)
+    compression = None if opts.grad_compression == "none" else opts.grad_compression
+    if opts.strategy == "fsdp":
+        model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
+    else:
+        model, optimizer = rt.setup(model, optimizer, grad_compression=compression,
+                                    powersgd_start=powersgd_start(opts.warmup))
+    compressor = rt.run.compressors[-1]       # the gradient compressor of the model set up last
+    if opts.data_parallel:
+        model = torch.nn.DataParallel(model)
+    data = info.dataset
+    if opts.data_format == "shards":        # the same samples, read as a stream of 16 shards
+        data = ddpkit.Shards.from_dataset(data, shards=16)
+    loader = rt.loader(data, batch_size=opts.batch * devices, shuffle=True)
+    batches = _batches(rt, loader)
+    device, marks = rt.device, []
+    for step in range(opts.warmup + opts.steps):
+        if step == opts.warmup and compressor is not None:
+            compressor.payload_elements = 0          # count the timed steps only
+        start = mark(device)
+        inputs, targets = next(batches)
+        fetched = mark(device)
+        with rt.autocast():
+            loss = F.cross_entropy(model(inputs), targets)
+        forward = mark(device)
+        rt.backward(loss)
+        backward = mark(device)
+        rt.step(optimizer)
+        marks.append((start, fetched, forward, backward, mark(device)))
+    payload = None if compressor is None else compressor.payload_bytes / opts.steps
+    stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload)
+    if rt.world_size > 1 and not opts.data_parallel:
+        stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
+    stats["state_bytes"] = state_bytes(model, optimizer)
+    gathered = ddpkit.all_gather_object(stats)
+    if rt.is_main:
+        write_result(opts.result, gathered, loop="ddpkit", world_size=rt.world_size,
+                     device=device.type, devices=devices, precision=opts.precision,
+                     grad_compression=opts.grad_compression,
+                     batch_per_process=opts.batch * devices,
+                     global_batch=opts.batch * devices * rt.world_size)
+    rt.barrier()    # leave together: a rank tearing down while a peer still talks can abort
+    rt.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ddpkit.bench.worker``: parse the workload's arguments and run the timed loop."""
+    parser = worker_parser("python -m ddpkit.bench.worker")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="wrap the model in torch.nn.DataParallel over every visible GPU")
+    opts = parser.parse_args(argv)
+    Path(opts.result).parent.mkdir(parents=True, exist_ok=True)
+    train(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

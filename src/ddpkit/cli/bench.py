@@ -1,0 +1,24 @@
+"""``ddpkit bench``: measure each mode in fresh processes, print the table, write the files.
+
+The flags are :func:`ddpkit.bench.plan.parse_settings`'s; the work is :mod:`ddpkit.bench`'s.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Sequence
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    """``ddpkit bench``: run, print the table, write bench.json, bench.md and scaling.png."""
+    from ddpkit.bench.outputs import write_outputs
+    from ddpkit.bench.plan import parse_settings
+    from ddpkit.bench.run import run_bench
+
+    settings = parse_settings(argv)
+    report = run_bench(settings)
+    report["command"] = shlex.join(["ddpkit", "bench", *argv])
+    paths = write_outputs(Path(settings.out), report)
+    print(f"bench: wrote {', '.join(str(p) for p in paths)}")
+    return 0

@@ -1,0 +1,41 @@
+"""``ddpkit export``: one checkpoint's model weights as a plain ``torch.save`` state dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ddpkit._argparse import Parser
+from ddpkit.errors import DdpkitError, UsageError
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    """``ddpkit export``: find the checkpoint, write its ``--key`` entry to ``--out``; 0 when written."""
+    import torch
+
+    from ddpkit import checkpoint
+    from ddpkit._files import atomic_path
+
+    parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
+                    "as one state dict with plain names, loadable with torch.load and model.load_state_dict.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint (file, step directory, or a "
+                        "checkpoint directory: its newest)")
+    parser.add_argument("--out", required=True, help="FILE.pt to write")
+    parser.add_argument("--key", default="model", help="the state entry to export (default model)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    opts = parser.parse_args(argv)
+    source, out = Path(opts.checkpoint), Path(opts.out)
+    if out.exists() and not opts.overwrite:
+        raise UsageError(f"--out {out} exists; pass --overwrite to replace it")
+    if not source.exists():
+        raise UsageError(f"--checkpoint {source} does not exist")
+    path = source if source.is_file() or checkpoint.dcp.is_dcp(source) else checkpoint.latest(source)
+    if path is None:
+        raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
+    user = checkpoint.read(path)["user"]
+    if opts.key not in user:
+        raise DdpkitError(f"checkpoint {path} has no entry {opts.key!r}; it has {', '.join(sorted(user))}")
+    with atomic_path(out) as tmp:
+        torch.save(user[opts.key], tmp)
+    print(f"ddpkit export: wrote {out} ({opts.key} of {path})")
+    return 0

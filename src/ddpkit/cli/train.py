@@ -1,0 +1,57 @@
+"""``ddpkit train``: a built-in recipe in N processes; its flags are the fields of ``TrainConfig``.
+
+Each field of :class:`~ddpkit.recipes.config.TrainConfig` is one flag (``--global-batch`` for
+``global_batch``), its help the field's docstring. A flag that is not given stays out of the
+namespace, so a ``--config`` file's value, then the dataclass default, applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from ddpkit._argparse import Parser, add_fields
+from ddpkit.recipes.config import TrainConfig
+
+NOT_FLAGS = ("data_parallel", "extra")
+"""TrainConfig fields with no flag: DataParallel is a row of ``ddpkit demo``, ``extra`` is for code."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit train``: one flag per TrainConfig field, and ``--config FILE``."""
+    parser = Parser(prog="ddpkit train", argument_default=argparse.SUPPRESS,
+                    description="Train a built-in recipe in N processes; writes metrics, plots, "
+                                "checkpoints and summary.json into --out.")
+    add_fields(parser, TrainConfig, skip=NOT_FLAGS)
+    parser.add_argument("--config", help="YAML or TOML file of these settings; flags override it")
+    return parser
+
+
+def train_config(argv: Sequence[str]) -> TrainConfig:
+    """The validated TrainConfig of ``ddpkit train`` arguments (file settings, then flags)."""
+    from ddpkit.recipes.config import read_config_file, validate
+
+    given = vars(parser().parse_args(argv))
+    settings = read_config_file(given.pop("config")) if "config" in given else {}
+    settings.update(given)
+    config = TrainConfig(**settings)
+    validate(config)
+    return config
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    """``ddpkit train``: check the settings, clear an overwritten run, train; the job's exit code."""
+    from ddpkit.dist.torchrun import RunSpec, run
+    from ddpkit.recipes.train import clear_previous_run, preflight
+
+    config = train_config(argv)
+    preflight(config)
+    for path in clear_previous_run(config):
+        print(f"ddpkit train: --overwrite removed {path}")
+    spec = RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True,
+                   nproc_per_node=config.nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
+                   node_rank=config.node_rank, master=config.master)
+    code = run(spec)
+    if code == 0:
+        print(f"ddpkit train: wrote {config.out}/summary.json")
+    return code
