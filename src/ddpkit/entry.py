@@ -165,6 +165,12 @@ def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *
     them first; the time each exception was raised (``error_dir/rankN.json``, read by the
     parent) tells the root cause apart. Either way the child then ends like a worker of
     :func:`main`: exit handlers now, ``os._exit`` once torch has handed the return value back.
+
+    Args:
+        fn: the user's function; its return value comes back pickled into bytes.
+        error_dir: the parent's directory for ``rankN.json``, written only when ``fn`` fails.
+        start_method: how the child was started; ``"fork"`` clears the exit handlers copied from the parent.
+        *args: positional arguments of ``fn``.
     """
     if start_method == "fork":
         atexit._clear()         # the parent's handlers, copied by fork: never this child's to run

@@ -97,7 +97,14 @@ def private_generator(seed: int = 0) -> torch.Generator:
 
 def seed_worker_globals(seed: int, epoch: int, rank: int, worker: int) -> None:
     """Seed a loader worker's global torch / numpy / ``random`` generators from (seed, epoch,
-    rank, worker id), so ranks and workers draw different numbers (never a sample's key)."""
+    rank, worker id), so ranks and workers draw different numbers (never a sample's key).
+
+    Args:
+        seed: the loader's seed.
+        epoch: the epoch the worker reads.
+        rank: the worker's process's global rank.
+        worker: the DataLoader worker's id on that rank (0 to ``num_workers - 1``).
+    """
     value = sample_seed(seed, epoch, -1 - (rank * 4096 + worker))
     random.seed(value)
     torch.manual_seed(value)

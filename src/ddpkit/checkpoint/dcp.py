@@ -77,7 +77,14 @@ def plain_entries(state: Mapping[str, Any]) -> list[str]:
 
 
 def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, token: str) -> None:
-    """Write a DCP checkpoint into ``target`` atomically (every rank calls it; ``own`` on rank 0)."""
+    """Write a DCP checkpoint into ``target`` atomically (every rank calls it; ``own`` on rank 0).
+
+    Args:
+        target: the step directory to write; one already there is replaced.
+        state: the user's objects by name; models and their optimizers go to DCP, sharded.
+        own: what ``ddpkit.pt`` holds (loop state, RNGs, scaler, the plain entries), on rank 0; None elsewhere.
+        token: the same on every rank: names the temporary directory ``.NAME.tmp-TOKEN`` written first.
+    """
     import torch.distributed.checkpoint as dcp
 
     tmp = temp_path(target, token)

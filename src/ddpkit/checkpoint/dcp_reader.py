@@ -73,6 +73,7 @@ class MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        """The global ``module.name`` if metadata is made of it; else :class:`UnsafeCheckpoint`."""
         if (module, name) in METADATA_GLOBALS or (module == "torch" and name in DTYPE_NAMES):
             return super().find_class(module, name)
         raise refused(self.where, _python3_name(module, name))

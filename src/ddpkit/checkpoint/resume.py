@@ -58,7 +58,8 @@ class RunLike(Protocol):
     saved_compression: Any
     saved_buffers: Any
 
-    def sharded(self) -> bool: ...
+    def sharded(self) -> bool:
+        """Whether any set-up model is sharded (its checkpoints are DCP directories)."""
 
 
 def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str, Any], *, keep: int = 3) -> Path:

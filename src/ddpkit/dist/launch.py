@@ -45,6 +45,14 @@ def launch(
     rank. The rendezvous keeps its state in a new private directory, so two launches never collide
     and nothing of the job listens beyond loopback.
 
+    Args:
+        fn: the function each process calls; its return value must pickle.
+        nprocs: processes to start (the world size), at least 1.
+        args: positional arguments of ``fn``, the same in every process.
+        max_restarts: times the elastic agent restarts every process after one fails.
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``; None: ``"fork"`` for a function
+            of an interactive ``__main__`` (a notebook, a REPL), which spawned children cannot import, else ``"spawn"``.
+
     Returns:
         Each rank's return value, ``{rank: value}``.
 

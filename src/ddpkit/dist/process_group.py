@@ -78,6 +78,12 @@ def choose_backend(device: torch.device, backend: str | None = None) -> str:
 def init(env: Environment, backend: str, device: torch.device, timeout_s: float) -> None:
     """Initialise the default process group for ``env`` (no-op when already initialised).
 
+    Args:
+        env: this process's place in the job (rank, world size, master address, store).
+        backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``, as :func:`choose_backend` settled it.
+        device: this process's device (:func:`choose_device`); a GPU becomes the current one.
+        timeout_s: seconds to reach the rendezvous, and the timeout of every collective.
+
     Raises:
         DdpkitError: the master could not be reached within ``timeout_s``, naming host:port.
     """

@@ -52,7 +52,18 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(host: str, port: int, *, timeout_s: float, world_size: int | None = None) -> Any:
-    """A ``TCPStore`` server listening on ``host:port`` only; ``store.port`` is the port it got."""
+    """A ``TCPStore`` server listening on ``host:port`` only; ``store.port`` is the port it got.
+
+    Args:
+        host: an address of this machine to listen on (not the wildcard).
+        port: the port to bind (0: one the OS picks).
+        timeout_s: seconds a store operation (a get, a wait) waits before it fails.
+        world_size: processes that will use the store (None: not known, as for the agent's rendezvous).
+
+    Raises:
+        UsageError: the port is in use.
+        OSError: ``host`` is not an address of this machine or does not resolve.
+    """
     import torch.distributed as dist
 
     sock = bound_socket(host, port)
@@ -141,6 +152,15 @@ def gloo_interface(num_nodes: int, master_addr: str, master_port: int, environ: 
     The user's ``GLOO_SOCKET_IFNAME`` wins. Otherwise one machine: loopback. Several nodes: the
     interface of this node's route to the master, the job's network. Without either, gloo would bind
     whatever the host name resolves to, which in a container is its network address.
+
+    Args:
+        num_nodes: nodes of the job (one: loopback).
+        master_addr: the master's address; the route to it picks the interface.
+        master_port: the master's port (only to look the route up; nothing is sent).
+        environ: the environment to read ``GLOO_SOCKET_IFNAME`` from (None: ``os.environ``).
+
+    Returns:
+        The interface's name and its address; ``("", None)`` when no route to the master is found.
     """
     import os
 
@@ -160,6 +180,15 @@ def socket_env(num_nodes: int, master_addr: str, master_port: int, environ: Any 
 
     Every process group of the job reads them when it is created (PowerSGD's second group and
     fsdp's device mesh too), so one setting before the first group covers all of them.
+
+    Args:
+        num_nodes: nodes of the job (one: loopback).
+        master_addr: the master's address; the route to it picks the interface.
+        master_port: the master's port (only to look the route up).
+        environ: the environment whose settings stay (None: ``os.environ``).
+
+    Returns:
+        The variables to set, those the user has not set; empty when no interface is found.
     """
     import os
 

@@ -99,13 +99,18 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
     """The ``torch.distributed.run`` arguments for ``spec``.
 
     One node (``--nnodes 1``, whatever master is named): the c10d rendezvous keeps its state in a
-    ``FileStore`` file of ``store_dir``, the job's private directory (torchrun's
-    ``store_type=file``), so no rendezvous socket exists. Several nodes: c10d rendezvous at the
-    master, hosted by node 0 (``--node-rank 0``, or the first SLURM node), under one run id on every
-    node, so a failed worker restarts the whole job together; ``store_port``: ddpkit serves that
-    store itself (see :func:`rendezvous_store`), so the agent joins it as a client. The rendezvous
-    numbers the nodes (by address), so global rank 0 may live on any node. Under ``srun`` (one task
-    per node) nodes, node rank and master come from SLURM.
+    ``FileStore`` file of ``store_dir`` (torchrun's ``store_type=file``), so no rendezvous socket
+    exists. Several nodes: c10d rendezvous at the master, hosted by node 0 (``--node-rank 0``, or
+    the first SLURM node), under one run id on every node, so a failed worker restarts the whole job
+    together. The rendezvous numbers the nodes (by address), so global rank 0 may live on any node.
+    Under ``srun`` (one task per node) nodes, node rank and master come from SLURM.
+
+    Args:
+        spec: what ``ddpkit run`` was asked to start.
+        env: the launcher's environment, read for SLURM's placement (None: detected now).
+        store_port: given when ddpkit serves the rendezvous store itself (:func:`rendezvous_store`):
+            node 0's agent then joins it as a client (None: the agent hosts it).
+        store_dir: the job's private directory (:func:`ddpkit.dist.stores.private_dir`); a one-node job needs it.
 
     Raises:
         UsageError: a one-node job without ``store_dir``, or a node rank outside the nodes.

@@ -122,13 +122,21 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
              extra_metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
 
-    Every rank must call it. ``loss_fn(output, target, reduction="sum")`` is summed in float64;
-    ``autocast`` (e.g. ``rt.autocast``) makes the context each forward runs in.
-    ``extra_metrics`` maps names to torchmetrics metrics: each is reset first (a metric
-    reused every epoch would otherwise accumulate the earlier epochs' samples), updated with
-    ``(outputs, targets)`` on this rank's unpadded shard and computed (synced) once at the
-    end, so nothing is counted twice; their values are returned under their names.
-    Returns plain Python numbers and lists, identical on every rank.
+    Every rank must call it. Returns plain Python numbers and lists, identical on every rank.
+
+    Args:
+        model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
+        dataset: ``(input, target)`` samples: a map-style dataset, or a stream (an ``IterableDataset``).
+        num_classes: classes of the targets: the width of the outputs and of the confusion matrix.
+        batch_size: samples per forward on each rank.
+        loss_fn: called as ``loss_fn(output, target, reduction="sum")`` and summed in float64; the
+            ``loss`` returned is that sum divided by the samples counted.
+        num_workers: DataLoader workers per rank (0: the main process reads).
+        autocast: makes the context each forward runs in (e.g. ``rt.autocast``); None: none.
+        extra_metrics: torchmetrics metrics by name: each is reset first (a metric reused every epoch
+            would otherwise accumulate the earlier epochs' samples), updated with ``(outputs, targets)``
+            on this rank's unpadded shard and computed (synced) once at the end, so nothing is counted
+            twice; their values are returned under their names.
     """
     lazy_buffers.settle(model)   # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)       # DDP's forward may broadcast buffers: a collective per batch
@@ -202,7 +210,12 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
     structure comes back, each leaf gathered). Every rank must call it.
 
     Args:
+        model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
+        dataset: a map-style dataset, or a stream (an ``IterableDataset``); a sample's first item
+            is the input when it is a tuple or list, else the sample is.
+        batch_size: samples per forward on each rank.
         to: ``"main"`` returns the result on rank 0 and None elsewhere; ``"all"`` on every rank.
+        num_workers: DataLoader workers per rank (0: the main process reads).
         autocast: makes the context each forward runs in (e.g. ``rt.autocast``), as in training.
     """
     if to not in ("main", "all"):
@@ -237,6 +250,14 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
     Each rank appends its shard's outputs to its own part file as it goes; rank 0 then
     copies the parts, in rank order, into ``path`` chunk by chunk. Only a model returning a
     single tensor is supported here. Returns the path on rank 0, None elsewhere.
+
+    Args:
+        model: the model as ``rt.setup`` returned it, or a plain one; it must return one tensor.
+        dataset: a map-style dataset (a stream goes to :func:`predict`); a sample's first item is the
+            input when it is a tuple or list, else the sample is.
+        path: the ``.npy`` file rank 0 writes; the part files ``.NAME.rankN.part`` lie beside it meanwhile.
+        batch_size: samples per forward on each rank.
+        num_workers: DataLoader workers per rank (0: the main process reads).
     """
     import numpy as np
 

@@ -64,6 +64,7 @@ class LoopState:
         return key
 
     def loaders(self) -> list[Any]:
+        """The registered loaders still alive, in registration order."""
         return list(self._loaders.values())
 
     def _apply(self, loader: Any, saved: dict[str, Any]) -> None:
@@ -159,7 +160,15 @@ class RunState:
 
     def adopt(self, model: Any, optimizer: Any = None, *, compressor: Any = None, buffers: Any = None,
               not_bitwise: str | None = None) -> int:
-        """Track a set-up model (and its optimizer) for steps and checkpoints; returns its index."""
+        """Track a set-up model (and its optimizer) for steps and checkpoints; returns its index.
+
+        Args:
+            model: the set-up model (DDP-wrapped, sharded, compiled, or the model itself).
+            optimizer: its optimizer (None: none given); kept once however many models share it.
+            compressor: the model's gradient compression hook state, or None.
+            buffers: its lazily averaged BatchNorm statistics, or None.
+            not_bitwise: why a resume of this run would not be bitwise (None: it would); the first reason kept.
+        """
         self.models.append(model)
         self.compressors.append(compressor)
         self.buffers.append(buffers)

@@ -77,7 +77,17 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
 
 def clip_grad_norm_(run: RunState, model: torch.nn.Module, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor | None:
-    """Clip ``model``'s gradients (unscaled first under fp16); None on a micro-step that does not sync."""
+    """Clip ``model``'s gradients (unscaled first under fp16); None on a micro-step that does not sync.
+
+    Args:
+        run: the run's state (its precision, optimizers and accumulation group).
+        model: the model whose gradients are clipped; under fp16 its optimizer must be known to ``run``.
+        max_norm: the largest total norm the gradients keep.
+        norm_type: the order of the norm (``float("inf")``: the largest absolute value).
+
+    Returns:
+        The total norm of the gradients before clipping, as ``torch.nn.utils.clip_grad_norm_``.
+    """
     if run.accumulation is not None and not run.accumulation[1]:
         return None
     params = [p for p in model.parameters() if p.grad is not None]

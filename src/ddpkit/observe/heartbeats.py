@@ -45,10 +45,12 @@ class Heartbeat:
         return self.idle + max(0.0, now - self.time)
 
     def to_json(self) -> str:
+        """This heartbeat as a JSON object, as it is published in the store."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Heartbeat":
+        """The heartbeat that :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
 
@@ -62,10 +64,12 @@ class Verdict:
     silent: bool = False   # the culprit's watchdog is not running: no stack will come
 
     def to_json(self) -> str:
+        """This verdict as a JSON object, as it is proposed in the store."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Verdict":
+        """The verdict that :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
 
@@ -115,7 +119,16 @@ def culprit(heartbeats: Mapping[int, Heartbeat | None], now: float, *, silent_af
 
 def format_report(heartbeats: Mapping[int, Heartbeat | None], stuck: int, now: float, *,
                   world_size: int, silent_after: float, note: str = "") -> str:
-    """The lines the reporting rank prints: a one-line verdict, then where each rank is."""
+    """The lines the reporting rank prints: a one-line verdict, then where each rank is.
+
+    Args:
+        heartbeats: each rank's last heartbeat by rank (None: it sent none); ranks missing are unknown.
+        stuck: the rank named as stuck (:func:`culprit`), listed first.
+        now: wall time (``time.time()``) the idle seconds are measured at.
+        world_size: ranks of the job, to count those with no entry in ``heartbeats``.
+        silent_after: seconds since a heartbeat was published after which its rank is called frozen or dead.
+        note: why the unknown ranks are unknown (e.g. the store is unreachable), appended in parentheses.
+    """
     beat = heartbeats.get(stuck)
     if beat is None:
         head = f"rank {stuck} never sent a heartbeat"
@@ -177,9 +190,11 @@ def _ranges(ranks: list[int]) -> str:
 class Target(Protocol):
     """Where :func:`beat` and :func:`watch` go: the runtime of a job that runs a watchdog."""
 
-    def heartbeat(self, phase: str) -> None: ...
+    def heartbeat(self, phase: str) -> None:
+        """Record that this rank made progress and is now in ``phase``."""
 
-    def watch_progress(self, probe: Callable[[], int]) -> None: ...
+    def watch_progress(self, probe: Callable[[], int]) -> None:
+        """Count a rise of ``probe()`` as progress (samples a loader's workers read)."""
 
 
 _target: Target | None = None

@@ -75,10 +75,12 @@ class MetricsLogger:
     # -- paths and rows -----------------------------------------------------------------
     @property
     def jsonl_path(self) -> Path:
+        """``out_dir/metrics.jsonl``: one JSON object a row."""
         return self.out_dir / "metrics.jsonl"
 
     @property
     def csv_path(self) -> Path:
+        """``out_dir/metrics.csv``: one row a step, a column for every key ever logged."""
         return self.out_dir / "metrics.csv"
 
     @property

@@ -93,6 +93,7 @@ class Watchdog:
                 self._last = (self._last[0], "data", time.monotonic())
 
     def start(self, step: int = 0) -> "Watchdog":
+        """Watch the calling thread from ``step`` (phase ``start``) on a daemon thread; returns self."""
         self._watched = threading.get_ident()
         self.beat(step, "start")
         self._thread.start()
@@ -288,5 +289,12 @@ def group_store() -> Any | None:
 
 
 def watch(hang_timeout: float, *, rank: int, world_size: int, step: int = 0) -> Watchdog:
-    """Start a :class:`Watchdog` over the calling thread, through the group's store if any."""
+    """Start a :class:`Watchdog` over the calling thread, through the group's store if any.
+
+    Args:
+        hang_timeout: seconds without progress on every rank after which the job is hung.
+        rank: this process's global rank.
+        world_size: processes of the job.
+        step: the optimizer step the watch starts at.
+    """
     return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=group_store()).start(step)

@@ -37,6 +37,15 @@ def check(choice: str | None, *, rank: int, start: int | None, backend: str | No
           precision: str, compile: Any) -> None:
     """Refuse a choice that cannot work here, in one line, before any process group work.
 
+    Args:
+        choice: ``"fp16"``, ``"bf16"``, ``"powersgd"``, or None (no compression: nothing to check).
+        rank: ``powersgd_rank``, the rank of PowerSGD's low-rank factors (not a process rank).
+        start: ``powersgd_start``, plain steps before PowerSGD compresses (None: :data:`POWERSGD_START`).
+        backend: the process group's backend (None: no group).
+        device: this process's device.
+        precision: the run's precision (``"fp32"``, ``"bf16"`` or ``"fp16"``).
+        compile: truthy when the model is or will be compiled.
+
     Raises:
         UsageError: unknown name, bad PowerSGD numbers, bf16 that NCCL/the GPU cannot reduce,
             PowerSGD under fp16 loss scaling, or ``compile`` (untested with hooks).
@@ -197,8 +206,15 @@ def attach(model: Any, choice: str, *, rank: int, start: int | None, device: tor
            buckets_settled: bool = True, timeout_s: float | None = None) -> Compressor:
     """Register ``choice``'s hook on the DDP ``model``; returns its compressor (bytes, state).
 
-    ``buckets_settled``: whether DDP's buckets were settled at setup. PowerSGD keys its state by
-    bucket, so without settled buckets a resume keeps only its iteration and random stream.
+    Args:
+        model: the DDP-wrapped model.
+        choice: ``"fp16"``, ``"bf16"`` or ``"powersgd"``, already :func:`check`-ed.
+        rank: the rank of PowerSGD's low-rank factors (``powersgd_rank``; casts ignore it).
+        start: plain steps before PowerSGD compresses (None: :data:`POWERSGD_START`).
+        device: this process's device, kept in PowerSGD's state.
+        buckets_settled: whether DDP's buckets were settled at setup. PowerSGD keys its state by
+            bucket, so without settled buckets a resume keeps only its iteration and random stream.
+        timeout_s: seconds before a collective of PowerSGD's own process group times out (None: torch's default).
     """
     compressor: Compressor
     if choice == "powersgd":

@@ -34,7 +34,15 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def check(*, grad_compression: str | None, compile: Any, sync_batchnorm: bool,
           model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
-    """Refuse, in one line each, what is not built or tested with ``strategy="fsdp"``."""
+    """Refuse, in one line each, what is not built or tested with ``strategy="fsdp"``.
+
+    Args:
+        grad_compression: ``rt.setup``'s ``grad_compression``; any is refused (a DDP hook).
+        compile: ``rt.setup``'s ``compile``; truthy, or a model compiled already, is refused.
+        sync_batchnorm: ``rt.setup``'s ``sync_batchnorm``; True, or any BatchNorm layer, is refused.
+        model: the user's model, before sharding.
+        ddp_kwargs: further ``DistributedDataParallel`` arguments; any is refused.
+    """
     if grad_compression is not None:
         raise UsageError("grad_compression is a DDP communication hook; strategy='fsdp' reduce-scatters "
                          "instead: drop grad_compression or use strategy='ddp'")
@@ -68,9 +76,20 @@ def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *
     """Shard ``model`` in place (moved to ``device`` first) and rebind ``optimizers`` to its new parameters.
 
     Under bf16 and fp16 the units compute with parameters in that dtype and reduce gradients in
-    fp32 into fp32 shards (the master weights). ``cpu_offload`` keeps the sharded parameters,
-    gradients and optimizer state in CPU memory (pinned on CUDA) and copies each unit to the
-    device for its forward and backward; the optimizer steps on the CPU.
+    fp32 into fp32 shards (the master weights).
+
+    Args:
+        model: the user's model; it becomes the FSDP root.
+        optimizers: optimizers built on ``model.parameters()`` that have not stepped yet.
+        device: this process's device; one group of one is made to shard over when there is no process group.
+        precision: the run's precision; ``"bf16"`` and ``"fp16"`` compute in that dtype.
+        fsdp_units: module classes sharded as units (None: children of at least ``min_unit_params`` parameters).
+        reshard_after_forward: free the gathered parameters after each unit's forward (ZeRO-3), gathering
+            them again for backward; False keeps them until backward (more memory, less traffic).
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory (pinned
+            on CUDA) and copy each unit to the device for its forward and backward; the optimizer
+            steps on the CPU.
+        min_unit_params: parameters a child needs to be a unit of its own when ``fsdp_units`` is None.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

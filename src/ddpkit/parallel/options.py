@@ -60,6 +60,12 @@ class SetupOptions:
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).
 
+        Args:
+            model: the user's model, before it is wrapped (maybe compiled already).
+            device: this process's device.
+            backend: the process group's backend (None: no group).
+            precision: the run's precision (``"fp32"``, ``"bf16"``, ``"fp16"``).
+
         Raises:
             UsageError: an unknown strategy or compression, a combination that is refused
                 (fsdp with compression, compile or BatchNorm; cpu_offload without fsdp), or a

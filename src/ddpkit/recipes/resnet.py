@@ -37,6 +37,7 @@ class BasicBlock(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, inp, H, W]`` to ``[N, width, H/stride, W/stride]``: ``relu(convs(x) + shortcut(x))``."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         return self.relu(self.bn2(self.conv2(out)) + identity)
@@ -56,6 +57,7 @@ class Bottleneck(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, inp, H, W]`` to ``[N, 4*width, H/stride, W/stride]``: ``relu(convs(x) + shortcut(x))``."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))

@@ -200,6 +200,10 @@ def _check_resume(config: TrainConfig, info: DatasetInfo) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train from ``--config-json JSON`` (``argv``, default ``sys.argv[1:]``); returns the exit code.
+
+    A :class:`DdpkitError` is one line on the main rank and its ``exit_code``; bad usage is 2.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] != "--config-json":
         sys.stderr.write("usage: python -m ddpkit.recipes.train --config-json JSON (use 'ddpkit train')\n")

@@ -42,9 +42,11 @@ class StreamShard:
 
     @property
     def known_length(self) -> int | None:
+        """Samples in the stream, known before reading for :class:`ddpkit.Shards`; None for a plain stream."""
         return self.seen if isinstance(self.dataset, Shards) else None
 
     def batches(self) -> Iterator[tuple[list[int], Any]]:
+        """(stream indices, batch) of this rank's chunks; a plain stream's end is noted for :meth:`total`."""
         loader = DataLoader(self.pieces, batch_size=None, collate_fn=as_is, num_workers=self.num_workers)
         for piece in loader:
             if piece["error"] is not None:

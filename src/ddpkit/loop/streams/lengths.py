@@ -35,6 +35,13 @@ def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: i
     A collective when the lengths are not given: every rank must call it. Shards are counted
     round robin over ranks (and over each rank's workers); a shard that fails to read is
     raised on every rank, naming it, so no rank is left waiting.
+
+    Args:
+        shards: the stream; its ``lengths`` are set in place, and rank 0 caches them.
+        num_workers: DataLoader workers that count this rank's shards (0: the main process).
+        rank: this process's global rank.
+        world_size: processes of the job.
+        progress: called once per sample counted (None: not called).
     """
     if shards.lengths is not None:
         return

@@ -43,9 +43,11 @@ class StreamPlan:
         return self.layout.batches
 
     def global_count(self, index: int) -> int:
+        """Samples in global batch ``index`` (the last one may be short; 0 past the end or for a plain stream)."""
         return self.layout.batch_count(index) if self.layout is not None else 0
 
     def signature(self) -> dict[str, Any]:
+        """What must match for a saved position to name the same batches again (plain data)."""
         return dict(self._signature)
 
 
@@ -101,6 +103,7 @@ class StreamLoader(LoaderPosition):
 
     @property
     def length_known(self) -> bool:       # type: ignore[override]
+        """Whether the number of batches is known before the pass ends (Shards: yes; a plain stream: no)."""
         return self.sampler.layout is not None
 
     def position_record(self) -> dict[str, Any]:

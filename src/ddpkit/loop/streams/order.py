@@ -36,9 +36,11 @@ class Layout:
         self.last = self.length - (self.batches - 1) * size if self.batches else 0
 
     def column_length(self, column: int) -> int:
+        """Rows of ``column``: one per global batch, one fewer in the columns the short last batch lacks."""
         return self.batches if column < self.last else max(0, self.batches - 1)
 
     def column_start(self, column: int) -> int:
+        """Position in the epoch's order of ``column``'s first row (columns lie end to end)."""
         return column * max(0, self.batches - 1) + min(column, self.last)
 
     def batch_count(self, batch: int) -> int:
@@ -52,6 +54,7 @@ class Layout:
         return [self.column_start(j) + batch for j in range(self.batch_count(batch))]
 
     def rank_columns(self, rank: int, world_size: int) -> range:
+        """The ``global_batch_size // world_size`` consecutive columns that ``rank`` reads."""
         per_rank = self.global_batch_size // world_size
         return range(rank * per_rank, (rank + 1) * per_rank)
 
@@ -87,6 +90,7 @@ class EpochOrder:
 
     @property
     def length(self) -> int:
+        """Samples in the epoch: every shard's, end to end."""
         return self.starts[-1]
 
     def locate(self, position: int) -> tuple[int, int]:
@@ -100,7 +104,13 @@ class EpochOrder:
 def window_rows(rows: int, window: int, row: int, *key: int) -> tuple[int, list[int]]:
     """The shuffle window of a column holding ``row``: its first row and the order of its rows.
 
-    Windows are aligned to the column's start; the order is keyed by ``key`` (seed, epoch, column).
+    Windows are aligned to the column's start.
+
+    Args:
+        rows: rows in the column (the last window may be shorter).
+        window: rows per shuffle window.
+        row: a row of the column (0 is its first); its window is returned.
+        *key: integers keying the order (seed, epoch, column), the same on every rank and worker.
     """
     first = row // window * window
     size = min(window, rows - first)

@@ -245,7 +245,16 @@ def warn_once(key: str, message: str) -> None:
 
 
 def warn_plain_stream(dataset: Any, world_size: int, num_workers: int, doing: str) -> None:
-    """Rank 0, once per stream type: every rank and worker reads a plain stream whole, at this cost."""
+    """Rank 0, once per stream type: every rank and worker reads a plain stream whole, at this cost.
+
+    A single reader (one process, at most one worker) is not warned.
+
+    Args:
+        dataset: the plain stream (its type names it).
+        world_size: processes of the job.
+        num_workers: DataLoader workers per process (0: the main process reads).
+        doing: what each reader does with it, ending the message (``"and keeps its share"``).
+    """
     readers = world_size * max(1, num_workers)
     if readers > 1:
         name = type(dataset).__name__

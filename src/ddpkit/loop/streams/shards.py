@@ -126,6 +126,7 @@ class Shards(IterableDataset):
         return root / "shard-lengths" / f"{key}.json"
 
     def load_cached(self) -> list[int] | None:
+        """The lengths cached in :meth:`cache_file`, or None (no cache, unreadable, or another shard count)."""
         path = self.cache_file()
         if path is None or not path.is_file():
             return None
@@ -136,6 +137,7 @@ class Shards(IterableDataset):
         return saved if isinstance(saved, list) and len(saved) == len(self.shards) else None
 
     def save_cached(self) -> None:
+        """Write the known lengths to :meth:`cache_file` atomically; a failed write only warns."""
         path = self.cache_file()
         if path is None or self.lengths is None:
             return
@@ -151,6 +153,7 @@ class Shards(IterableDataset):
 # :func:`ddpkit._torch.worker_info_hidden`) and marks the sample for :func:`ddpkit.sample_rng`.
 
 def shard_name(shards: Shards, shard: int) -> str:
+    """Shard number ``shard`` as messages name it: its path, else its ``repr``."""
     value = shards.shards[shard]
     return os.fspath(value) if isinstance(value, (str, os.PathLike)) else repr(value)
 
@@ -198,7 +201,17 @@ def _check_end(shards: Shards, shard: int, it: Iterator[Any]) -> None:
 
 def read_shard(shards: Shards, order: EpochOrder, shard: int, first: int, stop: int,
                seed: int, progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
-    """(stream index, sample) for samples ``[first, stop)`` of ``shard``, read in order."""
+    """(stream index, sample) for samples ``[first, stop)`` of ``shard``, read in order.
+
+    Args:
+        shards: the stream.
+        order: the epoch being read (its ``natural`` starts give stream indices; its epoch keys samples).
+        shard: which shard, by its index in ``shards.shards``.
+        first: the shard's first sample to yield (those before it are skipped, by ``read`` if it can).
+        stop: the sample to stop before.
+        seed: keys :func:`ddpkit.sample_rng` of each sample, with the epoch and the stream index.
+        progress: called once per sample yielded (None: not called).
+    """
     it, index = _open(shards, shard, first)
     natural = order.natural[shard]
     try:
@@ -236,7 +249,16 @@ def _warn_skip(shards: Shards, shard: int, count: int) -> None:
 
 def read_range(shards: Shards, order: EpochOrder, first: int, stop: int, *, seed: int,
                progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
-    """(stream index, sample) for positions ``[first, stop)`` of the epoch's order, lazily."""
+    """(stream index, sample) for positions ``[first, stop)`` of the epoch's order, lazily.
+
+    Args:
+        shards: the stream.
+        order: the epoch whose order the positions are in.
+        first: the first position to yield.
+        stop: the position to stop before.
+        seed: keys :func:`ddpkit.sample_rng` of each sample, with the epoch and the stream index.
+        progress: called once per sample yielded (None: not called).
+    """
     position = first
     while position < stop:
         shard, offset = order.locate(position)
