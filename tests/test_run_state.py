@@ -89,3 +89,19 @@ def test_an_unknown_loader_option_is_named():
         build.loader_options({"batchsize": 4})
     assert build.loader_options({"batch_size": 4}).batch_size == 4
     assert run.loop.step == 0
+
+
+def test_a_warning_deep_inside_ddpkit_names_the_users_line():
+    import warnings
+
+    import ddpkit
+
+    rt = ddpkit.init()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            rt.setup(torch.nn.Linear(2, 2), grad_compression="fp16")     # setup -> wrap -> replicate warns
+        found = [w for w in seen if "no effect with one process" in str(w.message)]
+        assert found and found[0].filename == __file__, [(w.filename, str(w.message)) for w in seen]
+    finally:
+        rt.close()

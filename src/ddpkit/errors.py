@@ -1,6 +1,14 @@
-"""Errors that ddpkit reports to users as one clear line instead of a traceback."""
+"""Errors that ddpkit reports to users as one clear line instead of a traceback, and warnings
+that point at the user's own line."""
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PASSED = (_PACKAGE, os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
 
 
 class DdpkitError(Exception):
@@ -112,3 +120,16 @@ def install_excepthook() -> None:
 
     hook._ddpkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside ddpkit: the user's line.
+
+    However deep inside ddpkit the warning is raised (``rt.setup`` -> wrap -> replicate), it
+    names the script's line that led there, as a library's warning should; and a warning
+    filter keyed on the user's module works.
+    """
+    level, frame = 2, sys._getframe(1)     # level 2: the caller of warn
+    while frame is not None and frame.f_code.co_filename.startswith(_PASSED):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

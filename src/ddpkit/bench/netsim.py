@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import warnings
 from types import FrameType, TracebackType
 from typing import Any, Callable
 
@@ -31,6 +30,7 @@ import psutil
 
 from ddpkit.bench.netns import (_OWNERS, NetsimError, _check_tag, _delete, _run, _stop, leftovers,
                                 remove_leftovers)
+from ddpkit.errors import warn
 
 _SUBNET = "10.213.0"
 _INTERFACE = "dkn0"
@@ -221,7 +221,7 @@ class SimulatedHosts:
         if errors:
             message = f"simulated hosts of tag {self.tag} not fully removed: {'; '.join(errors)}"
             if quiet:
-                warnings.warn(message, stacklevel=3)
+                warn(message)
             else:
                 raise NetsimError(message)
 

@@ -23,7 +23,7 @@ from ddpkit.checkpoint import dcp, pt, steps
 from ddpkit.checkpoint.pt import FORMAT, VERSION, write
 from ddpkit.checkpoint.state import check_model_state, restore_user_state, user_state
 from ddpkit.checkpoint.steps import prune, step_dir, step_path
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, warn
 from ddpkit.rng import rng_state, set_rng_state
 
 __all__ = [
@@ -81,13 +81,12 @@ def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool =
 
 def latest(directory: str | os.PathLike) -> Path | None:
     """The newest step checkpoint in ``directory`` that verifies, or None."""
-    import warnings
 
     for _, path in sorted(steps.step_checkpoints(Path(directory)), reverse=True):
         try:
             verify(path)
         except DdpkitError as exc:
-            warnings.warn(f"skipping {exc}", stacklevel=2)
+            warn(f"skipping {exc}")
             continue
         return path
     return None

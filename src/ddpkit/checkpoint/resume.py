@@ -23,7 +23,7 @@ from ddpkit import checkpoint, rng
 from ddpkit._version import __version__
 from ddpkit.checkpoint import dcp
 from ddpkit.dist import collectives, store_sync
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.observe.heartbeats import beat
 
 
@@ -209,11 +209,9 @@ def _restore_rng(peers: Peers, own: Mapping[str, Any], target: Path) -> None:
     if saved_world == peers.world_size:
         rng.set_rng_state(own["rng"][peers.rank])
     elif peers.is_main:
-        import warnings
-
-        warnings.warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
-                      f"{peers.world_size}: the data order and per-sample randomness continue exactly, "
-                      "per-process random streams (dropout) start afresh", stacklevel=3)
+        warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
+             f"{peers.world_size}: the data order and per-sample randomness continue exactly, "
+             "per-process random streams (dropout) start afresh")
 
 
 def load(run: RunLike, peers: Peers, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
@@ -304,8 +302,8 @@ def _restore_compression(run: RunLike, index: int, is_main: bool) -> None:
         if compressor is not None:
             compressor.load_state_dict(saved or {"name": None}, same_world=same_world, source=source)
         elif saved is not None:
-            warnings.warn(f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
-                          "resumes without compression", stacklevel=3)
+            warn(f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
+                 "resumes without compression")
 
 
 def _restore_grads(run: RunLike, peers: Peers, saved: list[list[Any]], target: Path) -> None:

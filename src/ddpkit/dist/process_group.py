@@ -9,13 +9,12 @@ import datetime
 import errno
 import os
 import socket
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.dist.environment import Environment
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import DdpkitError, UsageError, warn
 
 BACKENDS = ("nccl", "gloo", "mpi")
 
@@ -162,9 +161,9 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
         return stores.serve(env.master_addr, env.master_port, timeout_s=timeout_s, world_size=env.world_size)
     except OSError as exc:
         if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-            warnings.warn(f"MASTER_ADDR {env.master_addr} is not an address of this machine, so rank 0's "
-                          f"store listens on every interface ({exc.strerror or exc}); set MASTER_ADDR to "
-                          "this machine's address on the network the job uses", stacklevel=4)
+            warn(f"MASTER_ADDR {env.master_addr} is not an address of this machine, so rank 0's "
+                 f"store listens on every interface ({exc.strerror or exc}); set MASTER_ADDR to "
+                 "this machine's address on the network the job uses")
             return _tcp_store(env, timeout_s, is_master=True)
         raise
 

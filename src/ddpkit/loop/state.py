@@ -13,12 +13,11 @@ never makes an end-of-epoch checkpoint look mid-epoch.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, warn
 
 
 class LoopState:
@@ -89,7 +88,7 @@ class LoopState:
     def _complain(self, problem: str, fix: str) -> None:
         if self._strict:
             raise DdpkitError(f"{problem}; {fix}, or load with strict=False to start its epoch over")
-        warnings.warn(f"{problem}; its epoch starts over (strict=False)", stacklevel=4)
+        warn(f"{problem}; its epoch starts over (strict=False)")
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -115,7 +114,7 @@ class LoopState:
             if key in self._pending:
                 self._apply(made, self._pending.pop(key))
         if saved.get("not_bitwise"):
-            warnings.warn(f"checkpoint {source} resumes, but not bitwise: {saved['not_bitwise']}", stacklevel=3)
+            warn(f"checkpoint {source} resumes, but not bitwise: {saved['not_bitwise']}")
 
 
 @dataclass(eq=False)

@@ -17,7 +17,6 @@ import csv
 import json
 import operator
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -25,7 +24,7 @@ from typing import IO, Any
 import torch
 
 from ddpkit._files import atomic_path
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, warn
 
 Number = int | float
 _TB_WARNED = False  # warn about a missing TensorBoard once per process, not once per logger
@@ -251,7 +250,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         else:
             bad += 1
     if bad:
-        warnings.warn(f"{path}: skipped {bad} unreadable line(s) while resuming", stacklevel=3)
+        warn(f"{path}: skipped {bad} unreadable line(s) while resuming")
     return rows
 
 
@@ -263,8 +262,8 @@ def _summary_writer(log_dir: Path) -> Any:
     except Exception as exc:  # ImportError, or a broken protobuf/tensorboard install
         if not _TB_WARNED:
             _TB_WARNED = True
-            warnings.warn(f"TensorBoard logging is off ({exc}); install it with "
-                          "`pip install tensorboard` or `pip install ddpkit[train]`", stacklevel=3)
+            warn(f"TensorBoard logging is off ({exc}); install it with "
+                 "`pip install tensorboard` or `pip install ddpkit[train]`")
         return None
     return SummaryWriter(log_dir=str(log_dir))
 

@@ -19,13 +19,12 @@ bytes each rank puts on the wire per step.
 from __future__ import annotations
 
 import datetime
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, warn
 
 CHOICES = ("fp16", "bf16", "powersgd")
 POWERSGD_START = 10
@@ -103,9 +102,8 @@ class Compressor:
 
 def _check_name(name: str, saved: dict[str, Any], source: str) -> None:
     if saved.get("name") != name:
-        warnings.warn(f"checkpoint {source} was trained with grad_compression={saved.get('name')!r} and "
-                      f"resumes with {name!r}: the run continues, not bitwise as an uninterrupted one",
-                      stacklevel=4)
+        warn(f"checkpoint {source} was trained with grad_compression={saved.get('name')!r} and "
+             f"resumes with {name!r}: the run continues, not bitwise as an uninterrupted one")
 
 
 class CastCompressor(Compressor):
@@ -196,8 +194,8 @@ class PowerSGDCompressor(Compressor):
             why = ("another world size" if not same_world else f"powersgd_rank {saved['rank']}"
                    if saved["rank"] != s.rank else "DDP buckets that could not be settled"
                    if not self.buckets_settled else "an earlier ddpkit's layout")
-            warnings.warn(f"checkpoint {source} holds PowerSGD error feedback of {why}: it starts afresh "
-                          "(the run continues, not bitwise as an uninterrupted one)", stacklevel=4)
+            warn(f"checkpoint {source} holds PowerSGD error feedback of {why}: it starts afresh "
+                 "(the run continues, not bitwise as an uninterrupted one)")
             return
         s.saved.update({int(k): (saved["error"][k], saved["q"][k]) for k in saved["error"]})
 

@@ -8,12 +8,12 @@ resume would not be bitwise, if it would not; the compressor; lazily averaged st
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any
 
 import torch
 
 from ddpkit.parallel.options import SetupOptions, Wrapped
+from ddpkit.errors import warn
 
 
 def _buffer_sync_arg() -> str:
@@ -52,8 +52,8 @@ def replicate(model: torch.nn.Module, options: SetupOptions, *, device: torch.de
     if world_size > 1:
         model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
     elif options.grad_compression is not None and is_main:
-        warnings.warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no "
-                      "gradients are sent", stacklevel=4)
+        warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no "
+             "gradients are sent")
     if options.compile:
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
     wrapped.model = model
@@ -144,7 +144,7 @@ def settle_buckets(model: Any, *, is_main: bool) -> str | None:
         _torch.settle_ddp_buckets(model)     # a collective: every rank calls setup
     except _torch.PrivateApiChanged as exc:
         if is_main:
-            warnings.warn(f"{exc}: with 3 or more processes a resumed run may differ from an "
-                          "uninterrupted one by rounding", stacklevel=4)
+            warn(f"{exc}: with 3 or more processes a resumed run may differ from an "
+                 "uninterrupted one by rounding")
         return f"DDP buckets could not be settled at setup ({exc})"
     return None

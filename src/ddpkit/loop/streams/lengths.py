@@ -4,12 +4,12 @@ decides), or counted now, round robin over ranks and each rank's workers.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.loop.streams.shards import ShardError, Shards, count_shard, shard_name
+from ddpkit.errors import warn
 
 
 class _Counting(Dataset):
@@ -70,5 +70,5 @@ def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: i
     if rank == 0:
         shards.save_cached()
         if empty:
-            warnings.warn(f"ddpkit: {len(empty)} shard(s) yield no samples and are left out: "
-                          f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}", stacklevel=3)
+            warn(f"ddpkit: {len(empty)} shard(s) yield no samples and are left out: "
+                 f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}")

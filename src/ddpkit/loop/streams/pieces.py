@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,6 +30,7 @@ from ddpkit.loop.batch import concat_batches, zero_rows
 from ddpkit.loop.sampler import shard_range
 from ddpkit.loop.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.loop.streams.shards import ShardError, Shards, read_range
+from ddpkit.errors import warn
 
 PLAIN_WINDOW = 256        # shuffle window of a plain stream with shuffle=True
 
@@ -241,7 +241,7 @@ def warn_once(key: str, message: str) -> None:
     """Warn ``message`` once per process for ``key``."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=4)
+        warn(message)
 
 
 def warn_plain_stream(dataset: Any, world_size: int, num_workers: int, doing: str) -> None:

@@ -21,7 +21,6 @@ import hashlib
 import inspect
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -30,7 +29,7 @@ from torch.utils.data import IterableDataset
 from ddpkit import rng
 from ddpkit._files import atomic_path
 from ddpkit._torch import worker_info_hidden
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.loop.streams.order import EpochOrder
 
 DEFAULT_WINDOW = 256
@@ -145,7 +144,7 @@ class Shards(IterableDataset):
             with atomic_path(path) as tmp:
                 tmp.write_text(json.dumps(self.lengths))
         except OSError as exc:
-            warnings.warn(f"ddpkit: could not cache shard lengths in {path}: {exc}", stacklevel=3)
+            warn(f"ddpkit: could not cache shard lengths in {path}: {exc}")
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -242,9 +241,9 @@ def _warn_skip(shards: Shards, shard: int, count: int) -> None:
     global _skip_warned
     if count >= _SKIP_WARNING and not _skip_warned:
         _skip_warned = True
-        warnings.warn(f"ddpkit: read({shard_name(shards, shard)}) cannot start mid-shard, so {count} samples "
-                      "were read and dropped to reach a reader's first sample; give read a second "
-                      "parameter, read(shard, start), that starts at sample start", stacklevel=2)
+        warn(f"ddpkit: read({shard_name(shards, shard)}) cannot start mid-shard, so {count} samples "
+             "were read and dropped to reach a reader's first sample; give read a second "
+             "parameter, read(shard, start), that starts at sample start")
 
 
 def read_range(shards: Shards, order: EpochOrder, first: int, stop: int, *, seed: int,
