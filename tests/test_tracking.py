@@ -162,6 +162,21 @@ def test_atomic_path_keeps_old_file_on_failure(tmp_path):
     assert list(tmp_path.iterdir()) == [target]
 
 
+def test_atomic_path_writes_a_file_with_the_modes_of_any_new_file(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        with atomic_path(tmp_path / "sub" / "summary.json") as tmp:
+            tmp.write_text("{}")
+    finally:
+        os.umask(old)
+    made = tmp_path / "sub" / "summary.json"
+    assert made.read_text() == "{}" and stat.S_IMODE(made.stat().st_mode) == 0o644     # not mkstemp's 0600
+    assert sorted(p.name for p in made.parent.iterdir()) == ["summary.json"]
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True

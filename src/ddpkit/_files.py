@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Iterator
 
@@ -33,8 +33,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _fresh(final)
     try:
         yield Path(tmp)
         fsync_file(Path(tmp))
@@ -44,6 +43,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.unlink(tmp)
         raise
     fsync_dir(final.parent)
+
+
+def _fresh(final: Path) -> Path:
+    """A new empty ``.NAME.RANDOM.tmp`` beside ``final``, its mode from the umask like any new file."""
+    for _ in range(100):
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {final}")
 
 
 def sum_path(path: Path) -> Path:
