@@ -127,3 +127,15 @@ def test_hello_itself_under_launch(capfd, monkeypatch):
 
     assert ddpkit.launch(hello.main, nprocs=2) == {0: None, 1: None}
     assert _hello_lines(capfd.readouterr().out) == ["world_size=2 rank_sum=1"]
+
+
+def test_help_piped_into_a_reader_that_stops_early_is_no_traceback():
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    closed = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"   # stdout: a pipe nobody reads
+              "from ddpkit.cli import main; sys.exit(main(['--help']))")
+    done = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert done.returncode == 141 and done.stderr == "", done.stderr

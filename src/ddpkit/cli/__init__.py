@@ -38,8 +38,24 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ddpkit`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the ``ddpkit`` console script.
+
+    Output piped into a reader that stops early (``ddpkit train --help | head``) ends the command
+    quietly, as in other command-line tools, instead of with a ``BrokenPipeError`` traceback.
+    """
+    try:
+        try:
+            return _main(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()          # here, not at exit, so a closed pipe is caught below
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # no second error at exit's flush
+        return 141                                                       # 128 + SIGPIPE, as a shell reports
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
