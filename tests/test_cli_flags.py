@@ -25,10 +25,11 @@ TRAIN_FLAGS = {
     "--global-batch", "--grad-compression", "--hang-timeout", "--keep-checkpoints", "--lr", "--master",
     "--max-restarts", "--model", "--momentum", "--nnodes", "--node-rank", "--nproc", "--out", "--overwrite",
     "--powersgd-rank", "--precision", "--resume", "--scale-lr", "--seed", "--strategy", "--sync-bn",
-    "--synthetic-size", "--workers",
+    "--no-sync-bn", "--synthetic-size", "--workers",
 }
 PREDICT_FLAGS = {"--batch", "--checkpoint", "--data", "--data-dir", "--nproc", "--out", "--overwrite", "--split"}
-SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr", "--sync-bn"}, "predict": {"--overwrite"}}
+SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr"}, "predict": {"--overwrite"}}
+PAIRS = {"train": {"--sync-bn", "--no-sync-bn"}, "predict": set()}     # bool | None: decided later when not given
 
 
 def _help(command: str, capsys, monkeypatch) -> str:
@@ -67,6 +68,16 @@ def test_the_flags_are_the_ones_before(command, before):
     assert set(flags) == before
     assert {flag for flag, action in flags.items() if isinstance(action, argparse._StoreTrueAction)} \
         == SWITCHES[command]
+    assert {flag for flag, action in flags.items() if isinstance(action, argparse.BooleanOptionalAction)} \
+        == PAIRS[command]
+
+
+def test_sync_bn_is_decided_by_the_model_unless_given():
+    parser = cli.train.parser()
+    assert "sync_bn" not in vars(parser.parse_args([]))
+    assert vars(parser.parse_args(["--no-sync-bn"])) == {"sync_bn": False}
+    assert vars(parser.parse_args(["--sync-bn"])) == {"sync_bn": True}
+    assert TrainConfig().sync_bn is None
 
 
 def test_train_flags_not_given_leave_the_config_and_its_file_alone():

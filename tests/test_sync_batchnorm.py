@@ -165,3 +165,39 @@ def test_convert_replaces_every_batchnorm_and_keeps_values() -> None:
     assert net[6].track_running_stats is False and net[6].running_mean is None
     net.train()
     assert net(torch.randn(5, 3, 8, 8)).shape == (5, 6)
+
+
+def _count_collectives() -> dict:
+    """rt.setup with sync_batchnorm: how many collectives a BatchNorm layer makes per step, on which group."""
+    import torch.distributed as dist
+
+    from ddpkit.parallel import sync_batchnorm
+
+    rt = ddpkit.init(backend="gloo", device="cpu")
+    net = nn.Sequential(nn.Conv2d(2, C, 3), nn.BatchNorm2d(C), nn.ReLU(), nn.Conv2d(C, C, 3), nn.BatchNorm2d(C))
+    model = rt.setup(net, sync_batchnorm=True)
+    layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
+    calls = {"all_gather": 0, "all_reduce": 0}
+    for name in calls:
+        real = getattr(sync_batchnorm.dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            if kwargs.get("group") is layers[0].process_group:
+                calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(sync_batchnorm.dist, name, counted)
+    model(torch.randn(4, 2, 7, 7)).sum().backward()
+    groups = {id(m.process_group) for m in layers}
+    own_group = layers[0].process_group is not None and layers[0].process_group is not dist.group.WORLD
+    rt.close()
+    return {"calls": calls, "layers": len(layers), "one_group": len(groups) == 1, "own_group": own_group}
+
+
+@pytest.mark.timeout(120)
+def test_one_collective_forward_and_one_backward_per_layer_on_a_group_of_their_own():
+    """Two per layer per step (torch's CUDA SyncBatchNorm makes as many); on CPU the statistics
+    travel on their own group, so a layer's backward never queues behind DDP's gradient buckets."""
+    result = ddpkit.launch(_count_collectives, nprocs=2)[0]
+    assert result["layers"] == 2 and result["one_group"] and result["own_group"]
+    assert result["calls"] == {"all_gather": 2, "all_reduce": 2}

@@ -65,14 +65,15 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str
     """Add one flag per field of dataclass ``cls`` to ``parser``, in the fields' order.
 
     ``--name-with-dashes`` stores into ``name``, converted to the field's type (``X | None``:
-    ``X``); a ``bool`` field is a ``store_true`` switch. A field without a default is a required
+    ``X``); a ``bool`` field that defaults to False is a ``store_true`` switch, and a ``bool | None``
+    field (None: decided later, e.g. by the model) is a ``--name``/``--no-name`` pair. A field without a default is a required
     flag. The help is the field's docstring, followed by ``(default X)`` where the default says
     something. A parser made with ``argument_default=argparse.SUPPRESS`` leaves a flag that was
     not given out of the namespace, so the dataclass (or a config file) keeps its value.
 
     Raises:
         TypeError: a field has no docstring, a type with no flag (a container), or is a bool
-            that defaults to True (a switch could not turn it off).
+            that defaults to True (a switch could not turn it off; make it ``bool | None``).
     """
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     keep = not parser.argument_default == argparse.SUPPRESS
@@ -85,9 +86,13 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
         options: dict[str, Any] = {"dest": field.name, "help": _help(docs[field.name], field.default)}
         if kind is bool:
-            if field.default is not False:
-                raise TypeError(f"{cls.__name__}.{field.name}: a switch needs the default False")
-            options["action"] = "store_true"
+            if field.default is None:
+                options["action"] = argparse.BooleanOptionalAction
+            elif field.default is False:
+                options["action"] = "store_true"
+            else:
+                raise TypeError(f"{cls.__name__}.{field.name}: a switch needs the default False (or None "
+                                "for a --flag/--no-flag pair)")
         elif kind is not str:                  # argparse's own default type: strings as given
             options["type"] = kind
         if required:

@@ -48,7 +48,7 @@ def replicate(model: torch.nn.Module, options: SetupOptions, *, device: torch.de
     if options.sync_batchnorm and world_size > 1:
         from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
-        model = convert_sync_batchnorm(model, device)
+        model = convert_sync_batchnorm(model, device, _statistics_group(device, timeout_s))
     if world_size > 1:
         model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
     elif options.grad_compression is not None and is_main:
@@ -58,6 +58,19 @@ def replicate(model: torch.nn.Module, options: SetupOptions, *, device: torch.de
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
     wrapped.model = model
     return wrapped
+
+
+def _statistics_group(device: torch.device, timeout_s: float | None) -> Any:
+    """A process group of its own for SyncBatchNorm's collectives on CPU (gloo runs a group's
+    collectives one after another, so on the default group a layer's backward would wait for
+    DDP's gradient buckets queued before it); None (the default group) on CUDA. A collective."""
+    if device.type == "cuda":
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
 
 
 def _buffer_policy(model: torch.nn.Module, options: SetupOptions, ddp_kwargs: dict[str, Any]) -> Any:

@@ -29,40 +29,83 @@ from ddpkit.errors import UsageError
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group, differentiable: the gradient of a sum is the sum of gradients.
+def _global_stats(x: torch.Tensor, dims: list[int], group: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Mean and biased variance per channel over the samples of every rank, in one collective.
 
-    Each rank's loss depends on the global sum, so the gradient reaching a rank's local
-    contribution is the sum of every rank's gradient w.r.t. that global sum.
-    (``torch.distributed.nn.functional.all_reduce`` does the same but warns on every call
-    since torch 2.10; this keeps training logs clean and works on torch >= 2.4.)
+    Each rank sends its count, mean and sum of squared deviations from its own mean; every rank
+    combines them (Chan et al.'s parallel variance, in float64), which stays accurate where
+    ``E[x^2] - E[x]^2`` would cancel. An empty rank sends zeros and weighs nothing.
+    """
+    count = x.numel() // x.shape[1]
+    if count:
+        mean = x.mean(dims)
+        m2 = (x - mean.view(1, -1, *[1] * (x.dim() - 2))).square().sum(dims)
+    else:
+        mean = m2 = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
+    local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
+                       mean.double(), m2.double()])
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    table = torch.stack(gathered)
+    counts, means, m2s = table[:, :1], table[:, 1:1 + x.shape[1]], table[:, 1 + x.shape[1]:]
+    total = int(counts.sum().item())
+    if total <= 1:
+        raise UsageError(
+            f"SyncBatchNorm needs more than 1 value per channel across all ranks when training, got {total}"
+        )
+    global_mean = (counts * means).sum(0) / total
+    global_m2 = (m2s + counts * (means - global_mean).square()).sum(0)
+    return global_mean.to(x.dtype), (global_m2 / total).to(x.dtype), total
+
+
+class _SyncNormalize(torch.autograd.Function):
+    """``(x - mean) * invstd * weight + bias`` with the statistics of every rank's batch.
+
+    The statistics come in as constants; backward adds their dependence on ``x`` analytically
+    (the usual BatchNorm gradient), which needs two per-channel sums over every rank's batch:
+    one allreduce of both. The parameters' gradients stay this rank's own sums, as every other
+    parameter's do before DDP averages them.
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        out = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
+    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, weight: Any, bias: Any,
+                total: int, group: Any) -> torch.Tensor:
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.total, ctx.group, ctx.affine = total, group, weight is not None
+        if weight is None:
+            return xhat
+        return xhat * weight.view(shape).to(x.dtype) + bias.view(shape).to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _AllReduceSum.apply(grad.contiguous(), ctx.group), None
-
-
-def _all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    return _AllReduceSum.apply(tensor, group)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, mean, invstd, weight = ctx.saved_tensors
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        dims = [0, *range(2, x.dim())]
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        sum_dy, sum_dy_xhat = grad.sum(dims), (grad * xhat).sum(dims)
+        sums = torch.cat([sum_dy, sum_dy_xhat]).double()
+        dist.all_reduce(sums, group=ctx.group)
+        channels = x.shape[1]
+        mean_dy = (sums[:channels] / ctx.total).to(x.dtype)
+        mean_dy_xhat = (sums[channels:] / ctx.total).to(x.dtype)
+        scale = invstd if weight is None else invstd * weight.to(x.dtype)
+        grad_x = (grad - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
+        if not ctx.affine:
+            return grad_x, None, None, None, None, None, None
+        return grad_x, None, None, sum_dy_xhat.to(weight.dtype), sum_dy.to(weight.dtype), None, None
 
 
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over ``[N, C, *]`` inputs with statistics of the batch of all ranks.
 
     In training mode with a process group of more than one rank, the mean and the biased
-    variance are computed over the samples of every rank (two passes: the variance is
-    the mean of squared deviations from the global mean, which stays accurate where
-    ``E[x^2] - E[x]^2`` would cancel). A rank whose batch is empty contributes nothing
-    but still joins the reductions, so nobody waits forever. Otherwise (eval mode, or a
-    world of one) it is exactly ``nn.BatchNorm``.
+    variance are computed over the samples of every rank: one all-gather of each rank's count,
+    mean and squared deviations in the forward pass, one allreduce of two per-channel sums in the
+    backward pass (two collectives a layer per step, as torch's CUDA SyncBatchNorm makes). A rank
+    whose batch is empty contributes nothing but still joins the collectives, so nobody waits
+    forever. Otherwise (eval mode, or a world of one) it is exactly ``nn.BatchNorm``.
 
     Args:
         num_features: channels ``C``.
@@ -130,26 +173,15 @@ class SyncBatchNorm(_BatchNorm):
         )
 
     def _sync_forward(self, input: torch.Tensor, factor: float) -> torch.Tensor:
-        """Global-batch statistics, normalisation, affine and running-stat update."""
+        """Global-batch statistics (one collective), normalisation, affine, running-stat update."""
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         dims = [0, *range(2, x.dim())]
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        local_count = x.numel() // self.num_features
-        count = torch.full((1,), float(local_count), dtype=x.dtype, device=x.device)
-        totals = _all_reduce_sum(torch.cat([x.sum(dims), count]), self.process_group)
-        total_sum, n = totals[:-1], int(totals[-1].item())
-        if n <= 1:
-            raise UsageError(
-                f"SyncBatchNorm needs more than 1 value per channel across all ranks when training, got {n}"
-            )
-        mean = total_sum / n
-        centred = x - mean.view(shape)
-        var = _all_reduce_sum(centred.square().sum(dims), self.process_group) / n
-        out = centred * torch.rsqrt(var + self.eps).view(shape)
-        if self.weight is not None:
-            out = out * self.weight.view(shape).to(x.dtype) + self.bias.view(shape).to(x.dtype)
+        with torch.no_grad():
+            mean, var, n = _global_stats(x.detach(), dims, self.process_group)
+            invstd = torch.rsqrt(var + self.eps)
+        out = _SyncNormalize.apply(x, mean, invstd, self.weight, self.bias, n, self.process_group)
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
-            self._update_running(mean.detach(), var.detach() * (n / (n - 1)), factor)
+            self._update_running(mean, var * (n / (n - 1)), factor)
         return out.to(input.dtype)
 
     @torch.no_grad()
@@ -159,7 +191,7 @@ class SyncBatchNorm(_BatchNorm):
         self.running_var.mul_(1.0 - factor).add_(unbiased_var.to(self.running_var.dtype), alpha=factor)
 
 
-def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` by one that synchronises across ranks.
 
     On CUDA this is ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``. Elsewhere each
@@ -167,30 +199,37 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     parameter and buffer tensors (values, ``requires_grad`` and any optimizer already
     holding them stay valid) and the same settings and train/eval mode.
 
+    Args:
+        module: the model (or one BatchNorm layer).
+        device: where it runs: CUDA takes torch's own SyncBatchNorm.
+        process_group: the group the statistics travel on (default: the default group).
+            ``rt.setup`` gives them a group of their own on CPU, so that a layer's backward
+            collective does not queue behind DDP's gradient buckets on gloo.
+
     Returns:
         The converted module (a new object when ``module`` itself was a BatchNorm).
     """
     if torch.device(device).type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    return _convert(module)
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    return _convert(module, process_group)
 
 
-def _convert(module: nn.Module) -> nn.Module:
+def _convert(module: nn.Module, process_group: Any = None) -> nn.Module:
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        return _replacement(module)
+        return _replacement(module, process_group)
     for name, child in list(module.named_children()):
-        new_child = _convert(child)
+        new_child = _convert(child, process_group)
         if new_child is not child:
             module.add_module(name, new_child)
     return module
 
 
-def _replacement(bn: _BatchNorm) -> SyncBatchNorm:
+def _replacement(bn: _BatchNorm, process_group: Any = None) -> SyncBatchNorm:
     """A SyncBatchNorm sharing ``bn``'s parameters, buffers and settings."""
     if isinstance(bn.weight, nn.parameter.UninitializedParameter):
         raise UsageError(f"{type(bn).__name__} is not initialised; run one forward pass before converting")
     new = SyncBatchNorm(
-        bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device="meta"
+        bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group, device="meta"
     )
     for name in ("weight", "bias"):
         setattr(new, name, getattr(bn, name))

@@ -45,8 +45,11 @@ class TrainConfig:
     """SGD momentum."""
     scale_lr: bool = False
     """Linear scaling rule: multiply lr by the world size when --batch is per process."""
-    sync_bn: bool = False
-    """Synchronise BatchNorm statistics across processes (needed for world-size invariance)."""
+    sync_bn: bool | None = None
+    """BatchNorm statistics over the global batch, across processes, so that the result does not
+    depend on the number of processes (SyncBatchNorm). The default: on wherever the model has
+    BatchNorm and more than one process trains it with ddp; --no-sync-bn normalises each process's
+    batch on its own, as plain DDP does."""
     grad_compression: str | None = None
     """Gradients on the wire: none (the default), fp16, bf16 or powersgd (see the README's 'Slow
     links' and ddpkit.parallel.compression)."""

@@ -6,6 +6,7 @@ it is also a readable example of a complete ddpkit training script.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -30,7 +31,7 @@ def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
     """What ``ddpkit predict`` needs to rebuild the model: stored as a plain dict in checkpoints."""
     return {"model": config.model, "data": config.data, "num_classes": info.num_classes,
             "in_channels": info.in_channels, "image_size": info.image_size,
-            "precision": config.precision, "sync_bn": config.sync_bn}
+            "precision": config.precision, "sync_bn": bool(config.sync_bn)}
 
 
 def datasets_of(config: TrainConfig) -> tuple[DatasetInfo, DatasetInfo]:
@@ -41,12 +42,14 @@ def datasets_of(config: TrainConfig) -> tuple[DatasetInfo, DatasetInfo]:
 
 
 def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
-    """Data, model, optimizer and loader of ``config``."""
+    """Data, model, optimizer and loader of ``config``, and ``config`` with ``sync_bn`` decided."""
     with rt.local_main_first():    # one process per node reads (and caches) node-local files first
         train, test = datasets_of(config)
     model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
                         image_size=train.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
+    if config.sync_bn is None:       # the default: world-size invariant wherever there is BatchNorm
+        config = dataclasses.replace(config, sync_bn=sync_bn_default(config, model, rt.world_size))
     if config.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp", cpu_offload=config.cpu_offload)
     else:
@@ -56,7 +59,18 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
         model = torch.nn.DataParallel(model)
     sizes = {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
     loader = rt.loader(train.dataset, shuffle=True, num_workers=config.workers, **sizes)
-    return train, test, model, optimizer, loader
+    return train, test, model, optimizer, loader, config
+
+
+def sync_bn_default(config: TrainConfig, model: torch.nn.Module, world_size: int) -> bool:
+    """``--sync-bn`` when not given: on where DDP trains a model with BatchNorm on several processes.
+
+    Statistics of the global batch make every BatchNorm layer normalise as one process would on
+    the same batch, so the run does not depend on the number of processes. DataParallel has its
+    own per-GPU statistics and fsdp refuses BatchNorm, so neither turns it on.
+    """
+    has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return has_batchnorm and world_size > 1 and config.strategy == "ddp" and not config.data_parallel
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -65,7 +79,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     rt = ddpkit.init(seed=config.seed, precision=config.precision, out_dir=config.out,
                      keep_checkpoints=config.keep_checkpoints, hang_timeout=config.hang_timeout,
                      checkpoint_dir=Path(config.out) / "checkpoints", resume=config.resume)
-    train_info, test_info, model, optimizer, loader = build(config, rt)
+    train_info, test_info, model, optimizer, loader, config = build(config, rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
     resumed = rt.resume(state)
     if resumed is not None:
