@@ -95,12 +95,10 @@ def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: tor
 
 
 def _powersgd_payload(model: torch.nn.Module, rank: int) -> float:
-    from ddpkit.parallel.powersgd import _is_matrix     # torch's rule too: compress where the factors halve it
+    # torch's hook compresses where the factors halve a matrix, as ddpkit's PowerSGD does
+    from ddpkit.parallel.powersgd import payload_elements
 
-    total = 0
-    for p in model.parameters():
-        total += (p.shape[0] + p[0].numel()) * rank if _is_matrix(p.shape, rank) else p.numel()
-    return float(total * 4)
+    return float(4 * payload_elements([p.shape for p in model.parameters()], rank))
 
 
 def fabric(opts: Any) -> None:

@@ -7,11 +7,20 @@ launcher). This file runs it from a checkout, for reading it side by side with t
 
     torchrun --nproc-per-node 2 benchmarks/raw_ddp.py --model convnet --data synthetic \\
         --precision fp32 --batch 32 --steps 50 --warmup 5 --result raw.json
+
+With ``--epochs N`` it trains whole epochs the way the seeds' blog posts do instead
+(:mod:`ddpkit.bench.raw_train`: DistributedSampler, the per-process batch, rank 0 evaluating),
+which ``ddpkit demo`` runs to say how far from one process's weights that loop ends::
+
+    torchrun --nproc-per-node 2 benchmarks/raw_ddp.py --epochs 5 --model convnet --data digits \\
+        --batch 64 --out runs/hand-written
 """
 
 import sys
 
-from ddpkit.bench.raw_ddp import main
-
 if __name__ == "__main__":
+    if "--epochs" in sys.argv[1:]:
+        from ddpkit.bench.raw_train import main
+    else:
+        from ddpkit.bench.raw_ddp import main
     sys.exit(main())

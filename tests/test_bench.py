@@ -8,6 +8,7 @@ on hand-made measurements, and bad input in-process through the CLI entry point.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -67,8 +68,13 @@ def test_bench_writes_consistent_rows(bench):
     assert (ddp["nproc"], ddp["global_batch"]) == (2, 16)
     mlp = build_model("mlp", num_classes=10, in_channels=3, image_size=32)
     assert ddp["comm"]["grad_bytes_per_step"] == 4 * sum(p.numel() for p in mlp.parameters())
-    assert ddp["comm"]["allreduce_seconds"] > 0 and "MB of gradients per step" in ddp["diagnosis"]
-    assert 0 <= ddp["comm_overlap"] <= 1 and "hidden behind the backward pass" in ddp["diagnosis"]
+    assert ddp["comm"]["allreduce_seconds"] > 0 and "MB of gradients on the link" in ddp["diagnosis"]
+    assert 0 <= ddp["comm_overlap"] <= 1 and "of the exchange hidden behind the backward pass" in ddp["diagnosis"]
+    comm = ddp["comm"]
+    assert min(comm["transfer_s"], comm["latency_s"], comm["wait_s"], comm["skew_s"]) >= 0
+    assert comm["link_bytes_per_s"] is None or comm["link_bytes_per_s"] > 0
+    assert comm["calls_per_step"] >= 1 and comm["latency_s"] == pytest.approx(comm["calls_per_step"]
+                                                                             * comm["latency_per_call_s"])
     assert single["comm_overlap"] is None
     assert single["comm"] is None
     assert ddp["grad_compression"] == "none" and ddp["payload_bytes_per_step"] == ddp["comm"]["grad_bytes_per_step"]
@@ -99,9 +105,20 @@ def test_compare_raw_matches_weights_bitwise(bench):
     assert all(0 <= raw["comm_overlap"][loop] <= 1 for loop in ("raw", "ddpkit"))    # both loops measured
 
 
-def _result(steps_by_rank, phases_by_rank, allreduce=None):
+def _wire(latency=0.0001, payload=None, link=None, probe_bytes=float(1 << 20)):
+    """One rank's wire probe: every call the same (seconds)."""
+    payload = latency if payload is None else payload
+    return {"latency_calls": [latency] * 15, "payload_calls": [payload] * 15,
+            "link_calls": [link if link is not None else payload] * 15, "link_probe_bytes": probe_bytes}
+
+
+def _result(steps_by_rank, phases_by_rank, allreduce=None, ready=None, calls=1):
+    """A worker's result; ``allreduce``: seconds to move the 4 MB of gradients (latency 0.1 ms on top)."""
+    probe = None if allreduce is None else _wire(payload=allreduce + 0.0001, probe_bytes=4_000_000.0)
     ranks = [{"steps": s, "phases": p, "peak_rss_mb": 100.0 + i, "peak_cuda_mb": None, "grad_bytes": 4_000_000,
-              "allreduce_seconds": allreduce, "threads": 1, "cores": 2, "weights_sha256": "x"}
+              "payload_bytes_per_step": 4_000_000 if probe else 0, "wire": probe, "comm_calls": calls,
+              "powersgd_bytes": 100_000, "ready_at": (ready or [[0.0] * len(s)] * len(steps_by_rank))[i],
+              "threads": 1, "cores": 2, "weights_sha256": "x"}
              for i, (s, p) in enumerate(zip(steps_by_rank, phases_by_rank))]
     return {"device": "cpu", "batch_per_process": 64, "global_batch": 64 * len(ranks), "ranks": ranks}
 
@@ -115,7 +132,24 @@ def test_summarize_takes_the_slowest_rank_per_step():
     assert row["mean_step_seconds"] == pytest.approx((1.2 + 1.0 + 1.1) / 3)
     assert row["breakdown"]["backward"] == pytest.approx((0.3 * 5 + 0.5) / 6)
     assert row["peak_rss_mb"] == 101.0 and row["peak_rss_mb_per_rank"] == [100.0, 101.0]
-    assert row["comm"]["allreduce_gb_per_s"] == pytest.approx(4_000_000 / 0.5 / 1e9)
+    assert row["comm"]["transfer_s"] == pytest.approx(0.5) and row["comm"]["latency_s"] == pytest.approx(0.0001)
+    # a ring of 2 sends the 4 MB once in the 0.5 s the link took beyond its latency
+    assert row["comm"]["link_bytes_per_s"] == pytest.approx(4_000_000 / 0.5)
+
+
+def test_the_wire_counts_each_call_at_the_rank_released_last_and_ignores_busy_cores():
+    from ddpkit.bench.wire import split, typical
+
+    assert typical([1.0, 5.0, 2.0, 9.0]) == 1.5                  # the faster half's median
+    fast, late = _wire(latency=0.001, payload=0.003), _wire(latency=0.004, payload=0.006)
+    late["payload_calls"][:8] = [0.040] * 8                      # a core was busy: a scheduler tick or more
+    ranks = [{"wire": fast, "comm_calls": 3, "ready_at": [1.000, 2.000]},
+             {"wire": late, "comm_calls": 3, "ready_at": [1.002, 2.004]}]
+    parts = split(ranks, 1000.0)
+    assert parts["latency_per_call_s"] == pytest.approx(0.001) and parts["latency_s"] == pytest.approx(0.003)
+    assert parts["transfer_s"] == pytest.approx(0.002)
+    assert parts["skew_s"] == pytest.approx(0.003)               # 2 ms, then 4 ms apart
+    assert split([{"wire": None}, {"wire": fast}], 1000.0) is None
 
 
 def test_diagnosis_names_what_bounds_a_run():
@@ -124,29 +158,31 @@ def test_diagnosis_names_what_bounds_a_run():
     data = summarize(Configuration("single", 1, "fp32"), _result([[1.0]], [[[0.5, 0.2, 0.2, 0.1]]]))
     assert diagnose(data) == "bound by data loading (50% of the step waits for batches)"
     comm = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.2, 0.7, 0.1]]] * 2, 0.5))
-    assert diagnose(comm).startswith("bound by communication (4.00 MB of gradients per step, allreduce "
-                                     "500.00 ms at 0.01 GB/s = 50% of the step)")
+    assert diagnose(comm).startswith("bound by the link (500.10 ms = 50% of the step (4.00 MB of gradients on "
+                                     "the link 500.00 ms at 8.0 MB/s, 1 call(s) 0.10 ms, waiting 0.00 ms)")
     crowded = {**comm, "threads_per_process": 2}
     assert diagnose(crowded).startswith("bound by CPU threads oversubscribed (2 process(es) x 2 threads")
 
 
-def test_comm_overlap_is_the_allreduce_the_backward_hid():
-    # backward 0.7 s in the step, 0.4 s alone: 0.3 s of a 0.5 s allreduce left exposed, 0.2 s hidden
+def test_comm_overlap_is_the_exchange_the_backward_hid():
+    # backward 0.7 s in the step, 0.4 s alone: 0.3 s of a 0.5 s exchange left exposed, 0.2 s hidden
     phases = [[[0, 0.2, 0.7, 0.1]]] * 2
-    result = _result([[1.0], [1.0]], phases, 0.5)
+    result = _result([[1.0], [1.0]], phases, 0.4999)
     for rank in result["ranks"]:
         rank["backward_alone_seconds"] = 0.4
     row = summarize(Configuration("ddp", 2, "fp32"), result)
     assert row["comm"]["exposed_seconds"] == pytest.approx(0.3)
     assert row["comm_overlap"] == pytest.approx(0.2 / 0.5)
     assert row["comm"]["overlap_of_possible"] == pytest.approx(0.2 / 0.4)
-    assert "40% of it hidden behind the backward pass" in diagnose(row)
+    assert "40% of the exchange hidden behind the backward pass" in diagnose(row)
     assert "hid only" not in diagnose(row)
     for rank in result["ranks"]:             # backward alone 0.1 s: 0.6 exposed, nothing hidden
         rank["backward_alone_seconds"] = 0.1
     lost = summarize(Configuration("ddp", 2, "fp32"), result)
     assert lost["comm_overlap"] == 0.0 and lost["comm"]["overlap_of_possible"] == 0.0
-    assert "the allreduce hid only 0% of what the backward pass could cover" in diagnose(lost)
+    # what neither the bytes nor the call explains (0.1 s) is waiting
+    assert lost["comm"]["wait_s"] == pytest.approx(0.1)
+    assert "the exchange hid only 0% of what the backward pass could cover" in diagnose(lost)
     # 2 processes x 1 thread fill the 2 cores: the transfers compete with compute, whatever the layout
     assert "compete with the backward pass for cores that 2 process(es) x 1 thread(s) already fill" in diagnose(lost)
     assert "first-layers-first" not in diagnose(lost)
@@ -160,19 +196,33 @@ def test_comm_overlap_is_the_allreduce_the_backward_hid():
     compressed = summarize(Configuration("ddp", 2, "fp32", grad_compression="powersgd"), result)
     assert compressed["comm"]["exposed_seconds"] == pytest.approx(0.6)
     assert compressed["comm_overlap"] is None and compressed["comm"]["overlap_of_possible"] is None
+    assert compressed["comm"]["wait_s"] == 0.0            # the skew only: the rest may be the compressor
     assert "hidden behind" not in diagnose(compressed)
 
 
-def test_diagnosis_of_a_slow_link_names_the_fixes_with_their_gain():
+def test_diagnosis_of_a_slow_link_names_the_fixes_with_what_they_predict():
+    from ddpkit.bench.diagnose import recommendations
+
     comm = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.2, 0.7, 0.1]]] * 2, 0.5))
     alone = diagnose(comm)
-    # step 1.0 s = 0.5 compute + 0.5 allreduce: fp16 leaves 0.75 s, a 2x batch 2 samples per 1.5 s
-    assert "grad_compression='fp16' halves the bytes: expect ~171 samples/s" in alone
+    # step 1.0 s = 0.4999 compute + 0.5 transfer + 0.1 ms latency. PowerSGD's 0.1 MB: 0.0125 s and 2 calls;
+    # fp16: 0.25 s; a 2x batch: 2 steps' samples in 1.5 s
+    assert "grad_compression='powersgd' (0.10 MB per step): expect ~250 samples/s" in alone
+    assert "grad_compression='fp16' (2.00 MB per step): expect ~171 samples/s" in alone
     assert "a 2x per-process batch or accumulating 2 micro-batches: expect ~171 samples/s" in alone
-    assert "measure it with --grad-compression none,powersgd" in alone
-    measured = {**comm, "grad_compression": "powersgd", "samples_per_second": 4 * comm["samples_per_second"],
-                "payload_bytes_per_step": 100_000.0}
-    assert "grad_compression='powersgd' measured 4.0x the samples/s (0.10 MB per step)" in diagnose(comm, [comm, measured])
+    fixes = recommendations(comm)
+    assert [f.get("grad_compression") for f in fixes][:1] == ["powersgd"]
+    assert fixes[0]["predicted_samples_per_second"] == pytest.approx(128 / (0.4999 + 0.0125 + 0.0002), rel=1e-3)
+    measured = {**comm, "grad_compression": "powersgd", "samples_per_second": 200.0, "payload_bytes_per_step": 100_000.0}
+    assert "(measured 200 here)" in diagnose(comm, [comm, measured])
+
+
+def test_a_fix_measured_more_than_30_percent_off_its_prediction_is_a_diagnosis_error():
+    from ddpkit.bench.diagnose import checked
+
+    fix = {"change": "grad_compression='powersgd'", "predicted_samples_per_second": 100.0}
+    assert checked(fix, 125.0)["diagnosis_error"] is False and checked(fix, 125.0)["error"] == pytest.approx(0.25)
+    assert checked(fix, 131.0)["diagnosis_error"] is True and checked(fix, 69.0)["diagnosis_error"] is True
 
 
 def test_plan_crosses_hosts_processes_and_compressions():
@@ -219,6 +269,14 @@ def test_fsdp_holds_half_the_state_of_ddp_per_rank(tmp_path):
     assert 0 <= ddp[0] - 16 * params < 1024
 
 
+def test_plan_crosses_sync_bn_for_ddp_rows_only():
+    configs = plan(Settings(model="convnet", modes=("single", "ddp", "fsdp"), nproc=(2,), sync_bn=(False, True)), gpus=0)
+    assert [c.label for c in configs] == ["single x1 fp32", "ddp x2 fp32", "ddp x2 fp32 syncbn", "fsdp x2 fp32",
+                                          "fsdp x2 fp32 syncbn"]
+    assert configs[2].name == "ddp-x2-fp32-syncbn" and configs[2].reason is None
+    assert "fsdp shards no BatchNorm" in configs[4].reason
+
+
 def test_plan_refuses_compression_under_fsdp():
     configs = plan(Settings(model="mlp", modes=("fsdp",), nproc=(2,), grad_compression=("none", "fp16")), gpus=0)
     assert [c.label for c in configs] == ["fsdp x2 fp32", "fsdp x2 fp32 fp16"]
@@ -252,8 +310,9 @@ def test_plan_runs_dp_only_with_two_gpus():
     (["--hosts", "0", "--link-mbit", "10"], "--hosts values must be at least 1"),
     (["--hosts", "2", "--link-mbit", "10", "--modes", "single"], "add ddp or ddp-amp to --modes"),
     (["--data-format", "map,tar"], "unknown data format 'tar' in --data-format"),
+    (["--sync-bn", "yes"], "--sync-bn takes off, on or off,on, got 'yes'"),
 ], ids=["mode", "nproc-0", "nproc-text", "steps-0", "batch-0", "model", "raw-no-ddp", "raw-one-process",
-        "compression", "hosts-no-link", "link-no-hosts", "link-0", "hosts-0", "hosts-no-ddp", "data-format"])
+        "compression", "hosts-no-link", "link-no-hosts", "link-0", "hosts-0", "hosts-no-ddp", "data-format", "sync-bn"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -328,3 +387,88 @@ def _bench_workers() -> list[str]:
         if "-m ddpkit.bench.worker " in cmdline and state != "Z":
             found.append(cmdline)
     return found
+
+
+RECORDED = Path(__file__).parent / "data" / "bench"
+"""Workers' results recorded on this 2-core machine (2026-11-26): ResNet-18 on 2 simulated hosts at
+100 Mbit/s, uncompressed and with PowerSGD (`ddpkit bench --model resnet18 --modes ddp --hosts 2
+--nproc 1 --link-mbit 100 --grad-compression none,powersgd --batch 16 --steps 8 --warmup 2`), and
+the ConvNet on loopback (`ddpkit bench --model convnet --data synthetic --modes ddp,ddp-amp --nproc
+2`; the demo's DDP x2 step with SyncBatchNorm)."""
+
+
+def _recorded(name: str, config: Configuration) -> dict:
+    return summarize(config, json.loads((RECORDED / f"{name}.json").read_text()))
+
+
+def test_a_link_bound_row_recommends_powersgd_with_a_prediction_its_measured_row_meets():
+    from ddpkit.bench.diagnose import recommendations
+
+    plain = _recorded("link-100mbit-resnet18", Configuration("ddp", 1, "fp32", hosts=2))
+    powersgd = _recorded("link-100mbit-resnet18-powersgd", Configuration("ddp", 1, "fp32", grad_compression="powersgd",
+                                                                          hosts=2))
+    said = diagnose(plain, [plain, powersgd])
+    assert said.startswith("bound by the link (") and "try grad_compression='powersgd' (0.33 MB per step)" in said
+    assert plain["comm"]["transfer_s"] / plain["mean_step_seconds"] > 0.9
+    assert plain["comm"]["link_bytes_per_s"] == pytest.approx(100e6 / 8, rel=0.15)     # the shaped link's speed
+    best = recommendations(plain, [plain, powersgd])[0]
+    assert best["grad_compression"] == "powersgd"
+    assert best["measured_samples_per_second"] == powersgd["samples_per_second"]
+    assert abs(powersgd["samples_per_second"] / best["predicted_samples_per_second"] - 1) <= 0.30
+
+
+@pytest.mark.parametrize("name, config", [
+    ("loopback-convnet", Configuration("ddp", 2, "fp32")),
+    ("loopback-convnet-bf16", Configuration("ddp-amp", 2, "bf16")),
+    ("loopback-convnet-syncbn-waiting", Configuration("ddp", 2, "fp32", sync_bn=True)),
+])
+def test_a_row_whose_link_moves_the_payload_in_under_10_percent_of_its_step_never_names_compression(name, config):
+    from ddpkit.bench.diagnose import recommendations
+
+    row = _recorded(name, config)
+    assert row["comm"]["transfer_s"] / row["mean_step_seconds"] < 0.10
+    said = diagnose(row, [row])
+    assert "compression" not in said and "powersgd" not in said and "fp16" not in said
+    assert all("grad_compression" not in fix for fix in recommendations(row, [row]))
+
+
+def test_a_wait_bound_row_says_so_and_names_what_helps():
+    row = _recorded("loopback-convnet-syncbn-waiting", Configuration("ddp", 2, "fp32", sync_bn=True))
+    said = diagnose(row, [row])
+    assert said.startswith("bound by waiting for the slowest rank or a busy core (")
+    comm = row["comm"]
+    assert comm["wait_s"] > comm["transfer_s"] + comm["latency_s"]
+    assert "fewer, larger steps (a 2x per-process batch or accumulating 2 micro-batches: expect ~" in said
+    assert "fewer processes than cores (2 process(es) x 1 thread(s) fill 2 cores" in said
+    assert "pinning each process's threads" in said
+    latency = {**row, "comm": {**comm, "wait_s": 0.0, "latency_s": comm["exposed_seconds"]}}
+    assert diagnose(latency, [latency]).startswith("bound by per-call latency (1 collective call(s) a step at ")
+
+
+def test_diagnose_verify_measures_the_best_fix_once_and_flags_a_prediction_far_off(tmp_path, monkeypatch, capsys):
+    from ddpkit.bench import run as bench_run
+
+    row = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.2, 0.7, 0.1]]] * 2, 0.5))
+    ran = []
+
+    def measure(config, settings, result):
+        ran.append((config.grad_compression, settings.batch, result.name))
+        return {"samples_per_second": 100.0}
+
+    monkeypatch.setattr(bench_run, "measure", measure)
+    outcome = bench_run.verify(row, [row], Settings(batch=64), tmp_path)
+    assert ran == [("powersgd", 64, "verify-ddp-x2-fp32-powersgd.json")]       # the best fix, run once
+    assert outcome["measured_samples_per_second"] == 100.0 and outcome["diagnosis_error"] is True   # 250 predicted
+    printed = capsys.readouterr().out
+    assert "grad_compression='powersgd': predicted 250 samples/s, measured 100 (-60%)" in printed
+    assert "diagnosis error" in printed
+    already = {**row, "grad_compression": "powersgd", "samples_per_second": 240.0, "payload_bytes_per_step": 100_000.0}
+    assert bench_run.verify(row, [row, already], Settings(batch=64), tmp_path)["diagnosis_error"] is False
+    assert len(ran) == 1                                     # a fix the table already ran is not run again
+    quiet = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.4, 0.5, 0.1]]] * 2, 0.001))
+    assert bench_run.verify(quiet, [quiet], Settings(batch=64), tmp_path) is None      # nothing recommended
+    from ddpkit.bench.outputs import _markdown
+
+    markdown = _markdown({"settings": dataclasses.asdict(Settings()), "torch": "x", "device": "cpu", "gpus": 0,
+                          "configurations": [{**row, "diagnosis": "d", "verify": outcome}]})
+    assert "## Diagnosis checked by measuring it" in markdown and "**diagnosis error**" in markdown

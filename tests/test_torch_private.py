@@ -9,6 +9,7 @@ import torch
 
 import ddpkit
 from ddpkit import _torch
+import workers
 from workers import bucket_layout, three_layers as _three_layers
 
 
@@ -237,3 +238,21 @@ def test_use_env_rendezvous_is_loud_when_the_registry_is_gone(monkeypatch):
     monkeypatch.delattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers")
     with pytest.raises(_torch.PrivateApiChanged, match="_rendezvous_handlers"):
         _torch.use_env_rendezvous(lambda url, **kw: iter(()))
+
+
+@pytest.mark.timeout(120)
+def test_ddp_bucket_count_counts_the_reducers_buckets():
+    counted, seen = ddpkit.launch(workers.ddpkit_bucket_count, nprocs=2)[0]
+    assert counted == seen == 2          # DDP's 1 MiB first bucket, then the rest
+
+
+def test_ddp_bucket_count_is_loud_when_the_api_is_gone(tmp_path, monkeypatch):
+    _one_process_group(tmp_path)
+    model = torch.nn.parallel.DistributedDataParallel(_three_layers())
+    assert _torch.ddp_bucket_count(model) == 1           # a world of one: DDP keeps one bucket
+    monkeypatch.setattr(torch.distributed.Reducer, "_get_zeros_like_grad_buckets", lambda self: [])
+    with pytest.raises(_torch.PrivateApiChanged, match="no bucket listed"):
+        _torch.ddp_bucket_count(model)
+    monkeypatch.delattr(torch.distributed.Reducer, "_get_zeros_like_grad_buckets")
+    with pytest.raises(_torch.PrivateApiChanged, match="_get_zeros_like_grad_buckets"):
+        _torch.ddp_bucket_count(model)

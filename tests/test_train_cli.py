@@ -13,6 +13,7 @@ import torch
 
 import ddpkit
 from ddpkit.cli.train import train_config
+from ddpkit.recipes.config import TrainConfig
 from ddpkit.errors import UsageError
 from ddpkit.recipes import train as train_recipe
 from ddpkit.recipes.models import build_model
@@ -38,6 +39,7 @@ def test_train_writes_every_output(trained):
     assert summary["test_accuracy"] >= 0.95
     assert summary["wall_seconds"] > 0 and summary["samples_per_second"] > 0
     assert summary["final_checkpoint"].endswith("ckpt-step00000069.pt")   # 1437 samples / 64 = 23 steps x 3
+    assert summary["sync_bn"] is True           # the default where DDP trains a model with BatchNorm
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     assert rows[-1]["test_accuracy"] == summary["test_accuracy"]
@@ -170,6 +172,19 @@ def test_config_files_and_flag_precedence(tmp_path):
         train_config(["--config", str(tmp_path / "broken.toml"), "--out", out])
 
 
+def test_sync_bn_is_on_by_default_only_where_ddp_trains_batchnorm_on_several_processes():
+    from ddpkit.recipes.models import build_model
+    from ddpkit.recipes.train import sync_bn_default
+
+    convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
+    mlp = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
+    assert sync_bn_default(TrainConfig(), convnet, world_size=2) is True
+    assert sync_bn_default(TrainConfig(), convnet, world_size=1) is False
+    assert sync_bn_default(TrainConfig(), mlp, world_size=2) is False
+    assert sync_bn_default(TrainConfig(strategy="fsdp"), convnet, world_size=2) is False
+    assert sync_bn_default(TrainConfig(data_parallel=True), convnet, world_size=2) is False
+
+
 def test_scale_lr_and_per_process_batch(tmp_path):
     config = train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05",
                                "--out", str(tmp_path / "o")])
@@ -192,6 +207,26 @@ def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
     assert "| single" in (out / "report.md").read_text()
     assert (out / "scaling.png").read_bytes()[:8] == PNG and (out / "loss.png").read_bytes()[:8] == PNG
     _check_diagnoses(rows, out, result.stdout)
+    _check_guarantee(rows, out, result.stdout)
+
+
+def _check_guarantee(rows, out, stdout):
+    """The opening line leads the printout and report.md; each row's distance from one process is in
+    report.json, DDP x2 fp32 (SyncBatchNorm by default) far nearer than the hand-written loop."""
+    guarantee = json.loads((out / "guarantee.json").read_text())
+    opening = guarantee["opening"]
+    assert opening.startswith("DDP x2 ends ") and "hand-written DDP with DistributedSampler" in opening
+    assert f"\n\n{opening}\n\n" in stdout and stdout.index(opening) < stdout.index("| mode")   # before the table
+    assert (out / "report.md").read_text().split("\n\n")[1] == opening
+    ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
+    assert rows[0]["max_rel_diff_vs_single"] == 0.0 and ddp["sync_bn"] is True
+    assert guarantee["max_rel_diff_vs_single"][ddp["run"]] == ddp["max_rel_diff_vs_single"]
+    assert ddp["max_rel_diff_vs_single"] * 3 < guarantee["hand_written_max_rel_diff_vs_single"]
+    bf16 = next(r for r in rows if r["precision"] == "bf16")
+    assert f"bf16's tolerance of {guarantee['bf16_tolerance']:g}" in opening and bf16["max_rel_diff_vs_single"] > 0
+    for row in rows:                  # each fix a diagnosis recommends is measured, against its prediction
+        if row["verify"]:
+            assert f"checked {row['run']}: {row['verify']['change']}: predicted " in stdout
 
 
 def _check_diagnoses(rows, out, stdout):
@@ -260,7 +295,9 @@ def test_bound_words_and_precision_notes():
     assert precision_note("bf16", "cpu", flags={"avx2", "amx_bf16"}) is None
     assert precision_note("fp16", "cpu", flags=set()).startswith("fp16 is not accelerated on a CPU")
     assert precision_note("fp32", "cpu", flags=set()) is None
-    assert bound_word("bound by communication (...)") == "sync-bound"
+    assert bound_word("bound by the link (...)") == "link-bound"
+    assert bound_word("bound by waiting for the slowest rank or a busy core (...)") == "wait-bound"
+    assert bound_word("bound by per-call latency (...)") == "latency-bound"
     assert bound_word("bound by compute (...)") == "compute-bound"
     assert bound_word(precision_note("bf16", "cpu", flags=set()) + "; bound by compute") == "bf16 not accelerated"
 
@@ -271,8 +308,10 @@ def test_the_verdict_names_the_bound_of_the_ddp_row():
     rows = [{"mode": "single", "processes": 1, "precision": "fp32", "speedup": 1.0, "diagnosis": "bound by compute"},
             {"mode": "ddp", "processes": 2, "precision": "fp32", "speedup": 0.63, "cores": 2,
              "threads_per_process": 1, "shares": {"compute": 0.6, "communication": 0.4},
-             "diagnosis": "bound by communication (0.06 MB ...); try ..."}]
-    said = verdict(rows)
+             "diagnosis": "bound by waiting for the slowest rank or a busy core (3.10 ms ...); what helps: ..."}]
+    said = verdict(rows, {"what": "ResNet-18, DDP x2 fp32 against one process", "speedup": 0.68})
     assert said.startswith("On this machine (2 cores, 2 processes of 1 thread(s) each), DDP x2 runs at 0.63x")
-    assert "bound by communication (a step is compute 60%, communication 40%)" in said
-    assert "ddpkit bench --model resnet18" in said
+    assert "bound by waiting for the slowest rank or a busy core (a step is compute 60%, communication 40%)" in said
+    assert ("The closest to a speed-up measured here is ResNet-18, DDP x2 fp32 against one process: 0.68x, "
+            "32% short of one process's samples/s.") in said
+    assert "closest" not in verdict(rows)

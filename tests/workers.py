@@ -321,3 +321,37 @@ def ddpkit_bucket_layout() -> list:
     rt = ddpkit.init(seed=0)
     model = rt.setup(three_layers())
     return bucket_layout(model)
+
+
+def ddpkit_bucket_count() -> tuple:
+    """What _torch.ddp_bucket_count says of a model set up by rt.setup, and the buckets a comm hook saw."""
+    from ddpkit import _torch
+
+    rt = ddpkit.init(seed=0)
+    model = rt.setup(three_layers())
+    return _torch.ddp_bucket_count(model), len(bucket_layout(model, steps=1)[0])
+
+
+def digits_convnet(dtype_name: str, epochs: int = 1, sync_bn: bool = True) -> dict:
+    """The demo's ConvNet on digits (global batch 64, SGD lr 0.05 momentum 0.9) in ``dtype_name``;
+    returns rank 0's final weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from ddpkit.recipes.datasets import load_dataset
+    from ddpkit.recipes.models import build_model
+
+    dtype = getattr(torch, dtype_name)
+    rt = ddpkit.init(seed=0)
+    info = load_dataset("digits", "train")
+    model = build_model("convnet", num_classes=10, in_channels=info.in_channels, image_size=info.image_size).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=sync_bn)
+    loader = rt.loader(info.dataset, global_batch_size=64, shuffle=True)
+    for _ in rt.epochs(epochs):
+        for images, labels in loader:
+            rt.backward(F.cross_entropy(model(images.to(dtype)), labels))
+            rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return weights

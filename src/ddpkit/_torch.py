@@ -93,6 +93,24 @@ def settle_ddp_buckets(model: Any) -> None:
     rebuild()
 
 
+def ddp_bucket_count(model: Any) -> int:
+    """How many buckets a DDP model's reducer allreduces per backward: one collective call each.
+
+    The reducer lists its current buckets (after any re-bucketing, ddpkit's settling included)
+    through the private ``_get_zeros_like_grad_buckets()``, one zero-filled bucket each.
+
+    Raises:
+        PrivateApiChanged: the method is gone or lists no bucket.
+    """
+    lister = getattr(getattr(model, "reducer", None), "_get_zeros_like_grad_buckets", None)
+    if lister is None:
+        raise PrivateApiChanged("DistributedDataParallel.reducer._get_zeros_like_grad_buckets")
+    count = len(lister())
+    if count < 1:
+        raise PrivateApiChanged("DistributedDataParallel.reducer._get_zeros_like_grad_buckets", "no bucket listed")
+    return count
+
+
 def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether the last ``scaler.step(optimizer)`` skipped the step (inf/nan gradients).
 

@@ -1,31 +1,122 @@
 """What ``ddpkit bench`` found, in words: what bounds each configuration, and what would help.
 
 The diagnosis names what bounds a configuration, in this order of blame: oversubscribed CPU
-threads, communication that cannot hide behind backward, data loading, a batch too small to
+threads; the gradient exchange, by its cause (:mod:`ddpkit.bench.wire`: the link moving the bytes,
+the per-call latency, or ranks waiting for the slowest); data loading; a batch too small to
 amortise per-step costs; else compute. Thresholds are shares of the mean step time.
+
+A fix is named only where the arithmetic predicts a gain, and with the samples/s it predicts
+(:func:`recommendations`): compression only where the link itself takes a real share of the step
+(bytes / measured link speed), since latency and waiting do not shrink with fewer bytes.
+``ddpkit bench --diagnose-verify`` and ``ddpkit demo`` then measure the best fix of each row
+(:func:`checked`): a prediction more than :data:`VERIFY_TOLERANCE` off is a diagnosis error.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-# Diagnosis thresholds: shares of the mean step time, and samples per process.
+from ddpkit.bench.wire import bus_bytes
+
+# Diagnosis thresholds: shares of the mean step time, gains, and samples per process.
 DATA_SHARE = 0.15      # data loading this large is worth workers or a faster source
-COMM_SHARE = 0.25      # an allreduce of all gradients this large cannot hide behind backward
+COMM_SHARE = 0.25      # a gradient exchange costing this much of the step bounds it
+LINK_SHARE = 0.10      # below this share of the step on the wire, fewer bytes cannot help: no compression
+MIN_GAIN = 1.10        # a fix is named where it predicts at least this many times the samples/s
 LOW_OVERLAP = 0.25     # hiding less than this of what backward could cover is named
 SMALL_BATCH = 32       # below this, per-step fixed costs (Python, launches, latency) dominate
+VERIFY_TOLERANCE = 0.30
+"""A measured fix more than this far from its prediction (relative) is flagged as a diagnosis error."""
+
+
+def exchange(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A row's gradient exchange: its parts, what the step loses to it, and what dominates.
+
+    ``lost`` is what the step's backward took beyond a backward without gradient sync (every
+    part not hidden behind compute), else the parts' sum; ``compute`` is the rest of the step;
+    ``cause`` is ``"link"``, ``"latency"`` or ``"wait"``, whichever part is largest. None for a
+    row without a measured exchange (one process, or a result from before the wire was probed).
+    """
+    comm = row.get("comm")
+    if not comm or "transfer_s" not in comm:
+        return None
+    parts = {"link": comm["transfer_s"], "latency": comm["latency_s"], "wait": comm["wait_s"]}
+    step = row["mean_step_seconds"]
+    exposed = comm.get("exposed_seconds")
+    lost = min(step, sum(parts.values()) if exposed is None else exposed)
+    own = parts["link"] + parts["latency"]
+    return {**parts, "lost": lost, "compute": max(step - lost, 1e-9), "step": step,
+            # what of the exchange's own time (not the wait) the step did not hide
+            "exposed_share": min(1.0, max(0.0, lost - parts["wait"]) / own) if own > 0 else 1.0,
+            "cause": max(parts, key=parts.get)}
+
+
+def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The fixes worth naming for a row bound by its gradient exchange, best first.
+
+    Each is ``{"change", "predicted_samples_per_second"}`` plus ``grad_compression`` or
+    ``batch_factor`` (what to run to check it) and, where a row of ``peers`` already ran it,
+    ``measured_samples_per_second``. A step is compute + what the exchange costs it: compression
+    sending B bytes leaves the same compute, the wait, and B / link speed (and the calls'
+    latency) exposed as much as today's transfer; doubling the per-process batch doubles the
+    compute, not the exchange. A fix is named where it predicts :data:`MIN_GAIN` or more, and
+    compression only where the link carries :data:`LINK_SHARE` of the step or more.
+    """
+    part = exchange(row)
+    if part is None or part["lost"] / part["step"] < COMM_SHARE:
+        return []
+    rate, step, comm = row["samples_per_second"], part["step"], row["comm"]
+    found = []
+    link = comm.get("link_bytes_per_s")
+    if part["cause"] == "link" and link and part["link"] / step >= LINK_SHARE:
+        world = row.get("world_size") or row["nproc"] * (row.get("hosts") or 1)
+        per_call = comm.get("latency_per_call_s") or 0.0
+        calls = comm.get("calls_per_step") or 1
+        current = row.get("grad_compression") or "none"
+        for choice, sent in (("powersgd", comm.get("powersgd_bytes_per_step")), ("fp16", comm["grad_bytes_per_step"] / 2)):
+            if choice == current or not sent or sent >= (row.get("payload_bytes_per_step") or 0):
+                continue
+            new_calls = calls * (2 if choice == "powersgd" and current != "powersgd" else 1)
+            own = bus_bytes(sent, world) / link + new_calls * per_call
+            predicted = rate * step / (part["compute"] + part["wait"] + own * part["exposed_share"])
+            found.append({"change": f"grad_compression='{choice}'", "grad_compression": choice,
+                          "sends_bytes": sent, "predicted_samples_per_second": predicted})
+    predicted = rate * 2 * step / (2 * part["compute"] + part["lost"])
+    found.append({"change": "a 2x per-process batch or accumulating 2 micro-batches", "batch_factor": 2,
+                  "predicted_samples_per_second": predicted})
+    found = [f for f in found if f["predicted_samples_per_second"] >= MIN_GAIN * rate]
+    for fix in found:
+        peer = _measured(row, fix, peers)
+        if peer is not None:
+            fix["measured_samples_per_second"] = peer["samples_per_second"]
+    return sorted(found, key=lambda f: -f["predicted_samples_per_second"])
+
+
+def _measured(row: Mapping[str, Any], fix: Mapping[str, Any], peers: Sequence[Mapping[str, Any]]) -> Any:
+    """The row of ``peers`` that already ran ``fix`` of ``row`` (same mode, processes, hosts, precision)."""
+    choice = fix.get("grad_compression")
+    return next((p for p in peers if choice and p is not row and p.get("applicable", True)
+                 and p.get("samples_per_second") and p.get("grad_compression") == choice
+                 and all(p.get(k) == row.get(k) for k in ("mode", "nproc", "hosts", "precision", "data_format", "sync_bn"))),
+                None)
+
+
+def checked(fix: Mapping[str, Any], measured: float) -> dict[str, Any]:
+    """``fix`` with what running it measured, its error and whether that is a diagnosis error."""
+    predicted = fix["predicted_samples_per_second"]
+    error = measured / predicted - 1.0
+    return {**fix, "measured_samples_per_second": measured, "error": error,
+            "diagnosis_error": abs(error) > VERIFY_TOLERANCE}
 
 
 def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> str:
-    """One line on what bounds a configuration: threads, communication, data, batch, or compute.
-
-    When communication bounds it, the line names the fixes with their expected gain (see
-    :func:`comm_fixes`); ``peers`` (the other rows) supply measured gains where they exist.
-    """
+    """One line on what bounds a configuration: threads, the link, latency, waiting, data, batch,
+    or compute; where the exchange bounds it, the fixes of :func:`recommendations` with what each
+    predicts. ``peers`` (the other rows) supply measured results where they exist."""
     if not row.get("applicable", True):
         return f"not applicable: {row.get('reason')}"
     slow = precision_note(row["precision"], row["device"])
-    step, phases, comm = row["mean_step_seconds"], row["breakdown"], row.get("comm")
+    step, phases = row["mean_step_seconds"], row["breakdown"]
     threads, cores = row["threads_per_process"], row["cores"]
     nproc = row["nproc"] * (row.get("hosts") or 1)      # simulated hosts share this machine's cores
     found = []
@@ -33,29 +124,10 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
         fix = (f"OMP_NUM_THREADS={cores // nproc} would fit" if nproc <= cores
                else f"more processes than cores: use at most {cores} per node")
         found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; {fix})")
-    comm_text, comm_share = "", 0.0
-    if comm is not None:
-        seconds, ratio = comm_seconds(row)
-        comm_share = seconds / step
-        rate = comm["allreduce_gb_per_s"]
-        sent = (f"{row['payload_bytes_per_step'] / 1e6:.2f} MB per step after {row['grad_compression']} "
-                f"(of {comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients), allreduce ~" if ratio < 1
-                else f"{comm['grad_bytes_per_step'] / 1e6:.2f} MB of gradients per step, allreduce ")
-        comm_text = f"{sent}{seconds * 1e3:.2f} ms at {rate or 0:.2f} GB/s = {comm_share:.0%} of the step"
-        overlap = row.get("comm_overlap")
-        if overlap is not None:
-            comm_text += f", {overlap:.0%} of it hidden behind the backward pass"
-        if comm_share >= COMM_SHARE:
-            of_possible = comm.get("overlap_of_possible")
-            lost = ""
-            if of_possible is not None and of_possible < LOW_OVERLAP:
-                # with every core computing, gloo's transfers take turns with the backward: no layout helps
-                why = (f"on CPU, gloo's transfers compete with the backward pass for cores that {nproc} "
-                       f"process(es) x {threads} thread(s) already fill, as they would in any loop"
-                       if row["device"] == "cpu" and cores and nproc * threads >= cores
-                       else "gradient buckets reduced first-layers-first wait for the whole backward")
-                lost = f"; the allreduce hid only {of_possible:.0%} of what the backward pass could cover ({why})"
-            found.append(f"communication ({comm_text}){lost}; {comm_fixes(row, peers)}")
+    part = exchange(row)
+    bound = part is not None and part["lost"] / step >= COMM_SHARE
+    if bound:
+        found.append(_exchange_bound(row, part, recommendations(row, peers)))
     if phases["data_wait"] / step >= DATA_SHARE:
         found.append(f"data loading ({phases['data_wait'] / step:.0%} of the step waits for batches)")
     per_device = row["batch_per_process"] // row.get("devices", 1)
@@ -65,8 +137,68 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
         busy = (phases["forward"] + phases["backward"] + phases["optimizer"]) / step
         found.append(f"compute (forward+backward+optimizer {busy:.0%} of the step)")
     line = "bound by " + "; ".join(found)
-    line = line if not comm_text or comm_share >= COMM_SHARE else f"{line}; communication {comm_text}"
+    if part is not None and not bound:
+        line += f"; gradient exchange {_parts(row, part)}"
+    calls = (row.get("comm") or {}).get("sync_batchnorm_calls")
+    if calls:
+        line += (f"; SyncBatchNorm adds {calls} collective calls a step (2 per layer), "
+                 f"~{calls * row['comm']['latency_per_call_s'] * 1e3:.2f} ms at the measured per-call latency")
     return f"{slow}; {line}" if slow else line
+
+
+def _parts(row: Mapping[str, Any], part: Mapping[str, Any]) -> str:
+    """``1.20 ms = 9% of the step (0.06 MB of gradients on the link 0.05 ms at 1700.0 MB/s, 2 call(s)
+    0.10 ms, waiting 1.05 ms)``."""
+    comm = row["comm"]
+    payload = row.get("payload_bytes_per_step") or comm["grad_bytes_per_step"]
+    what = (f"{payload / 1e6:.2f} MB after {row['grad_compression']}" if payload < comm["grad_bytes_per_step"]
+            else f"{payload / 1e6:.2f} MB of gradients")
+    speed = comm.get("link_bytes_per_s")
+    text = (f"{part['lost'] * 1e3:.2f} ms = {part['lost'] / part['step']:.0%} of the step ({what} on the link "
+            f"{part['link'] * 1e3:.2f} ms" + (f" at {speed / 1e6:.1f} MB/s" if speed else "")
+            + f", {comm.get('calls_per_step') or 1} call(s) {part['latency'] * 1e3:.2f} ms, waiting "
+            f"{part['wait'] * 1e3:.2f} ms)")
+    overlap = row.get("comm_overlap")
+    if overlap is not None:
+        text += f", {overlap:.0%} of the exchange hidden behind the backward pass"
+    return text
+
+
+def _exchange_bound(row: Mapping[str, Any], part: Mapping[str, Any], fixes: Sequence[Mapping[str, Any]]) -> str:
+    """The bound's phrase for a row whose gradient exchange costs it a real share of the step."""
+    nproc, threads, cores = row["nproc"] * (row.get("hosts") or 1), row["threads_per_process"], row["cores"]
+    tips = [f"{f['change']}" + (f" ({f['sends_bytes'] / 1e6:.2f} MB per step)" if f.get("sends_bytes") else "")
+            + f": expect ~{f['predicted_samples_per_second']:.0f} samples/s"
+            + (f" (measured {f['measured_samples_per_second']:.0f} here)" if "measured_samples_per_second" in f else "")
+            for f in fixes]
+    if part["cause"] == "link":
+        text = f"the link ({_parts(row, part)})"
+        comm = row["comm"]
+        of_possible = comm.get("overlap_of_possible")
+        if of_possible is not None and of_possible < LOW_OVERLAP:
+            # with every core computing, gloo's transfers take turns with the backward: no layout helps
+            why = (f"on CPU, gloo's transfers compete with the backward pass for cores that {nproc} "
+                   f"process(es) x {threads} thread(s) already fill, as they would in any loop"
+                   if row["device"] == "cpu" and cores and nproc * threads >= cores
+                   else "gradient buckets reduced first-layers-first wait for the whole backward")
+            text += f"; the exchange hid only {of_possible:.0%} of what the backward pass could cover ({why})"
+        return text + (f"; try {'; '.join(tips)}" if tips else "")
+    crowded = row["device"] == "cpu" and cores and nproc * threads >= cores
+    helps = ["fewer, larger steps" + (f" ({tips[0]})" if tips else "")]
+    if part["cause"] == "wait":
+        skew = row["comm"].get("skew_s") or 0.0
+        text = (f"waiting for the slowest rank or a busy core ({part['wait'] * 1e3:.2f} ms a step; ranks end "
+                f"their forward pass {skew * 1e3:.2f} ms apart on average; exchange {_parts(row, part)})")
+        if crowded:
+            helps.append(f"fewer processes than cores ({nproc} process(es) x {threads} thread(s) fill {cores} "
+                         "cores, so a pause on one core stalls every rank)")
+        helps.append("pinning each process's threads to cores of its own (taskset, OMP_PROC_BIND=close)")
+    else:
+        text = (f"per-call latency ({row['comm'].get('calls_per_step') or 1} collective call(s) a step at "
+                f"{row['comm']['latency_per_call_s'] * 1e3:.2f} ms each; exchange {_parts(row, part)})")
+        if crowded:
+            helps.append(f"fewer processes than cores ({nproc} process(es) x {threads} thread(s) fill {cores} cores)")
+    return f"{text}; what helps: {', '.join(helps)}"
 
 
 def cpu_flags() -> set[str]:
@@ -104,7 +236,8 @@ def precision_note(precision: str, device: str, flags: set[str] | None = None) -
     return None
 
 
-_BOUNDS = (("bound by CPU threads", "thread-bound"), ("bound by communication", "sync-bound"),
+_BOUNDS = (("bound by CPU threads", "thread-bound"), ("bound by the link", "link-bound"),
+           ("bound by waiting", "wait-bound"), ("bound by per-call latency", "latency-bound"),
            ("bound by data loading", "data-bound"), ("bound by too-small", "overhead-bound"),
            ("bound by compute", "compute-bound"))
 
@@ -114,49 +247,3 @@ def bound_word(diagnosis: str) -> str:
     if "is not accelerated" in diagnosis or "not supported natively" in diagnosis:
         return f"{diagnosis.split()[0]} not accelerated"
     return next((word for phrase, word in _BOUNDS if phrase in diagnosis), "")
-
-
-def comm_seconds(row: Mapping[str, Any]) -> tuple[float, float]:
-    """Seconds of allreduce per step and the fraction of the gradient bytes sent.
-
-    The probe times an allreduce of every gradient; a compressed row sends a fraction of those
-    bytes, so its share is the probe's time scaled by that fraction (bandwidth-bound links).
-    """
-    comm = row["comm"]
-    payload, grads = row.get("payload_bytes_per_step"), comm["grad_bytes_per_step"]
-    ratio = payload / grads if payload and grads and payload < grads else 1.0
-    return comm["allreduce_seconds"] * ratio, ratio
-
-
-def comm_fixes(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> str:
-    """What would cut a communication-bound step, each with its expected samples/s.
-
-    A step is taken as compute + the allreduce (no overlap: an upper bound on the gain). A
-    compression that sends a fraction r of the bytes leaves compute + r x allreduce; doubling
-    the per-process batch (or accumulating 2 micro-batches) doubles compute, not the allreduce.
-    A compression measured in ``peers`` (same mode, processes and hosts) is quoted as measured.
-    """
-    step, comm = row["mean_step_seconds"], comm_seconds(row)[0]
-    rate = row["samples_per_second"]
-    compute = max(step - comm, 1e-9)
-    grad_bytes = row["comm"]["grad_bytes_per_step"]
-    same = [p for p in peers if p.get("applicable", True) and p is not row and p.get("samples_per_second")
-            and all(p.get(k) == row.get(k) for k in ("mode", "nproc", "hosts", "precision"))]
-    tips = []
-    for choice, ratio in (("powersgd", None), ("fp16", 0.5)):
-        if choice == row.get("grad_compression"):
-            continue
-        peer = next((p for p in same if p.get("grad_compression") == choice), None)
-        if peer is not None:
-            tips.append(f"grad_compression='{choice}' measured {peer['samples_per_second'] / rate:.1f}x "
-                        f"the samples/s ({peer['payload_bytes_per_step'] / 1e6:.2f} MB per step)")
-        elif ratio is not None and (row.get("payload_bytes_per_step") or grad_bytes) >= grad_bytes:
-            expect = rate * step / (compute + comm * ratio)
-            tips.append(f"grad_compression='{choice}' halves the bytes: expect ~{expect:.0f} samples/s")
-        elif ratio is None:
-            tips.append("grad_compression='powersgd' (weight matrices as rank-2 factors, often 10x+ fewer "
-                        "bytes; measure it with --grad-compression none,powersgd)")
-    bigger = rate * 2 * step / (2 * compute + comm)
-    tips.append(f"a 2x per-process batch or accumulating 2 micro-batches: expect ~{bigger:.0f} samples/s")
-    return "try " + "; ".join(tips)
-

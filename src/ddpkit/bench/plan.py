@@ -44,6 +44,8 @@ class Settings:
     link_mbit: float | None = None
     data_format: tuple[str, ...] = ("map",)   # map: the Dataset; shards: the same samples as ddpkit.Shards
     optimizer: str = "sgd"
+    sync_bn: tuple[bool, ...] = (False,)   # DDP rows with BatchNorm synchronised across processes, one row each
+    diagnose_verify: bool = False   # measure the fix each row's diagnosis recommends, against its prediction
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Configuration:
     grad_compression: str = "none"
     hosts: int = 0               # simulated hosts (nproc processes each), 0: this machine as is
     data_format: str = "map"
+    sync_bn: bool = False        # BatchNorm statistics across processes (ddpkit train's default)
 
     @property
     def world_size(self) -> int:
@@ -70,7 +73,8 @@ class Configuration:
         hosts = f"-h{self.hosts}" if self.hosts else ""
         comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
         data = f"-{self.data_format}" if self.data_format != "map" else ""
-        return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}{data}"
+        sync = "-syncbn" if self.sync_bn else ""
+        return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}{sync}{data}"
 
     @property
     def label(self) -> str:
@@ -78,7 +82,8 @@ class Configuration:
         hosts = f" {self.hosts} host(s)" if self.hosts else ""
         comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
         data = f" {self.data_format}" if self.data_format != "map" else ""
-        return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}{data}"
+        sync = " syncbn" if self.sync_bn else ""
+        return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}{sync}{data}"
 
 
 def plan(settings: Settings, gpus: int) -> list[Configuration]:
@@ -93,17 +98,20 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
             found.append(Configuration("dp", 1, "fp32", devices=max(gpus, 1), reason=reason))
         else:
             precision = amp if mode == "ddp-amp" else "fp32"
-            found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h,
-                                    reason=_fsdp_reason(settings.model, comp) if mode == "fsdp"
+            found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h, sync_bn=sync,
+                                    reason=_fsdp_reason(settings.model, comp, sync) if mode == "fsdp"
                                     else _compression_reason(comp, precision, n * max(h, 1)))
-                      for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression]
+                      for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression
+                      for sync in settings.sync_bn]
     return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
 
 
-def _fsdp_reason(model: str, compression: str) -> str | None:
+def _fsdp_reason(model: str, compression: str, sync_bn: bool = False) -> str | None:
     """Why strategy='fsdp' cannot run ``model`` with ``compression`` (what rt.setup refuses), or None."""
     if compression != "none":
         return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
+    if sync_bn:
+        return "fsdp shards no BatchNorm, synchronised or not (--sync-bn on is a DDP row)"
     from ddpkit.parallel.fsdp import check
     from ddpkit.recipes.models import build_model
 
@@ -173,6 +181,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--link-mbit", type=float, default=None, help="each simulated host's link speed in Mbit/s (tc tbf)")
     add("--optimizer", choices=("sgd", "adamw"), default=d.optimizer, help=f"optimizer (default {d.optimizer}); "
         "adamw holds 2 state tensors per parameter, what sharding (fsdp) divides")
+    add("--sync-bn", default="off", help="comma-separated off|on: ddp and ddp-amp rows with BatchNorm "
+        "statistics over every process (SyncBatchNorm, ddpkit train's default), one row each (default off)")
+    add("--diagnose-verify", action="store_true", help="run the fix each row's diagnosis recommends "
+        "(the one predicting the most samples/s) and print predicted vs measured samples/s; a prediction "
+        "more than 30%% off is flagged as a diagnosis error")
     add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
         "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
     return parser
@@ -202,6 +215,9 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     if set(formats) - {"map", "shards"}:
         raise UsageError(f"unknown data format {sorted(set(formats) - {'map', 'shards'})[0]!r} in --data-format; "
                          "choose from map, shards")
+    syncs = tuple(dict.fromkeys(v.strip() for v in opts.sync_bn.split(",")))
+    if set(syncs) - {"off", "on"}:
+        raise UsageError(f"--sync-bn takes off, on or off,on, got {opts.sync_bn!r}")
     hosts = _int_list(opts.hosts, "--hosts") if opts.hosts is not None else ()
     if hosts and opts.link_mbit is None:
         raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
@@ -215,7 +231,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
                         repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
-                        link_mbit=opts.link_mbit, data_format=formats, optimizer=opts.optimizer)
+                        link_mbit=opts.link_mbit, data_format=formats, optimizer=opts.optimizer,
+                        diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs))
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

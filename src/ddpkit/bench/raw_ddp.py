@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpkit.bench import wire
 from ddpkit.bench.stopwatch import backward_alone, mark, rank_stats, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
 from ddpkit.recipes.models import build_model
@@ -127,7 +128,8 @@ def train(opts: Any) -> None:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             marks.append((start, fetched, forward, backward, mark(device)))
-        stats = rank_stats(marks, opts.warmup, model, device, world_size)
+        stats = rank_stats(marks, opts.warmup, model, device, world_size,
+                           comm_calls=wire.calls_per_step(model, opts.grad_compression))
         if world_size > 1:
             stats["backward_alone_seconds"] = backward_alone(
                 model, inputs, targets,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.diagnose import diagnose
+from ddpkit.bench.outputs import row_label, verified_line
 from ddpkit.bench.plan import Configuration, Settings, plan
 from ddpkit.bench.summary import not_applicable, summarize, with_speedup
 from ddpkit.errors import DdpkitError, UsageError
@@ -53,6 +54,8 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
             "--strategy", "fsdp" if config.mode == "fsdp" else "ddp"]
     if config.mode == "dp":
         args.append("--data-parallel")
+    if config.sync_bn:
+        args.append("--sync-bn")
     result.unlink(missing_ok=True)
     if config.hosts:
         code = _run_on_hosts(config, settings, target, args)
@@ -141,6 +144,46 @@ def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[s
     }
 
 
+def verify(row: dict[str, Any], rows: list[dict[str, Any]], settings: Settings, runs: Path) -> dict[str, Any] | None:
+    """Measure the fix ``row``'s diagnosis predicts the most of; its prediction against the measurement.
+
+    A fix another row already ran (a compression in the table) is not run again. None where the
+    diagnosis recommends nothing. The outcome is printed, and flagged where the prediction is more
+    than :data:`ddpkit.bench.diagnose.VERIFY_TOLERANCE` off.
+
+    Args:
+        row: a measured, diagnosed row.
+        rows: every row of the bench (fixes some of them already measured).
+        settings: the bench's settings; a 2x-batch fix runs them with the batch doubled.
+        runs: where the fix's worker result is written.
+    """
+    import dataclasses
+
+    from ddpkit.bench.diagnose import checked, recommendations
+
+    fixes = recommendations(row, rows) if row.get("applicable", True) else []
+    if not fixes:
+        return None
+    fix = fixes[0]
+    config = Configuration(row["mode"], row["nproc"], row["precision"], devices=row.get("devices", 1),
+                           grad_compression=fix.get("grad_compression", row["grad_compression"]),
+                           hosts=row.get("hosts") or 0, data_format=row.get("data_format", "map"),
+                           sync_bn=bool(row.get("sync_bn")))
+    label = f"{config.label}{' x' + str(fix['batch_factor']) + ' batch' if 'batch_factor' in fix else ''}"
+    measured = fix.get("measured_samples_per_second")
+    if measured is None:
+        factor = fix.get("batch_factor", 1)
+        batch = (row.get("batch_per_process") or settings.batch) // max(1, row.get("devices", 1))
+        tried = dataclasses.replace(settings, batch=batch * factor)
+        print(f"bench: verify {label} ...", end="", flush=True)
+        name = f"verify-{config.name}" + (f"-batch{batch * factor}" if factor != 1 else "")
+        measured = measure(config, tried, runs / f"{name}.json")["samples_per_second"]
+        print(f" {measured:.1f} samples/s", flush=True)
+    outcome = checked(fix, measured)
+    print(f"bench: {row_label(row)}: {verified_line(outcome)}", flush=True)
+    return outcome
+
+
 def _median_or_none(values: Any) -> float | None:
     values = list(values)
     return None if None in values or not values else statistics.median(values)
@@ -165,12 +208,15 @@ def run_bench(settings: Settings) -> dict[str, Any]:
         print(f" {rows[-1]['samples_per_second']:.1f} samples/s", flush=True)
     rows = with_speedup(rows)
     rows = [{**row, "diagnosis": diagnose(row, rows)} for row in rows]
+    if settings.diagnose_verify:
+        rows = [{**row, "verify": verify(row, rows, settings, out / "runs")} for row in rows]
     report: dict[str, Any] = {"settings": asdict(settings), "torch": torch.__version__,
                               "device": "cuda" if gpus else "cpu", "gpus": gpus, "configurations": rows}
     if settings.compare_raw:
         target = next((c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
                        and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
-                       and c.grad_compression == settings.grad_compression[0] and c.data_format == "map"), None)
+                       and c.grad_compression == settings.grad_compression[0] and c.data_format == "map"
+                       and not c.sync_bn), None)
         if target is None:
             raise UsageError(f"--compare-raw found no runnable DDP configuration with --grad-compression "
                              f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first")

@@ -12,13 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
-import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddpkit._torch import unwrap
@@ -26,9 +24,6 @@ from ddpkit.dist.host import usable_cores
 
 PHASES = ("data_wait", "forward", "backward", "optimizer")
 """The four phases between a step's five :func:`mark` readings (start, data, forward, backward, optimizer)."""
-
-_ALLREDUCE_REPEATS = 5
-
 
 def mark(device: torch.device) -> float:
     """A phase boundary: wait for queued GPU work (CUDA runs asynchronously), then read the clock."""
@@ -39,11 +34,11 @@ def mark(device: torch.device) -> float:
 
 def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Module,
                device: torch.device, world_size: int, devices: int = 1,
-               payload_bytes: float | None = None) -> dict[str, Any]:
-    """This rank's measurements after the loop: phase times, peak memory, gradients, weights.
+               payload_bytes: float | None = None, comm_calls: int | None = None) -> dict[str, Any]:
+    """This rank's measurements after the loop: phase times, peak memory, gradients, weights, wire.
 
-    Peak memory is read before the allreduce probe, which allocates a flat gradient-sized buffer
-    of its own.
+    Peak memory is read before the link is probed (:func:`ddpkit.bench.wire.probe`), which
+    allocates buffers of its own. Every rank must call it: the probe is a collective.
 
     Args:
         marks: five :func:`mark` readings per step (start, after data, forward, backward,
@@ -51,25 +46,35 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
         warmup: how many of the first steps are not timed.
         model: the trained model (wrapped or not); its gradients are sized and its weights hashed.
         device: this rank's device.
-        world_size: processes in the job; with one, nothing is sent and no allreduce is probed.
+        world_size: processes in the job; with one, nothing is sent and the link is not probed.
         devices: GPUs from ``device`` on whose memory counts (DataParallel), else 1.
         payload_bytes: what a compression hook handed to allreduce per timed step (default:
             every gradient once, as DDP's own buckets do).
+        comm_calls: collective calls per step (:func:`ddpkit.bench.wire.calls_per_step`).
     """
+    from ddpkit.bench import wire
+    from ddpkit.parallel.powersgd import payload_elements
+
     memory = _peak_memory(device, devices)
     timed = [list(m) for m in marks[warmup:]]
     params = [p for p in unwrap(model).parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    allreduce_s = None
-    if world_size > 1 and params:
-        allreduce_s = _probe_allreduce(sum(p.numel() for p in params), params[0].dtype, device)
+    sent = (grad_bytes if payload_bytes is None else payload_bytes) if world_size > 1 else 0
+    probed = wire.probe(sent, device) if world_size > 1 and params else None
     return {
         "phases": [[b - a for a, b in zip(m, m[1:])] for m in timed],
         "steps": [m[-1] - m[0] for m in timed],
+        # when each timed step's forward pass ended: the spread across ranks is the wait
+        "ready_at": [m[2] for m in timed],
         **memory,
         "grad_bytes": grad_bytes,
-        "payload_bytes_per_step": (grad_bytes if payload_bytes is None else payload_bytes) if world_size > 1 else 0,
-        "allreduce_seconds": allreduce_s,
+        # what PowerSGD (at rank 2, ddpkit's default) would hand to allreduce per step instead
+        "powersgd_bytes": 4 * payload_elements([p.shape for p in params], 2),
+        "payload_bytes_per_step": sent,
+        "wire": probed,
+        "comm_calls": comm_calls,
+        # SyncBatchNorm layers each add two collectives a step (statistics forward, sums backward)
+        "sync_batchnorm_layers": sum(type(m).__name__ == "SyncBatchNorm" for m in unwrap(model).modules()),
         "threads": torch.get_num_threads(),
         "cores": usable_cores(),
         "weights_sha256": weights_digest(model),
@@ -148,18 +153,3 @@ def backward_alone(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.
             times.append(mark(device) - start)
         model.zero_grad(set_to_none=True)
     return min(times)
-
-
-def _probe_allreduce(numel: int, dtype: torch.dtype, device: torch.device) -> float:
-    """Median seconds of one allreduce of every gradient at once (what DDP's buckets add up to)."""
-    flat = torch.zeros(numel, dtype=dtype, device=device)
-    token = torch.zeros(1, device=device)
-    dist.all_reduce(flat)                  # first call sets up connections and buffers
-    times = []
-    for _ in range(_ALLREDUCE_REPEATS):
-        dist.all_reduce(token)             # line the ranks up so no one times a peer's lateness
-        start = mark(device)
-        dist.all_reduce(flat)
-        times.append(mark(device) - start)
-    return statistics.median(times)
-

@@ -3,9 +3,9 @@
 Per step, the world's step time is its slowest rank's; ``samples_per_second`` is the global
 batch over the median of those, over the timed steps only. ``breakdown`` is the mean seconds
 per step of each phase over ranks and steps, so its phases add up to at most
-``mean_step_seconds``. ``comm.allreduce_gb_per_s`` is the gradient bytes over the median time of
-one allreduce of all of them at once, timed after the steps (algorithm bandwidth). Memory is in
-MiB: the peak RSS of the largest rank, and CUDA's max allocated on GPUs.
+``mean_step_seconds``. ``comm`` splits the gradient exchange into transfer, latency and wait
+(:mod:`ddpkit.bench.wire`), with the link's measured speed and what the backward pass hid of it.
+Memory is in MiB: the peak RSS of the largest rank, and CUDA's max allocated on GPUs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
+from ddpkit.bench import wire
 from ddpkit.bench.plan import Configuration
 from ddpkit.bench.stopwatch import PHASES
 from ddpkit.bench.table import add_speedup
@@ -26,29 +27,19 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
     count = len(ranks) * len(world_steps)
     breakdown = {phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
                  for i, phase in enumerate(PHASES)}
-    allreduce = ranks[0]["allreduce_seconds"]
-    comm, overlap = None, None
     world = len(ranks)
     payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
-    if allreduce is not None:
-        grad_bytes = ranks[0]["grad_bytes"]
-        sent = payload / grad_bytes if 0 < payload < grad_bytes else 1.0     # compressed: a fraction
-        overlap, exposed, of_possible = _overlap(ranks, allreduce * sent)
-        if sent < 1:
-            # the backward under no_sync skips the hook, so what a compressed step's backward took
-            # beyond it is the compressor's own work as well as the wait: no share of the wire's
-            overlap = of_possible = None
-        comm = {"grad_bytes_per_step": grad_bytes, "allreduce_seconds": allreduce,
-                "allreduce_gb_per_s": grad_bytes / allreduce / 1e9 if allreduce > 0 else None,
-                "exposed_seconds": exposed, "overlap_of_possible": of_possible}
+    comm, overlap = _comm(ranks, payload), None
+    if comm is not None:
+        overlap = comm.pop("overlap")
     cuda = [r["peak_cuda_mb"] for r in ranks]
     return {
         "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
         "grad_compression": config.grad_compression, "hosts": config.hosts or None,
-        "link_mbit": None, "world_size": world, "data_format": config.data_format,
+        "link_mbit": None, "world_size": world, "data_format": config.data_format, "sync_bn": config.sync_bn,
         # what each rank hands to allreduce per step, and what a ring allreduce sends of it
         "payload_bytes_per_step": payload,
-        "bytes_sent_per_step": payload * 2 * (world - 1) / world if world > 1 else 0.0,
+        "bytes_sent_per_step": wire.bus_bytes(payload, world),
         "device": result["device"], "devices": config.devices,
         "batch_per_process": result["batch_per_process"], "global_batch": result["global_batch"],
         "samples_per_second": result["global_batch"] / median_step,
@@ -65,6 +56,32 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
         "weights_sha256": ranks[0]["weights_sha256"],
     }
+
+
+def _comm(ranks: Sequence[Mapping[str, Any]], payload: float) -> dict[str, Any] | None:
+    """The row's ``comm``: the wire's split (:func:`ddpkit.bench.wire.split`) and the overlap."""
+    split = wire.split(ranks, payload)
+    if split is None:
+        return None
+    grad_bytes = ranks[0]["grad_bytes"]
+    # the exchange's own time; waiting for a slower rank is never hidden, so it counts as exposed
+    overlap, exposed, of_possible = _overlap(ranks, split["transfer_s"] + split["latency_s"])
+    wait = split["skew_s"]
+    if 0 < payload < grad_bytes:
+        # the backward under no_sync skips the hook, so what a compressed step's backward took
+        # beyond it is the compressor's own work as well as the wait: no share of the wire's
+        overlap = of_possible = None
+    elif exposed is not None:
+        # what the step lost that neither the bytes nor the calls explain: waiting, for the
+        # slowest rank (the skew) or for a core
+        wait = max(wait, exposed - split["transfer_s"] - split["latency_s"])
+    call = split.pop("payload_call_s")
+    return {"grad_bytes_per_step": grad_bytes, **split, "wait_s": wait,
+            # the payload allreduced once in isolation, latency included: achieved, not the link's speed
+            "allreduce_seconds": call, "allreduce_gb_per_s": payload / call / 1e9 if call > 0 else None,
+            "powersgd_bytes_per_step": ranks[0].get("powersgd_bytes"),
+            "sync_batchnorm_calls": 2 * (ranks[0].get("sync_batchnorm_layers") or 0),
+            "exposed_seconds": exposed, "overlap_of_possible": of_possible, "overlap": overlap}
 
 
 def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> tuple[float | None, ...]:
@@ -93,6 +110,7 @@ def not_applicable(config: Configuration, link_mbit: float | None = None) -> dic
     """The row of a configuration that cannot run here: its names, its reason, no measurements."""
     return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
             "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": link_mbit,
+            "sync_bn": config.sync_bn,
             "data_format": config.data_format,
             "applicable": False, "reason": config.reason, "samples_per_second": None,
             "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}

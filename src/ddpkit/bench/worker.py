@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from ddpkit.bench import wire
 from ddpkit.bench.stopwatch import backward_alone, mark, rank_stats, state_bytes, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
 from ddpkit.recipes.models import build_model
@@ -47,7 +48,7 @@ def train(opts: argparse.Namespace) -> None:
     if opts.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
     else:
-        model, optimizer = rt.setup(model, optimizer, grad_compression=compression,
+        model, optimizer = rt.setup(model, optimizer, grad_compression=compression, sync_batchnorm=opts.sync_bn,
                                     powersgd_start=powersgd_start(opts.warmup))
     compressor = rt.run.compressors[-1]       # the gradient compressor of the model set up last
     if opts.data_parallel:
@@ -72,7 +73,8 @@ def train(opts: argparse.Namespace) -> None:
         rt.step(optimizer)
         marks.append((start, fetched, forward, backward, mark(device)))
     payload = None if compressor is None else compressor.payload_bytes / opts.steps
-    stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload)
+    calls = wire.calls_per_step(model, opts.grad_compression)
+    stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload, calls)
     if rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
     stats["state_bytes"] = state_bytes(model, optimizer)

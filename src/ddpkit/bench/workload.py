@@ -37,6 +37,7 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--data-format", default="map", choices=("map", "shards"))
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
+    parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics across processes")
     return parser
 
 

@@ -19,8 +19,11 @@ from ddpkit._argparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.dist.torchrun import RunSpec, run
 from ddpkit.recipes.config import TrainConfig, validate
-from ddpkit.bench.outputs import write_report
+from ddpkit.bench.outputs import verified_line, write_report
 from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
+
+DEMO_COLUMNS = [*COLUMNS, ("max_rel_diff_vs_single", "max rel. diff vs single", "{:.0e}")]
+"""The demo's table: the comparison's columns and how far each run's weights end from one process's."""
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
@@ -55,55 +58,93 @@ def _train(config: TrainConfig) -> dict[str, Any]:
 
 
 def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
-    """Train and measure every mode, print the table, the diagnoses and the verdict, write the files."""
+    """Train and measure every mode, compare the weights, print the guarantee, the table, the
+    diagnoses (each fix measured) and the verdict, and write the files."""
     import torch
 
+    from ddpkit.bench import guarantee
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    rows = []
+    rows, weights = [], {}
     for mode, overrides in modes(nproc, gpus):
         name = f"{mode}-x{overrides['nproc']}-{overrides['precision']}"
         print(f"== {name}", flush=True)
         config = TrainConfig(model="convnet", data="digits", epochs=epochs, out=f"{out}/{name}",
                              overwrite=True, **overrides)
         summary = _train(config)
+        weights[name] = guarantee.final_weights(summary)
         print(f"== {name}: measuring a step as ddpkit bench does", flush=True)
-        step = _measure(mode, overrides, gpus, Path(out) / "bench" / f"{name}.json")
+        step = _measure(mode, overrides, gpus, Path(out) / "bench" / f"{name}.json", sync_bn=summary["sync_bn"])
         rows.append({"mode": mode, "processes": summary["world_size"], "precision": summary["precision"],
                      "wall_seconds": summary["wall_seconds"], "samples_per_second": summary["samples_per_second"],
                      "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
-                     "run": name, "step": step})
+                     "sync_bn": summary["sync_bn"], "run": name, "step": step})
+    reference = weights[rows[0]["run"]]                 # the single process's
+    rows = [{**row, "max_rel_diff_vs_single": guarantee.max_rel_diff(reference, weights[row["run"]])} for row in rows]
+    hand_written = _hand_written(nproc, epochs, Path(out) / f"hand-written-ddp-x{nproc}")
+    seeds_diff = guarantee.max_rel_diff(reference, hand_written["model"])
+    opening = guarantee.opening_line(rows, seeds_diff, nproc)
+    guarantee.write_summary(Path(out), rows, seeds_diff, opening)
     rows = add_speedup(rows)
     rows = [_diagnosed(row, [r["step"] for r in rows]) for row in rows]
-    said = verdict(rows)
+    rows = [{**row, "verify": _verify(row, [r["step"] for r in rows], gpus, Path(out) / "bench")} for row in rows]
+    closest = _closest(rows, gpus, Path(out) / "bench")
+    said = verdict(rows, closest)
+    checks = [f"- {row['run']}: {verified_line(row['verify'])}" for row in rows if row["verify"]]
     note = (f"ConvNet on scikit-learn digits ({epochs} epochs, global batch 64, SGD lr 0.05), "
             f"{'CUDA' if gpus else 'CPU'}; wall s is the whole training process, samples/s the "
-            "training steps alone. The diagnoses come from a separate measured run of each "
+            "training steps alone; max rel. diff is the largest relative difference of a run's final weights "
+            "from the single process's (BatchNorm synchronised across processes, `ddpkit train`'s default). "
+            "The diagnoses come from a separate measured run of each "
             "configuration (as `ddpkit bench`: 3 warm-up + 20 timed steps); in the shares, communication is "
             "what DDP's backward took beyond a backward without gradient sync.\n\n## Diagnosis\n\n"
             + "\n".join(f"- {row['run']}: {row['diagnosis']}" for row in rows)
+            + ("\n\n## Diagnosis checked by measuring it\n\n" + "\n".join(checks) if checks else "")
             + f"\n\n## Verdict\n\n{said}")
     paths = write_report(out, [{k: v for k, v in r.items() if k != "step"} for r in rows], title="ddpkit demo",
-                         columns=COLUMNS, extra_markdown=note)
-    _plot_losses(Path(out), [row["run"] for row in rows])
+                         columns=DEMO_COLUMNS, extra_markdown=note, opening=opening)
+    curves = {row["run"]: guarantee.epoch_losses(Path(out) / row["run"]) for row in rows}
+    curves[f"hand-written-ddp-x{nproc}"] = hand_written["test_loss"]
+    guarantee.plot_losses(Path(out), curves, rows[0]["run"])
     print()
-    print(markdown_table(rows, COLUMNS))
+    print(opening)
+    print()
+    print(markdown_table(rows, DEMO_COLUMNS))
     print()
     for row in rows:
         print(f"{row['run']}: {row['diagnosis']}")
+    for line in checks:
+        print(f"checked {line[2:]}")
     print(f"\n{said}")
     print(f"\nreport: {paths['markdown']}  plot: {paths['plot']}  losses: {Path(out) / 'loss.png'}")
     return 0
 
 
-def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path) -> dict[str, Any]:
-    """A ``ddpkit bench`` row of this configuration: 64 samples a step, as the training used."""
+def _hand_written(nproc: int, epochs: int, out: Path) -> dict[str, Any]:
+    """The seeds' hand-written DDP loop on the same data: its final weights and test losses."""
+    from ddpkit.bench import guarantee
+
+    print(f"== hand-written DDP x{nproc} (DistributedSampler, 64 samples per process)", flush=True)
+    args = ["--model", "convnet", "--data", "digits", "--epochs", str(epochs), "--batch", "64", "--lr", "0.05",
+            "--momentum", "0.9", "--seed", "0", "--out", str(out)]
+    code = run(RunSpec("ddpkit.bench.raw_train", args, module=True, nproc_per_node=nproc))
+    if code != 0:
+        raise DdpkitError(f"the hand-written DDP run into {out} failed (exit code {code}); see the output above")
+    return guarantee.hand_written_weights(out)
+
+
+def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path, *, batch_factor: int = 1,
+             grad_compression: str = "none", sync_bn: bool = False) -> dict[str, Any]:
+    """A ``ddpkit bench`` row of this configuration: 64 samples a step and BatchNorm as the training
+    used (times ``batch_factor``, with ``grad_compression``, where a diagnosis's fix is measured)."""
     from ddpkit.bench.plan import Configuration, Settings
     from ddpkit.bench.run import measure
 
     nproc, devices = overrides["nproc"], (gpus if overrides.get("data_parallel") else 1)
-    config = Configuration(mode, nproc, overrides["precision"], devices=devices)
-    settings = Settings(model="convnet", data="digits", batch=max(1, 64 // (nproc * devices)), steps=20,
-                        warmup=3, out=str(result.parent))
+    config = Configuration(mode, nproc, overrides["precision"], devices=devices, grad_compression=grad_compression,
+                           sync_bn=sync_bn)
+    settings = Settings(model="convnet", data="digits", batch=max(1, 64 // (nproc * devices)) * batch_factor,
+                        steps=20, warmup=3, out=str(result.parent))
     return measure(config, settings, result)
 
 
@@ -134,8 +175,55 @@ def shares(step: dict[str, Any]) -> dict[str, float]:
     return {name: value / whole for name, value in parts.items()}
 
 
-def verdict(rows: list[dict[str, Any]]) -> str:
-    """Two or three sentences for this machine, from the measured rows."""
+def _verify(row: dict[str, Any], steps: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any] | None:
+    """Measure the fix ``row``'s diagnosis predicts the most of (as ``ddpkit bench --diagnose-verify``)."""
+    from ddpkit.bench.diagnose import checked, recommendations
+
+    fixes = recommendations(row["step"], steps)
+    if not fixes:
+        return None
+    fix = fixes[0]
+    overrides = {"nproc": row["processes"] if row["mode"] != "dp" else 1, "precision": row["precision"],
+                 "data_parallel": row["mode"] == "dp"}
+    print(f"== {row['run']}: measuring the diagnosis's fix, {fix['change']}", flush=True)
+    measured = _measure(row["mode"], overrides, gpus, runs / f"verify-{row['run']}.json",
+                        batch_factor=fix.get("batch_factor", 1),
+                        grad_compression=fix.get("grad_compression", "none"), sync_bn=row["sync_bn"])
+    return {**checked(fix, measured["samples_per_second"]), "step": measured}
+
+
+def _closest(rows: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any] | None:
+    """Where DDP here runs slower than one process: the measured configuration that comes closest.
+
+    Candidates are the DDP rows, the fixes measured for them, and ResNet-18 (a model with far more
+    compute per step) measured as one process and as DDP, each against its own single process.
+    None where DDP already runs faster.
+    """
+    from ddpkit.bench.plan import Configuration, Settings
+    from ddpkit.bench.run import measure
+
+    single = next(r for r in rows if r["mode"] == "single")["step"]["samples_per_second"]
+    ddp = [r for r in rows if r["mode"] == "ddp"]
+    if gpus or not ddp or max(r["speedup"] for r in ddp) >= 1.0:
+        return None
+    found = [{"what": f"DDP x{r['processes']} {r['precision']} (the table)", "speedup": r["speedup"]} for r in ddp]
+    found += [{"what": f"DDP x{r['processes']} {r['precision']} with {r['verify']['change']}",
+               "speedup": r["verify"]["measured_samples_per_second"] / single}
+              for r in ddp if r.get("verify")]
+    nproc = ddp[0]["processes"]
+    print(f"== resnet18: one process and DDP x{nproc}, measured as ddpkit bench does", flush=True)
+    settings = Settings(model="resnet18", data="synthetic", batch=32, steps=8, warmup=2, out=str(runs))
+    alone = measure(Configuration("single", 1, "fp32"), settings, runs / "resnet18-single.json")
+    together = measure(Configuration("ddp", nproc, "fp32"), settings, runs / f"resnet18-ddp-x{nproc}.json")
+    found.append({"what": f"ResNet-18, DDP x{nproc} fp32 against one process (`ddpkit bench --model resnet18 "
+                          f"--data synthetic --modes single,ddp --nproc {nproc}`)",
+                  "speedup": together["samples_per_second"] / alone["samples_per_second"]})
+    return max(found, key=lambda f: f["speedup"])
+
+
+def verdict(rows: list[dict[str, Any]], closest: dict[str, Any] | None = None) -> str:
+    """Two or three sentences for this machine, from the measured rows; ``closest`` (see
+    :func:`_closest`) names the measured configuration nearest a speed-up where none shows one."""
     single = rows[0]
     ddp = next((r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32"), None)
     if ddp is None:
@@ -151,30 +239,10 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     if ddp["speedup"] < 1.0:
         said.append("What would change it: more compute per step (a bigger model or batch), so the fixed "
                     "per-step costs and the gradient exchange weigh less, and more cores, machines or GPUs "
-                    "to run on; `ddpkit bench --model resnet18 --data synthetic --modes single,ddp --nproc 2` "
-                    "measures a bigger model here.")
+                    "to run on.")
+        if closest is not None:
+            said.append(f"The closest to a speed-up measured here is {closest['what']}: {closest['speedup']:.2f}x, "
+                        f"{1 - closest['speedup']:.0%} short of one process's samples/s.")
     else:
         said.append(f"{single['mode']} is the baseline; `ddpkit bench` explains each row in more detail.")
     return " ".join(said)
-
-
-def _plot_losses(out: Path, runs: list[str]) -> None:
-    """Test loss per epoch of every run in one picture."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name in runs:
-        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
-        axis.plot([r["epoch"] + 1 for r in rows], [r["test_loss"] for r in rows], marker="o", label=name)
-    axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    axis.set_xlabel("epoch")
-    axis.set_ylabel("test loss")
-    axis.set_title("ddpkit demo: test loss per epoch")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(out / "loss.png", dpi=100)
-    plt.close(figure)

@@ -81,6 +81,15 @@ def _is_matrix(shape: torch.Size, rank: int) -> bool:
     return (n + m) * rank * MIN_COMPRESSION < n * m
 
 
+def payload_elements(shapes: list[torch.Size], rank: int) -> int:
+    """Elements a rank hands to allreduce per compressed step for gradients of ``shapes``:
+    ``P`` and ``Q`` (``(n + m) x rank``) of each matrix worth compressing, the rest whole.
+
+    What ``ddpkit bench`` predicts a PowerSGD row sends before measuring it.
+    """
+    return sum((s[0] + s.numel() // s[0]) * rank if _is_matrix(s, rank) else s.numel() for s in shapes)
+
+
 class PowerSGD:
     """The hook's state and work; :class:`ddpkit.parallel.compression.PowerSGDCompressor` wraps it."""
 
