@@ -114,7 +114,7 @@ def fabric(opts: Any) -> None:
     fab = Fabric(accelerator=accelerator, devices=local, num_nodes=world_size // local, strategy="ddp",
                  precision=_PRECISION["fabric"][opts.precision])
     fab.launch()
-    info = bench_dataset(opts.data, opts.batch * world_size)
+    info = bench_dataset(opts.data, opts.batch * world_size, opts.model)
     torch.manual_seed(opts.seed)
     model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                         image_size=info.image_size)
@@ -143,7 +143,7 @@ def accelerate(opts: Any) -> None:
     acc = Accelerator(mixed_precision=_PRECISION["accelerate"][opts.precision], kwargs_handlers=handlers,
                       cpu=not torch.cuda.is_available())
     world_size = acc.num_processes
-    info = bench_dataset(opts.data, opts.batch * world_size)
+    info = bench_dataset(opts.data, opts.batch * world_size, opts.model)
     torch.manual_seed(opts.seed)
     model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                         image_size=info.image_size)

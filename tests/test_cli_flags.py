@@ -25,7 +25,7 @@ TRAIN_FLAGS = {
     "--global-batch", "--grad-compression", "--hang-timeout", "--keep-checkpoints", "--lr", "--master",
     "--max-restarts", "--model", "--momentum", "--nnodes", "--node-rank", "--nproc", "--out", "--overwrite",
     "--powersgd-rank", "--precision", "--resume", "--scale-lr", "--seed", "--strategy", "--sync-bn",
-    "--no-sync-bn", "--synthetic-size", "--workers",
+    "--no-sync-bn", "--synthetic-size", "--workers", "--sync", "--sync-every", "--outer-lr", "--outer-momentum",
 }
 PREDICT_FLAGS = {"--batch", "--checkpoint", "--data", "--data-dir", "--nproc", "--out", "--overwrite", "--split"}
 SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr"}, "predict": {"--overwrite"}}

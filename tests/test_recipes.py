@@ -86,7 +86,10 @@ class _EvilExec(_Evil):
 # --- models -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", MODELS)
+IMAGE_MODELS = [name for name in MODELS if name != "tiny-lm"]
+
+
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 @pytest.mark.parametrize("channels,size", [(1, 8), (3, 32)], ids=["digits", "synthetic"])
 def test_model_forward_shape(name, channels, size):
     torch.manual_seed(0)
@@ -106,6 +109,22 @@ def test_same_seed_gives_same_initial_weights(name):
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert any(not torch.equal(first[k], other[k]) for k in first if first[k].is_floating_point())
+
+
+def test_tiny_lm_reads_token_sequences_and_has_five_million_parameters():
+    info = load_dataset("tokens", "train", synthetic_size=64)
+    inputs, targets = info.dataset[3]
+    assert inputs.shape == targets.shape == (32,) and torch.equal(inputs[1:], targets[:-1])
+    assert info.num_classes == 256 and int(inputs.max()) < 256
+    again = load_dataset("tokens", "train", synthetic_size=64)
+    assert torch.equal(again.dataset.tokens, info.dataset.tokens)              # seeded: the same every time
+    assert not torch.equal(load_dataset("tokens", "test", synthetic_size=64).dataset.tokens, info.dataset.tokens)
+    model = build_model("tiny-lm", num_classes=info.num_classes, in_channels=1, image_size=info.image_size)
+    assert sum(p.numel() for p in model.parameters()) >= 5_000_000
+    batch = torch.stack([inputs, info.dataset[4][0]])
+    logits = model(batch)
+    assert logits.shape == (2, 256, 32)           # classes first: F.cross_entropy(logits, targets [N, T])
+    assert torch.nn.functional.cross_entropy(logits, torch.stack([targets, info.dataset[4][1]])).ndim == 0
 
 
 def test_convnet_layout_matches_the_classic_mnist_convnet():

@@ -101,7 +101,36 @@ BAD = [
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml not found"),
     (["--grad-compression", "int8"], "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd"),
     (["--grad-compression", "powersgd", "--precision", "fp16"], "use precision='bf16'"),
+    (["--model", "tiny-lm"], "ddpkit bench's language-model workload"),
+    (["--sync", "diloco"], "sync='diloco' needs --sync-every H"),
 ]
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"sync_every": 5}, "--sync-every sets how often --sync local-sgd or diloco meets"),
+    ({"sync": "diloco", "sync_every": 5, "sync_bn": True}, "drop --sync-bn"),
+    ({"sync": "local-sgd", "sync_every": 5, "strategy": "fsdp", "model": "mlp"}, "strategy='fsdp' shards"),
+    ({"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"}, "compresses a per-step gradient exchange"),
+    ({"sync": "diloco", "sync_every": 5, "precision": "fp16"}, "use bf16 or fp32"),
+    ({"sync": "rarely", "sync_every": 5}, "unknown sync 'rarely'"),
+], ids=["every-alone", "sync-bn", "fsdp", "compression", "fp16", "unknown"])
+def test_infrequent_sync_flags_are_checked_before_anything_runs(settings, message):
+    from ddpkit.recipes.config import check
+
+    with pytest.raises(UsageError, match=message):
+        check(TrainConfig(**settings))
+
+
+@pytest.mark.timeout(120)
+def test_train_with_diloco_records_it_and_learns(tmp_path):
+    out = tmp_path / "run"
+    result = ddpkit_cli("train", "--nproc", "2", "--epochs", "2", "--sync", "diloco", "--sync-every", "5",
+                        "--out", str(out), timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the result depends on the number of processes" in result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["sync"], summary["sync_every"], summary["outer_lr"], summary["sync_bn"]) == ("diloco", 5, 0.7, False)
+    assert summary["test_accuracy"] >= 0.8         # it learns (chance: 0.1); how well, BENCHMARKS.md
 
 
 @pytest.mark.parametrize("args, message", BAD)

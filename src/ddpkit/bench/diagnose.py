@@ -1,7 +1,7 @@
 """What ``ddpkit bench`` found, in words: what bounds each configuration, and what would help.
 
 The diagnosis names what bounds a configuration, in this order of blame: oversubscribed CPU
-threads; the gradient exchange, by its cause (:mod:`ddpkit.bench.wire`: the link moving the bytes,
+threads; SyncBatchNorm's collectives; the gradient exchange, by its cause (:mod:`ddpkit.bench.wire`: the link moving the bytes,
 the per-call latency, or ranks waiting for the slowest); data loading; a batch too small to
 amortise per-step costs; else compute. Thresholds are shares of the mean step time.
 
@@ -52,20 +52,23 @@ def exchange(row: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
-    """The fixes worth naming for a row bound by its gradient exchange, best first.
+    """The fixes worth naming for a row bound by its gradient exchange (or SyncBatchNorm's), best first.
 
     Each is ``{"change", "predicted_samples_per_second"}`` plus ``grad_compression`` or
     ``batch_factor`` (what to run to check it) and, where a row of ``peers`` already ran it,
     ``measured_samples_per_second``. A step is compute + what the exchange costs it: compression
     sending B bytes leaves the same compute, the wait, and B / link speed (and the calls'
-    latency) exposed as much as today's transfer; doubling the per-process batch doubles the
-    compute, not the exchange. A fix is named where it predicts :data:`MIN_GAIN` or more, and
+    latency) exposed as much as today's transfer; doubling the per-process batch doubles the data,
+    forward and backward compute, not the exchange, the optimizer step or the loop's own work. A fix is named where it predicts :data:`MIN_GAIN` or more, and
     compression only where the link carries :data:`LINK_SHARE` of the step or more.
     """
     part = exchange(row)
-    if part is None or part["lost"] / part["step"] < COMM_SHARE:
+    if part is None:
         return []
     rate, step, comm = row["samples_per_second"], part["step"], row["comm"]
+    synced = comm.get("sync_batchnorm_seconds") or 0.0       # SyncBatchNorm's collectives, inside the phases
+    if (part["lost"] + synced) / step < COMM_SHARE:
+        return []
     found = []
     link = comm.get("link_bytes_per_s")
     if part["cause"] == "link" and link and part["link"] / step >= LINK_SHARE:
@@ -81,7 +84,13 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
             predicted = rate * step / (part["compute"] + part["wait"] + own * part["exposed_share"])
             found.append({"change": f"grad_compression='{choice}'", "grad_compression": choice,
                           "sends_bytes": sent, "predicted_samples_per_second": predicted})
-    predicted = rate * 2 * step / (2 * part["compute"] + part["lost"])
+    if part["cause"] == "link" and link and row.get("sync", "every-step") == "every-step":
+        found += _infrequent(row, part, link, found)
+    # twice the samples: the data, forward and backward compute double; the exchange, the optimizer
+    # step and the loop's own per-step work do not
+    phases = row["breakdown"]
+    scaling = phases["data_wait"] + max(0.0, phases["forward"] + phases["backward"] - part["lost"] - synced)
+    predicted = rate * 2 * step / (step + scaling)
     found.append({"change": "a 2x per-process batch or accumulating 2 micro-batches", "batch_factor": 2,
                   "predicted_samples_per_second": predicted})
     found = [f for f in found if f["predicted_samples_per_second"] >= MIN_GAIN * rate]
@@ -92,11 +101,50 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
     return sorted(found, key=lambda f: -f["predicted_samples_per_second"])
 
 
+DILOCO_PERIODS = (10, 50, 100, 200, 500)
+"""The ``sync_every`` values a DiLoCo recommendation picks from: the shortest whose sync costs at
+most a tenth of the compute of its period."""
+
+
+def _infrequent(row: Mapping[str, Any], part: Mapping[str, Any], link: float,
+                compressions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """DiLoCo where even PowerSGD leaves the link a quarter of the step: the whole exchange once a period.
+
+    A sync sends every weight once (bytes / link speed, and one call); spread over ``H`` steps it
+    leaves the step's compute and a ``1 / H`` share of the sync.
+    """
+    comm = row["comm"]
+    world = row.get("world_size") or row["nproc"] * (row.get("hosts") or 1)
+    per_call = comm.get("latency_per_call_s") or 0.0
+    if row.get("grad_compression") == "powersgd":    # does PowerSGD leave the link a quarter of the step?
+        wire = part["link"] + part["latency"]
+        step_with = part["step"]
+    else:
+        powersgd = next((f for f in compressions if f.get("grad_compression") == "powersgd"), None)
+        if powersgd is None:
+            return []
+        wire = bus_bytes(powersgd["sends_bytes"], world) / link + 2 * (comm.get("calls_per_step") or 1) * per_call
+        step_with = row["samples_per_second"] * part["step"] / powersgd["predicted_samples_per_second"]
+    if wire < COMM_SHARE * step_with:
+        return []
+    sync = bus_bytes(comm["grad_bytes_per_step"], world) / link + per_call
+    compute = part["compute"]
+    every = next((h for h in DILOCO_PERIODS if sync / h <= 0.1 * compute), DILOCO_PERIODS[-1])
+    predicted = row["samples_per_second"] * part["step"] / (compute + sync / every)
+    return [{"change": f"sync='diloco', sync_every={every} (every weight once a period)", "sync": "diloco",
+             "sync_every": every, "predicted_samples_per_second": predicted}]
+
+
 def _measured(row: Mapping[str, Any], fix: Mapping[str, Any], peers: Sequence[Mapping[str, Any]]) -> Any:
     """The row of ``peers`` that already ran ``fix`` of ``row`` (same mode, processes, hosts, precision)."""
-    choice = fix.get("grad_compression")
-    return next((p for p in peers if choice and p is not row and p.get("applicable", True)
-                 and p.get("samples_per_second") and p.get("grad_compression") == choice
+    if "sync" in fix:            # the same infrequent sync at the same period, uncompressed
+        wanted = {"sync": fix["sync"], "sync_every": fix["sync_every"], "grad_compression": "none"}
+    elif fix.get("grad_compression"):
+        wanted = {"grad_compression": fix["grad_compression"], "sync": row.get("sync", "every-step")}
+    else:
+        return None
+    return next((p for p in peers if p is not row and p.get("applicable", True) and p.get("samples_per_second")
+                 and all(p.get(k, "every-step" if k == "sync" else None) == v for k, v in wanted.items())
                  and all(p.get(k) == row.get(k) for k in ("mode", "nproc", "hosts", "precision", "data_format", "sync_bn"))),
                 None)
 
@@ -125,6 +173,15 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
                else f"more processes than cores: use at most {cores} per node")
         found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; {fix})")
     part = exchange(row)
+    comm = row.get("comm") or {}
+    synced = comm.get("sync_batchnorm_seconds") or 0.0
+    if synced / step >= COMM_SHARE:
+        batch = [f for f in recommendations(row, peers) if "batch_factor" in f]
+        tip = f" ({batch[0]['change']}: expect ~{batch[0]['predicted_samples_per_second']:.0f} samples/s)" if batch else ""
+        found.append(f"SyncBatchNorm's collectives ({comm['sync_batchnorm_calls']} a step, 2 per layer: "
+                     f"{synced * 1e3:.2f} ms = {synced / step:.0%} of the step, every rank waiting for the slowest "
+                     f"at each layer); what helps: fewer, larger steps{tip}; sync_batchnorm=False (--no-sync-bn) "
+                     "where a result that depends on the number of processes is acceptable")
     bound = part is not None and part["lost"] / step >= COMM_SHARE
     if bound:
         found.append(_exchange_bound(row, part, recommendations(row, peers)))
@@ -139,10 +196,9 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
     line = "bound by " + "; ".join(found)
     if part is not None and not bound:
         line += f"; gradient exchange {_parts(row, part)}"
-    calls = (row.get("comm") or {}).get("sync_batchnorm_calls")
-    if calls:
-        line += (f"; SyncBatchNorm adds {calls} collective calls a step (2 per layer), "
-                 f"~{calls * row['comm']['latency_per_call_s'] * 1e3:.2f} ms at the measured per-call latency")
+    if comm.get("sync_batchnorm_calls") and synced / step < COMM_SHARE:
+        line += (f"; SyncBatchNorm's {comm['sync_batchnorm_calls']} collectives a step (2 per layer) take "
+                 f"{synced * 1e3:.2f} ms = {synced / step:.0%} of it, waiting for the other ranks included")
     return f"{slow}; {line}" if slow else line
 
 
@@ -151,8 +207,12 @@ def _parts(row: Mapping[str, Any], part: Mapping[str, Any]) -> str:
     0.10 ms, waiting 1.05 ms)``."""
     comm = row["comm"]
     payload = row.get("payload_bytes_per_step") or comm["grad_bytes_per_step"]
-    what = (f"{payload / 1e6:.2f} MB after {row['grad_compression']}" if payload < comm["grad_bytes_per_step"]
-            else f"{payload / 1e6:.2f} MB of gradients")
+    if row.get("sync", "every-step") != "every-step":
+        what = f"{payload / 1e6:.2f} MB a step ({row['sync']}: every weight once in {row['sync_every']} steps)"
+    elif payload < comm["grad_bytes_per_step"]:
+        what = f"{payload / 1e6:.2f} MB after {row['grad_compression']}"
+    else:
+        what = f"{payload / 1e6:.2f} MB of gradients"
     speed = comm.get("link_bytes_per_s")
     text = (f"{part['lost'] * 1e3:.2f} ms = {part['lost'] / part['step']:.0%} of the step ({what} on the link "
             f"{part['link'] * 1e3:.2f} ms" + (f" at {speed / 1e6:.1f} MB/s" if speed else "")
@@ -236,7 +296,8 @@ def precision_note(precision: str, device: str, flags: set[str] | None = None) -
     return None
 
 
-_BOUNDS = (("bound by CPU threads", "thread-bound"), ("bound by the link", "link-bound"),
+_BOUNDS = (("bound by CPU threads", "thread-bound"), ("bound by SyncBatchNorm", "syncbn-bound"),
+           ("bound by the link", "link-bound"),
            ("bound by waiting", "wait-bound"), ("bound by per-call latency", "latency-bound"),
            ("bound by data loading", "data-bound"), ("bound by too-small", "overhead-bound"),
            ("bound by compute", "compute-bound"))

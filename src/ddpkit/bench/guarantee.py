@@ -9,7 +9,7 @@ each other with their difference from one process's beneath.
 
 What is left in float32 is rounding: a sum over 64 samples and two sums over 32 differ in the
 last bit, and a ReLU or max-pool input that sits within that bit of its threshold then goes the
-other way, which the following steps carry on. In float64 the same two runs agree to 1e-15
+other way, which the following steps carry on. In float64 the same two runs agree to 1e-14
 (``tests/test_invariance.py``).
 """
 
@@ -70,7 +70,7 @@ def opening_line(rows: Sequence[Mapping[str, Any]], hand_written: float, nproc: 
                 f" ({hand_written / max(ours, 1e-30):.0f}x farther): ddpkit trains on one process's global batches "
                 "with its BatchNorm statistics, and what is left is float32 rounding (a sum over 64 samples and two "
                 "sums over 32 differ in the last bit, and a ReLU or max-pool input within that bit of its threshold "
-                "then goes the other way); in float64 the same runs agree to 1e-15."]
+                "then goes the other way); in float64 the same runs agree to 1e-14."]
     for row in rows:
         if row["precision"] == "bf16":
             within = "within" if row["max_rel_diff_vs_single"] <= BF16_TOLERANCE else "outside"

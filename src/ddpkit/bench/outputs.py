@@ -123,15 +123,17 @@ def row_label(row: Mapping[str, Any]) -> str:
     hosts = f" {row['hosts']} hosts" if row.get("hosts") else ""
     comp = f" {row['grad_compression']}" if row.get("grad_compression") not in (None, "none") else ""
     data = f" {row['data_format']}" if row.get("data_format") not in (None, "map") else ""
-    sync = " syncbn" if row.get("sync_bn") else ""
+    sync = (" syncbn" if row.get("sync_bn") else "") + (f" {row['sync']}/{row['sync_every']}"
+                                                         if row.get("sync") not in (None, "every-step") else "")
     return f"{row['mode']}{hosts} x{row['nproc']} {row['precision']}{comp}{sync}{data}"
 
 
-def verified_line(outcome: Mapping[str, Any]) -> str:
+def verified_line(outcome: Mapping[str, Any], markdown: bool = True) -> str:
     """``grad_compression='powersgd': predicted 120 samples/s, measured 110 (-8%)``, flagged where off."""
     line = (f"{outcome['change']}: predicted {outcome['predicted_samples_per_second']:.0f} samples/s, measured "
             f"{outcome['measured_samples_per_second']:.0f} ({outcome['error']:+.0%})")
-    return line + (f" — **diagnosis error**: the prediction is more than {VERIFY_TOLERANCE:.0%} off"
+    flag = "**diagnosis error**" if markdown else "DIAGNOSIS ERROR"
+    return line + (f" — {flag}: the prediction is more than {VERIFY_TOLERANCE:.0%} off"
                    if outcome["diagnosis_error"] else "")
 
 
@@ -160,6 +162,11 @@ def _markdown(report: Mapping[str, Any]) -> str:
         columns[3:3] = [("data_format", "data")]
     if any(r.get("sync_bn") for r in rows):
         columns[3:3] = [("sync_bn", "sync BN")]
+    if any(r.get("sync") not in (None, "every-step") for r in rows):
+        columns[3:3] = [("sync", "sync"), ("sync_every", "every")]
+    if any(r.get("tokens_per_second") for r in rows):
+        columns.insert(columns.index(("samples_per_second", "samples/s", RATE)) + 1,
+                       ("tokens_per_second", "tokens/s", RATE))
     if any(r.get("hosts") for r in rows):
         columns[2:2] = [("hosts", "hosts"), ("link_mbit", "link Mbit/s", "{:g}")]
     if report["gpus"]:

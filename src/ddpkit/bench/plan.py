@@ -18,7 +18,8 @@ from ddpkit.errors import UsageError
 
 MODES = ("single", "dp", "ddp", "ddp-amp", "fsdp")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-MODELS = ("convnet", "mlp", "mlp-large", "resnet18")
+MODELS = ("convnet", "mlp", "mlp-large", "resnet18", "tiny-lm")
+SYNCS = ("every-step", "local-sgd", "diloco")
 DATA = ("synthetic", "digits")
 
 
@@ -45,6 +46,8 @@ class Settings:
     data_format: tuple[str, ...] = ("map",)   # map: the Dataset; shards: the same samples as ddpkit.Shards
     optimizer: str = "sgd"
     sync_bn: tuple[bool, ...] = (False,)   # DDP rows with BatchNorm synchronised across processes, one row each
+    sync: tuple[str, ...] = ("every-step",)   # DDP rows synced every step, or infrequently (one row each)
+    sync_every: int | None = None           # optimizer steps between infrequent syncs
     diagnose_verify: bool = False   # measure the fix each row's diagnosis recommends, against its prediction
 
 
@@ -61,6 +64,7 @@ class Configuration:
     hosts: int = 0               # simulated hosts (nproc processes each), 0: this machine as is
     data_format: str = "map"
     sync_bn: bool = False        # BatchNorm statistics across processes (ddpkit train's default)
+    sync: str = "every-step"     # or "local-sgd" / "diloco": train apart, meet every --sync-every steps
 
     @property
     def world_size(self) -> int:
@@ -73,7 +77,7 @@ class Configuration:
         hosts = f"-h{self.hosts}" if self.hosts else ""
         comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
         data = f"-{self.data_format}" if self.data_format != "map" else ""
-        sync = "-syncbn" if self.sync_bn else ""
+        sync = ("-syncbn" if self.sync_bn else "") + (f"-{self.sync}" if self.sync != "every-step" else "")
         return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}{sync}{data}"
 
     @property
@@ -82,7 +86,7 @@ class Configuration:
         hosts = f" {self.hosts} host(s)" if self.hosts else ""
         comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
         data = f" {self.data_format}" if self.data_format != "map" else ""
-        sync = " syncbn" if self.sync_bn else ""
+        sync = (" syncbn" if self.sync_bn else "") + (f" {self.sync}" if self.sync != "every-step" else "")
         return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}{sync}{data}"
 
 
@@ -98,11 +102,12 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
             found.append(Configuration("dp", 1, "fp32", devices=max(gpus, 1), reason=reason))
         else:
             precision = amp if mode == "ddp-amp" else "fp32"
-            found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h, sync_bn=sync,
-                                    reason=_fsdp_reason(settings.model, comp, sync) if mode == "fsdp"
-                                    else _compression_reason(comp, precision, n * max(h, 1)))
+            found += [Configuration(mode, n, precision, grad_compression=comp, hosts=h, sync_bn=bn, sync=sync,
+                                    reason=_fsdp_reason(settings.model, comp, bn) if mode == "fsdp"
+                                    else _sync_reason(sync, comp, bn, precision)
+                                    or _compression_reason(comp, precision, n * max(h, 1)))
                       for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression
-                      for sync in settings.sync_bn]
+                      for bn in settings.sync_bn for sync in settings.sync]
     return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
 
 
@@ -120,6 +125,20 @@ def _fsdp_reason(model: str, compression: str, sync_bn: bool = False) -> str | N
               model=build_model(model, num_classes=10, in_channels=3, image_size=32))
     except UsageError as exc:
         return f"{exc} (--model {model}; mlp and mlp-large run)"
+    return None
+
+
+def _sync_reason(sync: str, compression: str, sync_bn: bool, precision: str) -> str | None:
+    """Why an infrequent ``sync`` row cannot run (what ``rt.setup`` refuses), or None."""
+    if sync == "every-step":
+        return None
+    from ddpkit.parallel.periodic import check
+
+    try:
+        check(sync, every=1, sync_dtype=None, strategy="ddp", grad_compression=None if compression == "none"
+              else compression, sync_batchnorm=sync_bn, precision=precision)
+    except UsageError as exc:
+        return str(exc)
     return None
 
 
@@ -183,6 +202,10 @@ def _parser() -> argparse.ArgumentParser:
         "adamw holds 2 state tensors per parameter, what sharding (fsdp) divides")
     add("--sync-bn", default="off", help="comma-separated off|on: ddp and ddp-amp rows with BatchNorm "
         "statistics over every process (SyncBatchNorm, ddpkit train's default), one row each (default off)")
+    add("--sync", default="every-step", help=f"comma-separated {'|'.join(SYNCS)}: ddp and ddp-amp rows "
+        "whose ranks meet every step, or train apart and meet every --sync-every steps, one row each "
+        "(default every-step)")
+    add("--sync-every", type=int, default=None, help="optimizer steps between the syncs of local-sgd and diloco")
     add("--diagnose-verify", action="store_true", help="run the fix each row's diagnosis recommends "
         "(the one predicting the most samples/s) and print predicted vs measured samples/s; a prediction "
         "more than 30%% off is flagged as a diagnosis error")
@@ -218,6 +241,16 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     syncs = tuple(dict.fromkeys(v.strip() for v in opts.sync_bn.split(",")))
     if set(syncs) - {"off", "on"}:
         raise UsageError(f"--sync-bn takes off, on or off,on, got {opts.sync_bn!r}")
+    if opts.model == "tiny-lm" and opts.data != "synthetic":
+        raise UsageError(f"--model tiny-lm trains on synthetic token sequences; drop --data {opts.data}")
+    syncs_of_rows = tuple(dict.fromkeys(v.strip() for v in opts.sync.split(",")))
+    unknown = [v for v in syncs_of_rows if v not in SYNCS]
+    if unknown:
+        raise UsageError(f"unknown sync {unknown[0]!r} in --sync; choose from {', '.join(SYNCS)}")
+    if set(syncs_of_rows) - {"every-step"} and (opts.sync_every is None or opts.sync_every < 1):
+        raise UsageError("--sync local-sgd or diloco needs --sync-every H, the optimizer steps between syncs (1 or more)")
+    if opts.sync_every is not None and not set(syncs_of_rows) - {"every-step"}:
+        raise UsageError("--sync-every sets how often local-sgd or diloco meet; add --sync every-step,diloco")
     hosts = _int_list(opts.hosts, "--hosts") if opts.hosts is not None else ()
     if hosts and opts.link_mbit is None:
         raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
@@ -232,7 +265,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
                         repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
                         link_mbit=opts.link_mbit, data_format=formats, optimizer=opts.optimizer,
-                        diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs))
+                        diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs),
+                        sync=syncs_of_rows, sync_every=opts.sync_every)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

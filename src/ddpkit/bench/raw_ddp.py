@@ -91,7 +91,7 @@ def train(opts: Any) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
-        info = bench_dataset(opts.data, opts.batch * world_size)
+        info = bench_dataset(opts.data, opts.batch * world_size, opts.model)
         torch.manual_seed(opts.seed)
         model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                             image_size=info.image_size).to(device)

@@ -56,6 +56,8 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
         args.append("--data-parallel")
     if config.sync_bn:
         args.append("--sync-bn")
+    if config.sync != "every-step":
+        args += ["--sync", config.sync, "--sync-every", str(settings.sync_every)]
     result.unlink(missing_ok=True)
     if config.hosts:
         code = _run_on_hosts(config, settings, target, args)
@@ -166,21 +168,22 @@ def verify(row: dict[str, Any], rows: list[dict[str, Any]], settings: Settings, 
         return None
     fix = fixes[0]
     config = Configuration(row["mode"], row["nproc"], row["precision"], devices=row.get("devices", 1),
-                           grad_compression=fix.get("grad_compression", row["grad_compression"]),
+                           grad_compression="none" if "sync" in fix else fix.get("grad_compression",
+                                                                                  row["grad_compression"]),
                            hosts=row.get("hosts") or 0, data_format=row.get("data_format", "map"),
-                           sync_bn=bool(row.get("sync_bn")))
+                           sync_bn=bool(row.get("sync_bn")), sync=fix.get("sync", row.get("sync") or "every-step"))
     label = f"{config.label}{' x' + str(fix['batch_factor']) + ' batch' if 'batch_factor' in fix else ''}"
     measured = fix.get("measured_samples_per_second")
     if measured is None:
         factor = fix.get("batch_factor", 1)
         batch = (row.get("batch_per_process") or settings.batch) // max(1, row.get("devices", 1))
-        tried = dataclasses.replace(settings, batch=batch * factor)
+        tried = dataclasses.replace(settings, batch=batch * factor, sync_every=fix.get("sync_every", settings.sync_every))
         print(f"bench: verify {label} ...", end="", flush=True)
         name = f"verify-{config.name}" + (f"-batch{batch * factor}" if factor != 1 else "")
         measured = measure(config, tried, runs / f"{name}.json")["samples_per_second"]
         print(f" {measured:.1f} samples/s", flush=True)
     outcome = checked(fix, measured)
-    print(f"bench: {row_label(row)}: {verified_line(outcome)}", flush=True)
+    print(f"bench: {row_label(row)}: {verified_line(outcome, markdown=False)}", flush=True)
     return outcome
 
 
@@ -216,7 +219,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
         target = next((c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
                        and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
                        and c.grad_compression == settings.grad_compression[0] and c.data_format == "map"
-                       and not c.sync_bn), None)
+                       and not c.sync_bn and c.sync == "every-step"), None)
         if target is None:
             raise UsageError(f"--compare-raw found no runnable DDP configuration with --grad-compression "
                              f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first")
@@ -242,4 +245,5 @@ def _check_machine(settings: Settings, gpus: int) -> None:
         netsim.remove_leftovers()        # of a bench killed before it could clean up (SIGKILL)
     if settings.data != "synthetic":
         runnable = [c for c in plan(settings, gpus) if c.reason is None]
-        bench_dataset(settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1))
+        bench_dataset(settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1),
+                      settings.model)

@@ -24,6 +24,12 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
     ranks = result["ranks"]
     world_steps = [max(steps) for steps in zip(*(r["steps"] for r in ranks))]
     median_step = statistics.median(world_steps)
+    periodic = ranks[0].get("periodic")
+    if periodic is not None:            # an infrequent sync: a step apart, plus a sync's cost over its period
+        plain = [s for s, synced in zip(world_steps, periodic["synced_steps"]) if not synced]
+        sync_seconds = max(r["periodic"]["seconds_per_sync"] for r in ranks)
+        if plain:           # with every step a sync (sync_every 1) the median holds it already
+            median_step = statistics.median(plain) + sync_seconds / periodic["every"]
     count = len(ranks) * len(world_steps)
     breakdown = {phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
                  for i, phase in enumerate(PHASES)}
@@ -43,6 +49,11 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "device": result["device"], "devices": config.devices,
         "batch_per_process": result["batch_per_process"], "global_batch": result["global_batch"],
         "samples_per_second": result["global_batch"] / median_step,
+        "tokens_per_second": (result["global_batch"] * result["tokens_per_sample"] / median_step
+                              if result.get("tokens_per_sample") else None),
+        "sync": result.get("sync", "every-step"),
+        "sync_every": periodic["every"] if periodic else None,
+        "sync_seconds": max(r["periodic"]["seconds_per_sync"] for r in ranks) if periodic else None,
         "step_seconds": median_step, "mean_step_seconds": statistics.fmean(world_steps),
         "speedup": None, "efficiency": None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
@@ -81,6 +92,8 @@ def _comm(ranks: Sequence[Mapping[str, Any]], payload: float) -> dict[str, Any] 
             "allreduce_seconds": call, "allreduce_gb_per_s": payload / call / 1e9 if call > 0 else None,
             "powersgd_bytes_per_step": ranks[0].get("powersgd_bytes"),
             "sync_batchnorm_calls": 2 * (ranks[0].get("sync_batchnorm_layers") or 0),
+            # seconds a step in SyncBatchNorm's collectives, their waiting included (mean of ranks)
+            "sync_batchnorm_seconds": statistics.fmean(r.get("sync_batchnorm_seconds") or 0.0 for r in ranks),
             "exposed_seconds": exposed, "overlap_of_possible": of_possible, "overlap": overlap}
 
 

@@ -33,13 +33,22 @@ def _batches(rt: Any, loader: Any) -> Iterator[Any]:
         yield from loader
 
 
+def _periodic_costs(syncer: Any) -> dict[str, Any]:
+    """What an infrequent sync costs: its seconds and bytes, from the timed steps' syncs, or from one
+    sync made now where the timed steps held none (``--steps`` shorter than ``--sync-every``)."""
+    if syncer.syncs == 0:
+        syncer.sync()           # every rank runs the same steps, so every rank comes here: a collective
+    return {"every": syncer.every, "syncs": syncer.syncs, "seconds_per_sync": syncer.sync_seconds / syncer.syncs,
+            "bytes_per_sync": syncer.sent_bytes / syncer.syncs}
+
+
 def train(opts: argparse.Namespace) -> None:
     """Warm-up and timed steps of the ddpkit loop; rank 0 writes ``opts.result``."""
     import ddpkit
 
     rt = ddpkit.init(seed=opts.seed, precision=opts.precision)
     devices = torch.cuda.device_count() if opts.data_parallel else 1
-    info = bench_dataset(opts.data, opts.batch * devices * rt.world_size)
+    info = bench_dataset(opts.data, opts.batch * devices * rt.world_size, opts.model)
     torch.manual_seed(opts.seed)
     model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
                         image_size=info.image_size)
@@ -48,8 +57,9 @@ def train(opts: argparse.Namespace) -> None:
     if opts.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
     else:
+        periodic = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every}
         model, optimizer = rt.setup(model, optimizer, grad_compression=compression, sync_batchnorm=opts.sync_bn,
-                                    powersgd_start=powersgd_start(opts.warmup))
+                                    powersgd_start=powersgd_start(opts.warmup), **periodic)
     compressor = rt.run.compressors[-1]       # the gradient compressor of the model set up last
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
@@ -58,10 +68,17 @@ def train(opts: argparse.Namespace) -> None:
         data = ddpkit.Shards.from_dataset(data, shards=16)
     loader = rt.loader(data, batch_size=opts.batch * devices, shuffle=True)
     batches = _batches(rt, loader)
-    device, marks = rt.device, []
+    device, marks, synced = rt.device, [], []
+    from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
+
+    syncer = compressor if hasattr(compressor, "sync") else None       # sync="diloco" / "local-sgd"
     for step in range(opts.warmup + opts.steps):
-        if step == opts.warmup and compressor is not None:
-            compressor.payload_elements = 0          # count the timed steps only
+        if step == opts.warmup:
+            synced_before = SyncBatchNorm.collective_seconds
+            if syncer is not None:
+                syncer.sent_bytes = syncer.sync_seconds = syncer.syncs = 0
+            elif compressor is not None:
+                compressor.payload_elements = 0          # count the timed steps only
         start = mark(device)
         inputs, targets = next(batches)
         fetched = mark(device)
@@ -70,11 +87,20 @@ def train(opts: argparse.Namespace) -> None:
         forward = mark(device)
         rt.backward(loss)
         backward = mark(device)
+        syncs = syncer.syncs if syncer is not None else 0
         rt.step(optimizer)
         marks.append((start, fetched, forward, backward, mark(device)))
-    payload = None if compressor is None else compressor.payload_bytes / opts.steps
+        synced.append(syncer is not None and syncer.syncs > syncs)
+    if syncer is not None:
+        periodic = _periodic_costs(syncer)
+        payload = periodic["bytes_per_sync"] / syncer.every       # amortised over the period
+    else:
+        payload = None if compressor is None else compressor.payload_bytes / opts.steps
     calls = wire.calls_per_step(model, opts.grad_compression)
     stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload, calls)
+    stats["sync_batchnorm_seconds"] = (SyncBatchNorm.collective_seconds - synced_before) / opts.steps
+    if syncer is not None:
+        stats["periodic"] = {**periodic, "synced_steps": synced[opts.warmup:]}
     if rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
     stats["state_bytes"] = state_bytes(model, optimizer)
@@ -82,7 +108,8 @@ def train(opts: argparse.Namespace) -> None:
     if rt.is_main:
         write_result(opts.result, gathered, loop="ddpkit", world_size=rt.world_size,
                      device=device.type, devices=devices, precision=opts.precision,
-                     grad_compression=opts.grad_compression,
+                     grad_compression=opts.grad_compression, sync=opts.sync,
+                     tokens_per_sample=info.image_size if opts.model == "tiny-lm" else None,
                      batch_per_process=opts.batch * devices,
                      global_batch=opts.batch * devices * rt.world_size)
     rt.barrier()    # leave together: a rank tearing down while a peer still talks can abort

@@ -38,6 +38,8 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics across processes")
+    parser.add_argument("--sync", default="every-step", choices=("every-step", "local-sgd", "diloco"))
+    parser.add_argument("--sync-every", type=int, default=None, help="optimizer steps between infrequent syncs")
     return parser
 
 
@@ -46,19 +48,22 @@ def powersgd_start(warmup: int) -> int:
     return max(2, warmup)
 
 
-def bench_dataset(name: str, global_batch: int) -> DatasetInfo:
+def bench_dataset(name: str, global_batch: int, model: str = "") -> DatasetInfo:
     """The training set cut to a whole number of global batches.
 
     Every step then holds exactly ``global_batch`` samples, and ddpkit's sharding equals
     ``DistributedSampler`` + ``DataLoader``'s (they agree when the size divides), which the
-    bitwise parity check with the raw loop needs.
+    bitwise parity check with the raw loop needs. ``model="tiny-lm"`` reads synthetic token
+    sequences whatever ``name`` says (the bench refuses other data for it).
 
     Raises:
         UsageError: the data set holds fewer samples than one global batch.
     """
-    if name == "synthetic":
+    if model == "tiny-lm":
+        name = "tokens"
+    if name in ("synthetic", "tokens"):
         size = -(-max(SYNTHETIC_POOL, global_batch) // global_batch) * global_batch
-        return load_dataset("synthetic", "train", synthetic_size=size)
+        return load_dataset(name, "train", synthetic_size=size)
     info = load_dataset(name, "train")
     usable = len(info.dataset) // global_batch * global_batch
     if usable == 0:

@@ -124,10 +124,13 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
 
 
 def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
-    """The saved model entries with BatchNorm statistics replaced by their cross-rank averages."""
-    from ddpkit.parallel import lazy_buffers
+    """The saved model entries with BatchNorm statistics replaced by their cross-rank averages, and
+    the synced weights of a model that syncs infrequently in place of rank 0's local ones."""
+    from ddpkit.parallel import lazy_buffers, periodic
 
     for key, value in state.items():
+        if isinstance(user.get(key), dict) and periodic.of(value) is not None:
+            user[key] = periodic.exported(value, user[key])
         found = averages.get(lazy_buffers.of(value))      # by syncer; empty when nothing was dirty
         if found:
             saved = user[key]
@@ -302,8 +305,14 @@ def _restore_compression(run: RunLike, index: int, is_main: bool) -> None:
         if compressor is not None:
             compressor.load_state_dict(saved or {"name": None}, same_world=same_world, source=source)
         elif saved is not None:
-            warn(f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
-                 "resumes without compression")
+            from ddpkit.parallel.periodic import SYNCS
+
+            if saved["name"] in SYNCS:
+                warn(f"checkpoint {source} was trained with sync={saved['name']!r} and resumes with a sync "
+                     "every step, from its synced weights")
+            else:
+                warn(f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
+                     "resumes without compression")
 
 
 def _restore_grads(run: RunLike, peers: Peers, saved: list[list[Any]], target: Path) -> None:

@@ -113,8 +113,9 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
     print()
     for row in rows:
         print(f"{row['run']}: {row['diagnosis']}")
-    for line in checks:
-        print(f"checked {line[2:]}")
+    for row in rows:
+        if row["verify"]:
+            print(f"checked {row['run']}: {verified_line(row['verify'], markdown=False)}")
     print(f"\n{said}")
     print(f"\nreport: {paths['markdown']}  plot: {paths['plot']}  losses: {Path(out) / 'loss.png'}")
     return 0

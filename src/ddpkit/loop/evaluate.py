@@ -29,7 +29,7 @@ from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import shard_range
 from ddpkit.observe import heartbeats
-from ddpkit.parallel import lazy_buffers
+from ddpkit.parallel import lazy_buffers, periodic
 from ddpkit.rng import private_generator
 
 
@@ -100,11 +100,12 @@ def _stream_shard(dataset: Any, batch_size: int, num_workers: int) -> Any:
 
 @contextlib.contextmanager
 def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
-    """``module`` in eval mode with gradients off for the block, then back in the mode it was in."""
+    """``module`` in eval mode with gradients off (and the synced weights in place where it syncs
+    infrequently) for the block, then back in the mode it was in."""
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), periodic.synced_weights(module):   # never one rank's local weights
             yield
     finally:
         module.train(was_training)

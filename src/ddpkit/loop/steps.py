@@ -70,6 +70,9 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.backward_since_step or not run.uses_backward:
         run.loop.step += 1
         run.backward_since_step = False
+        for syncer in run.compressors:          # an infrequent sync counts the step, and meets every H
+            if hasattr(syncer, "after_step"):
+                syncer.after_step()
     if not run.uses_backward:
         run.precision.flush()        # no rt.backward will come to apply the scaler update
     return stepped

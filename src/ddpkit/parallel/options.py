@@ -56,6 +56,16 @@ class SetupOptions:
     """FSDP: keep shards and optimizer state in CPU memory."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further ``DistributedDataParallel`` arguments (``find_unused_parameters``, ...)."""
+    sync: str = "every-step"
+    """``"every-step"`` (DDP), ``"local-sgd"`` or ``"diloco"`` (:mod:`ddpkit.parallel.periodic`)."""
+    sync_every: int | None = None
+    """Optimizer steps between syncs of ``"local-sgd"`` and ``"diloco"``."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum."""
+    sync_dtype: str | None = None
+    """The infrequent sync's exchange: ``"fp32"`` (the default) or ``"bf16"`` (half the bytes)."""
 
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).
@@ -67,11 +77,17 @@ class SetupOptions:
             precision: the run's precision (``"fp32"``, ``"bf16"``, ``"fp16"``).
 
         Raises:
-            UsageError: an unknown strategy or compression, a combination that is refused
-                (fsdp with compression, compile or BatchNorm; cpu_offload without fsdp), or a
-                compression this backend or device cannot run.
+            UsageError: an unknown strategy, compression or sync, a combination that is refused
+                (fsdp with compression, compile or BatchNorm; cpu_offload without fsdp; an infrequent
+                sync with fsdp, compression, SyncBatchNorm or fp16), or a compression this backend or
+                device cannot run.
         """
         check_strategy(self.strategy, self.cpu_offload)
+        from ddpkit.parallel import periodic
+
+        periodic.check(self.sync, every=self.sync_every, sync_dtype=self.sync_dtype, strategy=self.strategy,
+                       grad_compression=self.grad_compression, sync_batchnorm=self.sync_batchnorm,
+                       precision=precision)
         if self.strategy == "fsdp":
             from ddpkit.parallel import fsdp
 

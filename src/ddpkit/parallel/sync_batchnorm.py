@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -86,7 +87,9 @@ class _SyncNormalize(torch.autograd.Function):
         xhat = (x - mean.view(shape)) * invstd.view(shape)
         sum_dy, sum_dy_xhat = grad.sum(dims), (grad * xhat).sum(dims)
         sums = torch.cat([sum_dy, sum_dy_xhat]).double()
+        started = time.perf_counter()
         dist.all_reduce(sums, group=ctx.group)
+        SyncBatchNorm.collective_seconds += time.perf_counter() - started
         channels = x.shape[1]
         mean_dy = (sums[:channels] / ctx.total).to(x.dtype)
         mean_dy_xhat = (sums[channels:] / ctx.total).to(x.dtype)
@@ -115,6 +118,10 @@ class SyncBatchNorm(_BatchNorm):
         track_running_stats: keep running mean/variance for eval mode.
         process_group: the group to synchronise over; the default group when ``None``.
     """
+
+    collective_seconds: float = 0.0
+    """Seconds every SyncBatchNorm of this process spent in its statistics' collectives (their
+    waiting for the other ranks included) since the process began: ``ddpkit bench`` reads it."""
 
     def __init__(
         self,
@@ -177,7 +184,9 @@ class SyncBatchNorm(_BatchNorm):
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         dims = [0, *range(2, x.dim())]
         with torch.no_grad():
+            started = time.perf_counter()
             mean, var, n = _global_stats(x.detach(), dims, self.process_group)
+            SyncBatchNorm.collective_seconds += time.perf_counter() - started
             invstd = torch.rsqrt(var + self.eps)
         out = _SyncNormalize.apply(x, mean, invstd, self.weight, self.bias, n, self.process_group)
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:

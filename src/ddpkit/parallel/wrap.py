@@ -45,15 +45,33 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, option
                              precision=precision, fsdp_units=units,
                              reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload)
         return Wrapped(sharded, sharded=True)
+    if options.sync != "every-step":
+        return _train_apart(model, optimizer, options, device=device, is_main=is_main)
     from ddpkit.parallel.ddp import replicate
 
     return replicate(model, options, device=device, world_size=world_size, is_main=is_main, timeout_s=timeout_s)
 
 
+def _train_apart(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions, *,
+                 device: torch.device, is_main: bool) -> Wrapped:
+    """Infrequent sync: the model on its device, no DDP, a :class:`~ddpkit.parallel.periodic.PeriodicSync`."""
+    from ddpkit.parallel import periodic
+
+    model = model.to(device)
+    syncer = periodic.PeriodicSync(model, optimizer, kind=options.sync, every=int(options.sync_every or 1),
+                                   outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
+                                   sync_dtype=options.sync_dtype)
+    periodic.announce(options.sync, syncer.every, is_main)
+    if options.compile:
+        model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
+    return Wrapped(model, compressor=syncer)
+
+
 def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch.Tensor] | None:
     """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
 
-    Every rank must call it: a sharded model gathers its shards; a replicated one is rank 0's copy.
+    Every rank must call it: a sharded model gathers its shards; a replicated one is rank 0's copy;
+    one that syncs infrequently gives its synced weights.
     """
     from ddpkit._torch import unwrap
     from ddpkit.parallel import fsdp
@@ -62,4 +80,6 @@ def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch
         return fsdp.full_state_dict(model)
     if not is_main:
         return None
-    return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+    from ddpkit.parallel import periodic
+
+    return periodic.exported(model, {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()})

@@ -55,6 +55,16 @@ class TrainConfig:
     links' and ddpkit.parallel.compression)."""
     powersgd_rank: int = 2
     """Rank of PowerSGD's low-rank factors (higher: more bytes, closer to the full gradient)."""
+    sync: str = "every-step"
+    """every-step (DDP's allreduce each step), local-sgd (average the weights every --sync-every steps)
+    or diloco (an outer Nesterov step on the averaged change every --sync-every steps): for slow links;
+    the result then depends on the number of processes (see ddpkit.parallel.periodic)."""
+    sync_every: int | None = None
+    """Optimizer steps between syncs of --sync local-sgd or diloco (required by them)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum."""
     strategy: str = "ddp"
     """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded, see
     ddpkit.parallel.fsdp; its checkpoints are directories of shards that resume on any world size)."""
@@ -210,6 +220,9 @@ def check(config: TrainConfig) -> None:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
     if config.data not in DATASETS:
         raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
+    if config.model == "tiny-lm" or config.data == "tokens":
+        raise UsageError("--model tiny-lm and --data tokens are ddpkit bench's language-model workload "
+                         "(ddpkit bench --model tiny-lm); ddpkit train classifies images: see examples/tiny_lm.py")
     if config.data in ("mnist", "cifar10") and not config.data_dir:
         raise UsageError(f"--data {config.data} needs --data-dir DIR with torchvision's files; nothing is downloaded")
     if config.precision not in PRECISIONS:
@@ -218,6 +231,7 @@ def check(config: TrainConfig) -> None:
     if config.data_parallel and config.nproc != 1:
         raise UsageError(_DATA_PARALLEL)
     _check_compression(config)
+    _check_sync(config)
     check_strategy(config.strategy, config.cpu_offload, cli=True)
     if config.strategy == "fsdp" and config.data_parallel:
         raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
@@ -286,6 +300,25 @@ def _check_compression(config: TrainConfig) -> None:
     choice = None if config.grad_compression == "none" else config.grad_compression
     check_compression(choice, rank=config.powersgd_rank, start=None, backend=None, device=torch.device("cpu"),
                       precision=config.precision, compile=False)
+
+
+def _check_sync(config: TrainConfig) -> None:
+    """What ``rt.setup(sync=...)`` refuses, named by the flags, before any process starts."""
+    from ddpkit.parallel.periodic import check as check_sync
+
+    if config.sync == "every-step":
+        if config.sync_every is not None:
+            raise UsageError("--sync-every sets how often --sync local-sgd or diloco meets; add --sync diloco")
+        return
+    if config.sync_bn:
+        raise UsageError(f"--sync {config.sync} averages BatchNorm statistics at each sync; drop --sync-bn")
+    if config.data_parallel:
+        raise UsageError(f"--sync {config.sync} trains each process apart; it does not combine with --data-parallel")
+    try:
+        check_sync(config.sync, every=config.sync_every, sync_dtype=None, strategy=config.strategy,
+                   grad_compression=config.grad_compression, sync_batchnorm=False, precision=config.precision)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("sync_every=H", "--sync-every H")) from None
 
 
 def _check_out(config: TrainConfig) -> None:

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from ddpkit.errors import UsageError
 
-DATASETS = ("digits", "mnist", "cifar10", "synthetic")
+DATASETS = ("digits", "mnist", "cifar10", "synthetic", "tokens")
 SPLITS = ("train", "test")
 
 _DIGITS_TEST_SIZE = 360
@@ -38,6 +38,8 @@ _CIFAR_DIRNAME = "cifar-10-batches-py"
 _SYNTHETIC_SEEDS = {"train": 1_000_003, "test": 2_000_003}
 _SYNTHETIC_PROJECTION_SEED = 3_000_017  # shared by both splits so test labels follow train's rule
 _NUM_CLASSES = 10
+TOKEN_VOCAB, TOKEN_LENGTH = 256, 32        # tokens: 32 inputs and 32 next-token targets a sequence
+_TOKEN_CHAIN_SEED = 4_000_037
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,37 @@ def _load_synthetic(split: str, size: int, image_size: int | None) -> DatasetInf
     return DatasetInfo(InMemoryDataset(images, targets), _NUM_CLASSES, 3, side, "synthetic")
 
 
+class TokenSequences(Dataset):
+    """Token sequences ``[N, T + 1]``; item ``i`` is ``(tokens[:-1], tokens[1:])``: inputs and next tokens."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sequence = self.tokens[index]
+        return sequence[:-1], sequence[1:]
+
+
+def _load_tokens(split: str, size: int) -> DatasetInfo:
+    """Sequences of a fixed random Markov chain over 256 tokens (8 successors each, random
+    weights): learnable down to the chain's entropy, about 1.8 nats, never to zero."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise UsageError(f"--data tokens needs a positive integer synthetic_size, got {size!r}")
+    chain_gen = torch.Generator().manual_seed(_TOKEN_CHAIN_SEED)
+    successors = torch.rand(TOKEN_VOCAB, TOKEN_VOCAB, generator=chain_gen).argsort(dim=1)[:, :8]
+    weights = torch.rand(TOKEN_VOCAB, 8, generator=chain_gen) + 0.1
+    chain = torch.zeros(TOKEN_VOCAB, TOKEN_VOCAB).scatter_(1, successors, weights)
+    chain /= chain.sum(dim=1, keepdim=True)
+    gen = torch.Generator().manual_seed(_SYNTHETIC_SEEDS[split])
+    tokens = [torch.randint(TOKEN_VOCAB, (size,), generator=gen)]
+    for _ in range(TOKEN_LENGTH):
+        tokens.append(torch.multinomial(chain[tokens[-1]], 1, generator=gen).squeeze(1))
+    return DatasetInfo(TokenSequences(torch.stack(tokens, dim=1)), TOKEN_VOCAB, 1, TOKEN_LENGTH, "tokens")
+
+
 # --- shared -----------------------------------------------------------------------------------
 
 
@@ -302,12 +335,13 @@ def load_dataset(name: str, split: str = "train", data_dir: str | Path | None = 
         name: one of ``DATASETS``.
         split: ``"train"`` or ``"test"``.
         data_dir: folder with torchvision's files; needed by ``mnist`` and ``cifar10`` only.
-        synthetic_size: number of samples ``synthetic`` generates.
+        synthetic_size: number of samples ``synthetic`` (and ``tokens``) generates.
         image_size: side of ``synthetic`` images (default 32); for other data sets it may only
             repeat their native size, as nothing is resized.
 
     Returns:
-        The data set, whose items are ``(float32 [C, H, W], int64 scalar)``, and its sizes.
+        The data set, whose items are ``(float32 [C, H, W], int64 scalar)`` (``tokens``: ``(int64
+        [T], int64 [T])``, inputs and next tokens), and its sizes.
 
     Raises:
         UsageError: unknown name or split, missing or corrupt files, bad sizes.
@@ -318,6 +352,8 @@ def load_dataset(name: str, split: str = "train", data_dir: str | Path | None = 
         raise UsageError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if name == "synthetic":
         return _load_synthetic(split, synthetic_size, image_size)
+    if name == "tokens":
+        return _load_tokens(split, synthetic_size)
     if name == "digits":
         info = _load_digits(split)
     elif name == "mnist":

@@ -13,7 +13,8 @@ from torch import nn
 from ddpkit.errors import UsageError
 from ddpkit.recipes.resnet import ResNet
 
-MODELS = ("convnet", "mlp", "mlp-large", "resnet18", "resnet50")
+MODELS = ("convnet", "mlp", "mlp-large", "resnet18", "resnet50", "tiny-lm")
+"""Every model ``build_model`` makes; ``tiny-lm`` reads token sequences (``--data tokens``), the rest images."""
 
 
 class _ConvNet(nn.Module):
@@ -62,6 +63,34 @@ def _mlp_large(num_classes: int, in_channels: int, image_size: int, width: int =
     return nn.Sequential(*layers, nn.Linear(width, num_classes))
 
 
+class TinyLM(nn.Module):
+    """A small causal transformer language model: token and position embeddings, pre-norm
+    encoder blocks under a causal mask, a linear head. ``forward`` maps tokens ``[N, T]`` to
+    logits ``[N, T, vocab]`` (``[N, vocab, T]`` with ``classes_first=True``, the layout
+    ``F.cross_entropy`` takes with targets ``[N, T]``).
+
+    The default size is ``examples/tiny_lm.py``'s; ``ddpkit bench --model tiny-lm`` builds it
+    with 256 wide, 7 blocks: 5.6M parameters.
+    """
+
+    def __init__(self, vocab: int, length: int, width: int = 64, layers: int = 2, heads: int = 4,
+                 classes_first: bool = False) -> None:
+        super().__init__()
+        self.classes_first = classes_first
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(length, width))
+        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits at every position of ``tokens`` ``[N, T]``."""
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        hidden = self.blocks(self.embed(tokens) + self.position[: tokens.shape[1]], mask=causal, is_causal=True)
+        logits = self.head(hidden)
+        return logits.transpose(1, 2) if self.classes_first else logits
+
+
 def _check_sizes(name: str, num_classes: int, in_channels: int, image_size: int) -> None:
     """Reject sizes that would only fail later inside a layer with a cryptic shape error."""
     for label, value in (("num_classes", num_classes), ("in_channels", in_channels),
@@ -80,9 +109,9 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
 
     Args:
         name: one of ``MODELS``.
-        num_classes: size of the output logits.
+        num_classes: size of the output logits (``tiny-lm``: the vocabulary).
         in_channels: channels of the input images (1 for digits/MNIST, 3 for CIFAR-10).
-        image_size: side of the square input images.
+        image_size: side of the square input images (``tiny-lm``: the sequence length).
 
     Returns:
         A freshly initialised module in training mode, on the CPU.
@@ -99,4 +128,6 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
         return _mlp(num_classes, in_channels, image_size)
     if name == "mlp-large":
         return _mlp_large(num_classes, in_channels, image_size)
+    if name == "tiny-lm":        # num_classes: the vocabulary; image_size: the sequence length
+        return TinyLM(num_classes, image_size, width=256, layers=7, heads=8, classes_first=True)
     return ResNet(name, num_classes, in_channels)

@@ -53,8 +53,12 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     if config.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp", cpu_offload=config.cpu_offload)
     else:
+        periodic = {} if config.sync == "every-step" else {
+            "sync": config.sync, "sync_every": config.sync_every, "outer_lr": config.outer_lr,
+            "outer_momentum": config.outer_momentum}
         model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn,
-                                    grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank)
+                                    grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank,
+                                    **periodic)
     if config.data_parallel:   # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
     sizes = {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
@@ -67,10 +71,12 @@ def sync_bn_default(config: TrainConfig, model: torch.nn.Module, world_size: int
 
     Statistics of the global batch make every BatchNorm layer normalise as one process would on
     the same batch, so the run does not depend on the number of processes. DataParallel has its
-    own per-GPU statistics and fsdp refuses BatchNorm, so neither turns it on.
+    own per-GPU statistics, fsdp refuses BatchNorm and an infrequent sync averages the statistics
+    at each sync, so none of them turns it on.
     """
     has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    return has_batchnorm and world_size > 1 and config.strategy == "ddp" and not config.data_parallel
+    return (has_batchnorm and world_size > 1 and config.strategy == "ddp" and not config.data_parallel
+            and config.sync == "every-step")
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -119,6 +125,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
         "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
         "sync_bn": config.sync_bn, "grad_compression": config.grad_compression or "none", "strategy": config.strategy,
+        "sync": config.sync, "sync_every": config.sync_every,
+        "outer_lr": config.outer_lr if config.sync == "diloco" else None,
+        "outer_momentum": config.outer_momentum if config.sync == "diloco" else None,
         "cpu_offload": config.cpu_offload,
         "powersgd_rank": config.powersgd_rank if config.grad_compression == "powersgd" else None,
         "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],

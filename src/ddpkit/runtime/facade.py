@@ -165,10 +165,8 @@ class Runtime:
     def heartbeat(self, phase: str) -> None:
         """Tell the hang watchdog this rank made progress and is now in ``phase``.
 
-        ddpkit beats at ``start`` (end of :meth:`setup`), ``data``, ``backward``, ``optimizer``,
-        ``save``, and ``eval`` (each batch of :func:`ddpkit.evaluate` and :func:`ddpkit.predict`);
-        call it in long stretches of your own (a slow export) so they count as progress. It only
-        records a tuple (no I/O), and does nothing without ``hang_timeout``.
+        ddpkit beats at ``start``, ``data``, ``backward``, ``optimizer``, ``save`` and ``eval``; call
+        it in long stretches of your own (a slow export). No I/O; nothing without ``hang_timeout``.
         """
         if self._watchdog is not None:
             self._watchdog.beat(self.global_step, phase)
@@ -182,7 +180,9 @@ class Runtime:
               sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
               grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
               strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
-              cpu_offload: bool = False, **ddp_kwargs: Any) -> Any:
+              cpu_offload: bool = False, sync: str = "every-step", sync_every: int | None = None,
+              outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_dtype: str | None = None,
+              **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
@@ -203,6 +203,13 @@ class Runtime:
             fsdp_units: module classes that become FSDP units (else children above a size).
             reshard_after_forward: FSDP frees gathered parameters after each forward (ZeRO-3).
             cpu_offload: FSDP keeps shards and optimizer state in CPU memory.
+            sync: ``"every-step"`` (DDP), or ``"local-sgd"``/``"diloco"``: train apart and meet every
+                ``sync_every`` optimizer steps (:mod:`ddpkit.parallel.periodic`; the result then
+                depends on the world size).
+            sync_every: optimizer steps between syncs (required by ``"local-sgd"`` and ``"diloco"``).
+            outer_lr: DiLoCo's outer learning rate.
+            outer_momentum: DiLoCo's outer Nesterov momentum.
+            sync_dtype: the sync's exchange, ``"fp32"`` (default) or ``"bf16"``.
             **ddp_kwargs: further ``DistributedDataParallel`` arguments.
 
         Returns:
@@ -211,7 +218,8 @@ class Runtime:
         options = SetupOptions(sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
                                powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, strategy=strategy,
                                fsdp_units=fsdp_units, reshard_after_forward=reshard_after_forward,
-                               cpu_offload=cpu_offload, ddp_kwargs=ddp_kwargs)
+                               cpu_offload=cpu_offload, ddp_kwargs=ddp_kwargs, sync=sync, sync_every=sync_every,
+                               outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype)
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
         wrapped = wrap(model, optimizer, options, device=self.device, world_size=self.world_size,
@@ -230,8 +238,7 @@ class Runtime:
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
 
-        Every rank must call it. Under ``strategy="fsdp"`` it gathers the shards (for export);
-        under DDP it is rank 0's copy.
+        Every rank must call it: fsdp gathers the shards (for export); DDP gives rank 0's copy.
         """
         return full_state_dict(model, is_main=self.is_main)
 

@@ -1,0 +1,118 @@
+"""Infrequent sync (sync="diloco" / "local-sgd"): training apart, meeting every H steps, exact resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.errors import UsageError
+
+import workers
+
+
+def _equal(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sync", ["diloco", "local-sgd"])
+def test_ranks_train_apart_and_meet_every_h_steps(tmp_path, sync):
+    runs = ddpkit.launch(workers.periodic_run, nprocs=2, args=(sync, 12, None, str(tmp_path)))
+    for rank, run in runs.items():
+        assert run["step"] == 12 and run["syncs"] == 4 and run["steps_into_period"] == 0, rank
+        # right after a sync every rank holds the synced weights
+        assert _equal([run["weights"][k] for k in run["weights"] if not k.endswith("num_batches_tracked")
+                       and "running" not in k], run["synced"])
+        assert run["evaluation_restored_local"], "evaluate swapped the synced weights in and back out"
+        assert run["loss"] < 2.0       # it learned (chance is ln 10 = 2.30)
+    assert _equal(runs[0]["synced"], runs[1]["synced"])
+    # a float32 exchange of every parameter and BatchNorm statistic, 4 times
+    params = sum(t.numel() for t in runs[0]["synced"])
+    assert runs[0]["sent_bytes"] == 4 * 4 * (params + 2 * 32)
+    exported = runs[0]["exported"]           # rt.full_state_dict: the synced weights
+    assert _equal([v for k, v in exported.items() if k.endswith(("weight", "bias"))], runs[0]["synced"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_run_stopped_mid_period_resumes_bitwise(tmp_path, nprocs, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "none").mkdir()
+    uninterrupted = ddpkit.launch(workers.periodic_run, nprocs=nprocs, args=("diloco", 14, None, str(tmp_path / "none")))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stopped = ddpkit.launch(workers.periodic_run, nprocs=nprocs, args=("diloco", 14, 7, str(ckpt)))
+    assert stopped[0]["stopped"] == 7 and stopped[0]["steps_into_period"] == 1     # synced at 6, one step on
+    assert not _equal(stopped[0]["local"], stopped[0]["synced"])
+    saved = ddpkit.checkpoint.read(stopped[0]["saved"])["user"]["model"]
+    names = [k for k in saved if k.endswith(("weight", "bias")) and "running" not in k]
+    assert _equal([saved[k] for k in names], stopped[0]["synced"])    # the model entry: the synced weights
+    resumed = ddpkit.launch(workers.periodic_run, nprocs=nprocs, args=("diloco", 14, None, str(ckpt)))
+    for rank in range(nprocs):
+        assert resumed[rank]["step"] == 14 and resumed[rank]["steps_into_period"] == 2
+        assert _equal(resumed[rank]["synced"], uninterrupted[rank]["synced"])
+        for name, value in uninterrupted[rank]["weights"].items():
+            assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
+
+
+@pytest.mark.timeout(300)
+def test_accumulation_and_a_bf16_exchange_train_and_resume_bitwise(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "none").mkdir()
+    args = ("diloco", 6, None, str(tmp_path / "none"), 2, "bf16", 2)
+    uninterrupted = ddpkit.launch(workers.periodic_run, nprocs=2, args=args)
+    assert uninterrupted[0]["syncs"] == 3
+    params = sum(t.numel() for t in uninterrupted[0]["synced"])
+    assert uninterrupted[0]["sent_bytes"] == 3 * 2 * (params + 2 * 32)           # bfloat16: 2 bytes
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 6, 3, str(ckpt), 2, "bf16", 2))
+    resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 6, None, str(ckpt), 2, "bf16", 2))
+    for rank in (0, 1):
+        for name, value in uninterrupted[rank]["weights"].items():
+            assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
+
+
+@pytest.mark.timeout(300)
+def test_another_world_size_continues_from_the_synced_weights(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stopped = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, 7, str(ckpt)))
+    with pytest.warns(UserWarning, match="every rank continues from the synced weights"):
+        one = workers.periodic_run("diloco", 8, None, str(ckpt))
+    ddpkit.current().close()
+    # it took one step from the synced weights of step 6, and the period started over at step 7
+    assert one["step"] == 8 and one["steps_into_period"] == 1 and one["syncs"] == 2
+    assert _equal(one["synced"], stopped[0]["synced"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sync": "sometimes"}, "unknown sync 'sometimes'"),
+    ({"sync": "diloco"}, "sync='diloco' needs sync_every=H"),
+    ({"sync": "diloco", "sync_every": 0}, "sync='diloco' needs sync_every=H"),
+    ({"sync_every": 5}, "give sync='diloco' or 'local-sgd'"),
+    ({"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int8"}, "sync_dtype='int8': choose 'fp32' or 'bf16'"),
+    ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
+    ({"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"}, "compresses a per-step gradient exchange"),
+    ({"sync": "diloco", "sync_every": 5, "sync_batchnorm": True}, "averaged at each sync instead"),
+], ids=["unknown", "no-every", "zero-every", "every-without-sync", "dtype", "fsdp", "compression", "syncbn"])
+def test_refused_combinations_are_one_line(kwargs, message):
+    rt = ddpkit.init()
+    model = torch.nn.Linear(4, 2)
+    try:
+        with pytest.raises(UsageError, match=message) as refused:
+            rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        assert "\n" not in str(refused.value)
+    finally:
+        rt.close()
+
+
+def test_fp16_is_refused_under_an_infrequent_sync():
+    rt = ddpkit.init(precision="fp16")
+    model = torch.nn.Linear(4, 2)
+    try:
+        with pytest.raises(UsageError, match="precision='fp16' scales each rank's loss on its own"):
+            rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), sync="local-sgd", sync_every=4)
+    finally:
+        rt.close()
