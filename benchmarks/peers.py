@@ -15,6 +15,17 @@ The Fabric and Accelerate loops below are what each library's documentation show
 ``setup``/``setup_dataloaders``/``backward``, Accelerate's ``prepare``/``backward``, and for
 PowerSGD Accelerate's ``DistributedDataParallelKwargs(comm_hook=POWER_SGD)`` at rank 2,
 starting after the warm-up steps, as ddpkit's ``powersgd_start`` does here.
+
+Infrequent sync (issue 28): Accelerate's ``LocalSGD`` (steps under ``no_sync``, the model
+averaged every ``--sync-every`` steps, in fp32) against ``rt.setup(sync="local-sgd")`` and
+``sync="diloco"`` (each rank's change exchanged in bf16)::
+
+    python benchmarks/peers.py --model resnet18 --hosts 2 --links 10,10000 --rounds 1 \
+        --loops "Accelerate LocalSGD,ddpkit local-sgd,ddpkit diloco" --sync-every 200 \
+        --batch 8 --steps 200 --warmup 3 --out runs/peers-sync
+
+A loop's sync steps are counted as ``ddpkit bench`` counts its own: the median step without a
+sync, plus a sync's measured cost over its period.
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ LOOPS = {
     "ddpkit": ("ddpkit.bench.worker", "none"),
     "Accelerate + PowerSGD (rank 2)": ("peers:accelerate", "powersgd"),
     "ddpkit + PowerSGD (rank 2)": ("ddpkit.bench.worker", "powersgd"),
+    # infrequent sync, every --sync-every steps (issue 28)
+    "Accelerate LocalSGD": ("peers:accelerate_local_sgd", "none", "local-sgd"),
+    "ddpkit local-sgd": ("ddpkit.bench.worker", "none", "local-sgd"),
+    "ddpkit diloco": ("ddpkit.bench.worker", "none", "diloco"),
 }
 _RUN_LIMIT_S = 400
 _PRECISION = {"fabric": {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"},
@@ -74,7 +89,8 @@ def _forever(loader: Iterable[Any], set_epoch: Callable[[int], None]) -> Iterato
 
 
 def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: torch.device,
-            last: tuple[torch.Tensor, torch.Tensor], world_size: int, rank: int) -> None:
+            last: tuple[torch.Tensor, torch.Tensor], world_size: int, rank: int,
+            extra: dict[str, Any] | None = None) -> None:
     import contextlib
 
     import torch.distributed as dist
@@ -86,6 +102,7 @@ def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: tor
         payload = _powersgd_payload(ddp.module, rank=2)
     stats = rank_stats(marks, opts.warmup, ddp, device, world_size, payload_bytes=payload)
     stats["backward_alone_seconds"] = backward_alone(ddp, *last, contextlib.nullcontext, device)
+    stats.update(extra or {})
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, stats)
     if rank == 0:
@@ -95,10 +112,13 @@ def _finish(opts: Any, loop: str, marks: list, ddp: torch.nn.Module, device: tor
 
 
 def _powersgd_payload(model: torch.nn.Module, rank: int) -> float:
-    # torch's hook compresses where the factors halve a matrix, as ddpkit's PowerSGD does
-    from ddpkit.parallel.powersgd import payload_elements
-
-    return float(4 * payload_elements([p.shape for p in model.parameters()], rank))
+    """What torch's ``powerSGD_hook`` hands to allreduce per step: P and Q of every matrix whose
+    factors are at most half of it (its ``min_compression_rate=2``), the rest whole."""
+    total = 0
+    for p in model.parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0] if p.dim() >= 2 else 0
+        total += (n + m) * rank if p.dim() >= 2 and (n + m) * rank * 2 < n * m else p.numel()
+    return float(total * 4)
 
 
 def fabric(opts: Any) -> None:
@@ -126,34 +146,82 @@ def fabric(opts: Any) -> None:
     _finish(opts, "fabric", marks, model._forward_module, fab.device, last, world_size, fab.global_rank)
 
 
-def accelerate(opts: Any) -> None:
-    """Accelerate as its documentation writes a loop; PowerSGD through its DDP kwargs handler."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
-    from accelerate.utils import DDPCommunicationHookType
+def _accelerate_setup(opts: Any, handlers: list[Any]) -> tuple[Any, Any, Any, Any]:
+    """Accelerate's ``Accelerator`` and the prepared model, optimizer and loader, as its docs write them."""
+    from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start
+    from ddpkit.bench.workload import bench_dataset, make_optimizer
     from ddpkit.recipes.models import build_model
+
+    acc = Accelerator(mixed_precision=_PRECISION["accelerate"][opts.precision], kwargs_handlers=handlers,
+                      cpu=not torch.cuda.is_available())
+    info = bench_dataset(opts.data, opts.batch * acc.num_processes, opts.model)
+    torch.manual_seed(opts.seed)
+    model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                        image_size=info.image_size)
+    optimizer = make_optimizer(model, opts)
+    loader = DataLoader(info.dataset, batch_size=opts.batch, shuffle=True)
+    return (acc, *acc.prepare(model, optimizer, loader))
+
+
+def accelerate(opts: Any) -> None:
+    """Accelerate as its documentation writes a loop; PowerSGD through its DDP kwargs handler."""
+    from accelerate import DistributedDataParallelKwargs
+    from accelerate.utils import DDPCommunicationHookType
+
+    from ddpkit.bench.workload import powersgd_start
 
     handlers = []
     if opts.grad_compression == "powersgd":
         handlers.append(DistributedDataParallelKwargs(
             comm_hook=DDPCommunicationHookType.POWER_SGD,
             comm_state_option={"matrix_approximation_rank": 2, "start_powerSGD_iter": powersgd_start(opts.warmup)}))
-    acc = Accelerator(mixed_precision=_PRECISION["accelerate"][opts.precision], kwargs_handlers=handlers,
-                      cpu=not torch.cuda.is_available())
+    acc, model, optimizer, loader = _accelerate_setup(opts, handlers)
     world_size = acc.num_processes
-    info = bench_dataset(opts.data, opts.batch * world_size, opts.model)
-    torch.manual_seed(opts.seed)
-    model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                        image_size=info.image_size)
-    optimizer = make_optimizer(model, opts)
-    loader = DataLoader(info.dataset, batch_size=opts.batch, shuffle=True)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
     batches = _forever(loader, loader.set_epoch)
     marks = _timed_steps(opts, acc.device, batches, model, acc.backward, optimizer)
     last = next(batches)
     _finish(opts, "accelerate", marks, model, acc.device, last, world_size, acc.process_index)
+
+
+def accelerate_local_sgd(opts: Any) -> None:
+    """Accelerate's ``LocalSGD`` as its documentation writes it: steps under ``no_sync``, the model
+    averaged every ``--sync-every`` steps by ``local_sgd.step()``."""
+    from accelerate.local_sgd import LocalSGD
+
+    from ddpkit.bench.stopwatch import mark
+
+    acc, model, optimizer, loader = _accelerate_setup(opts, [])
+    world_size = acc.num_processes
+    batches = _forever(loader, loader.set_epoch)
+    marks = []
+    with LocalSGD(accelerator=acc, model=model, local_sgd_steps=opts.sync_every, enabled=True) as local_sgd:
+        for _ in range(opts.warmup + opts.steps):
+            start = mark(acc.device)
+            inputs, targets = next(batches)
+            fetched = mark(acc.device)
+            with acc.no_sync(model):
+                loss = F.cross_entropy(model(inputs), targets)
+                forward = mark(acc.device)
+                acc.backward(loss)
+                done_backward = mark(acc.device)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                local_sgd.step()
+            marks.append((start, fetched, forward, done_backward, mark(acc.device)))
+    last = next(batches)
+    # LocalSGD averages at every local_sgd_steps-th step: those steps hold the sync, as ddpkit's rows count it
+    every = opts.sync_every
+    steps = [m[-1] - m[0] for m in marks]
+    synced = [(i + 1) % every == 0 for i in range(len(marks))]
+    plain = [t for t, s in zip(steps, synced) if not s] or steps
+    at_sync = [t for t, s in zip(steps, synced) if s]
+    periodic = {"every": every, "syncs": len(at_sync), "synced_steps": synced[opts.warmup:],
+                "seconds_per_sync": max(0.0, statistics.fmean(at_sync) - statistics.median(plain)) if at_sync else 0.0,
+                "bytes_per_sync": float(sum(p.numel() * p.element_size() for p in model.parameters()))}
+    _finish(opts, "accelerate-local-sgd", marks, model, acc.device, last, world_size, acc.process_index,
+            extra={"periodic": periodic})
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -163,12 +231,13 @@ def _measure(name: str, link: float, opts: Any, runs: Path) -> dict[str, Any]:
     from ddpkit.bench.run import run_loop
     from ddpkit.bench.summary import summarize
 
-    target, compression = LOOPS[name]
+    target, compression, *sync = LOOPS[name]
     module, _, loop = target.partition(":")
+    periodic = ["--sync", sync[0], "--sync-every", str(opts.sync_every)] if sync else []
     settings = parse_settings(["--model", opts.model, "--data", "synthetic", "--modes", "ddp",
                                "--hosts", str(opts.hosts), "--nproc", "1", "--link-mbit", str(link),
                                "--batch", str(opts.batch), "--steps", str(opts.steps),
-                               "--warmup", str(opts.warmup), "--grad-compression", compression])
+                               "--warmup", str(opts.warmup), "--grad-compression", compression, *periodic])
     config = plan(settings, gpus=0)[0]
     slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
     result = runs / f"{slug}-{link:g}.json"
@@ -211,6 +280,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sync-every", type=int, default=50, help="steps between the syncs of the infrequent loops")
     parser.add_argument("--loops", default=",".join(LOOPS), help="names from the table, comma-separated")
     parser.add_argument("--out", default="runs/peers")
     parser.add_argument("--table", nargs="+", metavar="DIR",
@@ -270,7 +340,8 @@ def _worker() -> int:
                                                           file=sys.stderr, flush=True), os._exit(3)))
     stuck.daemon = True
     stuck.start()
-    {"fabric": fabric, "accelerate": accelerate}[os.environ["DDPKIT_PEER_LOOP"]](opts)
+    {"fabric": fabric, "accelerate": accelerate, "accelerate_local_sgd": accelerate_local_sgd}[
+        os.environ["DDPKIT_PEER_LOOP"]](opts)
     return 0
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
+from ddpkit.recipes.models import TinyLM      # embeddings, causal pre-norm transformer blocks, a linear head
 
 VOCAB, LENGTH, PER_SHARD = 32, 33, 64          # 33 tokens: 32 inputs and 32 next-token targets
 
@@ -32,22 +33,6 @@ def read(shard: int, start: int = 0):
         g = torch.Generator().manual_seed(shard * 100_003 + index)
         first, stride = torch.randint(VOCAB, (1,), generator=g), torch.randint(1, 5, (1,), generator=g)
         yield (first + stride * torch.arange(LENGTH)) % VOCAB
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self, width: int = 64, layers: int = 2, heads: int = 4):
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, width)
-        self.position = torch.nn.Parameter(torch.zeros(LENGTH - 1, width))
-        block = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
-                                                 norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, VOCAB)
-
-    def forward(self, tokens):
-        causal = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
-        hidden = self.blocks(self.embed(tokens) + self.position[: tokens.shape[1]], mask=causal, is_causal=True)
-        return self.head(hidden)
 
 
 def lm_loss(model, sequences):
@@ -64,7 +49,7 @@ def main() -> None:
 
     rt = ddpkit.init(seed=0)
     stream = ddpkit.Shards(list(range(16)), read, lengths=[PER_SHARD] * 16)
-    model = TinyLM()
+    model = TinyLM(VOCAB, LENGTH - 1)            # 64 wide, 2 blocks; `ddpkit bench --model tiny-lm`: 256, 7
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = rt.setup(model, optimizer)
     loader = rt.loader(stream, global_batch_size=32, shuffle=True)

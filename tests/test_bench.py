@@ -26,6 +26,7 @@ from ddpkit.bench.diagnose import diagnose
 from ddpkit.bench.plan import Configuration, Settings, plan
 from ddpkit.bench.stopwatch import PHASES
 from ddpkit.bench.summary import summarize
+from ddpkit.errors import UsageError
 from ddpkit.recipes.models import build_model
 from helpers import clean_env, kill_tree
 from helpers import ddpkit as ddpkit_cli
@@ -491,3 +492,33 @@ def test_syncbatchnorm_s_collectives_bound_a_row_where_they_take_a_quarter_of_it
     plain = {r["change"]: r["predicted_samples_per_second"] for r in recommendations(row, [row])}
     batch = "a 2x per-process batch or accumulating 2 micro-batches"
     assert gain[batch] > plain[batch]
+
+
+def test_several_link_speeds_run_every_hosts_row_on_each():
+    from ddpkit.bench.plan import parse_settings
+
+    settings = parse_settings(["--modes", "single,ddp", "--hosts", "2", "--nproc", "1", "--link-mbit", "10,100",
+                               "--grad-compression", "none,powersgd"])
+    assert settings.links == (10.0, 100.0) and settings.link_mbit == 10.0
+    labels = [c.label for c in plan(settings, gpus=0)]
+    assert labels == ["single x1 fp32", "ddp 2 host(s) at 10 Mbit/s x1 fp32", "ddp 2 host(s) at 100 Mbit/s x1 fp32",
+                      "ddp 2 host(s) at 10 Mbit/s x1 fp32 powersgd", "ddp 2 host(s) at 100 Mbit/s x1 fp32 powersgd"]
+    assert plan(settings, gpus=0)[2].name == "ddp-h2-100mbit-x1-fp32"
+    with pytest.raises(UsageError, match="--link-mbit must be a positive number of Mbit/s, got '10,fast'"):
+        parse_settings(["--modes", "ddp", "--hosts", "2", "--link-mbit", "10,fast"])
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.timeout(400)
+def test_auto_chooses_powersgd_on_a_100_mbit_link(tmp_path):
+    out = tmp_path / "out"
+    result = ddpkit_cli("bench", "--model", "resnet18", "--modes", "ddp", "--hosts", "2", "--nproc", "1",
+                        "--link-mbit", "100", "--grad-compression", "auto", "--batch", "8", "--steps", "2",
+                        "--warmup", "6", "--out", str(out), timeout=380)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    row = json.loads((out / "bench.json").read_text())["configurations"][0]
+    decision = row["grad_compression_auto"]
+    assert decision["choice"] == "powersgd", decision
+    assert 8e6 < decision["link_bytes_per_s"] < 13e6          # the 100 Mbit/s link, as measured at setup
+    assert "grad_compression='auto' chose 'powersgd'" in result.stderr

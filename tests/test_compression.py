@@ -17,6 +17,7 @@ from ddpkit.recipes.datasets import load_dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compression_workers import each_compression, mlp_on_digits  # noqa: E402
+import workers  # noqa: E402
 
 
 @pytest.mark.timeout(240)
@@ -129,11 +130,16 @@ def _reference_step(m, q_rows, feedback):
     return sent, m - sent, q_rows
 
 
-def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors_whole(tmp_path):
+def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors_whole(tmp_path, monkeypatch):
     import numpy as np
     import torch.distributed as dist
 
+    from ddpkit.parallel import powersgd
     from ddpkit.parallel.powersgd import PowerSGD
+
+    # the algorithm on small matrices: every matrix compressed, at the rank asked
+    monkeypatch.setattr(powersgd, "MIN_COMPRESSION", 2)
+    monkeypatch.setattr(powersgd, "SMALL_MATRIX", 0)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     torch.manual_seed(0)
@@ -157,10 +163,29 @@ def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors
     assert sgd.payload_elements == 3 * (2 * (30 + 40) + 2 * (20 + 40) + 30)    # factors and the bias
 
 
+def test_which_matrices_powersgd_compresses_and_at_what_rank():
+    from ddpkit.parallel.powersgd import _is_matrix, matrix_rank, payload_elements
+    from ddpkit.recipes.models import build_model
+
+    small, large = torch.Size([256, 64]), torch.Size([512, 256, 3, 3])
+    assert matrix_rank(small, 2) == 4 and matrix_rank(large, 2) == 2          # 64K elements apart
+    assert _is_matrix(small, 2) and _is_matrix(large, 2) and not _is_matrix(torch.Size([256]), 2)
+    assert not _is_matrix(torch.Size([30, 40]), 2)              # factors of rank 4 would be 1/4 of it: sent whole
+    convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
+    shapes = [p.shape for p in convnet.parameters()]
+    assert payload_elements(shapes, 2) == sum(s.numel() for s in shapes)   # the digits ConvNet: nothing worth it
+    resnet = [p.shape for p in build_model("resnet18", num_classes=10, in_channels=3, image_size=32).parameters()]
+    sent = 4 * payload_elements(resnet, 2)
+    assert 0.36e6 < sent < 0.38e6                                # of 44.7 MB: ResNet-18 stays at ~1/120
+
+
 def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     from ddpkit.parallel import powersgd
+
+    monkeypatch.setattr(powersgd, "MIN_COMPRESSION", 2)       # the 30 x 40 matrix is compressed
+    monkeypatch.setattr(powersgd, "SMALL_MATRIX", 0)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     sgd = powersgd.PowerSGD(rank=2, start=0, device=torch.device("cpu"))
@@ -176,7 +201,7 @@ def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path,
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"choice": "int8"}, "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd"),
+    ({"choice": "int8"}, "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd, auto"),
     ({"choice": "powersgd", "rank": 0}, "powersgd_rank must be a whole number of at least 1"),
     ({"choice": "powersgd", "start": 1}, "powersgd_start must be at least 2"),
     ({"choice": "powersgd", "precision": "fp16"}, "use precision='bf16', or grad_compression='fp16'"),
@@ -201,3 +226,47 @@ def test_setup_refuses_a_bad_choice_and_warns_that_one_process_sends_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rt.setup(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.timeout(180)
+def test_auto_measures_then_chooses_none_on_loopback_the_same_on_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    runs = ddpkit.launch(workers.auto_compression, nprocs=2, args=(8,))
+    first, second = runs[0]["decision"], runs[1]["decision"]
+    assert first == second and runs[0]["decided_at"] == 6          # 5 timed plain steps, then the choice
+    assert first["choice"] == "none"                               # loopback: the exchange is nothing to save
+    assert first["link_bytes_per_s"] > 50e6 and first["step_s"] > 0
+    assert set(first["predicted_step_s"]) == {"none", "bf16", "powersgd"}
+    # a resumed run keeps the saved decision and ends bitwise where the uninterrupted one does
+    (tmp_path / "ckpt").mkdir()
+    ddpkit.launch(workers.auto_compression, nprocs=2, args=(10, str(tmp_path / "ckpt"), 7))
+    resumed = ddpkit.launch(workers.auto_compression, nprocs=2, args=(10, str(tmp_path / "ckpt")))
+    whole = ddpkit.launch(workers.auto_compression, nprocs=2, args=(10,))
+    assert resumed[0]["decided_at"] is not None and resumed[0]["decision"]["choice"] == "none"
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0]["weights"], whole[0]["weights"]))
+
+
+def test_auto_chooses_what_predicts_the_shortest_step(monkeypatch):
+    """The choice from recorded numbers: a 100 Mbit/s link and a 45 MB model take PowerSGD; loopback none."""
+    from ddpkit.parallel import auto
+
+    class Fake(auto.AutoCompressor):
+        def __init__(self, link, step):          # no link timing: the numbers are given
+            self.grad_bytes, self.powersgd_bytes = 44_726_568, 330_000
+            self.latency_s, self.link_bytes_per_s = 0.0003, link
+            self.model, self.make, self.chosen, self.decision = None, lambda c: None, None, None
+            self.step_ends = [i * step for i in range(auto.MEASURE_STEPS + 1)]
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: t)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(auto, "_buckets", lambda model: 3)
+    slow = Fake(11.4e6, 4.05)                        # the recorded 100 Mbit/s row: 4 s a step
+    slow._decide()
+    assert slow.decision["choice"] == "powersgd"
+    assert slow.decision["predicted_step_s"]["powersgd"] < 0.2 < 2.0 < slow.decision["predicted_step_s"]["bf16"]
+    fast = Fake(2.0e9, 0.3)                          # loopback: 45 MB in 22 ms of a 300 ms step
+    fast._decide()
+    assert fast.decision["choice"] == "none"

@@ -404,3 +404,36 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
             "steps_into_period": syncer.steps, "step": rt.global_step, "accuracy": metrics["accuracy"],
             "loss": metrics["loss"], "evaluation_restored_local": all(torch.equal(local[k], after[k]) for k in local),
             "sent_bytes": syncer.sent_bytes, "exported": rt.full_state_dict(model)}
+
+
+def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at: int | None = None) -> dict:
+    """grad_compression="auto" on a small MLP: its decision (the same on every rank) after ``steps``;
+    optionally save after ``stop_at`` steps, or resume from ``checkpoint_dir``."""
+    import os
+
+    import torch
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=1)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, grad_compression="auto")
+    state = {"model": model, "optimizer": optimizer}
+    if checkpoint_dir and stop_at is None and os.listdir(checkpoint_dir):
+        rt.load(checkpoint_dir, state)
+    loader = rt.loader(_toy_data(200), global_batch_size=20, shuffle=True)
+    compressor = rt.run.compressors[0]
+    decided_at = None
+    for _ in rt.epochs(10):
+        for images, labels, _index in loader:
+            rt.backward(F.cross_entropy(model(images), labels))
+            rt.step(optimizer)
+            if decided_at is None and compressor.decision is not None:
+                decided_at = rt.global_step
+            if rt.global_step == stop_at:
+                rt.save(checkpoint_dir, state)
+                return {"stopped": stop_at, "decision": compressor.decision}
+            if rt.global_step == steps:
+                return {"decision": compressor.decision, "decided_at": decided_at,
+                        "weights": [p.detach().clone() for p in model.parameters()]}
+    return {}

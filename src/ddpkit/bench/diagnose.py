@@ -145,7 +145,8 @@ def _measured(row: Mapping[str, Any], fix: Mapping[str, Any], peers: Sequence[Ma
         return None
     return next((p for p in peers if p is not row and p.get("applicable", True) and p.get("samples_per_second")
                  and all(p.get(k, "every-step" if k == "sync" else None) == v for k, v in wanted.items())
-                 and all(p.get(k) == row.get(k) for k in ("mode", "nproc", "hosts", "precision", "data_format", "sync_bn"))),
+                 and all(p.get(k) == row.get(k)
+                         for k in ("mode", "nproc", "hosts", "link_mbit", "precision", "data_format", "sync_bn"))),
                 None)
 
 

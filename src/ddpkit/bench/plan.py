@@ -17,7 +17,7 @@ from ddpkit._argparse import Parser
 from ddpkit.errors import UsageError
 
 MODES = ("single", "dp", "ddp", "ddp-amp", "fsdp")
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 MODELS = ("convnet", "mlp", "mlp-large", "resnet18", "tiny-lm")
 SYNCS = ("every-step", "local-sgd", "diloco")
 DATA = ("synthetic", "digits")
@@ -42,12 +42,15 @@ class Settings:
     repeats: int = 3             # raw/ddpkit pairs of --compare-raw
     grad_compression: tuple[str, ...] = ("none",)
     hosts: tuple[int, ...] = ()  # simulated hosts per DDP configuration; () runs on this machine as is
-    link_mbit: float | None = None
+    link_mbit: float | None = None          # the first of ``links`` (each simulated host's link)
+    links: tuple[float, ...] = ()           # every --link-mbit value: the hosts' rows run on each
     data_format: tuple[str, ...] = ("map",)   # map: the Dataset; shards: the same samples as ddpkit.Shards
     optimizer: str = "sgd"
     sync_bn: tuple[bool, ...] = (False,)   # DDP rows with BatchNorm synchronised across processes, one row each
     sync: tuple[str, ...] = ("every-step",)   # DDP rows synced every step, or infrequently (one row each)
     sync_every: int | None = None           # optimizer steps between infrequent syncs
+    powersgd_rank: int | None = None        # PowerSGD rows' rank (None: rt.setup's default)
+    sync_dtype: str | None = None           # the infrequent sync's exchange: fp32 (None) or bf16
     diagnose_verify: bool = False   # measure the fix each row's diagnosis recommends, against its prediction
 
 
@@ -65,6 +68,7 @@ class Configuration:
     data_format: str = "map"
     sync_bn: bool = False        # BatchNorm statistics across processes (ddpkit train's default)
     sync: str = "every-step"     # or "local-sgd" / "diloco": train apart, meet every --sync-every steps
+    link_mbit: float | None = None   # the simulated hosts' link (with ``hosts``)
 
     @property
     def world_size(self) -> int:
@@ -74,7 +78,7 @@ class Configuration:
     @property
     def name(self) -> str:
         """``ddp-h2-x1-fp32-powersgd``: the row's file name under ``--out``/runs."""
-        hosts = f"-h{self.hosts}" if self.hosts else ""
+        hosts = f"-h{self.hosts}" + (f"-{self.link_mbit:g}mbit" if self.link_mbit else "") if self.hosts else ""
         comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
         data = f"-{self.data_format}" if self.data_format != "map" else ""
         sync = ("-syncbn" if self.sync_bn else "") + (f"-{self.sync}" if self.sync != "every-step" else "")
@@ -83,7 +87,8 @@ class Configuration:
     @property
     def label(self) -> str:
         """``ddp 2 host(s) x1 fp32 powersgd``: the row as the progress lines name it."""
-        hosts = f" {self.hosts} host(s)" if self.hosts else ""
+        hosts = (f" {self.hosts} host(s)" + (f" at {self.link_mbit:g} Mbit/s" if self.link_mbit else "")
+                 if self.hosts else "")
         comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
         data = f" {self.data_format}" if self.data_format != "map" else ""
         sync = (" syncbn" if self.sync_bn else "") + (f" {self.sync}" if self.sync != "every-step" else "")
@@ -108,6 +113,9 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
                                     or _compression_reason(comp, precision, n * max(h, 1)))
                       for h in settings.hosts or (0,) for n in settings.nproc for comp in settings.grad_compression
                       for bn in settings.sync_bn for sync in settings.sync]
+    if settings.links:                   # every row on simulated hosts, once on each link
+        found = [dataclasses.replace(c, link_mbit=link) if c.hosts else c
+                 for c in found for link in (settings.links if c.hosts else (None,))]
     return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
 
 
@@ -173,6 +181,17 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _links(text: str) -> tuple[float, ...]:
+    """``--link-mbit 10,100``: positive Mbit/s values, in the order given, once each."""
+    try:
+        values = tuple(dict.fromkeys(float(part) for part in text.split(",")))
+    except ValueError:
+        raise UsageError(f"--link-mbit must be a positive number of Mbit/s, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise UsageError(f"--link-mbit must be a positive number of Mbit/s, got {text!r}")
+    return values
+
+
 def _parser() -> argparse.ArgumentParser:
     d = Settings()
     parser = Parser(prog="ddpkit bench", description="Measure throughput, scaling, memory and where "
@@ -197,7 +216,8 @@ def _parser() -> argparse.ArgumentParser:
         "compression of the ddp and ddp-amp modes, one row each (default none)")
     add("--hosts", default=None, help="comma-separated counts of simulated hosts (network namespaces "
         "on a bridge, needs root), --nproc processes each; needs --link-mbit")
-    add("--link-mbit", type=float, default=None, help="each simulated host's link speed in Mbit/s (tc tbf)")
+    add("--link-mbit", default=None, help="each simulated host's link speed in Mbit/s (tc tbf); comma-separated "
+        "speeds run every hosts row on each, one after the other (10000 stands in for an unshaped link)")
     add("--optimizer", choices=("sgd", "adamw"), default=d.optimizer, help=f"optimizer (default {d.optimizer}); "
         "adamw holds 2 state tensors per parameter, what sharding (fsdp) divides")
     add("--sync-bn", default="off", help="comma-separated off|on: ddp and ddp-amp rows with BatchNorm "
@@ -206,6 +226,9 @@ def _parser() -> argparse.ArgumentParser:
         "whose ranks meet every step, or train apart and meet every --sync-every steps, one row each "
         "(default every-step)")
     add("--sync-every", type=int, default=None, help="optimizer steps between the syncs of local-sgd and diloco")
+    add("--sync-dtype", choices=("fp32", "bf16"), default=None, help="the exchange of local-sgd and diloco "
+        "rows (default fp32)")
+    add("--powersgd-rank", type=int, default=None, help="rank of the PowerSGD rows' factors (default: rt.setup's)")
     add("--diagnose-verify", action="store_true", help="run the fix each row's diagnosis recommends "
         "(the one predicting the most samples/s) and print predicted vs measured samples/s; a prediction "
         "more than 30%% off is flagged as a diagnosis error")
@@ -256,17 +279,18 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
     if opts.link_mbit is not None and not hosts:
         raise UsageError("--link-mbit shapes the links of simulated hosts; add --hosts H")
-    if opts.link_mbit is not None and not opts.link_mbit > 0:
-        raise UsageError(f"--link-mbit must be a positive number of Mbit/s, got {opts.link_mbit}")
+    links = _links(opts.link_mbit) if opts.link_mbit is not None else ()
     if hosts and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--hosts runs DDP across simulated hosts; add ddp or ddp-amp to --modes")
     settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
                         repeats=opts.repeats, grad_compression=compressions, hosts=hosts,
-                        link_mbit=opts.link_mbit, data_format=formats, optimizer=opts.optimizer,
+                        link_mbit=links[0] if links else None, links=links, data_format=formats,
+                        optimizer=opts.optimizer,
                         diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs),
-                        sync=syncs_of_rows, sync_every=opts.sync_every)
+                        sync=syncs_of_rows, sync_every=opts.sync_every, powersgd_rank=opts.powersgd_rank,
+                        sync_dtype=opts.sync_dtype)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

@@ -58,6 +58,10 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
         args.append("--sync-bn")
     if config.sync != "every-step":
         args += ["--sync", config.sync, "--sync-every", str(settings.sync_every)]
+        if settings.sync_dtype is not None:
+            args += ["--sync-dtype", settings.sync_dtype]
+    if settings.powersgd_rank is not None and config.grad_compression == "powersgd":
+        args += ["--powersgd-rank", str(settings.powersgd_rank)]
     result.unlink(missing_ok=True)
     if config.hosts:
         code = _run_on_hosts(config, settings, target, args)
@@ -87,7 +91,7 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
     from ddpkit.bench import netsim
     from ddpkit.dist.host import usable_cores
 
-    with netsim.SimulatedHosts(config.hosts, float(settings.link_mbit or 0)) as sim:
+    with netsim.SimulatedHosts(config.hosts, float(config.link_mbit or settings.link_mbit or 0)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"
         # NCCL would reach another GPU of this machine over shared memory or NVLink: the link is the point.
         env = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
@@ -171,7 +175,8 @@ def verify(row: dict[str, Any], rows: list[dict[str, Any]], settings: Settings, 
                            grad_compression="none" if "sync" in fix else fix.get("grad_compression",
                                                                                   row["grad_compression"]),
                            hosts=row.get("hosts") or 0, data_format=row.get("data_format", "map"),
-                           sync_bn=bool(row.get("sync_bn")), sync=fix.get("sync", row.get("sync") or "every-step"))
+                           sync_bn=bool(row.get("sync_bn")), sync=fix.get("sync", row.get("sync") or "every-step"),
+                           link_mbit=row.get("link_mbit"))
     label = f"{config.label}{' x' + str(fix['batch_factor']) + ' batch' if 'batch_factor' in fix else ''}"
     measured = fix.get("measured_samples_per_second")
     if measured is None:
@@ -203,11 +208,11 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     for config in plan(settings, gpus):
         if config.reason is not None:
             print(f"bench: {config.label}: not applicable ({config.reason})", flush=True)
-            rows.append(not_applicable(config, settings.link_mbit if config.hosts else None))
+            rows.append(not_applicable(config, (config.link_mbit or settings.link_mbit) if config.hosts else None))
             continue
         print(f"bench: {config.label} ...", end="", flush=True)
         row = measure(config, settings, out / "runs" / f"{config.name}.json")
-        rows.append({**row, "link_mbit": settings.link_mbit if config.hosts else None})
+        rows.append({**row, "link_mbit": (config.link_mbit or settings.link_mbit) if config.hosts else None})
         print(f" {rows[-1]['samples_per_second']:.1f} samples/s", flush=True)
     rows = with_speedup(rows)
     rows = [{**row, "diagnosis": diagnose(row, rows)} for row in rows]
@@ -235,6 +240,9 @@ def _check_machine(settings: Settings, gpus: int) -> None:
     if gpus and max(settings.nproc) * hosts > gpus:
         raise UsageError(f"--nproc {max(settings.nproc)}" + (f" x --hosts {hosts}" if settings.hosts else "")
                          + f" needs as many GPUs, {gpus} visible")
+    if settings.compare_raw and settings.grad_compression[0] == "auto":
+        raise UsageError("--compare-raw with auto compression: the hand-written loop has no such choice; "
+                         "compare none, fp16, bf16 or powersgd")
     if settings.compare_raw and settings.grad_compression[0] == "bf16" and not gpus:
         raise UsageError("--compare-raw with bf16 compression: torch's bf16_compress_hook, which the "
                          "hand-written loop uses, refuses CPUs; compare none, fp16 or powersgd here")

@@ -53,6 +53,7 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
         comm_calls: collective calls per step (:func:`ddpkit.bench.wire.calls_per_step`).
     """
     from ddpkit.bench import wire
+    from ddpkit.parallel.options import SetupOptions
     from ddpkit.parallel.powersgd import payload_elements
 
     memory = _peak_memory(device, devices)
@@ -68,8 +69,8 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
         "ready_at": [m[2] for m in timed],
         **memory,
         "grad_bytes": grad_bytes,
-        # what PowerSGD (at rank 2, ddpkit's default) would hand to allreduce per step instead
-        "powersgd_bytes": 4 * payload_elements([p.shape for p in params], 2),
+        # what PowerSGD (at ddpkit's default rank) would hand to allreduce per step instead
+        "powersgd_bytes": 4 * payload_elements([p.shape for p in params], SetupOptions().powersgd_rank),
         "payload_bytes_per_step": sent,
         "wire": probed,
         "comm_calls": comm_calls,

@@ -52,6 +52,7 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "tokens_per_second": (result["global_batch"] * result["tokens_per_sample"] / median_step
                               if result.get("tokens_per_sample") else None),
         "sync": result.get("sync", "every-step"),
+        "grad_compression_auto": ranks[0].get("grad_compression_auto"),
         "sync_every": periodic["every"] if periodic else None,
         "sync_seconds": max(r["periodic"]["seconds_per_sync"] for r in ranks) if periodic else None,
         "step_seconds": median_step, "mean_step_seconds": statistics.fmean(world_steps),
@@ -78,7 +79,15 @@ def _comm(ranks: Sequence[Mapping[str, Any]], payload: float) -> dict[str, Any] 
     # the exchange's own time; waiting for a slower rank is never hidden, so it counts as exposed
     overlap, exposed, of_possible = _overlap(ranks, split["transfer_s"] + split["latency_s"])
     wait = split["skew_s"]
-    if 0 < payload < grad_bytes:
+    periodic = ranks[0].get("periodic")
+    if periodic is not None:
+        # ranks run apart between syncs, so their steps' ends drift and say nothing; a sync costs what
+        # it measured, and what of that the bytes and the call do not explain is waiting
+        split["skew_s"] = 0.0
+        sync_s = max(r["periodic"]["seconds_per_sync"] for r in ranks) / periodic["every"]
+        wait = max(0.0, sync_s - split["transfer_s"] - split["latency_s"])
+        overlap = of_possible = exposed = None
+    elif 0 < payload < grad_bytes:
         # the backward under no_sync skips the hook, so what a compressed step's backward took
         # beyond it is the compressor's own work as well as the wait: no share of the wire's
         overlap = of_possible = None

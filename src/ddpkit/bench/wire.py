@@ -14,9 +14,9 @@ them depends on the bytes:
   the spread, across ranks, of the moment each finished its forward pass (every rank of a bench
   runs on this machine, so their monotonic clocks are one).
 
-Each call is timed on every rank, and a call counts at the rank that measured it shortest (the
-rank released last waited for no one). Of those, the median of the faster half counts
-(:func:`typical`): on a machine whose cores the ranks fill, a call now and then waits a scheduler
+Each call is timed on every rank (:func:`ddpkit.dist.probe.timed_calls`), and a call counts at
+the rank that measured it shortest (the rank released last waited for no one). Of those, the
+median of the faster half counts (:func:`ddpkit.dist.probe.typical`): on a machine whose cores the ranks fill, a call now and then waits a scheduler
 tick (seen here: 0.4 ms or 3-4 ms for the same 140 KB on loopback), and that is the cores being busy,
 which no fewer bytes would shorten.
 
@@ -34,23 +34,16 @@ nothing of the link.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Mapping, Sequence
+
+from ddpkit.dist.probe import bus_bytes, timed_calls, typical
 
 LATENCY_REPEATS = 15
 """One-element allreduces timed for the per-call latency."""
 TRANSFER_REPEATS = 15
 """Allreduces of the payload (and of the link probe) timed, fewer where each is slow."""
-PROBE_BUDGET_S = 4.0
-"""About how long the repeats of one probe may take: a 45 MB payload on a 100 Mbit/s link takes
-3.6 s a call, and is timed 3 times."""
 LINK_PROBE_BYTES = 1 << 20
 """The smallest tensor whose allreduce measures the link's speed: 1 MiB."""
-
-
-def bus_bytes(size: float, world_size: int) -> float:
-    """Bytes each rank sends to allreduce ``size`` bytes in a ring of ``world_size`` ranks."""
-    return size * 2 * (world_size - 1) / world_size if world_size > 1 else 0.0
 
 
 def probe(payload_bytes: float, device: Any) -> dict[str, Any]:
@@ -66,48 +59,14 @@ def probe(payload_bytes: float, device: Any) -> dict[str, Any]:
 
     elements = max(1, int(payload_bytes) // 4)
     payload = torch.zeros(elements, dtype=torch.float32, device=device)
-    found: dict[str, Any] = {"latency_calls": _timed(torch.zeros(1, device=device), LATENCY_REPEATS, device),
-                             "payload_calls": _timed(payload, TRANSFER_REPEATS, device)}
+    found: dict[str, Any] = {"latency_calls": timed_calls(torch.zeros(1, device=device), LATENCY_REPEATS),
+                             "payload_calls": timed_calls(payload, TRANSFER_REPEATS)}
     if elements * 4 >= LINK_PROBE_BYTES:
         found.update(link_probe_bytes=float(elements * 4), link_calls=found["payload_calls"])
     else:
         probe_tensor = torch.zeros(LINK_PROBE_BYTES // 4, dtype=torch.float32, device=device)
-        found.update(link_probe_bytes=float(LINK_PROBE_BYTES), link_calls=_timed(probe_tensor, TRANSFER_REPEATS, device))
+        found.update(link_probe_bytes=float(LINK_PROBE_BYTES), link_calls=timed_calls(probe_tensor, TRANSFER_REPEATS))
     return found
-
-
-def _timed(tensor: Any, repeats: int, device: Any) -> list[float]:
-    """Seconds of each of up to ``repeats`` allreduces of ``tensor``, each right after a barrier.
-
-    A call that takes over :data:`PROBE_BUDGET_S` / ``repeats`` (a big payload on a slow link) is
-    timed fewer times, at least 3: the ranks agree on the count from the first call's time.
-    """
-    import torch
-    import torch.distributed as dist
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    start = now()
-    dist.all_reduce(tensor)                  # the first call sets up connections and buffers
-    first = torch.tensor([now() - start], dtype=torch.float64)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX)
-    repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(first.item(), 1e-9))))
-    times = []
-    for _ in range(repeats):
-        dist.barrier()                       # release every rank together: no one times a peer's lateness
-        start = now()
-        dist.all_reduce(tensor)
-        times.append(now() - start)
-    return times
-
-
-def typical(calls: Sequence[float]) -> float:
-    """The median of the faster half of ``calls``: what a call costs when no core is busy."""
-    ordered = sorted(calls)
-    return statistics.median(ordered[:max(1, (len(ordered) + 1) // 2)])
 
 
 def calls_per_step(model: Any, grad_compression: str) -> int | None:

@@ -57,9 +57,12 @@ def train(opts: argparse.Namespace) -> None:
     if opts.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
     else:
-        periodic = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every}
+        extra = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every,
+                                                      "sync_dtype": opts.sync_dtype}
+        if opts.powersgd_rank is not None:
+            extra["powersgd_rank"] = opts.powersgd_rank
         model, optimizer = rt.setup(model, optimizer, grad_compression=compression, sync_batchnorm=opts.sync_bn,
-                                    powersgd_start=powersgd_start(opts.warmup), **periodic)
+                                    powersgd_start=powersgd_start(opts.warmup), **extra)
     compressor = rt.run.compressors[-1]       # the gradient compressor of the model set up last
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
@@ -101,6 +104,7 @@ def train(opts: argparse.Namespace) -> None:
     stats["sync_batchnorm_seconds"] = (SyncBatchNorm.collective_seconds - synced_before) / opts.steps
     if syncer is not None:
         stats["periodic"] = {**periodic, "synced_steps": synced[opts.warmup:]}
+    stats["grad_compression_auto"] = getattr(compressor, "decision", None)
     if rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
     stats["state_bytes"] = state_bytes(model, optimizer)

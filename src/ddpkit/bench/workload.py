@@ -33,13 +33,15 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
-    parser.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"))
+    parser.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd", "auto"))
     parser.add_argument("--data-format", default="map", choices=("map", "shards"))
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics across processes")
     parser.add_argument("--sync", default="every-step", choices=("every-step", "local-sgd", "diloco"))
     parser.add_argument("--sync-every", type=int, default=None, help="optimizer steps between infrequent syncs")
+    parser.add_argument("--powersgd-rank", type=int, default=None, help="PowerSGD's rank (default: rt.setup's)")
+    parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"), help="the infrequent sync's exchange")
     return parser
 
 

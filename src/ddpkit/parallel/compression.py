@@ -1,7 +1,7 @@
 """Gradient compression for slow links: 16-bit casts and PowerSGD, as DDP communication hooks.
 
-``rt.setup(model, opt, grad_compression="fp16" | "bf16" | "powersgd")`` registers one of these
-on the DDP model, on every backend (gloo on CPUs included):
+``rt.setup(model, opt, grad_compression="fp16" | "bf16" | "powersgd" | "auto")`` registers one of
+these on the DDP model, on every backend (gloo on CPUs included):
 
 - ``fp16`` / ``bf16``: each gradient bucket is cast to 16 bits, divided by the world size,
   summed, and cast back: half the bytes, rounding of the averaged gradient only.
@@ -11,6 +11,8 @@ on the DDP model, on every backend (gloo on CPUs included):
   (biases, norms) are sent whole. The state (iteration, each rank's error
   feedback, the warm-start factors, the random stream that starts them) is in every checkpoint,
   so a resumed run is bitwise equal to an uninterrupted one.
+- ``auto`` (:mod:`ddpkit.parallel.auto`): times the link at setup and the first steps, then takes
+  none, bf16 or PowerSGD, whichever predicts the shortest step, the same on every rank.
 
 Each compressor counts the elements it hands to ``allreduce``, so ``ddpkit bench`` reports the
 bytes each rank puts on the wire per step.
@@ -26,7 +28,7 @@ import torch.distributed as dist
 
 from ddpkit.errors import UsageError, warn
 
-CHOICES = ("fp16", "bf16", "powersgd")
+CHOICES = ("fp16", "bf16", "powersgd", "auto")
 POWERSGD_START = 10
 """Plain steps before PowerSGD starts by default: error feedback needs more than one, and the
 first steps of training move fastest, where a low-rank sketch of the gradient is least apt."""
@@ -37,7 +39,7 @@ def check(choice: str | None, *, rank: int, start: int | None, backend: str | No
     """Refuse a choice that cannot work here, in one line, before any process group work.
 
     Args:
-        choice: ``"fp16"``, ``"bf16"``, ``"powersgd"``, or None (no compression: nothing to check).
+        choice: ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"auto"``, or None (no compression: nothing to check).
         rank: ``powersgd_rank``, the rank of PowerSGD's low-rank factors (not a process rank).
         start: ``powersgd_start``, plain steps before PowerSGD compresses (None: :data:`POWERSGD_START`).
         backend: the process group's backend (None: no group).
@@ -53,14 +55,14 @@ def check(choice: str | None, *, rank: int, start: int | None, backend: str | No
         return
     if choice not in CHOICES:
         raise UsageError(f"unknown grad_compression {choice!r}; choose none, {', '.join(CHOICES)}")
-    if choice == "powersgd":
+    if choice in ("powersgd", "auto"):
         if not isinstance(rank, int) or rank < 1:
             raise UsageError(f"powersgd_rank must be a whole number of at least 1, got {rank!r}")
         if start is not None and (not isinstance(start, int) or start < 2):
             raise UsageError(f"powersgd_start must be at least 2 (PowerSGD's error feedback needs "
                              f"plain steps before it), got {start!r}")
         if precision == "fp16":
-            raise UsageError("grad_compression='powersgd' with precision='fp16': a step whose loss scale "
+            raise UsageError(f"grad_compression={choice!r} with precision='fp16': a step whose loss scale "
                              "overflows would put inf into PowerSGD's error feedback for good; use "
                              "precision='bf16', or grad_compression='fp16'")
     if choice == "bf16" and backend == "nccl" and device.type == "cuda":
@@ -201,27 +203,31 @@ class PowerSGDCompressor(Compressor):
 
 
 def attach(model: Any, choice: str, *, rank: int, start: int | None, device: torch.device,
-           buckets_settled: bool = True, timeout_s: float | None = None) -> Compressor:
+           buckets_settled: bool = True, timeout_s: float | None = None, choose: Any = None) -> Compressor:
     """Register ``choice``'s hook on the DDP ``model``; returns its compressor (bytes, state).
 
     Args:
         model: the DDP-wrapped model.
-        choice: ``"fp16"``, ``"bf16"`` or ``"powersgd"``, already :func:`check`-ed.
+        choice: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"auto"``, already :func:`check`-ed.
         rank: the rank of PowerSGD's low-rank factors (``powersgd_rank``; casts ignore it).
         start: plain steps before PowerSGD compresses (None: :data:`POWERSGD_START`).
         device: this process's device, kept in PowerSGD's state.
         buckets_settled: whether DDP's buckets were settled at setup. PowerSGD keys its state by
             bucket, so without settled buckets a resume keeps only its iteration and random stream.
         timeout_s: seconds before a collective of PowerSGD's own process group times out (None: torch's default).
+        choose: for ``"auto"``, the class of its compressor (:class:`ddpkit.parallel.auto.AutoCompressor`,
+            given here so this module does not import it), called ``choose(model, device, rank=,
+            start=, make=)``; it builds its choice with ``make``.
     """
-    compressor: Compressor
-    if choice == "powersgd":
-        compressor = PowerSGDCompressor(rank, POWERSGD_START if start is None else start, device)
-        compressor.buckets_settled = buckets_settled
+    def make(name: str) -> Compressor:
+        if name != "powersgd":
+            return CastCompressor(torch.float16 if name == "fp16" else torch.bfloat16)
+        made = PowerSGDCompressor(rank, POWERSGD_START if start is None else start, device)
+        made.buckets_settled = buckets_settled
         # Q's own group (see ddpkit.parallel.powersgd), with the default group's timeout; a collective call
-        compressor.state.group = dist.new_group(
-            timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
-    else:
-        compressor = CastCompressor(torch.float16 if choice == "fp16" else torch.bfloat16)
+        made.state.group = dist.new_group(timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
+        return made
+
+    compressor = choose(model, device, rank=rank, start=start, make=make) if choice == "auto" else make(choice)
     model.register_comm_hook(None, compressor.hook)
     return compressor

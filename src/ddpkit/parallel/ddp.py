@@ -128,8 +128,10 @@ def _distributed(model: torch.nn.Module, options: SetupOptions, wrapped: Wrapped
     if options.grad_compression is not None:
         from ddpkit.parallel.compression import attach
 
+        from ddpkit.parallel.auto import AutoCompressor
+
         wrapped.compressor = attach(model, options.grad_compression, rank=options.powersgd_rank,
-                                    start=options.powersgd_start, device=device,
+                                    start=options.powersgd_start, device=device, choose=AutoCompressor,
                                     buckets_settled=wrapped.not_bitwise is None, timeout_s=timeout_s)
     return model
 

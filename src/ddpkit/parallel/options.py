@@ -65,7 +65,7 @@ class SetupOptions:
     outer_momentum: float = 0.9
     """DiLoCo's outer Nesterov momentum."""
     sync_dtype: str | None = None
-    """The infrequent sync's exchange: ``"fp32"`` (the default) or ``"bf16"`` (half the bytes)."""
+    """The infrequent sync's exchange of each rank's change: ``"bf16"`` (the default: half the bytes) or ``"fp32"``."""
 
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).

@@ -17,8 +17,9 @@ one rank's local weights. Each rank's local weights, its inner optimizer's state
 period stands are per-rank state (:meth:`PeriodicSync.state_dict`), so a run stopped mid-period
 resumes bitwise on the same world size; on another one it continues from the synced weights.
 
-The exchange is one allreduce of every parameter (and floating buffer) flattened, in float32 or,
-with ``sync_dtype="bf16"``, in bfloat16: half the bytes, rounded to 8 bits of mantissa.
+The exchange is one allreduce of each rank's change since the last sync, every parameter and
+floating buffer flattened: in bfloat16 by default (half the bytes; the changes, not the weights,
+are rounded to 8 bits of mantissa), or ``sync_dtype="fp32"``.
 
 Results depend on the world size under infrequent sync (each rank's inner steps see only its own
 share of each global batch); the run says so once.
@@ -37,7 +38,9 @@ from ddpkit.errors import UsageError, warn
 
 SYNCS = ("every-step", "local-sgd", "diloco")
 """``rt.setup``'s ``sync`` values: DDP's allreduce every step, or one of the two infrequent ones."""
-_DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {None: torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
+"""The exchange's dtype; the default (None) is bfloat16: half the bytes, and on tiny-lm DiLoCo's
+validation loss moved by 0.1% (BENCHMARKS.md)."""
 
 
 def check(sync: str, *, every: int | None, sync_dtype: str | None, strategy: str, grad_compression: str | None,
@@ -95,7 +98,7 @@ class PeriodicSync:
         every: optimizer steps between syncs.
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum (0: plain SGD).
-        sync_dtype: the exchange's dtype, None/``"fp32"`` or ``"bf16"``.
+        sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default) or ``"fp32"``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, kind: str, every: int, outer_lr: float = 0.7,
@@ -131,26 +134,23 @@ class PeriodicSync:
         """Meet the other ranks: average (local SGD) or take an outer step (DiLoCo); every rank continues from it."""
         started = time.perf_counter()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if self.outer is not None:        # DiLoCo: the outer gradient is the average change, synced - local
-            sent = [s - p for s, p in zip(self.synced, self.params)]
-        else:
-            sent = [p.detach() for p in self.params]
-        averaged = self._average(sent + [b.detach() for b in self.buffers], world)
-        moved, stats = averaged[:len(self.params)], averaged[len(self.params):]
-        if self.outer is not None:
-            for synced, gradient in zip(self.synced, moved):
+        # What travels is each rank's change since the last sync, synced - local: small numbers, so
+        # bfloat16 rounds them, never the weights themselves.
+        moved = self._average([s - p for s, p in zip(self.synced, self.params)]
+                              + [s - b for s, b in zip(self.synced_buffers, self.buffers)], world)
+        deltas, stats = moved[:len(self.params)], moved[len(self.params):]
+        if self.outer is not None:        # DiLoCo: the average change is the outer step's gradient
+            for synced, gradient in zip(self.synced, deltas):
                 synced.grad = gradient
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
-        else:
-            for synced, value in zip(self.synced, moved):
-                synced.copy_(value)
-        for synced, value in zip(self.synced_buffers, stats):
-            synced.copy_(value)
-        for param, synced in zip(self.params, self.synced):
-            param.copy_(synced)
-        for buffer, synced in zip(self.buffers, self.synced_buffers):
-            buffer.copy_(synced)
+        else:                             # local SGD: the weights' average, synced - average change
+            for synced, delta in zip(self.synced, deltas):
+                synced.sub_(delta)
+        for synced, delta in zip(self.synced_buffers, stats):     # BatchNorm statistics: their average
+            synced.sub_(delta)
+        _copy(self.params, self.synced)
+        _copy(self.buffers, self.synced_buffers)
         self.steps = 0
         self.syncs += 1
         self.sync_seconds += time.perf_counter() - started
@@ -175,18 +175,14 @@ class PeriodicSync:
         with torch.no_grad():
             local = [p.detach().clone() for p in self.params]
             local_buffers = [b.detach().clone() for b in self.buffers]
-            for param, synced in zip(self.params, self.synced):
-                param.copy_(synced)
-            for buffer, synced in zip(self.buffers, self.synced_buffers):
-                buffer.copy_(synced)
+            _copy(self.params, self.synced)
+            _copy(self.buffers, self.synced_buffers)
         try:
             yield
         finally:
             with torch.no_grad():
-                for param, value in zip(self.params, local):
-                    param.copy_(value)
-                for buffer, value in zip(self.buffers, local_buffers):
-                    buffer.copy_(value)
+                _copy(self.params, local)
+                _copy(self.buffers, local_buffers)
 
     def exported(self, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``saved`` (the model's state dict) with the synced weights and statistics in it."""
@@ -226,29 +222,29 @@ class PeriodicSync:
         if len(saved["synced"]) != len(self.params):
             raise UsageError(f"checkpoint {source} holds the synced weights of {len(saved['synced'])} tensors; "
                              f"this model has {len(self.params)}")
-        for synced, value in zip(self.synced, saved["synced"]):
-            synced.copy_(value)
-        for synced, value in zip(self.synced_buffers, saved["synced_buffers"]):
-            synced.copy_(value)
+        _copy(self.synced, saved["synced"])
+        _copy(self.synced_buffers, saved["synced_buffers"])
         if self.outer is not None and saved.get("outer") is not None:
             self.outer.load_state_dict(saved["outer"])
         self.syncs, self.sent_bytes = int(saved["syncs"]), int(saved.get("sent_bytes", 0))
         if same_world:
-            for param, value in zip(self.params, saved["local"]):
-                param.copy_(value)
-            for buffer, value in zip(self.buffers, saved["local_buffers"]):
-                buffer.copy_(value)
+            _copy(self.params, saved["local"])
+            _copy(self.buffers, saved["local_buffers"])
             if self.optimizer is not None and saved.get("optimizer") is not None:
                 self.optimizer.load_state_dict(saved["optimizer"])
             self.steps = int(saved["steps"])
             return
         warn(f"checkpoint {source} was saved {saved['steps']} step(s) into a sync period on another world size: "
              "every rank continues from the synced weights, and the period starts over")
-        for param, synced in zip(self.params, self.synced):
-            param.copy_(synced)
-        for buffer, synced in zip(self.buffers, self.synced_buffers):
-            buffer.copy_(synced)
+        _copy(self.params, self.synced)
+        _copy(self.buffers, self.synced_buffers)
         self.steps = 0
+
+
+def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``target.copy_(value)`` for each pair: the tensors keep their identity (optimizers hold them)."""
+    for target, value in zip(targets, values):
+        target.copy_(value)
 
 
 def of(model: Any) -> PeriodicSync | None:

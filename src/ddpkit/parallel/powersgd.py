@@ -38,11 +38,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT = 2
-"""The layout of saved factors and feedback; checkpoints without it hold torch's hook's layout,
-which ddpkit used before (they resume with fresh feedback and a warning)."""
-MIN_COMPRESSION = 2
-"""A matrix is compressed when its factors are at most half its size (torch's default)."""
+FORMAT = 3
+"""The layout of saved factors and feedback: 3 since matrices are compressed at :data:`MIN_COMPRESSION`
+8 with twice the rank under :data:`SMALL_MATRIX` (2 compressed more of them, all at one rank). Checkpoints of another format (or none: torch's hook's layout)
+resume with fresh feedback and a warning."""
+MIN_COMPRESSION = 8
+"""A matrix is compressed when its factors are at most an eighth of its size. torch's hook takes
+half: then the small matrices of small models are compressed too, where a low-rank gradient costs
+accuracy (the digits ConvNet lost 2.4 points at rank 2) for bytes that do not matter (its largest
+matrix is 51 KB)."""
+SMALL_MATRIX = 1 << 16
+"""Matrices under 64K elements (256 KB of fp32) get factors of twice ``powersgd_rank``: rank 2
+cost a small MLP 1.2 points where rank 4 cost 0.2, and such matrices are a small share of a big
+model's bytes (ResNet-18: 0.37 MB a step instead of 0.35; BENCHMARKS.md)."""
 
 
 @dataclass
@@ -52,6 +60,7 @@ class _Group:
     n: int
     m: int
     members: list[int]
+    r: int = 1              # the rank of this shape's factors (:func:`matrix_rank`)
     p_at: int = 0           # offset of this group's (k, r, n) block in the P buffer
     q_at: int = 0           # offset of its (k, r, m) block in the Q buffer
     e_at: int = 0           # offset of its (k, n, m) block in the feedback buffer
@@ -74,20 +83,26 @@ class _Bucket:
     grads: list[torch.Tensor] = field(default_factory=list)     # this step: views into ``buffer``
 
 
+def matrix_rank(shape: torch.Size, rank: int) -> int:
+    """The rank of a matrix's factors: ``2 x rank`` under :data:`SMALL_MATRIX` elements, else ``rank``."""
+    return 2 * rank if shape.numel() < SMALL_MATRIX else rank
+
+
 def _is_matrix(shape: torch.Size, rank: int) -> bool:
     if len(shape) < 2:
         return False
     n, m = shape[0], shape.numel() // shape[0]
-    return (n + m) * rank * MIN_COMPRESSION < n * m
+    return (n + m) * matrix_rank(shape, rank) * MIN_COMPRESSION < n * m
 
 
 def payload_elements(shapes: list[torch.Size], rank: int) -> int:
     """Elements a rank hands to allreduce per compressed step for gradients of ``shapes``:
-    ``P`` and ``Q`` (``(n + m) x rank``) of each matrix worth compressing, the rest whole.
+    ``P`` and ``Q`` (``(n + m) x`` :func:`matrix_rank`) of each matrix worth compressing, the rest whole.
 
     What ``ddpkit bench`` predicts a PowerSGD row sends before measuring it.
     """
-    return sum((s[0] + s.numel() // s[0]) * rank if _is_matrix(s, rank) else s.numel() for s in shapes)
+    return sum((s[0] + s.numel() // s[0]) * matrix_rank(s, rank) if _is_matrix(s, rank) else s.numel()
+               for s in shapes)
 
 
 class PowerSGD:
@@ -141,9 +156,9 @@ class PowerSGD:
 
     def _send_p(self, state: _Bucket) -> None:
         """Feedback in, ``P = M Q`` for every matrix, whole tensors beside, allreduce issued."""
-        r, grads = self.rank, state.grads
+        grads = state.grads
         for group in state.groups:
-            k = len(group.members)
+            k, r = len(group.members), group.r
             error = state.error[group.e_at:group.e_at + k * group.n * group.m].view(k, group.n, group.m)
             q = state.q[group.q_at:group.q_at + k * r * group.m].view(k, r, group.m)
             p = state.send[group.p_at:group.p_at + k * r * group.n].view(k, r, group.n)
@@ -171,14 +186,14 @@ class PowerSGD:
 
     def _orthogonalise_and_send(self, state: _Bucket) -> None:
         state.sent.wait()
-        world, r, grads, buffer = dist.get_world_size(), self.rank, state.grads, state.buffer
+        world, grads, buffer = dist.get_world_size(), state.grads, state.buffer
         at = state.p_numel
         for index in state.plain:
             size = grads[index].numel()
             grads[index].view(-1).copy_(state.send[at:at + size]).div_(world)
             at += size
         for group in state.groups:
-            k = len(group.members)
+            k, r = len(group.members), group.r
             p = state.send[group.p_at:group.p_at + k * r * group.n].view(k, r, group.n)
             _orthonormal_rows(p)
             error = state.error[group.e_at:group.e_at + k * group.n * group.m].view(k, group.n, group.m)
@@ -192,7 +207,7 @@ class PowerSGD:
                 done.wait()
                 state.q.div_(world)
                 for group in state.groups:
-                    k = len(group.members)
+                    k, r = len(group.members), group.r
                     p = state.send[group.p_at:group.p_at + k * r * group.n].view(k, r, group.n)
                     q = state.q[group.q_at:group.q_at + k * r * group.m].view(k, r, group.m)
                     error = state.error[group.e_at:group.e_at + k * group.n * group.m].view(k, group.n, group.m)
@@ -220,13 +235,12 @@ class PowerSGD:
                 raise RuntimeError(f"DDP's gradient bucket {index} changed its layout under PowerSGD "
                                    "(its error feedback no longer fits); report this to ddpkit")
             return state
-        r = self.rank
         by_shape: dict[tuple[int, int], _Group] = {}
         plain = []
         for i, shape in enumerate(shapes):
-            if _is_matrix(shape, r):
+            if _is_matrix(shape, self.rank):
                 n, m = shape[0], shape.numel() // shape[0]
-                by_shape.setdefault((n, m), _Group(n, m, [])).members.append(i)
+                by_shape.setdefault((n, m), _Group(n, m, [], matrix_rank(shape, self.rank))).members.append(i)
             else:
                 plain.append(i)
         groups = list(by_shape.values())
@@ -234,8 +248,8 @@ class PowerSGD:
         for group in groups:
             k = len(group.members)
             group.p_at, group.q_at, group.e_at = p_numel, q_numel, e_numel
-            p_numel += k * r * group.n
-            q_numel += k * r * group.m
+            p_numel += k * group.r * group.n
+            q_numel += k * group.r * group.m
             e_numel += k * group.n * group.m
         plain_numel = sum(shapes[i].numel() for i in plain)
         saved = self.saved.pop(index, None)

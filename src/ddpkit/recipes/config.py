@@ -51,8 +51,8 @@ class TrainConfig:
     BatchNorm and more than one process trains it with ddp; --no-sync-bn normalises each process's
     batch on its own, as plain DDP does."""
     grad_compression: str | None = None
-    """Gradients on the wire: none (the default), fp16, bf16 or powersgd (see the README's 'Slow
-    links' and ddpkit.parallel.compression)."""
+    """Gradients on the wire: none (the default), fp16, bf16, powersgd, or auto (time the link and
+    the first steps, then take whichever predicts the shortest step; see ddpkit.parallel.auto)."""
     powersgd_rank: int = 2
     """Rank of PowerSGD's low-rank factors (higher: more bytes, closer to the full gradient)."""
     sync: str = "every-step"

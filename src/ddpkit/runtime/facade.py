@@ -193,7 +193,7 @@ class Runtime:
             optimizer: its optimizer; returned with the model, and stepped by :meth:`step`.
             sync_batchnorm: SyncBatchNorm across processes (world-size invariant statistics).
             compile: ``True`` or a dict of ``torch.compile`` arguments: compile the wrapped model.
-            grad_compression: ``"fp16"``, ``"bf16"`` or ``"powersgd"`` (see
+            grad_compression: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"auto"`` (see
                 :mod:`ddpkit.parallel.compression`): fewer bytes per step on slow links; its
                 state is in every checkpoint.
             powersgd_rank: rank of PowerSGD's factors.
@@ -209,7 +209,7 @@ class Runtime:
             sync_every: optimizer steps between syncs (required by ``"local-sgd"`` and ``"diloco"``).
             outer_lr: DiLoCo's outer learning rate.
             outer_momentum: DiLoCo's outer Nesterov momentum.
-            sync_dtype: the sync's exchange, ``"fp32"`` (default) or ``"bf16"``.
+            sync_dtype: the sync's exchange of each rank's change, ``"bf16"`` (default) or ``"fp32"``.
             **ddp_kwargs: further ``DistributedDataParallel`` arguments.
 
         Returns:
