@@ -21,6 +21,7 @@ def _launch(mode, checkpoint="", *, extra_buffer=False, freeze_at=None):
     return ddpkit.launch(train_bn, nprocs=2, args=(mode, checkpoint, 5, False, extra_buffer, freeze_at))
 
 
+@pytest.mark.slow          # 34 s: make test-slow
 @pytest.mark.timeout(300)
 def test_statistics_stay_each_ranks_own_and_are_averaged_where_read_or_saved(tmp_path):
     full = _launch("full")

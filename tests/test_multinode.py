@@ -204,10 +204,44 @@ def test_slurm_script_options():
     assert "srun --ntasks-per-node=1 ddpkit run -n 8 --max-restarts 2 t.py --lr 0.1" in text
 
 
+def test_slurm_requeue_script_asks_for_the_warning_passes_it_on_and_requeues_on_75():
+    text = sbatch_script("t.py", [], nodes=2, time="4:00:00", requeue=True, preempt_signal_s=300,
+                         ddpkit_command="ddpkit")
+    for line in ("#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "trap 'signalled=1; kill -USR1 \"$step\" 2>/dev/null' USR1", 'if [ "$code" = 75 ]; then',
+                 'scontrol requeue "$SLURM_JOB_ID" && exit 0', "command -v scontrol"):
+        assert line in text, line
+    assert "srun --ntasks-per-node=1 ddpkit run -n 1 t.py &" in text
+    plain = sbatch_script("t.py", [], nodes=2, time="4:00:00", ddpkit_command="ddpkit")
+    assert "--signal" not in plain and "requeue" not in plain
+
+
+def test_slurm_requeue_script_without_scontrol_says_what_to_do(tmp_path):
+    """In a batch step with no scontrol (a container), a preempted job prints one line and exits 75."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/bash\nexit 75\n")
+    (fake / "srun").chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(sbatch_script("t.py", [], nodes=1, time="10", requeue=True, preempt_signal_s=60,
+                                    ddpkit_command="ddpkit"))
+    done = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": str(fake), "SLURM_JOB_ID": "7"})     # builtins only: no scontrol
+    assert done.returncode == 75, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "ddpkit: preempted after saving a checkpoint, but this batch step cannot requeue (no scontrol here): "
+        "resubmit this script with sbatch and it resumes"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0", "t.py"], "--nodes must be at least 1"),
     (["--nodes", "2", "--time", "soon", "t.py"], "--time 'soon'"),
     (["t.py"], "--nodes"),
+    (["--nodes", "1", "--requeue", "t.py"], "--requeue needs --time"),
+    (["--nodes", "1", "--requeue", "--time", "2", "--preempt-signal-s", "120", "t.py"],
+     "--preempt-signal-s 120 is not before the end of --time 2 (120 s)"),
+    (["--nodes", "1", "--requeue", "--time", "1-0", "--preempt-signal-s", "0", "t.py"],
+     "--preempt-signal-s must be 1 to 65535"),
 ])
 def test_slurm_bad_input(args, message):
     result = ddpkit_cli("slurm", *args, timeout=60)

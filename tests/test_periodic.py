@@ -56,6 +56,7 @@ def test_a_run_stopped_mid_period_resumes_bitwise(tmp_path, nprocs, monkeypatch)
             assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
 
 
+@pytest.mark.slow          # 17 s: make test-slow
 @pytest.mark.timeout(300)
 def test_accumulation_and_a_float32_exchange_train_and_resume_bitwise(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -54,6 +54,7 @@ def test_three_processes_keep_input_order_and_match_one(digits_checkpoint, tmp_p
     assert (probabilities.argmax(axis=1) == [int(r[1]) for r in outputs[3][1:]]).all()
 
 
+@pytest.mark.slow          # 51 s: make test-slow
 @pytest.mark.timeout(200)
 def test_npy_and_pt_outputs(digits_checkpoint, tmp_path):
     for suffix in (".npy", ".pt"):

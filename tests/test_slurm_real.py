@@ -15,9 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpkit.dist.host import free_port
-from helpers import BIN, EXAMPLES, clean_env, kill_tree
+from helpers import BIN, EXAMPLES, ROOT, clean_env, kill_tree
+
+SCRIPTS = ROOT / "tests" / "scripts"
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
 
@@ -103,3 +106,75 @@ def test_training_submitted_with_sbatch_finishes_with_the_expected_world(slurm_c
     final = re.findall(r"world_size=(\d+) test_accuracy=([\d.]+) test_count=(\d+)", log)
     assert len(final) == 1 and final[0][0] == "2" and final[0][2] == "360", log[-3000:]
     assert float(final[0][1]) >= 0.95
+
+
+def _job_state(job: str, env: dict) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S+)", shown.stdout))
+
+
+@pytest.mark.slow      # two training runs and a requeue: make test-slow (and CI) runs it
+@pytest.mark.timeout(420)
+def test_requeue_job_signalled_mid_epoch_saves_is_requeued_and_ends_bitwise(slurm_cluster, tmp_path):
+    from tracker_stores import mlflow_runs, wandb_history, wandb_runs
+
+    root, env = slurm_cluster
+    env = {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    script_args = ["--trackers", "wandb,mlflow", "--steps", "16"]
+    reference = tmp_path / "reference"
+    done = subprocess.run([str(BIN / "ddpkit"), "run", "-n", "2", str(SCRIPTS / "tracked_train.py"), "--out",
+                           str(reference), "--result", str(reference / "w.pt"), *script_args],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "requeued"
+    made = subprocess.run([str(BIN / "ddpkit"), "slurm", "--nodes", "1", "--nproc-per-node", "2", "--requeue",
+                           "--time", "10", "--preempt-signal-s", "60",
+                           "--cpus-per-task", str(len(os.sched_getaffinity(0))), str(SCRIPTS / "tracked_train.py"),
+                           "--out", str(out), "--result", str(out / "w.pt"), *script_args, "--step-sleep", "0.4"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert "#SBATCH --signal=B:USR1@60" in made.stdout and "#SBATCH --requeue" in made.stdout
+    (root / "job.sh").write_text(made.stdout)
+    submitted = subprocess.run(["sbatch", "--parsable", "--chdir", str(root), str(root / "job.sh")],
+                               capture_output=True, text=True, env=env, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    log = lambda: "\n".join(p.read_text() for p in root.glob("ddpkit-*.out"))  # noqa: E731
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:      # mid-epoch: 8 steps an epoch, signal after step 4
+            rows = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            if len(rows) >= 4:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the job never trained: {_job_state(job, env)} {log()[-2000:]}")
+        signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True,
+                                   env=env, timeout=30)
+        assert signalled.returncode == 0, signalled.stderr
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            state = _job_state(job, env)
+            if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and state.get("Restarts") != "0":
+                break
+            if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30)
+            time.sleep(1)
+        else:
+            pytest.fail(f"the job did not finish after its requeue: {_job_state(job, env)}\n{log()[-3000:]}")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, env=env, timeout=30)
+    text = log()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", f"{state}\n{text[-3000:]}"
+    assert "preempted (SIGUSR1); saved" in text and "requeueing job" in text, text[-3000:]
+    saved = int(re.search(r"saved \S+ckpt-step(\d+)\.pt at step", text).group(1))
+    assert 4 <= saved < 16, text[-3000:]                      # saved mid-run, not at its end
+    assert re.search(rf"attempt 0 starts at step {saved} \(resumed: True\)", text), text[-3000:]
+    a, b = torch.load(reference / "w.pt", weights_only=True), torch.load(out / "w.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    runs = mlflow_runs(out)
+    assert len(runs) == 1 and runs[0]["history"]["loss"] == mlflow_runs(reference)[0]["history"]["loss"]
+    w = wandb_runs(out)
+    assert len({r["id"] for r in w}) == 1 and len(w) == 2        # one run id, written by two attempts
+    assert wandb_history(w, "loss") == wandb_history(wandb_runs(reference), "loss")

@@ -256,3 +256,18 @@ def test_ddp_bucket_count_is_loud_when_the_api_is_gone(tmp_path, monkeypatch):
     monkeypatch.delattr(torch.distributed.Reducer, "_get_zeros_like_grad_buckets")
     with pytest.raises(_torch.PrivateApiChanged, match="_get_zeros_like_grad_buckets"):
         _torch.ddp_bucket_count(model)
+
+
+def test_elastic_signal_exception_is_what_the_agent_raises_on_a_signal_and_carries_sigval():
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    cls = _torch.elastic_signal_exception()
+    with pytest.raises(cls) as raised:
+        api._terminate_process_handler(signal.SIGUSR1, None)     # the agent's own handler
+    assert raised.value.sigval == signal.SIGUSR1
+    import torch.distributed.run as torchrun
+
+    args = torchrun.parse_args(["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "x.py"])   # what ddpkit run passes
+    assert args.signals_to_handle == "SIGINT,SIGHUP,SIGQUIT"

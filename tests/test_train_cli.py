@@ -220,6 +220,7 @@ def test_scale_lr_and_per_process_batch(tmp_path):
     assert config.global_batch_size == 32 and config.effective_lr == pytest.approx(0.1)
 
 
+@pytest.mark.slow          # 61 s: make test-slow (CI runs it)
 @pytest.mark.timeout(400)
 def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
     out = tmp_path / "demo"

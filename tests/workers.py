@@ -406,13 +406,20 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
             "sent_bytes": syncer.sent_bytes, "exported": rt.full_state_dict(model)}
 
 
-def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at: int | None = None) -> dict:
+def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at: int | None = None,
+                     min_gain: float | None = None) -> dict:
     """grad_compression="auto" on a small MLP: its decision (the same on every rank) after ``steps``;
-    optionally save after ``stop_at`` steps, or resume from ``checkpoint_dir``."""
+    optionally save after ``stop_at`` steps, or resume from ``checkpoint_dir``. ``min_gain``
+    replaces the gain a compression must promise (``float("inf")``: the choice is always none)."""
     import os
 
     import torch
     import torch.nn.functional as F
+
+    from ddpkit.parallel import auto
+
+    if min_gain is not None:
+        auto.MIN_GAIN = min_gain
 
     rt = ddpkit.init(seed=1)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))

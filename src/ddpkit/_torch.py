@@ -223,3 +223,12 @@ def use_env_rendezvous(handler: Any) -> None:
     if not isinstance(handlers, dict) or "env" not in handlers:
         raise PrivateApiChanged("torch.distributed.rendezvous._rendezvous_handlers['env']")
     handlers["env"] = handler
+
+
+def elastic_signal_exception() -> type:
+    """torch's ``SignalException``: what the elastic agent raises (and what ``torch.distributed.run``
+    lets out) after it stopped its workers because it got SIGTERM, SIGUSR1 and the like; it carries
+    ``sigval``. Used by ``ddpkit run`` to tell a preempted job from a failed one."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException

@@ -17,22 +17,7 @@ import torch.nn.functional as F
 import ddpkit
 import ddpkit._torch
 import ddpkit.checkpoint
-
-
-class NoisyToy(torch.utils.data.Dataset):
-    """Fixed random samples with per-sample augmentation noise."""
-
-    def __init__(self, length: int = 60):
-        generator = torch.Generator().manual_seed(123)
-        self.images = torch.randn(length, 64, generator=generator)
-        self.labels = torch.randint(0, 10, (length,), generator=generator)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        noise = 0.1 * torch.randn(64, generator=ddpkit.sample_rng())
-        return self.images[index] + noise, self.labels[index]
+from toy_data import NoisyToy
 
 
 def main() -> None:

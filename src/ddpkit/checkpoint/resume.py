@@ -120,7 +120,22 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
         store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}", peers.timeout_s)
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
+    _saved_tracking(run)
     return target
+
+
+def _saved_tracking(run: RunLike) -> None:
+    """The checkpoint is on disk: the trackers get the rows it covers (rank 0)."""
+    tracking = getattr(run, "tracking", None)
+    if tracking is not None:
+        tracking.saved(run.loop.step)
+
+
+def _restore_tracking(run: RunLike, own: Mapping[str, Any]) -> None:
+    """Continue the checkpoint's tracker runs (rank 0); rows queued after its step are dropped."""
+    tracking = getattr(run, "tracking", None)
+    if tracking is not None:
+        tracking.load_state_dict(own.get("trackers"), run.loop.step)
 
 
 def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
@@ -151,9 +166,11 @@ def _open_group_grads(run: RunLike) -> list[Any] | None:
 
 def _own_state(run: RunLike, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
     """ddpkit's part of every checkpoint: the loop, every rank's RNGs, precision, settings."""
+    tracking = getattr(run, "tracking", None)
     return {"loop": run.loop.state_dict(), "epoch": run.loop.epoch, "step": run.loop.step,
             "rng": rngs, "world_size": peers.world_size, "precision": run.precision.state_dict(),
-            "config": {"seed": run.seed, "precision": run.precision.name}}
+            "config": {"seed": run.seed, "precision": run.precision.name},
+            "trackers": tracking.state_dict() if tracking is not None else {}}
 
 
 def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, Any], keep: int) -> Path:
@@ -184,6 +201,7 @@ def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, An
                                  else None, peers.timeout_s)
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
+    _saved_tracking(run)
     return target
 
 
@@ -204,6 +222,7 @@ def _restore_sharded(run: RunLike, peers: Peers, target: Path, state: MutableMap
     run.precision.load_state_dict(own["precision"])
     run.loop.restore(own["loop"], source=str(target), strict=strict)
     _restore_rng(peers, own, target)
+    _restore_tracking(run, own)
     return target
 
 
@@ -279,6 +298,7 @@ def _restore(run: RunLike, peers: Peers, target: Path, state: MutableMapping[str
         _restore_compression(run, index, peers.is_main)
         _restore_buffers(run, index)
     _restore_rng(peers, own, target)
+    _restore_tracking(run, own)
     return target
 
 

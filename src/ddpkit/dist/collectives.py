@@ -70,6 +70,32 @@ def all_reduce(value: Any, op: str = "sum") -> Any:
     return tensor.item() if tensor.dim() == 0 else tensor.tolist()
 
 
+_control: tuple[Any, Any] | None = None     # (the default group it was made for, its gloo group)
+
+
+def _control_group() -> Any:
+    """A gloo group of all ranks for ddpkit's own small CPU collectives, made on first use (by
+    every rank at once) and again after a new default group."""
+    global _control
+    world = dist.group.WORLD
+    if _control is None or _control[0] is not world:
+        _control = (world, dist.new_group(backend="gloo"))
+    return _control[1]
+
+
+def any_rank(flag: bool, main_value: int = 0) -> tuple[bool, int]:
+    """(whether ``flag`` is True on any rank, rank 0's ``main_value``), the same on every rank.
+
+    One int64 all-reduce on a gloo group of ddpkit's own, so it never waits for a GPU; every rank
+    must call it.
+    """
+    if world_size() == 1:
+        return bool(flag), int(main_value)
+    tensor = torch.tensor([1 if flag else 0, int(main_value) if rank() == 0 else 0], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group())
+    return bool(tensor[0].item()), int(tensor[1].item())
+
+
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -263,25 +264,81 @@ def _thread_env(nproc_per_node: int, extra: Mapping[str, str] = {}) -> Iterator[
                 os.environ[key] = value
 
 
+def _own_signals() -> bool:
+    """Whether torchrun can leave SIGTERM and SIGUSR1 to ddpkit (``--signals-to-handle``, torch >= 2.9)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def _signal_args() -> list[str]:
+    """torchrun's signals, less SIGTERM and SIGUSR1, which ``ddpkit run`` handles itself (given
+    only where it installed its handlers: :func:`ddpkit.dist.preemption.pass_on`).
+
+    ``ddpkit run`` notes a preemption signal for its workers, then stops the agent as torch's own
+    handler does: the agent sends that signal (SIGTERM or SLURM's SIGUSR1) to every worker and
+    gives them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) to save
+    (:mod:`ddpkit.dist.preemption`). With an older torch, torch handles SIGTERM as before.
+    """
+    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"]
+
+
 def run(spec: RunSpec) -> int:
-    """Start ``spec`` under torch's elastic agent and wait; returns the exit code."""
+    """Start ``spec`` under torch's elastic agent and wait; returns the exit code.
+
+    A job stopped by SIGTERM or SIGUSR1 whose workers saved a checkpoint for it returns
+    :data:`ddpkit.dist.preemption.EXIT_CODE` (75); stopped before they saved, 128 + the signal.
+    """
+    import shutil
+    import tempfile
+
     validate(spec)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torch_run
 
+    from ddpkit._torch import elastic_signal_exception
+    from ddpkit.dist import preemption
+
     nnodes, _, master, _ = _placement(spec, detect())
     store = rendezvous_store(spec)           # kept alive (and listening) until the run ends
     nproc = spec.nproc_per_node or default_nproc()
-    with private_job(nnodes, master) as (directory, worker_env):
-        argv = torchrun_args(spec, store_port=store.port if store is not None else None, store_dir=directory)
-        with _thread_env(nproc, {**AGENT_ENV, **worker_env, **spec.extra_env}):
-            try:
-                torch_run(parse_args(argv))
-            except ChildFailedError as exc:
-                rank, failure = _root_failure(exc.failures)
-                sys.stderr.write(f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n")
-                return 1
+    notes = tempfile.mkdtemp(prefix="ddpkit-run-")       # mode 0700: the preemption notice and marker
+    marker = os.path.join(notes, "preempted-save-done")
+    notice = os.path.join(notes, "preemption-signal")
+    notes_env = {preemption.MARKER_ENV: marker}
+    undo = None
+    if _own_signals() and threading.current_thread() is threading.main_thread():
+        undo = preemption.pass_on(notice)
+        notes_env[preemption.NOTICE_ENV] = notice
+    try:
+        with private_job(nnodes, master) as (directory, worker_env):
+            argv = torchrun_args(spec, store_port=store.port if store is not None else None, store_dir=directory)
+            if undo is not None:
+                argv = _signal_args() + argv
+            with _thread_env(nproc, {**AGENT_ENV, **worker_env, **spec.extra_env, **notes_env}):
+                try:
+                    torch_run(parse_args(argv))
+                except ChildFailedError as exc:
+                    codes = {getattr(f, "exitcode", None) for f in exc.failures.values()}
+                    if codes == {preemption.EXIT_CODE}:
+                        sys.stderr.write("ddpkit run: the workers were preempted and saved a checkpoint; "
+                                         f"exit code {preemption.EXIT_CODE} (a resume continues from it)\n")
+                        return preemption.EXIT_CODE
+                    rank, failure = _root_failure(exc.failures)
+                    sys.stderr.write(f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n")
+                    # every rank that exited by itself refused its input (argparse, ddpkit's one-line
+                    # usage errors): a usage error, exit 2 too
+                    own = {f.exitcode for f in exc.failures.values() if (getattr(f, "exitcode", None) or 0) > 0}
+                    return 2 if own == {2} else 1
+                except elastic_signal_exception() as exc:
+                    return preemption.stopped(exc.sigval, os.path.exists(marker), notice)
+    finally:
+        if undo is not None:
+            undo()
+        shutil.rmtree(notes, ignore_errors=True)
     return 0
 
 

@@ -29,6 +29,7 @@ class LoopState:
         self.micro_step = 0          # batches into the open accumulation group
         self.group: tuple[int, float] = (1, 1.0)   # (batches, divisor) of that group
         self.resumed_from: str | None = None
+        self.resumed_step: int | None = None        # the step the loaded checkpoint was saved at
         self.not_bitwise: str | None = None         # why a resume of this run is not bitwise
         self._loaders: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
@@ -104,7 +105,7 @@ class LoopState:
     def restore(self, saved: dict[str, Any], *, source: str, strict: bool = True) -> None:
         """Continue from ``saved``: the next epoch if it ended, else mid-epoch where it stood."""
         self.resumed_from, self._strict = source, strict
-        self.step = int(saved["step"])
+        self.step = self.resumed_step = int(saved["step"])
         self.epoch = int(saved["epoch"]) + (1 if saved["epoch_done"] else 0)
         self.micro_step = int(saved.get("micro_step", 0))
         self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
@@ -156,6 +157,11 @@ class RunState:
     """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
+    preemption: Any = None
+    """The run's :class:`~ddpkit.dist.preemption.Preemption` (None: signals are not caught)."""
+    tracking: Any = None
+    """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into
+    checkpoints, and a save sends them the rows it covers."""
 
     def adopt(self, model: Any, optimizer: Any = None, *, compressor: Any = None, buffers: Any = None,
               not_bitwise: str | None = None) -> int:

@@ -73,9 +73,46 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         for syncer in run.compressors:          # an infrequent sync counts the step, and meets every H
             if hasattr(syncer, "after_step"):
                 syncer.after_step()
+        _agree_on_preemption(run)
     if not run.uses_backward:
         run.precision.flush()        # no rt.backward will come to apply the scaler update
     return stepped
+
+
+PREEMPTION_CHECK_S = 1.0
+"""About how often (seconds of training) the ranks ask one another whether one got a preemption signal."""
+
+
+def _agree_on_preemption(run: RunState) -> None:
+    """At a step boundary about once a second, every rank learns whether any rank got a preemption signal.
+
+    One small all-reduce at the step boundaries that rank 0 schedules: the answer carries when to
+    ask next (about :data:`PREEMPTION_CHECK_S` of rank 0's steps later), so every rank asks at the
+    same steps and gets the same answer, and a fast step never pays for the question.
+    """
+    import time
+
+    watch = run.preemption
+    if watch is None or watch.agreed:
+        return
+    watch.armed = True          # from the first step on, a signal waits for a step boundary
+    if collectives.world_size() == 1:       # nobody to ask: the next step boundary
+        watch.agreed = watch.received is not None
+        return
+    step = run.loop.step
+    if step < watch.next_check:
+        return
+    now = time.monotonic()
+    every = 1
+    if watch.checked_at is not None and step > watch.checked_step:
+        seconds_a_step = max(1e-6, (now - watch.checked_at) / (step - watch.checked_step))
+        every = max(1, min(1000, int(PREEMPTION_CHECK_S / seconds_a_step)))
+    agreed, every = collectives.any_rank(watch.received is not None, every)
+    watch.checked_at, watch.checked_step, watch.next_check = now, step, step + max(1, every)
+    if agreed:
+        watch.agreed = True
+        if watch.received is None:
+            watch.received = -1     # another rank's signal
 
 
 def clip_grad_norm_(run: RunState, model: torch.nn.Module, max_norm: float,

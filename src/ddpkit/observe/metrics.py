@@ -40,7 +40,7 @@ class MetricsLogger:
         resume: Keep the rows of an existing ``metrics.jsonl`` and append to them, instead
             of starting fresh.
         resume_step: With ``resume``, drop rows logged after this step: they belong to work a
-            crash undid, and the resumed run logs them again.
+            crash undid, and the resumed run logs them again (TensorBoard purges them too).
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, enabled: bool = True,
@@ -69,7 +69,9 @@ class MetricsLogger:
         self._rewrite_csv()
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if tensorboard:
-            self._writer = _summary_writer(self.out_dir / "tensorboard")
+            # TensorBoard hides the events of steps after the resumed one that an earlier attempt wrote.
+            purge = resume_step + 1 if resume and resume_step is not None else None
+            self._writer = _summary_writer(self.out_dir / "tensorboard", purge)
 
     # -- paths and rows -----------------------------------------------------------------
     @property
@@ -254,7 +256,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _summary_writer(log_dir: Path) -> Any:
+def _summary_writer(log_dir: Path, purge_step: int | None = None) -> Any:
     """A TensorBoard SummaryWriter, or None (with one warning) when TensorBoard cannot load."""
     global _TB_WARNED
     try:
@@ -265,7 +267,7 @@ def _summary_writer(log_dir: Path) -> Any:
             warn(f"TensorBoard logging is off ({exc}); install it with "
                  "`pip install tensorboard` or `pip install ddpkit[train]`")
         return None
-    return SummaryWriter(log_dir=str(log_dir))
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
 __all__ = ["MetricsLogger", "as_floats"]

@@ -89,6 +89,16 @@ class TrainConfig:
     each rank is and the stuck rank's stack, and exits (code 124) instead of waiting for the
     collective timeout. Must exceed the longest step, evaluation or save. None (the default): no
     watchdog."""
+    tracker: str | None = None
+    """Experiment trackers, comma-separated: tensorboard, wandb, mlflow (default: tensorboard).
+    W&B and MLflow continue the same run on every restart, requeue and --resume, each step once;
+    they get a step's row once a checkpoint covers it. MLflow's store: MLFLOW_TRACKING_URI, else
+    OUT/mlflow.db; W&B offline with WANDB_MODE=offline."""
+    run_name: str | None = None
+    """The run's name in W&B and MLflow."""
+    log_every: int = 0
+    """Also log train_loss_step (the batch's loss, averaged over ranks) every this many optimizer
+    steps (0: only the epoch's train_loss)."""
     eval_batch: int = 256
     """Batch size of the per-epoch evaluation."""
     synthetic_size: int = 2048
@@ -238,6 +248,10 @@ def check(config: TrainConfig) -> None:
     if config.lr <= 0:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     check_timeout(config.hang_timeout, flag="--hang-timeout")
+    if config.tracker is not None:
+        from ddpkit.observe.trackers import names
+
+        names(config.tracker)
 
 
 def probe(config: TrainConfig) -> None:
@@ -262,6 +276,12 @@ def probe(config: TrainConfig) -> None:
         check_fsdp(grad_compression=config.grad_compression, compile=False, sync_batchnorm=config.sync_bn,
                    ddp_kwargs={}, model=build_model(config.model, num_classes=10, in_channels=3, image_size=32))
     _check_out(config)
+    if config.tracker is not None:       # what rank 0's init would refuse, before any process starts
+        from ddpkit.observe.trackers import names, problem
+
+        found = problem(names(config.tracker), config.out)
+        if found:
+            raise UsageError(found)
 
 
 def _check_counts(config: TrainConfig) -> None:
@@ -269,7 +289,7 @@ def _check_counts(config: TrainConfig) -> None:
     for name in ("nproc", "epochs", "eval_batch", "synthetic_size"):
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name in ("workers", "checkpoint_every", "max_restarts"):
+    for name in ("workers", "checkpoint_every", "max_restarts", "log_every"):
         if getattr(config, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(config, name)}")
     if config.keep_checkpoints < 1:

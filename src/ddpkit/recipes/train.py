@@ -66,6 +66,11 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     return train, test, model, optimizer, loader, config
 
 
+def tracked_config(config: TrainConfig) -> dict[str, Any]:
+    """The run's whole configuration as the trackers record it (what ``--config-json`` holds)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
+
+
 def sync_bn_default(config: TrainConfig, model: torch.nn.Module, world_size: int) -> bool:
     """``--sync-bn`` when not given: on where DDP trains a model with BatchNorm on several processes.
 
@@ -84,7 +89,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     started = time.perf_counter()
     rt = ddpkit.init(seed=config.seed, precision=config.precision, out_dir=config.out,
                      keep_checkpoints=config.keep_checkpoints, hang_timeout=config.hang_timeout,
-                     checkpoint_dir=Path(config.out) / "checkpoints", resume=config.resume)
+                     checkpoint_dir=Path(config.out) / "checkpoints", resume=config.resume,
+                     trackers=config.tracker, run_name=config.run_name, config=tracked_config(config))
     train_info, test_info, model, optimizer, loader, config = build(config, rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
     resumed = rt.resume(state)
@@ -107,8 +113,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 if bar.active:
                     rate = seen / max(1e-9, train_seconds + time.perf_counter() - epoch_start)
                     bar.update(1, epoch=epoch, loss=f"{loss.item():.4f}", **{"samples/s": f"{rate:.0f}"})
-                if config.checkpoint_every and rt.global_step % config.checkpoint_every == 0:
-                    final_checkpoint = rt.checkpoint(state)
+                if config.log_every and rt.global_step % config.log_every == 0:
+                    rt.log({"train_loss_step": loss.detach()})
+                if rt.preempted or (config.checkpoint_every and rt.global_step % config.checkpoint_every == 0):
+                    final_checkpoint = rt.checkpoint(state)      # preempted: saves, then exits 75
             train_seconds += time.perf_counter() - epoch_start
             metrics = _evaluate(rt, model, test_info, config)
             train_loss = float(rt.all_reduce(loss_sum)) / max(1, len(train_info.dataset))
@@ -135,6 +143,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "test_count": metrics["count"], "wall_seconds": time.perf_counter() - started,
         "train_seconds": train_seconds, "samples_per_second": seen / train_seconds if train_seconds else 0.0,
         "final_checkpoint": str(final_checkpoint) if final_checkpoint else None,
+        "trackers": dict(rt.run.tracking.ids) if rt.run.tracking is not None else {},
     }
     rt.heartbeat("save")
     if rt.is_main:

@@ -56,6 +56,8 @@ class Runtime:
         self._logger: Any = None
         self._local_first_count = 0
         self._closed = False
+        self.failed = False          # an uncaught exception ended the script (set by init's hook)
+        self._outcome: str | None = None     # "KILLED" after a preempted save
         self._on_close: Callable[["Runtime"], None] | None = None     # init's: forget the current runtime
 
     @property
@@ -125,6 +127,22 @@ class Runtime:
     @global_step.setter
     def global_step(self, value: int) -> None:
         self.run.loop.step = value
+
+    @property
+    def preempted(self) -> bool:
+        """True on every rank, from the same step on, once any rank got SIGTERM (or SLURM's SIGUSR1).
+
+        A save-and-exit is coming: ``ddpkit train`` saves by itself; a loop of your own saves with
+        :meth:`checkpoint` (or :meth:`save`), which then ends the process with exit code 75
+        (:data:`ddpkit.dist.preemption.EXIT_CODE`) once the checkpoint is on disk. Restart the
+        job with ``resume="auto"`` (a requeued SLURM job does) to continue where it stopped.
+
+        Example:
+            >>> rt.step(optimizer)                               # doctest: +SKIP
+            >>> if rt.preempted:                                 # doctest: +SKIP
+            ...     rt.checkpoint({"model": model, "optimizer": optimizer})   # saves, then exits 75
+        """
+        return self.run.preemption is not None and self.run.preemption.agreed
 
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         """``print`` on rank 0 only (every rank, prefixed, with ``all_ranks=True``), one whole line at a time."""
@@ -326,9 +344,14 @@ class Runtime:
             if self._logger is None:
                 # Rows after the step we resumed from belong to work a crash undid; a fresh run
                 # (nothing loaded) starts its files anew.
+                chosen = self.settings.trackers
                 self._logger = MetricsLogger(self.out_dir, resume=self.loop.resumed_from is not None,
-                                             resume_step=self.global_step)
-            self._logger.log(values, step=self.global_step if step is None else step)
+                                             resume_step=self.loop.resumed_step,
+                                             tensorboard=chosen is None or "tensorboard" in chosen)
+            at = self.global_step if step is None else step
+            self._logger.log(values, step=at)
+            if self.run.tracking is not None:
+                self.run.tracking.log({"step": at, **values})
         return values
 
     def plot_loss(self) -> Path | None:
@@ -343,7 +366,22 @@ class Runtime:
         writes atomically; if the write fails, every rank raises. A directory ``path`` gets
         ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
         """
-        return resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
+        saved = resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
+        if self.preempted:
+            self._exit_preempted(saved)
+        return saved
+
+    def _exit_preempted(self, saved: Path) -> None:
+        """The preempted save is on disk: tell the launcher, end the tracker runs, exit with 75."""
+        from ddpkit.dist import preemption
+
+        if self.is_local_main:
+            preemption.mark_saved()
+        self.print(f"ddpkit: preempted ({self.run.preemption.name}); saved {saved} at step {self.global_step}, "
+                   f"exiting with code {preemption.EXIT_CODE} (resume='auto' continues from it)", flush=True)
+        self._outcome = "KILLED"
+        self.close()
+        raise SystemExit(preemption.EXIT_CODE)
 
     def load(self, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
         """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
@@ -380,6 +418,10 @@ class Runtime:
             self._watchdog = None
         if self._logger is not None:
             self._logger.close()
+        if self.run.tracking is not None:
+            self.run.tracking.close(self._outcome or ("FAILED" if self.failed else "FINISHED"))
+        if self.run.preemption is not None:
+            self.run.preemption.uninstall()
         heartbeats.set_target(None)
         process_group.destroy()
         if self._on_close is not None:

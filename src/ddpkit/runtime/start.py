@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from ddpkit import rng
 from ddpkit.observe import heartbeats, watchdog
-from ddpkit.dist import collectives, process_group, store_sync
+from ddpkit.observe import trackers as trackers_mod
+from ddpkit.dist import collectives, preemption, process_group, store_sync
 from ddpkit.dist.environment import Environment, detect
 from ddpkit.errors import UsageError
 from ddpkit.loop.precision import Precision
@@ -46,15 +50,26 @@ class Settings:
     resume: str | None = None
     hang_timeout: float | None = None
     save_timeout: float = DEFAULT_SAVE_TIMEOUT_S
+    trackers: tuple[str, ...] | None = None
+    """The trackers named (None: the default, TensorBoard where it is installed)."""
+    run_name: str | None = None
+    config: Any = None
 
     def check(self) -> None:
         """Refuse bad settings in one line, before any process group work.
 
         Raises:
-            UsageError: an unknown precision, ``resume="auto"`` without a ``checkpoint_dir``, or a
-                ``hang_timeout`` that is not a positive number of seconds.
+            UsageError: an unknown precision, ``resume="auto"`` without a ``checkpoint_dir``, a
+                ``hang_timeout`` that is not a positive number of seconds, or W&B or MLflow
+                without an ``out_dir``.
         """
         Precision(self.precision, torch.device("cpu"))
+        remote = [name for name in self.trackers or () if name in trackers_mod.REMOTE]
+        if remote and self.out_dir is None:
+            raise UsageError(f"trackers={tuple(self.trackers)!r} need ddpkit.init(out_dir=...): "
+                             "their files and ddpkit's metrics go there")
+        if self.config is not None and not isinstance(self.config, Mapping):
+            raise UsageError(f"config must be a mapping of names to values, got {type(self.config).__name__}")
         if self.resume == "auto" and self.checkpoint_dir is None:
             raise UsageError("resume='auto' needs checkpoint_dir=... to look in")
         watchdog.check_timeout(self.hang_timeout)
@@ -73,6 +88,9 @@ def init(
     resume: str | os.PathLike | None = None,
     hang_timeout: float | None = None,
     save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+    trackers: str | Sequence[str] | None = None,
+    run_name: str | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> Runtime:
     """Learn our place from the launcher, pick device and backend, and join the process group.
 
@@ -93,19 +111,29 @@ def init(
             rank exits with code 124 (see :mod:`ddpkit.observe.watchdog`). None: no watchdog.
         save_timeout: seconds ``rt.save`` and ``rt.load`` wait for every rank to arrive before
             failing with one line that names the missing ranks (e.g. a save under ``if rt.is_main``).
+        trackers: where :meth:`Runtime.log` also writes, from rank 0: any of ``"tensorboard"``
+            (the default), ``"wandb"`` and ``"mlflow"`` (a list, or ``"a,b"``; ``()`` for none).
+            Each is its own library, an optional extra (``pip install ddpkit[wandb]``); a resumed
+            run continues the same tracker run with every step once
+            (:mod:`ddpkit.observe.trackers`).
+        run_name: the run's name in W&B and MLflow.
+        config: the run's hyperparameters, recorded by the trackers with ``init``'s settings,
+            the world size, ddpkit's and torch's versions and the git commit.
 
     Returns:
         The :class:`Runtime`; calling ``init`` again with the same settings returns the same one
         until it is closed.
 
     Raises:
-        UsageError: ``init`` was already called with other settings and not closed.
+        UsageError: ``init`` was already called with other settings and not closed; a tracker
+            unknown, not installed or unable to start (on every rank, before any training).
     """
     global _current
     settings = Settings(seed=seed, precision=precision, backend=backend, device=device, timeout=timeout,
                         out_dir=_text(out_dir), keep_checkpoints=keep_checkpoints,
                         checkpoint_dir=_text(checkpoint_dir), resume=_text(resume), hang_timeout=hang_timeout,
-                        save_timeout=save_timeout)
+                        save_timeout=save_timeout, trackers=None if trackers is None else trackers_mod.names(trackers), run_name=run_name,
+                        config=None if config is None else dict(config) if isinstance(config, Mapping) else config)
     if _current is not None and not _current._closed:
         _same_settings(_current.settings, settings)
         return _current
@@ -113,7 +141,17 @@ def init(
     env, chosen_device, chosen_backend = join(settings)
     if seed is not None:
         rng.seed_everything(seed)
+    _start_trackers(settings, env)
     runtime = Runtime(env, chosen_device, chosen_backend, settings)
+    runtime.run.preemption = preemption.Preemption()
+    runtime.run.preemption.install()
+    if env.rank == 0 and settings.out_dir is not None:
+        runtime.run.tracking = trackers_mod.Remote(
+            settings.trackers or (), settings.out_dir, run_name=run_name,
+            config=trackers_mod.run_config(asdict(settings), settings.config, env.world_size),
+            deferred=settings.checkpoint_dir is not None)
+        runtime.run.tracking.outcome = lambda: runtime._outcome or ("FAILED" if runtime.failed else "FINISHED")
+    _watch_failures(runtime)
     if hang_timeout is not None:
         runtime._watchdog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
         heartbeats.set_target(runtime)
@@ -137,6 +175,31 @@ def join(settings: Settings) -> tuple[Environment, torch.device, str]:
         process_group.init(env, backend, device, settings.timeout)
         store_sync.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
     return env, device, backend
+
+
+def _start_trackers(settings: Settings, env: Environment) -> None:
+    """Rank 0 tries each tracker; every rank refuses in one line when one cannot start."""
+    if not settings.trackers:        # the default: TensorBoard where it loads, with a warning where not
+        return
+    found = trackers_mod.problem(settings.trackers, settings.out_dir) if env.rank == 0 else None
+    if env.distributed:
+        found = collectives.broadcast_object(found)
+    if found:
+        if env.distributed:
+            process_group.destroy()
+        raise UsageError(found)
+
+
+def _watch_failures(runtime: Runtime) -> None:
+    """Note an uncaught exception, so ``close`` at exit ends the tracker runs as failed."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
+        if not issubclass(kind, SystemExit):
+            runtime.failed = True
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
 
 
 def current() -> Runtime | None:

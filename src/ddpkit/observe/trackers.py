@@ -1,0 +1,355 @@
+"""Experiment trackers: Weights & Biases, MLflow and TensorBoard, one run however often it stops.
+
+``ddpkit.init(trackers=("tensorboard", "wandb", "mlflow"))`` sends every row of ``rt.log`` to
+each tracker named, from global rank 0 only, through the tracker's own library. What makes it one
+experiment across crashes, ``--max-restarts``, SLURM requeues and ``--resume``:
+
+- **One run.** Each tracker's run id is saved in every checkpoint. A run that loads a checkpoint
+  continues those runs (W&B ``resume="allow"`` with the saved id, MLflow ``start_run(run_id)``);
+  it never opens a second one.
+- **Every step once.** W&B and MLflow cannot take back a value once sent (W&B refuses steps below
+  its last; MLflow keeps both values of a step). So, in a run that checkpoints, ddpkit sends them
+  a row only once a checkpoint that covers its step is on disk, and the rest when the run ends.
+  A crash loses no row they hold, and the resumed attempt sends the steps after the checkpoint
+  for the first time. Their charts run up to one checkpoint behind ``metrics.jsonl`` and
+  TensorBoard. A run with no ``checkpoint_dir`` sends rows at once until its first ``rt.save``.
+- TensorBoard and ddpkit's ``metrics.jsonl``/``metrics.csv`` are written at once and rewound on
+  resume (TensorBoard's ``purge_step``; the JSONL and CSV drop the rows after the checkpoint).
+
+A tracker that is unknown, not installed, or cannot start (an MLflow URI that does not open, W&B
+online without credentials) is refused in one line at ``init`` (:func:`problem`). One that fails
+later warns once and is left out; the local files still hold everything.
+
+Example:
+    >>> names("wandb,mlflow")
+    ('wandb', 'mlflow')
+    >>> names(())
+    ()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import UsageError, one_line, warn
+
+NAMES = ("tensorboard", "wandb", "mlflow")
+"""The trackers ``init(trackers=...)`` and ``ddpkit train --tracker`` take."""
+DEFAULT = ("tensorboard",)
+"""What ``init`` writes when ``trackers`` is not given (besides ``metrics.jsonl`` and ``.csv``)."""
+REMOTE = ("wandb", "mlflow")
+"""Trackers that receive a row once a checkpoint covers it (see the module's text)."""
+PROJECT = "ddpkit"
+"""The W&B project and MLflow experiment, unless ``WANDB_PROJECT``/``MLFLOW_EXPERIMENT_NAME`` say another."""
+
+_INSTALL = {"wandb": "pip install 'ddpkit[wandb]'", "mlflow": "pip install 'ddpkit[mlflow]'",
+            "tensorboard": "pip install 'ddpkit[train]'"}
+
+
+def names(trackers: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The trackers of ``init(trackers=...)`` or ``--tracker a,b``, checked and without repeats.
+
+    Raises:
+        UsageError: a name that is not one of :data:`NAMES`.
+    """
+    if trackers is None:
+        return DEFAULT
+    items = [t.strip() for t in trackers.split(",")] if isinstance(trackers, str) else list(trackers)
+    chosen: list[str] = []
+    for item in items:
+        if item == "" and isinstance(trackers, str):
+            continue
+        if item not in NAMES:
+            raise UsageError(f"unknown tracker {item!r}; choose from {', '.join(NAMES)}")
+        if item not in chosen:
+            chosen.append(item)
+    return tuple(chosen)
+
+
+def mlflow_uri(out_dir: str | os.PathLike) -> str:
+    """MLflow's tracking URI: ``MLFLOW_TRACKING_URI``, else a SQLite store ``out_dir/mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(out_dir).resolve() / 'mlflow.db'}"
+
+
+def problem(chosen: Sequence[str], out_dir: str | os.PathLike | None) -> str | None:
+    """Why one of ``chosen`` cannot start here, in one line; None when all can.
+
+    Imports each library and, for MLflow, opens its store (creating a local one); for W&B online,
+    looks for credentials without asking for them. Run on global rank 0 only.
+    """
+    if chosen and out_dir is None:
+        return f"trackers {', '.join(chosen)} need ddpkit.init(out_dir=...) (their files go there)"
+    for name in chosen:
+        try:
+            if name == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            elif name == "wandb":
+                import wandb
+            else:
+                import mlflow  # noqa: F401
+        except Exception as exc:     # ImportError, or a broken install of the library
+            return f"tracker {name!r} is not installed ({one_line(str(exc), 80)}): {_INSTALL[name]}"
+        if name == "wandb" and _wandb_online() and not wandb.login(prompt=False, verify=False):
+            return ("tracker 'wandb' runs online but no W&B API key is set: run `wandb login`, "
+                    "set WANDB_API_KEY, or set WANDB_MODE=offline")
+        if name == "mlflow":
+            assert out_dir is not None
+            uri = mlflow_uri(out_dir)
+            _quiet_mlflow()
+            try:
+                from mlflow.tracking import MlflowClient
+
+                with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="15"):
+                    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            except Exception as exc:
+                return (f"tracker 'mlflow' cannot open tracking URI {uri!r} ({one_line(str(exc), 120)}); "
+                        "set MLFLOW_TRACKING_URI to a store this machine can reach")
+    return None
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set the variables the user did not set, for the block (a server that is down answers at once)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _quiet_mlflow() -> None:
+    """MLflow's local store announces every table it creates at INFO; keep its warnings only."""
+    import logging
+
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _wandb_online() -> bool:
+    return os.environ.get("WANDB_MODE", "online").lower() not in ("offline", "disabled", "dryrun")
+
+
+def run_config(settings: Mapping[str, Any], config: Mapping[str, Any] | None, world_size: int) -> dict[str, Any]:
+    """What a tracker records as the run's params: ``init``'s settings, ``config=``, the world size,
+    ddpkit's and torch's versions and the git commit of the working directory, if any."""
+    import torch
+
+    from ddpkit._version import __version__
+
+    found: dict[str, Any] = {f"ddpkit.{k}": v for k, v in settings.items() if k != "config"}
+    found.update({"world_size": world_size, "ddpkit_version": __version__, "torch_version": torch.__version__})
+    commit = _git_commit()
+    if commit:
+        found["git_commit"] = commit
+    found.update(dict(config or {}))
+    return found
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+class Remote:
+    """The W&B and MLflow runs of one experiment, on global rank 0 (see the module's text).
+
+    Args:
+        chosen: the trackers named in ``init`` (only those in :data:`REMOTE` are handled here).
+        out_dir: where W&B's files and the default MLflow store go.
+        run_name: the run's display name in both trackers.
+        config: the run's params (:func:`run_config`).
+        deferred: hold rows until a checkpoint covers them (a run with a ``checkpoint_dir``).
+    """
+
+    def __init__(self, chosen: Sequence[str], out_dir: str | os.PathLike, *, run_name: str | None = None,
+                 config: Mapping[str, Any] | None = None, deferred: bool = False) -> None:
+        self.chosen = tuple(name for name in chosen if name in REMOTE)
+        self.out_dir = Path(out_dir)
+        self.run_name = run_name
+        self.config = dict(config or {})
+        self.deferred = deferred
+        self.ids: dict[str, str] = {}           # tracker -> its run id, once known
+        self.resumed = False
+        self._pending: list[dict[str, Any]] = []
+        self._open: dict[str, Any] = {}         # tracker -> its run (W&B) or client (MLflow)
+        self._failed: set[str] = set()
+        self._closed = False
+        self.outcome: Any = lambda: "FINISHED"
+        """Called at exit for how the run ended (the runtime sets it: ``"FAILED"`` after an uncaught exception)."""
+        if "wandb" in self.chosen:
+            self.ids["wandb"] = uuid.uuid4().hex[:12]     # chosen now: checkpoints hold it from the start
+
+    @property
+    def active(self) -> bool:
+        """Whether any W&B or MLflow tracker is named."""
+        return bool(self.chosen)
+
+    # -- rows --------------------------------------------------------------------------
+    def log(self, row: Mapping[str, Any]) -> None:
+        """Queue ``row`` (``step`` and metrics); sent now unless the run defers to its checkpoints."""
+        if not self.active:
+            return
+        self._pending.append(dict(row))
+        if not self.deferred:
+            self._send(lambda row: True)
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of ``step`` is on disk: send every row up to it, and defer from now on."""
+        if not self.active:
+            return
+        self.deferred = True
+        self._send(lambda row: row["step"] <= step)
+
+    def state_dict(self) -> dict[str, str]:
+        """The run ids a checkpoint keeps; opens the runs whose id only the tracker can give (MLflow)."""
+        if not self.active:
+            return {}
+        for name in self.chosen:
+            if name not in self._failed:
+                self._opened(name)
+        return dict(self.ids)
+
+    def load_state_dict(self, ids: Mapping[str, str] | None, step: int) -> None:
+        """Continue the runs of a loaded checkpoint at ``step``: later queued rows belong to undone work."""
+        self.resumed = True
+        self._pending = [row for row in self._pending if row["step"] <= step]
+        for name, run_id in (ids or {}).items():
+            if name not in self.chosen:
+                continue
+            if name in self._open and self.ids.get(name) != run_id:
+                warn(f"tracker {name!r}: a run was opened before the checkpoint was loaded; "
+                     "load before the first save to continue the checkpoint's run")
+                continue
+            self.ids[name] = str(run_id)
+
+    def close(self, outcome: str = "FINISHED") -> None:
+        """End the runs: W&B ``finish``, MLflow's status ``outcome``.
+
+        ``"FINISHED"`` (the script ended) sends every queued row first. ``"FAILED"`` (an uncaught
+        exception) and ``"KILLED"`` (preempted) keep the rows after the last checkpoint back in a
+        run that defers: the attempt that resumes from that checkpoint logs those steps again.
+        """
+        if not self.active or self._closed:
+            return
+        self._closed = True
+        if outcome == "FINISHED" or not self.deferred:
+            self._send(lambda row: True)
+        for name in list(self._open):
+            self._call(name, self._finish, name, outcome)
+        self._open.clear()
+
+    # -- the trackers -------------------------------------------------------------------
+    def _send(self, due: Any) -> None:
+        ready = [row for row in self._pending if due(row)]
+        if not ready:
+            return
+        self._pending = [row for row in self._pending if not due(row)]
+        for name in self.chosen:
+            if name not in self._failed:
+                self._call(name, self._write, name, ready)
+
+    def _call(self, name: str, fn: Any, *args: Any) -> None:
+        """Call ``fn``; a failure warns once, and the tracker is left out for the rest of the run."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._failed.add(name)
+            self._open.pop(name, None)
+            warn(f"tracker {name!r} failed ({one_line(str(exc), 160)}); it gets no more rows in this run, "
+                 "metrics.jsonl and metrics.csv still hold every row")
+
+    def _opened(self, name: str) -> Any:
+        if name not in self._open:
+            try:
+                self._open[name] = self._start_wandb() if name == "wandb" else self._start_mlflow()
+            except Exception as exc:
+                self._failed.add(name)
+                warn(f"tracker {name!r} could not start ({one_line(str(exc), 160)}); "
+                     "metrics.jsonl and metrics.csv hold every row")
+                return None
+        return self._open[name]
+
+    def _start_wandb(self) -> Any:
+        import wandb
+
+        import atexit
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), id=self.ids["wandb"], resume="allow",
+                         name=self.run_name, dir=str(self.out_dir), config=self.config, allow_val_change=True,
+                         reinit="create_new", mode=os.environ.get("WANDB_MODE") or None)
+        # wandb tears its service down at exit; registered after its hook, this ends our run first
+        atexit.register(lambda: self.close(self.outcome()))
+        return run
+
+    def _start_mlflow(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        _quiet_mlflow()
+        client = MlflowClient(tracking_uri=mlflow_uri(self.out_dir))
+        run_id = self.ids.get("mlflow")
+        if run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+            found = client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found is not None else client.create_experiment(name)
+            run_id = client.create_run(experiment, run_name=self.run_name).info.run_id
+            self.ids["mlflow"] = run_id
+        else:
+            client.update_run(run_id, status="RUNNING")
+        self._mlflow_params(client, run_id)
+        return client
+
+    def _mlflow_params(self, client: Any, run_id: str) -> None:
+        """Log the params a resumed run does not hold yet; MLflow's params cannot change once set."""
+        from mlflow.entities import Param
+
+        held = client.get_run(run_id).data.params
+        changed = [k for k, v in self.config.items() if k in held and held[k] != _param(v)]
+        if changed:
+            warn(f"tracker 'mlflow': params {', '.join(changed[:5])} differ from the run's first attempt; "
+                 "MLflow keeps the first values")
+        params = [Param(k, _param(v)) for k, v in self.config.items() if k not in held]
+        for start in range(0, len(params), 100):
+            client.log_batch(run_id, params=params[start:start + 100])
+
+    def _write(self, name: str, rows: list[dict[str, Any]]) -> None:
+        handle = self._opened(name)
+        if handle is None:
+            return
+        if name == "wandb":
+            for row in rows:
+                handle.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        else:
+            import time
+
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, float(v), now, row["step"]) for row in rows for k, v in row.items() if k != "step"]
+            for start in range(0, len(metrics), 1000):
+                handle.log_batch(self.ids["mlflow"], metrics=metrics[start:start + 1000])
+
+    def _finish(self, name: str, outcome: str) -> None:
+        handle = self._open[name]
+        if name == "wandb":
+            handle.finish(exit_code=0 if outcome == "FINISHED" else 1)
+        else:
+            handle.set_terminated(self.ids["mlflow"], status=outcome)
+
+
+def _param(value: Any) -> str:
+    return str(value)[:6000]
+
+
+__all__ = ["DEFAULT", "NAMES", "REMOTE", "Remote", "mlflow_uri", "names", "problem", "run_config"]
