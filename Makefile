@@ -7,7 +7,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-slow test-gpu install clean
+DOCS_STAMP := $(VENV)/.docs-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+
+.PHONY: demo test test-slow test-gpu install clean docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +37,18 @@ test-gpu: $(STAMP)
 		'make test-gpu: torch ' + torch.__version__ + ' sees no CUDA GPU (CPU wheel, or no driver)')"
 	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
 
+$(DOCS_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e '.[docs]'
+	rm -f $(VENV)/.docs-* && touch $(DOCS_STAMP)
+
+# The manual, into site/, in strict mode: a warning (a broken link or reference, a docstring that
+# does not render) fails the build. docs/conf.py says what "strict" lets through.
+docs: $(DOCS_STAMP)
+	rm -rf site
+	$(PY) -m sphinx -W -n --keep-going -q -b html docs site
+
+docs-serve: docs
+	$(PY) -m http.server --directory site 8000
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -192,7 +192,8 @@ def _links(text: str) -> tuple[float, ...]:
     return values
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit bench`` (read by :func:`parse_settings`)."""
     d = Settings()
     parser = Parser(prog="ddpkit bench", description="Measure throughput, scaling, memory and where "
                      "each step's time goes, per mode, in fresh processes; writes bench.json, bench.md "
@@ -243,7 +244,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     Raises:
         UsageError: unknown flag or mode, or a count out of range.
     """
-    opts = _parser().parse_args(argv)
+    opts = parser().parse_args(argv)
     modes = tuple(dict.fromkeys(m.strip() for m in opts.modes.split(",")))
     unknown = [m for m in modes if m not in MODES]
     if unknown:

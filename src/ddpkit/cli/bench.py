@@ -5,9 +5,17 @@ The flags are :func:`ddpkit.bench.plan.parse_settings`'s; the work is :mod:`ddpk
 
 from __future__ import annotations
 
+import argparse
 import shlex
 from pathlib import Path
 from typing import Sequence
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit bench`` (:func:`ddpkit.bench.plan.parser`)."""
+    from ddpkit.bench.plan import parser as bench_parser
+
+    return bench_parser()
 
 
 def cmd_bench(argv: Sequence[str]) -> int:

@@ -11,6 +11,8 @@ into ``runs/demo``.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,13 +28,18 @@ DEMO_COLUMNS = [*COLUMNS, ("max_rel_diff_vs_single", "max rel. diff vs single", 
 """The demo's table: the comparison's columns and how far each run's weights end from one process's."""
 
 
-def cmd_demo(argv: Sequence[str]) -> int:
-    """``ddpkit demo``: parse ``--nproc``, ``--epochs`` and ``--out``, then run :func:`main`."""
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit demo``."""
     parser = Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
     parser.add_argument("--nproc", type=int, default=2, help="processes for the distributed runs (default 2)")
     parser.add_argument("--epochs", type=int, default=5, help="epochs of every run (default 5)")
     parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    """``ddpkit demo``: parse ``--nproc``, ``--epochs`` and ``--out``, then run :func:`main`."""
+    opts = parser().parse_args(argv)
     if opts.nproc < 1 or opts.epochs < 1:
         raise UsageError("--nproc and --epochs must be at least 1")
     return main(nproc=opts.nproc, out=opts.out, epochs=opts.epochs)

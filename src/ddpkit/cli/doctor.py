@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -46,11 +48,16 @@ class Report:
         return "\n".join(lines)
 
 
-def cmd_doctor(argv: Sequence[str]) -> int:
-    """``ddpkit doctor``: print the report (``--json``: as JSON); 1 when a run would fail, else 0."""
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit doctor``."""
     parser = Parser(prog="ddpkit doctor", description="Check torch, devices, backends, launcher and network.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def cmd_doctor(argv: Sequence[str]) -> int:
+    """``ddpkit doctor``: print the report (``--json``: as JSON); 1 when a run would fail, else 0."""
+    opts = parser().parse_args(argv)
     report = examine()
     print(json.dumps(report.as_dict(), default=str, indent=2) if opts.json else report.render())
     return 0 if not report.problems else 1

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pathlib import Path
 from typing import Sequence
 
 from ddpkit._argparse import Parser
 from ddpkit.errors import DdpkitError, UsageError
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit export``."""
+    parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
+                    "as one state dict with plain names, loadable with torch.load and model.load_state_dict.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint (file, step directory, or a "
+                        "checkpoint directory: its newest)")
+    parser.add_argument("--out", required=True, help="FILE.pt to write")
+    parser.add_argument("--key", default="model", help="the state entry to export (default model)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    return parser
 
 
 def cmd_export(argv: Sequence[str]) -> int:
@@ -16,14 +30,7 @@ def cmd_export(argv: Sequence[str]) -> int:
     from ddpkit import checkpoint
     from ddpkit._files import atomic_path
 
-    parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
-                    "as one state dict with plain names, loadable with torch.load and model.load_state_dict.")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint (file, step directory, or a "
-                        "checkpoint directory: its newest)")
-    parser.add_argument("--out", required=True, help="FILE.pt to write")
-    parser.add_argument("--key", default="model", help="the state entry to export (default model)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    opts = parser.parse_args(argv)
+    opts = parser().parse_args(argv)
     source, out = Path(opts.checkpoint), Path(opts.out)
     if out.exists() and not opts.overwrite:
         raise UsageError(f"--out {out} exists; pass --overwrite to replace it")

@@ -160,8 +160,8 @@ def _ddpkit_command() -> str:
     return shutil.which("ddpkit") or "ddpkit"
 
 
-def cmd_slurm(argv: Sequence[str]) -> int:
-    """``ddpkit slurm``: print the sbatch script of the flags on stdout; 0."""
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``ddpkit slurm``."""
     parser = Parser(prog="ddpkit slurm", description="Print an sbatch script that runs SCRIPT with ddpkit on N nodes.")
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=0, help="GPUs per node")
@@ -181,7 +181,12 @@ def cmd_slurm(argv: Sequence[str]) -> int:
                              f"(default {PREEMPT_SIGNAL_S})")
     parser.add_argument("script", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def cmd_slurm(argv: Sequence[str]) -> int:
+    """``ddpkit slurm``: print the sbatch script of the flags on stdout; 0."""
+    opts = parser().parse_args(argv)
     sys.stdout.write(sbatch_script(opts.script, opts.args, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node,
                                    nproc_per_node=opts.nproc_per_node, cpus_per_task=opts.cpus_per_task,
                                    partition=opts.partition, time=opts.time, job_name=opts.job_name,

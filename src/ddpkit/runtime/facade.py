@@ -34,7 +34,7 @@ from ddpkit.loop.precision import Precision
 class Runtime:
     """Rank, device and backend of this process, the collectives it may call, and the training API.
 
-    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`RunState`,
+    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`~ddpkit.loop.state.RunState`,
     ``rt.run``; where it stands in the world is ``rt.env``.
     """
 

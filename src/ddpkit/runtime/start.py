@@ -37,7 +37,7 @@ _current: Runtime | None = None
 
 @dataclass(frozen=True)
 class Settings:
-    """What :func:`init` was given, checked before any process group exists (see :func:`init`)."""
+    """What :func:`ddpkit.init` was given, checked before any process group exists (see there)."""
 
     seed: int | None = None
     precision: str = "fp32"
@@ -203,7 +203,7 @@ def _watch_failures(runtime: Runtime) -> None:
 
 
 def current() -> Runtime | None:
-    """The runtime made by the last :func:`init`, if it is still open."""
+    """The runtime made by the last :func:`ddpkit.init`, if it is still open."""
     return _current
 
 

@@ -1,0 +1,114 @@
+"""The manual: it builds in strict mode, its references cover the code, and its code blocks run.
+
+The site is built once (Sphinx, ``-W -n``: any warning, a broken link or reference, fails) into a
+temporary folder. The API reference must hold every name of ``ddpkit.__all__`` and the CLI
+reference every command and flag of the real parsers, so a new name or flag without docs fails
+here. Every ``python`` and ``bash`` block of the README and the pages runs unless a comment
+``<!-- not-run: reason -->`` stands right above it; the marked ones are counted and listed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+from ddpkit.cli import COMMANDS
+from helpers import BIN, ROOT, clean_env
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+_FENCE = re.compile(r"^```(python|bash)\s*$")
+_NOT_RUN = re.compile(r"^<!-- not-run: (.+) -->$")
+
+
+def _blocks() -> list[tuple[str, str, str, str | None]]:
+    """(where, language, code, reason not run) of every python and bash block."""
+    found = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        index = 0
+        while index < len(lines):
+            fence = _FENCE.match(lines[index])
+            if not fence:
+                index += 1
+                continue
+            end = index + 1
+            while not lines[end].startswith("```"):
+                end += 1
+            reason = _NOT_RUN.match(lines[index - 1]) if index else None
+            found.append((f"{page.relative_to(ROOT)}:{index + 1}", fence.group(1), "\n".join(lines[index + 1:end]),
+                          reason.group(1) if reason else None))
+            index = end + 1
+    return found
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-n", "--keep-going", "-q", "-b", "html",
+                            str(ROOT / "docs"), str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert built.returncode == 0 and not built.stderr.strip(), built.stderr[-4000:]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_site_builds_in_strict_mode_with_every_public_name(site):
+    html = (site / "reference" / "api.html").read_text()
+    missing = [name for name in ddpkit.__all__ if f'id="ddpkit.{name}"' not in html]
+    assert missing == [], f"names of ddpkit.__all__ without an entry in docs/reference/api.md: {missing}"
+    for config in ("TrainConfig", "PredictConfig", "Settings", "LoaderOptions", "SetupOptions"):
+        assert re.search(rf'id="ddpkit\.[\w.]*\.{config}"', html), config
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_reference_has_every_command_and_flag_of_the_real_parsers(site):
+    import importlib
+
+    html = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", (site / "reference" / "cli.html").read_text()))
+    for name in COMMANDS:
+        parser = importlib.import_module(f"ddpkit.cli.{name}").parser()
+        flags = {s for action in parser._actions for s in action.option_strings if s not in ("-h", "--help")}
+        assert f"ddpkit {name}" in html, name
+        missing = sorted(flag for flag in flags if flag not in html)
+        assert missing == [], f"ddpkit {name}: flags missing from the CLI reference: {missing}"
+
+
+def test_the_readme_is_a_front_page_with_the_set_up_commands_first():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, len(lines)
+    shown = [line for line in lines if not _NOT_RUN.match(line)]        # the comment GitHub hides
+    assert shown[:5] == ["# ddpkit", "", "```bash", "make demo   # creates .venv, installs ddpkit, runs the built-in "
+                         "end-to-end demo", "make test   # creates .venv, installs ddpkit with test extras, runs the "
+                         "test suite"]
+    for link in re.findall(r"\]\(((?:docs/)[^)#]+)", "\n".join(lines)):
+        assert (ROOT / link).exists(), link
+
+
+def test_every_block_runs_or_says_why_not(capsys):
+    blocks = _blocks()
+    skipped = [(where, reason) for where, _, _, reason in blocks if reason]
+    with capsys.disabled():
+        print(f"\n{len(skipped)} of {len(blocks)} code blocks are marked not runnable here:")
+        for where, reason in skipped:
+            print(f"  {where}: {reason}")
+    assert len(blocks) - len(skipped) >= 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where, language, code", [(w, lang, c) for w, lang, c, reason in _blocks() if not reason],
+                         ids=lambda value: value if isinstance(value, str) and ".md:" in value else "")
+def test_a_runnable_block_runs(where, language, code, tmp_path):
+    env = clean_env(PATH=f"{BIN}:{clean_env()['PATH']}")
+    if language == "python":
+        done = subprocess.run([str(BIN / "python"), "-c", code], capture_output=True, text=True, timeout=240,
+                              cwd=tmp_path, env=env)
+    else:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=240,
+                              cwd=ROOT, env=env)
+    assert done.returncode == 0, f"{where}\n{done.stderr[-3000:]}"
+    for expected in re.findall(r"#\s*(world_size=\d+ rank_sum=\d+)", code):      # what the comments promise
+        assert expected in done.stdout, f"{where}: {expected!r} not printed\n{done.stdout[-2000:]}"
