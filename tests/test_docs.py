@@ -112,3 +112,28 @@ def test_a_runnable_block_runs(where, language, code, tmp_path):
     assert done.returncode == 0, f"{where}\n{done.stderr[-3000:]}"
     for expected in re.findall(r"#\s*(world_size=\d+ rank_sum=\d+)", code):      # what the comments promise
         assert expected in done.stdout, f"{where}: {expected!r} not printed\n{done.stdout[-2000:]}"
+
+
+def _documented_keys(section: str) -> list[str]:
+    text = (ROOT / "docs" / "reference" / "outputs.md").read_text()
+    part = text[text.index(section):]
+    part = part[:part.index("\n## ", 1)] if "\n## " in part[1:] else part
+    return re.findall(r"^\| `(\w+)` \|", part, re.M)
+
+
+def _dict_keys(path: Path, name: str) -> list[str]:
+    """The string keys of the dict literal assigned to ``name`` in ``path``."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets) \
+                and isinstance(node.value, ast.Dict):
+            return [key.value for key in node.value.keys if isinstance(key, ast.Constant)]
+    raise AssertionError(f"no dict {name} in {path}")
+
+
+def test_the_output_keys_page_lists_every_key_the_code_writes():
+    src = ROOT / "src" / "ddpkit"
+    assert _documented_keys("## `summary.json`") == _dict_keys(src / "recipes" / "train.py", "summary")
+    assert _documented_keys("## A sharded checkpoint's `manifest.json`") == \
+        _dict_keys(src / "checkpoint" / "dcp.py", "manifest")
