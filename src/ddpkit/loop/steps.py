@@ -8,6 +8,7 @@ heartbeats through :func:`ddpkit.observe.heartbeats.beat`, so nothing here knows
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator
 
 import torch
@@ -90,8 +91,6 @@ def _agree_on_preemption(run: RunState) -> None:
     ask next (about :data:`PREEMPTION_CHECK_S` of rank 0's steps later), so every rank asks at the
     same steps and gets the same answer, and a fast step never pays for the question.
     """
-    import time
-
     watch = run.preemption
     if watch is None or watch.agreed:
         return
