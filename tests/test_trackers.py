@@ -100,13 +100,17 @@ def test_the_run_config_holds_settings_world_versions_commit_and_the_users(tmp_p
 
 @pytest.mark.timeout(180)
 def test_a_crash_and_a_resume_make_one_run_with_every_step_once(offline, tmp_path):
-    """Attempt 1 checkpoints at step 3, logs 4 and 5, then fails; attempt 2 loads step 3 and goes on."""
+    """Attempt 1 checkpoints at step 3, logs 4 and 5, then fails; attempt 2 loads step 3 and goes on.
+
+    The rows of a checkpoint's own step wait in the checkpoint, so a row logged after the save in
+    that step still joins its step, and the attempt that resumes sends them."""
     config = {"lr": 0.1, "world_size": 2}
     first = Remote(("wandb", "mlflow"), tmp_path, run_name="exp", config=config, deferred=True)
     for row in _rows(range(1, 4)):
         first.log(row)
-    ids = first.state_dict()                 # what the checkpoint of step 3 holds
-    assert set(ids) == {"wandb", "mlflow"}
+    state = first.state_dict(3)              # what the checkpoint of step 3 holds
+    ids = {k: v for k, v in state.items() if k != "rows"}
+    assert set(ids) == {"wandb", "mlflow"} and state["rows"] == _rows(range(3, 4))
     first.saved(3)
     for row in _rows(range(4, 6)):
         first.log(row)                       # after the checkpoint: held back
@@ -114,25 +118,47 @@ def test_a_crash_and_a_resume_make_one_run_with_every_step_once(offline, tmp_pat
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1 and runs[0]["status"] == "FAILED"
-    assert [s for s, _ in runs[0]["history"]["loss"]] == [1, 2, 3]
+    assert [s for s, _ in runs[0]["history"]["loss"]] == [1, 2]       # step 3 waits in the checkpoint
 
     second = Remote(("wandb", "mlflow"), tmp_path, run_name="exp", config={**config, "world_size": 3},
                     deferred=True)
-    second.load_state_dict(ids, step=3)
+    second.load_state_dict(state, step=3)
     for row in _rows(range(4, 8)):
         second.log(row)
     with pytest.warns(UserWarning, match="params world_size differ"):
-        assert second.state_dict() == ids    # the same runs, not new ones
+        held = second.state_dict(6)
+    assert {k: v for k, v in held.items() if k != "rows"} == ids and held["rows"] == _rows(range(6, 7))
     second.saved(6)
-    second.close("FINISHED")                 # the rest (step 7) at the end
+    second.log({"step": 6, "val_loss": 0.25})      # logged after the save, in the checkpoint's step
+    second.close("FINISHED")                 # the rest (steps 6 and 7) at the end
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1 and runs[0]["id"] == ids["mlflow"] and runs[0]["status"] == "FINISHED"
     assert runs[0]["history"]["loss"] == [(r["step"], r["loss"]) for r in _rows(range(1, 8))]
+    assert runs[0]["history"]["val_loss"] == [(6, 0.25)]
     assert runs[0]["params"]["lr"] == "0.1" and runs[0]["params"]["world_size"] == "2"   # MLflow keeps the first
     w = wandb_runs(tmp_path)
     assert [r["id"] for r in w] == [ids["wandb"], ids["wandb"]]          # two attempts, one run
     assert wandb_history(w, "loss") == [(r["step"], r["loss"]) for r in _rows(range(1, 8))]
+    assert [row["_step"] for run in w for row in run["rows"]] == list(range(1, 8))     # one W&B row a step
+    assert wandb_history(w, "val_loss") == [(6, 0.25)]
+
+
+@pytest.mark.timeout(120)
+def test_wandb_writes_its_run_file_every_half_second_unless_told_otherwise(offline, monkeypatch, tmp_path):
+    remote = Remote(("wandb",), tmp_path / "a")
+    remote.log(_rows(range(1, 2))[0])
+    assert remote._open["wandb"].settings.x_transaction_log_flush_interval == trackers.WANDB_FLUSH_S
+    remote.close()
+    import wandb
+
+    wandb.teardown()                         # wandb reads its environment once a process
+    monkeypatch.setenv("WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL", "7")
+    remote = Remote(("wandb",), tmp_path / "b")
+    remote.log(_rows(range(1, 2))[0])
+    assert remote._open["wandb"].settings.x_transaction_log_flush_interval == 7.0
+    remote.close()
+    wandb.teardown()
 
 
 @pytest.mark.timeout(120)
@@ -178,7 +204,8 @@ def _tracked(tmp_path: Path, name: str, *extra: str, restarts: int = 0) -> tuple
 @pytest.mark.timeout(420)
 def test_a_run_killed_mid_epoch_and_restarted_is_one_run_with_each_step_once_in_every_tracker(tmp_path):
     whole, _ = _tracked(tmp_path, "whole")
-    killed, stdout = _tracked(tmp_path, "killed", "--kill-step", "8", restarts=1)   # checkpoint at 6, epoch of 8
+    # checkpoint at 6, epoch of 8; rank 1 dies 2 s after step 8 (W&B writes its file every 0.5 s)
+    killed, stdout = _tracked(tmp_path, "killed", "--kill-step", "8", "--kill-delay", "2", restarts=1)
     assert "attempt 1 starts at step 6 (resumed: True)" in stdout
     a, b = torch.load(whole / "w.pt", weights_only=True), torch.load(killed / "w.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)

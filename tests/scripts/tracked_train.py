@@ -4,7 +4,7 @@
         --trackers tensorboard,wandb,mlflow [--kill-step 8] [--step-sleep 0.2]
 
 ``--kill-step S``: rank 1 SIGKILLs itself right after step S in the first attempt (a crash after
-the checkpoint of an earlier step). ``--step-sleep``: seconds each step waits, so a test can send
+the checkpoint of an earlier step), ``--kill-delay`` seconds later (rank 0 waits in step S+1). ``--step-sleep``: seconds each step waits, so a test can send
 a signal mid-epoch. A preemption (SIGTERM, SLURM's SIGUSR1) saves at the next step and exits 75.
 """
 
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=3, help="checkpoint every this many steps")
     parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kill-delay", type=float, default=0.0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
 
@@ -52,6 +53,7 @@ def main() -> None:
                 rt.log({"loss": loss.detach(), "epoch": epoch})
                 time.sleep(args.step_sleep)
                 if first_attempt and args.kill_step == rt.global_step and rt.rank == 1:
+                    time.sleep(args.kill_delay)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if rt.preempted or rt.global_step % args.every == 0:
                     rt.checkpoint(state)          # preempted: saves, then exits 75

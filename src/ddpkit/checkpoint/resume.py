@@ -170,7 +170,7 @@ def _own_state(run: RunLike, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
     return {"loop": run.loop.state_dict(), "epoch": run.loop.epoch, "step": run.loop.step,
             "rng": rngs, "world_size": peers.world_size, "precision": run.precision.state_dict(),
             "config": {"seed": run.seed, "precision": run.precision.name},
-            "trackers": tracking.state_dict() if tracking is not None else {}}
+            "trackers": tracking.state_dict(run.loop.step) if tracking is not None else {}}
 
 
 def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, Any], keep: int) -> Path:

@@ -11,8 +11,14 @@ experiment across crashes, ``--max-restarts``, SLURM requeues and ``--resume``:
   its last; MLflow keeps both values of a step). So, in a run that checkpoints, ddpkit sends them
   a row only once a checkpoint that covers its step is on disk, and the rest when the run ends.
   A crash loses no row they hold, and the resumed attempt sends the steps after the checkpoint
-  for the first time. Their charts run up to one checkpoint behind ``metrics.jsonl`` and
-  TensorBoard. A run with no ``checkpoint_dir`` sends rows at once until its first ``rt.save``.
+  for the first time. The rows of the checkpoint's own step wait for the next checkpoint (a row
+  logged after ``rt.checkpoint`` in the same step joins them): the checkpoint holds them, so the
+  attempt that resumes from it sends them. W&B gets each step as one committed row, and writes
+  its run file every :data:`WANDB_FLUSH_S` seconds (W&B's ``x_transaction_log_flush_interval``,
+  15 s by default; ddpkit sets this unless ``WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL`` does): rows
+  sent less than that before a host dies can be missing from W&B. Their charts run up to one
+  checkpoint behind ``metrics.jsonl`` and TensorBoard. A run with no ``checkpoint_dir`` sends rows
+  at once until its first ``rt.save``.
 - TensorBoard and ddpkit's ``metrics.jsonl``/``metrics.csv`` are written at once and rewound on
   resume (TensorBoard's ``purge_step``; the JSONL and CSV drop the rows after the checkpoint).
 
@@ -45,6 +51,9 @@ DEFAULT = ("tensorboard",)
 """What ``init`` writes when ``trackers`` is not given (besides ``metrics.jsonl`` and ``.csv``)."""
 REMOTE = ("wandb", "mlflow")
 """Trackers that receive a row once a checkpoint covers it (see the module's text)."""
+WANDB_FLUSH_S = 0.5
+"""How often W&B writes a run's rows to its run file (W&B's own default is 15 s, and a process
+killed in between loses them)."""
 PROJECT = "ddpkit"
 """The W&B project and MLflow experiment, unless ``WANDB_PROJECT``/``MLFLOW_EXPERIMENT_NAME`` say another."""
 
@@ -205,26 +214,40 @@ class Remote:
             self._send(lambda row: True)
 
     def saved(self, step: int) -> None:
-        """A checkpoint of ``step`` is on disk: send every row up to it, and defer from now on."""
+        """A checkpoint of ``step`` is on disk: send every row before it, and defer from now on.
+
+        The rows of ``step`` itself wait (the checkpoint holds them, :meth:`state_dict`): a row
+        logged after the save in the same step still joins them, and each step goes out whole."""
         if not self.active:
             return
         self.deferred = True
-        self._send(lambda row: row["step"] <= step)
+        self._send(lambda row: row["step"] < step)
 
-    def state_dict(self) -> dict[str, str]:
-        """The run ids a checkpoint keeps; opens the runs whose id only the tracker can give (MLflow)."""
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """What a checkpoint of ``step`` keeps: the run ids (opening the runs whose id only the
+        tracker can give, MLflow) and, under ``"rows"``, the queued rows of ``step``, which the
+        trackers get only after the save (:meth:`saved`)."""
         if not self.active:
             return {}
         for name in self.chosen:
             if name not in self._failed:
                 self._opened(name)
-        return dict(self.ids)
+        state: dict[str, Any] = dict(self.ids)
+        if step is not None:
+            state["rows"] = [dict(row) for row in self._pending if row["step"] == step]
+        return state
 
-    def load_state_dict(self, ids: Mapping[str, str] | None, step: int) -> None:
-        """Continue the runs of a loaded checkpoint at ``step``: later queued rows belong to undone work."""
+    def load_state_dict(self, state: Mapping[str, Any] | None, step: int) -> None:
+        """Continue the runs of a loaded checkpoint at ``step``: later queued rows belong to undone
+        work, and the checkpoint's own rows of ``step`` are queued again unless this process still
+        holds them."""
         self.resumed = True
+        state = dict(state or {})
+        held = state.pop("rows", None) or []
         self._pending = [row for row in self._pending if row["step"] <= step]
-        for name, run_id in (ids or {}).items():
+        if not any(row["step"] == step for row in self._pending):
+            self._pending += [dict(row) for row in held if row.get("step") == step]
+        for name, run_id in state.items():
             if name not in self.chosen:
                 continue
             if name in self._open and self.ids.get(name) != run_id:
@@ -237,8 +260,9 @@ class Remote:
         """End the runs: W&B ``finish``, MLflow's status ``outcome``.
 
         ``"FINISHED"`` (the script ended) sends every queued row first. ``"FAILED"`` (an uncaught
-        exception) and ``"KILLED"`` (preempted) keep the rows after the last checkpoint back in a
-        run that defers: the attempt that resumes from that checkpoint logs those steps again.
+        exception) and ``"KILLED"`` (preempted) keep the queued rows back in a run that defers:
+        the attempt that resumes from the last checkpoint sends that checkpoint's rows and logs
+        the later steps again.
         """
         if not self.active or self._closed:
             return
@@ -286,9 +310,13 @@ class Remote:
         import atexit
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        settings = {}
+        if "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL" not in os.environ:
+            settings["x_transaction_log_flush_interval"] = WANDB_FLUSH_S
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), id=self.ids["wandb"], resume="allow",
                          name=self.run_name, dir=str(self.out_dir), config=self.config, allow_val_change=True,
-                         reinit="create_new", mode=os.environ.get("WANDB_MODE") or None)
+                         reinit="create_new", mode=os.environ.get("WANDB_MODE") or None,
+                         settings=wandb.Settings(**settings) if settings else None)
         # wandb tears its service down at exit; registered after its hook, this ends our run first
         atexit.register(lambda: self.close(self.outcome()))
         return run
@@ -328,8 +356,13 @@ class Remote:
         if handle is None:
             return
         if name == "wandb":
+            # one W&B row a step; a deferred run commits each at once (every row of a step before
+            # the checkpoint's is queued by then), so a process killed later cannot lose it
+            merged: dict[int, dict[str, Any]] = {}
             for row in rows:
-                handle.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+                merged.setdefault(row["step"], {}).update((k, v) for k, v in row.items() if k != "step")
+            for step, values in merged.items():
+                handle.log(values, step=step, commit=True if self.deferred else None)
         else:
             import time
 
@@ -352,4 +385,4 @@ def _param(value: Any) -> str:
     return str(value)[:6000]
 
 
-__all__ = ["DEFAULT", "NAMES", "REMOTE", "Remote", "mlflow_uri", "names", "problem", "run_config"]
+__all__ = ["DEFAULT", "NAMES", "REMOTE", "WANDB_FLUSH_S", "Remote", "mlflow_uri", "names", "problem", "run_config"]
