@@ -124,6 +124,12 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
     return target
 
 
+def target_of(path: str | os.PathLike, step: int) -> Path:
+    """The file :func:`save` writes for ``path`` at ``step`` (a ``.pt`` checkpoint)."""
+    path = Path(path)
+    return checkpoint.step_path(path, step) if path.is_dir() or path.suffix == "" else path
+
+
 def _saved_tracking(run: RunLike) -> None:
     """The checkpoint is on disk: the trackers get the rows it covers (rank 0)."""
     tracking = getattr(run, "tracking", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from ddpkit._argparse import Parser
 from ddpkit.dist.torchrun import RunSpec, run
@@ -36,8 +36,10 @@ _VALUED = {
     ("--rdzv-backend", "--rdzv_backend"): "rdzv_backend",
     ("--max-restarts", "--max_restarts"): "max_restarts",
     ("-m", "--module"): "module",
+    ("--min-replicas",): "min_replicas",
+    ("--quorum-timeout",): "quorum_timeout",
 }
-_FLAGS = {"-h", "--help", "--standalone"}
+_FLAGS = {"-h", "--help", "--standalone", "--fault-tolerant"}
 _VALUE_OPTIONS = {name for names in _VALUED for name in names}
 
 # torchrun flags that ddpkit run does not take, and why or what instead (either spelling: _ for -).
@@ -109,6 +111,14 @@ def parser() -> argparse.ArgumentParser:
     add("--standalone", action="store_true", help="one node with its own rendezvous (the default)")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
         help="restart the whole group up to K times when a worker fails")
+    add("--fault-tolerant", action="store_true",
+        help="per-step fault tolerance (torchft): -n replicas of one process each; a replica that dies "
+             "is restarted on its own (--max-restarts counts per replica) and heals from a live peer "
+             "while the others go on, with the same result")
+    add("--min-replicas", dest="min_replicas", type=int, default=1,
+        help="with --fault-tolerant: the fewest replicas a step may commit with")
+    add("--quorum-timeout", dest="quorum_timeout", type=float, default=60.0, metavar="SECONDS",
+        help="with --fault-tolerant: how long a replica waits for --min-replicas before it stops")
     add("-m", "--module", default=None, help="run a module, like python -m")
     add("script", nargs="?", help="the Python script to run, followed by its arguments")
     return parser
@@ -116,7 +126,28 @@ def parser() -> argparse.ArgumentParser:
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``ddpkit run``: start the script under torch's elastic agent; the job's exit code."""
+    ours, rest = split(argv)
+    opts = parser().parse_args(ours)
+    if opts.fault_tolerant:
+        from ddpkit.dist import ft_launch
+
+        return ft_launch.run(fault_tolerant_spec(opts, rest))
     return run(spec_of(argv))
+
+
+def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> "Any":
+    """The :class:`~ddpkit.dist.ft_launch.FaultTolerantSpec` of ``ddpkit run --fault-tolerant``."""
+    from ddpkit.dist.ft_launch import FaultTolerantSpec
+
+    if opts.module is None and opts.script is None:
+        raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
+    if _nnodes(opts.nnodes) > 1 or opts.master or opts.master_addr or opts.rdzv_endpoint:
+        raise UsageError("--fault-tolerant runs its replicas on one machine so far; across hosts "
+                         "(--nnodes, --master) is not built yet")
+    replicas = _nproc(opts.n, opts.nproc_per_node) or 1
+    return FaultTolerantSpec(target=opts.module or opts.script, target_args=list(rest), replicas=replicas,
+                             min_replicas=opts.min_replicas, max_restarts=opts.max_restarts,
+                             module=opts.module is not None, quorum_timeout_s=opts.quorum_timeout)
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:

@@ -11,7 +11,7 @@ import torch
 
 from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
 from ddpkit.errors import UsageError
-from ddpkit.loop.loader import ShardedLoader
+from ddpkit.loop.loader import QuorumLoader, ShardedLoader
 from ddpkit.loop.state import RunState
 
 
@@ -78,6 +78,9 @@ def build_loader(run: RunState, dataset: Any, options: LoaderOptions, *, rank: i
                   on_batch=on_batch, pin_memory=options.pin_memory, prefetch_factor=options.prefetch_factor,
                   persistent_workers=options.persistent_workers, worker_init_fn=options.worker_init_fn)
     if _is_stream(dataset):
+        if run.ft is not None:
+            raise UsageError("--fault-tolerant does not read streams yet (an IterableDataset); "
+                             "give a map-style dataset")
         if options.weights is not None or options.num_samples is not None:
             raise UsageError("weights= and num_samples= need a map-style dataset (they draw indices); "
                              "a stream is read in its own order")
@@ -85,6 +88,14 @@ def build_loader(run: RunState, dataset: Any, options: LoaderOptions, *, rank: i
 
         made: Any = StreamLoader(dataset, global_batch_size=total, rank=rank, world_size=world_size,
                                  shuffle=options.shuffle, drop_last=options.drop_last, watch=watch, **common)
+    elif run.ft is not None:
+        if options.num_workers:
+            raise UsageError("--fault-tolerant reads samples in the training process, between quorums: "
+                             "drop num_workers (each replica is one process)")
+        sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=0, world_size=1,
+                                     shuffle=options.shuffle, seed=seed, drop_last=options.drop_last,
+                                     weights=options.weights, num_samples=options.num_samples)
+        made = QuorumLoader(dataset, sampler, replica=run.ft, **common)
     else:
         sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=rank, world_size=world_size,
                                      shuffle=options.shuffle, seed=seed, drop_last=options.drop_last,

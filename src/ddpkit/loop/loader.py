@@ -200,3 +200,61 @@ class ShardedLoader(LoaderPosition):
         return (f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, "
                 f"position={self.position})")
 
+
+
+class QuorumLoader(ShardedLoader):
+    """A fault-tolerant job's loader: each batch is this replica's part of the step's global batch,
+    split over the replicas in that step's quorum (:class:`ddpkit.dist.ft.Replica`).
+
+    Before each batch the replicas form a quorum (a replica that is behind heals there, and its
+    loader continues at the peer's epoch and position). The global batches are those of every
+    other world size; only the split changes from step to step. A step that does not commit
+    (a replica died during it) steps the position back, so the same global batch comes again,
+    split over the new quorum. Samples are read in this process (no DataLoader workers).
+    """
+
+    def __init__(self, dataset: Any, sampler: GlobalBatchSampler, *, replica: Any, **options: Any):
+        super().__init__(dataset, sampler, **options)
+        self.replica = replica
+        self._collate = options.get("collate_fn") or default_collate
+        self._order: tuple[int, list[int]] | None = None
+
+    def _global_batch(self, index: int) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.sampler.order(self.epoch))
+        size = self.sampler.global_batch_size
+        return self._order[1][index * size:(index + 1) * size]
+
+    def __iter__(self) -> Iterator[Any]:
+        start = self._resume or 0
+        self._passes += 1
+        this_pass = self._passes
+        self.position, self.finished = start, False
+        try:
+            while True:
+                rank, world = self.replica.quorum()     # may heal: epoch and position become the peer's
+                if this_pass != self._passes:
+                    raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
+                                       "iter(loader); iterate one pass at a time, like a DataLoader")
+                if self.position >= len(self):
+                    break
+                batch = self._global_batch(self.position)
+                self.sampler.rank, self.sampler.world_size = rank, world
+                local = batch[rank::world]
+                samples = self._collate([self._keyed[(self.epoch, index)] for index in (local or batch[:1])])
+                if not local:
+                    samples = zero_rows(samples)
+                self.position += 1
+                self.local_count, self.global_count = len(local), len(batch)
+                if self._on_batch is not None:
+                    self._on_batch(self)
+                yield to_device(samples, self.device)
+                if self.position >= len(self):
+                    break
+        finally:
+            if this_pass == self._passes:
+                self.finished = True
+
+    def step_back(self) -> None:
+        """The step of the batch in hand did not commit: hand out the same global batch again."""
+        self.position = max(0, self.position - 1)

@@ -159,6 +159,14 @@ class RunState:
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
     preemption: Any = None
     """The run's :class:`~ddpkit.dist.preemption.Preemption` (None: signals are not caught)."""
+    ft: Any = None
+    """In a fault-tolerant job, this replica's :class:`~ddpkit.dist.ft.Replica` (None otherwise)."""
+    ft_state: Any = None
+    """In a fault-tolerant job, the state mapping given to ``rt.resume`` or ``rt.checkpoint``: what a
+    healing replica gets from a peer (None: the set-up models and optimizers)."""
+    ft_resume: Any = None
+    """In a fault-tolerant job, the ``rt.resume`` waiting for the first quorum: (state, strict, load),
+    done there unless a peer is ahead, whose state heals this replica instead."""
     tracking: Any = None
     """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into
     checkpoints, and a save sends them the rows it covers."""

@@ -63,6 +63,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
+    if run.ft is not None and run.ft.in_quorum() and not _commit_across_replicas(run, optimizers):
+        return False
     stepped = True
     for optimizer in optimizers:
         if optimizer not in run.optimizers:
@@ -78,6 +80,33 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if not run.uses_backward:
         run.precision.flush()        # no rt.backward will come to apply the scaler update
     return stepped
+
+
+def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+    """A fault-tolerant step: average the gradients over the quorum's replicas, then ask whether
+    every one finished. False (a replica died during the step): nothing is applied, the gradients
+    are dropped and the loader hands out the same global batch again, split over the next quorum."""
+    params = [p for model in run.models for p in model.parameters() if p.requires_grad]
+    for optimizer in optimizers:
+        known = {id(p) for p in params}
+        params += [p for group in optimizer.param_groups for p in group["params"]
+                   if p.requires_grad and id(p) not in known]
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        same = [p for p in params if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+        run.ft.average(flat)
+        offset = 0
+        for p in same:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    if run.ft.should_commit():
+        return True
+    for p in params:
+        p.grad = None
+    run.backward_since_step = False
+    if run.active is not None and hasattr(run.active, "step_back"):
+        run.active.step_back()
+    return False
 
 
 PREEMPTION_CHECK_S = 1.0

@@ -27,7 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit.errors import UsageError
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = ["SyncBatchNorm", "convert_over", "convert_sync_batchnorm"]
 
 
 def _global_stats(x: torch.Tensor, dims: list[int], group: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -45,9 +45,12 @@ def _global_stats(x: torch.Tensor, dims: list[int], group: Any) -> tuple[torch.T
         mean = m2 = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
     local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
                        mean.double(), m2.double()])
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    table = torch.stack(gathered)
+    if hasattr(group, "all_gather_rows"):        # a fault-tolerant job's replicas (ddpkit.dist.ft)
+        table = group.all_gather_rows(local)
+    else:
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        table = torch.stack(gathered)
     counts, means, m2s = table[:, :1], table[:, 1:1 + x.shape[1]], table[:, 1 + x.shape[1]:]
     total = int(counts.sum().item())
     if total <= 1:
@@ -88,7 +91,10 @@ class _SyncNormalize(torch.autograd.Function):
         sum_dy, sum_dy_xhat = grad.sum(dims), (grad * xhat).sum(dims)
         sums = torch.cat([sum_dy, sum_dy_xhat]).double()
         started = time.perf_counter()
-        dist.all_reduce(sums, group=ctx.group)
+        if hasattr(ctx.group, "all_reduce_sum"):
+            ctx.group.all_reduce_sum(sums)
+        else:
+            dist.all_reduce(sums, group=ctx.group)
         SyncBatchNorm.collective_seconds += time.perf_counter() - started
         channels = x.shape[1]
         mean_dy = (sums[:channels] / ctx.total).to(x.dtype)
@@ -146,6 +152,8 @@ class SyncBatchNorm(_BatchNorm):
             )
 
     def _group_size(self) -> int:
+        if hasattr(self.process_group, "all_gather_rows"):
+            return int(self.process_group.size())
         if not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.process_group)
@@ -221,6 +229,12 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_grou
     if torch.device(device).type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     return _convert(module, process_group)
+
+
+def convert_over(module: nn.Module, group: Any) -> nn.Module:
+    """Replace every BatchNorm layer by ddpkit's :class:`SyncBatchNorm` over ``group``, on any device:
+    a fault-tolerant job's replicas (:class:`ddpkit.dist.ft.Replica`), whose members change from step to step."""
+    return _convert(module, group)
 
 
 def _convert(module: nn.Module, process_group: Any = None) -> nn.Module:

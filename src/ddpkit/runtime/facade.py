@@ -87,7 +87,12 @@ class Runtime:
 
     @property
     def is_main(self) -> bool:
-        """True on global rank 0: the one process that prints, logs and saves."""
+        """True on global rank 0: the one process that prints, logs and saves.
+
+        In a fault-tolerant job (``ddpkit run --fault-tolerant``): the replica ranked first in the
+        latest step's quorum, so exactly one live replica logs and saves each step."""
+        if self.run.ft is not None:
+            return self.run.ft.rank == 0
         return self.env.rank == 0
 
     @property
@@ -240,6 +245,8 @@ class Runtime:
                                outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype)
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
+        if self.run.ft is not None:
+            model = self._replica_model(model, options)
         wrapped = wrap(model, optimizer, options, device=self.device, world_size=self.world_size,
                        is_main=self.is_main, precision=self.run.precision.name, timeout_s=self.timeout_s)
         if wrapped.sharded:
@@ -252,6 +259,18 @@ class Runtime:
             # Identical weights came from one seed; dropout and the like now differ per rank.
             rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
         return wrapped.model if optimizer is None else (wrapped.model, optimizer)
+
+    def _replica_model(self, model: torch.nn.Module, options: SetupOptions) -> torch.nn.Module:
+        """A fault-tolerant replica's model: BatchNorm over the step's quorum, so that no statistic
+        depends on how many replicas are alive; what is not built for replicas yet is refused."""
+        from ddpkit.parallel.sync_batchnorm import convert_over
+
+        for name, value, default in (("strategy", options.strategy, "ddp"), ("sync", options.sync, "every-step"),
+                                     ("grad_compression", options.grad_compression, None)):
+            if value != default:
+                raise UsageError(f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
+                                 f"leave {name} at its default ({default!r})")
+        return convert_over(model.to(self.device), self.run.ft)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
@@ -366,6 +385,10 @@ class Runtime:
         writes atomically; if the write fails, every rank raises. A directory ``path`` gets
         ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
         """
+        if self.run.ft is not None:
+            self.run.ft_state = state          # what a healing peer gets from now on
+            if not self.is_main:               # one replica writes: they all hold the same state
+                return resuming.target_of(path, self.run.loop.step)
         saved = resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
         if self.preempted:
             self._exit_preempted(saved)
@@ -406,7 +429,19 @@ class Runtime:
         nothing when there is none yet, so one script serves the first start and every
         restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
         """
+        if self.run.ft is not None:
+            # a replica heals from a live peer at its first quorum; only where no peer is ahead
+            # (the whole job starting, or restarting after every replica died) is a file read
+            self.run.ft_state = state
+            self.run.ft_resume = (state, strict)
+            return None
         return resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, state, strict=strict)
+
+    def _first_quorum(self, healed: bool) -> None:
+        """A fault-tolerant replica's first quorum: resume from a file unless a peer's state healed it."""
+        waiting, self.run.ft_resume = self.run.ft_resume, None
+        if waiting is not None and not healed:
+            resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, waiting[0], strict=waiting[1])
 
     def close(self) -> None:
         """Flush logs and destroy the process group. Runs at exit too, also when the script raised."""
@@ -423,6 +458,8 @@ class Runtime:
         if self.run.preemption is not None:
             self.run.preemption.uninstall()
         heartbeats.set_target(None)
+        if self.run.ft is not None:
+            self.run.ft.shutdown()
         process_group.destroy()
         if self._on_close is not None:
             self._on_close(self)

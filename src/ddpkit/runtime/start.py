@@ -23,7 +23,7 @@ import torch
 from ddpkit import rng
 from ddpkit.observe import heartbeats, watchdog
 from ddpkit.observe import trackers as trackers_mod
-from ddpkit.dist import collectives, preemption, process_group, store_sync
+from ddpkit.dist import collectives, ft, preemption, process_group, store_sync
 from ddpkit.dist.environment import Environment, detect
 from ddpkit.errors import UsageError
 from ddpkit.loop.precision import Precision
@@ -143,6 +143,8 @@ def init(
         rng.seed_everything(seed)
     _start_trackers(settings, env)
     runtime = Runtime(env, chosen_device, chosen_backend, settings)
+    if ft.active():
+        _join_replicas(runtime, settings)
     runtime.run.preemption = preemption.Preemption()
     runtime.run.preemption.install()
     if env.rank == 0 and settings.out_dir is not None:
@@ -175,6 +177,24 @@ def join(settings: Settings) -> tuple[Environment, torch.device, str]:
         process_group.init(env, backend, device, settings.timeout)
         store_sync.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
     return env, device, backend
+
+
+def _join_replicas(runtime: Runtime, settings: Settings) -> None:
+    """A replica of ``ddpkit run --fault-tolerant``: torchft's manager, with ddpkit's heal state."""
+    from ddpkit.loop import heal
+
+    remote = [name for name in settings.trackers or () if name in trackers_mod.REMOTE]
+    if remote:
+        raise UsageError(f"--fault-tolerant does not send to {', '.join(remote)} yet (replicas take turns "
+                         "logging); use tensorboard and metrics.jsonl")
+    if runtime.world_size != 1:
+        raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
+    run = runtime.run
+    replica = ft.Replica(lambda: heal.heal_state(run),
+                         lambda saved: heal.apply_heal(run, saved, f"peer of replica {replica.index}"),
+                         device=runtime.device, seeded=settings.seed is not None, timeout_s=min(settings.timeout, 30.0))
+    replica.first_quorum = runtime._first_quorum
+    run.ft = replica
 
 
 def _start_trackers(settings: Settings, env: Environment) -> None:

@@ -1,0 +1,334 @@
+"""Per-step fault tolerance on torchft: replicas that drop out and heal while the others go on.
+
+``ddpkit run --fault-tolerant -n N script.py`` starts torchft's lighthouse and N replicas, each a
+one-process ``ddpkit run`` of its own whose elastic agent restarts it when it dies. In each
+replica, :func:`ddpkit.init` sees :data:`LIGHTHOUSE_ENV` and builds a :class:`Replica`: a
+torchft ``Manager`` with a reconfigurable gloo (or NCCL) process group over the replicas.
+
+At every step the replicas form a quorum (:meth:`Replica.quorum`); the step's global batch is
+split over the replicas in it (``ddpkit.loop.loader``), their gradients are averaged through the
+manager (:meth:`Replica.average`), and the step is applied only where every participant agrees
+it completed (:meth:`Replica.should_commit`); otherwise it is redone on the next quorum. A
+replica that joins late, or comes back after a crash, heals at its first quorum from a live peer:
+the peer sends its state (weights, optimizer, loop position, RNGs, scaler) through
+:class:`SafeTransport`, which loads with ``weights_only=True`` (tensors and plain containers:
+nothing a network peer sends can run code) and listens on this machine's address only.
+
+What this module leaves to torchft: the lighthouse, quorums, membership, the reconfigurable
+process groups and the commit vote. It writes none of them.
+
+Example:
+    >>> active({})
+    False
+    >>> replica_index({"DDPKIT_FT_REPLICA": "2"})
+    2
+"""
+
+from __future__ import annotations
+
+import http.server
+import io
+import logging
+import os
+import threading
+import urllib.request
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ddpkit.errors import DdpkitError, UsageError
+
+LIGHTHOUSE_ENV = "DDPKIT_FT_LIGHTHOUSE"
+"""The lighthouse's address (``http://HOST:PORT``), set by ``ddpkit run --fault-tolerant``."""
+REPLICA_ENV = "DDPKIT_FT_REPLICA"
+"""This replica's index, 0 to N-1."""
+REPLICAS_ENV = "DDPKIT_FT_REPLICAS"
+"""How many replicas the job started."""
+MIN_REPLICAS_ENV = "DDPKIT_FT_MIN_REPLICAS"
+"""The fewest replicas a step may commit with."""
+HOST_ENV = "DDPKIT_FT_HOST"
+"""The address this replica's servers listen on and tell peers (127.0.0.1 on one machine)."""
+DONE_ENV = "DDPKIT_FT_DONE_FILE"
+"""A file ``ddpkit run --fault-tolerant`` creates once a replica has finished the job: a replica
+restarted after that has nothing to heal from and nothing left to do."""
+QUORUM_TIMEOUT_ENV = "DDPKIT_FT_QUORUM_TIMEOUT"
+"""Seconds a replica waits for a quorum of ``--min-replicas`` before it stops."""
+
+HEARTBEAT_TIMEOUT_MS = 2000
+"""How long the lighthouse waits for a replica's heartbeat before it leaves it out of quorums."""
+QUORUM_TICK_MS = 100
+"""How often the lighthouse checks for a quorum."""
+JOIN_TIMEOUT_MS = 10000
+"""How long the lighthouse waits for replicas still starting before it forms a smaller quorum."""
+
+
+def active(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a replica of a fault-tolerant job."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get(LIGHTHOUSE_ENV))
+
+
+def replica_index(environ: Mapping[str, str] | None = None) -> int:
+    """This replica's index (0 when unset)."""
+    environ = os.environ if environ is None else environ
+    return int(environ.get(REPLICA_ENV, "0"))
+
+
+def lighthouse_args(bind: str, min_replicas: int) -> list[str]:
+    """torchft's ``torchft_lighthouse`` command line, listening on ``bind`` (``HOST:PORT``) only."""
+    return ["--bind", bind, "--min_replicas", str(min_replicas), "--quorum_tick_ms", str(QUORUM_TICK_MS),
+            "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+
+
+def check_installed() -> None:
+    """Refuse in one line where torchft is not installed."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise UsageError("--fault-tolerant needs torchft: pip install 'ddpkit[ft]'") from None
+
+
+class SafeTransport:
+    """torchft's checkpoint transport for healing, without pickles a peer could forge.
+
+    The sending replica serializes its state with ``torch.save`` once, when torchft asks it to
+    (``send_checkpoint``), and serves those bytes over HTTP on ``host`` only until the step
+    commits; the receiving one reads them with ``torch.load(weights_only=True)``. torchft's own
+    HTTP and process-group transports unpickle what they receive (``weights_only=False``), and
+    listen on every interface.
+    """
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        from torchft.checkpointing.transport import CheckpointTransport
+
+        if not isinstance(self, CheckpointTransport):        # torchft checks the type
+            raise TypeError("SafeTransport must be made through transport()")
+        self.host = host
+        self.timeout = timeout
+        self._ready = threading.Condition()
+        self._served: tuple[int, bytes] | None = None
+        transport = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                wanted = self.path.rsplit("/", 1)[-1]
+                if not wanted.isdigit():
+                    self.send_error(404, "no such checkpoint")
+                    return
+                # the peer may ask before this replica's quorum thread has staged the state
+                with transport._ready:
+                    transport._ready.wait_for(lambda: transport._served is not None
+                                              and transport._served[0] == int(wanted),
+                                              timeout=transport.timeout.total_seconds())
+                    served = transport._served
+                if served is None or served[0] != int(wanted):
+                    self.send_error(404, "no checkpoint of that step is being served")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(served[1])))
+                self.end_headers()
+                self.wfile.write(served[1])
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ddpkit-ft-heal", daemon=True)
+        self._thread.start()
+
+    def metadata(self) -> str:
+        """Where a peer fetches this replica's state: ``http://HOST:PORT/checkpoint/`` (the step follows)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self._server.server_address[1]}/checkpoint/"
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        """Serve ``state_dict`` (serialized now, on the CPU) as the state of ``step`` until the step ends.
+
+        Args:
+            dst_ranks: the replicas that will fetch it (torchft's argument; anyone may fetch).
+            step: the step the state is of; a fetch names it.
+            state_dict: torchft's ``{"user": ..., "torchft": ...}`` of tensors and plain data.
+            timeout: unused: serving waits for nobody.
+        """
+        buffer = io.BytesIO()
+        torch.save(_to_cpu(state_dict), buffer)
+        with self._ready:
+            self._served = (step, buffer.getvalue())
+            self._ready.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        """Stop serving: the step ended, the state may change."""
+        with self._ready:
+            self._served = None
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        """A peer's state of ``step``, loaded with ``weights_only=True`` (a forged pickle is refused).
+
+        Args:
+            src_rank: the peer's rank in the quorum (torchft's argument; ``metadata`` says where).
+            metadata: the peer's :meth:`metadata`.
+            step: the step whose state to fetch.
+            timeout: how long the fetch may take.
+        """
+        with urllib.request.urlopen(f"{metadata}{step}", timeout=timeout.total_seconds()) as answer:
+            data = answer.read()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Close the server."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def transport(host: str, timeout: timedelta) -> Any:
+    """A :class:`SafeTransport` that is also a torchft ``CheckpointTransport``."""
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    kind = type("SafeCheckpointTransport", (SafeTransport, CheckpointTransport), {})
+    return kind(host, timeout)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+class Replica:
+    """This process's part in a fault-tolerant job: torchft's ``Manager`` and what ddpkit asks of it.
+
+    Args:
+        state: returns what a healing peer needs (called by torchft when a peer is behind).
+        load: applies such a state here (called by torchft when this replica heals).
+        device: where training runs (gloo for CPU, NCCL for CUDA).
+        seeded: every replica builds the same model from the seed (no sync at step 0).
+        timeout_s: how long a collective or a heal may take.
+        environ: the environment ``ddpkit run --fault-tolerant`` set.
+    """
+
+    def __init__(self, state: Callable[[], Any], load: Callable[[Any], None], *, device: torch.device,
+                 seeded: bool, timeout_s: float = 60.0, environ: Mapping[str, str] | None = None) -> None:
+        check_installed()
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        from ddpkit.dist import stores
+
+        environ = os.environ if environ is None else environ
+        if device.type != "cuda":          # its warning that NCCL's flight recorder cannot reset, each quorum
+            logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+        self.index = replica_index(environ)
+        self.replicas = int(environ.get(REPLICAS_ENV, "1"))
+        self.min_replicas = int(environ.get(MIN_REPLICAS_ENV, "1"))
+        host = environ.get(HOST_ENV, "127.0.0.1")
+        timeout = timedelta(seconds=timeout_s)
+        quorum_timeout = timedelta(seconds=float(environ.get(QUORUM_TIMEOUT_ENV, "60")))
+        self._store = stores.serve(host, 0, timeout_s=timeout_s)        # this replica group's own store
+
+        def start() -> Any:
+            pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+            manager = Manager(
+                pg=pg, load_state_dict=None, state_dict=None, min_replica_size=self.min_replicas,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
+                rank=0, world_size=1, store_addr=host, store_port=self._store.port,
+                lighthouse_addr=environ[LIGHTHOUSE_ENV], replica_id=f"replica_{self.index}", hostname=host,
+                checkpoint_transport=transport(host, timeout), init_sync=not seeded)
+            manager.register_state_dict_fn("ddpkit", load, state)
+            return manager
+
+        # Made at the first quorum: a replica heartbeats to the lighthouse only once it is ready to
+        # train, so the others never wait for one that is still building its model and data.
+        self._start = start
+        self._manager: Any = None
+        self._done = environ.get(DONE_ENV)
+        self.healed = False
+        self.first_quorum: Callable[[bool], None] | None = None
+        """Called once, after the first quorum, with whether a peer's state healed this replica."""
+        self.rank: int = 0
+        self.participants: int = 1
+        self._in_quorum = False
+
+    @property
+    def manager(self) -> Any:
+        """torchft's ``Manager`` of this replica (started on first use)."""
+        if self._manager is None:
+            self._manager = self._start()
+        return self._manager
+
+    def quorum(self) -> tuple[int, int]:
+        """Join this step's quorum (healing first if this replica is behind); (rank, participants).
+
+        Raises:
+            DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
+        """
+        if self._manager is None and os.path.exists(self._done or "/nonexistent/"):
+            print(f"ddpkit: replica {self.index} restarted after the job finished; nothing left to do", flush=True)
+            raise SystemExit(0)
+        before = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:             # torchft raises its RPC errors as they come
+            raise DdpkitError(f"fault-tolerant replica {self.index}: no quorum ({_first_line(exc)}); "
+                              f"the lighthouse is gone or fewer than {self.min_replicas} replica(s) are alive") from None
+        if self.manager.current_step() != before:
+            self.healed = True        # a peer's state was loaded (a failed step shows at commit)
+        rank = self.manager.participating_rank()
+        self.rank = 0 if rank is None else int(rank)
+        self.participants = max(1, self.manager.num_participants())
+        self._in_quorum = True
+        if self.first_quorum is not None:
+            first, self.first_quorum = self.first_quorum, None
+            first(self.healed)
+        return self.rank, self.participants
+
+    def in_quorum(self) -> bool:
+        """Whether a quorum was joined for the step in progress."""
+        return self._in_quorum
+
+    def average(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` in place over this step's participants (a failure shows at commit)."""
+        self.manager.allreduce(tensor).wait()
+
+    def size(self) -> int:
+        """Replicas in this step's quorum (what :class:`~ddpkit.parallel.sync_batchnorm.SyncBatchNorm` asks)."""
+        return self.participants
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over this step's replicas (a failure shows at commit)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every replica's ``row`` of this step, stacked in quorum order (one summed allreduce)."""
+        table = torch.zeros((self.participants, *row.shape), dtype=row.dtype, device=row.device)
+        table[self.rank] = row
+        self.all_reduce_sum(table)
+        return table
+
+    def should_commit(self) -> bool:
+        """Whether every participant finished this step (True: apply it; False: redo it)."""
+        self._in_quorum = False
+        return bool(self.manager.should_commit())
+
+    def shutdown(self) -> None:
+        """Stop torchft's servers and threads."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+__all__ = ["DONE_ENV", "HOST_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV", "QUORUM_TIMEOUT_ENV", "REPLICAS_ENV", "REPLICA_ENV",
+           "Replica", "SafeTransport", "active", "check_installed", "lighthouse_args", "replica_index", "transport"]

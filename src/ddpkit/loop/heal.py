@@ -1,0 +1,49 @@
+"""What a replica of a fault-tolerant job sends a healing peer, and how that peer takes it.
+
+The state is the one a checkpoint holds, kept in memory: the user's objects (the mapping given to
+``rt.resume``/``rt.checkpoint``, else the set-up models and optimizers), the loop state (epoch,
+step, loader positions), the RNG states and the precision's scaler. Every value is a tensor or
+plain data, so the receiving side loads it with ``weights_only=True``
+(:class:`ddpkit.dist.ft.SafeTransport`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ddpkit import rng
+from ddpkit._torch import unwrap
+from ddpkit.checkpoint.state import restore_user_state, user_state
+from ddpkit.loop.state import RunState
+
+
+def _objects(run: RunState) -> dict[str, Any]:
+    if run.ft_state is not None:
+        return dict(run.ft_state)
+    found: dict[str, Any] = {f"model{i}": model for i, model in enumerate(run.models)}
+    found.update({f"optimizer{i}": opt for i, opt in enumerate(run.optimizers)})
+    return found
+
+
+def heal_state(run: RunState) -> dict[str, Any]:
+    """This replica's state for a peer that is behind (called by torchft, between steps)."""
+    return {"user": user_state(_objects(run)), "loop": run.loop.state_dict(), "rng": rng.rng_state(),
+            "precision": run.precision.state_dict()}
+
+
+def apply_heal(run: RunState, saved: Mapping[str, Any], source: str) -> None:
+    """Take a peer's :func:`heal_state`: this replica continues exactly where the peer stands."""
+    objects = _objects(run)
+    restore_user_state(objects, saved["user"], source)
+    if run.ft_state is not None:
+        for key in run.ft_state:
+            if not hasattr(run.ft_state[key], "load_state_dict"):
+                run.ft_state[key] = objects[key]          # plain values
+    run.loop.restore(saved["loop"], source=source, strict=True)
+    rng.set_rng_state(saved["rng"])
+    run.precision.load_state_dict(saved["precision"])
+    for model in run.models:
+        unwrap(model).zero_grad(set_to_none=True)
+
+
+__all__ = ["apply_heal", "heal_state"]

@@ -1,0 +1,91 @@
+"""The digits ConvNet trained by fault-tolerant replicas, some of which SIGKILL themselves once.
+
+    ddpkit run --fault-tolerant -n 3 --max-restarts 1 tests/scripts/ft_train.py --out DIR \
+        [--kill 2:17] [--kill 0:30]
+
+``--kill R:S``: replica R SIGKILLs itself right after committing step S (or the first it commits
+after S, when it joined later), in its first attempt.
+Every replica appends to ``DIR/events-R.jsonl`` one line per committed step (its attempt, the
+step, the epoch, the samples it trained on in that step, the time), a ``start`` line with whether
+it healed from a peer and what it resumed from, and an ``eval`` line after each epoch (the test
+samples counted, the accuracy); the replica that ends first in the last quorum saves
+``DIR/weights.pt``. Without ``--fault-tolerant`` (``python``, ``ddpkit run -n W``) it trains the
+same run uninterrupted.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+import ddpkit._torch
+from ddpkit.recipes.datasets import load_dataset
+from ddpkit.recipes.models import build_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=60)
+    parser.add_argument("--kill", action="append", default=[], help="R:S, replica R dies after step S")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a longer run)")
+    args = parser.parse_args()
+    kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
+
+    rt = ddpkit.init(seed=0, out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
+                     resume="auto", trackers=())
+    replica = int(os.environ.get("DDPKIT_FT_REPLICA", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    info = load_dataset("digits", "train")
+    test = load_dataset("digits", "test")
+    torch.manual_seed(0)
+    model = build_model("convnet", num_classes=info.num_classes, in_channels=info.in_channels,
+                        image_size=info.image_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(info.dataset, global_batch_size=args.batch, shuffle=True)
+    state = {"model": model, "optimizer": optimizer}
+    rt.resume(state)
+    events = open(os.path.join(args.out, f"events-{replica}.jsonl"), "a", encoding="utf-8")
+
+    def event(**row):
+        events.write(json.dumps({"replica": replica, "attempt": attempt, "t": time.time(), **row}) + "\n")
+        events.flush()
+
+    started = False
+    for epoch in rt.epochs(args.epochs):
+        for images, labels in loader:
+            if not started:
+                started = True
+                healed = rt.run.ft is not None and rt.run.ft.healed
+                event(kind="start", step=rt.global_step, healed=healed, source=rt.loop.resumed_from)
+            time.sleep(args.step_sleep)
+            loss = F.cross_entropy(model(images), labels)
+            rt.backward(loss)
+            if not rt.step(optimizer):
+                event(kind="redo", step=rt.global_step)
+                continue
+            event(kind="step", step=rt.global_step, epoch=rt.epoch, local=loader.local_count,
+                  total=loader.global_count)
+            if attempt == 0 and replica in kills and rt.global_step >= kills[replica]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.checkpoint_every and rt.global_step % args.checkpoint_every == 0:
+                rt.checkpoint(state)
+        metrics = ddpkit.evaluate(model, test.dataset, num_classes=test.num_classes)
+        event(kind="eval", step=rt.global_step, epoch=epoch, count=metrics["count"], correct=metrics["correct"],
+              accuracy=metrics["accuracy"])
+    event(kind="end", step=rt.global_step)
+    if rt.is_main:
+        weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+        torch.save(weights, os.path.join(args.out, "weights.pt"))
+
+
+if __name__ == "__main__":
+    main()
