@@ -255,3 +255,25 @@ def test_the_lighthouse_killed_stops_every_replica_with_one_line(tmp_path):
     assert not [p for p in replicas if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     steps = [row["step"] for row in _events(out) if row["kind"] == "step"]
     assert max(steps) < 50 * STEPS_PER_EPOCH
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoint(tmp_path):
+    """Two replicas, both needed; replica 1 dies for good: replica 0 waits, then saves and stops."""
+    out = tmp_path / "minimum"
+    out.mkdir()
+    done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", "--min-replicas", "2",
+                "--quorum-timeout", "5", SCRIPT, "--out", str(out), "--kill", "1:6", "--checkpoint-every", "100"],
+               timeout=240, env=clean_env(), cwd=ROOT / "tests" / "scripts")
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if "no quorum" in line]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert "fewer than 2 replica(s) are alive; saved " in said[0]
+    saved = Path(said[0].rsplit("saved ", 1)[1])
+    assert saved.exists() and saved.parent == out / "checkpoints"
+    from ddpkit import checkpoint
+
+    own = checkpoint.read(saved)["ddpkit"]
+    steps = [row["step"] for row in _events(out) if row["kind"] == "step" and row["replica"] == 0]
+    assert own["step"] == max(steps) >= 6

@@ -249,6 +249,8 @@ class Replica:
         self._manager: Any = None
         self._done = environ.get(DONE_ENV)
         self.healed = False
+        self.before_stop: Callable[[], Any] | None = None
+        """Called when no quorum forms, before this replica stops: saves what it holds (the path, or None)."""
         self.first_quorum: Callable[[bool], None] | None = None
         """Called once, after the first quorum, with whether a peer's state healed this replica."""
         self.rank: int = 0
@@ -275,8 +277,11 @@ class Replica:
         try:
             self.manager.start_quorum()
         except Exception as exc:             # torchft raises its RPC errors as they come
+            saved = self.before_stop() if self.before_stop is not None else None
+            kept = f"; saved {saved}" if saved else ""
             raise DdpkitError(f"fault-tolerant replica {self.index}: no quorum ({_first_line(exc)}); "
-                              f"the lighthouse is gone or fewer than {self.min_replicas} replica(s) are alive") from None
+                              f"the lighthouse is gone or fewer than {self.min_replicas} replica(s) are alive"
+                              f"{kept}") from None
         if self.manager.current_step() != before:
             self.healed = True        # a peer's state was loaded (a failed step shows at commit)
         rank = self.manager.participating_rank()

@@ -437,6 +437,14 @@ class Runtime:
             return None
         return resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, state, strict=strict)
 
+    def _save_before_stop(self) -> Path | None:
+        """A fault-tolerant replica that gets no quorum saves what it holds into ``checkpoint_dir``
+        (the state of its last committed step) before it stops, so a restarted job resumes from it.
+        The replica ranked first in the last quorum writes (all hold the same state)."""
+        if self.checkpoint_dir is None or self.run.ft_state is None or self.run.loop.step == 0 or not self.is_main:
+            return None
+        return resuming.save(self.run, self.peers, self.checkpoint_dir, self.run.ft_state, keep=self.keep_checkpoints)
+
     def _first_quorum(self, healed: bool) -> None:
         """A fault-tolerant replica's first quorum: resume from a file unless a peer's state healed it."""
         waiting, self.run.ft_resume = self.run.ft_resume, None

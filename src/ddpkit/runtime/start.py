@@ -194,6 +194,7 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
                          lambda saved: heal.apply_heal(run, saved, f"peer of replica {replica.index}"),
                          device=runtime.device, seeded=settings.seed is not None, timeout_s=min(settings.timeout, 30.0))
     replica.first_quorum = runtime._first_quorum
+    replica.before_stop = runtime._save_before_stop
     run.ft = replica
 
 
