@@ -79,9 +79,17 @@ def _samples_per_epoch(events: list[dict]) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The same training in one plain process: what every replicated run must end at."""
+    """The same training (2 epochs) in one plain process: what every replicated run must end at."""
     out = tmp_path_factory.mktemp("single")
     _train(out, str(BIN / "python"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_epoch(tmp_path_factory) -> Path:
+    """One epoch of it in one plain process."""
+    out = tmp_path_factory.mktemp("single-epoch")
+    _train(out, str(BIN / "python"), epochs=1)
     return out
 
 
@@ -157,14 +165,33 @@ def test_what_fault_tolerance_cannot_do_is_one_line(args, says, tmp_path):
     assert len(lines) == 1 and says in lines[0], done.stderr
 
 
+_REDUCES = """
+import torch, ddpkit
+rt = ddpkit.init(seed=0)
+model = rt.setup(torch.nn.Linear(2, 2))
+rt.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "reduces.py"
+    script.write_text(_REDUCES)
+    done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", str(script)], timeout=100)
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "rt.all_reduce under --fault-tolerant" in line]
+    assert len(said) == 2 and all("evaluate with ddpkit.evaluate" in line for line in said)     # one per replica
+
+
 # -- replicas ------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-def test_three_replicas_end_where_one_process_ends(reference, tmp_path):
+def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
     out = tmp_path / "three"
-    _replicas(out, 3)
+    _replicas(out, 3, epochs=1)
+    reference = reference_epoch
     assert _rel_diff(_weights(reference), _weights(out)) <= 1e-5
     events = _events(out)
-    assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES, 1: TRAIN_SAMPLES}
+    assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES}
     evals = [row for row in events if row["kind"] == "eval"]
     assert evals and all(row["count"] == TEST_SAMPLES for row in evals)
     one = {row["epoch"]: row["correct"] for row in _events(reference) if row["kind"] == "eval"}

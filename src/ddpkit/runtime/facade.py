@@ -179,11 +179,20 @@ class Runtime:
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Sum, mean, max or min of ``value`` across ranks (see :func:`ddpkit.all_reduce`)."""
+        self._not_across_replicas("rt.all_reduce")
         return collectives.all_reduce(value, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's rows concatenated in rank order; first dimensions may differ."""
+        self._not_across_replicas("rt.all_gather")
         return collectives.all_gather(tensor)
+
+    def _not_across_replicas(self, what: str) -> None:
+        """In a fault-tolerant job a collective of the script's own would span one replica only."""
+        if self.run.ft is not None:
+            raise UsageError(f"{what} under --fault-tolerant would reduce over this replica alone (the "
+                             "replicas change from step to step); evaluate with ddpkit.evaluate, which "
+                             "counts every sample in each replica")
 
     def heartbeat(self, phase: str) -> None:
         """Tell the hang watchdog this rank made progress and is now in ``phase``.
@@ -347,6 +356,9 @@ class Runtime:
         Gradients are not all-reduced (DDP ``no_sync``) except on the last micro-step, and
         :meth:`step` only steps there. Yields True on the last micro-step.
         """
+        if self.run.ft is not None:
+            raise UsageError("rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
+                             "batch); raise global_batch_size instead")
         return loop_steps.accumulate(self.run, model, steps)
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
