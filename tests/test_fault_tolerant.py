@@ -304,3 +304,39 @@ def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoin
     own = checkpoint.read(saved)["ddpkit"]
     steps = [row["step"] for row in _events(out) if row["kind"] == "step" and row["replica"] == 0]
     assert own["step"] == max(steps) >= 6
+
+
+# -- the bench -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, says", [
+    (("--fault-tolerant",), "--fault-tolerant needs --kill-at STEP"),
+    (("--kill-at", "3"), "--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant"),
+    (("--fault-tolerant", "--kill-at", "3", "--nproc", "1"), "runs one --nproc of 2 or more replicas"),
+])
+def test_the_fault_tolerant_bench_refuses_what_it_cannot_measure(args, says, tmp_path):
+    done = run([str(BIN / "ddpkit"), "bench", *args, "--out", str(tmp_path / "b")], timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpkit bench: error: ") and says in lines[0], done.stderr
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_path):
+    out = tmp_path / "bench"
+    done = run([str(BIN / "ddpkit"), "bench", "--fault-tolerant", "--kill-at", "6", "--model", "convnet",
+                "--data", "digits", "--nproc", "3", "--batch", "20", "--steps", "24", "--checkpoint-every", "4",
+                "--out", str(out)], timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "ft.json").read_text())
+    runs = report["runs"]
+    assert set(runs) == {"uninterrupted", "fault-tolerant", "restart-all"}
+    for kind in ("fault-tolerant", "restart-all"):
+        row = runs[kind]
+        assert row["killed_after_step"] >= 6 and row["recovery_s"] > 0 and row["heal_s"] > 0
+        assert row["weights_rel_diff"] <= 1e-5          # both end where the uninterrupted run ends
+    assert runs["fault-tolerant"]["steps_trained_twice"] == 0, runs
+    # restart-all resumes from the newest checkpoint before the kill (one every 4 steps)
+    assert runs["restart-all"]["steps_trained_twice"] == (runs["restart-all"]["killed_after_step"] - 1) % 4 + 1, runs
+    assert all(row["samples"] >= 24 * 60 for row in runs.values())
+    assert "| fault-tolerant |" in (out / "ft.md").read_text() and "| restart-all |" in done.stdout

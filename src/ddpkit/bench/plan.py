@@ -52,6 +52,9 @@ class Settings:
     powersgd_rank: int | None = None        # PowerSGD rows' rank (None: rt.setup's default)
     sync_dtype: str | None = None           # the infrequent sync's exchange: fp32 (None) or bf16
     diagnose_verify: bool = False   # measure the fix each row's diagnosis recommends, against its prediction
+    fault_tolerant: bool = False    # compare --fault-tolerant with restart-all around a kill (ddpkit.bench.ft)
+    kill_at: int | None = None      # the step after which one process is killed
+    checkpoint_every: int = 8       # restart-all's checkpoints, in steps
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,13 @@ def parser() -> argparse.ArgumentParser:
     add("--diagnose-verify", action="store_true", help="run the fix each row's diagnosis recommends "
         "(the one predicting the most samples/s) and print predicted vs measured samples/s; a prediction "
         "more than 30%% off is flagged as a diagnosis error")
+    add("--fault-tolerant", action="store_true", help="instead of the table: kill one process after --kill-at "
+        "and compare ddpkit run --fault-tolerant (it heals) with restart-all (--max-restarts, from the newest "
+        "checkpoint) and an uninterrupted run; --nproc replicas, --batch per replica, --steps in all")
+    add("--kill-at", type=int, default=None, metavar="STEP", help="with --fault-tolerant: the step after which "
+        "process 1 is SIGKILLed")
+    add("--checkpoint-every", type=int, default=8, help="with --fault-tolerant: restart-all's checkpoint interval in "
+        "steps (default 8)")
     add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
         "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
     return parser
@@ -283,6 +293,16 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     links = _links(opts.link_mbit) if opts.link_mbit is not None else ()
     if hosts and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--hosts runs DDP across simulated hosts; add ddp or ddp-amp to --modes")
+    if opts.fault_tolerant:
+        if opts.kill_at is None or not 1 <= opts.kill_at < opts.steps:
+            raise UsageError("--fault-tolerant needs --kill-at STEP, a step between 1 and --steps - 1")
+        if hosts or len(_int_list(opts.nproc, "--nproc")) != 1 or _int_list(opts.nproc, "--nproc")[0] < 2:
+            raise UsageError("--fault-tolerant runs one --nproc of 2 or more replicas on this machine "
+                             "(simulated hosts are not built for it yet)")
+        if opts.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every must be at least 1, got {opts.checkpoint_every}")
+    elif opts.kill_at is not None:
+        raise UsageError("--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant")
     settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
@@ -291,7 +311,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         optimizer=opts.optimizer,
                         diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs),
                         sync=syncs_of_rows, sync_every=opts.sync_every, powersgd_rank=opts.powersgd_rank,
-                        sync_dtype=opts.sync_dtype)
+                        sync_dtype=opts.sync_dtype, fault_tolerant=opts.fault_tolerant, kill_at=opts.kill_at,
+                        checkpoint_every=opts.checkpoint_every)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

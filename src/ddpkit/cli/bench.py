@@ -25,6 +25,14 @@ def cmd_bench(argv: Sequence[str]) -> int:
     from ddpkit.bench.run import run_bench
 
     settings = parse_settings(argv)
+    if settings.fault_tolerant:
+        from ddpkit.bench import ft
+
+        found = ft.run(settings)
+        found["command"] = shlex.join(["ddpkit", "bench", *argv])
+        print(ft.table(found))
+        print(f"bench: wrote {', '.join(str(p) for p in ft.write(found, Path(settings.out)))}")
+        return 0
     report = run_bench(settings)
     report["command"] = shlex.join(["ddpkit", "bench", *argv])
     paths = write_outputs(Path(settings.out), report)
