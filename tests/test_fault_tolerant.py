@@ -186,11 +186,14 @@ def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
 # -- replicas ------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
+    """Step 5 fails on every replica once (torchft's error report): it is redone, and what its
+    forward changed (BatchNorm's running statistics) is put back first."""
     out = tmp_path / "three"
-    _replicas(out, 3, epochs=1)
+    _replicas(out, 3, epochs=1, extra=("--fail-once", "5"))
     reference = reference_epoch
-    assert _rel_diff(_weights(reference), _weights(out)) <= 1e-5
+    assert _rel_diff(_weights(reference), _weights(out)) <= 1e-5        # running statistics included
     events = _events(out)
+    assert {row["replica"] for row in events if row["kind"] == "redo" and row["step"] == 4} == {0, 1, 2}
     assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES}
     evals = [row for row in events if row["kind"] == "eval"]
     assert evals and all(row["count"] == TEST_SAMPLES for row in evals)
@@ -324,8 +327,9 @@ def test_the_fault_tolerant_bench_refuses_what_it_cannot_measure(args, says, tmp
 @pytest.mark.timeout(600)
 def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_path):
     out = tmp_path / "bench"
+    # 72 steps: the killed replica restarts (10 s or more on a busy machine) before the others end
     done = run([str(BIN / "ddpkit"), "bench", "--fault-tolerant", "--kill-at", "6", "--model", "convnet",
-                "--data", "digits", "--nproc", "3", "--batch", "20", "--steps", "24", "--checkpoint-every", "4",
+                "--data", "digits", "--nproc", "3", "--batch", "20", "--steps", "72", "--checkpoint-every", "4",
                 "--out", str(out)], timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "ft.json").read_text())
@@ -333,10 +337,10 @@ def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_pat
     assert set(runs) == {"uninterrupted", "fault-tolerant", "restart-all"}
     for kind in ("fault-tolerant", "restart-all"):
         row = runs[kind]
-        assert row["killed_after_step"] >= 6 and row["recovery_s"] > 0 and row["heal_s"] > 0
+        assert row["killed_after_step"] >= 6 and row["recovery_s"] > 0 and row["heal_s"] > 0, runs
         assert row["weights_rel_diff"] <= 1e-5          # both end where the uninterrupted run ends
     assert runs["fault-tolerant"]["steps_trained_twice"] == 0, runs
     # restart-all resumes from the newest checkpoint before the kill (one every 4 steps)
     assert runs["restart-all"]["steps_trained_twice"] == (runs["restart-all"]["killed_after_step"] - 1) % 4 + 1, runs
-    assert all(row["samples"] >= 24 * 60 for row in runs.values())
+    assert all(row["samples"] >= 72 * 60 for row in runs.values())
     assert "| fault-tolerant |" in (out / "ft.md").read_text() and "| restart-all |" in done.stdout

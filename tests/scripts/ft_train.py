@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=60)
     parser.add_argument("--kill", action="append", default=[], help="R:S, replica R dies after step S")
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--fail-once", type=int, default=None,
+                        help="every replica reports an error to torchft in step S, once: the step is redone")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a longer run)")
     args = parser.parse_args()
     kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
@@ -59,7 +61,7 @@ def main() -> None:
         events.write(json.dumps({"replica": replica, "attempt": attempt, "t": time.time(), **row}) + "\n")
         events.flush()
 
-    started = False
+    started = failed = False
     for epoch in rt.epochs(args.epochs):
         for images, labels in loader:
             if not started:
@@ -69,6 +71,9 @@ def main() -> None:
             time.sleep(args.step_sleep)
             loss = F.cross_entropy(model(images), labels)
             rt.backward(loss)
+            if args.fail_once is not None and rt.global_step + 1 == args.fail_once and not failed:
+                failed = True                  # as if a collective of this step had failed
+                rt.run.ft.manager.report_error(RuntimeError("injected by ft_train.py"))
             if not rt.step(optimizer):
                 event(kind="redo", step=rt.global_step)
                 continue

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import logging
@@ -270,8 +271,10 @@ class Replica:
         Raises:
             DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
         """
-        if self._manager is None and os.path.exists(self._done or "/nonexistent/"):
-            print(f"ddpkit: replica {self.index} restarted after the job finished; nothing left to do", flush=True)
+        if self._done and os.path.exists(self._done):
+            # another replica finished the job: this one is behind (restarted late) and has nobody
+            # to heal from; training on alone would only redo the job
+            print(f"ddpkit: replica {self.index}: the job finished without it; nothing left to do", flush=True)
             raise SystemExit(0)
         before = self.manager.current_step()
         try:
@@ -322,6 +325,12 @@ class Replica:
         """Whether every participant finished this step (True: apply it; False: redo it)."""
         self._in_quorum = False
         return bool(self.manager.should_commit())
+
+    def finished(self) -> None:
+        """This replica ran the script to its end: a replica still behind has nothing left to do."""
+        if self._done:
+            with contextlib.suppress(OSError):
+                open(self._done, "a").close()
 
     def shutdown(self) -> None:
         """Stop torchft's servers and threads."""

@@ -166,8 +166,17 @@ def run(spec: FaultTolerantSpec) -> int:
 
 
 def _stop(children: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM each live replica (its agent stops its worker), SIGKILL what is left after the grace:
+    the agent and its worker, which torch starts in a session of its own."""
+    import psutil
+
     live = [child for child in children if child.poll() is None]
+    family: list[Any] = []
     for child in live:
+        try:
+            family += psutil.Process(child.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
         child.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for child in live:
@@ -176,6 +185,13 @@ def _stop(children: Sequence[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+    for process in family:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except psutil.TimeoutExpired:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 __all__ = ["FaultTolerantSpec", "replica_command", "replica_env", "run", "start_lighthouse", "validate"]

@@ -161,6 +161,9 @@ class RunState:
     """The run's :class:`~ddpkit.dist.preemption.Preemption` (None: signals are not caught)."""
     ft: Any = None
     """In a fault-tolerant job, this replica's :class:`~ddpkit.dist.ft.Replica` (None otherwise)."""
+    ft_undo: Any = None
+    """In a fault-tolerant job, the model buffers and torch random state before the step in hand,
+    put back when the step does not commit."""
     ft_state: Any = None
     """In a fault-tolerant job, the state mapping given to ``rt.resume`` or ``rt.checkpoint``: what a
     healing replica gets from a peer (None: the set-up models and optimizers)."""

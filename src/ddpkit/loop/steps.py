@@ -20,8 +20,13 @@ from ddpkit.loop.state import RunState
 
 
 def on_batch(run: RunState, loader: Any) -> None:
-    """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
+    """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress.
+
+    In a fault-tolerant job the step may not commit; what its forward changes besides the
+    gradients (BatchNorm's running statistics, torch's random state) is kept to be put back."""
     run.active = loader
+    if run.ft is not None:
+        run.ft_undo = ([b.detach().clone() for model in run.models for b in model.buffers()], torch.get_rng_state())
     beat("data")     # a batch is in hand; the forward follows
 
 
@@ -103,6 +108,12 @@ def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimiz
         return True
     for p in params:
         p.grad = None
+    if run.ft_undo is not None:          # the forward's statistics and random draws, undone
+        buffers, rng_state = run.ft_undo
+        with torch.no_grad():
+            for saved, b in zip(buffers, [b for model in run.models for b in model.buffers()]):
+                b.copy_(saved)
+        torch.set_rng_state(rng_state)
     run.backward_since_step = False
     if run.active is not None and hasattr(run.active, "step_back"):
         run.active.step_back()

@@ -479,6 +479,8 @@ class Runtime:
             self.run.preemption.uninstall()
         heartbeats.set_target(None)
         if self.run.ft is not None:
+            if not self.failed and self._outcome is None and not self.run.ft.in_quorum() and self.run.loop.step > 0:
+                self.run.ft.finished()
             self.run.ft.shutdown()
         process_group.destroy()
         if self._on_close is not None:
