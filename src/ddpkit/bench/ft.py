@@ -31,6 +31,8 @@ import torch
 
 from ddpkit._files import write_text_atomic
 
+TIMED = {"wall_s": 0.0, "samples_per_s": 0.0, "weights_rel_diff": 0.0, "samples_per_s_lost": 0.0}
+"""The keys :func:`run` adds to each run's :func:`measure` (docs/reference/outputs.md lists them all)."""
 KILLED = 1
 """The replica (or rank) the bench kills."""
 
@@ -110,6 +112,7 @@ def run(settings: Any) -> dict[str, Any]:
         where = out / kind
         seconds = _launch(kind, settings, where, kill)
         found = measure(_events(where), settings.kill_at if kill else None)
+        found.update(TIMED)
         found["wall_s"] = round(seconds, 3)
         found["samples_per_s"] = round(found["samples"] / seconds, 1)
         rows[kind] = found
@@ -119,9 +122,10 @@ def run(settings: Any) -> dict[str, Any]:
     base = rows["uninterrupted"]["samples_per_s"]
     for kind in rows:
         rows[kind]["samples_per_s_lost"] = round(base - rows[kind]["samples_per_s"], 1)
-    return {"model": settings.model, "data": settings.data, "replicas": settings.nproc[0],
-            "global_batch": settings.batch * settings.nproc[0], "steps": settings.steps,
-            "kill_at": settings.kill_at, "checkpoint_every": settings.checkpoint_every, "runs": rows}
+    report = {"model": settings.model, "data": settings.data, "replicas": settings.nproc[0],
+              "global_batch": settings.batch * settings.nproc[0], "steps": settings.steps,
+              "kill_at": settings.kill_at, "checkpoint_every": settings.checkpoint_every, "runs": rows}
+    return report
 
 
 def table(report: dict[str, Any]) -> str:
@@ -144,4 +148,4 @@ def write(report: dict[str, Any], out: Path) -> list[Path]:
     return [json_path, md_path]
 
 
-__all__ = ["KILLED", "measure", "rel_diff", "run", "table", "write"]
+__all__ = ["KILLED", "TIMED", "measure", "rel_diff", "run", "table", "write"]
