@@ -85,8 +85,8 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
         return _save_sharded(run, peers, Path(path), state, keep)
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
     path = Path(path)
-    rotate = path.is_dir() or path.suffix == ""
-    target = checkpoint.step_path(path, run.loop.step) if rotate else path
+    target = target_of(path, run.loop.step)
+    rotate = target != path
     rngs = collectives.all_gather_object(rng.rng_state())
     grads = _open_group_grads(run)
     own_stats, averages = None, {}
@@ -125,7 +125,8 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
 
 
 def target_of(path: str | os.PathLike, step: int) -> Path:
-    """The file :func:`save` writes for ``path`` at ``step`` (a ``.pt`` checkpoint)."""
+    """The file :func:`save` writes for ``path`` at ``step``: ``path`` itself, or in a checkpoint
+    directory (an existing directory, or a path without a suffix) the step's ``ckpt-stepNNNNNNNN.pt``."""
     path = Path(path)
     return checkpoint.step_path(path, step) if path.is_dir() or path.suffix == "" else path
 

@@ -76,12 +76,6 @@ def replica_index(environ: Mapping[str, str] | None = None) -> int:
     return int(environ.get(REPLICA_ENV, "0"))
 
 
-def lighthouse_args(bind: str, min_replicas: int) -> list[str]:
-    """torchft's ``torchft_lighthouse`` command line, listening on ``bind`` (``HOST:PORT``) only."""
-    return ["--bind", bind, "--min_replicas", str(min_replicas), "--quorum_tick_ms", str(QUORUM_TICK_MS),
-            "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
-
-
 def check_installed() -> None:
     """Refuse in one line where torchft is not installed."""
     try:
@@ -146,7 +140,7 @@ class SafeTransport:
         return f"http://{host}:{self._server.server_address[1]}/checkpoint/"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        """Serve ``state_dict`` (serialized now, on the CPU) as the state of ``step`` until the step ends.
+        """Serve ``state_dict`` (serialized now) as the state of ``step`` until the step ends.
 
         Args:
             dst_ranks: the replicas that will fetch it (torchft's argument; anyone may fetch).
@@ -155,7 +149,7 @@ class SafeTransport:
             timeout: unused: serving waits for nobody.
         """
         buffer = io.BytesIO()
-        torch.save(_to_cpu(state_dict), buffer)
+        torch.save(state_dict, buffer)       # CUDA tensors too: the peer loads onto its CPU
         with self._ready:
             self._served = (step, buffer.getvalue())
             self._ready.notify_all()
@@ -192,16 +186,6 @@ def transport(host: str, timeout: timedelta) -> Any:
     return kind(host, timeout)
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
 class Replica:
     """This process's part in a fault-tolerant job: torchft's ``Manager`` and what ddpkit asks of it.
 
@@ -226,7 +210,6 @@ class Replica:
         if device.type != "cuda":          # its warning that NCCL's flight recorder cannot reset, each quorum
             logging.getLogger("torchft.manager").setLevel(logging.ERROR)
         self.index = replica_index(environ)
-        self.replicas = int(environ.get(REPLICAS_ENV, "1"))
         self.min_replicas = int(environ.get(MIN_REPLICAS_ENV, "1"))
         host = environ.get(HOST_ENV, "127.0.0.1")
         timeout = timedelta(seconds=timeout_s)
@@ -345,4 +328,4 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = ["DONE_ENV", "HOST_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV", "QUORUM_TIMEOUT_ENV", "REPLICAS_ENV", "REPLICA_ENV",
-           "Replica", "SafeTransport", "active", "check_installed", "lighthouse_args", "replica_index", "transport"]
+           "Replica", "SafeTransport", "active", "check_installed", "replica_index", "transport"]

@@ -142,8 +142,7 @@ def run(spec: FaultTolerantSpec) -> int:
             if lighthouse.poll() is not None:
                 sys.stderr.write(f"ddpkit run: the fault-tolerant lighthouse exited (code {lighthouse.returncode}); "
                                  "stopping every replica so that none trains apart from the others\n")
-                _stop(replicas)
-                return 1
+                return 1                   # the replicas are stopped below
             time.sleep(0.2)
     finally:
         for number, old in previous.items():

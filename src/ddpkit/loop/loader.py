@@ -113,6 +113,12 @@ class LoaderPosition:
         self.epoch, self.position, self.finished = epoch, position, False
         self._resume = position
 
+    def _check_pass(self, this_pass: int) -> None:
+        """Refuse to go on with an iterator that a newer ``iter(loader)`` replaced."""
+        if this_pass != self._passes:
+            raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
+                               "iter(loader); iterate one pass at a time, like a DataLoader")
+
     def mark_trained(self) -> None:
         """A batch of the current pass fed a backward: a pending resume point is used up."""
         self.trained = True
@@ -181,9 +187,7 @@ class ShardedLoader(LoaderPosition):
                       for batch in self.sampler.global_batches(self.epoch, start)]
         try:
             for batch, (local, total) in zip(self._loader, self._plan):
-                if this_pass != self._passes:
-                    raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
-                                       "iter(loader); iterate one pass at a time, like a DataLoader")
+                self._check_pass(this_pass)
                 if not local:
                     batch = zero_rows(batch)
                 self.position += 1
@@ -199,7 +203,6 @@ class ShardedLoader(LoaderPosition):
     def __repr__(self) -> str:
         return (f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, "
                 f"position={self.position})")
-
 
 
 class QuorumLoader(ShardedLoader):
@@ -233,9 +236,7 @@ class QuorumLoader(ShardedLoader):
         try:
             while True:
                 rank, world = self.replica.quorum()     # may heal: epoch and position become the peer's
-                if this_pass != self._passes:
-                    raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
-                                       "iter(loader); iterate one pass at a time, like a DataLoader")
+                self._check_pass(this_pass)
                 if self.position >= len(self):
                     break
                 batch = self._global_batch(self.position)

@@ -162,13 +162,13 @@ class RunState:
     ft: Any = None
     """In a fault-tolerant job, this replica's :class:`~ddpkit.dist.ft.Replica` (None otherwise)."""
     ft_undo: Any = None
-    """In a fault-tolerant job, the model buffers and torch random state before the step in hand,
-    put back when the step does not commit."""
+    """In a fault-tolerant job, ``([(buffer, its value)], torch random state)`` before the step in
+    hand: put back when the step does not commit."""
     ft_state: Any = None
     """In a fault-tolerant job, the state mapping given to ``rt.resume`` or ``rt.checkpoint``: what a
     healing replica gets from a peer (None: the set-up models and optimizers)."""
     ft_resume: Any = None
-    """In a fault-tolerant job, the ``rt.resume`` waiting for the first quorum: (state, strict, load),
+    """In a fault-tolerant job, the ``rt.resume`` waiting for the first quorum: (state, strict),
     done there unless a peer is ahead, whose state heals this replica instead."""
     tracking: Any = None
     """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into

@@ -26,7 +26,8 @@ def on_batch(run: RunState, loader: Any) -> None:
     gradients (BatchNorm's running statistics, torch's random state) is kept to be put back."""
     run.active = loader
     if run.ft is not None:
-        run.ft_undo = ([b.detach().clone() for model in run.models for b in model.buffers()], torch.get_rng_state())
+        run.ft_undo = ([(b, b.detach().clone()) for model in run.models for b in model.buffers()],
+                       torch.get_rng_state())
     beat("data")     # a batch is in hand; the forward follows
 
 
@@ -91,11 +92,9 @@ def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimiz
     """A fault-tolerant step: average the gradients over the quorum's replicas, then ask whether
     every one finished. False (a replica died during the step): nothing is applied, the gradients
     are dropped and the loader hands out the same global batch again, split over the next quorum."""
-    params = [p for model in run.models for p in model.parameters() if p.requires_grad]
-    for optimizer in optimizers:
-        known = {id(p) for p in params}
-        params += [p for group in optimizer.param_groups for p in group["params"]
-                   if p.requires_grad and id(p) not in known]
+    trained = [p for model in run.models for p in model.parameters()]
+    trained += [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    params = list({id(p): p for p in trained if p.requires_grad}.values())     # each once, in order
     for dtype in sorted({p.dtype for p in params}, key=str):
         same = [p for p in params if p.dtype == dtype]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
@@ -111,8 +110,8 @@ def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimiz
     if run.ft_undo is not None:          # the forward's statistics and random draws, undone
         buffers, rng_state = run.ft_undo
         with torch.no_grad():
-            for saved, b in zip(buffers, [b for model in run.models for b in model.buffers()]):
-                b.copy_(saved)
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
         torch.set_rng_state(rng_state)
     run.backward_since_step = False
     if run.active is not None and hasattr(run.active, "step_back"):

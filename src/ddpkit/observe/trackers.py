@@ -223,7 +223,7 @@ class Remote:
         self.deferred = True
         self._send(lambda row: row["step"] < step)
 
-    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+    def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint of ``step`` keeps: the run ids (opening the runs whose id only the
         tracker can give, MLflow) and, under ``"rows"``, the queued rows of ``step``, which the
         trackers get only after the save (:meth:`saved`)."""
@@ -232,10 +232,7 @@ class Remote:
         for name in self.chosen:
             if name not in self._failed:
                 self._opened(name)
-        state: dict[str, Any] = dict(self.ids)
-        if step is not None:
-            state["rows"] = [dict(row) for row in self._pending if row["step"] == step]
-        return state
+        return {**self.ids, "rows": [dict(row) for row in self._pending if row["step"] == step]}
 
     def load_state_dict(self, state: Mapping[str, Any] | None, step: int) -> None:
         """Continue the runs of a loaded checkpoint at ``step``: later queued rows belong to undone

@@ -123,9 +123,7 @@ class StreamLoader(LoaderPosition):
         expected = start
         try:
             for b, local, batch, count, seen in join(self._loader, self._parts):
-                if this_pass != self._passes:
-                    raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
-                                       "iter(loader); iterate one pass at a time, like a DataLoader")
+                self._check_pass(this_pass)
                 if b != expected:
                     raise DdpkitError(f"internal: stream batch {b} arrived where {expected} was due")
                 expected += 1
