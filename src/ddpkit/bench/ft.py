@@ -45,7 +45,8 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
     n = settings.nproc[0]
     worker = ["-m", "ddpkit.bench.ft_worker", "--out", str(out), "--model", settings.model, "--data", settings.data,
               "--batch", str(settings.batch * n), "--steps", str(settings.steps), "--seed", str(settings.seed),
-              "--lr", str(settings.lr), "--momentum", str(settings.momentum), "--kill-who", str(KILLED)]
+              "--lr", str(settings.lr), "--momentum", str(settings.momentum), "--kill-who", str(KILLED),
+              "--min-step-s", str(settings.min_step_s)]
     if kill:
         worker += ["--kill-at", str(settings.kill_at)]
     if kind == "restart-all":
@@ -124,7 +125,8 @@ def run(settings: Any) -> dict[str, Any]:
         rows[kind]["samples_per_s_lost"] = round(base - rows[kind]["samples_per_s"], 1)
     report = {"model": settings.model, "data": settings.data, "replicas": settings.nproc[0],
               "global_batch": settings.batch * settings.nproc[0], "steps": settings.steps,
-              "kill_at": settings.kill_at, "checkpoint_every": settings.checkpoint_every, "runs": rows}
+              "kill_at": settings.kill_at, "checkpoint_every": settings.checkpoint_every,
+              "min_step_s": settings.min_step_s, "runs": rows}
     return report
 
 

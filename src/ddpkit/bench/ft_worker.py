@@ -1,7 +1,7 @@
 """The loop ``ddpkit bench --fault-tolerant`` times: one process of a replica or of a torchrun group.
 
     python -m ddpkit.bench.ft_worker --out DIR --model convnet --data digits --batch 60 --steps 48 \
-        [--kill-at 10 --kill-who 1] [--checkpoint-every 8]
+        [--kill-at 10 --kill-who 1] [--checkpoint-every 8] [--min-step-s 0.3]
 
 Every process appends to ``DIR/events-<replica or rank>.jsonl`` a line per committed step (the
 time, the attempt, the samples it trained on) and a ``start`` line; the one that is ``rt.is_main``
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-who", type=int, default=1)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--min-step-s", type=float, default=0.0,
+                        help="sleep out each step to at least this long (a larger model's step)")
     opts = parser.parse_args(argv)
 
     rt = ddpkit.init(seed=opts.seed, out_dir=opts.out, checkpoint_dir=os.path.join(opts.out, "checkpoints"),
@@ -63,12 +65,16 @@ def main(argv: list[str] | None = None) -> None:
 
     event(kind="process", step=rt.global_step)
     started = False
+    began = time.perf_counter()
     while rt.global_step < opts.steps:
         for _ in rt.epochs(rt.epoch + 1):
             for inputs, targets in loader:
                 if not started:
                     started = True
                     event(kind="start", step=rt.global_step, healed=bool(rt.run.ft is not None and rt.run.ft.healed))
+                if opts.min_step_s > 0:
+                    time.sleep(max(0.0, opts.min_step_s - (time.perf_counter() - began)))
+                    began = time.perf_counter()
                 loss = F.cross_entropy(model(inputs), targets)
                 rt.backward(loss)
                 if not rt.step(optimizer):

@@ -55,6 +55,7 @@ class Settings:
     fault_tolerant: bool = False    # compare --fault-tolerant with restart-all around a kill (ddpkit.bench.ft)
     kill_at: int | None = None      # the step after which one process is killed
     checkpoint_every: int = 8       # restart-all's checkpoints, in steps
+    min_step_s: float = 0.0         # each fault-tolerant bench step lasts at least this long
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,8 @@ def parser() -> argparse.ArgumentParser:
         "process 1 is SIGKILLed")
     add("--checkpoint-every", type=int, default=8, help="with --fault-tolerant: restart-all's checkpoint interval in "
         "steps (default 8)")
+    add("--min-step-s", type=float, default=0.0, metavar="S", help="with --fault-tolerant: each step lasts at "
+        "least S seconds (the loop sleeps out the rest), standing in for a larger model's step (default 0)")
     add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
         "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
     return parser
@@ -301,8 +304,12 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                              "(simulated hosts are not built for it yet)")
         if opts.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be at least 1, got {opts.checkpoint_every}")
+        if opts.min_step_s < 0:
+            raise UsageError(f"--min-step-s must be 0 or more seconds, got {opts.min_step_s}")
     elif opts.kill_at is not None:
         raise UsageError("--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant")
+    elif opts.min_step_s:
+        raise UsageError("--min-step-s lengthens the steps of --fault-tolerant's comparison; add --fault-tolerant")
     settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
@@ -312,7 +319,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs),
                         sync=syncs_of_rows, sync_every=opts.sync_every, powersgd_rank=opts.powersgd_rank,
                         sync_dtype=opts.sync_dtype, fault_tolerant=opts.fault_tolerant, kill_at=opts.kill_at,
-                        checkpoint_every=opts.checkpoint_every)
+                        checkpoint_every=opts.checkpoint_every, min_step_s=opts.min_step_s)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:
