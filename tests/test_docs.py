@@ -4,7 +4,9 @@ The site is built once (Sphinx, ``-W -n``: any warning, a broken link or referen
 temporary folder. The API reference must hold every name of ``ddpkit.__all__`` and the CLI
 reference every command and flag of the real parsers, so a new name or flag without docs fails
 here. Every ``python`` and ``bash`` block of the README and the pages runs unless a comment
-``<!-- not-run: reason -->`` stands right above it; the marked ones are counted and listed.
+``<!-- not-run: reason -->`` stands right above it; the marked ones are counted and listed. A
+fragment that takes a model or data for granted says so with ``<!-- runs-after: tiny rt -->``:
+it runs after those files of ``tests/docs_setup/`` (a small model, random data, a runtime).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from helpers import BIN, ROOT, clean_env
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(python|bash)\s*$")
 _NOT_RUN = re.compile(r"^<!-- not-run: (.+) -->$")
+_RUNS_AFTER = re.compile(r"^<!-- runs-after: ([\w ]+) -->$")
+SETUP = ROOT / "tests" / "docs_setup"
 
 
 def _blocks() -> list[tuple[str, str, str, str | None]]:
-    """(where, language, code, reason not run) of every python and bash block."""
+    """(where, language, code, reason not run) of every python and bash block; a block marked
+    ``runs-after`` has the setup files it names in front of its code."""
     found = []
     for page in PAGES:
         lines = page.read_text().splitlines()
@@ -40,8 +45,10 @@ def _blocks() -> list[tuple[str, str, str, str | None]]:
             while not lines[end].startswith("```"):
                 end += 1
             reason = _NOT_RUN.match(lines[index - 1]) if index else None
-            found.append((f"{page.relative_to(ROOT)}:{index + 1}", fence.group(1), "\n".join(lines[index + 1:end]),
-                          reason.group(1) if reason else None))
+            after = _RUNS_AFTER.match(lines[index - 1]) if index else None
+            setup = "".join((SETUP / f"{name}.py").read_text() + "\n" for name in after.group(1).split()) if after else ""
+            found.append((f"{page.relative_to(ROOT)}:{index + 1}", fence.group(1),
+                          setup + "\n".join(lines[index + 1:end]), reason.group(1) if reason else None))
             index = end + 1
     return found
 
@@ -80,7 +87,7 @@ def test_the_cli_reference_has_every_command_and_flag_of_the_real_parsers(site):
 def test_the_readme_is_a_front_page_with_the_set_up_commands_first():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 150, len(lines)
-    shown = [line for line in lines if not _NOT_RUN.match(line)]        # the comment GitHub hides
+    shown = [line for line in lines if not _NOT_RUN.match(line) and not _RUNS_AFTER.match(line)]   # GitHub hides them
     assert shown[:5] == ["# ddpkit", "", "```bash", "make demo   # creates .venv, installs ddpkit, runs the built-in "
                          "end-to-end demo", "make test   # creates .venv, installs ddpkit with test extras, runs the "
                          "test suite"]
@@ -95,7 +102,7 @@ def test_every_block_runs_or_says_why_not(capsys):
         print(f"\n{len(skipped)} of {len(blocks)} code blocks are marked not runnable here:")
         for where, reason in skipped:
             print(f"  {where}: {reason}")
-    assert len(blocks) - len(skipped) >= 3
+    assert len(blocks) - len(skipped) >= 13         # the count this suite has run since the setup files
 
 
 @pytest.mark.timeout(300)
@@ -126,8 +133,8 @@ def _dict_keys(path: Path, name: str) -> list[str]:
     import ast
 
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets) \
-                and isinstance(node.value, ast.Dict):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(getattr(t, "id", None) == name for t in targets) and isinstance(node.value, ast.Dict):
             return [key.value for key in node.value.keys if isinstance(key, ast.Constant)]
     raise AssertionError(f"no dict {name} in {path}")
 
@@ -153,3 +160,42 @@ def test_the_output_keys_page_lists_every_key_of_the_fault_tolerant_bench():
     row = {**ft.measure(events, kill_at=2), **ft.TIMED}
     assert _documented_keys("## `ft.json`")[9:] == list(row)
     assert row["recovery_s"] == 2.0 and row["heal_s"] == 1.0 and row["rejoined_s_after_kill"] == 8.0
+
+
+def _returned_keys(path: Path, function: str) -> list[str]:
+    """The string keys of the dict literals ``function`` in ``path`` returns (or appends)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            for inner in ast.walk(node):
+                value = inner.value if isinstance(inner, ast.Return) else (
+                    inner.args[0] if isinstance(inner, ast.Call) and getattr(inner.func, "attr", "") == "append"
+                    and inner.args else None)
+                for literal in (value.elts if isinstance(value, ast.List) else [value]):
+                    if isinstance(literal, ast.Dict):
+                        found += [k.value for k in literal.keys if isinstance(k, ast.Constant) and k.value not in found]
+    assert found, f"no dict returned by {function} in {path}"
+    return found
+
+
+def test_the_output_keys_page_lists_every_key_of_bench_json_and_the_demo_report():
+    src = ROOT / "src" / "ddpkit"
+    bench = src / "bench"
+    assert _documented_keys("## `bench.json`") == _dict_keys(bench / "run.py", "report") + ["raw_vs_ddpkit", "command"]
+    row = {*_returned_keys(bench / "summary.py", "summarize"), *_returned_keys(bench / "summary.py", "not_applicable"),
+           "diagnosis", "verify"}
+    assert set(_documented_keys("## A `bench.json` row")) == row
+    comm = [k for k in _returned_keys(bench / "wire.py", "split") + _returned_keys(bench / "summary.py", "_comm")
+            if k not in ("payload_call_s", "overlap")]          # the first is renamed, the second moves up a level
+    assert set(_documented_keys("## A row's `comm`")) == set(comm)
+    fixes = {*_returned_keys(bench / "diagnose.py", "recommendations"), *_returned_keys(bench / "diagnose.py", "_infrequent"),
+             *_returned_keys(bench / "diagnose.py", "checked"), *_returned_keys(src / "cli" / "demo.py", "_verify")}
+    assert set(_documented_keys("## A row's `verify`")) == fixes | {"measured_samples_per_second"}
+    assert set(_documented_keys("## `raw_vs_ddpkit`")) == set(_returned_keys(bench / "run.py", "compare_raw"))
+    demo = [k for k in _returned_keys(src / "cli" / "demo.py", "main") if k != "step"]    # dropped before writing
+    demo += ["max_rel_diff_vs_single", "speedup", "efficiency", *_returned_keys(src / "cli" / "demo.py", "_diagnosed"),
+             "verify"]
+    assert _documented_keys("## `report.json`") == demo
