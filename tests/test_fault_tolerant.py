@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import subprocess
 import threading
 import time
@@ -154,8 +155,13 @@ def test_a_forged_heal_payload_from_a_peer_runs_no_code(tmp_path, monkeypatch):
 
 # -- usage errors ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, says", [
-    (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29999"), "runs its replicas on one machine so far"),
-    (("--min-replicas", "4"), "--min-replicas 4 must be between 1 and -n (3)"),
+    (("--nnodes", "2", "--master", "127.0.0.1:29999"), "--fault-tolerant --nnodes 2 needs --node-rank I"),
+    (("--nnodes", "2", "--node-rank", "0"), "--nnodes 2 needs --master HOST:PORT"),
+    (("--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29999"), "--node-rank 2 must be between 0 and"),
+    (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:65535"), "give a port below 65535"),
+    (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29999", "--min-replicas", "7"),
+     "--min-replicas 7 must be between 1 and the job's replicas (6)"),
+    (("--min-replicas", "4"), "--min-replicas 4 must be between 1 and the job's replicas (3)"),
 ])
 def test_what_fault_tolerance_cannot_do_is_one_line(args, says, tmp_path):
     done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "3", *args, SCRIPT, "--out", str(tmp_path)],
@@ -354,3 +360,71 @@ def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_pat
     assert runs["restart-all"]["steps_trained_twice"] == (runs["restart-all"]["killed_after_step"] - 1) % 4 + 1, runs
     assert all(row["samples"] >= 72 * 60 for row in runs.values())
     assert "| fault-tolerant |" in (out / "ft.md").read_text() and "| restart-all |" in done.stdout
+
+
+# -- across hosts ------------------------------------------------------------------------------------
+needs_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces")
+
+
+def _on_hosts(sim, out: Path, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """``ddpkit run --fault-tolerant -n 1`` on every simulated host, node 0's address the master."""
+    master = f"{sim.addresses[0]}:29600"      # every namespace is fresh: nothing else holds the port
+    out.mkdir(parents=True, exist_ok=True)
+    return [sim.popen(host, [str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "1", "--max-restarts", "1",
+                             "--nnodes", str(sim.hosts), "--node-rank", str(host), "--master", master,
+                             SCRIPT, "--out", str(out), *extra],
+                      env=clean_env(), cwd=ROOT / "tests" / "scripts", stdout=open(out / f"node{host}.log", "w"),
+                      stderr=subprocess.STDOUT)
+            for host in range(sim.hosts)]
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_replicas_on_three_hosts_heal_across_the_network_and_end_where_one_process_ends(reference_epoch, tmp_path):
+    """Each host (a network namespace, its own address) runs one replica; node 0 runs the
+    lighthouse on its address. The replica of host 2 dies at step 8, restarts on its host and heals
+    from a replica of another host over the network."""
+    from ddpkit.bench.netsim import SimulatedHosts
+
+    out = tmp_path / "hosts"
+    with SimulatedHosts(3, 1000.0) as sim:
+        nodes = _on_hosts(sim, out, ("--epochs", "1", "--kill", "2:8", "--step-sleep", "0.3"))
+        codes = [node.wait(timeout=400) for node in nodes]
+    logs = "\n".join((out / f"node{host}.log").read_text()[-2000:] for host in range(3))
+    assert codes == [0, 0, 0], logs
+    assert _rel_diff(_weights(reference_epoch), _weights(out)) <= 1e-5
+    events = _events(out)
+    assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES}
+    assert all(row["count"] == TEST_SAMPLES for row in events if row["kind"] == "eval")
+    back = next(row for row in events if row["replica"] == 2 and row["attempt"] == 1 and row["kind"] == "start")
+    assert back["healed"] and back["source"] in ("peer of replica 0", "peer of replica 1"), back
+    assert {row["replica"] for row in events if row["kind"] == "end"} == {0, 1, 2}
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_losing_node_zero_stops_the_other_hosts_with_one_line(tmp_path):
+    """Node 0 (its launcher, lighthouse, store and replica) is SIGKILLed: node 1 says so in one line
+    and stops its replica, rather than train on alone."""
+    from ddpkit.bench.netsim import SimulatedHosts
+
+    out = tmp_path / "lost"
+    with SimulatedHosts(2, 1000.0) as sim:
+        nodes = _on_hosts(sim, out, ("--epochs", "50"))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len([r for r in _events(out) if r["kind"] == "step"]) < 6:
+            time.sleep(0.2)
+        replicas = psutil.Process(nodes[1].pid).children(recursive=True)
+        kill_tree(nodes[0].pid)
+        code = nodes[1].wait(timeout=120)
+    log = (out / "node1.log").read_text()
+    assert code == 1, log[-3000:]
+    said = [line for line in log.splitlines() if line.startswith("ddpkit run: lost node 0")]
+    assert len(said) == 1 and said[0].endswith("stopping this node's replicas so that none trains apart from "
+                                               "the others"), log[-3000:]
+    assert not [p for p in replicas if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert max(row["step"] for row in _events(out) if row["kind"] == "step") < 50 * STEPS_PER_EPOCH

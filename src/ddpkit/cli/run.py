@@ -114,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
     add("--fault-tolerant", action="store_true",
         help="per-step fault tolerance (torchft): -n replicas of one process each; a replica that dies "
              "is restarted on its own (--max-restarts counts per replica) and heals from a live peer "
-             "while the others go on, with the same result")
+             "while the others go on, with the same result; across hosts with --nnodes/--node-rank/--master "
+             "(node 0 runs the lighthouse at the master's PORT, the job's store at PORT + 1) or under srun")
     add("--min-replicas", dest="min_replicas", type=int, default=1,
         help="with --fault-tolerant: the fewest replicas a step may commit with")
     add("--quorum-timeout", dest="quorum_timeout", type=float, default=60.0, metavar="SECONDS",
@@ -141,13 +142,21 @@ def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> "Any":
 
     if opts.module is None and opts.script is None:
         raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
-    if _nnodes(opts.nnodes) > 1 or opts.master or opts.master_addr or opts.rdzv_endpoint:
-        raise UsageError("--fault-tolerant runs its replicas on one machine so far; across hosts "
-                         "(--nnodes, --master) is not built yet")
+    from ddpkit.dist.environment import detect
+    from ddpkit.dist.torchrun import placement
+
+    nnodes = _nnodes(opts.nnodes)
+    where = RunSpec(target=opts.module or opts.script, nnodes=nnodes, node_rank=opts.node_rank,
+                    master=_master(opts, nnodes))
+    nnodes, node_rank, master, _ = placement(where, detect())      # SLURM's, under srun
+    if nnodes > 1 and node_rank is None:
+        raise UsageError(f"--fault-tolerant --nnodes {nnodes} needs --node-rank I, this host's index (node 0 "
+                         "runs the lighthouse)")
     replicas = _nproc(opts.n, opts.nproc_per_node) or 1
     return FaultTolerantSpec(target=opts.module or opts.script, target_args=list(rest), replicas=replicas,
                              min_replicas=opts.min_replicas, max_restarts=opts.max_restarts,
-                             module=opts.module is not None, quorum_timeout_s=opts.quorum_timeout)
+                             module=opts.module is not None, quorum_timeout_s=opts.quorum_timeout,
+                             nnodes=nnodes, node_rank=node_rank or 0, master=master)
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:

@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import io
 import logging
@@ -38,7 +37,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import DdpkitError, UsageError, warn
 
 LIGHTHOUSE_ENV = "DDPKIT_FT_LIGHTHOUSE"
 """The lighthouse's address (``http://HOST:PORT``), set by ``ddpkit run --fault-tolerant``."""
@@ -50,9 +49,13 @@ MIN_REPLICAS_ENV = "DDPKIT_FT_MIN_REPLICAS"
 """The fewest replicas a step may commit with."""
 HOST_ENV = "DDPKIT_FT_HOST"
 """The address this replica's servers listen on and tell peers (127.0.0.1 on one machine)."""
-DONE_ENV = "DDPKIT_FT_DONE_FILE"
-"""A file ``ddpkit run --fault-tolerant`` creates once a replica has finished the job: a replica
-restarted after that has nothing to heal from and nothing left to do."""
+JOB_STORE_ENV = "DDPKIT_FT_JOB_STORE"
+"""The job's own store, where a replica that finished the job says so (:func:`mark_done`): a replica
+restarted after that has nothing to heal from and nothing left to do. ``file:PATH`` on one
+machine (a torch ``FileStore`` in a directory only the user can open), ``tcp:HOST:PORT`` across
+hosts (a ``TCPStore`` on node 0, beside the lighthouse)."""
+DONE_KEY = "ddpkit/ft/done"
+"""The key a finished replica sets in the job's store."""
 QUORUM_TIMEOUT_ENV = "DDPKIT_FT_QUORUM_TIMEOUT"
 """Seconds a replica waits for a quorum of ``--min-replicas`` before it stops."""
 
@@ -74,6 +77,34 @@ def replica_index(environ: Mapping[str, str] | None = None) -> int:
     """This replica's index (0 when unset)."""
     environ = os.environ if environ is None else environ
     return int(environ.get(REPLICA_ENV, "0"))
+
+
+def job_store(where: str, timeout_s: float = 60.0) -> Any:
+    """A client of the job's store :data:`JOB_STORE_ENV` names (``file:PATH`` or ``tcp:HOST:PORT``).
+
+    Raises:
+        UsageError: ``where`` is neither.
+    """
+    import torch.distributed as dist
+
+    kind, _, rest = where.partition(":")
+    if kind == "file" and rest:
+        return dist.FileStore(rest, -1)
+    host, sep, port = rest.rpartition(":")
+    if kind == "tcp" and sep and port.isdigit():
+        return dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    raise UsageError(f"{JOB_STORE_ENV}={where!r}: expected file:PATH or tcp:HOST:PORT")
+
+
+def is_done(store: Any) -> bool:
+    """Whether a replica has finished the job (:func:`mark_done`)."""
+    return bool(store.check([DONE_KEY]))
+
+
+def mark_done(store: Any) -> None:
+    """Say in the job's store that a replica ran the script to its end."""
+    store.set(DONE_KEY, "1")
 
 
 def check_installed() -> None:
@@ -231,7 +262,8 @@ class Replica:
         # train, so the others never wait for one that is still building its model and data.
         self._start = start
         self._manager: Any = None
-        self._done = environ.get(DONE_ENV)
+        self._job_where = environ.get(JOB_STORE_ENV)
+        self._job: Any = None
         self.healed = False
         self.before_stop: Callable[[], Any] | None = None
         """Called when no quorum forms, before this replica stops: saves what it holds (the path, or None)."""
@@ -254,7 +286,7 @@ class Replica:
         Raises:
             DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
         """
-        if self._done and os.path.exists(self._done):
+        if self._job_finished():
             # another replica finished the job: this one is behind (restarted late) and has nobody
             # to heal from; training on alone would only redo the job
             print(f"ddpkit: replica {self.index}: the job finished without it; nothing left to do", flush=True)
@@ -278,6 +310,13 @@ class Replica:
             first, self.first_quorum = self.first_quorum, None
             first(self.healed)
         return self.rank, self.participants
+
+    def _job_finished(self) -> bool:
+        if not self._job_where:
+            return False
+        if self._job is None:
+            self._job = job_store(self._job_where)
+        return is_done(self._job)
 
     def in_quorum(self) -> bool:
         """Whether a quorum was joined for the step in progress."""
@@ -311,9 +350,14 @@ class Replica:
 
     def finished(self) -> None:
         """This replica ran the script to its end: a replica still behind has nothing left to do."""
-        if self._done:
-            with contextlib.suppress(OSError):
-                open(self._done, "a").close()
+        if self._job_where:
+            try:
+                if self._job is None:
+                    self._job = job_store(self._job_where)
+                mark_done(self._job)
+            except (RuntimeError, OSError) as exc:       # node 0 went first: nobody is left to tell
+                warn(f"fault-tolerant replica {self.index}: could not tell the job's store it finished "
+                     f"({_first_line(exc)})")
 
     def shutdown(self) -> None:
         """Stop torchft's servers and threads."""
@@ -327,5 +371,6 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
-__all__ = ["DONE_ENV", "HOST_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV", "QUORUM_TIMEOUT_ENV", "REPLICAS_ENV", "REPLICA_ENV",
-           "Replica", "SafeTransport", "active", "check_installed", "replica_index", "transport"]
+__all__ = ["DONE_KEY", "HOST_ENV", "JOB_STORE_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV", "QUORUM_TIMEOUT_ENV", "REPLICAS_ENV", "REPLICA_ENV",
+           "Replica", "SafeTransport", "active", "check_installed", "is_done", "job_store", "mark_done", "replica_index",
+           "transport"]

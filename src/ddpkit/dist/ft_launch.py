@@ -5,10 +5,18 @@ a one-process ``ddpkit run`` (torch's elastic agent) with ``--max-restarts K``: 
 its own agent restarts it and it heals from a live peer, while the other replicas go on. This
 process only starts them and watches: when the lighthouse dies, every replica is stopped (one
 line), so the replicas never split into groups that train apart.
+
+Across hosts (``--nnodes H --node-rank I --master HOST:PORT``, or SLURM's placement under
+``srun``) every node starts its N replicas; node 0 also runs the lighthouse, listening on the
+master address at PORT, and the job's store (a torch ``TCPStore``) at PORT + 1. The other nodes
+beat into that store every second: a node that loses it (node 0 died, and the lighthouse with
+it) stops its replicas with one line, and node 0 keeps the lighthouse up until every other node
+has ended or gone silent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,7 +25,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 from ddpkit.dist import ft
@@ -29,6 +36,10 @@ FINISH_GRACE_S = 120.0
 last evaluation and saving) before they are stopped."""
 STOP_GRACE_S = 10.0
 """How long replicas get to end after SIGTERM before they are killed."""
+NODE_SILENT_S = 15.0
+"""Node 0 takes another node for gone when its last beat into the job's store is this old."""
+NODE_JOIN_S = 120.0
+"""How long node 0 waits for another node's first beat, and another node for node 0's store."""
 
 _LIGHTHOUSE = """
 import sys, time
@@ -60,6 +71,17 @@ class FaultTolerantSpec:
     """``target`` is a module (``-m``)."""
     quorum_timeout_s: float = 60.0
     """How long a replica waits for ``min_replicas`` before it stops."""
+    nnodes: int = 1
+    """Hosts of the job, each starting ``replicas`` replicas."""
+    node_rank: int = 0
+    """This host's index, 0 to ``nnodes - 1``: node 0 runs the lighthouse."""
+    master: str | None = None
+    """``HOST:PORT`` of node 0 across hosts: the lighthouse listens there, the job's store at PORT + 1."""
+
+    @property
+    def total(self) -> int:
+        """Replicas of the whole job."""
+        return self.replicas * self.nnodes
 
 
 def validate(spec: FaultTolerantSpec) -> None:
@@ -67,24 +89,47 @@ def validate(spec: FaultTolerantSpec) -> None:
     ft.check_installed()
     if spec.replicas < 1:
         raise UsageError(f"--fault-tolerant needs -n of at least 1 replica, got {spec.replicas}")
-    if not 1 <= spec.min_replicas <= spec.replicas:
-        raise UsageError(f"--min-replicas {spec.min_replicas} must be between 1 and -n ({spec.replicas})")
     if spec.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    if spec.nnodes > 1:
+        if spec.master is None:
+            raise UsageError(f"--fault-tolerant --nnodes {spec.nnodes} needs --master HOST:PORT (node 0's "
+                             "address; its lighthouse listens at PORT, the job's store at PORT + 1)")
+        if not 0 <= spec.node_rank < spec.nnodes:
+            raise UsageError(f"--node-rank {spec.node_rank} must be between 0 and --nnodes - 1 ({spec.nnodes - 1})")
+        _split_master(spec.master)
+    if not 1 <= spec.min_replicas <= spec.total:
+        raise UsageError(f"--min-replicas {spec.min_replicas} must be between 1 and the job's replicas "
+                         f"({spec.total})")
 
 
-def start_lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse in a child process on 127.0.0.1; (process, its address)."""
+def _split_master(master: str) -> tuple[str, int]:
+    from ddpkit.dist.torchrun import parse_master
+
+    host, port = parse_master(master)
+    if port >= 65535:
+        raise UsageError(f"--master {master}: give a port below 65535 (the job's store takes PORT + 1)")
+    return host, port
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def start_lighthouse(min_replicas: int, host: str = HOST, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse in a child process listening on ``host:port`` (0: a free port); (process, its address)."""
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     child = subprocess.Popen(
-        [sys.executable, "-c", _LIGHTHOUSE, f"{HOST}:0", str(min_replicas), str(ft.JOIN_TIMEOUT_MS),
+        [sys.executable, "-c", _LIGHTHOUSE, bind, str(min_replicas), str(ft.JOIN_TIMEOUT_MS),
          str(ft.QUORUM_TICK_MS), str(ft.HEARTBEAT_TIMEOUT_MS)],
         stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
     assert child.stdout is not None
     port = child.stdout.readline().strip()
     if not port.isdigit():
         child.kill()
-        raise UsageError("torchft's lighthouse did not start (is torchft installed? pip install 'ddpkit[ft]')")
-    return child, f"http://{HOST}:{port}"
+        raise UsageError(f"torchft's lighthouse did not start on {bind} (is the port free, and torchft installed? "
+                         "pip install 'ddpkit[ft]')")
+    return child, _url(host, int(port))
 
 
 def replica_command(spec: FaultTolerantSpec) -> list[str]:
@@ -94,31 +139,68 @@ def replica_command(spec: FaultTolerantSpec) -> list[str]:
             *target, *spec.target_args]
 
 
-def replica_env(spec: FaultTolerantSpec, index: int, lighthouse: str, done: str,
-                environ: Any = None) -> dict[str, str]:
+def replica_env(spec: FaultTolerantSpec, index: int, lighthouse: str, job: str, environ: Any = None,
+                host: str = HOST, sockets: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of replica ``index``.
 
     Args:
         spec: the job.
-        index: the replica, 0 to ``spec.replicas - 1``.
+        index: the replica, 0 to ``spec.total - 1`` (node ``I``'s are ``I * replicas`` on).
         lighthouse: the lighthouse's address.
-        done: the file that says the job has finished (:data:`ddpkit.dist.ft.DONE_ENV`).
+        job: the job's store (:data:`ddpkit.dist.ft.JOB_STORE_ENV`).
         environ: the environment to start from (default: this process's).
+        host: this node's address, where the replica's servers listen.
+        sockets: the interface gloo and NCCL use (default: loopback, one machine).
     """
     env = dict(os.environ if environ is None else environ)
-    env.update({ft.LIGHTHOUSE_ENV: lighthouse, ft.DONE_ENV: done, ft.REPLICA_ENV: str(index), ft.REPLICAS_ENV: str(spec.replicas),
-                ft.MIN_REPLICAS_ENV: str(spec.min_replicas), ft.HOST_ENV: HOST,
-                ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s), "GLOO_SOCKET_IFNAME": "lo"})
+    for name in ("SLURM_STEP_ID", "SLURM_STEPID"):     # the replica's own ddpkit run is one process, not srun's task
+        env.pop(name, None)
+    env.update({ft.LIGHTHOUSE_ENV: lighthouse, ft.JOB_STORE_ENV: job, ft.REPLICA_ENV: str(index),
+                ft.REPLICAS_ENV: str(spec.total), ft.MIN_REPLICAS_ENV: str(spec.min_replicas), ft.HOST_ENV: host,
+                ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s)})
+    env.update(sockets if sockets is not None else {"GLOO_SOCKET_IFNAME": "lo"})
     env.setdefault("RUST_LOG", "warn")        # torchft's Rust side logs every quorum at info
     return env
 
 
 def run(spec: FaultTolerantSpec) -> int:
-    """Start the lighthouse and the replicas, wait for them; the job's exit code."""
+    """Start the lighthouse (node 0) and this node's replicas, wait for them; this node's exit code."""
+    from ddpkit.dist import stores
+
     validate(spec)
-    work = tempfile.mkdtemp(prefix="ddpkit-ft-")
-    done = os.path.join(work, "done")
-    lighthouse, address = start_lighthouse(spec.min_replicas)
+    work = tempfile.mkdtemp(prefix="ddpkit-ft-")         # mode 0700: the job's FileStore on one machine
+    lighthouse: subprocess.Popen | None = None
+    server: Any = None
+    if spec.nnodes == 1:
+        host, master_host, master_port = HOST, HOST, 0
+        lighthouse, address = start_lighthouse(spec.min_replicas)
+        job = f"file:{os.path.join(work, 'job-store')}"
+    else:
+        master_host, master_port = _split_master(spec.master or "")
+        if spec.node_rank == 0:
+            host = master_host
+            lighthouse, address = start_lighthouse(spec.min_replicas, master_host, master_port)
+            try:
+                server = stores.serve(master_host, master_port + 1, timeout_s=NODE_JOIN_S)
+            except BaseException:
+                _end_lighthouse(lighthouse)
+                raise
+        else:
+            from ddpkit.dist.host import local_address
+
+            host = local_address(master_host, master_port) or ""
+            if not host:
+                raise UsageError(f"--master {spec.master}: no route from this host to node 0")
+            address = _url(master_host, master_port)
+        job = f"tcp:{'[' + master_host + ']' if ':' in master_host else master_host}:{master_port + 1}"
+    sockets = stores.socket_env(spec.nnodes, master_host, master_port)
+    try:
+        store = ft.job_store(job, timeout_s=NODE_JOIN_S)       # other nodes: waits for node 0's
+    except (RuntimeError, OSError) as exc:
+        if lighthouse is not None:
+            _end_lighthouse(lighthouse)
+        raise UsageError(f"ddpkit run: cannot reach the fault-tolerant job's store at {job[4:]} on node 0 "
+                         f"({ft._first_line(exc)}); start node 0 first, with the same --master") from None
     replicas: list[subprocess.Popen] = []
     stopping: list[int] = []
 
@@ -129,39 +211,89 @@ def run(spec: FaultTolerantSpec) -> int:
                 child.send_signal(signum)
 
     previous = {number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGINT)}
+    first = spec.node_rank * spec.replicas
     try:
-        replicas = [subprocess.Popen(replica_command(spec), env=replica_env(spec, index, address, done))
+        replicas = [subprocess.Popen(replica_command(spec), env=replica_env(spec, first + index, address, job,
+                                                                              host=host, sockets=sockets))
                     for index in range(spec.replicas)]
-        finished_at: float | None = None
-        while any(child.poll() is None for child in replicas):
-            if finished_at is None and any(child.poll() == 0 for child in replicas):
-                Path(done).touch()         # a replica restarted from now on ends at once
-                finished_at = time.monotonic()
-            if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
-                break                      # the rest are stopped below
-            if lighthouse.poll() is not None:
-                sys.stderr.write(f"ddpkit run: the fault-tolerant lighthouse exited (code {lighthouse.returncode}); "
-                                 "stopping every replica so that none trains apart from the others\n")
-                return 1                   # the replicas are stopped below
-            time.sleep(0.2)
+        failure = _watch(spec, replicas, lighthouse, store)
+        if failure is not None:
+            return failure                 # the replicas are stopped below
+        if spec.nnodes > 1 and spec.node_rank != 0:
+            with contextlib.suppress(RuntimeError, OSError):     # node 0 ended first: nobody is left to tell
+                store.set(f"ddpkit/ft/exit/{spec.node_rank}", "1")
+        if server is not None:
+            _wait_for_nodes(spec, store, lighthouse)
     finally:
         for number, old in previous.items():
             signal.signal(number, old)
         _stop(replicas)
         shutil.rmtree(work, ignore_errors=True)
-        if lighthouse.poll() is None:
-            lighthouse.terminate()
-            try:
-                lighthouse.wait(5)
-            except subprocess.TimeoutExpired:
-                lighthouse.kill()
+        if lighthouse is not None:
+            _end_lighthouse(lighthouse)
     codes = [child.returncode for child in replicas]
-    failed = [(index, code) for index, code in enumerate(codes) if code != 0]
+    failed = [(first + index, code) for index, code in enumerate(codes) if code != 0]
     for index, code in failed:
         sys.stderr.write(f"ddpkit run: replica {index} ended with exit code {code}\n")
     if stopping and failed:
         return failed[0][1]
     return 0 if len(failed) < len(codes) else failed[0][1]
+
+
+def _watch(spec: FaultTolerantSpec, replicas: Sequence[subprocess.Popen], lighthouse: subprocess.Popen | None,
+           store: Any) -> int | None:
+    """Wait for this node's replicas; an exit code when the job must stop (its lighthouse or node 0 is gone)."""
+    finished_at: float | None = None
+    beat = 0.0
+    while any(child.poll() is None for child in replicas):
+        now = time.monotonic()
+        if lighthouse is not None and lighthouse.poll() is not None:
+            sys.stderr.write(f"ddpkit run: the fault-tolerant lighthouse exited (code {lighthouse.returncode}); "
+                             "stopping every replica so that none trains apart from the others\n")
+            return 1
+        try:
+            if finished_at is None and (any(child.poll() == 0 for child in replicas) or ft.is_done(store)):
+                ft.mark_done(store)            # a replica restarted from now on ends at once
+                finished_at = now
+            if lighthouse is None and spec.nnodes > 1 and now - beat >= 1.0:
+                store.set(f"ddpkit/ft/beat/{spec.node_rank}", str(time.time()))
+                beat = now
+        except (RuntimeError, OSError) as exc:        # only another node's client can lose the store
+            sys.stderr.write(f"ddpkit run: lost node 0 of the fault-tolerant job, and its lighthouse, at "
+                             f"{spec.master} ({ft._first_line(exc)}); stopping this node's replicas so "
+                             "that none trains apart from the others\n")
+            return 1
+        if finished_at is not None and now - finished_at > FINISH_GRACE_S:
+            return None                    # the rest are stopped by the caller
+        time.sleep(0.2)
+    return None
+
+
+def _wait_for_nodes(spec: FaultTolerantSpec, store: Any, lighthouse: subprocess.Popen | None) -> None:
+    """Node 0: keep the lighthouse up until every other node has ended or gone silent."""
+    started = time.monotonic()
+    waiting = set(range(1, spec.nnodes))
+    while waiting and (lighthouse is None or lighthouse.poll() is None):
+        for node in sorted(waiting):
+            if store.check([f"ddpkit/ft/exit/{node}"]):
+                waiting.discard(node)
+            elif store.check([f"ddpkit/ft/beat/{node}"]):
+                if time.time() - float(store.get(f"ddpkit/ft/beat/{node}").decode()) > NODE_SILENT_S:
+                    sys.stderr.write(f"ddpkit run: node {node} went silent; not waiting for it\n")
+                    waiting.discard(node)
+            elif time.monotonic() - started > NODE_JOIN_S:
+                sys.stderr.write(f"ddpkit run: node {node} never joined; not waiting for it\n")
+                waiting.discard(node)
+        time.sleep(0.5)
+
+
+def _end_lighthouse(lighthouse: subprocess.Popen) -> None:
+    if lighthouse.poll() is None:
+        lighthouse.terminate()
+        try:
+            lighthouse.wait(5)
+        except subprocess.TimeoutExpired:
+            lighthouse.kill()
 
 
 def _stop(children: Sequence[subprocess.Popen]) -> None:

@@ -117,7 +117,7 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
         UsageError: a one-node job without ``store_dir``, or a node rank outside the nodes.
     """
     nproc = spec.nproc_per_node or default_nproc()
-    nnodes, node_rank, master, run_id = _placement(spec, detect() if env is None else env)
+    nnodes, node_rank, master, run_id = placement(spec, detect() if env is None else env)
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
     if master is None:
         if not store_dir:
@@ -142,7 +142,7 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
     return args + _target(spec)
 
 
-def _placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | None, str | None]:
+def placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | None, str | None]:
     """(nodes, node rank, master, run id) of ``spec``: from SLURM under srun, else as given.
 
     ``master`` is None for a one-node run, whatever master was named (torchrun's
@@ -194,7 +194,7 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
     """
     from ddpkit.dist import stores
 
-    nnodes, node_rank, master, _ = _placement(spec, detect() if env is None else env)
+    nnodes, node_rank, master, _ = placement(spec, detect() if env is None else env)
     if master is None or node_rank != 0:
         return None
     host, port = parse_master(master)
@@ -302,7 +302,7 @@ def run(spec: RunSpec) -> int:
     from ddpkit._torch import elastic_signal_exception
     from ddpkit.dist import preemption
 
-    nnodes, _, master, _ = _placement(spec, detect())
+    nnodes, _, master, _ = placement(spec, detect())
     store = rendezvous_store(spec)           # kept alive (and listening) until the run ends
     nproc = spec.nproc_per_node or default_nproc()
     notes = tempfile.mkdtemp(prefix="ddpkit-run-")       # mode 0700: the preemption notice and marker

@@ -25,14 +25,16 @@ def _objects(run: RunState) -> dict[str, Any]:
     return found
 
 
-def heal_state(run: RunState) -> dict[str, Any]:
-    """This replica's state for a peer that is behind (called by torchft, between steps)."""
+def heal_state(run: RunState, replica: int = 0) -> dict[str, Any]:
+    """This replica's state for a peer that is behind (called by torchft, between steps); ``replica``
+    is this replica's index, which the peer names as its source."""
     return {"user": user_state(_objects(run)), "loop": run.loop.state_dict(), "rng": rng.rng_state(),
-            "precision": run.precision.state_dict()}
+            "precision": run.precision.state_dict(), "replica": replica}
 
 
-def apply_heal(run: RunState, saved: Mapping[str, Any], source: str) -> None:
+def apply_heal(run: RunState, saved: Mapping[str, Any]) -> None:
     """Take a peer's :func:`heal_state`: this replica continues exactly where the peer stands."""
+    source = f"peer of replica {int(saved.get('replica', -1))}"
     objects = _objects(run)
     restore_user_state(objects, saved["user"], source)
     if run.ft_state is not None:

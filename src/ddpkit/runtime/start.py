@@ -190,8 +190,7 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
     if runtime.world_size != 1:
         raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
     run = runtime.run
-    replica = ft.Replica(lambda: heal.heal_state(run),
-                         lambda saved: heal.apply_heal(run, saved, f"peer of replica {replica.index}"),
+    replica = ft.Replica(lambda: heal.heal_state(run, ft.replica_index()), lambda saved: heal.apply_heal(run, saved),
                          device=runtime.device, seeded=settings.seed is not None, timeout_s=min(settings.timeout, 30.0))
     replica.first_quorum = runtime._first_quorum
     replica.before_stop = runtime._save_before_stop
