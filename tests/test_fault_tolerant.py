@@ -321,7 +321,7 @@ def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoin
 @pytest.mark.parametrize("args, says", [
     (("--fault-tolerant",), "--fault-tolerant needs --kill-at STEP"),
     (("--kill-at", "3"), "--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant"),
-    (("--fault-tolerant", "--kill-at", "3", "--nproc", "1"), "runs one --nproc of 2 or more replicas"),
+    (("--fault-tolerant", "--kill-at", "3", "--nproc", "1"), "runs one --nproc (and at most one --hosts) of 2 or more replicas"),
     (("--min-step-s", "0.5"), "--min-step-s lengthens the steps of --fault-tolerant's comparison"),
     (("--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--min-step-s", "-1"), "--min-step-s must be 0 or more"),
 ])
@@ -428,3 +428,49 @@ def test_losing_node_zero_stops_the_other_hosts_with_one_line(tmp_path):
                                                "the others"), log[-3000:]
     assert not [p for p in replicas if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert max(row["step"] for row in _events(out) if row["kind"] == "step") < 50 * STEPS_PER_EPOCH
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_fault_tolerant_bench_runs_on_simulated_hosts(tmp_path):
+    """``--hosts 3 --link-mbit``: one replica (or restart-all rank) per simulated host, node 0's
+    address the master of all three runs."""
+    out = tmp_path / "bench"
+    done = run([str(BIN / "ddpkit"), "bench", "--fault-tolerant", "--kill-at", "6", "--model", "convnet",
+                "--data", "digits", "--nproc", "1", "--hosts", "3", "--link-mbit", "1000", "--batch", "20",
+                "--steps", "40", "--checkpoint-every", "4", "--min-step-s", "0.3", "--out", str(out)], timeout=550)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "ft.json").read_text())
+    assert report["hosts"] == 3 and report["link_mbit"] == 1000 and report["replicas"] == 3
+    runs = report["runs"]
+    for kind in ("fault-tolerant", "restart-all"):
+        assert runs[kind]["recovery_s"] > 0 and runs[kind]["heal_s"] > 0, runs
+        assert runs[kind]["weights_rel_diff"] <= 1e-2, runs
+    assert runs["fault-tolerant"]["steps_trained_twice"] == 0, runs
+    assert all(row["samples"] >= 40 * 60 for row in runs.values())
+    # every host logged its node's launcher
+    assert sorted(p.name for p in (out / "fault-tolerant").glob("node*.log")) == ["node0.log", "node1.log", "node2.log"]
+
+
+def test_under_srun_the_nodes_node_rank_and_master_come_from_slurm(monkeypatch):
+    """One srun task per node: ``ddpkit run --fault-tolerant -n 2`` is node 2 of 4, node 0's
+    address the master; its replicas are numbered from 4 and their own ``ddpkit run`` is not srun's."""
+    from ddpkit.cli.run import fault_tolerant_spec, parser, split
+    from ddpkit.dist import ft_launch
+    from ddpkit.dist.environment import detect
+
+    slurm = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODEID": "2",
+             "SLURM_JOB_NODELIST": "node[01-04]", "SLURM_TASKS_PER_NODE": "1(x4)", "SLURM_JOB_ID": "77",
+             "SLURM_STEP_ID": "0"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    ours, rest = split(["--fault-tolerant", "-n", "2", "train.py", "--lr", "0.1"])
+    spec = fault_tolerant_spec(parser().parse_args(ours), rest)
+    assert (spec.nnodes, spec.node_rank, spec.total) == (4, 2, 8)
+    assert spec.master == f"node01:{detect().master_port}" and spec.target_args == ["--lr", "0.1"]
+    env = ft_launch.replica_env(spec, 2 * 2 + 1, "http://node01:1", "tcp:node01:2", host="10.0.0.3",
+                                sockets={"GLOO_SOCKET_IFNAME": "eth0"})
+    assert env[ft.REPLICA_ENV] == "5" and env[ft.REPLICAS_ENV] == "8" and env[ft.HOST_ENV] == "10.0.0.3"
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert detect(env).launcher == "none"          # the replica's one-process ddpkit run meets alone

@@ -88,6 +88,35 @@ def test_another_world_size_continues_from_the_synced_weights(tmp_path):
     assert _equal(one["synced"], stopped[0]["synced"])
 
 
+@pytest.mark.timeout(300)
+def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp_path, monkeypatch):
+    """Streaming DiLoCo: two fragments (sent at steps 2 and 4 of a 4-step period), each exchange
+    landing 2 steps after it was sent; stopped at step 7 with fragment 0's exchange in flight."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "none").mkdir()
+    stream = (4, None, 1, 2, 2)                   # every, sync_dtype, accumulate, fragments, delay
+    uninterrupted = ddpkit.launch(workers.periodic_run, nprocs=2,
+                                  args=("diloco", 14, None, str(tmp_path / "none"), *stream))
+    params = sum(t.numel() for t in uninterrupted[0]["synced"])
+    # 14 steps: fragment 0 sent at 2, 6, 10, 14 and fragment 1 at 4, 8, 12; landed: all but the last
+    assert uninterrupted[0]["syncs"] == 6
+    assert uninterrupted[0]["sent_bytes"] == 3 * 2 * (params + 2 * 32) + 2 * uninterrupted[0]["fragment0_elements"]
+    assert _equal(uninterrupted[0]["synced"], uninterrupted[1]["synced"])
+    assert uninterrupted[0]["loss"] < 2.0
+    (tmp_path / "plain").mkdir()
+    plain = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(tmp_path / "plain"), 4))
+    assert not _equal(plain[0]["synced"], uninterrupted[0]["synced"])      # streaming is another schedule
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stopped = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, 7, str(ckpt), *stream))
+    assert stopped[0]["pending"] == 1
+    resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(ckpt), *stream))
+    for rank in (0, 1):
+        assert _equal(resumed[rank]["synced"], uninterrupted[rank]["synced"])
+        for name, value in uninterrupted[rank]["weights"].items():
+            assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"sync": "sometimes"}, "unknown sync 'sometimes'"),
     ({"sync": "diloco"}, "sync='diloco' needs sync_every=H"),
@@ -97,7 +126,11 @@ def test_another_world_size_continues_from_the_synced_weights(tmp_path):
     ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
     ({"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"}, "compresses a per-step gradient exchange"),
     ({"sync": "diloco", "sync_every": 5, "sync_batchnorm": True}, "averaged at each sync instead"),
-], ids=["unknown", "no-every", "zero-every", "every-without-sync", "dtype", "fsdp", "compression", "syncbn"])
+    ({"sync": "diloco", "sync_every": 4, "sync_fragments": 5}, "sync_fragments=5: give a whole number from 1 to"),
+    ({"sync": "diloco", "sync_every": 4, "sync_delay": 4}, "sync_delay=4: give a whole number of inner steps"),
+    ({"sync_delay": 2}, "give sync='diloco' or 'local-sgd'"),
+], ids=["unknown", "no-every", "zero-every", "every-without-sync", "dtype", "fsdp", "compression", "syncbn",
+        "fragments", "delay", "delay-without-sync"])
 def test_refused_combinations_are_one_line(kwargs, message):
     rt = ddpkit.init()
     model = torch.nn.Linear(4, 2)

@@ -358,7 +358,7 @@ def digits_convnet(dtype_name: str, epochs: int = 1, sync_bn: bool = True) -> di
 
 
 def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_dir: str, every: int = 3,
-                 sync_dtype: str | None = None, accumulate: int = 1) -> dict:
+                 sync_dtype: str | None = None, accumulate: int = 1, fragments: int = 1, delay: int = 0) -> dict:
     """resumable_run's model and data under an infrequent sync (Adam inner, as DiLoCo trains); optionally
     stop mid-period after ``stop_at`` steps, or resume from ``checkpoint_dir``. Returns rank's local and
     synced weights, the sync count, a held-out evaluation and what the checkpoint's model entry holds."""
@@ -373,7 +373,8 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
                                 torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 10))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model, optimizer = rt.setup(model, optimizer, sync=sync, sync_every=every, sync_dtype=sync_dtype)
+    model, optimizer = rt.setup(model, optimizer, sync=sync, sync_every=every, sync_dtype=sync_dtype,
+                                sync_fragments=fragments, sync_delay=delay)
     loader = rt.loader(_NoisyToy(), global_batch_size=12, shuffle=True)     # 5 steps an epoch, even on 2 and 3
     state = {"model": model, "optimizer": optimizer}
     if stop_at is None and os.listdir(checkpoint_dir):
@@ -388,6 +389,7 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
             if rt.global_step == stop_at and rt.loop.micro_step == 0:
                 path = rt.save(checkpoint_dir, state)
                 return {"stopped": rt.global_step, "saved": str(path), "steps_into_period": periodic.of(model).steps,
+                        "pending": len(periodic.of(model).pending),
                         "synced": [s.clone() for s in periodic.of(model).synced],
                         "local": [p.detach().clone() for p in model.parameters()]}
             if rt.global_step == total_steps:
@@ -403,7 +405,8 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
     return {"weights": local, "synced": [s.clone() for s in syncer.synced], "syncs": syncer.syncs,
             "steps_into_period": syncer.steps, "step": rt.global_step, "accuracy": metrics["accuracy"],
             "loss": metrics["loss"], "evaluation_restored_local": all(torch.equal(local[k], after[k]) for k in local),
-            "sent_bytes": syncer.sent_bytes, "exported": rt.full_state_dict(model)}
+            "sent_bytes": syncer.sent_bytes, "exported": rt.full_state_dict(model),
+            "fragment0_elements": sum(syncer.params[i].numel() for i in syncer.fragments[0])}
 
 
 def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at: int | None = None,

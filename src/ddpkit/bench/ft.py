@@ -1,7 +1,9 @@
 """``ddpkit bench --fault-tolerant --kill-at STEP``: what one dead process costs, two ways.
 
 Three runs of the same training (:mod:`ddpkit.bench.ft_worker`: ``--model`` on ``--data``, a
-global batch of ``--batch`` times ``--nproc``, ``--steps`` steps), each in fresh processes:
+global batch of ``--batch`` times ``--nproc`` (times ``--hosts``), ``--steps`` steps), each in
+fresh processes; with ``--hosts H --link-mbit M`` on H simulated hosts (network namespaces, each
+link shaped to M Mbit/s, :mod:`ddpkit.bench.netsim`), ``--nproc`` on each, host 0 the master:
 
 - ``uninterrupted``: ``ddpkit run --fault-tolerant -n N``, nobody killed: the reference;
 - ``fault-tolerant``: the same, replica 1 SIGKILLed after step ``--kill-at``; it restarts and heals
@@ -10,7 +12,8 @@ global batch of ``--batch`` times ``--nproc``, ``--steps`` steps), each in fresh
   the same step; every worker restarts and resumes from the newest checkpoint (one every
   ``--checkpoint-every`` steps).
 
-For each: the wall time, the samples per second over the run, the time from the kill to the next
+For each: the wall time, the run's samples per second (its steps times the global batch, over
+the wall time: steps trained again do not count), the time from the kill to the next
 committed step (``recovery_s``), the time the restarted process took from its start to its first
 committed step (``heal_s``), the steps trained twice, and the final weights' largest relative
 difference from the uninterrupted run's. ``ft.json`` and ``ft.md`` go to ``--out``.
@@ -43,8 +46,9 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     n = settings.nproc[0]
+    hosts = settings.hosts[0] if settings.hosts else 1
     worker = ["-m", "ddpkit.bench.ft_worker", "--out", str(out), "--model", settings.model, "--data", settings.data,
-              "--batch", str(settings.batch * n), "--steps", str(settings.steps), "--seed", str(settings.seed),
+              "--batch", str(settings.batch * n * hosts), "--steps", str(settings.steps), "--seed", str(settings.seed),
               "--lr", str(settings.lr), "--momentum", str(settings.momentum), "--kill-who", str(KILLED),
               "--min-step-s", str(settings.min_step_s)]
     if kill:
@@ -54,6 +58,8 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
         worker += ["--checkpoint-every", str(settings.checkpoint_every)]
     else:
         launcher = ["run", "--fault-tolerant", "-n", str(n), "--max-restarts", "1"]
+    if hosts > 1:
+        return _launch_on_hosts(kind, settings, out, [*launcher, *worker], hosts)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "ddpkit", *launcher, *worker], capture_output=True, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -61,6 +67,36 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
     if done.returncode != 0:
         raise RuntimeError(f"bench --fault-tolerant: the {kind} run failed (exit {done.returncode}):\n"
                            + done.stderr[-3000:])
+    return seconds
+
+
+def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], hosts: int) -> float:
+    """``command`` (``run ... -m ddpkit.bench.ft_worker ...``) as node I of ``hosts`` simulated hosts,
+    each on a link of ``--link-mbit``; node 0's address is the master. Its wall time in seconds."""
+    from ddpkit.bench import netsim
+    from ddpkit.bench.run import HOST_PORT
+    from ddpkit.dist.host import usable_cores
+
+    env = {"PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+    if "OMP_NUM_THREADS" not in os.environ:      # the hosts share this machine's cores
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (hosts * settings.nproc[0])))
+    launcher, worker = command[:command.index("-m")], command[command.index("-m"):]
+    with netsim.SimulatedHosts(hosts, float(settings.link_mbit)) as sim:
+        master = f"{sim.addresses[0]}:{HOST_PORT}"
+        logs = [open(out / f"node{host}.log", "w") for host in range(hosts)]
+        started = time.perf_counter()
+        nodes = [sim.popen(host, [sys.executable, "-m", "ddpkit", *launcher, "--nnodes", str(hosts), "--node-rank",
+                                  str(host), "--master", master, *worker], env=env, stdout=logs[host],
+                           stderr=subprocess.STDOUT)
+                 for host in range(hosts)]
+        codes = [node.wait() for node in nodes]
+        seconds = time.perf_counter() - started
+        for log in logs:
+            log.close()
+    if any(codes):
+        tail = "\n".join((out / f"node{host}.log").read_text()[-1500:] for host, code in enumerate(codes) if code)
+        raise RuntimeError(f"bench --fault-tolerant: the {kind} run failed on {hosts} hosts (exit codes {codes}):\n"
+                           + tail)
     return seconds
 
 
@@ -108,6 +144,12 @@ def measure(events: list[dict[str, Any]], kill_at: int | None) -> dict[str, Any]
 def run(settings: Any) -> dict[str, Any]:
     """The three runs and their measurements: what ``ft.json`` holds."""
     out = Path(settings.out)
+    hosts = settings.hosts[0] if settings.hosts else 1
+    if settings.hosts:
+        from ddpkit.bench import netsim
+
+        netsim.check_available()
+        netsim.remove_leftovers()        # of a bench killed before it could clean up (SIGKILL)
     rows: dict[str, Any] = {}
     for kind, kill in (("uninterrupted", False), ("fault-tolerant", True), ("restart-all", True)):
         where = out / kind
@@ -115,7 +157,8 @@ def run(settings: Any) -> dict[str, Any]:
         found = measure(_events(where), settings.kill_at if kill else None)
         found.update(TIMED)
         found["wall_s"] = round(seconds, 3)
-        found["samples_per_s"] = round(found["samples"] / seconds, 1)
+        # the run's own samples: a step trained again after a restart adds nothing to it
+        found["samples_per_s"] = round(settings.steps * settings.batch * settings.nproc[0] * hosts / seconds, 1)
         rows[kind] = found
     reference = _weights(out / "uninterrupted")
     for kind in rows:
@@ -123,8 +166,9 @@ def run(settings: Any) -> dict[str, Any]:
     base = rows["uninterrupted"]["samples_per_s"]
     for kind in rows:
         rows[kind]["samples_per_s_lost"] = round(base - rows[kind]["samples_per_s"], 1)
-    report = {"model": settings.model, "data": settings.data, "replicas": settings.nproc[0],
-              "global_batch": settings.batch * settings.nproc[0], "steps": settings.steps,
+    report = {"model": settings.model, "data": settings.data, "replicas": settings.nproc[0] * hosts,
+              "hosts": hosts if settings.hosts else None, "link_mbit": settings.link_mbit if settings.hosts else None,
+              "global_batch": settings.batch * settings.nproc[0] * hosts, "steps": settings.steps,
               "kill_at": settings.kill_at, "checkpoint_every": settings.checkpoint_every,
               "min_step_s": settings.min_step_s, "runs": rows}
     return report

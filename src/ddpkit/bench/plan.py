@@ -51,6 +51,8 @@ class Settings:
     sync_every: int | None = None           # optimizer steps between infrequent syncs
     powersgd_rank: int | None = None        # PowerSGD rows' rank (None: rt.setup's default)
     sync_dtype: str | None = None           # the infrequent sync's exchange: fp32 (None) or bf16
+    sync_fragments: int = 1                 # Streaming DiLoCo: fragments, each exchanged at its own step
+    sync_delay: int = 0                     # Streaming DiLoCo: steps an exchange runs in the background
     diagnose_verify: bool = False   # measure the fix each row's diagnosis recommends, against its prediction
     fault_tolerant: bool = False    # compare --fault-tolerant with restart-all around a kill (ddpkit.bench.ft)
     kill_at: int | None = None      # the step after which one process is killed
@@ -233,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
     add("--sync-every", type=int, default=None, help="optimizer steps between the syncs of local-sgd and diloco")
     add("--sync-dtype", choices=("fp32", "bf16"), default=None, help="the exchange of local-sgd and diloco "
         "rows (default fp32)")
+    add("--sync-fragments", type=int, default=1, help="local-sgd and diloco rows: the model in F fragments, "
+        "each exchanged at its own step of the period (Streaming DiLoCo; default 1)")
+    add("--sync-delay", type=int, default=0, help="local-sgd and diloco rows: inner steps each exchange runs in "
+        "the background before it is applied (Streaming DiLoCo; default 0)")
     add("--powersgd-rank", type=int, default=None, help="rank of the PowerSGD rows' factors (default: rt.setup's)")
     add("--diagnose-verify", action="store_true", help="run the fix each row's diagnosis recommends "
         "(the one predicting the most samples/s) and print predicted vs measured samples/s; a prediction "
@@ -288,6 +294,15 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         raise UsageError("--sync local-sgd or diloco needs --sync-every H, the optimizer steps between syncs (1 or more)")
     if opts.sync_every is not None and not set(syncs_of_rows) - {"every-step"}:
         raise UsageError("--sync-every sets how often local-sgd or diloco meet; add --sync every-step,diloco")
+    if (opts.sync_fragments != 1 or opts.sync_delay != 0) and not set(syncs_of_rows) - {"every-step"}:
+        raise UsageError("--sync-fragments and --sync-delay stream the exchange of local-sgd or diloco; "
+                         "add --sync every-step,diloco")
+    if opts.sync_every is not None:
+        from ddpkit.parallel.periodic import check as check_sync
+
+        check_sync("diloco", every=opts.sync_every, sync_dtype=opts.sync_dtype, strategy="ddp",
+                   grad_compression=None, sync_batchnorm=False, precision="fp32",
+                   fragments=opts.sync_fragments, delay=opts.sync_delay)
     hosts = _int_list(opts.hosts, "--hosts") if opts.hosts is not None else ()
     if hosts and opts.link_mbit is None:
         raise UsageError("--hosts needs --link-mbit M, the speed of each simulated host's link")
@@ -299,9 +314,12 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     if opts.fault_tolerant:
         if opts.kill_at is None or not 1 <= opts.kill_at < opts.steps:
             raise UsageError("--fault-tolerant needs --kill-at STEP, a step between 1 and --steps - 1")
-        if hosts or len(_int_list(opts.nproc, "--nproc")) != 1 or _int_list(opts.nproc, "--nproc")[0] < 2:
-            raise UsageError("--fault-tolerant runs one --nproc of 2 or more replicas on this machine "
-                             "(simulated hosts are not built for it yet)")
+        counts = _int_list(opts.nproc, "--nproc")
+        if len(counts) != 1 or len(hosts) > 1 or counts[0] * (hosts[0] if hosts else 1) < 2:
+            raise UsageError("--fault-tolerant runs one --nproc (and at most one --hosts) of 2 or more replicas "
+                             "in all")
+        if len(links) > 1:
+            raise UsageError("--fault-tolerant runs on one --link-mbit; give one speed")
         if opts.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be at least 1, got {opts.checkpoint_every}")
         if opts.min_step_s < 0:
@@ -318,7 +336,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         optimizer=opts.optimizer,
                         diagnose_verify=opts.diagnose_verify, sync_bn=tuple(v == "on" for v in syncs),
                         sync=syncs_of_rows, sync_every=opts.sync_every, powersgd_rank=opts.powersgd_rank,
-                        sync_dtype=opts.sync_dtype, fault_tolerant=opts.fault_tolerant, kill_at=opts.kill_at,
+                        sync_dtype=opts.sync_dtype, sync_fragments=opts.sync_fragments, sync_delay=opts.sync_delay,
+                        fault_tolerant=opts.fault_tolerant, kill_at=opts.kill_at,
                         checkpoint_every=opts.checkpoint_every, min_step_s=opts.min_step_s)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")

@@ -57,7 +57,8 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
     if config.sync_bn:
         args.append("--sync-bn")
     if config.sync != "every-step":
-        args += ["--sync", config.sync, "--sync-every", str(settings.sync_every)]
+        args += ["--sync", config.sync, "--sync-every", str(settings.sync_every),
+                 "--sync-fragments", str(settings.sync_fragments), "--sync-delay", str(settings.sync_delay)]
         if settings.sync_dtype is not None:
             args += ["--sync-dtype", settings.sync_dtype]
     if settings.powersgd_rank is not None and config.grad_compression == "powersgd":

@@ -58,7 +58,9 @@ def train(opts: argparse.Namespace) -> None:
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
     else:
         extra = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every,
-                                                      "sync_dtype": opts.sync_dtype}
+                                                      "sync_dtype": opts.sync_dtype,
+                                                      "sync_fragments": opts.sync_fragments,
+                                                      "sync_delay": opts.sync_delay}
         if opts.powersgd_rank is not None:
             extra["powersgd_rank"] = opts.powersgd_rank
         model, optimizer = rt.setup(model, optimizer, grad_compression=compression, sync_batchnorm=opts.sync_bn,

@@ -42,6 +42,8 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--sync-every", type=int, default=None, help="optimizer steps between infrequent syncs")
     parser.add_argument("--powersgd-rank", type=int, default=None, help="PowerSGD's rank (default: rt.setup's)")
     parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"), help="the infrequent sync's exchange")
+    parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
+    parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
     return parser
 
 

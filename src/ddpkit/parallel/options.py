@@ -66,6 +66,10 @@ class SetupOptions:
     """DiLoCo's outer Nesterov momentum."""
     sync_dtype: str | None = None
     """The infrequent sync's exchange of each rank's change: ``"bf16"`` (the default: half the bytes) or ``"fp32"``."""
+    sync_fragments: int = 1
+    """Streaming DiLoCo: fragments of the model, each exchanged at its own step of the period."""
+    sync_delay: int = 0
+    """Streaming DiLoCo: inner steps each exchange runs in the background before it is applied."""
 
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).
@@ -87,7 +91,7 @@ class SetupOptions:
 
         periodic.check(self.sync, every=self.sync_every, sync_dtype=self.sync_dtype, strategy=self.strategy,
                        grad_compression=self.grad_compression, sync_batchnorm=self.sync_batchnorm,
-                       precision=precision)
+                       precision=precision, fragments=self.sync_fragments, delay=self.sync_delay)
         if self.strategy == "fsdp":
             from ddpkit.parallel import fsdp
 

@@ -21,6 +21,13 @@ The exchange is one allreduce of each rank's change since the last sync, every p
 floating buffer flattened: in bfloat16 by default (half the bytes; the changes, not the weights,
 are rounded to 8 bits of mantissa), or ``sync_dtype="fp32"``.
 
+Streaming (Douillard et al., 2025, "Streaming DiLoCo"): ``sync_fragments=F`` splits the model into
+F fragments of consecutive parameters, each exchanged once a period at its own point of it (so the
+link carries a F-th of the model at a time), and ``sync_delay=T`` lets a fragment's allreduce run
+in the background for T inner steps before its outer step is applied. The rank keeps what it
+trained during those T steps: its fragment becomes the new synced weights plus its own change
+since the exchange was sent. With F=1 and T=0 it is the plain sync above, bitwise.
+
 Results depend on the world size under infrequent sync (each rank's inner steps see only its own
 share of each global batch); the run says so once.
 """
@@ -44,7 +51,7 @@ validation loss moved by 0.1% (BENCHMARKS.md)."""
 
 
 def check(sync: str, *, every: int | None, sync_dtype: str | None, strategy: str, grad_compression: str | None,
-          sync_batchnorm: bool, precision: str) -> None:
+          sync_batchnorm: bool, precision: str, fragments: int = 1, delay: int = 0) -> None:
     """Refuse, in one line, an infrequent sync that cannot work as asked.
 
     Args:
@@ -55,6 +62,8 @@ def check(sync: str, *, every: int | None, sync_dtype: str | None, strategy: str
         grad_compression: per-step gradient compression: there is no per-step exchange to compress.
         sync_batchnorm: statistics synchronised every forward defeat training apart.
         precision: fp16's loss scaler would differ per rank between syncs.
+        fragments: ``sync_fragments``, the fragments exchanged at their own points of the period.
+        delay: ``sync_delay``, the inner steps an exchange runs in the background.
 
     Raises:
         UsageError: an unknown value, a missing or bad ``sync_every``, or a refused combination.
@@ -62,15 +71,21 @@ def check(sync: str, *, every: int | None, sync_dtype: str | None, strategy: str
     if sync not in SYNCS:
         raise UsageError(f"unknown sync {sync!r}; choose {', '.join(repr(s) for s in SYNCS)}")
     if sync == "every-step":
-        if every is not None or sync_dtype is not None:
-            raise UsageError("sync_every and sync_dtype set how often and in what an infrequent sync exchanges; "
-                             "give sync='diloco' or 'local-sgd'")
+        if every is not None or sync_dtype is not None or fragments != 1 or delay != 0:
+            raise UsageError("sync_every, sync_dtype, sync_fragments and sync_delay set how an infrequent sync "
+                             "exchanges; give sync='diloco' or 'local-sgd'")
         return
     if every is None or isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UsageError(f"sync={sync!r} needs sync_every=H, a whole number of optimizer steps of at least 1 "
                          f"between syncs, got {every!r}")
     if sync_dtype not in _DTYPES:
         raise UsageError(f"sync_dtype={sync_dtype!r}: choose 'fp32' or 'bf16'")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= every:
+        raise UsageError(f"sync_fragments={fragments!r}: give a whole number from 1 to sync_every ({every}), the "
+                         "fragments each sent at their own step of the period")
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < every:
+        raise UsageError(f"sync_delay={delay!r}: give a whole number of inner steps from 0 to sync_every - 1 "
+                         f"({every - 1}), so an exchange lands before its fragment is sent again")
     refused = {
         "fsdp": strategy == "fsdp" and "strategy='fsdp' shards the model each rank would train on its own",
         "compression": grad_compression is not None and f"grad_compression={grad_compression!r} compresses a "
@@ -99,23 +114,32 @@ class PeriodicSync:
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum (0: plain SGD).
         sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default) or ``"fp32"``.
+        fragments: fragments of the model, each exchanged at its own point of the period.
+        delay: inner steps a fragment's exchange runs in the background before it is applied.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, kind: str, every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, sync_dtype: str | None = None) -> None:
+                 outer_momentum: float = 0.9, sync_dtype: str | None = None, fragments: int = 1,
+                 delay: int = 0) -> None:
         self.name = kind
         self.model = model
         self.optimizer = optimizer
         self.every = every
         self.dtype = _DTYPES[sync_dtype]
-        self.steps = 0                       # optimizer steps since the last sync
-        self.syncs = 0                       # syncs made
+        self.steps = 0                       # optimizer steps into the period
+        self.total = 0                       # optimizer steps in all (when a delayed exchange lands)
+        self.delay = delay
+        self.pending: list[dict[str, Any]] = []     # exchanges sent and not yet applied
+        self.syncs = 0                       # syncs made (fragments applied)
         self.sent_bytes = 0                  # bytes handed to allreduce by syncs, in all
         self.sync_seconds = 0.0              # seconds spent in syncs, in all
         self.params = [p for p in model.parameters()]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.synced = [p.detach().clone() for p in self.params]
         self.synced_buffers = [b.detach().clone() for b in self.buffers]
+        self.fragments = _fragments([p.numel() for p in self.params], fragments)
+        # fragment f is sent at step (f + 1) * every / F of the period; the last one holds the buffers
+        self.offsets = [(f + 1) * every // len(self.fragments) for f in range(len(self.fragments))]
         self.outer = None
         if kind == "diloco":
             self.outer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum,
@@ -124,49 +148,98 @@ class PeriodicSync:
 
     # -- training --------------------------------------------------------------------------
     def after_step(self) -> None:
-        """Count an optimizer step; sync when ``every`` of them have passed since the last."""
+        """Count an optimizer step; apply the exchanges due now, send the fragments due now."""
         self.steps += 1
+        self.total += 1
+        for exchange in [e for e in self.pending if e["apply_at"] <= self.total]:
+            self._land(exchange)
+        for fragment, offset in enumerate(self.offsets):
+            if self.steps == offset:
+                self._send(fragment, self.delay)
         if self.steps >= self.every:
-            self.sync()
+            self.steps = 0
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Meet the other ranks: average (local SGD) or take an outer step (DiLoCo); every rank continues from it."""
-        started = time.perf_counter()
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        # What travels is each rank's change since the last sync, synced - local: small numbers, so
-        # bfloat16 rounds them, never the weights themselves.
-        moved = self._average([s - p for s, p in zip(self.synced, self.params)]
-                              + [s - b for s, b in zip(self.synced_buffers, self.buffers)], world)
-        deltas, stats = moved[:len(self.params)], moved[len(self.params):]
-        if self.outer is not None:        # DiLoCo: the average change is the outer step's gradient
-            for synced, gradient in zip(self.synced, deltas):
-                synced.grad = gradient
-            self.outer.step()
-            self.outer.zero_grad(set_to_none=True)
-        else:                             # local SGD: the weights' average, synced - average change
-            for synced, delta in zip(self.synced, deltas):
-                synced.sub_(delta)
-        for synced, delta in zip(self.synced_buffers, stats):     # BatchNorm statistics: their average
-            synced.sub_(delta)
-        _copy(self.params, self.synced)
-        _copy(self.buffers, self.synced_buffers)
+        """Meet the other ranks now, every fragment, nothing left in the background: average (local
+        SGD) or take an outer step (DiLoCo); every rank continues from it."""
+        for exchange in list(self.pending):
+            self._land(exchange)
+        for fragment in range(len(self.fragments)):
+            self._send(fragment, 0)
         self.steps = 0
+
+    def _parts(self, fragment: int) -> tuple[list[int], bool]:
+        """The parameter indices of ``fragment`` and whether it carries the buffers (the last one does)."""
+        return self.fragments[fragment], fragment == len(self.fragments) - 1
+
+    @torch.no_grad()
+    def _send(self, fragment: int, delay: int) -> None:
+        """Start ``fragment``'s exchange: each rank's change since the last sync, synced - local."""
+        started = time.perf_counter()
+        indices, with_buffers = self._parts(fragment)
+        # small numbers travel, so bfloat16 rounds the changes, never the weights themselves
+        own = [self.synced[i] - self.params[i] for i in indices]
+        if with_buffers:
+            own += [s - b for s, b in zip(self.synced_buffers, self.buffers)]
+        flat = torch.cat([t.reshape(-1).to(self.dtype) for t in own]) if own else torch.zeros(0, dtype=self.dtype)
+        self.sent_bytes += flat.numel() * flat.element_size()
+        world = _world()
+        work = dist.all_reduce(flat, async_op=delay > 0) if world > 1 else None
+        exchange = {"fragment": fragment, "flat": flat, "work": work, "apply_at": self.total + delay,
+                    "own": [t for t in own] if delay > 0 else None, "world": world}
+        self.sync_seconds += time.perf_counter() - started
+        if delay > 0:
+            self.pending.append(exchange)
+        else:
+            self._land(exchange)
+
+    @torch.no_grad()
+    def _land(self, exchange: dict[str, Any]) -> None:
+        """Apply a finished exchange: the outer step (or the average) on the fragment's synced weights,
+        and the fragment's local weights from them (plus what the rank trained since it was sent)."""
+        started = time.perf_counter()
+        if exchange["work"] is not None:
+            exchange["work"].wait()
+            exchange["work"] = None
+        if exchange in self.pending:
+            self.pending.remove(exchange)
+        indices, with_buffers = self._parts(exchange["fragment"])
+        tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
+        flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32) / exchange["world"]
+        moved, at = [], 0
+        for t in tensors:
+            moved.append(flat[at:at + t.numel()].view_as(t).to(t.dtype))
+            at += t.numel()
+        deltas, stats = moved[:len(indices)], moved[len(indices):]
+        synced = [self.synced[i] for i in indices]
+        before = [s.clone() for s in synced] if exchange["own"] is not None else None
+        if self.outer is not None:        # DiLoCo: the average change is the outer step's gradient
+            for s, gradient in zip(synced, deltas):
+                s.grad = gradient
+            self.outer.step()             # parameters without a gradient (other fragments) are left alone
+            for s in synced:
+                s.grad = None
+        else:                             # local SGD: the weights' average, synced - average change
+            for s, delta in zip(synced, deltas):
+                s.sub_(delta)
+        if with_buffers:
+            for s, delta in zip(self.synced_buffers, stats):      # BatchNorm statistics: their average
+                s.sub_(delta)
+        local = [self.params[i] for i in indices]
+        if exchange["own"] is None:       # applied where it was sent: every rank continues from the synced weights
+            _copy(local, synced)
+            if with_buffers:
+                _copy(self.buffers, self.synced_buffers)
+        else:                             # sent ``delay`` steps ago: keep what this rank trained since
+            own = exchange["own"]
+            for p, new, old, mine in zip(local, synced, before, own):
+                p.add_(new - old + mine)
+            if with_buffers:
+                for b, s, mine in zip(self.buffers, self.synced_buffers, own[len(indices):]):
+                    b.copy_(s)
         self.syncs += 1
         self.sync_seconds += time.perf_counter() - started
-
-    def _average(self, tensors: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-        """The mean over ranks of each tensor: one allreduce of all of them, in ``self.dtype``."""
-        flat = torch.cat([t.reshape(-1).to(self.dtype) for t in tensors])
-        self.sent_bytes += flat.numel() * flat.element_size()
-        if world > 1:
-            dist.all_reduce(flat)
-        flat = flat.to(tensors[0].dtype if tensors else torch.float32) / world
-        out, at = [], 0
-        for t in tensors:
-            out.append(flat[at:at + t.numel()].view_as(t).to(t.dtype))
-            at += t.numel()
-        return out
 
     # -- the synced weights --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -197,8 +270,16 @@ class PeriodicSync:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, plain tensors: local weights, inner optimizer, synced weights, outer optimizer."""
+        for exchange in self.pending:              # a checkpoint waits for what is in flight
+            if exchange["work"] is not None:
+                exchange["work"].wait()
+                exchange["work"] = None
         return {"name": self.name, "every": self.every, "steps": self.steps, "syncs": self.syncs,
-                "sent_bytes": self.sent_bytes,
+                "sent_bytes": self.sent_bytes, "total": self.total, "fragments": len(self.fragments),
+                "delay": self.delay,
+                "pending": [{"fragment": e["fragment"], "flat": e["flat"].detach().cpu().clone(),
+                             "apply_at": e["apply_at"], "world": e["world"],
+                             "own": [t.detach().cpu().clone() for t in e["own"]]} for e in self.pending],
                 "local": [p.detach().cpu().clone() for p in self.params],
                 "local_buffers": [b.detach().cpu().clone() for b in self.buffers],
                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
@@ -227,18 +308,56 @@ class PeriodicSync:
         if self.outer is not None and saved.get("outer") is not None:
             self.outer.load_state_dict(saved["outer"])
         self.syncs, self.sent_bytes = int(saved["syncs"]), int(saved.get("sent_bytes", 0))
-        if same_world:
+        same_layout = (int(saved.get("fragments", 1)), int(saved.get("delay", 0))) == (len(self.fragments), self.delay)
+        if same_world and same_layout:
             _copy(self.params, saved["local"])
             _copy(self.buffers, saved["local_buffers"])
             if self.optimizer is not None and saved.get("optimizer") is not None:
                 self.optimizer.load_state_dict(saved["optimizer"])
             self.steps = int(saved["steps"])
+            self.total = int(saved.get("total", 0))
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.pending = [{"fragment": int(e["fragment"]), "flat": e["flat"].to(device), "work": None,
+                             "apply_at": int(e["apply_at"]), "world": int(e["world"]),
+                             "own": [t.to(device) for t in e["own"]]} for e in saved.get("pending", [])]
+            return
+        if same_world:
+            warn(f"checkpoint {source} was saved with sync_fragments={saved.get('fragments', 1)}, "
+                 f"sync_delay={saved.get('delay', 0)}; this run streams with sync_fragments={len(self.fragments)}, "
+                 f"sync_delay={self.delay}: every rank continues from the synced weights, and the period starts over")
+            _copy(self.params, self.synced)
+            _copy(self.buffers, self.synced_buffers)
+            self.steps, self.pending = 0, []
             return
         warn(f"checkpoint {source} was saved {saved['steps']} step(s) into a sync period on another world size: "
              "every rank continues from the synced weights, and the period starts over")
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
-        self.steps = 0
+        self.steps, self.pending = 0, []
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _fragments(sizes: list[int], count: int) -> list[list[int]]:
+    """``count`` runs of consecutive parameter indices with about equal elements each, none empty
+    (fewer when the model has fewer parameters)."""
+    if not sizes:
+        return [[]]
+    count = max(1, min(count, len(sizes)))
+    total, out, at, done = sum(sizes), [], 0, 0
+    for f in range(count):
+        left = count - f - 1                      # fragments after this one, each needs a parameter
+        target = total * (f + 1) / count
+        run: list[int] = []
+        while at < len(sizes) - left and (not run or done + sizes[at] / 2 <= target):
+            run.append(at)
+            done += sizes[at]
+            at += 1
+        out.append(run)
+    out[-1] += list(range(at, len(sizes)))
+    return out
 
 
 def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:

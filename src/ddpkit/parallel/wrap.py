@@ -60,7 +60,8 @@ def _train_apart(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     model = model.to(device)
     syncer = periodic.PeriodicSync(model, optimizer, kind=options.sync, every=int(options.sync_every or 1),
                                    outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
-                                   sync_dtype=options.sync_dtype)
+                                   sync_dtype=options.sync_dtype, fragments=options.sync_fragments,
+                                   delay=options.sync_delay)
     periodic.announce(options.sync, syncer.every, is_main)
     if options.compile:
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))

@@ -214,7 +214,7 @@ class Runtime:
               strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
               cpu_offload: bool = False, sync: str = "every-step", sync_every: int | None = None,
               outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_dtype: str | None = None,
-              **ddp_kwargs: Any) -> Any:
+              sync_fragments: int = 1, sync_delay: int = 0, **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
@@ -242,6 +242,10 @@ class Runtime:
             outer_lr: DiLoCo's outer learning rate.
             outer_momentum: DiLoCo's outer Nesterov momentum.
             sync_dtype: the sync's exchange of each rank's change, ``"bf16"`` (default) or ``"fp32"``.
+            sync_fragments: Streaming DiLoCo: the model in this many fragments, each exchanged at its own
+                step of the period (the link carries a fragment at a time).
+            sync_delay: Streaming DiLoCo: inner steps each exchange runs in the background before it is
+                applied; the rank keeps what it trained meanwhile.
             **ddp_kwargs: further ``DistributedDataParallel`` arguments.
 
         Returns:
@@ -251,7 +255,8 @@ class Runtime:
                                powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, strategy=strategy,
                                fsdp_units=fsdp_units, reshard_after_forward=reshard_after_forward,
                                cpu_offload=cpu_offload, ddp_kwargs=ddp_kwargs, sync=sync, sync_every=sync_every,
-                               outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype)
+                               outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype,
+                               sync_fragments=sync_fragments, sync_delay=sync_delay)
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
         if self.run.ft is not None:
