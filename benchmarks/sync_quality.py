@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", default="every-step")
     parser.add_argument("--sync-every", type=int, default=None)
     parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"))
+    parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
+    parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr or 0.05, momentum=0.9)
     extra = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every,
+                                                  "sync_fragments": opts.sync_fragments, "sync_delay": opts.sync_delay,
                                                   "outer_lr": opts.outer_lr, "outer_momentum": opts.outer_momentum,
                                                   "sync_dtype": opts.sync_dtype}
     compression = None if opts.grad_compression == "none" else opts.grad_compression
@@ -67,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
         if opts.steps and rt.global_step >= opts.steps:
             break
+    from ddpkit.parallel import periodic
+
+    if periodic.of(model) is not None:
+        periodic.of(model).flush()      # Streaming: what is still in flight joins the synced weights
     if lm:
         logits = ddpkit.predict(model, torch.utils.data.TensorDataset(test.dataset.tokens[:, :-1]), to="all")
         result = {"val_loss": F.cross_entropy(logits, test.dataset.tokens[:, 1:]).item()}
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": opts.model, "world_size": rt.world_size, "steps": rt.global_step,
                           "samples": rt.global_step * opts.global_batch, "grad_compression": opts.grad_compression,
                           "sync": opts.sync, "sync_every": opts.sync_every, "sync_dtype": opts.sync_dtype,
+                          "sync_fragments": opts.sync_fragments, "sync_delay": opts.sync_delay,
                           "seed": opts.seed, **result}), flush=True)
     return 0
 

@@ -11,6 +11,11 @@ lighthouse runs on host 0 with the settings ``ddpkit run --fault-tolerant`` give
     python benchmarks/torchft_ddp.py --hosts 3 --link-mbit 100 --model resnet18 --data synthetic \
         --batch 16 --steps 30 --kill-at 10 --out runs/torchft-ddp [--reference runs/ft/uninterrupted]
 
+``--loop diloco --sync-every H`` runs torchft's ``DiLoCo`` instead (``sync_every=H``, an outer
+Nesterov SGD of lr 0.7 and momentum 0.9 as ddpkit's defaults, the bench's optimizer inside) for
+``--warmup`` + ``--steps`` steps, once, and reports its samples/s over the timed steps: the peer of
+``ddpkit bench --sync diloco`` (issue 28).
+
 Two runs (uninterrupted, and replica 1 SIGKILLed after step ``--kill-at``) go to ``--out``, with
 ``torchft_ddp.json``: for each, the wall time, samples/s, recovery and heal times, and the final
 weights' largest relative difference from the uninterrupted run's (and from ``--reference``'s
@@ -78,10 +83,18 @@ def worker(opts: argparse.Namespace) -> None:
     host = os.environ["HOST_ADDRESS"]
     store = torch.distributed.TCPStore(host, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
     manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                      replica_id=f"train_ddp_{group}", timeout=timedelta(seconds=30), rank=0, world_size=1,
+                      replica_id=f"train_{opts.loop}_{group}", timeout=timedelta(seconds=120), rank=0, world_size=1,
+                      use_async_quorum=opts.loop != "diloco",        # torchft's DiLoCo requires a synchronous quorum
                       store_addr=host, store_port=store.port,
                       checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
                       hostname=host)
+    if opts.loop == "diloco":
+        _diloco(opts, manager, model, inner, loader, sampler, event)
+        if group == 0:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                       os.path.join(opts.out, "weights.pt"))
+        manager.shutdown(wait=False)
+        return
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
     started = False
@@ -113,6 +126,34 @@ def worker(opts: argparse.Namespace) -> None:
     manager.shutdown(wait=False)
 
 
+def _diloco(opts: argparse.Namespace, manager: Any, model: Any, inner: Any, loader: Any, sampler: Any,
+            event: Any) -> None:
+    """torchft's DiLoCo around the inner optimizer; the timed steps' seconds go to the events."""
+    import torch
+    import torch.nn.functional as F
+    from torchft.local_sgd import DiLoCo
+
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    steps, epoch, started = 0, 0, None
+    with DiLoCo(manager, [model], inner, outer, sync_every=opts.sync_every, backup_device=torch.device("cpu"),
+                pin_memory=False):
+        while steps < opts.warmup + opts.steps:
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if steps == opts.warmup:
+                    started = time.perf_counter()
+                inner.zero_grad()
+                F.cross_entropy(model(inputs), targets).backward()
+                inner.step()
+                steps += 1
+                event(kind="step", step=steps, local=len(targets))
+                if steps >= opts.warmup + opts.steps:
+                    break
+            epoch += 1
+    event(kind="timed", seconds=time.perf_counter() - started, steps=opts.steps, batch=opts.batch,
+          syncs=manager.current_step())
+
+
 _LIGHTHOUSE = """
 import sys, time
 from ddpkit.dist import ft
@@ -135,7 +176,8 @@ def launch(opts: argparse.Namespace, out: Path, kill: bool) -> dict[str, Any]:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    args = ["--worker", "--out", str(out), "--model", opts.model, "--data", opts.data, "--batch", str(opts.batch),
+    args = ["--worker", "--out", str(out), "--loop", opts.loop, "--sync-every", str(opts.sync_every),
+            "--warmup", str(opts.warmup), "--model", opts.model, "--data", opts.data, "--batch", str(opts.batch),
             "--steps", str(opts.steps), "--seed", str(opts.seed), "--lr", str(opts.lr), "--momentum", str(opts.momentum)]
     if kill:
         args += ["--kill-at", str(opts.kill_at)]
@@ -187,6 +229,9 @@ def main() -> None:
     add("--batch", type=int, default=16, help="per replica group (ddpkit bench's --batch)")
     add("--steps", type=int, default=30)
     add("--kill-at", type=int, default=None)
+    add("--loop", choices=("ddp", "diloco"), default="ddp", help="torchft's DDP example, or its DiLoCo")
+    add("--sync-every", type=int, default=200, help="--loop diloco: inner steps between syncs")
+    add("--warmup", type=int, default=3, help="--loop diloco: untimed steps first")
     add("--seed", type=int, default=0)
     add("--lr", type=float, default=0.05)
     add("--momentum", type=float, default=0.9)
@@ -201,6 +246,18 @@ def main() -> None:
     import torch
 
     out = Path(opts.out)
+    if opts.loop == "diloco":
+        found = launch(opts, out / "diloco", kill=False)
+        timed = [json.loads(line) for path in sorted((out / "diloco").glob("events-*.jsonl"))
+                 for line in path.read_text().splitlines() if '"timed"' in line]
+        if timed:
+            found["timed_samples_per_s"] = opts.steps * opts.batch * opts.hosts / max(row["seconds"] for row in timed)
+            found["syncs"] = min(row["syncs"] for row in timed)
+        report = {"command": " ".join(sys.argv), **{k: v for k, v in vars(opts).items() if k != "worker"},
+                  "runs": {"diloco": found}}
+        (out / "torchft_diloco.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(found, indent=2))
+        return
     runs = {"uninterrupted": launch(opts, out / "uninterrupted", kill=False),
             "killed": launch(opts, out / "killed", kill=True)}
     weights = {k: out / k / "weights.pt" for k in runs}

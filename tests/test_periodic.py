@@ -150,3 +150,28 @@ def test_fp16_is_refused_under_an_infrequent_sync():
             rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), sync="local-sgd", sync_every=4)
     finally:
         rt.close()
+
+
+def test_flush_applies_the_exchange_still_in_flight():
+    """One process, 2 fragments, each exchange landing 2 steps after it was sent: after step 6,
+    fragment 0's exchange (sent at 6) is in flight; flush applies it to the synced weights."""
+    from ddpkit.parallel import periodic
+
+    rt = ddpkit.init(seed=0)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), sync="local-sgd",
+                                    sync_every=4, sync_fragments=2, sync_delay=2)
+        syncer = periodic.of(model)
+        for _ in range(6):
+            rt.backward(model(torch.randn(5, 4)).square().mean())
+            rt.step(optimizer)
+        assert [e["fragment"] for e in syncer.pending] == [0] and syncer.syncs == 2
+        first = syncer.fragments[0]
+        before = [syncer.synced[i].clone() for i in first]
+        syncer.flush()
+        assert syncer.pending == [] and syncer.syncs == 3
+        # local SGD on one process: the synced fragment becomes this rank's weights of step 6
+        assert all(not torch.equal(b, syncer.synced[i]) for b, i in zip(before, first))
+    finally:
+        rt.close()

@@ -34,12 +34,16 @@ def _batches(rt: Any, loader: Any) -> Iterator[Any]:
 
 
 def _periodic_costs(syncer: Any) -> dict[str, Any]:
-    """What an infrequent sync costs: its seconds and bytes, from the timed steps' syncs, or from one
-    sync made now where the timed steps held none (``--steps`` shorter than ``--sync-every``)."""
+    """What an infrequent sync of the whole model costs: its seconds and bytes, from the timed steps'
+    syncs, or from one sync made now where the timed steps held none (``--steps`` shorter than
+    ``--sync-every``). Seconds are those the steps waited: an exchange behind the inner steps
+    (``sync_delay``) costs only what was left of it when it landed."""
     if syncer.syncs == 0:
         syncer.sync()           # every rank runs the same steps, so every rank comes here: a collective
-    return {"every": syncer.every, "syncs": syncer.syncs, "seconds_per_sync": syncer.sync_seconds / syncer.syncs,
-            "bytes_per_sync": syncer.sent_bytes / syncer.syncs}
+    # a sync of the whole model: with sync_fragments=F, F fragment exchanges (each counted in syncs)
+    whole = syncer.syncs / len(syncer.fragments)
+    return {"every": syncer.every, "syncs": syncer.syncs, "seconds_per_sync": syncer.sync_seconds / whole,
+            "bytes_per_sync": syncer.sent_bytes / whole}
 
 
 def train(opts: argparse.Namespace) -> None:

@@ -169,6 +169,13 @@ class PeriodicSync:
             self._send(fragment, 0)
         self.steps = 0
 
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply every exchange still in flight now (waiting for it): after the last inner step, so the
+        synced weights hold every exchange that was sent. Every rank calls it at the same step."""
+        for exchange in list(self.pending):
+            self._land(exchange)
+
     def _parts(self, fragment: int) -> tuple[list[int], bool]:
         """The parameter indices of ``fragment`` and whether it carries the buffers (the last one does)."""
         return self.fragments[fragment], fragment == len(self.fragments) - 1
