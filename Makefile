@@ -24,11 +24,11 @@ demo: $(STAMP)
 	$(VENV)/bin/ddpkit demo
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 # The long multi-process runs (repeated exit checks beside a busy core, restarts, default timeouts).
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow --durations=25 $(PYTEST_ARGS)
 
 # Every CUDA/NCCL test (marker `gpu`). Refuses to run where torch sees no GPU, so an all-skipped
 # run never passes for a GPU check; -rs lists what still skipped (e.g. tests needing 2 GPUs).

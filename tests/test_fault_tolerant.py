@@ -154,7 +154,7 @@ def test_a_forged_heal_payload_from_a_peer_runs_no_code(tmp_path, monkeypatch):
 
 
 # -- usage errors ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args, says", [
+_REFUSED = [
     (("--nnodes", "2", "--master", "127.0.0.1:29999"), "--fault-tolerant --nnodes 2 needs --node-rank I"),
     (("--nnodes", "2", "--node-rank", "0"), "--nnodes 2 needs --master HOST:PORT"),
     (("--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29999"), "--node-rank 2 must be between 0 and"),
@@ -162,13 +162,29 @@ def test_a_forged_heal_payload_from_a_peer_runs_no_code(tmp_path, monkeypatch):
     (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29999", "--min-replicas", "7"),
      "--min-replicas 7 must be between 1 and the job's replicas (6)"),
     (("--min-replicas", "4"), "--min-replicas 4 must be between 1 and the job's replicas (3)"),
-])
+]
+
+
+@pytest.mark.parametrize("args, says", [_REFUSED[0], _REFUSED[-1]])
 def test_what_fault_tolerance_cannot_do_is_one_line(args, says, tmp_path):
+    """The command line: one line, exit 2 (one refusal of the parser's, one of the job's)."""
     done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "3", *args, SCRIPT, "--out", str(tmp_path)],
                timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("args, says", _REFUSED)
+def test_every_refusal_of_a_fault_tolerant_job_says_what_to_give(args, says):
+    from ddpkit.cli.run import fault_tolerant_spec, parser, split
+    from ddpkit.dist import ft_launch
+    from ddpkit.errors import UsageError
+
+    ours, rest = split(["--fault-tolerant", "-n", "3", *args, SCRIPT])
+    with pytest.raises(UsageError) as refused:
+        ft_launch.validate(fault_tolerant_spec(parser().parse_args(ours), rest))
+    assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
 _REDUCES = """
@@ -318,13 +334,26 @@ def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoin
 
 
 # -- the bench -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args, says", [
+_BENCH_REFUSED = [
     (("--fault-tolerant",), "--fault-tolerant needs --kill-at STEP"),
     (("--kill-at", "3"), "--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant"),
     (("--fault-tolerant", "--kill-at", "3", "--nproc", "1"), "runs one --nproc (and at most one --hosts) of 2 or more replicas"),
     (("--min-step-s", "0.5"), "--min-step-s lengthens the steps of --fault-tolerant's comparison"),
     (("--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--min-step-s", "-1"), "--min-step-s must be 0 or more"),
-])
+]
+
+
+@pytest.mark.parametrize("args, says", _BENCH_REFUSED)
+def test_each_refusal_of_the_fault_tolerant_bench_says_what_to_give(args, says):
+    from ddpkit.bench.plan import parse_settings
+    from ddpkit.errors import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        parse_settings([*args, "--out", "unused"])
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("args, says", [_BENCH_REFUSED[0]])
 def test_the_fault_tolerant_bench_refuses_what_it_cannot_measure(args, says, tmp_path):
     done = run([str(BIN / "ddpkit"), "bench", *args, "--out", str(tmp_path / "b")], timeout=60)
     assert done.returncode == 2

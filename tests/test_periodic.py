@@ -88,6 +88,7 @@ def test_another_world_size_continues_from_the_synced_weights(tmp_path):
     assert _equal(one["synced"], stopped[0]["synced"])
 
 
+@pytest.mark.slow          # five 2-process runs: make test-slow
 @pytest.mark.timeout(300)
 def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp_path, monkeypatch):
     """Streaming DiLoCo: two fragments (sent at steps 2 and 4 of a 4-step period), each exchange
