@@ -108,6 +108,7 @@ def test_entry_runs_a_module_with_its_arguments(tmp_path):
     assert log.read_text() == "left open, never flushed\n"
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(180)
 def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
     script = tmp_path / "ranks.py"

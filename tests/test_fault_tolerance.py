@@ -90,6 +90,7 @@ def test_killed_twice_in_two_attempts_still_ends_bitwise(uninterrupted, tmp_path
     _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path, kill):
     step = kill.randint(3, 20)

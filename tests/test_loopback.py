@@ -311,6 +311,7 @@ def test_another_local_user_writing_every_port_and_store_file_runs_nothing_and_t
         shutil.rmtree(public, ignore_errors=True)
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(120)
 def test_doctor_says_where_a_run_listens_and_what_plain_torchrun_exposes(tmp_path):
     from helpers import ddpkit as ddpkit_cli

@@ -36,6 +36,7 @@ def _rows(path):
         return list(csv.reader(handle))
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_three_processes_keep_input_order_and_match_one(digits_checkpoint, tmp_path):
     outputs = {}
@@ -69,6 +70,7 @@ def test_npy_and_pt_outputs(digits_checkpoint, tmp_path):
     assert np.allclose(saved["probabilities"].numpy(), probabilities)
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 def test_bad_input(digits_checkpoint, tmp_path):
     existing = tmp_path / "exists.csv"
     existing.write_text("keep me\n")

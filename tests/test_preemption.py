@@ -105,6 +105,7 @@ def test_preemption_keeps_a_handler_the_user_installed():
     assert restored == signal.SIG_DFL
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_sigterm_to_ddpkit_run_mid_epoch_saves_exits_75_and_resumes_bitwise(tmp_path):
     """The agent passes SIGTERM to both workers; they agree on a step, save within the grace period."""

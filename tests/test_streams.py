@@ -345,6 +345,7 @@ def test_three_processes_read_every_sample_once():
     _check_coverage(ddpkit.launch(sw.coverage, nprocs=3))
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_shards_three_processes_match_one_and_resume_from_two_on_three(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")

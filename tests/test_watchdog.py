@@ -218,6 +218,7 @@ def script(tmp_path):
     return path
 
 
+@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(90)
 def test_a_rank_sleeping_forever_is_named_and_the_job_fails_fast(script):
     started = time.monotonic()
