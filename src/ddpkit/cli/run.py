@@ -19,6 +19,7 @@ import os
 from typing import Any, Sequence
 
 from ddpkit._argparse import Parser
+from ddpkit.dist.host import host_port
 from ddpkit.dist.torchrun import RunSpec, run
 from ddpkit.errors import UsageError
 
@@ -223,12 +224,12 @@ def _master(opts: argparse.Namespace, nnodes: int) -> str | None:
         said["--master"] = opts.master
     if opts.master_addr is not None or opts.master_port is not None:
         host = opts.master_addr or "127.0.0.1"
-        said["--master-addr/--master-port"] = _join(host, opts.master_port or TORCHRUN_MASTER_PORT)
+        said["--master-addr/--master-port"] = host_port(host, opts.master_port or TORCHRUN_MASTER_PORT)
     if opts.rdzv_endpoint is not None:
         host, sep, port = opts.rdzv_endpoint.rpartition(":")
         if not sep or "]" in port:                  # no port (or a bare [v6] address)
             host, port = opts.rdzv_endpoint, str(TORCHRUN_RDZV_PORT)
-        said["--rdzv-endpoint"] = _join(host, port)
+        said["--rdzv-endpoint"] = host_port(host, port)
     if len(said) > 1:
         raise UsageError(f"{' and '.join(said)} both name the master; give one of them")
     if opts.standalone:
@@ -237,8 +238,3 @@ def _master(opts: argparse.Namespace, nnodes: int) -> str | None:
                              f"{next(iter(said), '--nnodes ' + str(nnodes))}")
         return None
     return next(iter(said.values()), None)
-
-
-def _join(host: str, port: object) -> str:
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

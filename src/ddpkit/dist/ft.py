@@ -316,12 +316,15 @@ class Replica:
             first(self.healed)
         return self.rank, self.participants
 
-    def _job_finished(self) -> bool:
-        if not self._job_where:
-            return False
-        if self._job is None:
+    def _job_store(self) -> Any:
+        """The job's store (a client, made on first use), or None outside ``ddpkit run --fault-tolerant``."""
+        if self._job is None and self._job_where:
             self._job = job_store(self._job_where)
-        return is_done(self._job)
+        return self._job
+
+    def _job_finished(self) -> bool:
+        store = self._job_store()
+        return store is not None and is_done(store)
 
     def in_quorum(self) -> bool:
         """Whether a quorum was joined for the step in progress."""
@@ -357,9 +360,7 @@ class Replica:
         """This replica ran the script to its end: a replica still behind has nothing left to do."""
         if self._job_where:
             try:
-                if self._job is None:
-                    self._job = job_store(self._job_where)
-                mark_done(self._job)
+                mark_done(self._job_store())
             except (RuntimeError, OSError) as exc:       # node 0 went first: nobody is left to tell
                 warn(f"fault-tolerant replica {self.index}: could not tell the job's store it finished "
                      f"({_first_line(exc)})")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ddpkit.dist import ft
+from ddpkit.dist.host import host_port
 from ddpkit.errors import UsageError
 
 HOST = "127.0.0.1"
@@ -112,13 +113,9 @@ def _split_master(master: str) -> tuple[str, int]:
     return host, port
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def start_lighthouse(min_replicas: int, host: str = HOST, port: int = 0) -> tuple[subprocess.Popen, str]:
     """torchft's lighthouse in a child process listening on ``host:port`` (0: a free port); (process, its address)."""
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bind = host_port(host, port)
     child = subprocess.Popen(
         [sys.executable, "-c", _LIGHTHOUSE, bind, str(min_replicas), str(ft.JOIN_TIMEOUT_MS),
          str(ft.QUORUM_TICK_MS), str(ft.HEARTBEAT_TIMEOUT_MS)],
@@ -129,7 +126,7 @@ def start_lighthouse(min_replicas: int, host: str = HOST, port: int = 0) -> tupl
         child.kill()
         raise UsageError(f"torchft's lighthouse did not start on {bind} (is the port free, and torchft installed? "
                          "pip install 'ddpkit[ft]')")
-    return child, _url(host, int(port))
+    return child, f"http://{host_port(host, port)}"
 
 
 def replica_command(spec: FaultTolerantSpec) -> list[str]:
@@ -191,8 +188,8 @@ def run(spec: FaultTolerantSpec) -> int:
             host = local_address(master_host, master_port) or ""
             if not host:
                 raise UsageError(f"--master {spec.master}: no route from this host to node 0")
-            address = _url(master_host, master_port)
-        job = f"tcp:{'[' + master_host + ']' if ':' in master_host else master_host}:{master_port + 1}"
+            address = f"http://{host_port(master_host, master_port)}"
+        job = f"tcp:{host_port(master_host, master_port + 1)}"
     sockets = stores.socket_env(spec.nnodes, master_host, master_port)
     try:
         store = ft.job_store(job, timeout_s=NODE_JOIN_S)       # other nodes: waits for node 0's

@@ -51,6 +51,17 @@ def is_loopback(host: str) -> bool:
     return ipaddress.ip_address(address.split("%")[0]).is_loopback
 
 
+def host_port(host: str, port: object) -> str:
+    """``HOST:PORT``, an IPv6 address in brackets (``[fe80::1]:29500``); brackets given are kept once.
+
+    Example:
+        >>> host_port("node01", 29500), host_port("fe80::1", 80), host_port("[fe80::1]", 80)
+        ('node01:29500', '[fe80::1]:80', '[fe80::1]:80')
+    """
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def local_address(host: str, port: int) -> str | None:
     """This machine's address on the route to ``host``: where the other nodes can reach it.
 

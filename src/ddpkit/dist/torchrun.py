@@ -129,8 +129,9 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
                        "--rdzv-conf=store_type=file", f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}",
                        "--local-addr=127.0.0.1", *_target(spec)]
     host, port = parse_master(master)
-    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+    from ddpkit.dist.host import host_port
+
+    args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(host, port)}",
              f"--rdzv-id={run_id or f'ddpkit-{host}-{port}'}"]      # the same on every node
     if node_rank is not None:
         if not 0 <= node_rank < nnodes:

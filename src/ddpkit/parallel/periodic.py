@@ -209,8 +209,7 @@ class PeriodicSync:
         if exchange["work"] is not None:
             exchange["work"].wait()
             exchange["work"] = None
-        if exchange in self.pending:
-            self.pending.remove(exchange)
+        self.pending = [e for e in self.pending if e is not exchange]   # by identity: dicts of tensors
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
         flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32) / exchange["world"]
