@@ -26,7 +26,7 @@ TRAIN_FLAGS = {
     "--max-restarts", "--model", "--momentum", "--nnodes", "--node-rank", "--nproc", "--out", "--overwrite",
     "--powersgd-rank", "--precision", "--resume", "--scale-lr", "--seed", "--strategy", "--sync-bn",
     "--no-sync-bn", "--synthetic-size", "--workers", "--sync", "--sync-every", "--outer-lr", "--outer-momentum",
-    "--tracker", "--run-name", "--log-every",
+    "--tracker", "--run-name", "--log-every", "--micro-shards",
 }
 PREDICT_FLAGS = {"--batch", "--checkpoint", "--data", "--data-dir", "--nproc", "--out", "--overwrite", "--split"}
 SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr"}, "predict": {"--overwrite"}}

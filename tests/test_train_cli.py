@@ -242,16 +242,23 @@ def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
 
 def _check_guarantee(rows, out, stdout):
     """The opening line leads the printout and report.md; each row's distance from one process is in
-    report.json, DDP x2 fp32 (SyncBatchNorm by default) far nearer than the hand-written loop."""
+    report.json; DDP x2 fp32 (--micro-shards 2) at the single process's bits, the hand-written loop far away."""
     guarantee = json.loads((out / "guarantee.json").read_text())
     opening = guarantee["opening"]
     assert opening.startswith("DDP x2 ends ") and "hand-written DDP with DistributedSampler" in opening
     assert f"\n\n{opening}\n\n" in stdout and stdout.index(opening) < stdout.index("| mode")   # before the table
     assert (out / "report.md").read_text().split("\n\n")[1] == opening
     ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
-    assert rows[0]["max_rel_diff_vs_single"] == 0.0 and ddp["sync_bn"] is True
+    exact = rows[1]                   # rows[0]: one process on every core, the speed to beat
+    assert rows[0]["micro_shards"] is None and exact["mode"] == "single" and exact["run"] == "single-x1-fp32-ms2"
+    assert rows[0]["max_rel_diff_vs_single"] == exact["max_rel_diff_vs_single"] == 0.0
+    assert ddp["micro_shards"] == 2 == exact["micro_shards"]
+    assert "The same bits on 1 and 2 processes cost one process here: with --micro-shards 2" in stdout
     assert guarantee["max_rel_diff_vs_single"][ddp["run"]] == ddp["max_rel_diff_vs_single"]
-    assert ddp["max_rel_diff_vs_single"] * 3 < guarantee["hand_written_max_rel_diff_vs_single"]
+    assert ddp["max_rel_diff_vs_single"] <= 1e-5            # the issue's bound; with micro-shards it is 0
+    assert ddp["max_rel_diff_vs_single"] == 0.0 and "bit for bit (max relative difference 0)" in opening
+    assert "| 0 (bitwise)" in stdout
+    assert guarantee["hand_written_max_rel_diff_vs_single"] > 1e-3
     bf16 = next(r for r in rows if r["precision"] == "bf16")
     assert f"bf16's tolerance of {guarantee['bf16_tolerance']:g}" in opening and bf16["max_rel_diff_vs_single"] > 0
     for row in rows:                  # each fix a diagnosis recommends is measured, against its prediction
@@ -283,11 +290,14 @@ def _check_diagnoses(rows, out, stdout):
 def test_demo_adds_data_parallel_only_with_two_gpus():
     from ddpkit.cli.demo import modes
 
-    assert [m for m, _ in modes(2, gpus=0)] == ["single", "ddp", "ddp"]
+    assert [m for m, _ in modes(2, gpus=0)] == ["single", "single", "ddp", "ddp"]
     with_gpus = modes(4, gpus=2)
-    assert [m for m, _ in with_gpus] == ["single", "dp", "ddp", "ddp"]
-    assert with_gpus[1][1] == {"nproc": 1, "precision": "fp32", "data_parallel": True}
-    assert [o["precision"] for _, o in with_gpus[2:]] == ["fp32", "bf16"]
+    assert [m for m, _ in with_gpus] == ["single", "single", "dp", "ddp", "ddp"]
+    assert with_gpus[2][1] == {"nproc": 1, "precision": "fp32", "data_parallel": True}
+    assert [o["precision"] for _, o in with_gpus[3:]] == ["fp32", "bf16"]
+    # every core first; then the micro-sharded single process and DDP rows, the same bits on 1 and 4
+    assert [o.get("micro_shards") for _, o in with_gpus] == [None, 4, None, 4, 4]
+    assert [o.get("micro_shards") for _, o in modes(3, gpus=0)] == [None, None, None]    # 3: not a power of two
 
 
 def test_data_parallel_needs_two_gpus(tmp_path):
@@ -345,3 +355,7 @@ def test_the_verdict_names_the_bound_of_the_ddp_row():
     assert ("The closest to a speed-up measured here is ResNet-18, DDP x2 fp32 against one process: 0.68x, "
             "32% short of one process's samples/s.") in said
     assert "closest" not in verdict(rows)
+    faster = verdict(rows, {"what": "ResNet-18, DDP x2 fp32 against one process", "speedup": 1.04})
+    assert ("A speed-up does show here with more compute per step: ResNet-18, DDP x2 fp32 against one process, "
+            "1.04x (4% more samples/s than one process).") in faster
+    assert "short of" not in faster

@@ -447,3 +447,48 @@ def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at:
                 return {"decision": compressor.decision, "decided_at": decided_at,
                         "weights": [p.detach().clone() for p in model.parameters()]}
     return {}
+
+
+def exact_run(micro_shards: int, epochs: int = 1, stop_after: int | None = None, checkpoint_dir: str | None = None,
+              precision: str = "fp32") -> dict:
+    """A BatchNorm + dropout ConvNet on digits with ``rt.setup(micro_shards=...)`` (global batch 48,
+    so the last batch's shards are uneven). Stops after ``stop_after`` steps with a checkpoint, or
+    resumes from ``checkpoint_dir``'s newest; returns rank 0's final state, the steps, the
+    mean train loss of the last epoch and the test accuracy."""
+    import torch
+    import torch.nn.functional as F
+
+    from ddpkit.recipes.datasets import load_dataset
+
+    rt = ddpkit.init(seed=3, precision=precision, checkpoint_dir=checkpoint_dir,
+                     resume="auto" if checkpoint_dir and stop_after is None else None)
+    train, test = load_dataset("digits", "train"), load_dataset("digits", "test")
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.2), torch.nn.Flatten(), torch.nn.Linear(8 * 64, 32),
+                                torch.nn.BatchNorm1d(32, momentum=None), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, micro_shards=micro_shards)
+    state = {"model": model, "optimizer": optimizer}
+    rt.resume(state)
+    loader = rt.loader(train.dataset, global_batch_size=48, shuffle=True)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for _ in rt.epochs(epochs):
+        loss_sum.zero_()
+        for images, labels in loader:
+            for x, y in rt.shards(images, labels):
+                with rt.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                rt.backward(loss)
+                loss_sum += loss.detach().double() * len(y)
+            rt.step(optimizer)
+            if stop_after is not None and rt.global_step == stop_after:
+                rt.checkpoint(state)
+                rt.close()
+                return {"stopped_at": rt.global_step}
+    metrics = ddpkit.evaluate(model, test.dataset, num_classes=10)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"state": weights, "steps": rt.global_step, "train_loss": float(rt.all_reduce(loss_sum)),
+           "accuracy": metrics["accuracy"], "threads": torch.get_num_threads()}
+    rt.close()
+    return out

@@ -71,7 +71,8 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
         return []
     found = []
     link = comm.get("link_bytes_per_s")
-    if part["cause"] == "link" and link and part["link"] / step >= LINK_SHARE:
+    exact = bool(row.get("micro_shards"))      # compression and infrequent syncs do not combine with it
+    if part["cause"] == "link" and link and part["link"] / step >= LINK_SHARE and not exact:
         world = row.get("world_size") or row["nproc"] * (row.get("hosts") or 1)
         per_call = comm.get("latency_per_call_s") or 0.0
         calls = comm.get("calls_per_step") or 1
@@ -84,7 +85,7 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
             predicted = rate * step / (part["compute"] + part["wait"] + own * part["exposed_share"])
             found.append({"change": f"grad_compression='{choice}'", "grad_compression": choice,
                           "sends_bytes": sent, "predicted_samples_per_second": predicted})
-    if part["cause"] == "link" and link and row.get("sync", "every-step") == "every-step":
+    if part["cause"] == "link" and link and row.get("sync", "every-step") == "every-step" and not exact:
         found += _infrequent(row, part, link, found)
     # twice the samples: the data, forward and backward compute double; the exchange, the optimizer
     # step and the loop's own per-step work do not
@@ -146,7 +147,8 @@ def _measured(row: Mapping[str, Any], fix: Mapping[str, Any], peers: Sequence[Ma
     return next((p for p in peers if p is not row and p.get("applicable", True) and p.get("samples_per_second")
                  and all(p.get(k, "every-step" if k == "sync" else None) == v for k, v in wanted.items())
                  and all(p.get(k) == row.get(k)
-                         for k in ("mode", "nproc", "hosts", "link_mbit", "precision", "data_format", "sync_bn"))),
+                         for k in ("mode", "nproc", "hosts", "link_mbit", "precision", "data_format", "sync_bn",
+                                   "micro_shards"))),
                 None)
 
 

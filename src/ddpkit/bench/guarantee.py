@@ -1,16 +1,17 @@
 """What ``ddpkit demo`` shows first: how far each run ends from one process's weights, in numbers and curves.
 
 ddpkit's claim is that a run's result does not depend on the number of processes: the same global
-batches in the same order, each rank's share weighted by its true count, BatchNorm statistics of
-the global batch. :func:`max_rel_diff` measures it on the final weights; :func:`opening_line`
-says it in one sentence beside the hand-written loop of the seeds' blog posts
+batches in the same order, each rank's share weighted by its true count, BatchNorm statistics
+that do not depend on the split. :func:`max_rel_diff` measures it on the final weights;
+:func:`opening_line` says it in one sentence beside the hand-written loop of the seeds' blog posts
 (:mod:`ddpkit.bench.raw_train`), and :func:`plot_losses` draws the test-loss curves on top of
 each other with their difference from one process's beneath.
 
-What is left in float32 is rounding: a sum over 64 samples and two sums over 32 differ in the
-last bit, and a ReLU or max-pool input that sits within that bit of its threshold then goes the
-other way, which the following steps carry on. In float64 the same two runs agree to 1e-14
-(``tests/test_invariance.py``).
+With ``--micro-shards`` (:mod:`ddpkit.parallel.exact`, the demo's rows where the process count is
+a power of two) the runs do the same additions and end at the same bits. Without it, SyncBatchNorm
+leaves float32 rounding: a sum over 64 samples and two sums over 32 differ in the last bit, and a
+ReLU or max-pool input within that bit of its threshold then goes the other way, which the
+following steps carry on; in float64 those runs agree to 1e-14 (``tests/test_invariance.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def opening_line(rows: Sequence[Mapping[str, Any]], hand_written: float, nproc: 
     ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
     ours = ddp["max_rel_diff_vs_single"]
     seeds = (f"hand-written DDP with DistributedSampler and the per-process batch ends {hand_written:.0e} away")
-    if ours <= SAME_WEIGHTS:
+    if ours == 0:
+        said = [f"DDP x{nproc} ends at the same weights as one process, bit for bit (max relative difference 0); "
+                f"{seeds}."]
+    elif ours <= SAME_WEIGHTS:
         said = [f"DDP x{nproc} ends at the same weights as one process (max relative difference {ours:.0e}); "
                 f"{seeds}."]
     else:
@@ -100,9 +104,17 @@ def write_summary(out: Path, rows: Sequence[Mapping[str, Any]], hand_written: fl
     return target
 
 
-def plot_losses(out: Path, curves: Mapping[str, Sequence[float]], reference: str) -> Path:
+def plot_losses(out: Path, curves: Mapping[str, Sequence[float]], reference: str,
+                notes: Mapping[str, str] | None = None) -> Path:
     """Test loss per epoch of every run on one axis, and beneath it each run's absolute difference
-    from ``reference``'s (log scale), saved as ``out/loss.png``."""
+    from ``reference``'s (log scale), saved as ``out/loss.png``.
+
+    Args:
+        out: the demo's output directory.
+        curves: each run's test loss per epoch, by run name, in the legend's order.
+        reference: the run the lower panel subtracts (drawn in the upper panel only).
+        notes: a few words after a run's name in the lower panel's legend (what its difference is).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,9 +134,10 @@ def plot_losses(out: Path, curves: Mapping[str, Sequence[float]], reference: str
         top.plot(epochs, losses, **style)
         if name != reference:
             gaps = [max(abs(a - b), 1e-12) for a, b in zip(losses, base)]
-            bottom.plot(epochs, gaps, **style)
+            note = (notes or {}).get(name)
+            bottom.plot(epochs, gaps, **{**style, "label": f"{name}: {note}" if note else name})
     top.set_ylabel("test loss")
-    top.set_title(f"ddpkit demo: test loss per epoch, and its difference from {reference}")
+    top.set_title(f"ddpkit demo: test loss per epoch; beneath, its difference from {reference}", fontsize="medium")
     top.legend()
     bottom.set_yscale("log")
     bottom.set_ylabel(f"|test loss - {reference}|")

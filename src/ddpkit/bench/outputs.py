@@ -125,6 +125,7 @@ def row_label(row: Mapping[str, Any]) -> str:
     data = f" {row['data_format']}" if row.get("data_format") not in (None, "map") else ""
     sync = (" syncbn" if row.get("sync_bn") else "") + (f" {row['sync']}/{row['sync_every']}"
                                                          if row.get("sync") not in (None, "every-step") else "")
+    sync += f" micro-shards {row['micro_shards']}" if row.get("micro_shards") else ""
     return f"{row['mode']}{hosts} x{row['nproc']} {row['precision']}{comp}{sync}{data}"
 
 
@@ -162,6 +163,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
         columns[3:3] = [("data_format", "data")]
     if any(r.get("sync_bn") for r in rows):
         columns[3:3] = [("sync_bn", "sync BN")]
+    if any(r.get("micro_shards") for r in rows):
+        columns[3:3] = [("micro_shards", "micro-shards")]
     if any(r.get("sync") not in (None, "every-step") for r in rows):
         columns[3:3] = [("sync", "sync"), ("sync_every", "every")]
     if any(r.get("tokens_per_second") for r in rows):

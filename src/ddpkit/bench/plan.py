@@ -58,6 +58,7 @@ class Settings:
     kill_at: int | None = None      # the step after which one process is killed
     checkpoint_every: int = 8       # restart-all's checkpoints, in steps
     min_step_s: float = 0.0         # each fault-tolerant bench step lasts at least this long
+    micro_shards: int | None = None  # single and DDP rows with rt.setup(micro_shards=M)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Configuration:
     sync_bn: bool = False        # BatchNorm statistics across processes (ddpkit train's default)
     sync: str = "every-step"     # or "local-sgd" / "diloco": train apart, meet every --sync-every steps
     link_mbit: float | None = None   # the simulated hosts' link (with ``hosts``)
+    micro_shards: int | None = None  # rt.setup(micro_shards=M): the same bits on any power-of-two world size
 
     @property
     def world_size(self) -> int:
@@ -88,6 +90,7 @@ class Configuration:
         comp = f"-{self.grad_compression}" if self.grad_compression != "none" else ""
         data = f"-{self.data_format}" if self.data_format != "map" else ""
         sync = ("-syncbn" if self.sync_bn else "") + (f"-{self.sync}" if self.sync != "every-step" else "")
+        sync += f"-ms{self.micro_shards}" if self.micro_shards else ""
         return f"{self.mode}{hosts}-x{self.nproc}-{self.precision}{comp}{sync}{data}"
 
     @property
@@ -98,6 +101,7 @@ class Configuration:
         comp = f" {self.grad_compression}" if self.grad_compression != "none" else ""
         data = f" {self.data_format}" if self.data_format != "map" else ""
         sync = (" syncbn" if self.sync_bn else "") + (f" {self.sync}" if self.sync != "every-step" else "")
+        sync += f" micro-shards {self.micro_shards}" if self.micro_shards else ""
         return f"{self.mode}{hosts} x{self.nproc} {self.precision}{comp}{sync}{data}"
 
 
@@ -122,7 +126,10 @@ def plan(settings: Settings, gpus: int) -> list[Configuration]:
     if settings.links:                   # every row on simulated hosts, once on each link
         found = [dataclasses.replace(c, link_mbit=link) if c.hosts else c
                  for c in found for link in (settings.links if c.hosts else (None,))]
-    return [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
+    found = [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
+    if settings.micro_shards:
+        found = [dataclasses.replace(c, micro_shards=settings.micro_shards) for c in found]
+    return found
 
 
 def _fsdp_reason(model: str, compression: str, sync_bn: bool = False) -> str | None:
@@ -254,7 +261,31 @@ def parser() -> argparse.ArgumentParser:
         "least S seconds (the loop sleeps out the rest), standing in for a larger model's step (default 0)")
     add("--data-format", default="map", help="comma-separated map|shards: the data set as it is, or the same "
         "samples as a ddpkit.Shards stream of 16 shards, one row each (default map)")
+    add("--micro-shards", type=int, default=None, metavar="M", help="every row trains with rt.setup(micro_shards=M): "
+        "each global batch in M shards summed along one fixed tree, the same bits on any power-of-two --nproc "
+        "dividing M (ddpkit.parallel.exact); the exchange is one all_gather after the backward passes")
     return parser
+
+
+def _check_micro_shards(opts: Any, modes: Sequence[str], compressions: Sequence[str], formats: Sequence[str],
+                        syncs: Sequence[str], syncs_of_rows: Sequence[str], hosts: Sequence[int]) -> None:
+    """What ``--micro-shards`` does not combine with, in one line (``rt.setup`` refuses the same)."""
+    from ddpkit.parallel.exact import check
+
+    refused = [("--modes dp or fsdp", set(modes) & {"dp", "fsdp"}), ("--compare-raw", opts.compare_raw),
+               ("--fault-tolerant", opts.fault_tolerant), ("--data-format shards", "shards" in formats),
+               ("--grad-compression", set(compressions) - {"none"}), ("--sync-bn on", "on" in syncs),
+               ("--sync local-sgd or diloco", set(syncs_of_rows) - {"every-step"})]
+    for flag, bad in refused:
+        if bad:
+            raise UsageError(f"--micro-shards does not combine with {flag}; drop one of the two")
+    for n in _int_list(opts.nproc, "--nproc"):
+        try:
+            check(opts.micro_shards, world_size=n * max(hosts or (1,)), sync_batchnorm=False, grad_compression=None,
+                  strategy="ddp", sync="every-step", compile=False, ddp_kwargs={})
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("micro_shards=", "--micro-shards ").replace(
+                "micro_shards to", "--micro-shards to")) from None
 
 
 def parse_settings(argv: Sequence[str]) -> Settings:
@@ -328,6 +359,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         raise UsageError("--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant")
     elif opts.min_step_s:
         raise UsageError("--min-step-s lengthens the steps of --fault-tolerant's comparison; add --fault-tolerant")
+    if opts.micro_shards is not None:
+        _check_micro_shards(opts, modes, compressions, formats, syncs, syncs_of_rows, hosts)
     settings = Settings(model=opts.model, data=opts.data, modes=modes, nproc=_int_list(opts.nproc, "--nproc"),
                         batch=opts.batch, steps=opts.steps, warmup=opts.warmup, seed=opts.seed, lr=opts.lr,
                         momentum=opts.momentum, out=opts.out, compare_raw=opts.compare_raw,
@@ -338,7 +371,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
                         sync=syncs_of_rows, sync_every=opts.sync_every, powersgd_rank=opts.powersgd_rank,
                         sync_dtype=opts.sync_dtype, sync_fragments=opts.sync_fragments, sync_delay=opts.sync_delay,
                         fault_tolerant=opts.fault_tolerant, kill_at=opts.kill_at,
-                        checkpoint_every=opts.checkpoint_every, min_step_s=opts.min_step_s)
+                        checkpoint_every=opts.checkpoint_every, min_step_s=opts.min_step_s,
+                        micro_shards=opts.micro_shards)
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")
     if settings.compare_raw and max(settings.nproc) * max(hosts or (1,)) < 2:

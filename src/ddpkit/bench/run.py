@@ -63,6 +63,10 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
             args += ["--sync-dtype", settings.sync_dtype]
     if settings.powersgd_rank is not None and config.grad_compression == "powersgd":
         args += ["--powersgd-rank", str(settings.powersgd_rank)]
+    if config.micro_shards:
+        if target != DDPKIT_LOOP:       # the hand-written loop and the peers have no micro-shards
+            raise DdpkitError(f"bench: {config.label} runs ddpkit's own loop only; it has no {target} row")
+        args += ["--micro-shards", str(config.micro_shards)]
     result.unlink(missing_ok=True)
     if config.hosts:
         code = _run_on_hosts(config, settings, target, args)
@@ -177,7 +181,7 @@ def verify(row: dict[str, Any], rows: list[dict[str, Any]], settings: Settings, 
                                                                                   row["grad_compression"]),
                            hosts=row.get("hosts") or 0, data_format=row.get("data_format", "map"),
                            sync_bn=bool(row.get("sync_bn")), sync=fix.get("sync", row.get("sync") or "every-step"),
-                           link_mbit=row.get("link_mbit"))
+                           link_mbit=row.get("link_mbit"), micro_shards=row.get("micro_shards"))
     label = f"{config.label}{' x' + str(fix['batch_factor']) + ' batch' if 'batch_factor' in fix else ''}"
     measured = fix.get("measured_samples_per_second")
     if measured is None:
@@ -225,7 +229,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
         target = next((c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
                        and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
                        and c.grad_compression == settings.grad_compression[0] and c.data_format == "map"
-                       and not c.sync_bn and c.sync == "every-step"), None)
+                       and not c.sync_bn and c.sync == "every-step" and not c.micro_shards), None)
         if target is None:
             raise UsageError(f"--compare-raw found no runnable DDP configuration with --grad-compression "
                              f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first")

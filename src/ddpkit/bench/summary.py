@@ -43,6 +43,7 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
         "grad_compression": config.grad_compression, "hosts": config.hosts or None,
         "link_mbit": None, "world_size": world, "data_format": config.data_format, "sync_bn": config.sync_bn,
+        "micro_shards": config.micro_shards,
         # what each rank hands to allreduce per step, and what a ring allreduce sends of it
         "payload_bytes_per_step": payload,
         "bytes_sent_per_step": wire.bus_bytes(payload, world),
@@ -132,7 +133,7 @@ def not_applicable(config: Configuration, link_mbit: float | None = None) -> dic
     """The row of a configuration that cannot run here: its names, its reason, no measurements."""
     return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
             "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": link_mbit,
-            "sync_bn": config.sync_bn,
+            "sync_bn": config.sync_bn, "micro_shards": config.micro_shards,
             "data_format": config.data_format,
             "applicable": False, "reason": config.reason, "samples_per_second": None,
             "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}

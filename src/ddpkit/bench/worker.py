@@ -46,6 +46,31 @@ def _periodic_costs(syncer: Any) -> dict[str, Any]:
             "bytes_per_sync": syncer.sent_bytes / whole}
 
 
+def _micro_shard_step(rt: Any, model: Any, optimizer: Any, inputs: Any, targets: Any, start: float,
+                      fetched: float, alone: list[float]) -> tuple[float, ...]:
+    """One step of ``rt.setup(micro_shards=M)``: each shard's forward and backward, then ``rt.step``,
+    whose exchange (the ranks' all_gather) counts as backward time, where DDP's allreduce counts.
+
+    Returns the step's five marks as the plain loop takes them: the forwards' and backwards' own
+    seconds laid end to end after ``fetched``; the exchange follows the backwards. ``alone`` gets
+    the step's backward seconds without the exchange (the diagnosis's backward without sync)."""
+    device, exact = rt.device, rt.run.exact
+    forward = backward = 0.0
+    for shard_inputs, shard_targets in rt.shards(inputs, targets):
+        begin = mark(device)
+        with rt.autocast():
+            loss = F.cross_entropy(model(shard_inputs), shard_targets)
+        middle = mark(device)
+        rt.backward(loss)
+        forward, backward = forward + middle - begin, backward + mark(device) - middle
+    exchanged = exact.exchange_seconds
+    rt.step(optimizer)
+    end = mark(device)
+    exchange = exact.exchange_seconds - exchanged
+    alone.append(backward)
+    return (start, fetched, fetched + forward, fetched + forward + backward + exchange, end)
+
+
 def train(opts: argparse.Namespace) -> None:
     """Warm-up and timed steps of the ddpkit loop; rank 0 writes ``opts.result``."""
     import ddpkit
@@ -58,7 +83,9 @@ def train(opts: argparse.Namespace) -> None:
                         image_size=info.image_size)
     optimizer = make_optimizer(model, opts)
     compression = None if opts.grad_compression == "none" else opts.grad_compression
-    if opts.strategy == "fsdp":
+    if opts.micro_shards:
+        model, optimizer = rt.setup(model, optimizer, micro_shards=opts.micro_shards)
+    elif opts.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
     else:
         extra = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every,
@@ -81,6 +108,7 @@ def train(opts: argparse.Namespace) -> None:
     from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
     syncer = compressor if hasattr(compressor, "sync") else None       # sync="diloco" / "local-sgd"
+    alone: list[float] = []         # micro-shards: each step's backward passes without the exchange
     for step in range(opts.warmup + opts.steps):
         if step == opts.warmup:
             synced_before = SyncBatchNorm.collective_seconds
@@ -91,6 +119,9 @@ def train(opts: argparse.Namespace) -> None:
         start = mark(device)
         inputs, targets = next(batches)
         fetched = mark(device)
+        if opts.micro_shards:
+            marks.append(_micro_shard_step(rt, model, optimizer, inputs, targets, start, fetched, alone))
+            continue
         with rt.autocast():
             loss = F.cross_entropy(model(inputs), targets)
         forward = mark(device)
@@ -106,12 +137,20 @@ def train(opts: argparse.Namespace) -> None:
     else:
         payload = None if compressor is None else compressor.payload_bytes / opts.steps
     calls = wire.calls_per_step(model, opts.grad_compression)
+    if opts.micro_shards and rt.world_size > 1:
+        calls = rt.run.exact.exchange_calls
+        # an all_gather of the gradients receives (W - 1) x their bytes: the bus bytes of an
+        # allreduce of W / 2 x them, which is what the diagnosis's arithmetic takes
+        payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) \
+            * rt.world_size / 2
     stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload, calls)
     stats["sync_batchnorm_seconds"] = (SyncBatchNorm.collective_seconds - synced_before) / opts.steps
     if syncer is not None:
         stats["periodic"] = {**periodic, "synced_steps": synced[opts.warmup:]}
     stats["grad_compression_auto"] = getattr(compressor, "decision", None)
-    if rt.world_size > 1 and not opts.data_parallel:
+    if opts.micro_shards and rt.world_size > 1:
+        stats["backward_alone_seconds"] = min(alone[opts.warmup:])
+    elif rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
     stats["state_bytes"] = state_bytes(model, optimizer)
     gathered = ddpkit.all_gather_object(stats)

@@ -44,6 +44,8 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"), help="the infrequent sync's exchange")
     parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
+    parser.add_argument("--micro-shards", type=int, default=None,
+                        help="rt.setup(micro_shards=M): each batch in M shards, summed along one tree (ddpkit's loop)")
     return parser
 
 

@@ -159,6 +159,8 @@ class RunState:
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
     preemption: Any = None
     """The run's :class:`~ddpkit.dist.preemption.Preemption` (None: signals are not caught)."""
+    exact: Any = None
+    """With ``rt.setup(..., micro_shards=M)``: the run's :class:`~ddpkit.parallel.exact.Exact` (None otherwise)."""
     ft: Any = None
     """In a fault-tolerant job, this replica's :class:`~ddpkit.dist.ft.Replica` (None otherwise)."""
     ft_undo: Any = None

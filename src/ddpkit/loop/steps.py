@@ -56,10 +56,14 @@ def backward(run: RunState, loss: torch.Tensor) -> None:
             loss = torch.nan_to_num(loss, nan=0.0)   # mean of nothing; contributes zero
     if run.accumulation is not None:
         weight /= run.accumulation[0]
+    if run.exact is not None:         # a micro-shard: its share of the global batch, summed by the tree
+        weight = run.exact.weight()
     if not run.backward_since_step:
         run.unscaled.clear()
     run.backward_since_step = run.uses_backward = True
     run.precision.backward(loss * weight if weight != 1.0 else loss)
+    if run.exact is not None:
+        run.exact.after_backward()
 
 
 def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
@@ -69,6 +73,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
+    if run.exact is not None and run.backward_since_step:
+        run.exact.reduce()
     if run.ft is not None and run.ft.in_quorum() and not _commit_across_replicas(run, optimizers):
         return False
     stepped = True
@@ -195,6 +201,9 @@ def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bo
     """One micro-step of a group of ``steps``: gradients sync only on the last, which it yields True."""
     if steps < 1:
         raise UsageError(f"accumulate needs steps >= 1, got {steps}")
+    if run.exact is not None:
+        raise UsageError("rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
+                         "raise global_batch_size, or micro_shards, instead")
     loop = run.loop
     if loop.micro_step == 0:
         loop.group = group_weight(run.active, steps)

@@ -50,6 +50,11 @@ class TrainConfig:
     depend on the number of processes (SyncBatchNorm). The default: on wherever the model has
     BatchNorm and more than one process trains it with ddp; --no-sync-bn normalises each process's
     batch on its own, as plain DDP does."""
+    micro_shards: int | None = None
+    """Bitwise the same run on any power-of-two number of processes that divides M: each global
+    batch in M micro-shards, each with its own BatchNorm statistics (ghost batch norm, instead of
+    --sync-bn), computed on cores // M threads, their gradients summed along one fixed tree (see
+    ddpkit.parallel.exact). ddpkit demo's rows use it."""
     grad_compression: str | None = None
     """Gradients on the wire: none (the default), fp16, bf16, powersgd, or auto (time the link and
     the first steps, then take whichever predicts the shortest step; see ddpkit.parallel.auto)."""
@@ -242,6 +247,7 @@ def check(config: TrainConfig) -> None:
         raise UsageError(_DATA_PARALLEL)
     _check_compression(config)
     _check_sync(config)
+    _check_micro_shards(config)
     check_strategy(config.strategy, config.cpu_offload, cli=True)
     if config.strategy == "fsdp" and config.data_parallel:
         raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
@@ -339,6 +345,31 @@ def _check_sync(config: TrainConfig) -> None:
                    grad_compression=config.grad_compression, sync_batchnorm=False, precision=config.precision)
     except UsageError as exc:
         raise UsageError(str(exc).replace("sync_every=H", "--sync-every H")) from None
+
+
+def _check_micro_shards(config: TrainConfig) -> None:
+    """What ``rt.setup(micro_shards=...)`` refuses, named by the flags, before any process starts."""
+    from ddpkit.parallel.exact import check as check_exact
+
+    if config.micro_shards is None:
+        return
+    if config.data_parallel:
+        raise UsageError("--micro-shards computes each shard in a process of its own; it does not combine "
+                         "with --data-parallel")
+    if config.global_batch_size < config.micro_shards:
+        raise UsageError(f"--micro-shards {config.micro_shards} cuts a global batch of {config.global_batch_size} "
+                         "samples; give at least one sample per shard")
+    try:
+        check_exact(config.micro_shards, world_size=config.world_size, sync_batchnorm=bool(config.sync_bn),
+                    grad_compression=config.grad_compression, strategy=config.strategy, sync=config.sync,
+                    compile=False, ddp_kwargs={})
+    except UsageError as exc:
+        message = str(exc)
+        for api, flag in (("micro_shards=", "--micro-shards "), ("micro_shards", "--micro-shards"),
+                          ("sync_batchnorm=True", "--sync-bn"), ("grad_compression=", "--grad-compression "),
+                          ("strategy=", "--strategy "), ("sync=", "--sync ")):
+            message = message.replace(api, flag)
+        raise UsageError(message.replace("'", "")) from None
 
 
 def _check_out(config: TrainConfig) -> None:

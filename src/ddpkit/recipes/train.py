@@ -31,7 +31,7 @@ def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
     """What ``ddpkit predict`` needs to rebuild the model: stored as a plain dict in checkpoints."""
     return {"model": config.model, "data": config.data, "num_classes": info.num_classes,
             "in_channels": info.in_channels, "image_size": info.image_size,
-            "precision": config.precision, "sync_bn": bool(config.sync_bn)}
+            "precision": config.precision, "sync_bn": bool(config.sync_bn), "micro_shards": config.micro_shards}
 
 
 def datasets_of(config: TrainConfig) -> tuple[DatasetInfo, DatasetInfo]:
@@ -50,7 +50,9 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
     if config.sync_bn is None:       # the default: world-size invariant wherever there is BatchNorm
         config = dataclasses.replace(config, sync_bn=sync_bn_default(config, model, rt.world_size))
-    if config.strategy == "fsdp":
+    if config.micro_shards is not None:     # bitwise invariant: ghost BatchNorm, one summation tree
+        model, optimizer = rt.setup(model, optimizer, micro_shards=config.micro_shards)
+    elif config.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp", cpu_offload=config.cpu_offload)
     else:
         periodic = {} if config.sync == "every-step" else {
@@ -81,7 +83,7 @@ def sync_bn_default(config: TrainConfig, model: torch.nn.Module, world_size: int
     """
     has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return (has_batchnorm and world_size > 1 and config.strategy == "ddp" and not config.data_parallel
-            and config.sync == "every-step")
+            and config.sync == "every-step" and config.micro_shards is None)
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -104,11 +106,20 @@ def train(config: TrainConfig) -> dict[str, Any]:
             epoch_start = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float64)
             for inputs, targets in loader:
-                with rt.autocast():
-                    loss = F.cross_entropy(model(inputs), targets)
-                rt.backward(loss)
+                if config.micro_shards is None:
+                    with rt.autocast():
+                        loss = F.cross_entropy(model(inputs), targets)
+                    rt.backward(loss)
+                    loss_sum += loss.detach().double().cpu() * loader.local_count
+                else:
+                    loss = torch.zeros((), dtype=torch.float64)
+                    for shard_inputs, shard_targets in rt.shards(inputs, targets):
+                        with rt.autocast():
+                            shard_loss = F.cross_entropy(model(shard_inputs), shard_targets)
+                        rt.backward(shard_loss)
+                        loss_sum += shard_loss.detach().double().cpu() * len(shard_targets)
+                        loss += shard_loss.detach().double().cpu() * len(shard_targets) / max(1, loader.local_count)
                 rt.step(optimizer)
-                loss_sum += loss.detach().double().cpu() * loader.local_count
                 seen += loader.global_count
                 if bar.active:
                     rate = seen / max(1e-9, train_seconds + time.perf_counter() - epoch_start)
@@ -132,7 +143,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "world_size": rt.world_size, "precision": config.precision, "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
         "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
-        "sync_bn": config.sync_bn, "grad_compression": config.grad_compression or "none", "strategy": config.strategy,
+        "sync_bn": config.sync_bn, "micro_shards": config.micro_shards, "grad_compression": config.grad_compression or "none", "strategy": config.strategy,
         "sync": config.sync, "sync_every": config.sync_every,
         "outer_lr": config.outer_lr if config.sync == "diloco" else None,
         "outer_momentum": config.outer_momentum if config.sync == "diloco" else None,

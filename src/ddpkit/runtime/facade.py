@@ -214,7 +214,8 @@ class Runtime:
               strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
               cpu_offload: bool = False, sync: str = "every-step", sync_every: int | None = None,
               outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_dtype: str | None = None,
-              sync_fragments: int = 1, sync_delay: int = 0, **ddp_kwargs: Any) -> Any:
+              sync_fragments: int = 1, sync_delay: int = 0, micro_shards: int | None = None,
+              **ddp_kwargs: Any) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
@@ -246,6 +247,9 @@ class Runtime:
                 step of the period (the link carries a fragment at a time).
             sync_delay: Streaming DiLoCo: inner steps each exchange runs in the background before it is
                 applied; the rank keeps what it trained meanwhile.
+            micro_shards: bitwise the same run on any power-of-two number of processes dividing it
+                (:mod:`ddpkit.parallel.exact`): each global batch in this many shards, handed out by
+                :meth:`shards`, each with its own BatchNorm statistics, summed along one fixed tree.
             **ddp_kwargs: further ``DistributedDataParallel`` arguments.
 
         Returns:
@@ -259,6 +263,11 @@ class Runtime:
                                sync_fragments=sync_fragments, sync_delay=sync_delay)
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
+        if micro_shards is not None:
+            return self._setup_exact(model, optimizer, options, micro_shards)
+        if self.run.exact is not None:
+            raise UsageError("rt.setup: this run set up a model with micro_shards; a second model must use it too "
+                             "(micro_shards is built for one model a run)")
         if self.run.ft is not None:
             model = self._replica_model(model, options)
         wrapped = wrap(model, optimizer, options, device=self.device, world_size=self.world_size,
@@ -273,6 +282,40 @@ class Runtime:
             # Identical weights came from one seed; dropout and the like now differ per rank.
             rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
         return wrapped.model if optimizer is None else (wrapped.model, optimizer)
+
+    def _setup_exact(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions,
+                     micro_shards: int) -> Any:
+        """``rt.setup(..., micro_shards=M)``: rank 0's weights everywhere, no DDP wrapper, the shards' state."""
+        from ddpkit.parallel import exact
+
+        exact.check(micro_shards, world_size=self.world_size, sync_batchnorm=options.sync_batchnorm,
+                    grad_compression=options.grad_compression, strategy=options.strategy, sync=options.sync,
+                    compile=options.compile or hasattr(model, "_orig_mod"), ddp_kwargs=options.ddp_kwargs,
+                    fault_tolerant=self.run.ft is not None)
+        if self.run.models:
+            raise UsageError("rt.setup(micro_shards=...) is built for one model a run; this run set one up already")
+        self.run.exact = exact.setup(model, optimizer, micro_shards, device=self.device, world_size=self.world_size,
+                                     rank=self.rank, seed=self.seed)
+        index = self.run.adopt(model, optimizer)
+        resuming.restore_pending(self.run, index, is_main=self.is_main)
+        self.heartbeat("start")
+        if self.seed is not None:
+            rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
+        return model if optimizer is None else (model, optimizer)
+
+    def shards(self, *batch: Any) -> Iterator[Any]:
+        """The micro-shards of the batch in hand, one at a time (``rt.setup(..., micro_shards=M)``).
+
+        ``for x, y in rt.shards(inputs, targets): rt.backward(loss_fn(model(x), y))``, then
+        :meth:`step`. Each item of ``batch`` (a tensor, or lists, tuples and dicts of them) is cut
+        along its first dimension; one argument yields one part, several yield a tuple. See
+        :mod:`ddpkit.parallel.exact`.
+        """
+        if self.run.exact is None:
+            raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
+        if not batch:
+            raise UsageError("rt.shards needs the batch to cut, e.g. rt.shards(inputs, targets)")
+        return self.run.exact.shards(self.run.active, self.run.loop.step, batch)
 
     def _replica_model(self, model: torch.nn.Module, options: SetupOptions) -> torch.nn.Module:
         """A fault-tolerant replica's model: BatchNorm over the step's quorum, so that no statistic

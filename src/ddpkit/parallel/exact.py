@@ -1,0 +1,384 @@
+"""Bitwise world-size invariance: every global batch as fixed micro-shards, summed along one fixed tree.
+
+``rt.setup(model, optimizer, micro_shards=M)`` makes a run end at the same bits on 1, 2, 4, ...
+processes (any power of two W that divides M), where SyncBatchNorm and DDP only end at the same
+weights up to float rounding:
+
+- **The shards.** Shard ``s`` of a global batch holds its samples ``s, s + M, s + 2M, ...``.
+  Rank ``r`` holds the batch's samples ``r, r + W, ...`` (the loader's strided split), so its
+  local shard ``j`` (``local[j::M // W]``) is global shard ``r + j * W``. ``rt.shards(x, y)`` hands
+  them out; each runs its own forward and ``rt.backward``, with the same tensor shapes whatever W is.
+- **BatchNorm per shard** ("ghost batch norm"): a shard normalises with its own statistics, as
+  a process of batch size ``B // M`` would. Its running statistics take every shard's batch
+  statistics in shard order, after the step (each rank gathers the others'), exactly as one
+  process running the shards one after another would update them.
+- **One summation tree.** Shard gradients (of its mean loss times its share of the batch) are
+  summed as ``tree(g) = tree(g[0::2]) + tree(g[1::2])``. Its first ``log2 W`` splits are the
+  residue classes of the ranks, so each rank sums its own shards along the same tree, and the
+  ranks' partial sums are gathered (``all_gather``: the same bytes as an allreduce for two
+  processes) and summed along the top of the tree. Every addition is the one a single process does.
+- **The same kernels.** A shard is computed with the same intra-op thread count on any W
+  (``usable cores // M``: thread count changes how a CPU GEMM splits its sums), deterministic
+  cuDNN, and its own random stream (seeded by the run's seed, the step and the shard), so
+  dropout draws the same masks.
+
+The price: one process computes its M shards one after another on ``cores // M`` threads each,
+and BatchNorm normalises over ``B // M`` samples rather than the global batch (the usual choice at
+scale, Hoffer et al., 2017). Refused with it, in one line each: SyncBatchNorm, gradient
+compression, fsdp, infrequent syncs, ``torch.compile``, DDP arguments, ``rt.accumulate``, a
+fault-tolerant job, a world size that is not a power of two dividing M, and streams.
+
+Example (one process; the same lines under ``ddpkit run -n 2`` end at the same bits):
+    >>> import torch, ddpkit, torch.nn.functional as F
+    >>> rt = ddpkit.init(seed=0)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    >>> net, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+    >>> data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    >>> for x, y in rt.loader(data, global_batch_size=8):
+    ...     for xs, ys in rt.shards(x, y):
+    ...         rt.backward(F.cross_entropy(net(xs), ys))
+    ...     _ = rt.step(opt)
+    >>> rt.global_step
+    2
+    >>> rt.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ddpkit.errors import UsageError
+
+__all__ = ["Exact", "check", "tree_sum", "threads_for"]
+
+
+def check(micro_shards: int | None, *, world_size: int, sync_batchnorm: bool, grad_compression: str | None,
+          strategy: str, sync: str, compile: Any, ddp_kwargs: dict[str, Any], fault_tolerant: bool = False) -> None:
+    """Refuse, in one line, ``micro_shards`` that cannot be exact here (nothing when it is None).
+
+    Args:
+        micro_shards: M, the shards of every global batch (None: not asked for).
+        world_size: processes of the job.
+        sync_batchnorm, grad_compression, strategy, sync, compile, ddp_kwargs: ``rt.setup``'s other
+            options, each refused where it is not its default.
+        fault_tolerant: whether this is a replica of a ``--fault-tolerant`` job.
+
+    Raises:
+        UsageError: M below 1; a world size that is not a power of two dividing M; or an option
+            the fixed tree cannot take (SyncBatchNorm, compression, fsdp, an infrequent sync,
+            ``compile``, DDP arguments, a fault-tolerant job).
+    """
+    if micro_shards is None:
+        return
+    if isinstance(micro_shards, bool) or not isinstance(micro_shards, int) or micro_shards < 1:
+        raise UsageError(f"micro_shards must be a whole number of at least 1, got {micro_shards!r}")
+    if world_size & (world_size - 1) or micro_shards % world_size:
+        raise UsageError(f"micro_shards={micro_shards} is exact on a power-of-two number of processes that "
+                         f"divides it (1, 2, 4, ...); this run has {world_size}: change the number of processes, "
+                         f"or micro_shards to a multiple of {world_size}")
+    refused = [("sync_batchnorm=True", sync_batchnorm, "each shard keeps its own BatchNorm statistics"),
+               (f"grad_compression={grad_compression!r}", grad_compression is not None, "the sums must be exact"),
+               (f"strategy={strategy!r}", strategy != "ddp", "the model is replicated"),
+               (f"sync={sync!r}", sync != "every-step", "every step is summed"),
+               ("compile", bool(compile), "its hooks keep BatchNorm's statistics per shard"),
+               (f"DDP arguments {sorted(ddp_kwargs)}", bool(ddp_kwargs), "no DDP wrapper is used"),
+               ("--fault-tolerant", fault_tolerant, "replicas come and go")]
+    for name, bad, why in refused:
+        if bad:
+            raise UsageError(f"micro_shards does not combine with {name} ({why}); drop one of the two")
+
+
+def threads_for(micro_shards: int, cores: int | None = None) -> int:
+    """Intra-op threads of every shard: ``cores // micro_shards`` (at least one), whatever the world size."""
+    from ddpkit.dist.host import usable_cores
+
+    return max(1, (usable_cores() if cores is None else cores) // micro_shards)
+
+
+def tree_sum(items: Sequence[Any], add: Any = None) -> Any:
+    """``tree(items[0::2]) + tree(items[1::2])``, None for an empty list; None items count as nothing.
+
+    >>> tree_sum([1.0, 2.0, 3.0, 4.0])      # (1 + 3) + (2 + 4)
+    10.0
+    >>> tree_sum([None, 5.0]), tree_sum([])
+    (5.0, None)
+    """
+    add = add or (lambda a, b: a + b)
+    if not items:
+        return None
+    if len(items) == 1:
+        return items[0]
+    left, right = tree_sum(items[0::2], add), tree_sum(items[1::2], add)
+    if left is None or right is None:
+        return right if left is None else left
+    return add(left, right)
+
+
+def _add_grads(a: list[Any], b: list[Any]) -> list[Any]:
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
+
+
+class Exact:
+    """The micro-shard state of one run: the shard in hand, the shards' gradients and statistics."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, *, micro_shards: int, world_size: int, rank: int,
+                 seed: int | None, device: torch.device) -> None:
+        self.micro_shards, self.world_size, self.rank = micro_shards, world_size, rank
+        self.local_shards = micro_shards // world_size
+        self.seed, self.device = seed, device
+        params = list(model.parameters())
+        if optimizer is not None:
+            params += [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
+        self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+        self.current: tuple[int, int, int] | None = None     # (local index j, global shard s, its samples)
+        self.leaves: dict[int, list[Any]] = {}                # local index -> gradients per parameter
+        self.stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}   # j -> norm -> (mean, var)
+        self.expected: list[int] = []                        # local shards of the batch in hand with samples
+        self.batch_count = 0                                 # samples of the global batch in hand
+        self._saved: dict[int, tuple[Any, ...]] = {}
+        self.exchange_seconds = 0.0                          # spent in the ranks' all_gathers (ddpkit bench reads it)
+        self.exchange_calls = 0                              # collectives of the last step's exchange
+        for index, norm in enumerate(self.norms):
+            norm.register_forward_pre_hook(self._make_pre_hook(index))
+            norm.register_forward_hook(self._make_post_hook(index))
+
+    # -- the shards of a batch ------------------------------------------------------------------
+    def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any]:
+        """Each local shard of ``batch`` with samples, in its own random stream; see ``rt.shards``."""
+        from ddpkit.loop.loader import ShardedLoader
+
+        if not isinstance(active, ShardedLoader):
+            raise UsageError("rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
+                             "splits its global batches; streams are not built for it)")
+        if active.sampler.world_size != self.world_size:
+            raise UsageError("rt.shards: this loader splits batches over another world size than the run's")
+        if self.leaves or self.stats:
+            raise UsageError("rt.shards: the shards of the previous batch were not stepped; call rt.step "
+                             "after the last shard's rt.backward")
+        total = active.global_count
+        sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
+        mine = [j for j in range(self.local_shards) if sizes[self.rank + j * self.world_size]]
+        self.expected, self.batch_count = mine, total
+        for j in mine:
+            s = self.rank + j * self.world_size
+            parts = tuple(_take(item, j, self.local_shards) for item in batch)
+            self.current = (j, s, sizes[s])
+            try:
+                with self._random_stream(step, s):
+                    yield parts[0] if len(parts) == 1 else parts
+            finally:
+                self.current = None
+            if j not in self.leaves:
+                raise UsageError("rt.shards: a shard went by without rt.backward; call rt.backward(loss) "
+                                 "once for every shard it hands out")
+
+    @contextlib.contextmanager
+    def _random_stream(self, step: int, shard: int) -> Iterator[None]:
+        if self.seed is None:       # unseeded: nothing to make equal
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed((self.seed * 1_000_003 + step * 65_537 + shard) % (2 ** 63))
+            yield
+
+    def weight(self) -> float:
+        """What the shard's mean loss is multiplied by: its share of the global batch's samples."""
+        if self.current is None:
+            raise UsageError("with micro_shards, call rt.backward inside `for shard in rt.shards(*batch)`, "
+                             "once per shard")
+        if self.current[0] in self.leaves:
+            raise UsageError("rt.backward ran twice on one shard; micro_shards takes one backward per shard")
+        return self.current[2] / self.batch_count
+
+    def after_backward(self) -> None:
+        """Keep the shard's gradients as a leaf of the tree and clear them for the next shard."""
+        self.leaves[self.current[0]] = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    # -- the step --------------------------------------------------------------------------------
+    def reduce(self) -> None:
+        """Before the optimizer steps: the tree's sum of every shard's gradients into ``.grad`` and
+        every shard's BatchNorm statistics into the running ones, in shard order (a collective)."""
+        if self.current is not None or set(self.leaves) != set(self.expected):
+            raise UsageError("rt.step came before every shard of the batch ran rt.backward; finish the "
+                             "`for shard in rt.shards(...)` loop first")
+        local = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
+        stats = [self.stats.get(j) for j in range(self.local_shards)]
+        self.leaves, self.stats, self.expected = {}, {}, []
+        if self.world_size == 1:
+            total = local
+            gathered_stats = [stats]
+        else:
+            import time
+
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            total, gathered_stats = self._across_ranks(local, stats)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.exchange_seconds += time.perf_counter() - start
+        for p, grad in zip(self.params, total if total is not None else [None] * len(self.params)):
+            p.grad = grad
+        self._update_running(gathered_stats)
+
+    def _across_ranks(self, local: list[Any] | None, stats: list[Any]) -> tuple[list[Any] | None, list[Any]]:
+        """Every rank's partial sum and shard statistics, gathered; the top of the tree summed here."""
+        import torch.distributed as dist
+
+        present = torch.tensor([0.0 if local is None or g is None else 1.0 for g in (local or [None] * len(self.params))]
+                               + [0.0 if s is None else 1.0 for s in stats], dtype=torch.float64)
+        stat_width = sum(1 + 2 * n.num_features for n in self.norms)
+        stat_rows = [_pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64)
+                     for s in stats]
+        head = torch.cat([present, *stat_rows]).to(self.device)
+        heads = [torch.empty_like(head) for _ in range(self.world_size)]
+        dist.all_gather(heads, head)
+        self.exchange_calls = 1
+        heads = [h.cpu() for h in heads]      # (a float64 row: presence flags, then statistics)
+        n = len(self.params)
+        partials: list[list[Any]] = [[None] * n for _ in range(self.world_size)]
+        for dtype in sorted({p.dtype for p in self.params}, key=str):
+            idx = [i for i, p in enumerate(self.params) if p.dtype == dtype]
+            flat = torch.cat([(local[i] if local is not None and local[i] is not None
+                               else torch.zeros_like(self.params[i])).reshape(-1) for i in idx])
+            flats = [torch.empty_like(flat) for _ in range(self.world_size)]
+            dist.all_gather(flats, flat)
+            self.exchange_calls += 1
+            for r, other in enumerate(flats):
+                offset = 0
+                for i in idx:
+                    size = self.params[i].numel()
+                    if heads[r][i] > 0:
+                        partials[r][i] = other[offset:offset + size].view_as(self.params[i]).clone()
+                    offset += size
+        total = tree_sum(partials, _add_grads)
+        gathered = []
+        for r in range(self.world_size):
+            rows = heads[r][n + self.local_shards:].view(self.local_shards, -1) if stat_width else None
+            gathered.append([None if heads[r][n + j] == 0 else _unpack(rows[j], self.norms)
+                             for j in range(self.local_shards)])
+        return total, gathered
+
+    def _update_running(self, gathered: list[list[Any]]) -> None:
+        """Each shard's statistics, in shard order, as one process's forwards would have applied them."""
+        if not self.norms:
+            return
+        with torch.no_grad():
+            for s in range(self.micro_shards):
+                shard = gathered[s % self.world_size][s // self.world_size]
+                if shard is None:
+                    continue
+                for index, norm in enumerate(self.norms):
+                    if index not in shard or not norm.track_running_stats:
+                        continue
+                    mean, var = shard[index]
+                    norm.num_batches_tracked.add_(1)
+                    alpha = (1.0 / float(norm.num_batches_tracked) if norm.momentum is None else norm.momentum)
+                    norm.running_mean.mul_(1 - alpha).add_(mean.to(norm.running_mean), alpha=alpha)
+                    norm.running_var.mul_(1 - alpha).add_(var.to(norm.running_var), alpha=alpha)
+
+    # -- BatchNorm's statistics, per shard -------------------------------------------------------
+    def _make_pre_hook(self, index: int) -> Any:
+        def pre_hook(module: _BatchNorm, args: Any) -> None:
+            if not (module.training and module.track_running_stats):
+                return
+            if self.current is None:
+                raise UsageError("with micro_shards, a training-mode forward of a BatchNorm model runs inside "
+                                 "`for shard in rt.shards(*batch)` (its statistics are kept per shard); "
+                                 "call model.eval() for other forwards")
+            if index in self.stats.get(self.current[0], {}):
+                raise UsageError(f"micro_shards: BatchNorm layer {type(module).__name__} ran twice in one shard's "
+                                 "forward; micro_shards keeps one set of statistics per layer and shard")
+            self._saved[index] = (module.running_mean, module.running_var, module.num_batches_tracked.clone(),
+                                  module.momentum)
+            # momentum 1 on zeroed buffers: the kernel leaves exactly this shard's mean and unbiased variance
+            module.running_mean = torch.zeros_like(module.running_mean)
+            module.running_var = torch.zeros_like(module.running_var)
+            module.momentum = 1.0
+        return pre_hook
+
+    def _make_post_hook(self, index: int) -> Any:
+        def post_hook(module: _BatchNorm, args: Any, output: Any) -> None:
+            if index not in self._saved:
+                return
+            mean, var, tracked, momentum = self._saved.pop(index)
+            self.stats.setdefault(self.current[0], {})[index] = (module.running_mean.detach(),
+                                                                  module.running_var.detach())
+            module.running_mean, module.running_var, module.momentum = mean, var, momentum
+            module.num_batches_tracked.copy_(tracked)
+        return post_hook
+
+
+def _take(item: Any, j: int, every: int) -> Any:
+    """Local shard ``j`` of one batch element: rows ``j, j + every, ...`` of each tensor inside it."""
+    if isinstance(item, torch.Tensor):
+        return item[j::every]
+    if isinstance(item, (list, tuple)):
+        return type(item)(_take(x, j, every) for x in item)
+    if isinstance(item, dict):
+        return {k: _take(v, j, every) for k, v in item.items()}
+    return item
+
+
+def _pack(stats: dict[int, tuple[torch.Tensor, torch.Tensor]], norms: list[_BatchNorm]) -> torch.Tensor:
+    """One shard's statistics as a float64 row: per layer, 1 (ran) or 0, its mean and its variance."""
+    parts = []
+    for index, norm in enumerate(norms):
+        if index in stats:
+            mean, var = stats[index]
+            parts += [torch.ones(1, dtype=torch.float64), mean.double().cpu(), var.double().cpu()]
+        else:
+            parts.append(torch.zeros(1 + 2 * norm.num_features, dtype=torch.float64))
+    return torch.cat(parts)
+
+
+def _unpack(row: torch.Tensor, norms: list[_BatchNorm]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """What :func:`_pack` wrote: the layers that ran, with their mean and variance."""
+    out, offset = {}, 0
+    for index, norm in enumerate(norms):
+        c = norm.num_features
+        if row[offset] > 0:
+            out[index] = (row[offset + 1:offset + 1 + c], row[offset + 1 + c:offset + 1 + 2 * c])
+        offset += 1 + 2 * c
+    return out
+
+
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (what DDP's constructor does; a collective)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def setup(model: torch.nn.Module, optimizer: Any, micro_shards: int, *, device: torch.device, world_size: int,
+          rank: int, seed: int | None) -> Exact:
+    """Put ``model`` on ``device`` with rank 0's weights, fix the threads and cuDNN, and return its :class:`Exact`.
+
+    Args:
+        model: the user's model (not wrapped: the shards' sum replaces DDP's).
+        optimizer: its optimizer, whose parameters' gradients are summed too (None: the model's only).
+        micro_shards: M.
+        device: this process's device.
+        world_size: processes of the job (a power of two dividing M, checked by :func:`check`).
+        rank: this process's rank.
+        seed: the run's seed, which keys each shard's random stream (None: unseeded).
+    """
+    torch.set_num_threads(threads_for(micro_shards))
+    model.to(device)
+    if device.type == "cuda":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    if world_size > 1:
+        broadcast_from_rank0(model)
+    return Exact(model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed,
+                 device=device)

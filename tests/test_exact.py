@@ -1,0 +1,278 @@
+"""``rt.setup(micro_shards=M)``: the same bits on 1, 2 and 4 processes, and the loops that break it refused.
+
+The property is exactness, so the multi-process tests compare with ``torch.equal``: one process
+and DDP x2 (and x4, slow) end at the same parameters, BatchNorm running statistics, sample
+counts and dropout draws; a run stopped on two processes and resumed on one ends where the
+uninterrupted one-process run ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ddpkit
+from ddpkit.errors import UsageError
+from ddpkit.parallel import exact
+
+import workers
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    """Names of the tensors that differ in any bit."""
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+# -- the tree ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shards,world", [(8, 2), (8, 4), (6, 2), (4, 4), (2, 2)])
+def test_ranks_partial_sums_complete_the_single_process_tree_bit_for_bit(shards, world):
+    g = torch.Generator().manual_seed(shards * 10 + world)
+    leaves = [torch.randn(1000, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g).item()
+              for _ in range(shards)]
+    whole = exact.tree_sum(leaves)
+    partials = [exact.tree_sum(leaves[r::world]) for r in range(world)]
+    assert torch.equal(exact.tree_sum(partials), whole)
+    # and the order matters: a left-to-right sum is another float (else the test proves nothing)
+    assert not torch.equal(sum(leaves[1:], leaves[0]), whole) or shards == 2
+
+
+def test_tree_sum_skips_empty_leaves():
+    assert exact.tree_sum([None, None]) is None
+    assert exact.tree_sum([1.0, None, 2.0, None]) == 3.0
+
+
+# -- one process ---------------------------------------------------------------------------------------
+
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def _data(n: int = 40) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_statistics():
+    """M=2 on one process: the gradient of the batch's mean loss (each shard normalised on its own)
+    and the running statistics two plain forwards of the shards would leave."""
+    rt = ddpkit.init(seed=0)
+    try:
+        net = _bn_net()
+        plain = _bn_net()
+        net, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.0), micro_shards=2)
+        loader = rt.loader(_data(), global_batch_size=10)
+        x, y = next(iter(loader))
+        losses = []
+        for xs, ys in rt.shards(x, y):
+            loss = F.cross_entropy(net(xs), ys)
+            losses.append(loss * len(ys) / len(y))
+            rt.backward(loss)
+        seen = []
+        opt.register_step_pre_hook(lambda *_: seen.extend(p.grad.clone() for p in net.parameters()))
+        rt.step(opt)
+        expected = sum(F.cross_entropy(plain(x[j::2]), y[j::2]) * len(y[j::2]) / len(y) for j in range(2))
+        expected.backward()
+        assert len(seen) == 6          # two Linear layers and the BatchNorm, weight and bias each
+        for mine, theirs in zip(seen, plain.parameters()):
+            assert torch.allclose(mine, theirs.grad, rtol=1e-5, atol=1e-7)
+        bn, plain_bn = net[1], plain[1]
+        assert int(bn.num_batches_tracked) == 2 == int(plain_bn.num_batches_tracked)
+        assert torch.allclose(bn.running_mean, plain_bn.running_mean, rtol=1e-6, atol=1e-7)
+        assert torch.allclose(bn.running_var, plain_bn.running_var, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(bn.running_mean, torch.zeros(8))
+        assert torch.get_num_threads() == exact.threads_for(2)
+    finally:
+        rt.close()
+
+
+def test_loops_that_would_break_exactness_are_refused_in_one_line():
+    rt = ddpkit.init(seed=0)
+    try:
+        net, opt = rt.setup(_bn_net(), None, micro_shards=2), None
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        loader = rt.loader(_data(), global_batch_size=10)
+        batches = iter(loader)
+        x, y = next(batches)
+        with pytest.raises(UsageError, match="inside `for shard in rt.shards"):
+            net(x)                                 # a training forward outside the shards
+        with pytest.raises(UsageError, match="rt.backward inside"):
+            rt.backward(F.cross_entropy(_bn_net().eval()(x), y))
+        shards = rt.shards(x, y)
+        xs, ys = next(shards)
+        rt.backward(F.cross_entropy(net(xs), ys))
+        with pytest.raises(UsageError, match="before every shard"):
+            rt.step(opt)                           # `break` after the first shard
+        shards.close()
+        with pytest.raises(UsageError, match="previous batch were not stepped"):
+            next(rt.shards(x, y))
+        rt.run.exact.leaves.clear()
+        rt.run.exact.stats.clear()
+        with pytest.raises(UsageError, match="without rt.backward"):
+            for _ in rt.shards(x, y):
+                pass
+        rt.run.exact.leaves.clear()
+        rt.run.exact.stats.clear()
+        for xs, ys in rt.shards(x, y):
+            loss = F.cross_entropy(net(xs), ys)
+            rt.backward(loss)
+            with pytest.raises(UsageError, match="twice on one shard"):
+                rt.backward(F.cross_entropy(net[3](torch.relu(net[0](xs).detach())), ys))
+        assert rt.step(opt)
+        with pytest.raises(UsageError, match="rt.accumulate does not combine with micro_shards"):
+            with rt.accumulate(net, 2):
+                pass
+        with pytest.raises(UsageError, match="built for one model"):
+            rt.setup(_bn_net(), micro_shards=2)
+        net.eval()
+        net(x)                                     # evaluation forwards are free
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"world_size": 3}, "power-of-two number of processes"),
+    ({"world_size": 4, "micro_shards": 2}, "power-of-two number of processes that divides it"),
+    ({"sync_batchnorm": True}, "sync_batchnorm=True"),
+    ({"grad_compression": "powersgd"}, "grad_compression='powersgd'"),
+    ({"strategy": "fsdp"}, "strategy='fsdp'"),
+    ({"sync": "diloco"}, "sync='diloco'"),
+    ({"compile": True}, "compile"),
+    ({"ddp_kwargs": {"find_unused_parameters": True}}, "DDP arguments"),
+    ({"fault_tolerant": True}, "--fault-tolerant"),
+    ({"micro_shards": 0}, "at least 1"),
+])
+def test_what_micro_shards_does_not_combine_with_is_one_line(options, match):
+    args = {"micro_shards": 4, "world_size": 2, "sync_batchnorm": False, "grad_compression": None,
+            "strategy": "ddp", "sync": "every-step", "compile": False, "ddp_kwargs": {}, **options}
+    shards = args.pop("micro_shards")
+    with pytest.raises(UsageError, match=match) as caught:
+        exact.check(shards, **args)
+    assert "\n" not in str(caught.value)
+
+
+def test_rt_shards_without_micro_shards_and_through_rt_setup_are_refused():
+    rt = ddpkit.init(seed=0)
+    try:
+        with pytest.raises(UsageError, match="micro_shards=M"):
+            rt.shards(torch.zeros(2))
+        with pytest.raises(UsageError, match="grad_compression"):
+            rt.setup(_bn_net(), micro_shards=2, grad_compression="fp16")
+    finally:
+        rt.close()
+
+
+# -- several processes ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_one_process_and_ddp_x2_end_at_the_same_bits():
+    """BatchNorm2d and a cumulative BatchNorm1d, dropout, momentum, an uneven last batch: equal bits."""
+    one = ddpkit.launch(workers.exact_run, nprocs=1, args=(2, 2))[0]
+    two = ddpkit.launch(workers.exact_run, nprocs=2, args=(2, 2))[0]
+    assert one["steps"] == two["steps"] == 2 * 30
+    assert _same(one["state"], two["state"]) == []
+    assert one["accuracy"] == two["accuracy"] > 0.8
+    assert one["train_loss"] == pytest.approx(two["train_loss"], rel=1e-12)
+    assert one["threads"] == two["threads"] == exact.threads_for(2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_processes_and_a_resume_on_another_world_size_end_at_the_same_bits(tmp_path):
+    """M=4 on 1, 2 and 4 processes; and stopped mid-epoch on 2 processes, resumed on 1."""
+    one = ddpkit.launch(workers.exact_run, nprocs=1, args=(4, 2))[0]
+    four = ddpkit.launch(workers.exact_run, nprocs=4, args=(4, 2))[0]
+    assert _same(one["state"], four["state"]) == []
+    ckpt = str(tmp_path / "ckpt")
+    stopped = ddpkit.launch(workers.exact_run, nprocs=2, args=(4, 2, 37, ckpt))[0]
+    assert stopped["stopped_at"] == 37
+    resumed = ddpkit.launch(workers.exact_run, nprocs=1, args=(4, 2, None, ckpt))[0]
+    assert resumed["steps"] == one["steps"]
+    assert _same(one["state"], resumed["state"]) == []
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--micro-shards", "2", "--nproc", "3", "--global-batch", "48"],
+     "--micro-shards 2 is exact on a power-of-two number of processes that divides it (1, 2, 4, ...); this run "
+     "has 3: change the number of processes, or --micro-shards to a multiple of 3"),
+    (["--micro-shards", "2", "--nproc", "2", "--sync-bn"],
+     "--micro-shards does not combine with --sync-bn (each shard keeps its own BatchNorm statistics); drop one of the two"),
+    (["--micro-shards", "2", "--grad-compression", "fp16"], "--micro-shards does not combine with --grad-compression fp16"),
+    (["--micro-shards", "2", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync diloco"),
+    (["--micro-shards", "2", "--strategy", "fsdp"], "--micro-shards does not combine with --strategy fsdp"),
+    (["--micro-shards", "128"], "--micro-shards 128 cuts a global batch of 64 samples"),
+])
+def test_ddpkit_train_refuses_micro_shards_it_cannot_make_exact_naming_the_flags(tmp_path, flags, line):
+    from ddpkit.cli.train import train_config
+
+    with pytest.raises(UsageError) as caught:
+        train_config([*flags, "--out", str(tmp_path / "o")])
+    assert str(caught.value).startswith(line) and "\n" not in str(caught.value)
+
+
+def test_ddpkit_train_with_micro_shards_turns_sync_bn_off_and_records_it(tmp_path):
+    from ddpkit.cli.train import train_config
+    from ddpkit.recipes.models import build_model
+    from ddpkit.recipes.train import recipe_of, sync_bn_default
+    from ddpkit.recipes.datasets import load_dataset
+
+    config = train_config(["--micro-shards", "2", "--nproc", "2", "--out", str(tmp_path / "o")])
+    convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
+    assert sync_bn_default(config, convnet, world_size=2) is False
+    assert recipe_of(config, load_dataset("digits", "train"))["micro_shards"] == 2
+
+
+# -- ddpkit bench --micro-shards ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags,line", [
+    (["--modes", "single,ddp", "--nproc", "3"], "--micro-shards 2 is exact on a power-of-two number of processes"),
+    (["--modes", "dp"], "--micro-shards does not combine with --modes dp or fsdp"),
+    (["--modes", "ddp", "--grad-compression", "powersgd"], "--micro-shards does not combine with --grad-compression"),
+    (["--modes", "ddp", "--sync-bn", "on"], "--micro-shards does not combine with --sync-bn on"),
+    (["--modes", "ddp", "--compare-raw"], "--micro-shards does not combine with --compare-raw"),
+    (["--modes", "ddp", "--data-format", "shards"], "--micro-shards does not combine with --data-format shards"),
+    (["--modes", "ddp", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync"),
+])
+def test_bench_refuses_what_micro_shards_does_not_combine_with(flags, line):
+    from ddpkit.bench.plan import parse_settings
+
+    with pytest.raises(UsageError) as caught:
+        parse_settings([*flags, "--micro-shards", "2"])
+    assert str(caught.value).startswith(line) and "\n" not in str(caught.value)
+
+
+def test_bench_rows_carry_micro_shards_and_a_link_bound_one_is_never_told_to_compress():
+    """Every planned row trains with the micro-shards; where the link bounds such a row, the diagnosis
+    names only what combines with exactness (a bigger batch), never compression or an infrequent sync."""
+    from ddpkit.bench.diagnose import diagnose, recommendations
+    from ddpkit.bench.plan import Configuration, parse_settings, plan
+
+    settings = parse_settings(["--modes", "single,ddp,ddp-amp", "--nproc", "1,2", "--micro-shards", "2"])
+    rows = plan(settings, gpus=0)
+    assert rows and all(c.micro_shards == 2 for c in rows) and rows[-1].name.endswith("-ms2")
+    from test_bench import _recorded
+
+    plain = _recorded("link-100mbit-resnet18", Configuration("ddp", 1, "fp32", hosts=2))
+    exact_row = _recorded("link-100mbit-resnet18", Configuration("ddp", 1, "fp32", hosts=2, micro_shards=2))
+    assert any("grad_compression" in f for f in recommendations(plain, [plain]))    # else this proves nothing
+    assert exact_row["micro_shards"] == 2
+    fixes = recommendations(exact_row, [exact_row])
+    assert fixes and all("grad_compression" not in f and "sync" not in f for f in fixes)
+    said = diagnose(exact_row, [exact_row])
+    assert said.startswith("bound by the link (") and "compression" not in said and "diloco" not in said
+
+
+@pytest.mark.timeout(240)
+def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_path):
+    """The worker's marks put the ranks' all_gather where DDP's allreduce sits, and the diagnosis reads it."""
+    from ddpkit.bench.plan import Configuration, Settings
+    from ddpkit.bench.run import measure
+
+    settings = Settings(model="convnet", data="digits", batch=16, steps=4, warmup=1, out=str(tmp_path))
+    row = measure(Configuration("ddp", 2, "fp32", micro_shards=2), settings, tmp_path / "row.json")
+    assert row["micro_shards"] == 2 and row["samples_per_second"] > 0
+    assert row["comm"]["calls_per_step"] == 2                 # statistics and presence, then the gradients
+    assert row["comm"]["transfer_s"] > 0 and row["breakdown"]["backward"] > 0
