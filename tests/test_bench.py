@@ -522,3 +522,19 @@ def test_auto_chooses_powersgd_on_a_100_mbit_link(tmp_path):
     assert decision["choice"] == "powersgd", decision
     assert 8e6 < decision["link_bytes_per_s"] < 13e6          # the 100 Mbit/s link, as measured at setup
     assert "grad_compression='auto' chose 'powersgd'" in result.stderr
+
+
+def test_the_2x_batch_prediction_grows_the_compute_by_what_was_measured_on_twice_the_batch():
+    """A small model's compute does not double with its batch: the measured factor raises the
+    prediction; without it the old assumption (doubling) holds."""
+    from ddpkit.bench.diagnose import recommendations
+
+    row = _recorded("loopback-convnet-syncbn-waiting", Configuration("ddp", 2, "fp32", sync_bn=True))
+    assumed = {f["change"]: f["predicted_samples_per_second"] for f in recommendations(row, [row])}
+    measured = {**row, "compute_scaling_2x": 1.2}
+    grown = {f["change"]: f["predicted_samples_per_second"] for f in recommendations(measured, [measured])}
+    change = "a 2x per-process batch or accumulating 2 micro-batches"
+    assert change in assumed and grown[change] > assumed[change]
+    doubled = {**row, "compute_scaling_2x": 2.0}
+    assert {f["change"]: f["predicted_samples_per_second"]
+            for f in recommendations(doubled, [doubled])}[change] == pytest.approx(assumed[change])

@@ -89,6 +89,13 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
         rt.close()
 
 
+def _drop_batch(rt) -> None:
+    """Forget a refused batch's shards (what a script cannot do: its run ends at the error)."""
+    rt.run.exact.leaves.clear()
+    rt.run.exact.stats.clear()
+    rt.run.exact.cut = False
+
+
 def test_loops_that_would_break_exactness_are_refused_in_one_line():
     rt = ddpkit.init(seed=0)
     try:
@@ -109,13 +116,11 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
         shards.close()
         with pytest.raises(UsageError, match="previous batch were not stepped"):
             next(rt.shards(x, y))
-        rt.run.exact.leaves.clear()
-        rt.run.exact.stats.clear()
+        _drop_batch(rt)
         with pytest.raises(UsageError, match="without rt.backward"):
             for _ in rt.shards(x, y):
                 pass
-        rt.run.exact.leaves.clear()
-        rt.run.exact.stats.clear()
+        _drop_batch(rt)
         for xs, ys in rt.shards(x, y):
             loss = F.cross_entropy(net(xs), ys)
             rt.backward(loss)
@@ -177,6 +182,19 @@ def test_one_process_and_ddp_x2_end_at_the_same_bits():
     assert one["accuracy"] == two["accuracy"] > 0.8
     assert one["train_loss"] == pytest.approx(two["train_loss"], rel=1e-12)
     assert one["threads"] == two["threads"] == exact.threads_for(2)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_whose_shards_are_empty_still_steps_and_clipping_sees_the_summed_gradients():
+    """97 samples in global batches of 48: the last batch's one sample is rank 0's; rank 1 has no
+    shard, yet takes part in the exchange (else rank 0 would wait forever) and counts the step.
+    rt.clip_grad_norm_ clips the tree's sum (a run without clipping ends elsewhere)."""
+    one = ddpkit.launch(workers.exact_run, nprocs=1, args=(2, 2, None, None, "fp32", 97, 0.05))[0]
+    two = ddpkit.launch(workers.exact_run, nprocs=2, args=(2, 2, None, None, "fp32", 97, 0.05))[0]
+    assert one["steps"] == two["steps"] == 2 * 3
+    assert _same(one["state"], two["state"]) == []
+    unclipped = ddpkit.launch(workers.exact_run, nprocs=1, args=(2, 2, None, None, "fp32", 97, None))[0]
+    assert _same(one["state"], unclipped["state"]) != []
 
 
 @pytest.mark.slow
@@ -276,3 +294,25 @@ def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_
     assert row["micro_shards"] == 2 and row["samples_per_second"] > 0
     assert row["comm"]["calls_per_step"] == 2                 # statistics and presence, then the gradients
     assert row["comm"]["transfer_s"] > 0 and row["breakdown"]["backward"] > 0
+    assert 0.5 < row["compute_scaling_2x"] < 4.0          # a shard's compute on twice the shard, probed
+
+
+def test_fp16_scaler_clipping_and_loader_workers_combine_with_micro_shards():
+    """fp16 scales every shard's loss alike; clipping unscales the tree's sum once; workers feed batches."""
+    rt = ddpkit.init(seed=0, precision="fp16")
+    try:
+        net = _bn_net()
+        before = [p.detach().clone() for p in net.parameters()]
+        net, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+        norms = []
+        for x, y in rt.loader(_data(), global_batch_size=10, num_workers=2):
+            for xs, ys in rt.shards(x, y):
+                with rt.autocast():
+                    loss = F.cross_entropy(net(xs), ys)
+                rt.backward(loss)
+            norms.append(float(rt.clip_grad_norm_(net, 1.0)))
+            rt.step(opt)
+        assert len(norms) == 4 and all(0 < n < 100 for n in norms)      # unscaled: the scale is 65536
+        assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    finally:
+        rt.close()

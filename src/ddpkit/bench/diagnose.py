@@ -58,8 +58,9 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
     ``batch_factor`` (what to run to check it) and, where a row of ``peers`` already ran it,
     ``measured_samples_per_second``. A step is compute + what the exchange costs it: compression
     sending B bytes leaves the same compute, the wait, and B / link speed (and the calls'
-    latency) exposed as much as today's transfer; doubling the per-process batch doubles the data,
-    forward and backward compute, not the exchange, the optimizer step or the loop's own work. A fix is named where it predicts :data:`MIN_GAIN` or more, and
+    latency) exposed as much as today's transfer; doubling the per-process batch doubles the data
+    and grows the forward and backward compute by the row's ``compute_scaling_2x`` (2 where not
+    measured), not the exchange, the optimizer step or the loop's own work. A fix is named where it predicts :data:`MIN_GAIN` or more, and
     compression only where the link carries :data:`LINK_SHARE` of the step or more.
     """
     part = exchange(row)
@@ -87,10 +88,13 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
                           "sends_bytes": sent, "predicted_samples_per_second": predicted})
     if part["cause"] == "link" and link and row.get("sync", "every-step") == "every-step" and not exact:
         found += _infrequent(row, part, link, found)
-    # twice the samples: the data, forward and backward compute double; the exchange, the optimizer
-    # step and the loop's own per-step work do not
+    # twice the samples: the data doubles, the forward and backward compute grow by what the bench
+    # measured on twice the batch (a small model's do not double: each call's fixed cost stays; 2x
+    # where not measured); the exchange, the optimizer step and the loop's own work do not
     phases = row["breakdown"]
-    scaling = phases["data_wait"] + max(0.0, phases["forward"] + phases["backward"] - part["lost"] - synced)
+    growth = (row.get("compute_scaling_2x") or 2.0) - 1.0
+    compute = max(0.0, phases["forward"] + phases["backward"] - part["lost"] - synced)
+    scaling = phases["data_wait"] + compute * growth
     predicted = rate * 2 * step / (step + scaling)
     found.append({"change": "a 2x per-process batch or accumulating 2 micro-batches", "batch_factor": 2,
                   "predicted_samples_per_second": predicted})

@@ -126,6 +126,46 @@ def _peak_memory(device: torch.device, devices: int) -> dict[str, float | None]:
     return {"peak_rss_mb": rss_mb, "peak_cuda_mb": cuda_mb}
 
 
+def compute_scaling(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                    autocast: Callable[[], Any], device: torch.device, quiet: Any = None,
+                    repeats: int = 2) -> float | None:
+    """How much longer a forward and backward take on twice the batch: seconds at ``2b`` over
+    seconds at ``b`` (the fastest of ``repeats`` each), without any gradient sync.
+
+    A small model's step does not double with its batch (each call's fixed cost stays), so a
+    diagnosis that predicts "a 2x batch" by doubling the compute under-predicts; this measures
+    the factor instead. Runs after the timed steps and the weights' digest, like
+    :func:`backward_alone`; its gradients are dropped.
+
+    Args:
+        model: the trained model.
+        inputs: a batch as one forward takes it (a micro-shard's, under micro-shards).
+        targets: its targets.
+        autocast: the loop's autocast, a callable returning a context manager.
+        device: this rank's device, for :func:`mark`.
+        quiet: a callable returning the context that keeps the passes local (DDP's ``no_sync``,
+            micro-shards' probe); None: none needed.
+        repeats: passes timed at each size; the fastest counts.
+    """
+    import contextlib
+
+    if len(inputs) < 1:
+        return None
+    seconds = []
+    for batch_x, batch_y in ((inputs, targets), (torch.cat([inputs, inputs]), torch.cat([targets, targets]))):
+        times = []
+        for _ in range(repeats):
+            with quiet() if quiet is not None else contextlib.nullcontext():
+                start = mark(device)
+                with autocast():
+                    loss = F.cross_entropy(model(batch_x), batch_y)
+                loss.backward()
+                times.append(mark(device) - start)
+            model.zero_grad(set_to_none=True)
+        seconds.append(min(times))
+    return seconds[1] / seconds[0] if seconds[0] > 0 else None
+
+
 def backward_alone(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                    autocast: Callable[[], Any], device: torch.device, repeats: int = 2) -> float | None:
     """Seconds of one backward pass with no gradient sync (DDP's ``no_sync``): the compute the

@@ -66,9 +66,17 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "breakdown": breakdown, "comm": comm,
         # the share of the allreduce hidden behind the backward pass (None: not measured)
         "comm_overlap": overlap,
+        # a forward and backward on twice the batch over one on the batch (None: not measured)
+        "compute_scaling_2x": _median_of(ranks, "compute_scaling_2x"),
         "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
         "weights_sha256": ranks[0]["weights_sha256"],
     }
+
+
+def _median_of(ranks: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The median over ranks of a value each measured, None where any did not."""
+    values = [r.get(key) for r in ranks]
+    return None if not values or None in values else statistics.median(values)
 
 
 def _comm(ranks: Sequence[Mapping[str, Any]], payload: float) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit.bench import wire
-from ddpkit.bench.stopwatch import backward_alone, mark, rank_stats, state_bytes, write_result
+from ddpkit.bench.stopwatch import backward_alone, compute_scaling, mark, rank_stats, state_bytes, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
 from ddpkit.recipes.models import build_model
 
@@ -152,6 +152,13 @@ def train(opts: argparse.Namespace) -> None:
         stats["backward_alone_seconds"] = min(alone[opts.warmup:])
     elif rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
+    if opts.micro_shards:          # what one forward takes: a shard
+        every = opts.micro_shards // rt.world_size
+        stats["compute_scaling_2x"] = compute_scaling(model, inputs[0::every], targets[0::every], rt.autocast,
+                                                      device, quiet=rt.run.exact.probing)
+    elif opts.strategy != "fsdp" and syncer is None:
+        stats["compute_scaling_2x"] = compute_scaling(model, inputs, targets, rt.autocast, device,
+                                                      quiet=getattr(model, "no_sync", None))
     stats["state_bytes"] = state_bytes(model, optimizer)
     gathered = ddpkit.all_gather_object(stats)
     if rt.is_main:

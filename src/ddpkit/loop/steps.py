@@ -73,7 +73,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
-    if run.exact is not None and run.backward_since_step:
+    if run.exact is not None and run.exact.cut:      # not yet reduced by rt.clip_grad_norm_
         run.exact.reduce()
     if run.ft is not None and run.ft.in_quorum() and not _commit_across_replicas(run, optimizers):
         return False
@@ -174,6 +174,8 @@ def clip_grad_norm_(run: RunState, model: torch.nn.Module, max_norm: float,
     """
     if run.accumulation is not None and not run.accumulation[1]:
         return None
+    if run.exact is not None and run.exact.cut:      # the shards' sum first: the gradients to clip
+        run.exact.reduce()
     params = [p for p in model.parameters() if p.grad is not None]
     if run.precision.scaler is not None:
         mine = {id(p) for p in params}

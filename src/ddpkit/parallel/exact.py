@@ -139,6 +139,7 @@ class Exact:
         self.leaves: dict[int, list[Any]] = {}                # local index -> gradients per parameter
         self.stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}   # j -> norm -> (mean, var)
         self.expected: list[int] = []                        # local shards of the batch in hand with samples
+        self.cut = False                                     # a batch was cut and its exchange is due
         self.batch_count = 0                                 # samples of the global batch in hand
         self._saved: dict[int, tuple[Any, ...]] = {}
         self.exchange_seconds = 0.0                          # spent in the ranks' all_gathers (ddpkit bench reads it)
@@ -149,7 +150,11 @@ class Exact:
 
     # -- the shards of a batch ------------------------------------------------------------------
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any]:
-        """Each local shard of ``batch`` with samples, in its own random stream; see ``rt.shards``."""
+        """Each local shard of ``batch`` with samples, in its own random stream; see ``rt.shards``.
+
+        Checks and marks the batch as cut at once (not at the first ``next``): a rank whose shards
+        are all empty (a short last batch) yields nothing, yet its ``rt.step`` must still take
+        part in the exchange."""
         from ddpkit.loop.loader import ShardedLoader
 
         if not isinstance(active, ShardedLoader):
@@ -157,13 +162,16 @@ class Exact:
                              "splits its global batches; streams are not built for it)")
         if active.sampler.world_size != self.world_size:
             raise UsageError("rt.shards: this loader splits batches over another world size than the run's")
-        if self.leaves or self.stats:
+        if self.cut:
             raise UsageError("rt.shards: the shards of the previous batch were not stepped; call rt.step "
                              "after the last shard's rt.backward")
         total = active.global_count
         sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
         mine = [j for j in range(self.local_shards) if sizes[self.rank + j * self.world_size]]
-        self.expected, self.batch_count = mine, total
+        self.expected, self.batch_count, self.cut = mine, total, True
+        return self._each(mine, sizes, step, batch)
+
+    def _each(self, mine: list[int], sizes: list[int], step: int, batch: tuple[Any, ...]) -> Iterator[Any]:
         for j in mine:
             s = self.rank + j * self.world_size
             parts = tuple(_take(item, j, self.local_shards) for item in batch)
@@ -204,14 +212,14 @@ class Exact:
 
     # -- the step --------------------------------------------------------------------------------
     def reduce(self) -> None:
-        """Before the optimizer steps: the tree's sum of every shard's gradients into ``.grad`` and
+        """Before the optimizer steps (or the gradients are clipped): the tree's sum of every shard's gradients into ``.grad`` and
         every shard's BatchNorm statistics into the running ones, in shard order (a collective)."""
         if self.current is not None or set(self.leaves) != set(self.expected):
             raise UsageError("rt.step came before every shard of the batch ran rt.backward; finish the "
                              "`for shard in rt.shards(...)` loop first")
         local = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
         stats = [self.stats.get(j) for j in range(self.local_shards)]
-        self.leaves, self.stats, self.expected = {}, {}, []
+        self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
         if self.world_size == 1:
             total = local
             gathered_stats = [stats]
@@ -230,7 +238,10 @@ class Exact:
         self._update_running(gathered_stats)
 
     def _across_ranks(self, local: list[Any] | None, stats: list[Any]) -> tuple[list[Any] | None, list[Any]]:
-        """Every rank's partial sum and shard statistics, gathered; the top of the tree summed here."""
+        """Every rank's partial sum and shard statistics, gathered; the top of the tree summed here.
+
+        With two processes that both hold a partial sum the top of the tree is one addition,
+        which an allreduce makes on both ranks (its ``a + b`` is ``b + a``): no gathered copies."""
         import torch.distributed as dist
 
         present = torch.tensor([0.0 if local is None or g is None else 1.0 for g in (local or [None] * len(self.params))]
@@ -244,22 +255,29 @@ class Exact:
         self.exchange_calls = 1
         heads = [h.cpu() for h in heads]      # (a float64 row: presence flags, then statistics)
         n = len(self.params)
-        partials: list[list[Any]] = [[None] * n for _ in range(self.world_size)]
+        total: list[Any] = [None] * n
         for dtype in sorted({p.dtype for p in self.params}, key=str):
             idx = [i for i, p in enumerate(self.params) if p.dtype == dtype]
             flat = torch.cat([(local[i] if local is not None and local[i] is not None
                                else torch.zeros_like(self.params[i])).reshape(-1) for i in idx])
-            flats = [torch.empty_like(flat) for _ in range(self.world_size)]
-            dist.all_gather(flats, flat)
+            if self.world_size == 2 and all(heads[r][i] > 0 for r in range(2) for i in idx):
+                dist.all_reduce(flat)           # a + b, the top of the tree (b + a on the other rank: equal bits)
+                flats = [flat]
+            else:                               # the ranks' partial sums, the top of the tree summed here
+                flats = [torch.empty_like(flat) for _ in range(self.world_size)]
+                dist.all_gather(flats, flat)
             self.exchange_calls += 1
+            partials = [[None] * len(idx) for _ in flats]
             for r, other in enumerate(flats):
                 offset = 0
-                for i in idx:
+                for k, i in enumerate(idx):
                     size = self.params[i].numel()
-                    if heads[r][i] > 0:
-                        partials[r][i] = other[offset:offset + size].view_as(self.params[i]).clone()
+                    if len(flats) == 1 or heads[r][i] > 0:
+                        partials[r][k] = other[offset:offset + size].view_as(self.params[i])
                     offset += size
-        total = tree_sum(partials, _add_grads)
+            for i, grad in zip(idx, tree_sum(partials, _add_grads)):
+                total[i] = grad
+        total = None if all(g is None for g in total) else total
         gathered = []
         for r in range(self.world_size):
             rows = heads[r][n + self.local_shards:].view(self.local_shards, -1) if stat_width else None
@@ -285,10 +303,23 @@ class Exact:
                     norm.running_mean.mul_(1 - alpha).add_(mean.to(norm.running_mean), alpha=alpha)
                     norm.running_var.mul_(1 - alpha).add_(var.to(norm.running_var), alpha=alpha)
 
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        """Training-mode passes outside the shards, kept out of the statistics and the tree
+        (``ddpkit bench`` times compute with it, after its timed steps); their gradients are the
+        caller's to drop."""
+        self._probing = True
+        try:
+            yield
+        finally:
+            self._probing = False
+
     # -- BatchNorm's statistics, per shard -------------------------------------------------------
+    _probing = False
+
     def _make_pre_hook(self, index: int) -> Any:
         def pre_hook(module: _BatchNorm, args: Any) -> None:
-            if not (module.training and module.track_running_stats):
+            if not (module.training and module.track_running_stats) or self._probing:
                 return
             if self.current is None:
                 raise UsageError("with micro_shards, a training-mode forward of a BatchNorm model runs inside "

@@ -315,7 +315,11 @@ class Runtime:
             raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
         if not batch:
             raise UsageError("rt.shards needs the batch to cut, e.g. rt.shards(inputs, targets)")
-        return self.run.exact.shards(self.run.active, self.run.loop.step, batch)
+        cut = self.run.exact.shards(self.run.active, self.run.loop.step, batch)
+        if not self.run.backward_since_step:
+            self.run.unscaled.clear()        # a new step: fp16's unscaling is owed again (as rt.backward does)
+        self.run.backward_since_step = self.run.uses_backward = True    # a rank with empty shards steps too
+        return cut
 
     def _replica_model(self, model: torch.nn.Module, options: SetupOptions) -> torch.nn.Module:
         """A fault-tolerant replica's model: BatchNorm over the step's quorum, so that no statistic
