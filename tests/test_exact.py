@@ -59,6 +59,7 @@ def _data(n: int = 40) -> torch.utils.data.TensorDataset:
 def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_statistics():
     """M=2 on one process: the gradient of the batch's mean loss (each shard normalised on its own)
     and the running statistics two plain forwards of the shards would leave."""
+    threads = torch.get_num_threads()
     rt = ddpkit.init(seed=0)
     try:
         net = _bn_net()
@@ -87,6 +88,7 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
         assert torch.get_num_threads() == exact.threads_for(2)
     finally:
         rt.close()
+    assert torch.get_num_threads() == threads      # rt.close gives the process its own count back
 
 
 def _drop_batch(rt) -> None:
@@ -314,5 +316,22 @@ def test_fp16_scaler_clipping_and_loader_workers_combine_with_micro_shards():
             rt.step(opt)
         assert len(norms) == 4 and all(0 < n < 100 for n in norms)      # unscaled: the scale is 65536
         assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    finally:
+        rt.close()
+
+
+def test_rt_shards_refuses_a_stream_batch():
+    class Counting(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(20):
+                yield torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
+
+    rt = ddpkit.init(seed=0)
+    try:
+        net, opt = rt.setup(_bn_net(), torch.optim.SGD(_bn_net().parameters(), lr=0.1), micro_shards=2)
+        x, y = next(iter(rt.loader(Counting(), global_batch_size=10)))
+        with pytest.raises(UsageError, match="streams are not built for it"):
+            rt.shards(x, y)
     finally:
         rt.close()

@@ -403,7 +403,8 @@ def test_a_master_that_does_not_resolve_in_time_is_one_line(monkeypatch):
     from ddpkit.errors import UsageError
 
     def slow(*args, **kwargs):
-        time.sleep(30)
+        time.sleep(30)           # then fails as a resolver would (the asker thread outlives the test)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
     monkeypatch.setattr(socket, "getaddrinfo", slow)
     with pytest.raises(UsageError, match="did not answer within 0.2 s"):

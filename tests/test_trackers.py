@@ -22,7 +22,7 @@ from ddpkit.errors import UsageError
 from ddpkit.observe import trackers
 from ddpkit.observe.trackers import Remote
 from helpers import BIN, ROOT, clean_env
-from tracker_stores import mlflow_runs, tensorboard_history, wandb_history, wandb_runs
+from tracker_stores import mlflow_runs, tensorboard_history, wandb_history, wandb_runs, wandb_runs_settled
 
 TRACKED = str(ROOT / "tests" / "scripts" / "tracked_train.py")
 
@@ -137,7 +137,7 @@ def test_a_crash_and_a_resume_make_one_run_with_every_step_once(offline, tmp_pat
     assert runs[0]["history"]["loss"] == [(r["step"], r["loss"]) for r in _rows(range(1, 8))]
     assert runs[0]["history"]["val_loss"] == [(6, 0.25)]
     assert runs[0]["params"]["lr"] == "0.1" and runs[0]["params"]["world_size"] == "2"   # MLflow keeps the first
-    w = wandb_runs(tmp_path)
+    w = wandb_runs_settled(tmp_path)
     assert [r["id"] for r in w] == [ids["wandb"], ids["wandb"]]          # two attempts, one run
     assert wandb_history(w, "loss") == [(r["step"], r["loss"]) for r in _rows(range(1, 8))]
     assert [row["_step"] for run in w for row in run["rows"]] == list(range(1, 8))     # one W&B row a step
@@ -186,7 +186,7 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_others_go_on(offline, tmp_
         warnings.simplefilter("error")       # once: no second warning
         remote.log(_rows(range(3, 4))[0])
     remote.close()
-    assert [s for s, _ in wandb_history(wandb_runs(tmp_path), "loss")] == [1, 2, 3]
+    assert [s for s, _ in wandb_history(wandb_runs_settled(tmp_path), "loss")] == [1, 2, 3]
 
 
 def _tracked(tmp_path: Path, name: str, *extra: str, restarts: int = 0) -> tuple[Path, str]:

@@ -63,11 +63,13 @@ def wandb_runs(out: Path) -> list[dict]:
 
     runs = []
     for path in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
-        run_id, rows = None, []
+        run_id, rows, exited = None, [], False
         for raw in _wandb_records(path):
             record = pb.Record()
             record.ParseFromString(raw)
             kind = record.WhichOneof("record_type")
+            if kind == "exit":
+                exited = True
             if kind == "run":
                 run_id = record.run.run_id
             elif kind == "history":
@@ -76,8 +78,24 @@ def wandb_runs(out: Path) -> list[dict]:
                     key = item.key or "/".join(item.nested_key)
                     row[key] = json.loads(item.value_json)
                 rows.append(row)
-        runs.append({"id": run_id, "dir": path.parent.name, "rows": rows})
+        runs.append({"id": run_id, "dir": path.parent.name, "rows": rows, "exited": exited})
     return runs
+
+
+def wandb_runs_settled(out: Path, timeout: float = 30.0) -> list[dict]:
+    """:func:`wandb_runs` once W&B's service has written them: in this process, ``finish`` can
+    return before the service's writer has flushed the run file (it writes every
+    ``WANDB_FLUSH_S``; on a loaded machine later), so read until every run file holds its exit
+    record, for at most ``timeout`` seconds. A process that exits waits for the service itself;
+    tests of finished subprocesses read :func:`wandb_runs` at once."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = wandb_runs(out)
+        if runs and all(run["exited"] for run in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
 
 
 def wandb_history(runs: list[dict], key: str) -> list[tuple[int, float]]:

@@ -155,9 +155,7 @@ class Exact:
         Checks and marks the batch as cut at once (not at the first ``next``): a rank whose shards
         are all empty (a short last batch) yields nothing, yet its ``rt.step`` must still take
         part in the exchange."""
-        from ddpkit.loop.loader import ShardedLoader
-
-        if not isinstance(active, ShardedLoader):
+        if active is None or not hasattr(active, "sampler"):     # the runtime refuses streams before this
             raise UsageError("rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
                              "splits its global batches; streams are not built for it)")
         if active.sampler.world_size != self.world_size:
@@ -303,6 +301,15 @@ class Exact:
                     norm.running_mean.mul_(1 - alpha).add_(mean.to(norm.running_mean), alpha=alpha)
                     norm.running_var.mul_(1 - alpha).add_(var.to(norm.running_var), alpha=alpha)
 
+    threads_before: int | None = None
+    """The process's intra-op thread count before :func:`setup` fixed the shards' (``rt.close`` restores it)."""
+
+    def restore_threads(self) -> None:
+        """Give the process back the thread count it had before the run fixed it."""
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
+
     @contextlib.contextmanager
     def probing(self) -> Iterator[None]:
         """Training-mode passes outside the shards, kept out of the statistics and the tree
@@ -404,6 +411,7 @@ def setup(model: torch.nn.Module, optimizer: Any, micro_shards: int, *, device: 
         rank: this process's rank.
         seed: the run's seed, which keys each shard's random stream (None: unseeded).
     """
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads_for(micro_shards))
     model.to(device)
     if device.type == "cuda":
@@ -411,5 +419,7 @@ def setup(model: torch.nn.Module, optimizer: Any, micro_shards: int, *, device: 
         torch.backends.cudnn.benchmark = False
     if world_size > 1:
         broadcast_from_rank0(model)
-    return Exact(model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed,
-                 device=device)
+    exact = Exact(model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed,
+                  device=device)
+    exact.threads_before = previous
+    return exact

@@ -315,6 +315,11 @@ class Runtime:
             raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
         if not batch:
             raise UsageError("rt.shards needs the batch to cut, e.g. rt.shards(inputs, targets)")
+        from ddpkit.loop.loader import ShardedLoader
+
+        if not isinstance(self.run.active, ShardedLoader):
+            raise UsageError("rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
+                             "splits its global batches; streams are not built for it)")
         cut = self.run.exact.shards(self.run.active, self.run.loop.step, batch)
         if not self.run.backward_since_step:
             self.run.unscaled.clear()        # a new step: fp16's unscaling is owed again (as rt.backward does)
@@ -530,6 +535,8 @@ class Runtime:
         if self.run.preemption is not None:
             self.run.preemption.uninstall()
         heartbeats.set_target(None)
+        if self.run.exact is not None:
+            self.run.exact.restore_threads()      # the process's own thread count, for what follows
         if self.run.ft is not None:
             if not self.failed and self._outcome is None and not self.run.ft.in_quorum() and self.run.loop.step > 0:
                 self.run.ft.finished()
