@@ -18,6 +18,7 @@ from ddpkit.bench.guarantee import max_rel_diff
 import workers
 
 
+@pytest.mark.slow          # 11 s: make test-slow; tests/test_exact.py holds the demo's micro-shard rows to equal bits
 @pytest.mark.timeout(300)
 def test_one_process_and_ddp_x2_end_within_float64_rounding_on_the_demos_run():
     one = ddpkit.launch(workers.digits_convnet, nprocs=1, args=("float64",))[0]

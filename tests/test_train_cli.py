@@ -121,6 +121,7 @@ def test_infrequent_sync_flags_are_checked_before_anything_runs(settings, messag
         check(TrainConfig(**settings))
 
 
+@pytest.mark.slow          # 11 s: make test-slow; tests/test_periodic.py trains DiLoCo through rt.setup in make test
 @pytest.mark.timeout(120)
 def test_train_with_diloco_records_it_and_learns(tmp_path):
     out = tmp_path / "run"
