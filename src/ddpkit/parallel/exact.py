@@ -393,9 +393,12 @@ def broadcast_from_rank0(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank (what DDP's constructor does; a collective)."""
     import torch.distributed as dist
 
+    from ddpkit.parallel import lazy_buffers
+
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+        for parameter in model.parameters():
+            dist.broadcast(parameter.data, src=0)
+    lazy_buffers.broadcast_from_rank0(model)         # the buffers, as DDP's own copy of them does
 
 
 def setup(model: torch.nn.Module, optimizer: Any, micro_shards: int, *, device: torch.device, world_size: int,
