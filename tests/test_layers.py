@@ -32,7 +32,7 @@ def test_the_layers_contracts_are_kept():
 def test_the_root_holds_only_the_facade_and_the_base_modules():
     root = sorted(p.name for p in (ROOT / "src" / "ddpkit").iterdir() if p.name != "__pycache__")
     modules = [name for name in root if name.endswith(".py")]
-    assert set(modules) <= {"__init__.py", "__main__.py", "_argparse.py", "_files.py", "_torch.py",
+    assert set(modules) <= {"__init__.py", "__main__.py", "_argparse.py", "_bounds.py", "_files.py", "_torch.py",
                             "_version.py", "entry.py", "errors.py", "rng.py"}, modules
 
 

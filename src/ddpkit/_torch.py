@@ -232,3 +232,47 @@ def elastic_signal_exception() -> type:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     return SignalException
+
+
+# -- torchft ------------------------------------------------------------------------------------
+
+TORCHFT_SEAMS: dict[str, tuple[str, str, str]] = {
+    "ManagerServer": ("torchft.manager", "ManagerServer", "self._manager = ManagerServer("),
+    "ManagerClient": ("torchft.manager", "ManagerClient", "ManagerClient("),
+    "TCPStore": ("torchft.manager", "TCPStore", "self._store = TCPStore("),
+    "create_store_client": ("torchft.process_group", "create_store_client",
+                            "store = create_store_client(store_addr, timeout=self._timeout)"),
+}
+"""The module globals of torchft that ddpkit replaces, each ``(module, name, how the code calls it)``.
+
+torchft 0.2's ``Manager`` builds its gRPC server with ``bind=f"[::]:{port}"`` (every interface, no
+option), its client, and its replica group's ``TCPStore`` from these names, and its process groups
+open the store through ``create_store_client``; each is looked up in its module when it is
+called, so replacing the global changes what torchft builds without copying any of its code.
+:func:`patch_torchft` checks that the name is still there and still called that way."""
+
+
+def patch_torchft(**replacements: Any) -> dict[str, Any]:
+    """Replace the torchft globals named in :data:`TORCHFT_SEAMS`; returns what they were.
+
+    Example: ``patch_torchft(ManagerServer=bound_server)`` makes every torchft ``Manager`` built
+    afterwards in this process call ``bound_server(...)`` with ``ManagerServer``'s keywords.
+
+    Raises:
+        PrivateApiChanged: torchft no longer has the name, or no longer calls it where ddpkit expects.
+        KeyError: a name that is not a seam.
+    """
+    import importlib
+    import inspect
+
+    previous: dict[str, Any] = {}
+    for key, replacement in replacements.items():
+        module_name, name, call = TORCHFT_SEAMS[key]
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            raise PrivateApiChanged(f"{module_name}.{name}", "torchft changed; ddpkit holds torchft<0.3")
+        if call not in inspect.getsource(module):
+            raise PrivateApiChanged(f"{module_name}.{name}", f"torchft no longer calls {call.strip()!r}")
+        previous[key] = getattr(module, name)
+        setattr(module, name, replacement)
+    return previous

@@ -31,6 +31,11 @@ class UnsafeCheckpoint(UsageError):
     """
 
 
+class DamagedCheckpoint(UsageError):
+    """A checkpoint that is missing, truncated, corrupted or not a checkpoint (exit code 2: the fix is
+    another file, or an earlier checkpoint)."""
+
+
 def refused(where: object, wanted: str | None, detail: str = "") -> UnsafeCheckpoint:
     """The one-line :class:`UnsafeCheckpoint` for file ``where``, which wanted the global ``wanted``.
 

@@ -34,7 +34,7 @@ from ddpkit._torch import unwrap
 from ddpkit.checkpoint import steps
 from ddpkit.checkpoint.safe import reason, safe_load
 from ddpkit.dist import collectives
-from ddpkit.errors import DdpkitError, UnsafeCheckpoint
+from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint
 
 MANIFEST = "manifest.json"
 OWN = "ddpkit.pt"
@@ -127,23 +127,23 @@ def verify(path: Path) -> dict[str, Any]:
     """The manifest of a complete, undamaged DCP checkpoint, or one clear :class:`DdpkitError`."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise DdpkitError(f"checkpoint {path} has no {MANIFEST}: it is not a complete ddpkit checkpoint")
+        raise DamagedCheckpoint(f"checkpoint {path} has no {MANIFEST}: it is not a complete ddpkit checkpoint")
     try:
         manifest = json.loads(manifest_path.read_text())
     except ValueError:
-        raise DdpkitError(f"checkpoint {path}: its {MANIFEST} is damaged") from None
+        raise DamagedCheckpoint(f"checkpoint {path}: its {MANIFEST} is damaged") from None
     if manifest.get("format") != FORMAT:
-        raise DdpkitError(f"checkpoint {path}: {MANIFEST} is not a ddpkit DCP manifest")
+        raise DamagedCheckpoint(f"checkpoint {path}: {MANIFEST} is not a ddpkit DCP manifest")
     if _major_minor(manifest.get("torch", "")) > _major_minor(torch.__version__):
         raise DdpkitError(f"checkpoint {path} was written by torch {manifest.get('torch')}, newer than this "
                           f"torch {torch.__version__}; load it with torch {manifest.get('torch')} or newer")
     for name, record in manifest["files"].items():
         file = path / name
         if not file.is_file():
-            raise DdpkitError(f"checkpoint {path} is incomplete: {name} (in its manifest) is missing")
+            raise DamagedCheckpoint(f"checkpoint {path} is incomplete: {name} (in its manifest) is missing")
         sha, size = digest(file)
         if size != record["size"] or sha != record["sha256"]:
-            raise DdpkitError(f"checkpoint {path} is damaged: {name} has {size} bytes and another checksum "
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: {name} has {size} bytes and another checksum "
                               f"than its manifest records ({record['size']} bytes)")
     return manifest
 
@@ -175,7 +175,7 @@ def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
     except DdpkitError:
         raise
     except (Exception, CheckpointException) as exc:     # CheckpointException is a BaseException
-        raise DdpkitError(f"checkpoint {path} cannot be read: {_cause(exc)}") from None
+        raise DamagedCheckpoint(f"checkpoint {path} cannot be read: {_cause(exc)}") from None
     user = dict(own.pop("user", {}))
     user.update(full)
     return {"format": FORMAT, "user": user, "ddpkit": own, "ddpkit_version": own.get("ddpkit_version")}
@@ -194,9 +194,9 @@ def load_own(path: Path) -> dict[str, Any]:
     except UnsafeCheckpoint:
         raise
     except Exception as exc:
-        raise DdpkitError(f"checkpoint {file} cannot be read ({reason(exc)}); it is damaged") from None
+        raise DamagedCheckpoint(f"checkpoint {file} cannot be read ({reason(exc)}); it is damaged") from None
     if not isinstance(own, dict):
-        raise DdpkitError(f"checkpoint {file} does not hold ddpkit's state (it holds a {type(own).__name__})")
+        raise DamagedCheckpoint(f"checkpoint {file} does not hold ddpkit's state (it holds a {type(own).__name__})")
     return own
 
 

@@ -9,7 +9,10 @@ whose checksums match proves only that the files are the ones their writer meant
 - :class:`Reader` reads ``.metadata`` with :class:`MetadataUnpickler`, which builds only what
   DCP metadata is made of (:data:`METADATA_GLOBALS` and torch's dtypes);
 - the planners read the non-tensor values with ``torch.load(weights_only=True)``
-  (:func:`ddpkit.checkpoint.safe.safe_load`); DCP reads tensors with ``weights_only=True`` itself.
+  (:func:`ddpkit.checkpoint.safe.safe_load`); DCP reads tensors with ``weights_only=True`` itself;
+- :func:`check_sizes` refuses metadata that declares more than the files hold (a tensor larger
+  than its bytes, items outside their file or overlapping, a stream transform, a tensor's record
+  compressed) before DCP allocates anything from it.
 
 Anything else is refused before it is called, in one line naming the file and what it wanted
 (:class:`ddpkit.errors.UnsafeCheckpoint`). Importing this module imports
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import io
+import math
+import os
 import pickle
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -28,11 +33,11 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from ddpkit import _torch
+from ddpkit import _bounds, _torch
 from ddpkit.checkpoint.safe import safe_load
-from ddpkit.errors import DdpkitError, UnsafeCheckpoint, one_line, refused
+from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint, one_line, refused
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -96,7 +101,7 @@ def load_metadata(file: BinaryIO, where: Any) -> Metadata:
     """
     metadata = MetadataUnpickler(file, where).load()
     if not isinstance(metadata, Metadata):
-        raise DdpkitError(f"checkpoint {where} is not DCP metadata (it holds a {type(metadata).__name__})")
+        raise DamagedCheckpoint(f"checkpoint {where} is not DCP metadata (it holds a {type(metadata).__name__})")
     return metadata
 
 
@@ -182,14 +187,97 @@ def read_metadata(reader: Reader) -> Metadata:
     """
     path, file = Path(reader.path), _torch.dcp_metadata_path(reader)
     try:
-        return reader.read_metadata()
+        metadata = reader.read_metadata()
     except DdpkitError:
         raise
     except FileNotFoundError:
-        raise DdpkitError(f"checkpoint {path} has no {Path(file).name}: it is not a complete DCP checkpoint") from None
+        raise DamagedCheckpoint(f"checkpoint {path} has no {Path(file).name}: it is not a complete DCP checkpoint") from None
     except Exception as exc:
         said = one_line(str(exc)) or "no message"
-        raise DdpkitError(f"checkpoint {file} cannot be read ({type(exc).__name__}: {said}); it is damaged") from None
+        raise DamagedCheckpoint(f"checkpoint {file} cannot be read ({type(exc).__name__}: {said}); it is damaged") from None
+    check_sizes(path, metadata)
+    return metadata
+
+
+def check_sizes(path: Path, metadata: Metadata) -> None:
+    """Refuse in one line metadata that declares more bytes than the checkpoint's files hold.
+
+    Every item lies inside a file of the checkpoint, no two overlap, none names a stream transform
+    (a decompression), every tensor chunk declares no more bytes than its item holds, and each
+    tensor item is a ``torch.save`` archive whose records are stored and as large as they declare.
+
+    Raises:
+        UnsafeCheckpoint: any of these does not hold.
+    """
+    def refuse(what: str) -> UnsafeCheckpoint:
+        return UnsafeCheckpoint(f"checkpoint {path}: {what}; ddpkit refuses to load it (it declares more "
+                                "memory than its files hold)")
+
+    root = path.resolve()
+    spans: dict[Path, list[tuple[int, int]]] = {}
+    for index, info in metadata.storage_data.items():
+        file = (root / str(info.relative_path)).resolve()
+        if file.parent != root or not file.is_file():
+            raise refuse(f"item {index.fqn} lies in {info.relative_path}, not a file of the checkpoint")
+        if getattr(info, "transform_descriptors", None):
+            raise refuse(f"item {index.fqn} is stored through {list(info.transform_descriptors)}")
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > file.stat().st_size:
+            raise refuse(f"item {index.fqn} spans bytes {info.offset}-{info.offset + info.length} of "
+                         f"{file.name} ({file.stat().st_size} bytes)")
+        spans.setdefault(file, []).append((info.offset, info.offset + info.length))
+    for file, pieces in spans.items():
+        pieces.sort()
+        if any(start < end for (_, end), (start, _) in zip(pieces, pieces[1:])):
+            raise refuse(f"two items overlap in {file.name}")
+    handles: dict[str, BinaryIO] = {}
+    try:
+        for fqn, item in metadata.state_dict_metadata.items():
+            for chunk in getattr(item, "chunks", None) or ():
+                info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+                if info is None:
+                    raise refuse(f"tensor {fqn} has a chunk with no item")
+                declared = math.prod(chunk.sizes) * item.properties.dtype.itemsize
+                if declared > info.length:
+                    raise refuse(f"tensor {fqn} declares {declared} bytes in an item of {info.length}")
+                name = str(info.relative_path)
+                handle = handles.get(name) or handles.setdefault(name, open(root / name, "rb"))
+                try:
+                    _bounds.check(_Slice(handle, info.offset, info.length), fqn)
+                except _bounds.Disproportionate as exc:
+                    raise refuse(f"tensor {exc}") from None
+    finally:
+        for handle in handles.values():
+            handle.close()
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of an open file, as a file of their own (for ``zipfile``)."""
+
+    def __init__(self, handle: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._offset, self._length, self._at = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, position: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._at, os.SEEK_END: self._length}[whence]
+        self._at = min(max(0, base + position), self._length)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._at)
+        self._handle.seek(self._offset + self._at)
+        data = self._handle.read(count)
+        buffer[: len(data)] = data
+        self._at += len(data)
+        return len(data)
 
 
 def load(path: Path, template: dict[str, Any]) -> None:

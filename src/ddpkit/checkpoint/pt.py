@@ -24,7 +24,7 @@ import torch
 
 from ddpkit._files import digest, fsync_dir, sum_path, temp_path, write_text_atomic
 from ddpkit.checkpoint.safe import reason, safe_load
-from ddpkit.errors import DdpkitError, UnsafeCheckpoint
+from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint
 
 FORMAT = "ddpkit-checkpoint"
 VERSION = 2   # 2: the loop state ("loop") replaced the list of loader positions
@@ -79,23 +79,23 @@ def verify(path: str | os.PathLike) -> None:
     """
     path = Path(path)
     if not path.is_file():
-        raise DdpkitError(f"checkpoint {path} does not exist; give a checkpoint file, or its directory for the newest")
+        raise DamagedCheckpoint(f"checkpoint {path} does not exist; give a checkpoint file, or its directory for the newest")
     record_path = sum_path(path)
     if not record_path.is_file():
         return  # written by something else (e.g. torch.save by hand): rely on torch.load's checks
     try:
         record = json.loads(record_path.read_text())
     except ValueError:
-        raise DdpkitError(f"checkpoint {path}: its checksum file {record_path.name} is damaged; delete it to "
+        raise DamagedCheckpoint(f"checkpoint {path}: its checksum file {record_path.name} is damaged; delete it to "
                           "load the checkpoint unchecked, or " + _EARLIER) from None
     sha, size = digest(path)
     previous = record.get("previous") or {}
     if (sha, size) == (previous.get("sha256"), previous.get("size")):
         return   # a save to this path was cut short before its rename: the old file is intact
     if size != record.get("size"):
-        raise DdpkitError(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written; " + _EARLIER)
+        raise DamagedCheckpoint(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written; " + _EARLIER)
     if sha != record.get("sha256"):
-        raise DdpkitError(f"checkpoint {path} is corrupted: its checksum does not match the one written; " + _EARLIER)
+        raise DamagedCheckpoint(f"checkpoint {path} is corrupted: its checksum does not match the one written; " + _EARLIER)
 
 
 def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool = False) -> dict[str, Any]:
@@ -116,9 +116,9 @@ def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool =
     except UnsafeCheckpoint:
         raise
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        raise DdpkitError(f"checkpoint {path} cannot be read ({reason(exc)}); {_DAMAGED}") from None
+        raise DamagedCheckpoint(f"checkpoint {path} cannot be read ({reason(exc)}); {_DAMAGED}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise DdpkitError(f"{path} is not a ddpkit checkpoint (no '{FORMAT}' header)")
+        raise DamagedCheckpoint(f"{path} is not a ddpkit checkpoint (no '{FORMAT}' header)")
     if int(payload.get("version", 0)) > VERSION:
         raise DdpkitError(
             f"checkpoint {path} was written by a newer ddpkit ({payload.get('ddpkit_version')}, "

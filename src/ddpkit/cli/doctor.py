@@ -100,8 +100,41 @@ def examine() -> Report:
 
     _network(report, env)
     _listening(report, env)
+    _fault_tolerant(report)
     _threads(report, env.local_world_size)
+    report.add("not checked", "firewalls and routes between nodes, other programs' ports, SLURM's and the "
+               "trackers' own daemons and network use, NCCL's InfiniBand and NVLink transports, plain torchrun's "
+               "stores beyond its variables")
     return report
+
+
+def _fault_tolerant(report: Any) -> None:
+    """What ``ddpkit run --fault-tolerant`` would listen on, on one machine and across hosts."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        report.add("fault-tolerant listens on", "nothing: torchft is not installed (pip install 'ddpkit[ft]')")
+        return
+    from ddpkit.dist import ft_control
+
+    refused = ft_control.namespace_refusal()
+    if not refused:
+        report.add("fault-tolerant listens on", "one machine: torchft's lighthouse and managers in a network namespace "
+                   "of the job's own (no other process can connect), reached through a Unix socket in a 0700 "
+                   "directory; heal servers and gloo on 127.0.0.1, heal requests and payloads signed with the job's "
+                   "secret; stores are files in that directory")
+    else:
+        report.add("fault-tolerant listens on", "one machine: torchft's lighthouse and managers on 127.0.0.1 (no "
+                   "namespace of their own here); heal servers and gloo on 127.0.0.1, signed with the job's secret; "
+                   "stores are files in a 0700 directory")
+        report.warnings.append(f"this machine gives no unprivileged network namespace ({refused}): other users of "
+                               "it can reach a fault-tolerant job's torchft lighthouse and managers on 127.0.0.1 "
+                               "(torchft's Kill restarts a replica; a forged Quorum makes a step be redone); they "
+                               "cannot read or change its state")
+    report.add("fault-tolerant across hosts", "node 0: the lighthouse at the master's PORT and the job's store at "
+               "PORT + 1; each node: its managers, replica stores and heal servers on its address on the job's "
+               "network, heal payloads signed with --secret-file (the multi-node trust boundary: "
+               "docs/concepts/security.md)")
 
 
 def _listening(report: Any, env: Any) -> None:

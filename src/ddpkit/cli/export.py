@@ -41,7 +41,7 @@ def cmd_export(argv: Sequence[str]) -> int:
         raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
     user = checkpoint.read(path)["user"]
     if opts.key not in user:
-        raise DdpkitError(f"checkpoint {path} has no entry {opts.key!r}; it has {', '.join(sorted(user))}")
+        raise UsageError(f"checkpoint {path} has no entry {opts.key!r}; it has {', '.join(sorted(user))}")
     with atomic_path(out) as tmp:
         torch.save(user[opts.key], tmp)
     print(f"ddpkit export: wrote {out} ({opts.key} of {path})")

@@ -39,6 +39,7 @@ _VALUED = {
     ("-m", "--module"): "module",
     ("--min-replicas",): "min_replicas",
     ("--quorum-timeout",): "quorum_timeout",
+    ("--secret-file",): "secret_file",
 }
 _FLAGS = {"-h", "--help", "--standalone", "--fault-tolerant"}
 _VALUE_OPTIONS = {name for names in _VALUED for name in names}
@@ -117,10 +118,13 @@ def parser() -> argparse.ArgumentParser:
              "is restarted on its own (--max-restarts counts per replica) and heals from a live peer "
              "while the others go on, with the same result; across hosts with --nnodes/--node-rank/--master "
              "(node 0 runs the lighthouse at the master's PORT, the job's store at PORT + 1) or under srun")
-    add("--min-replicas", dest="min_replicas", type=int, default=1,
+    add("--min-replicas", dest="min_replicas", type=int, default=None,
         help="with --fault-tolerant: the fewest replicas a step may commit with")
-    add("--quorum-timeout", dest="quorum_timeout", type=float, default=60.0, metavar="SECONDS",
-        help="with --fault-tolerant: how long a replica waits for --min-replicas before it stops")
+    add("--quorum-timeout", dest="quorum_timeout", type=float, default=None, metavar="SECONDS",
+        help="with --fault-tolerant: how long a replica waits for --min-replicas before it stops (default 60)")
+    add("--secret-file", dest="secret_file", default=None, metavar="PATH",
+        help="with --fault-tolerant across hosts: the job's secret, the same file (readable by you alone) on "
+             "every node; heal payloads are signed with it (one machine: made for the job)")
     add("-m", "--module", default=None, help="run a module, like python -m")
     add("script", nargs="?", help="the Python script to run, followed by its arguments")
     return parser
@@ -134,6 +138,10 @@ def cmd_run(argv: Sequence[str]) -> int:
         from ddpkit.dist import ft_launch
 
         return ft_launch.run(fault_tolerant_spec(opts, rest))
+    for flag, value in (("--min-replicas", opts.min_replicas), ("--quorum-timeout", opts.quorum_timeout),
+                        ("--secret-file", opts.secret_file)):
+        if value is not None:
+            raise UsageError(f"{flag} is for fault-tolerant jobs: add --fault-tolerant, or drop {flag}")
     return run(spec_of(argv))
 
 
@@ -155,9 +163,10 @@ def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> "Any":
                          "runs the lighthouse)")
     replicas = _nproc(opts.n, opts.nproc_per_node) or 1
     return FaultTolerantSpec(target=opts.module or opts.script, target_args=list(rest), replicas=replicas,
-                             min_replicas=opts.min_replicas, max_restarts=opts.max_restarts,
-                             module=opts.module is not None, quorum_timeout_s=opts.quorum_timeout,
-                             nnodes=nnodes, node_rank=node_rank or 0, master=master)
+                             min_replicas=opts.min_replicas or 1, max_restarts=opts.max_restarts,
+                             module=opts.module is not None,
+                             quorum_timeout_s=60.0 if opts.quorum_timeout is None else opts.quorum_timeout,
+                             nnodes=nnodes, node_rank=node_rank or 0, master=master, secret_file=opts.secret_file)
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:

@@ -1,17 +1,23 @@
 """``ddpkit run --fault-tolerant -n N``: torchft's lighthouse and N replicas, each restarted on its own.
 
-The lighthouse runs in a child process of its own, listening on 127.0.0.1 only. Each replica is
-a one-process ``ddpkit run`` (torch's elastic agent) with ``--max-restarts K``: when it dies,
-its own agent restarts it and it heals from a live peer, while the other replicas go on. This
-process only starts them and watches: when the lighthouse dies, every replica is stopped (one
-line), so the replicas never split into groups that train apart.
+On one machine, torchft's lighthouse and the replicas' manager servers run in the job's control
+plane (:mod:`ddpkit.dist.ft_control`): one process in a network namespace of its own, which the
+replicas reach through a Unix socket in the job's private directory (mode 0700). That directory
+also holds the replica groups' stores, the job's store and the job's secret, with which heal
+payloads are signed (:class:`ddpkit.dist.ft.SafeTransport`). Each replica is a one-process
+``ddpkit run`` (torch's elastic agent) with ``--max-restarts K``: when it dies, its own agent
+restarts it and it heals from a live peer, while the other replicas go on. This process only
+starts them and watches: when the control plane dies, every replica is stopped (one line), so the
+replicas never split into groups that train apart.
 
-Across hosts (``--nnodes H --node-rank I --master HOST:PORT``, or SLURM's placement under
-``srun``) every node starts its N replicas; node 0 also runs the lighthouse, listening on the
-master address at PORT, and the job's store (a torch ``TCPStore``) at PORT + 1. The other nodes
-beat into that store every second: a node that loses it (node 0 died, and the lighthouse with
-it) stops its replicas with one line, and node 0 keeps the lighthouse up until every other node
-has ended or gone silent.
+Across hosts (``--nnodes H --node-rank I --master HOST:PORT --secret-file F``, or SLURM's
+placement under ``srun``) every node starts its N replicas; node 0 also runs the lighthouse,
+listening on the master address at PORT, and the job's store (a torch ``TCPStore``) at PORT + 1.
+The managers, stores and heal servers listen on each node's address on the job's network; heal
+payloads are signed with the secret in F, the same file on every node. The other nodes beat into
+the job's store every second: a node that loses it (node 0 died, and the lighthouse with it)
+stops its replicas with one line, and node 0 keeps the lighthouse up until every other node has
+ended or gone silent.
 """
 
 from __future__ import annotations
@@ -22,12 +28,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ddpkit.dist import ft
+from ddpkit.dist import ft, ft_control
 from ddpkit.dist.host import host_port
 from ddpkit.errors import UsageError
 
@@ -78,6 +83,8 @@ class FaultTolerantSpec:
     """This host's index, 0 to ``nnodes - 1``: node 0 runs the lighthouse."""
     master: str | None = None
     """``HOST:PORT`` of node 0 across hosts: the lighthouse listens there, the job's store at PORT + 1."""
+    secret_file: str | None = None
+    """Across hosts: the job's secret, the same file on every node (one machine: made for the job)."""
 
     @property
     def total(self) -> int:
@@ -102,6 +109,15 @@ def validate(spec: FaultTolerantSpec) -> None:
     if not 1 <= spec.min_replicas <= spec.total:
         raise UsageError(f"--min-replicas {spec.min_replicas} must be between 1 and the job's replicas "
                          f"({spec.total})")
+    if spec.nnodes > 1 and spec.secret_file is None:
+        raise UsageError(f"--fault-tolerant --nnodes {spec.nnodes} needs --secret-file PATH (the same file on "
+                         "every node: heal payloads are signed with it); make one with: python -c 'import "
+                         "secrets; print(secrets.token_hex(32))' > PATH && chmod 600 PATH")
+    if spec.nnodes == 1 and spec.secret_file is not None:
+        raise UsageError("--secret-file is for a fault-tolerant job across hosts (--nnodes); on one machine the "
+                         "job makes its own: drop --secret-file")
+    if spec.secret_file is not None:
+        ft.read_secret(spec.secret_file)
 
 
 def _split_master(master: str) -> tuple[str, int]:
@@ -129,6 +145,24 @@ def start_lighthouse(min_replicas: int, host: str = HOST, port: int = 0) -> tupl
     return child, f"http://{host_port(host, port)}"
 
 
+def start_control_plane(min_replicas: int, directory: str) -> tuple[subprocess.Popen, str]:
+    """One machine: the lighthouse and the managers' servers in a process no other can reach; (process, lighthouse).
+
+    Says in one line when the kernel gave it no namespace of its own (it then listens on 127.0.0.1).
+    """
+    try:
+        child, address, refused = ft_control.start(directory, min_replicas, ft.JOIN_TIMEOUT_MS, ft.QUORUM_TICK_MS,
+                                                   ft.HEARTBEAT_TIMEOUT_MS)
+    except RuntimeError as exc:
+        raise UsageError(f"{exc} (is torchft installed? pip install 'ddpkit[ft]')") from None
+    if refused:
+        sys.stderr.write(f"ddpkit run: warning: the fault-tolerant control plane got no network namespace of its "
+                         f"own ({refused}: unprivileged user namespaces are off), so torchft's lighthouse and "
+                         "managers listen on 127.0.0.1, where other users of this machine can reach them "
+                         "(docs/concepts/security.md)\n")
+    return child, address
+
+
 def replica_command(spec: FaultTolerantSpec) -> list[str]:
     """One replica: a one-process ``ddpkit run`` that restarts it up to ``max_restarts`` times."""
     target = ["-m", spec.target] if spec.module else [spec.target]
@@ -137,7 +171,8 @@ def replica_command(spec: FaultTolerantSpec) -> list[str]:
 
 
 def replica_env(spec: FaultTolerantSpec, index: int, lighthouse: str, job: str, environ: Any = None,
-                host: str = HOST, sockets: dict[str, str] | None = None) -> dict[str, str]:
+                host: str = HOST, sockets: dict[str, str] | None = None, secret: str = "",
+                private: str = "") -> dict[str, str]:
     """The environment of replica ``index``.
 
     Args:
@@ -148,13 +183,18 @@ def replica_env(spec: FaultTolerantSpec, index: int, lighthouse: str, job: str, 
         environ: the environment to start from (default: this process's).
         host: this node's address, where the replica's servers listen.
         sockets: the interface gloo and NCCL use (default: loopback, one machine).
+        secret: the job's secret file.
+        private: one machine: the job's private directory, where its control plane and stores are.
     """
     env = dict(os.environ if environ is None else environ)
     for name in ("SLURM_STEP_ID", "SLURM_STEPID"):     # the replica's own ddpkit run is one process, not srun's task
         env.pop(name, None)
     env.update({ft.LIGHTHOUSE_ENV: lighthouse, ft.JOB_STORE_ENV: job, ft.REPLICA_ENV: str(index),
                 ft.REPLICAS_ENV: str(spec.total), ft.MIN_REPLICAS_ENV: str(spec.min_replicas), ft.HOST_ENV: host,
-                ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s)})
+                ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s), ft.SECRET_ENV: secret})
+    env.pop(ft_control.CONTROL_ENV, None)
+    if private:
+        env[ft_control.CONTROL_ENV] = private
     env.update(sockets if sockets is not None else {"GLOO_SOCKET_IFNAME": "lo"})
     env.setdefault("RUST_LOG", "warn")        # torchft's Rust side logs every quorum at info
     return env
@@ -165,14 +205,19 @@ def run(spec: FaultTolerantSpec) -> int:
     from ddpkit.dist import stores
 
     validate(spec)
-    work = tempfile.mkdtemp(prefix="ddpkit-ft-")         # mode 0700: the job's FileStore on one machine
+    work = stores.private_dir()                 # mode 0700: the control plane's socket, the stores, the secret
     lighthouse: subprocess.Popen | None = None
     server: Any = None
+    private = ""
     if spec.nnodes == 1:
         host, master_host, master_port = HOST, HOST, 0
-        lighthouse, address = start_lighthouse(spec.min_replicas)
+        secret = os.path.join(work, "secret")
+        ft.write_secret(secret)
+        lighthouse, address = start_control_plane(spec.min_replicas, work)
         job = f"file:{os.path.join(work, 'job-store')}"
+        private = work
     else:
+        secret = os.path.abspath(spec.secret_file or "")
         master_host, master_port = _split_master(spec.master or "")
         if spec.node_rank == 0:
             host = master_host
@@ -211,7 +256,8 @@ def run(spec: FaultTolerantSpec) -> int:
     first = spec.node_rank * spec.replicas
     try:
         replicas = [subprocess.Popen(replica_command(spec), env=replica_env(spec, first + index, address, job,
-                                                                              host=host, sockets=sockets))
+                                                                              host=host, sockets=sockets,
+                                                                              secret=secret, private=private))
                     for index in range(spec.replicas)]
         failure = _watch(spec, replicas, lighthouse, store)
         if failure is not None:

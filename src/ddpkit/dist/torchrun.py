@@ -54,6 +54,9 @@ def parse_master(text: str) -> tuple[str, int]:
     host = host[1:-1] if host.startswith("[") else host
     if not host.strip():
         raise UsageError(f"--master {text!r} has no host; {example}")
+    if "%" in host:
+        raise UsageError(f"--master {text!r}: torch's rendezvous takes no zone index (%{host.split('%', 1)[1]}) on "
+                         "an address; give the node's host name or a global IPv6 address instead of a link-local one")
     if "[" in port_text or "]" in port_text:
         raise UsageError(f"--master {text!r} has unbalanced brackets; {example}")
     try:
