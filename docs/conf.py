@@ -12,6 +12,7 @@ import ddpkit  # noqa: E402
 from sphinx.ext.napoleon.docstring import GoogleDocstring  # noqa: E402
 
 project = "ddpkit"
+copyright = "2026, the ddpkit developers; Apache License 2.0"
 release = version = ddpkit.__version__
 extensions = [
     "myst_parser",              # the pages are Markdown

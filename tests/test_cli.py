@@ -105,6 +105,22 @@ def test_doctor_reports_a_healthy_machine():
         assert key in facts
 
 
+def test_doctor_reports_what_a_fault_tolerant_job_listens_on_and_what_it_did_not_check(monkeypatch):
+    pytest.importorskip("torchft")
+    from ddpkit.cli import doctor
+    from ddpkit.dist import ft_control
+
+    refused = ft_control.namespace_refusal()
+    facts = dict(doctor.examine().facts)
+    assert "firewalls" in facts["not checked"] and "node 0: the lighthouse" in facts["fault-tolerant across hosts"]
+    if not refused:            # this machine gives the control plane a namespace of its own
+        assert "in a network namespace of the job's own" in facts["fault-tolerant listens on"]
+    monkeypatch.setattr(ft_control, "namespace_refusal", lambda: "Operation not permitted")
+    report = doctor.examine()
+    assert "managers on 127.0.0.1" in dict(report.facts)["fault-tolerant listens on"]
+    assert any("no unprivileged network namespace (Operation not permitted)" in w for w in report.warnings)
+
+
 @pytest.mark.timeout(60)
 def test_doctor_fails_with_the_reason():
     result = ddpkit_cli("doctor", env=clean_env(RANK="3", WORLD_SIZE="2"))

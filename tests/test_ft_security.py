@@ -472,3 +472,141 @@ def _steps(out: Path) -> list[dict]:
     for path in out.glob("events-*.jsonl"):
         rows += [json.loads(line) for line in path.read_text().splitlines() if '"step"' in line]
     return [row for row in rows if row["kind"] == "step"]
+
+
+# -- across hosts: a third host on the job's network ---------------------------------------------------
+_FORGE = r'''
+import datetime, http.server, io, json, sys, threading, torch
+from torchft._torchft import ManagerClient
+
+me, targets = sys.argv[1], json.loads(sys.argv[2])
+forged = io.BytesIO()
+torch.save({"user": {}, "torchft": {"step": 10**9, "batches_committed": 0}}, forged)
+body, fetched = forged.getvalue(), []
+
+
+class Forged(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        fetched.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Ddpkit-Mac", "0" * 64)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+server = http.server.ThreadingHTTPServer((me, 0), Forged)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+metadata = f"http://{me}:{server.server_address[1]}/checkpoint/"
+answered = []
+
+
+def forge(address):
+    try:
+        client = ManagerClient(address, connect_timeout=datetime.timedelta(seconds=2))
+        client._quorum(group_rank=0, step=10**9, checkpoint_metadata=metadata, shrink_only=False,
+                       timeout=datetime.timedelta(seconds=20), commit_failures=0, init_sync=False)
+        answered.append(address)
+    except Exception:
+        pass
+
+
+import time
+threads = []
+for _ in range(int(sys.argv[3])):          # rounds of forged calls, until one reaches a healing replica
+    for host, ports in targets.items():
+        for port in ports:
+            threads.append(threading.Thread(target=forge, args=(f"http://{host}:{port}",), daemon=True))
+            threads[-1].start()
+    time.sleep(0.7)
+    if fetched:
+        break
+for thread in threads:
+    thread.join()
+time.sleep(2)
+print(json.dumps({"answered": answered, "fetched": fetched}))
+'''
+
+
+def _ports_in(namespace: str) -> list[int]:
+    table = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/tcp"], capture_output=True,
+                           text=True, check=True).stdout
+    return sorted({int(line.split()[1].rsplit(":", 1)[1], 16) for line in table.splitlines()[1:]
+                   if line.split()[3] == "0A"})
+
+
+needs_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces")
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_forged_quorum_from_another_host_cannot_choose_what_the_replicas_load(tmp_path):
+    from ddpkit.bench.netsim import SimulatedHosts
+
+    reference = tmp_path / "single"
+    reference.mkdir()
+    done = run([str(BIN / "python"), SCRIPT, "--out", str(reference), "--epochs", "1"], timeout=200,
+               env=clean_env(), cwd=ROOT / "tests" / "scripts")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "hosts"
+    out.mkdir()
+    secret = out / "secret"
+    ft.write_secret(str(secret))
+    with SimulatedHosts(3, 1000.0) as sim:
+        master = f"{sim.addresses[0]}:29600"
+        nodes = [sim.popen(host, [str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "1", "--max-restarts", "1",
+                                  "--nnodes", "2", "--node-rank", str(host), "--master", master,
+                                  "--secret-file", str(secret), SCRIPT, "--out", str(out), "--epochs", "1",
+                                  "--step-sleep", "0.3"],
+                           env=clean_env(), cwd=ROOT / "tests" / "scripts", stdout=open(out / f"node{host}.log", "w"),
+                           stderr=subprocess.STDOUT)
+                 for host in range(2)]
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and len(_steps(out)) < 8:
+            time.sleep(0.2)
+        assert len(_steps(out)) >= 8, (out / "node0.log").read_text()[-3000:]
+        # one host's manager claims a step far ahead: the other replica must heal from whatever it names
+        targets = {sim.addresses[1]: _ports_in(sim.namespaces[1])}
+        attacker = sim.popen(2, [str(BIN / "python"), "-c", _FORGE, sim.addresses[2], json.dumps(targets), "10"],
+                             env={"RUST_LOG": "off"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said, err = attacker.communicate(timeout=120)
+        codes = [node.wait(timeout=300) for node in nodes]
+    logs = "\n".join((out / f"node{host}.log").read_text() for host in range(2))
+    assert codes == [0, 0], logs[-4000:]
+    found = json.loads(said.strip().splitlines()[-1])
+    assert found["answered"], (found, err[-2000:])           # the managers took the forged Quorum...
+    refusals = [line for line in logs.splitlines() if "(a forged quorum call?)" in line
+                or "refused the state offered at" in line or "could not fetch the state" in line]
+    assert refusals, logs[-4000:]                           # ...and every heal it led to was refused
+    assert all(line.startswith("ddpkit: fault-tolerant replica ") for line in refusals), refusals
+    mine, theirs = (torch.load(d / "weights.pt", weights_only=True) for d in (out, reference))
+    scale = max(float(v.abs().max()) for v in theirs.values() if v.is_floating_point())
+    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs if theirs[k].is_floating_point()) <= 1e-5 * scale
+
+
+def test_the_control_plane_gets_a_namespace_of_its_own_or_says_why_not(tmp_path):
+    from ddpkit.dist import stores
+
+    for isolate in (True, False):
+        directory = stores.private_dir()
+        try:
+            child, lighthouse, refused = ft_control.start(directory, 1, 1000, 100, 1000, isolate=isolate)
+            try:
+                inside = os.readlink(f"/proc/{child.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+                assert lighthouse.startswith("http://127.0.0.1:")
+                if isolate and not ft_control.namespace_refusal():
+                    assert refused == "" and inside
+                if not isolate:
+                    assert refused == "not asked" and not inside
+                    port = int(lighthouse.rsplit(":", 1)[-1])
+                    assert port in _loopback_ports()          # on this machine's loopback: what doctor warns of
+            finally:
+                kill_tree(child.pid)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -414,7 +414,7 @@ def test_a_master_that_does_not_resolve_in_time_is_one_line(monkeypatch):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("master, message", [
     ("[::1", "unbalanced brackets"), ("nohost.invalid:29500", "cannot be used"), (":29500", "has no host"),
-    ("h:70000", "out of range"), ("[::1]]:5", "unbalanced brackets")])
+    ("h:70000", "out of range"), ("[::1]]:5", "unbalanced brackets"), ("[fe80::1%lo]:29400", "no zone index")])
 def test_bad_masters_fail_in_one_line_with_exit_2(master, message):
     from helpers import EXAMPLES
 

@@ -271,3 +271,53 @@ def test_elastic_signal_exception_is_what_the_agent_raises_on_a_signal_and_carri
 
     args = torchrun.parse_args(["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "x.py"])   # what ddpkit run passes
     assert args.signals_to_handle == "SIGINT,SIGHUP,SIGQUIT"
+
+
+# -- torchft ---------------------------------------------------------------------------------------
+def test_every_torchft_seam_is_still_where_ddpkit_replaces_it():
+    """Fails loudly when torchft renames a global ddpkit replaces, or stops calling it there."""
+    pytest.importorskip("torchft")
+    import importlib
+
+    for key, (module, name, _) in _torch.TORCHFT_SEAMS.items():
+        original = getattr(importlib.import_module(module), name)
+        sentinel = object()
+        previous = _torch.patch_torchft(**{key: sentinel})
+        try:
+            assert previous == {key: original} and getattr(importlib.import_module(module), name) is sentinel
+        finally:
+            _torch.patch_torchft(**previous)
+
+
+def test_a_seam_torchft_no_longer_calls_raises(monkeypatch):
+    pytest.importorskip("torchft")
+    monkeypatch.setitem(_torch.TORCHFT_SEAMS, "ManagerServer",
+                        ("torchft.manager", "ManagerServer", "ManagerServer(bind_address="))
+    with pytest.raises(_torch.PrivateApiChanged, match="no longer calls 'ManagerServer"):
+        _torch.patch_torchft(ManagerServer=object())
+
+
+def test_torchft_managers_built_through_the_seam_listen_on_the_address_given_only():
+    """torchft 0.2 binds [::]; through the seam, a Manager's server listens on the host ddpkit names."""
+    pytest.importorskip("torchft")
+    import datetime
+
+    import psutil
+    from torchft._torchft import LighthouseServer
+
+    from ddpkit.dist import ft
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    server = ft._bound_server("127.0.0.1")(
+        replica_id="r", lighthouse_addr="http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[-1],
+        hostname="127.0.0.1", bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
+        heartbeat_interval=datetime.timedelta(seconds=1), connect_timeout=datetime.timedelta(seconds=5),
+        quorum_retries=0)
+    try:
+        port = int(server.address().rsplit(":", 1)[-1])
+        mine = [c.laddr for c in psutil.Process().net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert mine and all(addr.ip == "127.0.0.1" for addr in mine), mine
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()

@@ -150,6 +150,10 @@ def private_rendezvous() -> None:
     """
     if not os.environ.get("DDPKIT_STORE_DIR"):      # ddpkit.dist.environment.STORE_DIR_ENV (entry stays light)
         return
+    asked = os.environ.get("DDPKIT_ASKED_MASTER")    # ddpkit.dist.torchrun.ASKED_MASTER_ENV
+    if asked:                                         # what torchrun gives a script asked so
+        host, _, port = asked.rpartition(":")
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host.strip("[]"), port
     from ddpkit import _torch
     from ddpkit.dist import stores
 

@@ -43,7 +43,7 @@ def main() -> None:
 
     rt = ddpkit.init(seed=0, out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
                      resume="auto", trackers=())
-    replica = int(os.environ.get("DDPKIT_FT_REPLICA", "0"))
+    replica = rt.replica or 0            # which replica this is (None without --fault-tolerant)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     info = load_dataset("digits", "train")
     test = load_dataset("digits", "test")

@@ -6,7 +6,12 @@ loads with ``torch.load(weights_only=True)`` and never unpickles arbitrary objec
     {"format": "ddpkit-checkpoint", "version": 2, "ddpkit_version": "...",
      "user": {name: state_dict or plain value, ...},
      "ddpkit": {"loop", "epoch", "step", "rng", "world_size", "precision", "config",
-                "accumulated_grads" (only inside an accumulation group)}}
+                "accumulated_grads" (only inside an accumulation group)},
+     name: the same state_dict or value, for each entry of "user" not named as one of the above}
+
+The user's entries are at the top level too (the same tensors, stored once), so a script that
+reads the file itself, ``torch.load(path)["model"]``, gets what ``torch.save({"model": ...})``
+would have given it.
 
 Beside it, ``NAME.sha256`` records the size and checksum written, so a torn or corrupted
 file is recognised before it is read. A directory (a sharded checkpoint) is not read here:

@@ -62,6 +62,10 @@ class RunLike(Protocol):
         """Whether any set-up model is sharded (its checkpoints are DCP directories)."""
 
 
+_HEADER = frozenset({"format", "version", "ddpkit_version", "user", "ddpkit"})
+"""ddpkit's keys at the top of a ``.pt`` checkpoint; a user entry of one of these names is in ``user`` only."""
+
+
 def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str, Any], *, keep: int = 3) -> Path:
     """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
 
@@ -110,8 +114,12 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
         own["compression"] = compression      # per rank, per model: the compressor's state
     if own_stats is not None:
         own["buffers"] = own_stats            # per rank, per model: its own statistics, for resume
-    payload = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": __version__,
-               "user": _with_averages(checkpoint.user_state(state), state, averages), "ddpkit": own}
+    user = _with_averages(checkpoint.user_state(state), state, averages)
+    # each entry at the top level too (the same tensors, stored once): torch.load(path)["model"] reads
+    # as a torch.save({"model": ...}) file would, for the scripts that read checkpoints themselves
+    payload = {**{key: value for key, value in user.items() if key not in _HEADER},
+               "format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": __version__,
+               "user": user, "ddpkit": own}
     try:
         checkpoint.write(target, payload)
         if rotate:

@@ -40,7 +40,12 @@ _VALUED = {
     ("--min-replicas",): "min_replicas",
     ("--quorum-timeout",): "quorum_timeout",
     ("--secret-file",): "secret_file",
+    ("--local-ranks-filter", "--local_ranks_filter"): "local_ranks_filter",
+    ("--monitor-interval", "--monitor_interval"): "monitor_interval",
+    ("--role",): "role",
 }
+_PASSED_ON = {"local_ranks_filter": "--local-ranks-filter", "monitor_interval": "--monitor-interval", "role": "--role"}
+"""torchrun flags ``ddpkit run`` hands to torch's agent as they are."""
 _FLAGS = {"-h", "--help", "--standalone", "--fault-tolerant"}
 _VALUE_OPTIONS = {name for names in _VALUED for name in names}
 
@@ -125,6 +130,11 @@ def parser() -> argparse.ArgumentParser:
     add("--secret-file", dest="secret_file", default=None, metavar="PATH",
         help="with --fault-tolerant across hosts: the job's secret, the same file (readable by you alone) on "
              "every node; heal payloads are signed with it (one machine: made for the job)")
+    add("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=None, metavar="RANKS",
+        help="torchrun's: show only these local ranks' output (e.g. 0 or 0,2)")
+    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=None, metavar="SECONDS",
+        help="torchrun's: how often the agent checks its workers")
+    add("--role", default=None, help="torchrun's: the workers' role name")
     add("-m", "--module", default=None, help="run a module, like python -m")
     add("script", nargs="?", help="the Python script to run, followed by its arguments")
     return parser
@@ -158,6 +168,10 @@ def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> "Any":
     where = RunSpec(target=opts.module or opts.script, nnodes=nnodes, node_rank=opts.node_rank,
                     master=_master(opts, nnodes))
     nnodes, node_rank, master, _ = placement(where, detect())      # SLURM's, under srun
+    for dest, flag in _PASSED_ON.items():
+        if getattr(opts, dest) is not None:
+            raise UsageError(f"{flag} is not taken with --fault-tolerant (each replica has an agent of its own); "
+                             f"drop {flag}")
     if nnodes > 1 and node_rank is None:
         raise UsageError(f"--fault-tolerant --nnodes {nnodes} needs --node-rank I, this host's index (node 0 "
                          "runs the lighthouse)")
@@ -180,9 +194,11 @@ def spec_of(argv: Sequence[str]) -> RunSpec:
     if opts.rdzv_backend not in (None, "c10d", "static"):
         raise UsageError(f"--rdzv-backend {opts.rdzv_backend!r}: ddpkit run rendezvouses with c10d; "
                          "drop the flag or give c10d")
+    agent_args = [f"{flag}={getattr(opts, dest)}" for dest, flag in _PASSED_ON.items()
+                  if getattr(opts, dest) is not None]
     return RunSpec(target=opts.module or opts.script, target_args=rest, module=opts.module is not None,
                    nproc_per_node=_nproc(opts.n, opts.nproc_per_node), nnodes=nnodes, node_rank=opts.node_rank,
-                   master=master, max_restarts=opts.max_restarts, run_id=opts.rdzv_id)
+                   master=master, max_restarts=opts.max_restarts, run_id=opts.rdzv_id, agent_args=agent_args)
 
 
 def _nproc(n: int | None, torchrun: str | None) -> int | None:

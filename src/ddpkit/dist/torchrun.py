@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -36,6 +37,7 @@ class RunSpec:
     max_restarts: int = 0
     extra_env: Mapping[str, str] = field(default_factory=dict)
     run_id: str | None = None           # the same on every node; default: derived from the master
+    agent_args: Sequence[str] = ()      # torchrun flags passed on as given (--local-ranks-filter, ...)
 
 
 def parse_master(text: str) -> tuple[str, int]:
@@ -122,6 +124,7 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
     nproc = spec.nproc_per_node or default_nproc()
     nnodes, node_rank, master, run_id = placement(spec, detect() if env is None else env)
     args = [f"--nproc-per-node={nproc}", f"--max-restarts={spec.max_restarts}"]
+    args += list(spec.agent_args)
     if master is None:
         if not store_dir:
             raise UsageError("a one-node job needs its private store directory (ddpkit.dist.stores.private_dir)")
@@ -166,6 +169,9 @@ def placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | N
     if spec.nnodes > 1 and spec.master is None:
         raise UsageError(f"--nnodes {spec.nnodes} needs --master HOST:PORT (the host of node 0)")
     if spec.nnodes == 1:
+        if spec.node_rank not in (None, 0):
+            raise UsageError(f"--node-rank {spec.node_rank} with one node: a one-node job is node 0; give --nnodes N "
+                             "(and --master HOST:PORT) for a job of several nodes")
         return 1, None, None, spec.run_id
     return spec.nnodes, spec.node_rank, spec.master, spec.run_id
 
@@ -209,6 +215,12 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
         return stores.serve(local, port, timeout_s=_STORE_TIMEOUT_S)
     except OSError:                 # the master's address is not this machine's: the agent decides
         return None
+
+
+ASKED_MASTER_ENV = "DDPKIT_ASKED_MASTER"
+"""``HOST:PORT`` a one-node ``ddpkit run`` was given (``--master_addr``/``--master_port``,
+``--rdzv-endpoint``, ``--master``): the worker entry sets ``MASTER_ADDR`` and ``MASTER_PORT`` to it,
+as torchrun would, though the job itself meets through its private directory."""
 
 
 @contextlib.contextmanager
@@ -320,6 +332,8 @@ def run(spec: RunSpec) -> int:
     try:
         with private_job(nnodes, master) as (directory, worker_env):
             argv = torchrun_args(spec, store_port=store.port if store is not None else None, store_dir=directory)
+            if master is None and spec.master is not None:     # one node: the script sees the master asked
+                worker_env[ASKED_MASTER_ENV] = spec.master
             if undo is not None:
                 argv = _signal_args() + argv
             with _thread_env(nproc, {**AGENT_ENV, **worker_env, **spec.extra_env, **notes_env}):
@@ -339,6 +353,10 @@ def run(spec: RunSpec) -> int:
                     return 2 if own == {2} else 1
                 except elastic_signal_exception() as exc:
                     return preemption.stopped(exc.sigval, os.path.exists(marker), notice)
+            if directory is not None and nproc > 1 and not any(Path(directory).glob("workers-*")):
+                sys.stderr.write(f"ddpkit run: warning: none of the {nproc} processes joined a process group, so each "
+                                 "ran the whole script on its own; call ddpkit.init() (or "
+                                 "torch.distributed.init_process_group()) in the script, or run it with -n 1\n")
     finally:
         if undo is not None:
             undo()

@@ -20,9 +20,11 @@ class LoaderOptions:
     """How ``rt.loader`` reads a dataset (its keyword arguments)."""
 
     batch_size: int | None = None
-    """Samples per step per process; the global batch then grows with the world size."""
+    """Samples per batch per process; the global batch then grows with the world size."""
     global_batch_size: int | None = None
-    """Samples per step across all processes: every world size visits the same samples at each step."""
+    """Samples per batch across all processes: every world size visits the same samples in each batch.
+    A batch is one optimizer step, or one micro-step of ``rt.accumulate(model, k)``, whose step
+    takes ``k`` batches."""
     shuffle: bool = False
     """A new order every epoch, keyed by the run's seed and the epoch."""
     drop_last: bool = False

@@ -120,25 +120,41 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_size: int = 256,
              loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, num_workers: int = 0,
              autocast: Callable[[], Any] | None = None,
-             extra_metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             extra_metrics: Mapping[str, Any] | None = None, ignore_index: int = -100,
+             class_dim: int = 1) -> dict[str, Any]:
     """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
 
     Every rank must call it. Returns plain Python numbers and lists, identical on every rank.
+
+    A target is one class per sample (outputs ``(B, C)``, targets ``(B,)``), or one per position
+    of a sequence or an image (outputs ``(B, C, T, ...)``, targets ``(B, T, ...)``, as
+    ``F.cross_entropy`` takes them): then every position counts once, except those whose target is
+    ``ignore_index`` (padding), and ``count``, ``accuracy`` and ``loss`` are per token. A language
+    model's logits ``(B, T, V)`` are taken with ``class_dim=-1``::
+
+        metrics = ddpkit.evaluate(model, val_set, num_classes=vocab_size, class_dim=-1)
+        metrics["loss"]          # cross-entropy per token, over every token of val_set once
 
     Args:
         model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
         dataset: ``(input, target)`` samples: a map-style dataset, or a stream (an ``IterableDataset``).
         num_classes: classes of the targets: the width of the outputs and of the confusion matrix.
         batch_size: samples per forward on each rank.
-        loss_fn: called as ``loss_fn(output, target, reduction="sum")`` and summed in float64; the
-            ``loss`` returned is that sum divided by the samples counted.
+        loss_fn: called as ``loss_fn(output, target, reduction="sum")`` (with ``ignore_index`` too when
+            it is ``F.cross_entropy`` or ``F.nll_loss``) and summed in float64; the ``loss`` returned is
+            that sum divided by the samples (or tokens) counted.
         num_workers: DataLoader workers per rank (0: the main process reads).
         autocast: makes the context each forward runs in (e.g. ``rt.autocast``); None: none.
         extra_metrics: torchmetrics metrics by name: each is reset first (a metric reused every epoch
             would otherwise accumulate the earlier epochs' samples), updated with ``(outputs, targets)``
             on this rank's unpadded shard and computed (synced) once at the end, so nothing is counted
             twice; their values are returned under their names.
+        ignore_index: a target value that is not counted (padding), as ``F.cross_entropy`` has it.
+        class_dim: the outputs' dimension of the classes: 1 (torch's convention) or -1 (``(B, T, C)``).
     """
+    if class_dim not in (1, -1):
+        raise UsageError(f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
+                         "(B, C, T)) or -1 ((B, T, C)); give 1 or -1")
     lazy_buffers.settle(model)   # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)       # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
@@ -152,9 +168,16 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(inputs)
-            loss_sum += loss_fn(outputs.float(), targets, reduction="sum").double()
-            predicted = outputs.argmax(dim=1)
-            confusion += torch.bincount(targets * num_classes + predicted, minlength=num_classes**2)
+            outputs = _classes_first(outputs, targets, num_classes, class_dim)
+            counted = targets != ignore_index
+            truth, predicted = targets[counted], outputs.argmax(dim=1)[counted]
+            if truth.numel() and not 0 <= int(truth.min()) <= int(truth.max()) < num_classes:
+                raise UsageError(f"evaluate: a target is {int(truth.min()) if truth.min() < 0 else int(truth.max())}, "
+                                 f"outside 0 to num_classes - 1 ({num_classes - 1}) and not ignore_index "
+                                 f"({ignore_index})")
+            extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
+            loss_sum += loss_fn(outputs.float(), targets, reduction="sum", **extra).double()
+            confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs.float(), targets)
     if stream is not None:
@@ -166,6 +189,30 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
         value = metric.compute()                   # torchmetrics syncs its states across ranks here
         result[name] = value.tolist() if isinstance(value, torch.Tensor) else value
     return result
+
+
+def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:
+    """The outputs with the classes in dimension 1, checked against the targets in one line each."""
+    if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise UsageError(f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
+                         f"{type(targets).__name__}; evaluate takes a tensor of scores and a tensor of class indices")
+    if outputs.dim() < 2:
+        raise UsageError(f"evaluate: outputs of shape {tuple(outputs.shape)} have no class dimension; return "
+                         "(B, C) scores, or (B, C, T, ...) for one class per position")
+    if class_dim == -1 and outputs.dim() > 2:
+        outputs = outputs.movedim(-1, 1)
+    wanted = (outputs.shape[0], *outputs.shape[2:])
+    if targets.is_floating_point() or targets.is_complex() or tuple(targets.shape) != wanted:
+        hint = (" (a language model's (B, T, V) logits: pass class_dim=-1)"
+                if class_dim == 1 and outputs.dim() == 3 and outputs.shape[-1] == num_classes
+                and outputs.shape[1] == targets.shape[-1] else "")
+        raise UsageError(f"evaluate: targets of shape {tuple(targets.shape)} and dtype {targets.dtype} do not "
+                         f"go with outputs of shape {tuple(outputs.shape)} (classes in dimension 1): give one "
+                         f"integer class per sample, shape {wanted}{hint}")
+    if outputs.shape[1] != num_classes:
+        raise UsageError(f"evaluate: outputs have {outputs.shape[1]} classes in dimension 1, num_classes is "
+                         f"{num_classes}")
+    return outputs
 
 
 def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:

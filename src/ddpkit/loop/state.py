@@ -155,6 +155,8 @@ class RunState:
     """A backward ran since the last optimizer step."""
     uses_backward: bool = False
     """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
+    warned_plain_backward: bool = False
+    """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
     preemption: Any = None

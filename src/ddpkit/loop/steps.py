@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from ddpkit.dist import collectives
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, warn
 from ddpkit.observe.heartbeats import beat
 from ddpkit.loop.state import RunState
 
@@ -31,12 +31,19 @@ def on_batch(run: RunState, loader: Any) -> None:
     beat("data")     # a batch is in hand; the forward follows
 
 
-def epochs(run: RunState, n: int) -> Iterator[int]:
-    """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
+def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
+    """``n`` epochs numbered from ``start``, from where a loaded checkpoint left off; sets every loader's epoch.
+
+    A run resumed from a checkpoint written after its last epoch (a restart after the final save)
+    has no epoch left: it says so in one line, since code after the loop runs without the loop's
+    variables."""
+    if run.loop.epoch >= n and run.loop.resumed_from is not None:
+        warn(f"rt.epochs({n}): the run resumed from {run.loop.resumed_from} had trained all {n} epochs, so the "
+             "loop does not run; code after it must not use the loop's variables (or give a larger n)")
     while run.loop.epoch < n:
         for made in run.loop.loaders():
             made.set_epoch(run.loop.epoch)      # a no-op for a loader already there
-        yield run.loop.epoch
+        yield run.loop.epoch + start
         run.loop.epoch += 1
 
 
@@ -77,6 +84,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         run.exact.reduce()
     if run.ft is not None and run.ft.in_quorum() and not _commit_across_replicas(run, optimizers):
         return False
+    if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
+        _plain_backward(run)
     stepped = True
     for optimizer in optimizers:
         if optimizer not in run.optimizers:
@@ -92,6 +101,21 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if not run.uses_backward:
         run.precision.flush()        # no rt.backward will come to apply the scaler update
     return stepped
+
+
+def _plain_backward(run: RunState) -> None:
+    """Warn once (rank 0) when this step's gradients came from ``loss.backward()`` on a batch that
+    ``rt.backward`` would have weighted: an uneven split of the global batch (its last, say)."""
+    active = run.active
+    if not hasattr(active, "batch_weight") or not active.global_count or collectives.rank() != 0:
+        return
+    weight = active.batch_weight()
+    if weight == 1.0 or not any(p.grad is not None for model in run.models for p in model.parameters()):
+        return
+    run.warned_plain_backward = True
+    warn(f"rt.step: this step's gradients came from loss.backward(), not rt.backward(loss); this rank holds "
+         f"{active.local_count} of the batch's {active.global_count} samples, so its mean loss counts {weight:.3g} "
+         "times its share and the result depends on the number of processes: call rt.backward(loss)")
 
 
 def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:

@@ -356,9 +356,10 @@ class Exact:
 
 
 def _take(item: Any, j: int, every: int) -> Any:
-    """Local shard ``j`` of one batch element: rows ``j, j + every, ...`` of each tensor inside it."""
+    """Local shard ``j`` of one batch element: rows ``j, j + every, ...`` of each tensor inside it,
+    contiguous whatever ``every`` is (a model that ``.view()``s its inputs runs on any world size)."""
     if isinstance(item, torch.Tensor):
-        return item[j::every]
+        return item[j::every].contiguous()
     if isinstance(item, (list, tuple)):
         return type(item)(_take(x, j, every) for x in item)
     if isinstance(item, dict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Mapping, MutableMapping
 
@@ -20,16 +21,26 @@ import torch
 from ddpkit import rng
 from ddpkit.observe import heartbeats, progress, watchdog
 from ddpkit.observe.metrics import MetricsLogger, as_floats
+from ddpkit import checkpoint
+from ddpkit.checkpoint import pt
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.dist import collectives, process_group, store_sync
 from ddpkit.dist.environment import Environment
-from ddpkit.errors import UsageError
+from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.loop import build
 from ddpkit.loop import steps as loop_steps
 from ddpkit.loop.state import RunState
 from ddpkit.parallel.options import SetupOptions
 from ddpkit.parallel.wrap import full_state_dict, wrap
 from ddpkit.loop.precision import Precision
+
+def _from_user_code() -> bool:
+    """Whether the caller of the property asking is outside ddpkit (a script's own line)."""
+    return not sys._getframe(2).f_code.co_filename.startswith(_PACKAGE)
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
 
 class Runtime:
     """Rank, device and backend of this process, the collectives it may call, and the training API.
@@ -59,11 +70,31 @@ class Runtime:
         self.failed = False          # an uncaught exception ended the script (set by init's hook)
         self._outcome: str | None = None     # "KILLED" after a preempted save
         self._on_close: Callable[["Runtime"], None] | None = None     # init's: forget the current runtime
+        self._told_replica = False
 
     @property
     def rank(self) -> int:
-        """Global rank of this process."""
+        """Global rank of this process.
+
+        In a fault-tolerant job each replica is a one-process group: ``rt.rank`` is 0 in every
+        replica, and :attr:`replica` says which replica this is (read from a script, it says so once).
+        """
+        if self.run.ft is not None and not self._told_replica and _from_user_code():
+            self._told_replica = True
+            warn("rt.rank is 0 in every replica of a fault-tolerant job (each replica is a one-process group); "
+                 "rt.replica says which replica this is, rt.is_main which one logs and saves")
         return self.env.rank
+
+    @property
+    def replica(self) -> int | None:
+        """In a fault-tolerant job, this replica's index, 0 to ``rt.replicas - 1`` (kept across its
+        restarts); None otherwise."""
+        return self.run.ft.index if self.run.ft is not None else None
+
+    @property
+    def replicas(self) -> int:
+        """Replicas a fault-tolerant job started (1 otherwise)."""
+        return self.run.ft.replicas if self.run.ft is not None else 1
 
     @property
     def local_rank(self) -> int:
@@ -252,6 +283,10 @@ class Runtime:
                 :meth:`shards`, each with its own BatchNorm statistics, summed along one fixed tree.
             **ddp_kwargs: further ``DistributedDataParallel`` arguments.
 
+        With a seed (``ddpkit.init(seed=...)``), each rank draws from a random stream of its own
+        from here on: dropout masks differ between ranks, as they would between the samples of one
+        process. Draw random data that must be equal on every rank before ``setup``.
+
         Returns:
             The model, or ``(model, optimizer)`` when an optimizer is given.
         """
@@ -364,9 +399,14 @@ class Runtime:
                                   world_size=self.world_size, device=self.device,
                                   on_batch=lambda made: loop_steps.on_batch(self.run, made), watch=self.watch_progress)
 
-    def epochs(self, n: int) -> Iterator[int]:
-        """Epoch numbers up to ``n``, from where a loaded checkpoint left off; sets every loader's epoch."""
-        return loop_steps.epochs(self.run, n)
+    def epochs(self, n: int, start: int = 0) -> Iterator[int]:
+        """``n`` epochs, numbered from ``start``, from where a loaded checkpoint left off; sets every loader's epoch.
+
+        ``for epoch in rt.epochs(10, start=1)`` yields 1 to 10, as ``range(1, 11)`` does; a run
+        resumed after epoch 4 yields 5 to 10. A run resumed from a checkpoint written after its
+        last epoch yields nothing, and says so in one line.
+        """
+        return loop_steps.epochs(self.run, n, start)
 
     def autocast(self) -> ContextManager[Any]:
         """Autocast for the run's precision (nothing for fp32)."""
@@ -446,14 +486,21 @@ class Runtime:
         """Draw ``out_dir``/loss.png from the logged losses (rank 0; None elsewhere)."""
         return self._logger.plot_loss() if self._logger is not None else None
 
-    def save(self, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+    def save(self, path: str | os.PathLike, state: Mapping[str, Any] | torch.nn.Module) -> Path:
         """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
 
         Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
         fails within ``save_timeout`` seconds, naming the ranks that did not come. Global rank 0
         writes atomically; if the write fails, every rank raises. A directory ``path`` gets
-        ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``.
+        ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``. Each entry of ``state``
+        is also at the top of a ``.pt`` file, so ``torch.load(path)["model"]`` reads it back.
+
+        ``rt.save("model.pt", model)`` (a model, not a mapping) writes the model's weights alone,
+        with plain names, as ``torch.save(model.state_dict(), path)`` does: what
+        ``model.load_state_dict(torch.load(path))`` reads, and :meth:`load` with a model too.
         """
+        if isinstance(state, torch.nn.Module):
+            return self._save_weights(Path(path), state)
         if self.run.ft is not None:
             self.run.ft_state = state          # what a healing peer gets from now on
             if not self.is_main:               # one replica writes: they all hold the same state
@@ -475,15 +522,70 @@ class Runtime:
         self.close()
         raise SystemExit(preemption.EXIT_CODE)
 
-    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
+    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any] | torch.nn.Module, *,
+             strict: bool = True) -> Path:
         """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
 
         Resumes mid-epoch exactly: the next batch is the one after the last trained, also for
         loaders built after ``load``. A saved position that matches no loader, or a loader built
         differently from the saved one, is an error (a warning with ``strict=False``, and that
         loader's epoch starts over). Every rank must call it.
+
+        With a model instead of a mapping, only its weights are loaded: from a file of weights
+        (``rt.save(path, model)``, ``torch.save(model.state_dict(), path)``) or a checkpoint's
+        ``"model"`` entry; the loop and random states are left as they are.
         """
+        if isinstance(state, torch.nn.Module):
+            return self._load_weights(Path(path), state)
         return resuming.load(self.run, self.peers, path, state, strict=strict)
+
+    def _save_weights(self, path: Path, model: torch.nn.Module) -> Path:
+        """``rt.save(file, model)``: the model's plain state dict, written by rank 0 atomically."""
+        if path.is_dir():
+            raise UsageError(f"rt.save({str(path)!r}, model) writes one file of weights; give a file name "
+                             "(a checkpoint directory takes a mapping: rt.save(path, {'model': model, ...}))")
+        weights = self.full_state_dict(model)
+        error = None
+        if self.is_main and weights is not None:
+            try:
+                pt.write(path, weights)
+            except OSError as exc:
+                error = f"rt.save: could not write {path} ({exc.strerror or exc})"
+        if self.run.ft is None:
+            error = collectives.broadcast_object(error)
+        if error:
+            raise DdpkitError(error)
+        return path
+
+    def _load_weights(self, path: Path, model: torch.nn.Module) -> Path:
+        """``rt.load(file, model)``: weights alone, from a file of them or a checkpoint's ``"model"`` entry."""
+        from ddpkit.checkpoint.safe import safe_load
+        from ddpkit.checkpoint.state import restore_user_state
+
+        if path.is_dir():
+            found = checkpoint.latest(path) if not checkpoint.dcp.is_dcp(path) else path
+            if found is None:
+                raise UsageError(f"rt.load: no complete checkpoint in {path}")
+            path = found
+        if path.is_dir():
+            saved = checkpoint.read(path)["user"]
+        else:
+            checkpoint.verify(path)
+            saved = safe_load(path, path)
+            if isinstance(saved, dict) and saved.get("format") == pt.FORMAT:
+                saved = saved["user"]
+            else:
+                saved = {"model": saved}
+        if "model" not in saved:
+            raise UsageError(f"rt.load({str(path)!r}, model): the checkpoint has no 'model' entry (it has "
+                             f"{', '.join(sorted(saved))}); load it with a mapping naming its entries")
+        from ddpkit.parallel.fsdp import is_sharded
+
+        if is_sharded(model):
+            checkpoint.dcp.load_plain_into_sharded({"model": model}, {"model": saved["model"]})
+        else:
+            restore_user_state({"model": model}, {"model": saved["model"]}, str(path))
+        return path
 
     def checkpoint(self, state: Mapping[str, Any]) -> Path:
         """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""

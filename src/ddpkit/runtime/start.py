@@ -95,8 +95,11 @@ def init(
     """Learn our place from the launcher, pick device and backend, and join the process group.
 
     Args:
-        seed: seeds torch, numpy and random identically on every rank (identical initial
-            weights) and keys the data order and per-sample randomness.
+        seed: seeds torch, numpy and random identically on every rank, so that every rank builds
+            the same initial weights, and keys the data order and per-sample randomness.
+            ``rt.setup`` then gives each rank a stream of its own (``seed + 1_000_003 * (rank + 1)``)
+            so that dropout differs between ranks: random data that must be equal on every rank is
+            drawn before ``rt.setup``, or from a ``torch.Generator`` seeded with ``rt.seed``.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; chosen from the device when omitted.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; the local rank's GPU when CUDA is usable.
