@@ -233,3 +233,18 @@ def test_a_sharded_tensor_whose_record_is_compressed_is_refused(sharded, tmp_pat
     _edit_metadata(step, point)
     with pytest.raises(UnsafeCheckpoint, match="is compressed"):
         checkpoint.read(step)
+
+
+@pytest.mark.parametrize("value", [[1, 2, 3], "hello", torch.ones(2)])
+def test_a_code_free_but_wrong_ddpkit_pt_is_one_line_exit_2_on_every_command(sharded, tmp_path, value):
+    from test_checkpoint_attacks import _reseal
+
+    step = shutil.copytree(sharded, tmp_path / sharded.name)
+    torch.save(value, step / "ddpkit.pt")
+    _reseal(step)
+    for command in (["export", "--checkpoint", str(step), "--out", str(tmp_path / "m.pt")],
+                    ["predict", "--checkpoint", str(step), "--out", str(tmp_path / "p.csv")]):
+        done = ddpkit_cli(*command)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+        assert "does not hold ddpkit's state" in lines[0] and "Warning" not in done.stderr

@@ -34,7 +34,9 @@ def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> 
     ax = fig.add_subplot()
     if runs:
         labels = [_run_label(r) for r in runs]
-        bars = ax.bar(labels, [r["samples_per_second"] for r in runs], color="tab:blue")
+        # one position a row: rows that share a label (a mode with and without micro-shards) never stack
+        bars = ax.bar(range(len(runs)), [r["samples_per_second"] for r in runs], color="tab:blue")
+        ax.set_xticks(range(len(runs)), labels)
         notes = [(SPEEDUP.format(r["speedup"]) if finite(r.get("speedup")) else "")
                  + (f" — {r['bound']}" if r.get("bound") else "") for r in runs]
         ax.bar_label(bars, labels=notes, padding=3)
@@ -101,6 +103,8 @@ def _run_label(row: Mapping[str, Any]) -> str:
         label += f"\n{row['precision']}"
     if row.get("grad_compression") not in (None, "none"):
         label += f" {row['grad_compression']}"
+    if row.get("micro_shards") not in (None, "-", 0, 1):
+        label += f"\nmicro-shards {row['micro_shards']}"
     return label
 
 
