@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import zipfile
 from typing import IO, Any
 
@@ -100,6 +101,20 @@ def _itemsize(name: str) -> int:
     return dtype.itemsize if isinstance(dtype, torch.dtype) else 1
 
 
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def _legacy(head: bytes) -> bool:
+    """Whether ``head`` starts a file of torch's legacy format: a pickle of its magic number first."""
+    try:
+        for opcode, argument, _ in pickletools.genops(io.BytesIO(head)):
+            if opcode.name not in ("PROTO", "FRAME"):
+                return argument == _LEGACY_MAGIC
+    except Exception:  # noqa: BLE001 - not a pickle at all
+        return False
+    return False
+
+
 def check(source: str | os.PathLike | IO[bytes] | bytes, where: Any) -> None:
     """Refuse ``source`` (a path, an open binary file or bytes) if it declares more than it holds.
 
@@ -126,15 +141,14 @@ def _check_open(handle: IO[bytes], where: Any) -> None:
     handle.seek(0, os.SEEK_END)
     total = handle.tell()
     handle.seek(0)
-    head = handle.read(2)
+    head = handle.read(64)
     handle.seek(0)
     if not zipfile.is_zipfile(handle):
-        if head == b"PK":
-            return      # a damaged archive: torch.load says so, allocating nothing
-        raise Disproportionate(f"{where} is not in torch's zip format: a file of torch's legacy format (torch.save "
-                               "before 1.6, or _use_new_zipfile_serialization=False), whose storages torch allocates "
-                               "before reading them, or not a checkpoint; load it with torch.load yourself and save "
-                               "it again")
+        if _legacy(head):
+            raise Disproportionate(f"{where} is in torch's legacy format (torch.save before 1.6, or "
+                                   "_use_new_zipfile_serialization=False), whose storages torch allocates before "
+                                   "reading them; load it with torch.load yourself and save it again")
+        return      # a damaged archive, or not a torch file at all: torch.load says which, allocating nothing
     handle.seek(0)
     try:
         archive = zipfile.ZipFile(handle)
