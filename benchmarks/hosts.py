@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.dist.host import free_port
+from ddpkit.distributed.host import free_port
 
 
 def run_hosts(hosts: int, epochs: int, out: Path, extra: list[str]) -> dict:

@@ -156,7 +156,7 @@ def _diloco(opts: argparse.Namespace, manager: Any, model: Any, inner: Any, load
 
 _LIGHTHOUSE = """
 import sys, time
-from ddpkit.dist import ft
+from ddpkit.distributed import ft
 from torchft._torchft import LighthouseServer
 server = LighthouseServer(bind=sys.argv[1], min_replicas=1, join_timeout_ms=ft.JOIN_TIMEOUT_MS,
                           quorum_tick_ms=ft.QUORUM_TICK_MS, heartbeat_timeout_ms=ft.HEARTBEAT_TIMEOUT_MS)
@@ -171,7 +171,7 @@ def launch(opts: argparse.Namespace, out: Path, kill: bool) -> dict[str, Any]:
     import shutil
 
     from ddpkit.bench import ft, netsim
-    from ddpkit.dist.host import usable_cores
+    from ddpkit.distributed.host import usable_cores
 
     if out.exists():
         shutil.rmtree(out)

@@ -24,8 +24,7 @@ class Toy(torch.utils.data.Dataset):
 
 def _model(extra_buffer: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                torch.nn.Linear(8, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     if extra_buffer:
         model.register_buffer("scale", torch.ones(1))
     return model
@@ -36,8 +35,14 @@ def _stats(model: torch.nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 
-def train_bn(mode: str = "full", checkpoint: str = "", stop_at: int = 5, sync_bn: bool = False,
-             extra_buffer: bool = False, freeze_at: int | None = None) -> dict:
+def train_bn(
+    mode: str = "full",
+    checkpoint: str = "",
+    stop_at: int = 5,
+    sync_bn: bool = False,
+    extra_buffer: bool = False,
+    freeze_at: int | None = None,
+) -> dict:
     """Two epochs of a BatchNorm model; "stop" saves after ``stop_at`` steps, "resume" loads first,
     "save" saves at ``stop_at`` and goes on. ``freeze_at``: BatchNorm in eval mode from that step."""
     rt = ddpkit.init(seed=0)
@@ -48,8 +53,10 @@ def train_bn(mode: str = "full", checkpoint: str = "", stop_at: int = 5, sync_bn
     if mode == "resume":
         rt.load(checkpoint, state)
     loader = rt.loader(Toy(), global_batch_size=8, shuffle=True)
-    seen = {"lazy": lazy_buffers.of(model) is not None,
-            "broadcast": getattr(model, "broadcast_buffers", getattr(model, "forward_sync_buffers", None))}
+    seen = {
+        "lazy": lazy_buffers.of(model) is not None,
+        "broadcast": getattr(model, "broadcast_buffers", getattr(model, "forward_sync_buffers", None)),
+    }
     for _ in rt.epochs(2):
         for inputs, targets in loader:
             if freeze_at is not None and rt.global_step == freeze_at:

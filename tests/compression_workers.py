@@ -12,7 +12,7 @@ import ddpkit
 from ddpkit.recipes.datasets import load_dataset
 from ddpkit.recipes.models import build_model
 
-GLOBAL_BATCH, EPOCHS = 60, 2          # divides 1, 2 and 3 processes; digits: 24 steps per epoch
+GLOBAL_BATCH, EPOCHS = 60, 2  # divides 1, 2 and 3 processes; digits: 24 steps per epoch
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -22,8 +22,9 @@ def digest(model: torch.nn.Module) -> str:
     return found.hexdigest()
 
 
-def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str = "", stop_at: int = 17,
-                  start: int = 5) -> dict:
+def mlp_on_digits(
+    compression: str | None, mode: str = "full", checkpoint: str = "", stop_at: int = 17, start: int = 5
+) -> dict:
     """An MLP on digits with ``grad_compression``; ``mode`` "stop" saves after ``stop_at`` steps,
     "resume" loads ``checkpoint`` first (before setup, as scripts that build the model late do)."""
     rt = ddpkit.init(seed=0)
@@ -31,8 +32,9 @@ def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str =
     torch.manual_seed(0)
     model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = rt.setup(model, optimizer, grad_compression=compression, powersgd_start=start,
-                                bucket_cap_mb=0.05)      # several buckets in flight
+    model, optimizer = rt.setup(
+        model, optimizer, grad_compression=compression, powersgd_start=start, bucket_cap_mb=0.05
+    )  # several buckets in flight
     state = {"model": model, "optimizer": optimizer}
     caught = []
     if mode == "resume":
@@ -49,11 +51,15 @@ def mlp_on_digits(compression: str | None, mode: str = "full", checkpoint: str =
                 rt.save(checkpoint, state)
                 return {"step": rt.global_step}
     metrics = ddpkit.evaluate(model, test.dataset, num_classes=10)
-    return {"digest": digest(model), "accuracy": metrics["accuracy"], "steps": rt.global_step,
-            "payload_bytes": None if compressor is None else compressor.payload_bytes,
-            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "iter": getattr(getattr(compressor, "state", None), "iter", None),
-            "warnings": [str(w.message) for w in caught]}
+    return {
+        "digest": digest(model),
+        "accuracy": metrics["accuracy"],
+        "steps": rt.global_step,
+        "payload_bytes": None if compressor is None else compressor.payload_bytes,
+        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "iter": getattr(getattr(compressor, "state", None), "iter", None),
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
 def each_compression(choices: list) -> dict:
@@ -65,8 +71,7 @@ def each_compression(choices: list) -> dict:
         torch.manual_seed(0)
         model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model, optimizer = rt.setup(model, optimizer, grad_compression=choice, powersgd_start=5,
-                                    bucket_cap_mb=0.05)
+        model, optimizer = rt.setup(model, optimizer, grad_compression=choice, powersgd_start=5, bucket_cap_mb=0.05)
         loader = rt.loader(train.dataset, global_batch_size=GLOBAL_BATCH, shuffle=True, name=str(choice))
         steps = 0
         for epoch in range(EPOCHS):
@@ -77,9 +82,11 @@ def each_compression(choices: list) -> dict:
                 steps += 1
         compressor = rt.run.compressors[-1]
         found[str(choice)] = {
-            "digest": digest(model), "steps": steps,
+            "digest": digest(model),
+            "steps": steps,
             "accuracy": ddpkit.evaluate(model, test.dataset, num_classes=10)["accuracy"],
             "payload_bytes": None if compressor is None else compressor.payload_bytes,
             "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "iter": getattr(getattr(compressor, "state", None), "iter", None)}
+            "iter": getattr(getattr(compressor, "state", None), "iter", None),
+        }
     return found

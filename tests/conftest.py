@@ -8,8 +8,7 @@ import pytest
 
 # Variables a launcher could have left in the environment of the test runner itself.
 _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "MPI_LOCAL")
-_LAUNCHER_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                   "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)

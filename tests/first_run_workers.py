@@ -41,7 +41,7 @@ def token_data() -> torch.utils.data.TensorDataset:
     tokens = torch.randint(0, VOCAB, (SAMPLES, LENGTH + 1), generator=generator)
     targets = tokens[:, 1:].clone()
     for row in range(0, SAMPLES, 3):
-        targets[row, LENGTH - 1 - row % 4:] = -100
+        targets[row, LENGTH - 1 - row % 4 :] = -100
     return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), targets)
 
 

@@ -26,16 +26,26 @@ class Toy(Dataset):
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
-                                        torch.nn.GELU())
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU()
+        )
         self.head = torch.nn.Linear(32, 3)
 
     def forward(self, x):
         return self.head(self.body(x))
 
 
-def _train(rt, strategy: str, name: str, *, optimizer_first: bool = True, accumulate: int = 1, clip: float | None = None,
-           epochs: int = 2, cpu_offload: bool = False) -> dict:
+def _train(
+    rt,
+    strategy: str,
+    name: str,
+    *,
+    optimizer_first: bool = True,
+    accumulate: int = 1,
+    clip: float | None = None,
+    epochs: int = 2,
+    cpu_offload: bool = False,
+) -> dict:
     torch.manual_seed(0)
     net = Net()
     kwargs = {"strategy": strategy}
@@ -60,7 +70,7 @@ def _train(rt, strategy: str, name: str, *, optimizer_first: bool = True, accumu
                     if norm is not None:
                         norms.append(float(norm))
                 rt.step(opt)
-    test = Toy(101, offset=10_000)          # 101 samples in batches of 10: uneven shards per rank
+    test = Toy(101, offset=10_000)  # 101 samples in batches of 10: uneven shards per rank
     metrics = ddpkit.evaluate(model, test, num_classes=3, batch_size=10)
     predicted = ddpkit.predict(model, test, batch_size=10, to="all")
     weights = rt.full_state_dict(model)
@@ -75,8 +85,9 @@ class _nothing:
         return False
 
 
-def compare(variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc", "fsdp-acc",
-                                         "fsdp-offload-acc")) -> dict:
+def compare(
+    variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc", "fsdp-acc", "fsdp-offload-acc"),
+) -> dict:
     """Several trainings in one world: DDP and FSDP, optimizer before/after, accumulate + clip, offload."""
     rt = ddpkit.init(seed=0)
     out = {}
@@ -106,12 +117,12 @@ def scaled(strategy: str) -> dict:
         with rt.autocast():
             loss = model(x).float().pow(2).mean()
         rt.backward(loss)
-        if rt.rank == rt.world_size - 1:        # a shard the other ranks do not hold
+        if rt.rank == rt.world_size - 1:  # a shard the other ranks do not hold
             shard = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
             shard.view(-1)[0] = float("inf")
         before = rt.full_state_dict(model)
         out["inf_stepped"] = rt.step(opt)
-        after = rt.full_state_dict(model)                  # a collective: every rank calls it
+        after = rt.full_state_dict(model)  # a collective: every rank calls it
         out["inf_unchanged"] = before is None or all(torch.equal(before[k], after[k]) for k in before)
     return out
 
@@ -125,8 +136,9 @@ def refusals() -> dict:
     cases = {
         "strategy": lambda: rt.setup(Net(), strategy="zero"),
         "compression": lambda: rt.setup(Net(), strategy="fsdp", grad_compression="fp16"),
-        "batchnorm": lambda: rt.setup(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)),
-                                      strategy="fsdp"),
+        "batchnorm": lambda: rt.setup(
+            torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)), strategy="fsdp"
+        ),
         "ddp-option": lambda: rt.setup(Net(), strategy="fsdp", find_unused_parameters=True),
         "offload": lambda: rt.setup(Net(), cpu_offload=True),
         "units": lambda: rt.setup(Net(), strategy="fsdp", fsdp_units=[torch.nn.Conv2d]),

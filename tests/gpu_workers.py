@@ -20,8 +20,13 @@ def gpu_ddp_steps(steps: int = 4) -> dict:
     import torch.nn.functional as F
 
     rt = ddpkit.init(seed=0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 10),
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
     losses, batch_devices = [], set()
@@ -35,10 +40,16 @@ def gpu_ddp_steps(steps: int = 4) -> dict:
             break
     # Parameters only: BatchNorm's running statistics are each rank's own after the last forward.
     weights = {k: v.detach().cpu().tolist() for k, v in ddpkit._torch.unwrap(model).named_parameters()}
-    return {"backend": dist.get_backend() if dist.is_initialized() else None, "device": str(rt.device),
-            "local_rank": int(os.environ["LOCAL_RANK"]), "rank_sum": int(rt.all_reduce(rt.rank)),
-            "batch_devices": sorted(batch_devices), "losses": losses, "weights": weights,
-            "param_devices": sorted({str(p.device) for p in model.parameters()})}
+    return {
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": str(rt.device),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "rank_sum": int(rt.all_reduce(rt.rank)),
+        "batch_devices": sorted(batch_devices),
+        "losses": losses,
+        "weights": weights,
+        "param_devices": sorted({str(p.device) for p in model.parameters()}),
+    }
 
 
 def gpu_sync_bn_stats() -> dict:
@@ -46,11 +57,14 @@ def gpu_sync_bn_stats() -> dict:
     rt = ddpkit.init(seed=0)
     model = rt.setup(torch.nn.Sequential(torch.nn.BatchNorm1d(3)), sync_batchnorm=True)
     generator = torch.Generator().manual_seed(100 + rt.rank)
-    data = torch.randn(4 + 2 * rt.rank, 3, generator=generator) + 10.0 * rt.rank     # uneven, shifted
+    data = torch.randn(4 + 2 * rt.rank, 3, generator=generator) + 10.0 * rt.rank  # uneven, shifted
     model(data.to(rt.device)).sum().backward()
     bn = ddpkit._torch.unwrap(model)[0]
-    return {"data": data.tolist(), "running_mean": bn.running_mean.detach().cpu().tolist(),
-            "type": f"{type(bn).__module__}.{type(bn).__name__}"}
+    return {
+        "data": data.tolist(),
+        "running_mean": bn.running_mean.detach().cpu().tolist(),
+        "type": f"{type(bn).__module__}.{type(bn).__name__}",
+    }
 
 
 def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> dict:
@@ -63,8 +77,13 @@ def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> di
     def build():
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-        return rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3), strategy="fsdp",
-                        fsdp_units=[torch.nn.Linear], cpu_offload=cpu_offload)
+        return rt.setup(
+            net,
+            torch.optim.AdamW(net.parameters(), lr=1e-3),
+            strategy="fsdp",
+            fsdp_units=[torch.nn.Linear],
+            cpu_offload=cpu_offload,
+        )
 
     model, opt = build()
     losses, stepped = [], []
@@ -75,13 +94,25 @@ def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> di
         stepped.append(rt.step(opt))
         losses.append(loss.item())
     shard_devices = sorted({str(p.to_local().device) for p in model.parameters()})
-    state_devices = sorted({str(v.to_local().device if hasattr(v, "to_local") else v.device)
-                            for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()})
+    state_devices = sorted(
+        {
+            str(v.to_local().device if hasattr(v, "to_local") else v.device)
+            for s in opt.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim()
+        }
+    )
     saved = rt.save(checkpoint_dir, {"model": model, "opt": opt})
     weights = rt.full_state_dict(model)
     fresh, fresh_opt = build()
     rt.load(saved, {"model": fresh, "opt": fresh_opt})
     again = rt.full_state_dict(fresh)
     same = weights is None or all(torch.equal(weights[k], again[k]) for k in weights)
-    return {"losses": losses, "stepped": stepped, "shard_devices": shard_devices, "state_devices": state_devices,
-            "same_after_load": same, "scaler": type(rt.precision.scaler).__name__ if rt.precision.scaler else None}
+    return {
+        "losses": losses,
+        "stepped": stepped,
+        "shard_devices": shard_devices,
+        "state_devices": state_devices,
+        "same_after_load": same,
+        "scaler": type(rt.precision.scaler).__name__ if rt.precision.scaler else None,
+    }

@@ -38,26 +38,36 @@ def master_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without launcher variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                        "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_"))
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
 
 
-def run(cmd: list[str], *, timeout: float = 120, env: dict[str, str] | None = None,
-        cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole session and fail loudly."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or clean_env(), cwd=cwd or ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or clean_env(),
+        cwd=cwd or ROOT,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"{cmd} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)

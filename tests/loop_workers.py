@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import ddpkit
 
-N_TRAIN, GLOBAL_BATCH, EPOCHS = 50, 4, 3          # 13 steps per epoch, the last one short
+N_TRAIN, GLOBAL_BATCH, EPOCHS = 50, 4, 3  # 13 steps per epoch, the last one short
 
 
 class Toy(torch.utils.data.Dataset):
@@ -32,8 +32,7 @@ class Held(Toy):
 
 
 def _model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                               torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
 
 
 def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int = 0) -> dict:
@@ -50,10 +49,10 @@ def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int =
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     if mode == "resume":
-        rt.load(checkpoint, state)                   # before any loader exists
+        rt.load(checkpoint, state)  # before any loader exists
     train = rt.loader(Toy(N_TRAIN), global_batch_size=GLOBAL_BATCH, shuffle=True, num_workers=num_workers)
     val = rt.loader(Held(12, offset=1), global_batch_size=4)
-    probe_x, _ = next(iter(train))                   # a shape probe
+    probe_x, _ = next(iter(train))  # a shape probe
     assert probe_x.shape[-1] == 8
     steps_per_epoch = []
     for _ in rt.epochs(EPOCHS):
@@ -64,7 +63,7 @@ def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int =
             if rt.step(optimizer):
                 scheduler.step()
             steps += 1
-            if rt.global_step % 5 == 0:              # a look at validation, cut short
+            if rt.global_step % 5 == 0:  # a look at validation, cut short
                 with torch.no_grad():
                     for vx, _ in val:
                         model(vx)
@@ -75,11 +74,15 @@ def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int =
                 return {"stopped": rt.global_step}
         steps_per_epoch.append(steps)
         with torch.no_grad():
-            next(iter(val))                          # half-read validation at the end of the epoch
+            next(iter(val))  # half-read validation at the end of the epoch
         rt.save(checkpoint + f".epoch{rt.epoch}", state)
     weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
-    result = {"weights": weights, "steps": rt.global_step, "steps_per_epoch": steps_per_epoch,
-              "lr": scheduler.get_last_lr()[0]}
+    result = {
+        "weights": weights,
+        "steps": rt.global_step,
+        "steps_per_epoch": steps_per_epoch,
+        "lr": scheduler.get_last_lr()[0],
+    }
     rt.close()
     return result
 
@@ -126,7 +129,7 @@ def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
     state = {"model": model, "optimizer": optimizer}
     train = rt.loader(Toy(40), global_batch_size=4, shuffle=True)
     if mode == "resume":
-        rt.load(checkpoint, state)                   # after the loader this time
+        rt.load(checkpoint, state)  # after the loader this time
     batches = 0
     for _ in rt.epochs(2):
         for x, y in train:

@@ -7,7 +7,7 @@ from torch.utils.data import IterableDataset
 
 import ddpkit
 
-SIZES = [20, 44, 31, 25, 38, 22, 23]          # 7 uneven shards, 203 samples
+SIZES = [20, 44, 31, 25, 38, 22, 23]  # 7 uneven shards, 203 samples
 STARTS = [sum(SIZES[:i]) for i in range(len(SIZES))]
 TOTAL = sum(SIZES)
 GLOBAL_BATCH = 12
@@ -49,14 +49,15 @@ def coverage(worker_counts: tuple[int, ...] = (0, 2), epochs: int = 2) -> dict:
     rt = ddpkit.init(seed=3)
     out = {}
     for kind in ("plain", "shards"):
-        dataset = make(kind)          # Shards learn their lengths once, on the first loader
+        dataset = make(kind)  # Shards learn their lengths once, on the first loader
         for workers in worker_counts:
-            loader = rt.loader(dataset, global_batch_size=GLOBAL_BATCH, shuffle=True,
-                               num_workers=workers, name=f"{kind}{workers}")
+            loader = rt.loader(
+                dataset, global_batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers, name=f"{kind}{workers}"
+            )
             for epoch in range(epochs):
                 loader.set_epoch(epoch)
                 seen, steps, counts = [], 0, []
-                for index, x, y in loader:
+                for index, _x, _y in loader:
                     seen += index.tolist()
                     counts.append((loader.local_count, loader.global_count))
                     steps += 1
@@ -73,8 +74,9 @@ class Net(torch.nn.Module):
         return self.fc(x)
 
 
-def train(mode: str, checkpoint: str, *, epochs: int = 2, stop_at: int = 25, workers: int = 0,
-          kind: str = "shards") -> dict:
+def train(
+    mode: str, checkpoint: str, *, epochs: int = 2, stop_at: int = 25, workers: int = 0, kind: str = "shards"
+) -> dict:
     """Global batch 12, shuffle: ``full``, ``stop`` (save after step ``stop_at``), ``resume``."""
     rt = ddpkit.init(seed=0)
     torch.manual_seed(0)
@@ -144,8 +146,11 @@ def corrupt_shard(workers: int = 0) -> None:
     """One rank reads a shard that raises; the others must not wait forever."""
     rt = ddpkit.init(seed=0)
     model = rt.setup(Net())
-    loader = rt.loader(ddpkit.Shards(list(range(len(SIZES))), _corrupt, lengths=SIZES),
-                       global_batch_size=GLOBAL_BATCH, num_workers=workers)
+    loader = rt.loader(
+        ddpkit.Shards(list(range(len(SIZES))), _corrupt, lengths=SIZES),
+        global_batch_size=GLOBAL_BATCH,
+        num_workers=workers,
+    )
     for _, x, y in loader:
         rt.backward(torch.nn.functional.mse_loss(model(x), y))
 

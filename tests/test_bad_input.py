@@ -33,18 +33,30 @@ def files(tmp_path_factory):
     (root / "empty_mnist").mkdir()
     bad_mnist = root / "bad_mnist"
     bad_mnist.mkdir()
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         (bad_mnist / name).write_bytes(b"\x00\x00\x00\x99" + b"garbage!" * 8)
     (root / "empty_cifar").mkdir()
 
-    recipe = {"model": "convnet", "data": "digits", "num_classes": 10, "in_channels": 1, "image_size": 8,
-              "precision": "fp32", "sync_bn": False}
+    recipe = {
+        "model": "convnet",
+        "data": "digits",
+        "num_classes": 10,
+        "in_channels": 1,
+        "image_size": 8,
+        "precision": "fp32",
+        "sync_bn": False,
+    }
     convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
     rt = ddpkit.init()
     good = rt.save(root / "good.pt", {"model": convnet, "recipe": recipe})
-    mlp = rt.save(root / "mlp.pt", {"model": build_model("mlp", num_classes=10, in_channels=1, image_size=8),
-                                    "recipe": recipe})
+    mlp = rt.save(
+        root / "mlp.pt", {"model": build_model("mlp", num_classes=10, in_channels=1, image_size=8), "recipe": recipe}
+    )
     rt.close()
     fp16 = ddpkit.init(precision="fp16")
     other_precision = fp16.save(root / "fp16.pt", {"model": convnet, "recipe": recipe})
@@ -81,15 +93,21 @@ CASES = [
     ("run-master-no-port", lambda f: ["run", "--master", "nohost", HELLO], "has no port"),
     ("run-port-range", lambda f: ["run", "--master", "h:65536", HELLO], "out of range"),
     ("run-missing-script", lambda f: ["run", "nope.py"], "script 'nope.py' not found"),
-    ("run-node-rank-outside", lambda f: ["run", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", HELLO],
-     "outside 0..1"),
+    (
+        "run-node-rank-outside",
+        lambda f: ["run", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", HELLO],
+        "outside 0..1",
+    ),
     ("train-unknown-model", lambda f: ["train", "--model", "gpt"], "unknown model 'gpt'"),
     ("train-unknown-data", lambda f: ["train", "--data", "imagenet"], "unknown data 'imagenet'"),
     ("train-batch-not-divisible", lambda f: ["train", "--nproc", "3"], "global batch 64 does not divide by --nproc 3"),
     ("train-negative-lr", lambda f: ["train", "--lr", "-1"], "--lr must be positive"),
     ("train-unknown-flag", lambda f: ["train", "--learning-rate", "1"], "unrecognized arguments"),
-    ("predict-suffix", lambda f: ["predict", "--checkpoint", str(f["good"]), "--out", _p(f, "o.xlsx")],
-     "unknown suffix '.xlsx'"),
+    (
+        "predict-suffix",
+        lambda f: ["predict", "--checkpoint", str(f["good"]), "--out", _p(f, "o.xlsx")],
+        "unknown suffix '.xlsx'",
+    ),
     ("demo-zero", lambda f: ["demo", "--nproc", "0"], "at least 1"),
     # config files
     ("config-unknown-key", lambda f: ["train", "--config", _p(f, "unknown.yaml")], "unknown setting(s) learning_rate"),
@@ -100,25 +118,43 @@ CASES = [
     # data paths
     ("mnist-no-dir", lambda f: ["train", "--data", "mnist"], "needs --data-dir"),
     ("data-dir-is-file", lambda f: ["train", "--data", "mnist", "--data-dir", _p(f, "not_a_dir")], "not a directory"),
-    ("mnist-files-missing", lambda f: ["train", "--data", "mnist", "--data-dir", _p(f, "empty_mnist")],
-     "train-images-idx3-ubyte"),
+    (
+        "mnist-files-missing",
+        lambda f: ["train", "--data", "mnist", "--data-dir", _p(f, "empty_mnist")],
+        "train-images-idx3-ubyte",
+    ),
     ("mnist-corrupt", lambda f: ["train", "--data", "mnist", "--data-dir", _p(f, "bad_mnist")], "magic"),
-    ("cifar-files-missing", lambda f: ["train", "--data", "cifar10", "--data-dir", _p(f, "empty_cifar")],
-     "data_batch_1"),
+    (
+        "cifar-files-missing",
+        lambda f: ["train", "--data", "cifar10", "--data-dir", _p(f, "empty_cifar")],
+        "data_batch_1",
+    ),
     # checkpoints
     ("ckpt-missing", lambda f: ["train", "--resume", _p(f, "absent.pt")], "does not exist"),
-    ("ckpt-truncated", lambda f: ["train", "--resume", _p(f, "truncated.pt")],
-     "is truncated: .* bytes of .* written; resume from an earlier checkpoint"),
-    ("ckpt-corrupt", lambda f: ["train", "--resume", _p(f, "corrupt.pt")],
-     "is corrupted: .*; resume from an earlier checkpoint"),
-    ("ckpt-other-model", lambda f: ["train", "--resume", str(f["mlp"])],
-     "is for another model: .*; build the model the checkpoint was saved from"),
+    (
+        "ckpt-truncated",
+        lambda f: ["train", "--resume", _p(f, "truncated.pt")],
+        "is truncated: .* bytes of .* written; resume from an earlier checkpoint",
+    ),
+    (
+        "ckpt-corrupt",
+        lambda f: ["train", "--resume", _p(f, "corrupt.pt")],
+        "is corrupted: .*; resume from an earlier checkpoint",
+    ),
+    (
+        "ckpt-other-model",
+        lambda f: ["train", "--resume", str(f["mlp"])],
+        "is for another model: .*; build the model the checkpoint was saved from",
+    ),
     ("ckpt-other-precision", lambda f: ["train", "--resume", str(f["fp16"])], "precision 'fp16'"),
     ("ckpt-newer-ddpkit", lambda f: ["train", "--resume", _p(f, "newer.pt")], "newer ddpkit"),
     ("ckpt-not-a-checkpoint", lambda f: ["train", "--resume", _p(f, "random.pt")], "cannot be read"),
     ("ckpt-malicious", lambda f: ["train", "--resume", _p(f, "evil.pt")], "refuses to unpickle"),
-    ("predict-ckpt-other-model", lambda f: ["predict", "--checkpoint", str(f["mlp"]), "--out", _p(f, "p.csv")],
-     "is for another model"),
+    (
+        "predict-ckpt-other-model",
+        lambda f: ["predict", "--checkpoint", str(f["mlp"]), "--out", _p(f, "p.csv")],
+        "is for another model",
+    ),
 ]
 
 
@@ -136,16 +172,15 @@ def test_cli_bad_input(files, tmp_path, capsys, case, argv, message):
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert message in lines[0] or re.search(message, lines[0]), lines[0]     # text, or a pattern
+    assert message in lines[0] or re.search(message, lines[0]), lines[0]  # text, or a pattern
     assert "Traceback" not in err
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
-    assert sorted(os.listdir(files["root"])) == before          # nothing written beside the inputs
+    assert sorted(os.listdir(files["root"])) == before  # nothing written beside the inputs
     assert not (files["root"] / "pwned").exists()
 
 
 def _script_env_case(env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, HELLO], env=clean_env(**env), capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, HELLO], env=clean_env(**env), capture_output=True, text=True, timeout=60)
 
 
 def _taken_port() -> socket.socket:

@@ -32,17 +32,47 @@ from helpers import clean_env, kill_tree
 from helpers import ddpkit as ddpkit_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
-ROW_KEYS = {"mode", "nproc", "precision", "samples_per_second", "speedup", "efficiency", "peak_rss_mb",
-            "breakdown", "diagnosis"}
+ROW_KEYS = {
+    "mode",
+    "nproc",
+    "precision",
+    "samples_per_second",
+    "speedup",
+    "efficiency",
+    "peak_rss_mb",
+    "breakdown",
+    "diagnosis",
+}
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out"
-    result = ddpkit_cli("bench", "--model", "mlp", "--data", "synthetic", "--modes", "single,dp,ddp",
-                        "--nproc", "2", "--batch", "8", "--steps", "4", "--warmup", "2",
-                        "--grad-compression", "none,powersgd",
-                        "--compare-raw", "--repeats", "1", "--out", str(out), timeout=220)
+    result = ddpkit_cli(
+        "bench",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--modes",
+        "single,dp,ddp",
+        "--nproc",
+        "2",
+        "--batch",
+        "8",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--grad-compression",
+        "none,powersgd",
+        "--compare-raw",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        timeout=220,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, json.loads((out / "bench.json").read_text()), result.stdout
 
@@ -74,14 +104,15 @@ def test_bench_writes_consistent_rows(bench):
     comm = ddp["comm"]
     assert min(comm["transfer_s"], comm["latency_s"], comm["wait_s"], comm["skew_s"]) >= 0
     assert comm["link_bytes_per_s"] is None or comm["link_bytes_per_s"] > 0
-    assert comm["calls_per_step"] >= 1 and comm["latency_s"] == pytest.approx(comm["calls_per_step"]
-                                                                             * comm["latency_per_call_s"])
+    assert comm["calls_per_step"] >= 1 and comm["latency_s"] == pytest.approx(
+        comm["calls_per_step"] * comm["latency_per_call_s"]
+    )
     assert single["comm_overlap"] is None
     assert single["comm"] is None
     assert ddp["grad_compression"] == "none" and ddp["payload_bytes_per_step"] == ddp["comm"]["grad_bytes_per_step"]
-    assert ddp["bytes_sent_per_step"] == ddp["payload_bytes_per_step"]              # a ring of 2 sends it once
+    assert ddp["bytes_sent_per_step"] == ddp["payload_bytes_per_step"]  # a ring of 2 sends it once
     assert sgd["grad_compression"] == "powersgd" and sgd["hosts"] is None and sgd["link_mbit"] is None
-    assert 0 < sgd["payload_bytes_per_step"] * 10 < ddp["payload_bytes_per_step"]    # timed steps compress
+    assert 0 < sgd["payload_bytes_per_step"] * 10 < ddp["payload_bytes_per_step"]  # timed steps compress
     assert sgd["weights_sha256"] != ddp["weights_sha256"]
     if torch.cuda.device_count() < 2:
         assert rows["dp"]["applicable"] is False and rows["dp"]["samples_per_second"] is None
@@ -90,7 +121,7 @@ def test_bench_writes_consistent_rows(bench):
     assert "| mode" in markdown and "## Diagnosis" in markdown and "## ddpkit vs hand-written" in markdown
     assert (out / "scaling.png").read_bytes()[:8] == PNG
     progress = [line for line in stdout.splitlines() if line.startswith("bench: ")]
-    assert sum("samples/s" in line for line in progress) == 3 + 2   # three rows, one raw/ddpkit pair
+    assert sum("samples/s" in line for line in progress) == 3 + 2  # three rows, one raw/ddpkit pair
     assert "ddp x2 fp32 powersgd: bound by" in markdown
 
 
@@ -103,32 +134,50 @@ def test_compare_raw_matches_weights_bitwise(bench):
     assert raw["step_time_ratio"] > 0 and raw["memory_ratio"] > 0
     assert len(raw["pairs"]) == 1
     assert {p["raw_weights_sha256"] for p in raw["pairs"]} == {p["ddpkit_weights_sha256"] for p in raw["pairs"]}
-    assert all(0 <= raw["comm_overlap"][loop] <= 1 for loop in ("raw", "ddpkit"))    # both loops measured
+    assert all(0 <= raw["comm_overlap"][loop] <= 1 for loop in ("raw", "ddpkit"))  # both loops measured
 
 
 def _wire(latency=0.0001, payload=None, link=None, probe_bytes=float(1 << 20)):
     """One rank's wire probe: every call the same (seconds)."""
     payload = latency if payload is None else payload
-    return {"latency_calls": [latency] * 15, "payload_calls": [payload] * 15,
-            "link_calls": [link if link is not None else payload] * 15, "link_probe_bytes": probe_bytes}
+    return {
+        "latency_calls": [latency] * 15,
+        "payload_calls": [payload] * 15,
+        "link_calls": [link if link is not None else payload] * 15,
+        "link_probe_bytes": probe_bytes,
+    }
 
 
 def _result(steps_by_rank, phases_by_rank, allreduce=None, ready=None, calls=1):
     """A worker's result; ``allreduce``: seconds to move the 4 MB of gradients (latency 0.1 ms on top)."""
     probe = None if allreduce is None else _wire(payload=allreduce + 0.0001, probe_bytes=4_000_000.0)
-    ranks = [{"steps": s, "phases": p, "peak_rss_mb": 100.0 + i, "peak_cuda_mb": None, "grad_bytes": 4_000_000,
-              "payload_bytes_per_step": 4_000_000 if probe else 0, "wire": probe, "comm_calls": calls,
-              "powersgd_bytes": 100_000, "ready_at": (ready or [[0.0] * len(s)] * len(steps_by_rank))[i],
-              "threads": 1, "cores": 2, "weights_sha256": "x"}
-             for i, (s, p) in enumerate(zip(steps_by_rank, phases_by_rank))]
+    ranks = [
+        {
+            "steps": s,
+            "phases": p,
+            "peak_rss_mb": 100.0 + i,
+            "peak_cuda_mb": None,
+            "grad_bytes": 4_000_000,
+            "payload_bytes_per_step": 4_000_000 if probe else 0,
+            "wire": probe,
+            "comm_calls": calls,
+            "powersgd_bytes": 100_000,
+            "ready_at": (ready or [[0.0] * len(s)] * len(steps_by_rank))[i],
+            "threads": 1,
+            "cores": 2,
+            "weights_sha256": "x",
+        }
+        for i, (s, p) in enumerate(zip(steps_by_rank, phases_by_rank))
+    ]
     return {"device": "cpu", "batch_per_process": 64, "global_batch": 64 * len(ranks), "ranks": ranks}
 
 
 def test_summarize_takes_the_slowest_rank_per_step():
     phases = [[0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.2, 0.2, 0.3, 0.4]]
     slow = [[0.1, 0.2, 0.5, 0.4], [0.1, 0.2, 0.3, 0.4], [0.2, 0.2, 0.3, 0.4]]
-    row = summarize(Configuration("ddp", 2, "fp32"),
-                    _result([[1.0, 1.0, 1.1], [1.2, 1.0, 1.1]], [phases, slow], allreduce=0.5))
+    row = summarize(
+        Configuration("ddp", 2, "fp32"), _result([[1.0, 1.0, 1.1], [1.2, 1.0, 1.1]], [phases, slow], allreduce=0.5)
+    )
     assert row["step_seconds"] == 1.1 and row["samples_per_second"] == pytest.approx(128 / 1.1)
     assert row["mean_step_seconds"] == pytest.approx((1.2 + 1.0 + 1.1) / 3)
     assert row["breakdown"]["backward"] == pytest.approx((0.3 * 5 + 0.5) / 6)
@@ -141,15 +190,17 @@ def test_summarize_takes_the_slowest_rank_per_step():
 def test_the_wire_counts_each_call_at_the_rank_released_last_and_ignores_busy_cores():
     from ddpkit.bench.wire import split, typical
 
-    assert typical([1.0, 5.0, 2.0, 9.0]) == 1.5                  # the faster half's median
+    assert typical([1.0, 5.0, 2.0, 9.0]) == 1.5  # the faster half's median
     fast, late = _wire(latency=0.001, payload=0.003), _wire(latency=0.004, payload=0.006)
-    late["payload_calls"][:8] = [0.040] * 8                      # a core was busy: a scheduler tick or more
-    ranks = [{"wire": fast, "comm_calls": 3, "ready_at": [1.000, 2.000]},
-             {"wire": late, "comm_calls": 3, "ready_at": [1.002, 2.004]}]
+    late["payload_calls"][:8] = [0.040] * 8  # a core was busy: a scheduler tick or more
+    ranks = [
+        {"wire": fast, "comm_calls": 3, "ready_at": [1.000, 2.000]},
+        {"wire": late, "comm_calls": 3, "ready_at": [1.002, 2.004]},
+    ]
     parts = split(ranks, 1000.0)
     assert parts["latency_per_call_s"] == pytest.approx(0.001) and parts["latency_s"] == pytest.approx(0.003)
     assert parts["transfer_s"] == pytest.approx(0.002)
-    assert parts["skew_s"] == pytest.approx(0.003)               # 2 ms, then 4 ms apart
+    assert parts["skew_s"] == pytest.approx(0.003)  # 2 ms, then 4 ms apart
     assert split([{"wire": None}, {"wire": fast}], 1000.0) is None
 
 
@@ -159,8 +210,10 @@ def test_diagnosis_names_what_bounds_a_run():
     data = summarize(Configuration("single", 1, "fp32"), _result([[1.0]], [[[0.5, 0.2, 0.2, 0.1]]]))
     assert diagnose(data) == "bound by data loading (50% of the step waits for batches)"
     comm = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.2, 0.7, 0.1]]] * 2, 0.5))
-    assert diagnose(comm).startswith("bound by the link (500.10 ms = 50% of the step (4.00 MB of gradients on "
-                                     "the link 500.00 ms at 8.0 MB/s, 1 call(s) 0.10 ms, waiting 0.00 ms)")
+    assert diagnose(comm).startswith(
+        "bound by the link (500.10 ms = 50% of the step (4.00 MB of gradients on "
+        "the link 500.00 ms at 8.0 MB/s, 1 call(s) 0.10 ms, waiting 0.00 ms)"
+    )
     crowded = {**comm, "threads_per_process": 2}
     assert diagnose(crowded).startswith("bound by CPU threads oversubscribed (2 process(es) x 2 threads")
 
@@ -177,7 +230,7 @@ def test_comm_overlap_is_the_exchange_the_backward_hid():
     assert row["comm"]["overlap_of_possible"] == pytest.approx(0.2 / 0.4)
     assert "40% of the exchange hidden behind the backward pass" in diagnose(row)
     assert "hid only" not in diagnose(row)
-    for rank in result["ranks"]:             # backward alone 0.1 s: 0.6 exposed, nothing hidden
+    for rank in result["ranks"]:  # backward alone 0.1 s: 0.6 exposed, nothing hidden
         rank["backward_alone_seconds"] = 0.1
     lost = summarize(Configuration("ddp", 2, "fp32"), result)
     assert lost["comm_overlap"] == 0.0 and lost["comm"]["overlap_of_possible"] == 0.0
@@ -187,17 +240,17 @@ def test_comm_overlap_is_the_exchange_the_backward_hid():
     # 2 processes x 1 thread fill the 2 cores: the transfers compete with compute, whatever the layout
     assert "compete with the backward pass for cores that 2 process(es) x 1 thread(s) already fill" in diagnose(lost)
     assert "first-layers-first" not in diagnose(lost)
-    spare = {**lost, "cores": 4}               # a core to spare: a low overlap points at the layout
+    spare = {**lost, "cores": 4}  # a core to spare: a low overlap points at the layout
     assert "(gradient buckets reduced first-layers-first wait for the whole backward)" in diagnose(spare)
     assert "compete" not in diagnose(spare)
     unmeasured = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], phases, 0.5))
     assert unmeasured["comm_overlap"] is None and "hidden behind" not in diagnose(unmeasured)
-    for rank in result["ranks"]:             # compressed: exposed time includes the compressor's work
+    for rank in result["ranks"]:  # compressed: exposed time includes the compressor's work
         rank["payload_bytes_per_step"] = 100_000
     compressed = summarize(Configuration("ddp", 2, "fp32", grad_compression="powersgd"), result)
     assert compressed["comm"]["exposed_seconds"] == pytest.approx(0.6)
     assert compressed["comm_overlap"] is None and compressed["comm"]["overlap_of_possible"] is None
-    assert compressed["comm"]["wait_s"] == 0.0            # the skew only: the rest may be the compressor
+    assert compressed["comm"]["wait_s"] == 0.0  # the skew only: the rest may be the compressor
     assert "hidden behind" not in diagnose(compressed)
 
 
@@ -215,7 +268,12 @@ def test_diagnosis_of_a_slow_link_names_the_fixes_with_what_they_predict():
     fixes = recommendations(comm)
     assert [f.get("grad_compression") for f in fixes][:1] == ["powersgd"]
     assert fixes[0]["predicted_samples_per_second"] == pytest.approx(128 / (0.4999 + 0.0125 + 0.0002), rel=1e-3)
-    measured = {**comm, "grad_compression": "powersgd", "samples_per_second": 200.0, "payload_bytes_per_step": 100_000.0}
+    measured = {
+        **comm,
+        "grad_compression": "powersgd",
+        "samples_per_second": 200.0,
+        "payload_bytes_per_step": 100_000.0,
+    }
     assert "(measured 200 here)" in diagnose(comm, [comm, measured])
 
 
@@ -228,53 +286,113 @@ def test_a_fix_measured_more_than_30_percent_off_its_prediction_is_a_diagnosis_e
 
 
 def test_plan_crosses_hosts_processes_and_compressions():
-    settings = Settings(modes=("single", "ddp", "ddp-amp"), nproc=(1,), hosts=(1, 2),
-                        grad_compression=("none", "powersgd"), link_mbit=100.0)
+    settings = Settings(
+        modes=("single", "ddp", "ddp-amp"),
+        nproc=(1,),
+        hosts=(1, 2),
+        grad_compression=("none", "powersgd"),
+        link_mbit=100.0,
+    )
     on_gpus = plan(settings, gpus=1)
     assert [c.label for c in on_gpus] == [
-        "single x1 fp32", "ddp 1 host(s) x1 fp32", "ddp 1 host(s) x1 fp32 powersgd", "ddp 2 host(s) x1 fp32",
-        "ddp 2 host(s) x1 fp32 powersgd", "ddp-amp 1 host(s) x1 fp16", "ddp-amp 1 host(s) x1 fp16 powersgd",
-        "ddp-amp 2 host(s) x1 fp16", "ddp-amp 2 host(s) x1 fp16 powersgd"]
+        "single x1 fp32",
+        "ddp 1 host(s) x1 fp32",
+        "ddp 1 host(s) x1 fp32 powersgd",
+        "ddp 2 host(s) x1 fp32",
+        "ddp 2 host(s) x1 fp32 powersgd",
+        "ddp-amp 1 host(s) x1 fp16",
+        "ddp-amp 1 host(s) x1 fp16 powersgd",
+        "ddp-amp 2 host(s) x1 fp16",
+        "ddp-amp 2 host(s) x1 fp16 powersgd",
+    ]
     assert on_gpus[3].world_size == 2 and on_gpus[3].name == "ddp-h2-x1-fp32"
     refused = {c.label: c.reason for c in on_gpus if c.reason}
-    assert list(refused) == ["ddp 1 host(s) x1 fp32 powersgd", "ddp-amp 1 host(s) x1 fp16 powersgd",
-                             "ddp-amp 2 host(s) x1 fp16 powersgd"]
+    assert list(refused) == [
+        "ddp 1 host(s) x1 fp32 powersgd",
+        "ddp-amp 1 host(s) x1 fp16 powersgd",
+        "ddp-amp 2 host(s) x1 fp16 powersgd",
+    ]
     assert "one process sends nothing" in refused["ddp 1 host(s) x1 fp32 powersgd"]
     assert "use precision='bf16'" in refused["ddp-amp 2 host(s) x1 fp16 powersgd"]
 
 
 def test_plan_crosses_data_formats_and_a_shards_row_runs(tmp_path):
     settings = Settings(modes=("single", "ddp"), nproc=(2,), data_format=("map", "shards"))
-    assert [c.label for c in plan(settings, gpus=0)] == ["single x1 fp32", "single x1 fp32 shards",
-                                                         "ddp x2 fp32", "ddp x2 fp32 shards"]
-    result = ddpkit_cli("bench", "--model", "mlp", "--modes", "single", "--data-format", "shards",
-                        "--batch", "8", "--steps", "3", "--warmup", "1", "--out", str(tmp_path), timeout=120)
+    assert [c.label for c in plan(settings, gpus=0)] == [
+        "single x1 fp32",
+        "single x1 fp32 shards",
+        "ddp x2 fp32",
+        "ddp x2 fp32 shards",
+    ]
+    result = ddpkit_cli(
+        "bench",
+        "--model",
+        "mlp",
+        "--modes",
+        "single",
+        "--data-format",
+        "shards",
+        "--batch",
+        "8",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads((tmp_path / "bench.json").read_text())["configurations"][0]
     assert row["data_format"] == "shards" and row["samples_per_second"] > 0
     assert "| shards |" in (tmp_path / "bench.md").read_text()
 
 
-@pytest.mark.slow      # 55 s: an 80M-parameter model with AdamW on 2 processes, twice
+@pytest.mark.slow  # 55 s: an 80M-parameter model with AdamW on 2 processes, twice
 @pytest.mark.timeout(300)
 def test_fsdp_holds_half_the_state_of_ddp_per_rank(tmp_path):
-    result = ddpkit_cli("bench", "--model", "mlp-large", "--data", "synthetic", "--modes", "ddp,fsdp",
-                        "--nproc", "2", "--optimizer", "adamw", "--batch", "8", "--steps", "4", "--warmup", "1",
-                        "--out", str(tmp_path), timeout=280)
+    result = ddpkit_cli(
+        "bench",
+        "--model",
+        "mlp-large",
+        "--data",
+        "synthetic",
+        "--modes",
+        "ddp,fsdp",
+        "--nproc",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--batch",
+        "8",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path),
+        timeout=280,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["configurations"]}
     ddp, fsdp = rows["ddp"]["state_bytes_per_rank"], rows["fsdp"]["state_bytes_per_rank"]
     assert len(ddp) == len(fsdp) == 2 and max(fsdp) <= 0.6 * min(ddp)
-    params = sum(p.numel() for p in build_model("mlp-large", num_classes=10, in_channels=3,
-                                                image_size=32).parameters())
+    params = sum(p.numel() for p in build_model("mlp-large", num_classes=10, in_channels=3, image_size=32).parameters())
     # fp32 AdamW: weights, gradients, 2 moments (ZeRO's 16 bytes), plus AdamW's scalar step counters
     assert 0 <= ddp[0] - 16 * params < 1024
 
 
 def test_plan_crosses_sync_bn_for_ddp_rows_only():
-    configs = plan(Settings(model="convnet", modes=("single", "ddp", "fsdp"), nproc=(2,), sync_bn=(False, True)), gpus=0)
-    assert [c.label for c in configs] == ["single x1 fp32", "ddp x2 fp32", "ddp x2 fp32 syncbn", "fsdp x2 fp32",
-                                          "fsdp x2 fp32 syncbn"]
+    configs = plan(
+        Settings(model="convnet", modes=("single", "ddp", "fsdp"), nproc=(2,), sync_bn=(False, True)), gpus=0
+    )
+    assert [c.label for c in configs] == [
+        "single x1 fp32",
+        "ddp x2 fp32",
+        "ddp x2 fp32 syncbn",
+        "fsdp x2 fp32",
+        "fsdp x2 fp32 syncbn",
+    ]
     assert configs[2].name == "ddp-x2-fp32-syncbn" and configs[2].reason is None
     assert "fsdp shards no BatchNorm" in configs[4].reason
 
@@ -289,32 +407,58 @@ def test_plan_refuses_compression_under_fsdp():
 def test_plan_runs_dp_only_with_two_gpus():
     settings = Settings(modes=("single", "dp", "ddp", "ddp-amp"), nproc=(1, 2))
     on_cpu = plan(settings, gpus=0)
-    assert [c.label for c in on_cpu] == ["single x1 fp32", "dp x1 fp32", "ddp x1 fp32", "ddp x2 fp32",
-                                         "ddp-amp x1 bf16", "ddp-amp x2 bf16"]
+    assert [c.label for c in on_cpu] == [
+        "single x1 fp32",
+        "dp x1 fp32",
+        "ddp x1 fp32",
+        "ddp x2 fp32",
+        "ddp-amp x1 bf16",
+        "ddp-amp x2 bf16",
+    ]
     assert on_cpu[1].reason is not None and all(c.reason is None for c in on_cpu if c.mode != "dp")
     on_gpus = plan(settings, gpus=2)
     assert on_gpus[1].reason is None and on_gpus[1].devices == 2 and on_gpus[-1].precision == "fp16"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--modes", "single,zero"], "unknown mode 'zero'"),
-    (["--nproc", "0"], "--nproc values must be at least 1"),
-    (["--nproc", "two"], "--nproc takes comma-separated integers"),
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--batch", "0"], "--batch must be at least 1"),
-    (["--model", "resnet50"], "invalid choice: 'resnet50'"),
-    (["--compare-raw", "--modes", "single"], "add ddp or ddp-amp to --modes"),
-    (["--compare-raw", "--nproc", "1"], "2 or more processes"),
-    (["--grad-compression", "none,zip"], "unknown compression 'zip' in --grad-compression"),
-    (["--hosts", "2"], "--hosts needs --link-mbit M"),
-    (["--link-mbit", "100"], "add --hosts H"),
-    (["--hosts", "2", "--link-mbit", "0"], "--link-mbit must be a positive number"),
-    (["--hosts", "0", "--link-mbit", "10"], "--hosts values must be at least 1"),
-    (["--hosts", "2", "--link-mbit", "10", "--modes", "single"], "add ddp or ddp-amp to --modes"),
-    (["--data-format", "map,tar"], "unknown data format 'tar' in --data-format"),
-    (["--sync-bn", "yes"], "--sync-bn takes off, on or off,on, got 'yes'"),
-], ids=["mode", "nproc-0", "nproc-text", "steps-0", "batch-0", "model", "raw-no-ddp", "raw-one-process",
-        "compression", "hosts-no-link", "link-no-hosts", "link-0", "hosts-0", "hosts-no-ddp", "data-format", "sync-bn"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--modes", "single,zero"], "unknown mode 'zero'"),
+        (["--nproc", "0"], "--nproc values must be at least 1"),
+        (["--nproc", "two"], "--nproc takes comma-separated integers"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--batch", "0"], "--batch must be at least 1"),
+        (["--model", "resnet50"], "invalid choice: 'resnet50'"),
+        (["--compare-raw", "--modes", "single"], "add ddp or ddp-amp to --modes"),
+        (["--compare-raw", "--nproc", "1"], "2 or more processes"),
+        (["--grad-compression", "none,zip"], "unknown compression 'zip' in --grad-compression"),
+        (["--hosts", "2"], "--hosts needs --link-mbit M"),
+        (["--link-mbit", "100"], "add --hosts H"),
+        (["--hosts", "2", "--link-mbit", "0"], "--link-mbit must be a positive number"),
+        (["--hosts", "0", "--link-mbit", "10"], "--hosts values must be at least 1"),
+        (["--hosts", "2", "--link-mbit", "10", "--modes", "single"], "add ddp or ddp-amp to --modes"),
+        (["--data-format", "map,tar"], "unknown data format 'tar' in --data-format"),
+        (["--sync-bn", "yes"], "--sync-bn takes off, on or off,on, got 'yes'"),
+    ],
+    ids=[
+        "mode",
+        "nproc-0",
+        "nproc-text",
+        "steps-0",
+        "batch-0",
+        "model",
+        "raw-no-ddp",
+        "raw-one-process",
+        "compression",
+        "hosts-no-link",
+        "link-no-hosts",
+        "link-0",
+        "hosts-0",
+        "hosts-no-ddp",
+        "data-format",
+        "sync-bn",
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -338,13 +482,36 @@ def test_bench_on_simulated_hosts_over_a_shaped_link(tmp_path):
     from ddpkit.bench import netsim
 
     out = tmp_path / "out"
-    result = ddpkit_cli("bench", "--model", "mlp", "--modes", "ddp", "--hosts", "2", "--nproc", "1",
-                        "--link-mbit", "50", "--grad-compression", "none,powersgd", "--batch", "8",
-                        "--steps", "3", "--warmup", "2", "--out", str(out), timeout=380)
+    result = ddpkit_cli(
+        "bench",
+        "--model",
+        "mlp",
+        "--modes",
+        "ddp",
+        "--hosts",
+        "2",
+        "--nproc",
+        "1",
+        "--link-mbit",
+        "50",
+        "--grad-compression",
+        "none,powersgd",
+        "--batch",
+        "8",
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--out",
+        str(out),
+        timeout=380,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = json.loads((out / "bench.json").read_text())["configurations"]
-    assert [(r["hosts"], r["link_mbit"], r["grad_compression"], r["world_size"]) for r in rows] == \
-        [(2, 50.0, "none", 2), (2, 50.0, "powersgd", 2)]
+    assert [(r["hosts"], r["link_mbit"], r["grad_compression"], r["world_size"]) for r in rows] == [
+        (2, 50.0, "none", 2),
+        (2, 50.0, "powersgd", 2),
+    ]
     assert all(r["samples_per_second"] > 0 for r in rows)
     assert rows[1]["payload_bytes_per_step"] * 10 < rows[0]["payload_bytes_per_step"]
     assert "| hosts | link Mbit/s |" in (out / "bench.md").read_text().replace("  ", " ")
@@ -358,13 +525,39 @@ def test_bench_on_simulated_hosts_over_a_shaped_link(tmp_path):
 def test_a_killed_hosts_bench_leaves_no_namespaces_links_or_processes(tmp_path, sig):
     from ddpkit.bench import netsim
 
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cli", "bench", "--model", "resnet18", "--modes", "ddp",
-                             "--hosts", "2", "--nproc", "1", "--link-mbit", "5", "--batch", "4", "--steps", "50",
-                             "--warmup", "1", "--out", str(tmp_path / "out")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=clean_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit.cli",
+            "bench",
+            "--model",
+            "resnet18",
+            "--modes",
+            "ddp",
+            "--hosts",
+            "2",
+            "--nproc",
+            "1",
+            "--link-mbit",
+            "5",
+            "--batch",
+            "4",
+            "--steps",
+            "50",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
     try:
         deadline = time.monotonic() + 120
-        while not _bench_workers() and time.monotonic() < deadline:    # the hosts are up and training
+        while not _bench_workers() and time.monotonic() < deadline:  # the hosts are up and training
             time.sleep(0.5)
         assert _bench_workers() and netsim.leftovers(str(proc.pid))["namespaces"]
         proc.send_signal(sig)
@@ -407,23 +600,27 @@ def test_a_link_bound_row_recommends_powersgd_with_a_prediction_its_measured_row
     from ddpkit.bench.diagnose import recommendations
 
     plain = _recorded("link-100mbit-resnet18", Configuration("ddp", 1, "fp32", hosts=2))
-    powersgd = _recorded("link-100mbit-resnet18-powersgd", Configuration("ddp", 1, "fp32", grad_compression="powersgd",
-                                                                          hosts=2))
+    powersgd = _recorded(
+        "link-100mbit-resnet18-powersgd", Configuration("ddp", 1, "fp32", grad_compression="powersgd", hosts=2)
+    )
     said = diagnose(plain, [plain, powersgd])
     assert said.startswith("bound by the link (") and "try grad_compression='powersgd' (0.33 MB per step)" in said
     assert plain["comm"]["transfer_s"] / plain["mean_step_seconds"] > 0.9
-    assert plain["comm"]["link_bytes_per_s"] == pytest.approx(100e6 / 8, rel=0.15)     # the shaped link's speed
+    assert plain["comm"]["link_bytes_per_s"] == pytest.approx(100e6 / 8, rel=0.15)  # the shaped link's speed
     best = recommendations(plain, [plain, powersgd])[0]
     assert best["grad_compression"] == "powersgd"
     assert best["measured_samples_per_second"] == powersgd["samples_per_second"]
     assert abs(powersgd["samples_per_second"] / best["predicted_samples_per_second"] - 1) <= 0.30
 
 
-@pytest.mark.parametrize("name, config", [
-    ("loopback-convnet", Configuration("ddp", 2, "fp32")),
-    ("loopback-convnet-bf16", Configuration("ddp-amp", 2, "bf16")),
-    ("loopback-convnet-syncbn-waiting", Configuration("ddp", 2, "fp32", sync_bn=True)),
-])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("loopback-convnet", Configuration("ddp", 2, "fp32")),
+        ("loopback-convnet-bf16", Configuration("ddp-amp", 2, "bf16")),
+        ("loopback-convnet-syncbn-waiting", Configuration("ddp", 2, "fp32", sync_bn=True)),
+    ],
+)
 def test_a_row_whose_link_moves_the_payload_in_under_10_percent_of_its_step_never_names_compression(name, config):
     from ddpkit.bench.diagnose import recommendations
 
@@ -459,20 +656,27 @@ def test_diagnose_verify_measures_the_best_fix_once_and_flags_a_prediction_far_o
 
     monkeypatch.setattr(bench_run, "measure", measure)
     outcome = bench_run.verify(row, [row], Settings(batch=64), tmp_path)
-    assert ran == [("powersgd", 64, "verify-ddp-x2-fp32-powersgd.json")]       # the best fix, run once
-    assert outcome["measured_samples_per_second"] == 100.0 and outcome["diagnosis_error"] is True   # 250 predicted
+    assert ran == [("powersgd", 64, "verify-ddp-x2-fp32-powersgd.json")]  # the best fix, run once
+    assert outcome["measured_samples_per_second"] == 100.0 and outcome["diagnosis_error"] is True  # 250 predicted
     printed = capsys.readouterr().out
     assert "grad_compression='powersgd': predicted 250 samples/s, measured 100 (-60%)" in printed
     assert "DIAGNOSIS ERROR: the prediction is more than 30% off" in printed
     already = {**row, "grad_compression": "powersgd", "samples_per_second": 240.0, "payload_bytes_per_step": 100_000.0}
     assert bench_run.verify(row, [row, already], Settings(batch=64), tmp_path)["diagnosis_error"] is False
-    assert len(ran) == 1                                     # a fix the table already ran is not run again
+    assert len(ran) == 1  # a fix the table already ran is not run again
     quiet = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.4, 0.5, 0.1]]] * 2, 0.001))
-    assert bench_run.verify(quiet, [quiet], Settings(batch=64), tmp_path) is None      # nothing recommended
+    assert bench_run.verify(quiet, [quiet], Settings(batch=64), tmp_path) is None  # nothing recommended
     from ddpkit.bench.outputs import _markdown
 
-    markdown = _markdown({"settings": dataclasses.asdict(Settings()), "torch": "x", "device": "cpu", "gpus": 0,
-                          "configurations": [{**row, "diagnosis": "d", "verify": outcome}]})
+    markdown = _markdown(
+        {
+            "settings": dataclasses.asdict(Settings()),
+            "torch": "x",
+            "device": "cpu",
+            "gpus": 0,
+            "configurations": [{**row, "diagnosis": "d", "verify": outcome}],
+        }
+    )
     assert "## Diagnosis checked by measuring it" in markdown and "**diagnosis error**" in markdown
 
 
@@ -497,12 +701,29 @@ def test_syncbatchnorm_s_collectives_bound_a_row_where_they_take_a_quarter_of_it
 def test_several_link_speeds_run_every_hosts_row_on_each():
     from ddpkit.bench.plan import parse_settings
 
-    settings = parse_settings(["--modes", "single,ddp", "--hosts", "2", "--nproc", "1", "--link-mbit", "10,100",
-                               "--grad-compression", "none,powersgd"])
+    settings = parse_settings(
+        [
+            "--modes",
+            "single,ddp",
+            "--hosts",
+            "2",
+            "--nproc",
+            "1",
+            "--link-mbit",
+            "10,100",
+            "--grad-compression",
+            "none,powersgd",
+        ]
+    )
     assert settings.links == (10.0, 100.0) and settings.link_mbit == 10.0
     labels = [c.label for c in plan(settings, gpus=0)]
-    assert labels == ["single x1 fp32", "ddp 2 host(s) at 10 Mbit/s x1 fp32", "ddp 2 host(s) at 100 Mbit/s x1 fp32",
-                      "ddp 2 host(s) at 10 Mbit/s x1 fp32 powersgd", "ddp 2 host(s) at 100 Mbit/s x1 fp32 powersgd"]
+    assert labels == [
+        "single x1 fp32",
+        "ddp 2 host(s) at 10 Mbit/s x1 fp32",
+        "ddp 2 host(s) at 100 Mbit/s x1 fp32",
+        "ddp 2 host(s) at 10 Mbit/s x1 fp32 powersgd",
+        "ddp 2 host(s) at 100 Mbit/s x1 fp32 powersgd",
+    ]
     assert plan(settings, gpus=0)[2].name == "ddp-h2-100mbit-x1-fp32"
     with pytest.raises(UsageError, match="--link-mbit must be a positive number of Mbit/s, got '10,fast'"):
         parse_settings(["--modes", "ddp", "--hosts", "2", "--link-mbit", "10,fast"])
@@ -513,14 +734,35 @@ def test_several_link_speeds_run_every_hosts_row_on_each():
 @pytest.mark.timeout(400)
 def test_auto_chooses_powersgd_on_a_100_mbit_link(tmp_path):
     out = tmp_path / "out"
-    result = ddpkit_cli("bench", "--model", "resnet18", "--modes", "ddp", "--hosts", "2", "--nproc", "1",
-                        "--link-mbit", "100", "--grad-compression", "auto", "--batch", "8", "--steps", "2",
-                        "--warmup", "6", "--out", str(out), timeout=380)
+    result = ddpkit_cli(
+        "bench",
+        "--model",
+        "resnet18",
+        "--modes",
+        "ddp",
+        "--hosts",
+        "2",
+        "--nproc",
+        "1",
+        "--link-mbit",
+        "100",
+        "--grad-compression",
+        "auto",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+        "--warmup",
+        "6",
+        "--out",
+        str(out),
+        timeout=380,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     row = json.loads((out / "bench.json").read_text())["configurations"][0]
     decision = row["grad_compression_auto"]
     assert decision["choice"] == "powersgd", decision
-    assert 8e6 < decision["link_bytes_per_s"] < 13e6          # the 100 Mbit/s link, as measured at setup
+    assert 8e6 < decision["link_bytes_per_s"] < 13e6  # the 100 Mbit/s link, as measured at setup
     assert "grad_compression='auto' chose 'powersgd'" in result.stderr
 
 
@@ -536,5 +778,6 @@ def test_the_2x_batch_prediction_grows_the_compute_by_what_was_measured_on_twice
     change = "a 2x per-process batch or accumulating 2 micro-batches"
     assert change in assumed and grown[change] > assumed[change]
     doubled = {**row, "compute_scaling_2x": 2.0}
-    assert {f["change"]: f["predicted_samples_per_second"]
-            for f in recommendations(doubled, [doubled])}[change] == pytest.approx(assumed[change])
+    assert {f["change"]: f["predicted_samples_per_second"] for f in recommendations(doubled, [doubled])}[
+        change
+    ] == pytest.approx(assumed[change])

@@ -21,14 +21,14 @@ def _launch(mode, checkpoint="", *, extra_buffer=False, freeze_at=None):
     return ddpkit.launch(train_bn, nprocs=2, args=(mode, checkpoint, 5, False, extra_buffer, freeze_at))
 
 
-@pytest.mark.slow          # 34 s: make test-slow
+@pytest.mark.slow  # 34 s: make test-slow
 @pytest.mark.timeout(300)
 def test_statistics_stay_each_ranks_own_and_are_averaged_where_read_or_saved(tmp_path):
     full = _launch("full")
     assert full[0]["lazy"] and full[0]["broadcast"] is False
     own0, own1 = full[0]["own"], full[1]["own"]
-    assert not torch.equal(own0[MEAN], own1[MEAN])                  # trained apart, never broadcast
-    for key in (MEAN, VAR):                                          # evaluate averaged them first
+    assert not torch.equal(own0[MEAN], own1[MEAN])  # trained apart, never broadcast
+    for key in (MEAN, VAR):  # evaluate averaged them first
         assert torch.equal(full[0]["after"][key], (own0[key] + own1[key]) / 2)
         assert torch.equal(full[1]["after"][key], full[0]["after"][key])
     # DDP's broadcast kept (a buffer that is not BatchNorm's): the same parameters and rank 0 statistics
@@ -64,7 +64,7 @@ def test_a_layer_frozen_in_eval_mode_reads_averaged_statistics(tmp_path):
     assert torch.equal(ranks[0]["after_frozen_step"], (before[0] + before[1]) / 2)
     assert torch.equal(ranks[1]["after_frozen_step"], ranks[0]["after_frozen_step"])
     assert torch.equal(ranks[0]["after_one_rank"][MEAN], ranks[1]["after_one_rank"][MEAN])
-    assert not torch.equal(ranks[0]["after_one_rank"][MEAN], ranks[0]["after"][MEAN])   # rank 0's forward counted
+    assert not torch.equal(ranks[0]["after_one_rank"][MEAN], ranks[0]["after"][MEAN])  # rank 0's forward counted
 
 
 def test_only_models_whose_buffers_are_all_plain_batchnorm_statistics_sync_lazily():

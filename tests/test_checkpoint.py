@@ -35,7 +35,7 @@ def test_round_trip_restores_everything(tmp_path):
     _train_one_step(rt, state)
     rt.epoch = 2
     path = rt.save(tmp_path / "one.pt", {**state, "best": 0.25})
-    expected_next = torch.rand(3)                      # what the RNG gives right after the save
+    expected_next = torch.rand(3)  # what the RNG gives right after the save
     fresh = {**_state(), "best": None}
     rt.global_step, rt.epoch = 0, 0
     assert rt.load(path, fresh) == path
@@ -44,7 +44,7 @@ def test_round_trip_restores_everything(tmp_path):
     for key, value in state["model"].state_dict().items():
         assert torch.equal(fresh["model"].state_dict()[key], value)
     assert fresh["optimizer"].state_dict()["state"].keys() == state["optimizer"].state_dict()["state"].keys()
-    assert torch.equal(torch.rand(3), expected_next)   # RNG state restored
+    assert torch.equal(torch.rand(3), expected_next)  # RNG state restored
 
 
 def test_directory_saves_rotate_and_leave_no_temp_files(tmp_path):
@@ -54,8 +54,12 @@ def test_directory_saves_rotate_and_leave_no_temp_files(tmp_path):
         _train_one_step(rt, state)
         rt.save(tmp_path, state)
     names = sorted(os.listdir(tmp_path))
-    assert names == ["ckpt-step00000003.pt", "ckpt-step00000003.pt.sha256",
-                     "ckpt-step00000004.pt", "ckpt-step00000004.pt.sha256"]
+    assert names == [
+        "ckpt-step00000003.pt",
+        "ckpt-step00000003.pt.sha256",
+        "ckpt-step00000004.pt",
+        "ckpt-step00000004.pt.sha256",
+    ]
     assert checkpoint.latest(tmp_path).name == "ckpt-step00000004.pt"
 
 
@@ -72,7 +76,7 @@ def test_corrupt_and_truncated_files_are_detected(tmp_path):
     with pytest.raises(DdpkitError, match="corrupted"):
         rt.load(newest, _state())
     with pytest.warns(UserWarning, match="skipping"):
-        assert checkpoint.latest(tmp_path).name == "ckpt-step00000001.pt"   # auto resume skips it
+        assert checkpoint.latest(tmp_path).name == "ckpt-step00000001.pt"  # auto resume skips it
     newest.write_bytes(bytes(data[:100]))
     with pytest.raises(DdpkitError, match="truncated"):
         checkpoint.verify(newest)
@@ -130,7 +134,7 @@ def test_fp16_scaler_state_survives_a_checkpoint(tmp_path):
             loss = state["model"](torch.randn(5, 3)).float().mean()
         rt.backward(loss)
         rt.step(state["optimizer"])
-    rt.precision.flush()          # the update owed by the last step (save applies it too)
+    rt.precision.flush()  # the update owed by the last step (save applies it too)
     saved_scale = rt.precision.scaler.get_scale()
     saved_tracker = rt.precision.scaler.state_dict()["_growth_tracker"]
     path = rt.save(tmp_path / "fp16.pt", state)
@@ -151,21 +155,21 @@ def test_accumulation_groups_end_with_the_pass_and_weigh_every_sample_once():
     reference, model = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
     model.load_state_dict(reference.state_dict())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(2):                                  # what 3 batches of 3 then 1 accumulate to
+    for _ in range(2):  # what 3 batches of 3 then 1 accumulate to
         for chunk in (slice(0, 9), slice(9, 10)):
             torch.nn.functional.mse_loss(reference(inputs[chunk]), targets[chunk]).backward()
             ref_opt.step()
             ref_opt.zero_grad()
     rt = ddpkit.init(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = rt.loader(data, global_batch_size=3)       # 4 batches per pass: 3, 3, 3, 1
+    loader = rt.loader(data, global_batch_size=3)  # 4 batches per pass: 3, 3, 3, 1
     stepped = []
     for _ in rt.epochs(2):
         for x, y in loader:
             with rt.accumulate(model, 3):
                 rt.backward(torch.nn.functional.mse_loss(model(x), y))
                 stepped.append(rt.step(opt))
-    assert stepped == [False, False, True, True] * 2    # never a group across two passes
+    assert stepped == [False, False, True, True] * 2  # never a group across two passes
     assert rt.global_step == 4
     for key, value in reference.state_dict().items():
         assert torch.allclose(model.state_dict()[key], value, atol=1e-6), key
@@ -178,7 +182,7 @@ def test_accumulation_steps_once_per_group():
     accumulated = _model()
     accumulated.load_state_dict(reference.state_dict())
     for module in (reference, accumulated):
-        module.eval()                                  # BN in eval: half batches equal the full one
+        module.eval()  # BN in eval: half batches equal the full one
     rt = ddpkit.init()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     reference(data).pow(2).mean().backward()
@@ -205,15 +209,16 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
     def die(*args):
         raise KeyboardInterrupt("killed between the checksum record and the rename")
 
-    monkeypatch.setattr(checkpoint.pt.os, "replace",
-                        lambda src, dst: die() if str(dst) == str(path) else os.rename(src, dst))
+    monkeypatch.setattr(
+        checkpoint.pt.os, "replace", lambda src, dst: die() if str(dst) == str(path) else os.rename(src, dst)
+    )
     with pytest.raises(KeyboardInterrupt):
         rt.save(path, state)
     monkeypatch.undo()
     assert path.read_bytes() == before
-    checkpoint.verify(path)                       # the old file still verifies
+    checkpoint.verify(path)  # the old file still verifies
     rt.load(path, _state())
-    path2 = rt.save(path, state)                  # and a later save to the same path works
+    path2 = rt.save(path, state)  # and a later save to the same path works
     checkpoint.verify(path2)
     assert "previous" not in __import__("json").loads((tmp_path / "same.pt.sha256").read_text())
 
@@ -221,11 +226,12 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
 def test_prune_sweeps_what_killed_saves_left(tmp_path):
     rt = ddpkit.init()
     state = _state()
-    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1                  # no process has this pid
-    (tmp_path / f".ckpt-step00000007.pt.tmp-{dead}").write_bytes(b"torn")       # a dead writer's temp file
-    (tmp_path / "ckpt-step00000007.pt.sha256").write_text("{}")                 # its record, no checkpoint
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has this pid
+    (tmp_path / f".ckpt-step00000007.pt.tmp-{dead}").write_bytes(b"torn")  # a dead writer's temp file
+    (tmp_path / "ckpt-step00000007.pt.sha256").write_text("{}")  # its record, no checkpoint
     (tmp_path / f".ckpt-step00000009.pt.tmp-{os.getpid()}").write_bytes(b"mine")  # a live writer's: kept
     _train_one_step(rt, state)
     rt.save(tmp_path, state)
-    assert sorted(os.listdir(tmp_path)) == sorted([f".ckpt-step00000009.pt.tmp-{os.getpid()}",
-                                                   "ckpt-step00000001.pt", "ckpt-step00000001.pt.sha256"])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [f".ckpt-step00000009.pt.tmp-{os.getpid()}", "ckpt-step00000001.pt", "ckpt-step00000001.pt.sha256"]
+    )

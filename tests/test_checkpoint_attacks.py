@@ -56,6 +56,7 @@ class Touch:
 
 # -- making checkpoints and planting attacks --------------------------------------------------
 
+
 def _fsdp_state(rt, lr: float = 0.1):
     model = rt.setup(fw.Net(), strategy="fsdp")
     return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=lr)}
@@ -82,9 +83,12 @@ def made(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("made")
     marker = root / "MARKER-distcp"
-    made = {"clean": _write_sharded(root / "clean"), "distcp": _write_sharded(root / "distcp", Exec(marker)),
-            "distcp-marker": marker}
-    assert not marker.exists()          # saving pickled the attack; nothing ran it
+    made = {
+        "clean": _write_sharded(root / "clean"),
+        "distcp": _write_sharded(root / "distcp", Exec(marker)),
+        "distcp-marker": marker,
+    }
+    assert not marker.exists()  # saving pickled the attack; nothing ran it
     return made
 
 
@@ -114,13 +118,12 @@ def _plant(kind: str, made: dict, where: Path) -> tuple[Path, Path, str, str]:
     if kind == ".metadata":
         with open(step / ".metadata", "rb") as handle:
             metadata = dcp_reader.load_metadata(handle, step / ".metadata")
-        metadata.storage_meta.modules = [Touch(marker)]          # deep inside real metadata
+        metadata.storage_meta.modules = [Touch(marker)]  # deep inside real metadata
         (step / ".metadata").write_bytes(pickle.dumps(metadata))
         _reseal(step)
         return step, marker, str(step / ".metadata"), "pathlib.Path.touch"
     assert kind == ".distcp"
-    return (step, made["distcp-marker"], f"{step / '__0_0.distcp'} (entry opt.param_groups.0.lr)",
-            "builtins.exec")
+    return (step, made["distcp-marker"], f"{step / '__0_0.distcp'} (entry opt.param_groups.0.lr)", "builtins.exec")
 
 
 def _assert_refused(said: str, file: str, wanted: str) -> None:
@@ -143,12 +146,13 @@ METADATA = "torch.distributed.checkpoint.metadata"
 
 # -- sharded (DCP) checkpoints, every path ----------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_rt_load_refuses_an_attacked_sharded_checkpoint(made, tmp_path, kind):
     step, marker, file, wanted = _plant(kind, made, tmp_path)
     rt = ddpkit.init(seed=0)
     state = _fsdp_state(rt)
-    for path in (step, step.parent):                 # the step directory, and its directory (newest)
+    for path in (step, step.parent):  # the step directory, and its directory (newest)
         with pytest.raises(UnsafeCheckpoint) as caught:
             rt.load(path, state)
         _assert_refused(str(caught.value), file, wanted)
@@ -194,13 +198,13 @@ def test_rank_local_metadata_is_no_way_around(made, tmp_path):
     with pytest.raises(DdpkitError, match=r"has no \.metadata: it is not a complete DCP checkpoint"):
         checkpoint.read(step)
     reader = dcp_reader.Reader(step)
-    with pytest.raises(UnsafeCheckpoint) as caught:                 # DCP's own fallback, if it got there
+    with pytest.raises(UnsafeCheckpoint) as caught:  # DCP's own fallback, if it got there
         reader.read_metadata(rank=0)
     _assert_refused(str(caught.value), str(step / "__0.metadata"), "builtins.exec")
     assert not (tmp_path / "MARKER").exists()
 
 
-@pytest.mark.timeout(240)       # ~7 s: two 2-process runs
+@pytest.mark.timeout(240)  # ~7 s: two 2-process runs
 def test_loads_on_another_world_size_refuse_and_a_clean_one_reshards(made, tmp_path):
     """Written on 2 processes, attacked, loaded on 1; written on 1, attacked, loaded on 2 (no rank hangs)."""
     two = Path(ddpkit.launch(fw.resumable, nprocs=2, args=("stop", str(tmp_path / "two"), "fsdp", 3, 1))[0]["path"])
@@ -211,12 +215,12 @@ def test_loads_on_another_world_size_refuse_and_a_clean_one_reshards(made, tmp_p
     net = fw.Net()
     model, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2), strategy="fsdp")
     state = {"model": model, "opt": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, step_size=5)}
-    for kind, (step, marker, file, wanted) in planted.items():
+    for step, marker, file, wanted in planted.values():
         with pytest.raises(UnsafeCheckpoint) as caught:
             rt.load(step, state)
         _assert_refused(str(caught.value), file, wanted)
         assert not marker.exists()
-    rt.load(two, state)                                              # 2 -> 1 through ddpkit's reader
+    rt.load(two, state)  # 2 -> 1 through ddpkit's reader
     whole = checkpoint.read(two)["user"]["model"]
     for key, value in rt.full_state_dict(model).items():
         assert torch.equal(value, whole[key]), key
@@ -225,10 +229,10 @@ def test_loads_on_another_world_size_refuse_and_a_clean_one_reshards(made, tmp_p
     attacked = [_plant(kind, made, tmp_path / f"one-{kind}") for kind in KINDS]
     said = ddpkit.launch(load_each, nprocs=2, args=([str(a[0]) for a in attacked] + [str(made["clean"])],))
     for rank in (0, 1):
-        for (step, marker, file, wanted), text in zip(attacked, said[rank]):
+        for (_step, marker, file, wanted), text in zip(attacked, said[rank]):
             _assert_refused(text, file, wanted)
             assert not marker.exists()
-        assert said[rank][-1] is None                                # 1 -> 2: the clean one loads
+        assert said[rank][-1] is None  # 1 -> 2: the clean one loads
 
 
 def load_each(paths: list[str]) -> list[str | None]:
@@ -247,6 +251,7 @@ def load_each(paths: list[str]) -> list[str | None]:
 
 # -- a single-file .pt checkpoint, every path -------------------------------------------------
 
+
 def test_an_attacked_single_file_checkpoint_is_refused_on_every_path(tmp_path):
     rt = ddpkit.init(seed=0)
     model = torch.nn.Linear(3, 2)
@@ -256,12 +261,15 @@ def test_an_attacked_single_file_checkpoint_is_refused_on_every_path(tmp_path):
     payload["user"]["note"] = Exec(marker)
     torch.save(payload, path)
     data = path.read_bytes()
-    path.with_name(path.name + ".sha256").write_text(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
-                                                                 "size": len(data)}))
-    checkpoint.verify(path)                          # the checksums vouch for the attack
-    for load in (lambda: rt.load(path, {"model": model, "note": None}),
-                 lambda: rt.load(path.parent, {"model": model, "note": None}),
-                 lambda: checkpoint.read(path)):
+    path.with_name(path.name + ".sha256").write_text(
+        json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+    )
+    checkpoint.verify(path)  # the checksums vouch for the attack
+    for load in (
+        lambda: rt.load(path, {"model": model, "note": None}),
+        lambda: rt.load(path.parent, {"model": model, "note": None}),
+        lambda: checkpoint.read(path),
+    ):
         with pytest.raises(UnsafeCheckpoint) as caught:
             load()
         _assert_refused(str(caught.value), str(path), "builtins.exec")
@@ -280,6 +288,7 @@ def test_an_attacked_single_file_checkpoint_is_refused_on_every_path(tmp_path):
 
 # -- what must still work, and the allowlist ---------------------------------------------------
 
+
 def test_a_clean_sharded_checkpoint_loads_through_the_allowlist(made, tmp_path, monkeypatch):
     asked: list[tuple[str, str]] = []
     find_class = dcp_reader.MetadataUnpickler.find_class
@@ -292,8 +301,8 @@ def test_a_clean_sharded_checkpoint_loads_through_the_allowlist(made, tmp_path, 
     rt = ddpkit.init(seed=0)
     state = _fsdp_state(rt, lr=0.1)
     rt.load(made["clean"], state)
-    assert asked and state["opt"].param_groups[0]["lr"] == 0.05           # a non-tensor value, read safely
-    assert asked.count((METADATA, "Metadata")) == 1                       # read once: ddpkit first, then DCP
+    assert asked and state["opt"].param_groups[0]["lr"] == 0.05  # a non-tensor value, read safely
+    assert asked.count((METADATA, "Metadata")) == 1  # read once: ddpkit first, then DCP
     weights = rt.full_state_dict(state["model"])
     rt.close()
     asked.clear()
@@ -316,20 +325,24 @@ class _Reduce:
         return (self.call, self.args)
 
 
-@pytest.mark.parametrize("call, args, wanted", [
-    (builtins.eval, ("1",), "builtins.eval"),
-    (builtins.exec, ("x = 1",), "builtins.exec"),
-    (builtins.getattr, (pathlib.Path, "cwd"), "builtins.getattr"),
-    (__import__("os").system, ("true",), f"{__import__('os').system.__module__}.system"),
-    (__import__("subprocess").Popen, (["true"],), "subprocess.Popen"),
-    (__import__("functools").partial, (print,), "functools.partial"),
-    (torch.load, ("x",), "torch.serialization.load"),
-    (pathlib.Path.touch, (pathlib.Path("x"),), "pathlib.Path.touch"),
-], ids=["eval", "exec", "getattr", "system", "popen", "partial", "torch.load", "method"])
+@pytest.mark.parametrize(
+    "call, args, wanted",
+    [
+        (builtins.eval, ("1",), "builtins.eval"),
+        (builtins.exec, ("x = 1",), "builtins.exec"),
+        (builtins.getattr, (pathlib.Path, "cwd"), "builtins.getattr"),
+        (__import__("os").system, ("true",), f"{__import__('os').system.__module__}.system"),
+        (__import__("subprocess").Popen, (["true"],), "subprocess.Popen"),
+        (__import__("functools").partial, (print,), "functools.partial"),
+        (torch.load, ("x",), "torch.serialization.load"),
+        (pathlib.Path.touch, (pathlib.Path("x"),), "pathlib.Path.touch"),
+    ],
+    ids=["eval", "exec", "getattr", "system", "popen", "partial", "torch.load", "method"],
+)
 @pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
 def test_the_metadata_allowlist_refuses_what_could_run_code(tmp_path, call, args, wanted, protocol):
     if protocol < 4 and wanted == "pathlib.Path.touch":
-        wanted = "builtins.getattr"                  # protocols before 4 reach a method through getattr
+        wanted = "builtins.getattr"  # protocols before 4 reach a method through getattr
     file = tmp_path / ".metadata"
     file.write_bytes(pickle.dumps({"metadata": _Reduce(call, args)}, protocol=protocol))
     with open(file, "rb") as handle, pytest.raises(UnsafeCheckpoint) as caught:
@@ -346,6 +359,7 @@ def test_metadata_of_allowed_classes_that_is_not_metadata_is_refused(tmp_path):
 
 # -- damaged checkpoints: one line, never cut inside a sentence ------------------------------
 
+
 def _whole_sentences_of(part: str, whole: str) -> bool:
     return part == whole or (whole.startswith(part) and part.endswith((".", "!", "?")) and whole[len(part)] == " ")
 
@@ -355,7 +369,7 @@ def test_a_truncated_checkpoint_is_one_line_cut_only_between_sentences(tmp_path)
     path = rt.save(tmp_path / "c.pt", {"model": torch.nn.Linear(30, 30)})
     rt.close()
     data = path.read_bytes()
-    path.with_name(path.name + ".sha256").unlink()           # as a file saved by hand: torch.load finds it
+    path.with_name(path.name + ".sha256").unlink()  # as a file saved by hand: torch.load finds it
     for cut in (10, 100, len(data) // 2):
         path.write_bytes(data[:cut])
         with pytest.raises(DdpkitError) as caught:
@@ -364,9 +378,9 @@ def test_a_truncated_checkpoint_is_one_line_cut_only_between_sentences(tmp_path)
         assert "\n" not in said and said.startswith(f"checkpoint {path} cannot be read (")
         try:
             torch.load(path, weights_only=True)
-        except Exception as exc:     # noqa: BLE001 (whatever torch says)
+        except Exception as exc:  # noqa: BLE001 (whatever torch says)
             torch_said = " ".join(str(exc).split())
-        reason = said[len(f"checkpoint {path} cannot be read ("):].rsplit("); ", 1)[0]
+        reason = said[len(f"checkpoint {path} cannot be read (") :].rsplit("); ", 1)[0]
         assert _whole_sentences_of(reason, torch_said), (reason, torch_said)
 
 
@@ -374,13 +388,16 @@ def test_a_truncated_sharded_checkpoint_is_one_line(made, tmp_path):
     for name in ("ddpkit.pt", ".metadata"):
         step = shutil.copytree(made["clean"], tmp_path / name / made["clean"].name)
         data = (step / name).read_bytes()
-        (step / name).write_bytes(data[:len(data) // 2])
+        (step / name).write_bytes(data[: len(data) // 2])
         _reseal(step)
         with pytest.raises(DdpkitError) as caught:
             checkpoint.read(step)
         said = str(caught.value)
-        assert "\n" not in said and said.startswith(f"checkpoint {step / name} cannot be read (") \
-            and said.endswith("; it is damaged"), said
+        assert (
+            "\n" not in said
+            and said.startswith(f"checkpoint {step / name} cannot be read (")
+            and said.endswith("; it is damaged")
+        ), said
 
 
 def test_one_line_shortens_between_sentences_only():

@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 import ddpkit
-from helpers import ddpkit as ddpkit_cli, kill_tree, python
+from helpers import ddpkit as ddpkit_cli
+from helpers import kill_tree, python
 
 # What the script under test does at the end, by its first argument.
 _ENDINGS = """
@@ -36,6 +37,7 @@ if ending == "text":
     raise SystemExit("a message instead of a code")
 if ending == "usage":
     import ddpkit
+    ddpkit.init()            # installs ddpkit's excepthook (importing ddpkit changes nothing)
     raise ddpkit.UsageError("one clear line")
 """
 
@@ -61,8 +63,14 @@ def test_entry_ends_a_script_as_python_does(tmp_path, ending, code):
         log = tmp_path / f"{how}.log"
         result = python(*prefix, str(script), ending, str(log), timeout=90)
         first, *rest = result.stdout.splitlines()
-        results[how] = (result.returncode, json.loads(first), sorted(rest), log.read_text(),
-                        (tmp_path / f"{how}.log.atexit").read_text(), _last_line(result.stderr))
+        results[how] = (
+            result.returncode,
+            json.loads(first),
+            sorted(rest),
+            log.read_text(),
+            (tmp_path / f"{how}.log.atexit").read_text(),
+            _last_line(result.stderr),
+        )
         assert result.returncode == code, result.stderr
     python_run, entry_run = results["python"], results["entry"]
     assert entry_run[1]["name"] == "__main__" and entry_run[1]["path0"] == str(tmp_path)
@@ -77,7 +85,7 @@ def test_entry_ends_a_script_as_python_does(tmp_path, ending, code):
         assert entry_run[2] == python_run[2] == ["atexit handler ran", "thread finished"]
         assert entry_run[3] == python_run[3] == "left open, never flushed\n"
         assert entry_run[4] == python_run[4] == "written at exit\n"
-    assert entry_run[5] == python_run[5]                 # the exception's last line, or the message
+    assert entry_run[5] == python_run[5]  # the exception's last line, or the message
 
 
 def _last_line(text: str) -> str:
@@ -92,7 +100,7 @@ def test_entry_traceback_starts_in_the_script(tmp_path):
     result = python("-m", "ddpkit.entry", str(script), timeout=90)
     assert result.returncode == 1
     frames = [line for line in result.stderr.splitlines() if line.lstrip().startswith("File ")]
-    assert [f.split(",")[0].strip() for f in frames] == [f'File "{script}"'] * 2   # <module>, inner
+    assert [f.split(",")[0].strip() for f in frames] == [f'File "{script}"'] * 2  # <module>, inner
     assert "KeyError: 'deep'" in result.stderr
 
 
@@ -108,11 +116,12 @@ def test_entry_runs_a_module_with_its_arguments(tmp_path):
     assert log.read_text() == "left open, never flushed\n"
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(180)
 def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
     script = tmp_path / "ranks.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import atexit, sys
         import ddpkit
         rt = ddpkit.init()
@@ -128,11 +137,14 @@ def test_ddpkit_run_keeps_exit_codes_and_exit_handlers(tmp_path):
             raise ValueError("rank 1 gives up")
         if sys.argv[2] == "raise" and rt.rank == 0:
             raise ddpkit.UsageError("give --lr a number")
-    """))
+    """)
+    )
     ok = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "ok"), "end", timeout=150)
     assert ok.returncode == 0, ok.stderr
-    assert sorted(line for line in ok.stdout.splitlines() if "handler" in line) == \
-        ["handler of rank 0", "handler of rank 1"]
+    assert sorted(line for line in ok.stdout.splitlines() if "handler" in line) == [
+        "handler of rank 0",
+        "handler of rank 1",
+    ]
     assert [(tmp_path / f"ok.rank{r}").read_text() for r in (0, 1)] == ["rank file\n"] * 2
     exit3 = ddpkit_cli("run", "-n", "2", str(script), str(tmp_path / "e3"), "exit3", timeout=150)
     assert exit3.returncode == 1 and "rank 1 failed first (exit code 3)" in exit3.stderr, exit3.stderr
@@ -205,9 +217,26 @@ def _repeat_ddp_runs(tmp_path, runs: int) -> None:
 def _repeat_bench_runs(tmp_path, runs: int) -> None:
     failures = []
     for i in range(runs):
-        result = ddpkit_cli("bench", "--model", "mlp", "--data", "synthetic", "--modes", "ddp", "--nproc", "2",
-                            "--batch", "8", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / f"b{i}"),
-                            timeout=240)
+        result = ddpkit_cli(
+            "bench",
+            "--model",
+            "mlp",
+            "--data",
+            "synthetic",
+            "--modes",
+            "ddp",
+            "--nproc",
+            "2",
+            "--batch",
+            "8",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / f"b{i}"),
+            timeout=240,
+        )
         if result.returncode != 0:
             failures.append(f"bench {i}: exit {result.returncode}\n{result.stderr[-1500:]}")
     assert failures == [], "\n\n".join(failures)

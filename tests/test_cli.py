@@ -7,9 +7,9 @@ import json
 import pytest
 
 import ddpkit
-from helpers import BIN, EXAMPLES, clean_env, ddpkit as ddpkit_cli, python, run
-
 import workers
+from helpers import BIN, EXAMPLES, clean_env, python, run
+from helpers import ddpkit as ddpkit_cli
 
 HELLO = str(EXAMPLES / "hello.py")
 
@@ -71,17 +71,20 @@ def test_same_worker_under_launch():
     assert {r["sum"] for r in results.values()} == {1}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "--bogus", "x.py"], "unknown option '--bogus'"),
-    (["run", "-n", "2", "missing_script.py"], "script 'missing_script.py' not found"),
-    (["run", "-n", "0", HELLO], "at least 1"),
-    (["run", "--master", "nohost", HELLO], "has no port"),
-    (["run", "--master", "h:70000", HELLO], "out of range"),
-    (["run", "-n", "two", HELLO], "invalid int value"),
-    (["run"], "needs a SCRIPT"),
-    (["frobnicate"], "unknown command 'frobnicate'"),
-    (["doctor", "--bogus"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--bogus", "x.py"], "unknown option '--bogus'"),
+        (["run", "-n", "2", "missing_script.py"], "script 'missing_script.py' not found"),
+        (["run", "-n", "0", HELLO], "at least 1"),
+        (["run", "--master", "nohost", HELLO], "has no port"),
+        (["run", "--master", "h:70000", HELLO], "out of range"),
+        (["run", "-n", "two", HELLO], "invalid int value"),
+        (["run"], "needs a SCRIPT"),
+        (["frobnicate"], "unknown command 'frobnicate'"),
+        (["doctor", "--bogus"], "unrecognized arguments"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = ddpkit_cli(*args, timeout=60)
     assert result.returncode == 2
@@ -100,20 +103,28 @@ def test_doctor_reports_a_healthy_machine():
     facts = report["facts"]
     assert facts["launcher"] == "none" and facts["rank / world size"] == "0 / 1"
     assert facts["gloo available"] is True and facts["backend"] == "gloo"
-    for key in ("torch", "cuda available", "nccl available", "mpi available", "hostname",
-                "master port free", "OMP_NUM_THREADS", "cpu cores"):
+    for key in (
+        "torch",
+        "cuda available",
+        "nccl available",
+        "mpi available",
+        "hostname",
+        "master port free",
+        "OMP_NUM_THREADS",
+        "cpu cores",
+    ):
         assert key in facts
 
 
 def test_doctor_reports_what_a_fault_tolerant_job_listens_on_and_what_it_did_not_check(monkeypatch):
     pytest.importorskip("torchft")
     from ddpkit.cli import doctor
-    from ddpkit.dist import ft_control
+    from ddpkit.distributed import ft_control
 
     refused = ft_control.namespace_refusal()
     facts = dict(doctor.examine().facts)
     assert "firewalls" in facts["not checked"] and "node 0: the lighthouse" in facts["fault-tolerant across hosts"]
-    if not refused:            # this machine gives the control plane a namespace of its own
+    if not refused:  # this machine gives the control plane a namespace of its own
         assert "in a network namespace of the job's own" in facts["fault-tolerant listens on"]
     monkeypatch.setattr(ft_control, "namespace_refusal", lambda: "Operation not permitted")
     report = doctor.examine()
@@ -151,7 +162,9 @@ def test_help_piped_into_a_reader_that_stops_early_is_no_traceback():
 
     from helpers import clean_env
 
-    closed = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"   # stdout: a pipe nobody reads
-              "from ddpkit.cli import main; sys.exit(main(['--help']))")
+    closed = (
+        "import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"  # stdout: a pipe nobody reads
+        "from ddpkit.cli import main; sys.exit(main(['--help']))"
+    )
     done = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True, env=clean_env(), timeout=60)
     assert done.returncode == 141 and done.stderr == "", done.stderr

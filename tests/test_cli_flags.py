@@ -21,16 +21,50 @@ from ddpkit.recipes.config import TrainConfig, check, validate
 from ddpkit.recipes.predict import PredictConfig
 
 TRAIN_FLAGS = {
-    "--batch", "--checkpoint-every", "--config", "--cpu-offload", "--data", "--data-dir", "--epochs", "--eval-batch",
-    "--global-batch", "--grad-compression", "--hang-timeout", "--keep-checkpoints", "--lr", "--master",
-    "--max-restarts", "--model", "--momentum", "--nnodes", "--node-rank", "--nproc", "--out", "--overwrite",
-    "--powersgd-rank", "--precision", "--resume", "--scale-lr", "--seed", "--strategy", "--sync-bn",
-    "--no-sync-bn", "--synthetic-size", "--workers", "--sync", "--sync-every", "--outer-lr", "--outer-momentum",
-    "--tracker", "--run-name", "--log-every", "--micro-shards",
+    "--batch",
+    "--checkpoint-every",
+    "--config",
+    "--cpu-offload",
+    "--data",
+    "--data-dir",
+    "--epochs",
+    "--eval-batch",
+    "--global-batch",
+    "--grad-compression",
+    "--hang-timeout",
+    "--keep-checkpoints",
+    "--lr",
+    "--master",
+    "--max-restarts",
+    "--model",
+    "--momentum",
+    "--nnodes",
+    "--node-rank",
+    "--nproc",
+    "--out",
+    "--overwrite",
+    "--powersgd-rank",
+    "--precision",
+    "--resume",
+    "--scale-lr",
+    "--seed",
+    "--strategy",
+    "--sync-bn",
+    "--no-sync-bn",
+    "--synthetic-size",
+    "--workers",
+    "--sync",
+    "--sync-every",
+    "--outer-lr",
+    "--outer-momentum",
+    "--tracker",
+    "--run-name",
+    "--log-every",
+    "--micro-shards",
 }
 PREDICT_FLAGS = {"--batch", "--checkpoint", "--data", "--data-dir", "--nproc", "--out", "--overwrite", "--split"}
 SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr"}, "predict": {"--overwrite"}}
-PAIRS = {"train": {"--sync-bn", "--no-sync-bn"}, "predict": set()}     # bool | None: decided later when not given
+PAIRS = {"train": {"--sync-bn", "--no-sync-bn"}, "predict": set()}  # bool | None: decided later when not given
 
 
 def _help(command: str, capsys, monkeypatch) -> str:
@@ -47,8 +81,12 @@ def _squashed(text: str) -> str:
 
 
 def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {option: action for action in parser._actions for option in action.option_strings
-            if option not in ("-h", "--help")}
+    return {
+        option: action
+        for action in parser._actions
+        for option in action.option_strings
+        if option not in ("-h", "--help")
+    }
 
 
 @pytest.mark.parametrize("command, config, skip", [("train", TrainConfig, NOT_FLAGS), ("predict", PredictConfig, ())])
@@ -67,10 +105,12 @@ def test_every_field_docstring_is_the_help_of_its_flag(command, config, skip, ca
 def test_the_flags_are_the_ones_before(command, before):
     flags = _flags(getattr(cli, command).parser())
     assert set(flags) == before
-    assert {flag for flag, action in flags.items() if isinstance(action, argparse._StoreTrueAction)} \
-        == SWITCHES[command]
-    assert {flag for flag, action in flags.items() if isinstance(action, argparse.BooleanOptionalAction)} \
-        == PAIRS[command]
+    assert {flag for flag, action in flags.items() if isinstance(action, argparse._StoreTrueAction)} == SWITCHES[
+        command
+    ]
+    assert {flag for flag, action in flags.items() if isinstance(action, argparse.BooleanOptionalAction)} == PAIRS[
+        command
+    ]
 
 
 def test_sync_bn_is_decided_by_the_model_unless_given():
@@ -85,7 +125,10 @@ def test_train_flags_not_given_leave_the_config_and_its_file_alone():
     parser = cli.train.parser()
     assert vars(parser.parse_args([])) == {}
     assert vars(parser.parse_args(["--hang-timeout", "2.5", "--sync-bn", "--global-batch", "32"])) == {
-        "hang_timeout": 2.5, "sync_bn": True, "global_batch": 32}
+        "hang_timeout": 2.5,
+        "sync_bn": True,
+        "global_batch": 32,
+    }
 
 
 def test_predict_flags_carry_their_defaults_and_require_the_rest():
@@ -113,7 +156,11 @@ def test_add_fields_types_defaults_switches_and_help():
     parser = Parser(prog="example")
     add_fields(parser, _Example, skip=("extra",))
     assert vars(parser.parse_args(["--name", "x", "--rate", "0.5", "--quiet"])) == {
-        "name": "x", "rate": 0.5, "count": 3, "quiet": True}
+        "name": "x",
+        "rate": 0.5,
+        "count": 3,
+        "quiet": True,
+    }
     text = " ".join(parser.format_help().split())
     assert "A required name, on two lines." in text and "A rate of 5% or more." in text
     assert "How many. (default 3)" in text
@@ -136,7 +183,7 @@ def test_a_field_without_docstring_or_flag_type_is_refused():
 
 def test_check_is_pure_and_validate_adds_the_probes(tmp_path):
     config = TrainConfig(data="mnist", data_dir=str(tmp_path / "missing"), out=str(tmp_path / "run"))
-    check(config)                         # the settings alone are fine: nothing looks at the disk
+    check(config)  # the settings alone are fine: nothing looks at the disk
     with pytest.raises(UsageError, match="is not a directory"):
         validate(config)
     with pytest.raises(UsageError, match="--nnodes must be at least 1"):

@@ -17,31 +17,31 @@ from ddpkit.parallel.compression import PowerSGDCompressor, check
 from ddpkit.recipes.datasets import load_dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compression_workers import each_compression, mlp_on_digits  # noqa: E402
 import workers  # noqa: E402
+from compression_workers import each_compression, mlp_on_digits  # noqa: E402
 
 
 @pytest.mark.timeout(240)
 def test_each_compression_trains_on_two_processes_and_halves_or_cuts_the_bytes():
     ranks = ddpkit.launch(each_compression, nprocs=2, args=([None, "fp16", "bf16", "powersgd"],))
     found = ranks[0]
-    assert all(ranks[1][c]["digest"] == found[c]["digest"] for c in found)   # replicas stay equal
+    assert all(ranks[1][c]["digest"] == found[c]["digest"] for c in found)  # replicas stay equal
     plain = found["None"]
     steps, grad_bytes = plain["steps"], plain["grad_bytes"]
     assert plain["accuracy"] >= 0.93
     for choice in ("fp16", "bf16"):
         assert found[choice]["payload_bytes"] == steps * grad_bytes // 2, choice
         assert found[choice]["accuracy"] >= plain["accuracy"] - 0.02, choice
-        assert found[choice]["digest"] != plain["digest"], choice         # the hook really ran
+        assert found[choice]["digest"] != plain["digest"], choice  # the hook really ran
     sgd = found["powersgd"]
-    assert sgd["iter"] == steps                                          # one PowerSGD iteration per step
-    plain_part = 5 * grad_bytes                                          # powersgd_start=5 plain steps
-    assert (sgd["payload_bytes"] - plain_part) * 10 < (steps - 5) * grad_bytes    # > 10x fewer bytes after
-    assert sgd["accuracy"] >= 0.85                                       # the same class as uncompressed
+    assert sgd["iter"] == steps  # one PowerSGD iteration per step
+    plain_part = 5 * grad_bytes  # powersgd_start=5 plain steps
+    assert (sgd["payload_bytes"] - plain_part) * 10 < (steps - 5) * grad_bytes  # > 10x fewer bytes after
+    assert sgd["accuracy"] >= 0.85  # the same class as uncompressed
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.slow          # 30 s and more; the auto test resumes PowerSGD state bitwise in make test
+@pytest.mark.slow  # 30 s and more; the auto test resumes PowerSGD state bitwise in make test
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_powersgd_stopped_at_step_17_resumes_bitwise(tmp_path, nprocs):
     ckpt = str(tmp_path / "c.pt")
@@ -49,7 +49,7 @@ def test_powersgd_stopped_at_step_17_resumes_bitwise(tmp_path, nprocs):
     assert ddpkit.launch(mlp_on_digits, nprocs=nprocs, args=("powersgd", "stop", ckpt))[0] == {"step": 17}
     saved = ddpkit.checkpoint.read(ckpt)["ddpkit"]["compression"]
     assert len(saved) == nprocs and all(rank[0]["iter"] == 17 and rank[0]["error"] for rank in saved)
-    assert not torch.equal(saved[0][0]["error"][0], saved[1][0]["error"][0])   # each rank's own feedback
+    assert not torch.equal(saved[0][0]["error"][0], saved[1][0]["error"][0])  # each rank's own feedback
     resumed = ddpkit.launch(mlp_on_digits, nprocs=nprocs, args=("powersgd", "resume", ckpt))[0]
     assert resumed["digest"] == full["digest"] and resumed["steps"] == full["steps"]
 
@@ -61,7 +61,7 @@ def test_powersgd_resumed_on_another_world_size_restarts_its_feedback_with_a_war
     ddpkit.launch(mlp_on_digits, nprocs=2, args=("powersgd", "stop", ckpt))
     three = ddpkit.launch(mlp_on_digits, nprocs=3, args=("powersgd", "resume", ckpt))[0]
     assert any("error feedback of another world size" in w for w in three["warnings"]), three["warnings"]
-    assert three["iter"] == three["steps"] > 17 and three["accuracy"] >= 0.85     # no second warm-up
+    assert three["iter"] == three["steps"] > 17 and three["accuracy"] >= 0.85  # no second warm-up
 
 
 @pytest.mark.slow
@@ -77,8 +77,8 @@ def test_powersgd_checkpoint_resumed_on_one_process_says_compression_is_gone(tmp
 def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     made = PowerSGDCompressor(rank=2, start=3, device=torch.device("cpu"))
     made.state.iter = 9
-    made.state.saved[0] = (torch.randn(10), torch.randn(4))      # feedback and factors of bucket 0
-    made.state.rng.randint(1000)                              # the stream has moved
+    made.state.saved[0] = (torch.randn(10), torch.randn(4))  # feedback and factors of bucket 0
+    made.state.rng.randint(1000)  # the stream has moved
     torch.save(made.state_dict(), tmp_path / "s.pt")
     loaded = PowerSGDCompressor(rank=2, start=3, device=torch.device("cpu"))
     loaded.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True), same_world=True, source="s.pt")
@@ -91,7 +91,7 @@ def test_powersgd_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
         other_rank.load_state_dict(made.state_dict(), same_world=True, source="s.pt")
     assert other_rank.state.iter == 9 and not other_rank.state.saved
     earlier = {**made.state_dict(), "p": {}}
-    del earlier["format"]                                     # what torch's hook left in ddpkit's checkpoints
+    del earlier["format"]  # what torch's hook left in ddpkit's checkpoints
     with pytest.warns(UserWarning, match="an earlier ddpkit's layout: it starts afresh"):
         loaded.load_state_dict(earlier, same_world=True, source="s.pt")
     assert loaded.state.iter == 9 and not loaded.state.saved
@@ -104,7 +104,7 @@ class _Bucket:
         self.flat = torch.cat([t.reshape(-1) for t in tensors])
         self.views, at = [], 0
         for t in tensors:
-            self.views.append(self.flat[at:at + t.numel()].view(t.shape))
+            self.views.append(self.flat[at : at + t.numel()].view(t.shape))
             at += t.numel()
 
     def buffer(self):
@@ -126,7 +126,7 @@ def _reference_step(m, q_rows, feedback):
     p_rows = q_rows @ m.t()
     for i in range(p_rows.shape[0]):
         p_rows[i] /= p_rows[i].norm()
-        p_rows[i + 1:] -= (p_rows[i + 1:] @ p_rows[i])[:, None] * p_rows[i]
+        p_rows[i + 1 :] -= (p_rows[i + 1 :] @ p_rows[i])[:, None] * p_rows[i]
     q_rows = p_rows @ m
     sent = p_rows.t() @ q_rows
     return sent, m - sent, q_rows
@@ -147,7 +147,7 @@ def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors
     torch.manual_seed(0)
     sgd = PowerSGD(rank=2, start=0, device=torch.device("cpu"))
     sgd.group = dist.new_group()
-    seed = np.random.RandomState(0).randint(1_000_000_000)           # the stream's first draw
+    seed = np.random.RandomState(0).randint(1_000_000_000)  # the stream's first draw
     q_rows = torch.randn(2 * 40, generator=torch.Generator().manual_seed(int(seed))).view(2, 40)
     feedback = torch.zeros(30, 40)
     for step in range(3):
@@ -158,11 +158,11 @@ def test_powersgd_sends_the_rank_r_sketch_keeps_the_rest_as_feedback_and_vectors
         sent, feedback, q_rows = _reference_step(weight, q_rows, feedback)
         assert torch.allclose(bucket.views[0], sent, atol=1e-5), step
         assert torch.linalg.matrix_rank(bucket.views[0]) == 2
-        assert torch.equal(bucket.views[1], bias)                       # vectors travel whole
-        assert torch.equal(bucket.views[2], zero)                       # a zero gradient stays zero, no NaN
+        assert torch.equal(bucket.views[1], bias)  # vectors travel whole
+        assert torch.equal(bucket.views[2], zero)  # a zero gradient stays zero, no NaN
         assert torch.allclose(sgd.buckets[0].error[:1200].view(30, 40), feedback, atol=1e-5), step
     assert sgd.iter == 3
-    assert sgd.payload_elements == 3 * (2 * (30 + 40) + 2 * (20 + 40) + 30)    # factors and the bias
+    assert sgd.payload_elements == 3 * (2 * (30 + 40) + 2 * (20 + 40) + 30)  # factors and the bias
 
 
 def test_which_matrices_powersgd_compresses_and_at_what_rank():
@@ -170,15 +170,15 @@ def test_which_matrices_powersgd_compresses_and_at_what_rank():
     from ddpkit.recipes.models import build_model
 
     small, large = torch.Size([256, 64]), torch.Size([512, 256, 3, 3])
-    assert matrix_rank(small, 2) == 4 and matrix_rank(large, 2) == 2          # 64K elements apart
+    assert matrix_rank(small, 2) == 4 and matrix_rank(large, 2) == 2  # 64K elements apart
     assert _is_matrix(small, 2) and _is_matrix(large, 2) and not _is_matrix(torch.Size([256]), 2)
-    assert not _is_matrix(torch.Size([30, 40]), 2)              # factors of rank 4 would be 1/4 of it: sent whole
+    assert not _is_matrix(torch.Size([30, 40]), 2)  # factors of rank 4 would be 1/4 of it: sent whole
     convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
     shapes = [p.shape for p in convnet.parameters()]
-    assert payload_elements(shapes, 2) == sum(s.numel() for s in shapes)   # the digits ConvNet: nothing worth it
+    assert payload_elements(shapes, 2) == sum(s.numel() for s in shapes)  # the digits ConvNet: nothing worth it
     resnet = [p.shape for p in build_model("resnet18", num_classes=10, in_channels=3, image_size=32).parameters()]
     sent = 4 * payload_elements(resnet, 2)
-    assert 0.36e6 < sent < 0.38e6                                # of 44.7 MB: ResNet-18 stays at ~1/120
+    assert 0.36e6 < sent < 0.38e6  # of 44.7 MB: ResNet-18 stays at ~1/120
 
 
 def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path, monkeypatch):
@@ -186,7 +186,7 @@ def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path,
 
     from ddpkit.parallel import powersgd
 
-    monkeypatch.setattr(powersgd, "MIN_COMPRESSION", 2)       # the 30 x 40 matrix is compressed
+    monkeypatch.setattr(powersgd, "MIN_COMPRESSION", 2)  # the 30 x 40 matrix is compressed
     monkeypatch.setattr(powersgd, "SMALL_MATRIX", 0)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -197,21 +197,32 @@ def test_powersgd_hands_an_error_in_its_callbacks_to_the_backward_pass(tmp_path,
         raise ValueError("orthogonalisation failed")
 
     monkeypatch.setattr(powersgd, "_orthonormal_rows", broken)
-    future = sgd.hook(_Bucket([torch.randn(30, 40)]))     # run on the backend's thread: no hang
+    future = sgd.hook(_Bucket([torch.randn(30, 40)]))  # run on the backend's thread: no hang
     with pytest.raises(ValueError, match="orthogonalisation failed"):
         future.wait()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"choice": "int8"}, "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd, auto"),
-    ({"choice": "powersgd", "rank": 0}, "powersgd_rank must be a whole number of at least 1"),
-    ({"choice": "powersgd", "start": 1}, "powersgd_start must be at least 2"),
-    ({"choice": "powersgd", "precision": "fp16"}, "use precision='bf16', or grad_compression='fp16'"),
-    ({"choice": "fp16", "compile": True}, "grad_compression with compile=True is not supported yet"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"choice": "int8"}, "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd, auto"),
+        ({"choice": "powersgd", "rank": 0}, "powersgd_rank must be a whole number of at least 1"),
+        ({"choice": "powersgd", "start": 1}, "powersgd_start must be at least 2"),
+        ({"choice": "powersgd", "precision": "fp16"}, "use precision='bf16', or grad_compression='fp16'"),
+        ({"choice": "fp16", "compile": True}, "grad_compression with compile=True is not supported yet"),
+    ],
+)
 def test_bad_choices_are_one_line_errors(kwargs, message):
-    args = {"choice": None, "rank": 2, "start": None, "backend": "gloo", "device": torch.device("cpu"),
-            "precision": "fp32", "compile": False, **kwargs}
+    args = {
+        "choice": None,
+        "rank": 2,
+        "start": None,
+        "backend": "gloo",
+        "device": torch.device("cpu"),
+        "precision": "fp32",
+        "compile": False,
+        **kwargs,
+    }
     with pytest.raises(ddpkit.UsageError) as caught:
         check(args.pop("choice"), **args)
     assert message in str(caught.value) and "\n" not in str(caught.value)
@@ -224,7 +235,7 @@ def test_setup_refuses_a_bad_choice_and_warns_that_one_process_sends_nothing():
     with pytest.warns(UserWarning, match="has no effect with one process"):
         rt.setup(torch.nn.Linear(2, 2), grad_compression="powersgd")
     with pytest.raises(ddpkit.UsageError, match="compile=True is not supported yet"):
-        rt.setup(torch.compile(torch.nn.Linear(2, 2)), grad_compression="fp16")   # compiled before setup
+        rt.setup(torch.compile(torch.nn.Linear(2, 2)), grad_compression="fp16")  # compiled before setup
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rt.setup(torch.nn.Linear(2, 2))
@@ -235,7 +246,7 @@ def test_auto_measures_then_chooses_none_on_loopback_the_same_on_every_rank(tmp_
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     runs = ddpkit.launch(workers.auto_compression, nprocs=2, args=(8,))
     first, second = runs[0]["decision"], runs[1]["decision"]
-    assert first == second and runs[0]["decided_at"] == 6          # 5 timed plain steps, then the choice
+    assert first == second and runs[0]["decided_at"] == 6  # 5 timed plain steps, then the choice
     assert first["link_bytes_per_s"] > 0 and first["step_s"] > 0
     assert set(first["predicted_step_s"]) == {"none", "bf16", "powersgd"}
     # the choice follows from its own measurements (which compression wins on loopback depends on
@@ -260,7 +271,7 @@ def test_auto_chooses_what_predicts_the_shortest_step(monkeypatch):
     from ddpkit.parallel import auto
 
     class Fake(auto.AutoCompressor):
-        def __init__(self, link, step):          # no link timing: the numbers are given
+        def __init__(self, link, step):  # no link timing: the numbers are given
             self.grad_bytes, self.powersgd_bytes = 44_726_568, 330_000
             self.latency_s, self.link_bytes_per_s = 0.0003, link
             self.model, self.make, self.chosen, self.decision = None, lambda c: None, None, None
@@ -272,10 +283,10 @@ def test_auto_chooses_what_predicts_the_shortest_step(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(auto, "_buckets", lambda model: 3)
-    slow = Fake(11.4e6, 4.05)                        # the recorded 100 Mbit/s row: 4 s a step
+    slow = Fake(11.4e6, 4.05)  # the recorded 100 Mbit/s row: 4 s a step
     slow._decide()
     assert slow.decision["choice"] == "powersgd"
     assert slow.decision["predicted_step_s"]["powersgd"] < 0.2 < 2.0 < slow.decision["predicted_step_s"]["bf16"]
-    fast = Fake(2.0e9, 0.3)                          # loopback: 45 MB in 22 ms of a 300 ms step
+    fast = Fake(2.0e9, 0.3)  # loopback: 45 MB in 22 ms of a 300 ms step
     fast._decide()
     assert fast.decision["choice"] == "none"

@@ -7,14 +7,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ddpkit
-from ddpkit.rng import sample_rng, sample_seed
-from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes, shard_range
 from ddpkit.errors import UsageError
+from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes, shard_range
+from ddpkit.rng import sample_rng, sample_seed
 
 
 def _rank_batches(length, batch, world, epoch=0, **kw):
-    return [list(GlobalBatchSampler(length, global_batch_size=batch, rank=r, world_size=world, **kw)
-                 .batches(epoch)) for r in range(world)]
+    return [
+        list(GlobalBatchSampler(length, global_batch_size=batch, rank=r, world_size=world, **kw).batches(epoch))
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -23,14 +25,14 @@ def test_every_sample_once_and_same_global_batches_for_any_world(world, length):
     batch = 12
     reference = list(GlobalBatchSampler(length, global_batch_size=batch, shuffle=True, seed=3).global_batches(2))
     per_rank = _rank_batches(length, batch, world, epoch=2, shuffle=True, seed=3)
-    assert all(len(r) == len(reference) for r in per_rank)          # same number of steps on every rank
+    assert all(len(r) == len(reference) for r in per_rank)  # same number of steps on every rank
     for step, global_batch in enumerate(reference):
         union = sorted(i for r in range(world) for i in per_rank[r][step])
-        assert union == sorted(global_batch)                         # same samples at each step
+        assert union == sorted(global_batch)  # same samples at each step
         sizes = [len(per_rank[r][step]) for r in range(world)]
-        assert max(sizes) - min(sizes) <= 1                          # uneven by at most one, no padding
+        assert max(sizes) - min(sizes) <= 1  # uneven by at most one, no padding
     everything = [i for r in per_rank for b in r for i in b]
-    assert sorted(everything) == list(range(length))                 # each index exactly once
+    assert sorted(everything) == list(range(length))  # each index exactly once
 
 
 def test_matches_distributed_sampler_when_sizes_divide():
@@ -109,7 +111,7 @@ def test_augmentation_does_not_change_with_workers():
     _, with_workers = _noise_by_index(rt, 2)
     assert without.keys() == with_workers.keys() and len(without) == 40
     assert all(torch.equal(without[k], with_workers[k]) for k in without)
-    assert not torch.equal(without[(0, 3)], without[(1, 3)])        # differs across epochs
+    assert not torch.equal(without[(0, 3)], without[(1, 3)])  # differs across epochs
 
 
 def test_epochs_sets_the_epoch_without_the_user():
@@ -129,12 +131,12 @@ def test_loader_resumes_mid_epoch_from_its_position():
     full = [b.tolist() for b in loader]
     loader.resume_at(0, 3)
     assert [b.tolist() for b in loader] == full[3:]
-    assert [b.tolist() for b in loader] == full[3:]    # no batch trained: still the resume point
+    assert [b.tolist() for b in loader] == full[3:]  # no batch trained: still the resume point
     loader.resume_at(0, 3)
     for _ in loader:
-        loader.mark_trained()                          # what rt.backward does
+        loader.mark_trained()  # what rt.backward does
         break
-    assert [b.tolist() for b in loader] == full        # used up: each pass starts the epoch
+    assert [b.tolist() for b in loader] == full  # used up: each pass starts the epoch
 
 
 def test_batch_weight_counts_true_samples():

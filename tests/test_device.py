@@ -5,23 +5,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.dist.environment import Environment
-from ddpkit.dist.process_group import choose_backend, choose_device
+from ddpkit.distributed.environment import Environment
+from ddpkit.distributed.process_group import choose_backend, choose_device
 from ddpkit.errors import DdpkitError
 
 
 @pytest.fixture
 def gpus(monkeypatch):
     """Pretend this process sees ``n`` CUDA GPUs."""
+
     def visible(n: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
     return visible
 
 
 def _env(local_rank: int, local_world_size: int, own_gpus: bool = False) -> Environment:
-    return Environment(launcher="slurm", rank=local_rank, local_rank=local_rank, world_size=local_world_size,
-                       local_world_size=local_world_size, own_gpus=own_gpus)
+    return Environment(
+        launcher="slurm",
+        rank=local_rank,
+        local_rank=local_rank,
+        world_size=local_world_size,
+        local_world_size=local_world_size,
+        own_gpus=own_gpus,
+    )
 
 
 def test_every_process_sees_every_gpu_and_takes_its_local_rank(gpus):
@@ -44,8 +52,11 @@ def test_tasks_bound_to_two_gpus_each_take_one_of_their_own(gpus):
 
 def test_processes_sharing_fewer_gpus_than_they_are_is_refused(gpus):
     gpus(2)
-    with pytest.raises(DdpkitError, match=r"4 processes on this node but only 2 visible GPU\(s\), the same in "
-                                          r"every process, and NCCL cannot run two ranks on one GPU"):
+    with pytest.raises(
+        DdpkitError,
+        match=r"4 processes on this node but only 2 visible GPU\(s\), the same in "
+        r"every process, and NCCL cannot run two ranks on one GPU",
+    ):
         choose_device(_env(3, 4))
     with pytest.raises(DdpkitError, match="ddpkit run -n 2"):
         choose_device(_env(0, 4), "cuda")
@@ -66,12 +77,22 @@ def test_an_explicit_device_is_taken_as_given(gpus):
 
 def test_a_bound_task_under_srun_end_to_end(gpus, monkeypatch):
     """From SLURM's variables to the device: detect() and choose_device() together."""
-    from ddpkit.dist.environment import detect
+    from ddpkit.distributed.environment import detect
 
     gpus(1)
-    env = detect({"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",
-                  "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_NTASKS_PER_NODE": "4",
-                  "SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "0"})
+    env = detect(
+        {
+            "SLURM_PROCID": "7",
+            "SLURM_LOCALID": "3",
+            "SLURM_NTASKS": "8",
+            "SLURM_NODEID": "1",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NODELIST": "gpu[1-2]",
+            "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_GPUS_PER_TASK": "1",
+            "CUDA_VISIBLE_DEVICES": "0",
+        }
+    )
     device = choose_device(env)
     assert device == torch.device("cuda", 0)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)

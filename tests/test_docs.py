@@ -46,9 +46,17 @@ def _blocks() -> list[tuple[str, str, str, str | None]]:
                 end += 1
             reason = _NOT_RUN.match(lines[index - 1]) if index else None
             after = _RUNS_AFTER.match(lines[index - 1]) if index else None
-            setup = "".join((SETUP / f"{name}.py").read_text() + "\n" for name in after.group(1).split()) if after else ""
-            found.append((f"{page.relative_to(ROOT)}:{index + 1}", fence.group(1),
-                          setup + "\n".join(lines[index + 1:end]), reason.group(1) if reason else None))
+            setup = (
+                "".join((SETUP / f"{name}.py").read_text() + "\n" for name in after.group(1).split()) if after else ""
+            )
+            found.append(
+                (
+                    f"{page.relative_to(ROOT)}:{index + 1}",
+                    fence.group(1),
+                    setup + "\n".join(lines[index + 1 : end]),
+                    reason.group(1) if reason else None,
+                )
+            )
             index = end + 1
     return found
 
@@ -56,8 +64,13 @@ def _blocks() -> list[tuple[str, str, str, str | None]]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    built = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-n", "--keep-going", "-q", "-b", "html",
-                            str(ROOT / "docs"), str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    built = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "-n", "--keep-going", "-q", "-b", "html", str(ROOT / "docs"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert built.returncode == 0 and not built.stderr.strip(), built.stderr[-4000:]
     return out
 
@@ -87,10 +100,14 @@ def test_the_cli_reference_has_every_command_and_flag_of_the_real_parsers(site):
 def test_the_readme_is_a_front_page_with_the_set_up_commands_first():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 150, len(lines)
-    shown = [line for line in lines if not _NOT_RUN.match(line) and not _RUNS_AFTER.match(line)]   # GitHub hides them
-    assert shown[:5] == ["# ddpkit", "", "```bash", "make demo   # creates .venv, installs ddpkit, runs the built-in "
-                         "end-to-end demo", "make test   # creates .venv, installs ddpkit with test extras, runs the "
-                         "test suite"]
+    shown = [line for line in lines if not _NOT_RUN.match(line) and not _RUNS_AFTER.match(line)]  # GitHub hides them
+    assert shown[:5] == [
+        "# ddpkit",
+        "",
+        "```bash",
+        "make demo   # creates .venv, installs ddpkit, runs the built-in end-to-end demo",
+        "make test   # creates .venv, installs ddpkit with test extras, runs the test suite",
+    ]
     for link in re.findall(r"\]\(((?:docs/)[^)#]+)", "\n".join(lines)):
         assert (ROOT / link).exists(), link
 
@@ -102,29 +119,34 @@ def test_every_block_runs_or_says_why_not(capsys):
         print(f"\n{len(skipped)} of {len(blocks)} code blocks are marked not runnable here:")
         for where, reason in skipped:
             print(f"  {where}: {reason}")
-    assert len(blocks) - len(skipped) >= 13         # the count this suite has run since the setup files
+    assert len(blocks) - len(skipped) >= 13  # the count this suite has run since the setup files
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("where, language, code", [(w, lang, c) for w, lang, c, reason in _blocks() if not reason],
-                         ids=lambda value: value if isinstance(value, str) and ".md:" in value else "")
+@pytest.mark.parametrize(
+    "where, language, code",
+    [(w, lang, c) for w, lang, c, reason in _blocks() if not reason],
+    ids=lambda value: value if isinstance(value, str) and ".md:" in value else "",
+)
 def test_a_runnable_block_runs(where, language, code, tmp_path):
     env = clean_env(PATH=f"{BIN}:{clean_env()['PATH']}")
     if language == "python":
-        done = subprocess.run([str(BIN / "python"), "-c", code], capture_output=True, text=True, timeout=240,
-                              cwd=tmp_path, env=env)
+        done = subprocess.run(
+            [str(BIN / "python"), "-c", code], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
+        )
     else:
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=240,
-                              cwd=ROOT, env=env)
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env
+        )
     assert done.returncode == 0, f"{where}\n{done.stderr[-3000:]}"
-    for expected in re.findall(r"#\s*(world_size=\d+ rank_sum=\d+)", code):      # what the comments promise
+    for expected in re.findall(r"#\s*(world_size=\d+ rank_sum=\d+)", code):  # what the comments promise
         assert expected in done.stdout, f"{where}: {expected!r} not printed\n{done.stdout[-2000:]}"
 
 
 def _documented_keys(section: str) -> list[str]:
     text = (ROOT / "docs" / "reference" / "outputs.md").read_text()
-    part = text[text.index(section):]
-    part = part[:part.index("\n## ", 1)] if "\n## " in part[1:] else part
+    part = text[text.index(section) :]
+    part = part[: part.index("\n## ", 1)] if "\n## " in part[1:] else part
     return re.findall(r"^\| `(\w+)` \|", part, re.M)
 
 
@@ -133,7 +155,9 @@ def _dict_keys(path: Path, name: str) -> list[str]:
     import ast
 
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(getattr(t, "id", None) == name for t in targets) and isinstance(node.value, ast.Dict):
             return [key.value for key in node.value.keys if isinstance(key, ast.Constant)]
     raise AssertionError(f"no dict {name} in {path}")
@@ -142,8 +166,9 @@ def _dict_keys(path: Path, name: str) -> list[str]:
 def test_the_output_keys_page_lists_every_key_the_code_writes():
     src = ROOT / "src" / "ddpkit"
     assert _documented_keys("## `summary.json`") == _dict_keys(src / "recipes" / "train.py", "summary")
-    assert _documented_keys("## A sharded checkpoint's `manifest.json`") == \
-        _dict_keys(src / "checkpoint" / "dcp.py", "manifest")
+    assert _documented_keys("## A sharded checkpoint's `manifest.json`") == _dict_keys(
+        src / "checkpoint" / "dcp.py", "manifest"
+    )
 
 
 def test_the_output_keys_page_lists_every_key_of_the_fault_tolerant_bench():
@@ -151,15 +176,18 @@ def test_the_output_keys_page_lists_every_key_of_the_fault_tolerant_bench():
 
     src = ROOT / "src" / "ddpkit"
     report = _dict_keys(src / "bench" / "ft.py", "report")
-    assert _documented_keys("## `ft.json`")[:len(report)] == report
+    assert _documented_keys("## `ft.json`")[: len(report)] == report
     t = 1000.0
-    events = [{"who": w, "attempt": 0, "kind": "step", "step": s, "local": 20, "t": t + s} for w in (0, 1, 2)
-              for s in (1, 2)]
-    events += [{"who": 1, "attempt": 1, "kind": "process", "step": 0, "t": t + 9},
-               {"who": 1, "attempt": 1, "kind": "step", "step": 4, "local": 20, "t": t + 10},
-               {"who": 0, "attempt": 0, "kind": "step", "step": 3, "local": 30, "t": t + 4}]
+    events = [
+        {"who": w, "attempt": 0, "kind": "step", "step": s, "local": 20, "t": t + s} for w in (0, 1, 2) for s in (1, 2)
+    ]
+    events += [
+        {"who": 1, "attempt": 1, "kind": "process", "step": 0, "t": t + 9},
+        {"who": 1, "attempt": 1, "kind": "step", "step": 4, "local": 20, "t": t + 10},
+        {"who": 0, "attempt": 0, "kind": "step", "step": 3, "local": 30, "t": t + 4},
+    ]
     row = {**ft.measure(events, kill_at=2), **ft.TIMED}
-    assert _documented_keys("## `ft.json`")[len(report):] == list(row)
+    assert _documented_keys("## `ft.json`")[len(report) :] == list(row)
     assert row["recovery_s"] == 2.0 and row["heal_s"] == 1.0 and row["rejoined_s_after_kill"] == 8.0
 
 
@@ -172,10 +200,16 @@ def _returned_keys(path: Path, function: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == function:
             for inner in ast.walk(node):
-                value = inner.value if isinstance(inner, ast.Return) else (
-                    inner.args[0] if isinstance(inner, ast.Call) and getattr(inner.func, "attr", "") == "append"
-                    and inner.args else None)
-                for literal in (value.elts if isinstance(value, ast.List) else [value]):
+                value = (
+                    inner.value
+                    if isinstance(inner, ast.Return)
+                    else (
+                        inner.args[0]
+                        if isinstance(inner, ast.Call) and getattr(inner.func, "attr", "") == "append" and inner.args
+                        else None
+                    )
+                )
+                for literal in value.elts if isinstance(value, ast.List) else [value]:
                     if isinstance(literal, ast.Dict):
                         found += [k.value for k in literal.keys if isinstance(k, ast.Constant) and k.value not in found]
     assert found, f"no dict returned by {function} in {path}"
@@ -186,17 +220,33 @@ def test_the_output_keys_page_lists_every_key_of_bench_json_and_the_demo_report(
     src = ROOT / "src" / "ddpkit"
     bench = src / "bench"
     assert _documented_keys("## `bench.json`") == _dict_keys(bench / "run.py", "report") + ["raw_vs_ddpkit", "command"]
-    row = {*_returned_keys(bench / "summary.py", "summarize"), *_returned_keys(bench / "summary.py", "not_applicable"),
-           "diagnosis", "verify"}
+    row = {
+        *_returned_keys(bench / "summary.py", "summarize"),
+        *_returned_keys(bench / "summary.py", "not_applicable"),
+        "diagnosis",
+        "verify",
+    }
     assert set(_documented_keys("## A `bench.json` row")) == row
-    comm = [k for k in _returned_keys(bench / "wire.py", "split") + _returned_keys(bench / "summary.py", "_comm")
-            if k not in ("payload_call_s", "overlap")]          # the first is renamed, the second moves up a level
+    comm = [
+        k
+        for k in _returned_keys(bench / "wire.py", "split") + _returned_keys(bench / "summary.py", "_comm")
+        if k not in ("payload_call_s", "overlap")
+    ]  # the first is renamed, the second moves up a level
     assert set(_documented_keys("## A row's `comm`")) == set(comm)
-    fixes = {*_returned_keys(bench / "diagnose.py", "recommendations"), *_returned_keys(bench / "diagnose.py", "_infrequent"),
-             *_returned_keys(bench / "diagnose.py", "checked"), *_returned_keys(src / "cli" / "demo.py", "_verify")}
+    fixes = {
+        *_returned_keys(bench / "diagnose.py", "recommendations"),
+        *_returned_keys(bench / "diagnose.py", "_infrequent"),
+        *_returned_keys(bench / "diagnose.py", "checked"),
+        *_returned_keys(src / "cli" / "demo.py", "_verify"),
+    }
     assert set(_documented_keys("## A row's `verify`")) == fixes | {"measured_samples_per_second"}
     assert set(_documented_keys("## `raw_vs_ddpkit`")) == set(_returned_keys(bench / "run.py", "compare_raw"))
-    demo = [k for k in _returned_keys(src / "cli" / "demo.py", "main") if k != "step"]    # dropped before writing
-    demo += ["max_rel_diff_vs_single", "speedup", "efficiency", *_returned_keys(src / "cli" / "demo.py", "_diagnosed"),
-             "verify"]
+    demo = [k for k in _returned_keys(src / "cli" / "demo.py", "main") if k != "step"]  # dropped before writing
+    demo += [
+        "max_rel_diff_vs_single",
+        "speedup",
+        "efficiency",
+        *_returned_keys(src / "cli" / "demo.py", "_diagnosed"),
+        "verify",
+    ]
     assert _documented_keys("## `report.json`") == demo

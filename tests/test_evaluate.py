@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import predict_to_file          # the public name README shows
-
 import workers
+from ddpkit import predict_to_file  # the public name README shows
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def test_predictions_match_single_process_in_order(runs, world, length):
     reference, _ = _single_process(length)
     ranks = runs[world]
     main = ranks[0][length]["main"]
-    assert torch.equal(main["index"], torch.arange(length))                # every index once, in order
+    assert torch.equal(main["index"], torch.arange(length))  # every index once, in order
     assert main["logits"].shape == (length, 5)
     assert torch.equal(main["logits"].argmax(1), reference.argmax(1))
     assert _relative(main["logits"], reference) <= 1e-6
@@ -51,7 +50,7 @@ def test_predictions_match_single_process_in_order(runs, world, length):
             assert ranks[rank][length]["main"] is None
     assert sum(ranks[r][length]["shard"] for r in range(world)) == length
     if length == 1 and world > 1:
-        assert ranks[world - 1][length]["shard"] == 0                       # an empty rank finished
+        assert ranks[world - 1][length]["shard"] == 0  # an empty rank finished
 
 
 @pytest.mark.timeout(300)
@@ -63,13 +62,13 @@ def test_counts_equal_single_process_exactly(runs, world, length):
     confusion = torch.zeros(5, 5, dtype=torch.long)
     confusion.index_put_((labels, predicted), torch.ones(length, dtype=torch.long), accumulate=True)
     loss = torch.nn.functional.cross_entropy(logits.double(), labels, reduction="sum").item() / length
-    for rank in range(world):                      # identical on every rank
+    for rank in range(world):  # identical on every rank
         metrics = runs[world][rank][length]["metrics"]
         assert metrics["count"] == length
         assert metrics["correct"] == int((predicted == labels).sum())
         assert metrics["confusion"] == confusion.tolist()
         assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
-        assert metrics["tm_accuracy"] == pytest.approx(metrics["accuracy"], abs=1e-6)   # torchmetrics agrees
+        assert metrics["tm_accuracy"] == pytest.approx(metrics["accuracy"], abs=1e-6)  # torchmetrics agrees
 
 
 @pytest.mark.timeout(300)
@@ -85,14 +84,14 @@ def test_streamed_predictions_are_merged_in_order(runs, world):
 
 
 def test_per_class_metrics_from_the_confusion_matrix():
-    data = torch.utils.data.TensorDataset(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]),
-                                          torch.tensor([0, 1, 1, 1]))
+    data = torch.utils.data.TensorDataset(
+        torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]), torch.tensor([0, 1, 1, 1])
+    )
     metrics = ddpkit.evaluate(torch.nn.Identity(), data, num_classes=2)
     assert metrics["confusion"] == [[1, 0], [1, 2]]
     assert metrics["precision"] == [0.5, 1.0] and metrics["recall"] == [1.0, 2 / 3]
     assert metrics["f1"] == pytest.approx([2 / 3, 0.8])
     assert metrics["accuracy"] == 0.75
-
 
 
 def test_a_reused_torchmetrics_metric_is_reset_by_each_evaluate():
@@ -101,11 +100,12 @@ def test_a_reused_torchmetrics_metric_is_reset_by_each_evaluate():
 
     data = workers.indexed_dataset(7)
     accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=5)
-    accuracy.update(torch.eye(5)[:4], torch.tensor([1, 2, 3, 4]))   # stale state: four wrong samples
+    accuracy.update(torch.eye(5)[:4], torch.tensor([1, 2, 3, 4]))  # stale state: four wrong samples
     first = ddpkit.evaluate(workers.LogitsOnly(), data, num_classes=5, extra_metrics={"tm": accuracy})
     second = ddpkit.evaluate(workers.LogitsOnly(), data, num_classes=5, extra_metrics={"tm": accuracy})
     assert first["tm"] == second["tm"] == pytest.approx(first["accuracy"])
-    assert accuracy.update_count == 1       # the second call's one batch of 7, nothing before it
+    assert accuracy.update_count == 1  # the second call's one batch of 7, nothing before it
+
 
 def test_predict_rejects_bad_arguments(tmp_path):
     with pytest.raises(ddpkit.UsageError, match="use 'main' or 'all'"):

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
+import workers
 from ddpkit.errors import UsageError
 from ddpkit.parallel import exact
-
-import workers
 
 
 def _same(a: dict, b: dict) -> list[str]:
@@ -27,11 +26,13 @@ def _same(a: dict, b: dict) -> list[str]:
 
 # -- the tree ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shards,world", [(8, 2), (8, 4), (6, 2), (4, 4), (2, 2)])
 def test_ranks_partial_sums_complete_the_single_process_tree_bit_for_bit(shards, world):
     g = torch.Generator().manual_seed(shards * 10 + world)
-    leaves = [torch.randn(1000, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g).item()
-              for _ in range(shards)]
+    leaves = [
+        torch.randn(1000, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g).item() for _ in range(shards)
+    ]
     whole = exact.tree_sum(leaves)
     partials = [exact.tree_sum(leaves[r::world]) for r in range(world)]
     assert torch.equal(exact.tree_sum(partials), whole)
@@ -45,6 +46,7 @@ def test_tree_sum_skips_empty_leaves():
 
 
 # -- one process ---------------------------------------------------------------------------------------
+
 
 def _bn_net() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -77,7 +79,7 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
         rt.step(opt)
         expected = sum(F.cross_entropy(plain(x[j::2]), y[j::2]) * len(y[j::2]) / len(y) for j in range(2))
         expected.backward()
-        assert len(seen) == 6          # two Linear layers and the BatchNorm, weight and bias each
+        assert len(seen) == 6  # two Linear layers and the BatchNorm, weight and bias each
         for mine, theirs in zip(seen, plain.parameters()):
             assert torch.allclose(mine, theirs.grad, rtol=1e-5, atol=1e-7)
         bn, plain_bn = net[1], plain[1]
@@ -88,7 +90,7 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
         assert torch.get_num_threads() == exact.threads_for(2)
     finally:
         rt.close()
-    assert torch.get_num_threads() == threads      # rt.close gives the process its own count back
+    assert torch.get_num_threads() == threads  # rt.close gives the process its own count back
 
 
 def _drop_batch(rt) -> None:
@@ -107,14 +109,14 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
         batches = iter(loader)
         x, y = next(batches)
         with pytest.raises(UsageError, match="inside `for shard in rt.shards"):
-            net(x)                                 # a training forward outside the shards
+            net(x)  # a training forward outside the shards
         with pytest.raises(UsageError, match="rt.backward inside"):
             rt.backward(F.cross_entropy(_bn_net().eval()(x), y))
         shards = rt.shards(x, y)
         xs, ys = next(shards)
         rt.backward(F.cross_entropy(net(xs), ys))
         with pytest.raises(UsageError, match="before every shard"):
-            rt.step(opt)                           # `break` after the first shard
+            rt.step(opt)  # `break` after the first shard
         shards.close()
         with pytest.raises(UsageError, match="previous batch were not stepped"):
             next(rt.shards(x, y))
@@ -135,26 +137,38 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
         with pytest.raises(UsageError, match="built for one model"):
             rt.setup(_bn_net(), micro_shards=2)
         net.eval()
-        net(x)                                     # evaluation forwards are free
+        net(x)  # evaluation forwards are free
     finally:
         rt.close()
 
 
-@pytest.mark.parametrize("options,match", [
-    ({"world_size": 3}, "power-of-two number of processes"),
-    ({"world_size": 4, "micro_shards": 2}, "power-of-two number of processes that divides it"),
-    ({"sync_batchnorm": True}, "sync_batchnorm=True"),
-    ({"grad_compression": "powersgd"}, "grad_compression='powersgd'"),
-    ({"strategy": "fsdp"}, "strategy='fsdp'"),
-    ({"sync": "diloco"}, "sync='diloco'"),
-    ({"compile": True}, "compile"),
-    ({"ddp_kwargs": {"find_unused_parameters": True}}, "DDP arguments"),
-    ({"fault_tolerant": True}, "--fault-tolerant"),
-    ({"micro_shards": 0}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"world_size": 3}, "power-of-two number of processes"),
+        ({"world_size": 4, "micro_shards": 2}, "power-of-two number of processes that divides it"),
+        ({"sync_batchnorm": True}, "sync_batchnorm=True"),
+        ({"grad_compression": "powersgd"}, "grad_compression='powersgd'"),
+        ({"strategy": "fsdp"}, "strategy='fsdp'"),
+        ({"sync": "diloco"}, "sync='diloco'"),
+        ({"compile": True}, "compile"),
+        ({"ddp_kwargs": {"find_unused_parameters": True}}, "DDP arguments"),
+        ({"fault_tolerant": True}, "--fault-tolerant"),
+        ({"micro_shards": 0}, "at least 1"),
+    ],
+)
 def test_what_micro_shards_does_not_combine_with_is_one_line(options, match):
-    args = {"micro_shards": 4, "world_size": 2, "sync_batchnorm": False, "grad_compression": None,
-            "strategy": "ddp", "sync": "every-step", "compile": False, "ddp_kwargs": {}, **options}
+    args = {
+        "micro_shards": 4,
+        "world_size": 2,
+        "sync_batchnorm": False,
+        "grad_compression": None,
+        "strategy": "ddp",
+        "sync": "every-step",
+        "compile": False,
+        "ddp_kwargs": {},
+        **options,
+    }
     shards = args.pop("micro_shards")
     with pytest.raises(UsageError, match=match) as caught:
         exact.check(shards, **args)
@@ -173,6 +187,7 @@ def test_rt_shards_without_micro_shards_and_through_rt_setup_are_refused():
 
 
 # -- several processes ------------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(240)
 def test_one_process_and_ddp_x2_end_at_the_same_bits():
@@ -195,7 +210,7 @@ def test_a_rank_whose_shards_are_empty_still_steps_and_clipping_sees_the_summed_
     two = ddpkit.launch(workers.exact_run, nprocs=2, args=(2, 2, None, None, "fp32", 97, 0.05))[0]
     assert one["steps"] == two["steps"] == 2 * 3
     assert _same(one["state"], two["state"]) == []
-    unclipped = workers.exact_run(2, 2, None, None, "fp32", 97, None)       # one process: this one
+    unclipped = workers.exact_run(2, 2, None, None, "fp32", 97, None)  # one process: this one
     assert _same(one["state"], unclipped["state"]) != []
 
 
@@ -214,17 +229,30 @@ def test_four_processes_and_a_resume_on_another_world_size_end_at_the_same_bits(
     assert _same(one["state"], resumed["state"]) == []
 
 
-@pytest.mark.parametrize("flags,line", [
-    (["--micro-shards", "2", "--nproc", "3", "--global-batch", "48"],
-     "--micro-shards 2 is exact on a power-of-two number of processes that divides it (1, 2, 4, ...); this run "
-     "has 3: change the number of processes, or --micro-shards to a multiple of 3"),
-    (["--micro-shards", "2", "--nproc", "2", "--sync-bn"],
-     "--micro-shards does not combine with --sync-bn (each shard keeps its own BatchNorm statistics); drop one of the two"),
-    (["--micro-shards", "2", "--grad-compression", "fp16"], "--micro-shards does not combine with --grad-compression fp16"),
-    (["--micro-shards", "2", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync diloco"),
-    (["--micro-shards", "2", "--strategy", "fsdp"], "--micro-shards does not combine with --strategy fsdp"),
-    (["--micro-shards", "128"], "--micro-shards 128 cuts a global batch of 64 samples"),
-])
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (
+            ["--micro-shards", "2", "--nproc", "3", "--global-batch", "48"],
+            "--micro-shards 2 is exact on a power-of-two number of processes that divides it (1, 2, 4, ...); this run "
+            "has 3: change the number of processes, or --micro-shards to a multiple of 3",
+        ),
+        (
+            ["--micro-shards", "2", "--nproc", "2", "--sync-bn"],
+            "--micro-shards does not combine with --sync-bn (each shard keeps its own BatchNorm statistics); drop one of the two",
+        ),
+        (
+            ["--micro-shards", "2", "--grad-compression", "fp16"],
+            "--micro-shards does not combine with --grad-compression fp16",
+        ),
+        (
+            ["--micro-shards", "2", "--sync", "diloco", "--sync-every", "4"],
+            "--micro-shards does not combine with --sync diloco",
+        ),
+        (["--micro-shards", "2", "--strategy", "fsdp"], "--micro-shards does not combine with --strategy fsdp"),
+        (["--micro-shards", "128"], "--micro-shards 128 cuts a global batch of 64 samples"),
+    ],
+)
 def test_ddpkit_train_refuses_micro_shards_it_cannot_make_exact_naming_the_flags(tmp_path, flags, line):
     from ddpkit.cli.train import train_config
 
@@ -235,9 +263,9 @@ def test_ddpkit_train_refuses_micro_shards_it_cannot_make_exact_naming_the_flags
 
 def test_ddpkit_train_with_micro_shards_turns_sync_bn_off_and_records_it(tmp_path):
     from ddpkit.cli.train import train_config
+    from ddpkit.recipes.datasets import load_dataset
     from ddpkit.recipes.models import build_model
     from ddpkit.recipes.train import recipe_of, sync_bn_default
-    from ddpkit.recipes.datasets import load_dataset
 
     config = train_config(["--micro-shards", "2", "--nproc", "2", "--out", str(tmp_path / "o")])
     convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
@@ -247,15 +275,22 @@ def test_ddpkit_train_with_micro_shards_turns_sync_bn_off_and_records_it(tmp_pat
 
 # -- ddpkit bench --micro-shards ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags,line", [
-    (["--modes", "single,ddp", "--nproc", "3"], "--micro-shards 2 is exact on a power-of-two number of processes"),
-    (["--modes", "dp"], "--micro-shards does not combine with --modes dp or fsdp"),
-    (["--modes", "ddp", "--grad-compression", "powersgd"], "--micro-shards does not combine with --grad-compression"),
-    (["--modes", "ddp", "--sync-bn", "on"], "--micro-shards does not combine with --sync-bn on"),
-    (["--modes", "ddp", "--compare-raw"], "--micro-shards does not combine with --compare-raw"),
-    (["--modes", "ddp", "--data-format", "shards"], "--micro-shards does not combine with --data-format shards"),
-    (["--modes", "ddp", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync"),
-])
+
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (["--modes", "single,ddp", "--nproc", "3"], "--micro-shards 2 is exact on a power-of-two number of processes"),
+        (["--modes", "dp"], "--micro-shards does not combine with --modes dp or fsdp"),
+        (
+            ["--modes", "ddp", "--grad-compression", "powersgd"],
+            "--micro-shards does not combine with --grad-compression",
+        ),
+        (["--modes", "ddp", "--sync-bn", "on"], "--micro-shards does not combine with --sync-bn on"),
+        (["--modes", "ddp", "--compare-raw"], "--micro-shards does not combine with --compare-raw"),
+        (["--modes", "ddp", "--data-format", "shards"], "--micro-shards does not combine with --data-format shards"),
+        (["--modes", "ddp", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync"),
+    ],
+)
 def test_bench_refuses_what_micro_shards_does_not_combine_with(flags, line):
     from ddpkit.bench.plan import parse_settings
 
@@ -277,7 +312,7 @@ def test_bench_rows_carry_micro_shards_and_a_link_bound_one_is_never_told_to_com
 
     plain = _recorded("link-100mbit-resnet18", Configuration("ddp", 1, "fp32", hosts=2))
     exact_row = _recorded("link-100mbit-resnet18", Configuration("ddp", 1, "fp32", hosts=2, micro_shards=2))
-    assert any("grad_compression" in f for f in recommendations(plain, [plain]))    # else this proves nothing
+    assert any("grad_compression" in f for f in recommendations(plain, [plain]))  # else this proves nothing
     assert exact_row["micro_shards"] == 2
     fixes = recommendations(exact_row, [exact_row])
     assert fixes and all("grad_compression" not in f and "sync" not in f for f in fixes)
@@ -294,9 +329,9 @@ def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_
     settings = Settings(model="convnet", data="digits", batch=16, steps=4, warmup=1, out=str(tmp_path))
     row = measure(Configuration("ddp", 2, "fp32", micro_shards=2), settings, tmp_path / "row.json")
     assert row["micro_shards"] == 2 and row["samples_per_second"] > 0
-    assert row["comm"]["calls_per_step"] == 2                 # statistics and presence, then the gradients
+    assert row["comm"]["calls_per_step"] == 2  # statistics and presence, then the gradients
     assert row["comm"]["transfer_s"] > 0 and row["breakdown"]["backward"] > 0
-    assert 0.5 < row["compute_scaling_2x"] < 4.0          # a shard's compute on twice the shard, probed
+    assert 0.5 < row["compute_scaling_2x"] < 4.0  # a shard's compute on twice the shard, probed
 
 
 def test_fp16_scaler_clipping_and_loader_workers_combine_with_micro_shards():
@@ -314,7 +349,7 @@ def test_fp16_scaler_clipping_and_loader_workers_combine_with_micro_shards():
                 rt.backward(loss)
             norms.append(float(rt.clip_grad_norm_(net, 1.0)))
             rt.step(opt)
-        assert len(norms) == 4 and all(0 < n < 100 for n in norms)      # unscaled: the scale is 65536
+        assert len(norms) == 4 and all(0 < n < 100 for n in norms)  # unscaled: the scale is 65536
         assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
     finally:
         rt.close()

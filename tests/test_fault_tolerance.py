@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import checkpoint
-from helpers import BIN, ROOT, clean_env, ddpkit as ddpkit_cli, kill_tree
-
 import workers
+from ddpkit import checkpoint
+from helpers import BIN, ROOT, clean_env, kill_tree
+from helpers import ddpkit as ddpkit_cli
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "elastic_train.py")
 
@@ -43,8 +43,20 @@ def kill(request) -> KillPoints:
 def _elastic(tmp_path: Path, name: str, *extra: str, note: str = "", restarts: int = 2) -> dict:
     ckpt = tmp_path / f"{name}-ckpt"
     result_file = tmp_path / f"{name}.pt"
-    result = ddpkit_cli("run", "-n", "2", "--max-restarts", str(restarts), SCRIPT, "--checkpoints", str(ckpt),
-                        "--result", str(result_file), *extra, timeout=140)
+    result = ddpkit_cli(
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        SCRIPT,
+        "--checkpoints",
+        str(ckpt),
+        "--result",
+        str(result_file),
+        *extra,
+        timeout=140,
+    )
     assert result.returncode == 0, f"{note}\n{result.stderr[-4000:]}"
     return {"weights": torch.load(result_file, weights_only=True), "stdout": result.stdout, "ckpt": ckpt}
 
@@ -83,26 +95,30 @@ def test_sigkill_at_a_random_step_resumes_bitwise(uninterrupted, tmp_path, kill)
 def test_killed_twice_in_two_attempts_still_ends_bitwise(uninterrupted, tmp_path, kill):
     first, second = kill.randint(2, 10), kill.randint(12, 22)
     where = f"steps {first} and {second} ({kill.note})"
-    killed = _elastic(tmp_path, "twice", "--kill-step", str(first), "--kill-rank", "1",
-                      "--kill-again-step", str(second), note=where)
+    killed = _elastic(
+        tmp_path, "twice", "--kill-step", str(first), "--kill-rank", "1", "--kill-again-step", str(second), note=where
+    )
     assert "done after 2 restart(s)" in killed["stdout"], where
     assert killed["stdout"].count("resumed at step") == 2, where
     _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path, kill):
     step = kill.randint(3, 20)
     where = f"step {step} ({kill.note})"
     killed = _elastic(tmp_path, "insave", "--kill-step", str(step), "--kill-in-save", note=where)
     assert "done after 1 restart(s)" in killed["stdout"], where
-    assert _resumed_at(killed["stdout"]) == {step - 1}, where     # the torn save was skipped
+    assert _resumed_at(killed["stdout"]) == {step - 1}, where  # the torn save was skipped
     _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
     left = sorted(p.name for p in killed["ckpt"].iterdir())
-    assert left == ["ckpt-step00000023.pt", "ckpt-step00000023.pt.sha256",
-                    "ckpt-step00000024.pt", "ckpt-step00000024.pt.sha256"]    # no torn leftovers
-
+    assert left == [
+        "ckpt-step00000023.pt",
+        "ckpt-step00000023.pt.sha256",
+        "ckpt-step00000024.pt",
+        "ckpt-step00000024.pt.sha256",
+    ]  # no torn leftovers
 
 
 def _holds_a_loss_scale(payload) -> bool:
@@ -121,17 +137,41 @@ def test_fp16_under_ddp_survives_a_restart_bitwise(tmp_path, kill):
     clean = _elastic(tmp_path, "fp16-clean", "--precision", "fp16", restarts=1)
     step, rank = kill.randint(2, 22), kill.randint(0, 1)
     where = f"fp16, step {step} rank {rank} ({kill.note})"
-    killed = _elastic(tmp_path, "fp16-killed", "--precision", "fp16", "--kill-step", str(step),
-                      "--kill-rank", str(rank), restarts=1, note=where)
+    killed = _elastic(
+        tmp_path,
+        "fp16-killed",
+        "--precision",
+        "fp16",
+        "--kill-step",
+        str(step),
+        "--kill-rank",
+        str(rank),
+        restarts=1,
+        note=where,
+    )
     assert "done after 1 restart(s)" in killed["stdout"], where
     assert _resumed_at(killed["stdout"]) in ({step - 1}, {step}), where
     newest = checkpoint.latest(killed["ckpt"])
     assert newest is not None and _holds_a_loss_scale(checkpoint.read(newest)), where
     _assert_bitwise(killed["weights"], clean["weights"], where)
 
+
 def _train_args(out: Path) -> list[str]:
-    return ["train", "--nproc", "2", "--epochs", "2", "--checkpoint-every", "3", "--max-restarts", "2",
-            "--resume", "auto", "--out", str(out)]
+    return [
+        "train",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "3",
+        "--max-restarts",
+        "2",
+        "--resume",
+        "auto",
+        "--out",
+        str(out),
+    ]
 
 
 def _final_weights(out: Path) -> tuple[dict, dict]:
@@ -142,13 +182,16 @@ def _final_weights(out: Path) -> tuple[dict, dict]:
 def _kill_a_trainer(agent_pid: int, step: int, kill: KillPoints) -> str | None:
     """SIGKILL one ``ddpkit train`` worker under the agent; say which and when, None if none yet."""
     try:
-        trainers = [p for p in psutil.Process(agent_pid).children(recursive=True)
-                    if "ddpkit.recipes.train" in " ".join(p.cmdline())]
+        trainers = [
+            p
+            for p in psutil.Process(agent_pid).children(recursive=True)
+            if "ddpkit.recipes.train" in " ".join(p.cmdline())
+        ]
         if not trainers:
             return None
         victim = kill.choice(sorted(trainers, key=lambda p: p.pid))
         victim.send_signal(signal.SIGKILL)
-    except psutil.Error:          # a process came or went while we looked: look again
+    except psutil.Error:  # a process came or went while we looked: look again
         return None
     return f"pid {victim.pid} after checkpoint step {step}"
 
@@ -162,18 +205,24 @@ def test_ddpkit_train_survives_a_killed_worker(tmp_path, kill):
     reference_summary, reference = _final_weights(clean)
 
     out = tmp_path / "killed"
-    target = kill.randint(4, 30)              # of 46 steps: kill once a checkpoint at or past it exists
-    log = tmp_path / "killed.log"             # a file, not a pipe: nobody blocks on a full pipe
+    target = kill.randint(4, 30)  # of 46 steps: kill once a checkpoint at or past it exists
+    log = tmp_path / "killed.log"  # a file, not a pipe: nobody blocks on a full pipe
     with open(log, "w") as sink:
-        proc = subprocess.Popen([str(BIN / "ddpkit"), *_train_args(out)], stdout=sink,
-                                stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / "ddpkit"), *_train_args(out)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=clean_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
     killed_at = None
     try:
         deadline = time.monotonic() + 120
         while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
             steps = [int(p.name[9:17]) for p in (out / "checkpoints").glob("ckpt-step*.pt")] if out.exists() else []
-            if steps and target <= max(steps) < 45:       # not after the last one: a resume must train
+            if steps and target <= max(steps) < 45:  # not after the last one: a resume must train
                 killed_at = _kill_a_trainer(proc.pid, max(steps), kill)
             time.sleep(0.02)
         proc.wait(timeout=120)
@@ -190,7 +239,7 @@ def test_ddpkit_train_survives_a_killed_worker(tmp_path, kill):
     assert summary["test_loss"] == reference_summary["test_loss"]
     assert summary["test_accuracy"] == reference_summary["test_accuracy"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows] == [0, 1]          # no row twice after the restart
+    assert [r["epoch"] for r in rows] == [0, 1]  # no row twice after the restart
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -209,5 +258,5 @@ def test_checkpoint_of_two_processes_resumes_on(new_world, tmp_path):
     stopped = ddpkit.launch(workers.train_steps, nprocs=2, args=(40, 12, 100, True, 20, str(tmp_path)))
     assert stopped[0] == {"stopped": 20}
     resumed = ddpkit.launch(workers.train_steps, nprocs=new_world, args=(40, 12, 100, True, None, str(tmp_path)))[0]
-    assert resumed["visited"] == reference["visited"][20:]          # the same global samples from step 21 on
+    assert resumed["visited"] == reference["visited"][20:]  # the same global samples from step 21 on
     assert _relative(resumed["weights"], reference["weights"]) <= 1e-5

@@ -26,14 +26,16 @@ from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
 
-from ddpkit.dist import ft  # noqa: E402
+from ddpkit.distributed import ft  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ft_train.py")
-TRAIN_SAMPLES, TEST_SAMPLES, STEPS_PER_EPOCH = 1437, 360, 24       # digits, global batch 60
+TRAIN_SAMPLES, TEST_SAMPLES, STEPS_PER_EPOCH = 1437, 360, 24  # digits, global batch 60
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _train(out: Path, *launcher: str, epochs: int = 2, extra: tuple[str, ...] = (), timeout: float = 240) -> subprocess.CompletedProcess:
+def _train(
+    out: Path, *launcher: str, epochs: int = 2, extra: tuple[str, ...] = (), timeout: float = 240
+) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher, SCRIPT, "--out", str(out), "--epochs", str(epochs), *extra]
     done = run(cmd, timeout=timeout, env=clean_env(), cwd=ROOT / "tests" / "scripts")
@@ -42,8 +44,18 @@ def _train(out: Path, *launcher: str, epochs: int = 2, extra: tuple[str, ...] = 
 
 
 def _replicas(out: Path, n: int, *args: str, restarts: int = 1, **kwargs) -> subprocess.CompletedProcess:
-    return _train(out, str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", str(n), "--max-restarts", str(restarts),
-                  *args, **kwargs)
+    return _train(
+        out,
+        str(BIN / "ddpkit"),
+        "run",
+        "--fault-tolerant",
+        "-n",
+        str(n),
+        "--max-restarts",
+        str(restarts),
+        *args,
+        **kwargs,
+    )
 
 
 def _events(out: Path) -> list[dict]:
@@ -95,8 +107,10 @@ _REFUSED = [
     (("--nnodes", "2", "--node-rank", "0"), "--nnodes 2 needs --master HOST:PORT"),
     (("--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29999"), "--node-rank 2 must be between 0 and"),
     (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:65535"), "give a port below 65535"),
-    (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29999", "--min-replicas", "7"),
-     "--min-replicas 7 must be between 1 and the job's replicas (6)"),
+    (
+        ("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29999", "--min-replicas", "7"),
+        "--min-replicas 7 must be between 1 and the job's replicas (6)",
+    ),
     (("--min-replicas", "4"), "--min-replicas 4 must be between 1 and the job's replicas (3)"),
     (("--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:29999"), "--nnodes 2 needs --secret-file PATH"),
     (("--secret-file", "/nonexistent"), "on one machine the job makes its own: drop --secret-file"),
@@ -106,8 +120,9 @@ _REFUSED = [
 @pytest.mark.parametrize("args, says", [_REFUSED[0], _REFUSED[-1]])
 def test_what_fault_tolerance_cannot_do_is_one_line(args, says, tmp_path):
     """The command line: one line, exit 2 (one refusal of the parser's, one of the job's)."""
-    done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "3", *args, SCRIPT, "--out", str(tmp_path)],
-               timeout=60)
+    done = run(
+        [str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "3", *args, SCRIPT, "--out", str(tmp_path)], timeout=60
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], done.stderr
@@ -116,7 +131,7 @@ def test_what_fault_tolerance_cannot_do_is_one_line(args, says, tmp_path):
 @pytest.mark.parametrize("args, says", _REFUSED)
 def test_every_refusal_of_a_fault_tolerant_job_says_what_to_give(args, says):
     from ddpkit.cli.run import fault_tolerant_spec, parser, split
-    from ddpkit.dist import ft_launch
+    from ddpkit.distributed import ft_launch
     from ddpkit.errors import UsageError
 
     ours, rest = split(["--fault-tolerant", "-n", "3", *args, SCRIPT])
@@ -141,10 +156,12 @@ def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
     done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", str(script)], timeout=100)
     assert done.returncode == 2, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "rt.all_reduce under --fault-tolerant" in line]
-    assert len(said) == 2 and all("evaluate with ddpkit.evaluate" in line for line in said)     # one per replica
+    assert len(said) == 2 and all("evaluate with ddpkit.evaluate" in line for line in said)  # one per replica
     # which replica each is, though rt.rank is 0 in both (and says so, once)
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("replica ")) == [
-        "replica 0 of 2, rank 0", "replica 1 of 2, rank 0"], done.stdout
+        "replica 0 of 2, rank 0",
+        "replica 1 of 2, rank 0",
+    ], done.stdout
     assert done.stderr.count("rt.rank is 0 in every replica of a fault-tolerant job") == 2
 
 
@@ -156,7 +173,7 @@ def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
     out = tmp_path / "three"
     _replicas(out, 3, epochs=1, extra=("--fail-once", "5"))
     reference = reference_epoch
-    assert _rel_diff(_weights(reference), _weights(out)) <= 1e-5        # running statistics included
+    assert _rel_diff(_weights(reference), _weights(out)) <= 1e-5  # running statistics included
     events = _events(out)
     # every replica in step 5 redid it (one that joined later, healing from a peer, never saw it)
     in_step_5 = {row["replica"] for row in events if row["kind"] == "step" and row["step"] == 5}
@@ -180,11 +197,14 @@ def _kill_run(reference: Path, out: Path, kills: dict[int, int], note: str) -> l
         mine = [row for row in events if row["replica"] == replica]
         last = max(row["step"] for row in mine if row["kind"] == "step" and row["attempt"] == 0)
         assert last >= step, note
-        step = last                     # it joined after ``step``: it died after its first commit
+        step = last  # it joined after ``step``: it died after its first commit
         died = next(row["t"] for row in mine if row["kind"] == "step" and row["step"] == step and row["attempt"] == 0)
         # the others commit their next step within 10 s, with no process of theirs restarted
-        others = [row for row in events if row["replica"] not in kills and row["kind"] == "step"
-                  and row["step"] > step and row["t"] > died]
+        others = [
+            row
+            for row in events
+            if row["replica"] not in kills and row["kind"] == "step" and row["step"] > step and row["t"] > died
+        ]
         assert others and min(row["t"] for row in others) - died < 10.0, note
         # it comes back, heals from a live peer (no checkpoint file read) and trains on
         back = [row for row in mine if row["attempt"] == 1]
@@ -201,7 +221,7 @@ def _kill_run(reference: Path, out: Path, kills: dict[int, int], note: str) -> l
 def test_a_replica_killed_mid_epoch_heals_and_the_run_ends_as_if_it_had_not(reference, tmp_path, request):
     seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
     draw = random.Random(seed)
-    kills = {draw.randrange(3): draw.randrange(3, STEPS_PER_EPOCH - 3)}      # mid-epoch 0
+    kills = {draw.randrange(3): draw.randrange(3, STEPS_PER_EPOCH - 3)}  # mid-epoch 0
     note = f"{request.node.name}: kills {kills}; replay with DDPKIT_TEST_SEED={seed}"
     print(note)
     _kill_run(reference, tmp_path / "killed", kills, note)
@@ -218,7 +238,7 @@ def test_two_replicas_killed_one_after_the_other_heal_and_the_run_ends_the_same(
     draw = random.Random(seed)
     first, second = draw.sample(range(3), 2)
     at = draw.randrange(3, 8)
-    kills = {first: at, second: at + 10}       # the second once the first is back
+    kills = {first: at, second: at + 10}  # the second once the first is back
     note = f"{request.node.name}: kills {kills}; replay with DDPKIT_TEST_SEED={seed}"
     print(note)
     _kill_run(reference, tmp_path / "twice", kills, note)
@@ -229,12 +249,18 @@ def test_two_replicas_killed_one_after_the_other_heal_and_the_run_ends_the_same(
 def test_the_lighthouse_killed_stops_every_replica_with_one_line(tmp_path):
     out = tmp_path / "lighthouse"
     out.mkdir()
-    job = subprocess.Popen([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "3", SCRIPT, "--out", str(out),
-                            "--epochs", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=clean_env(), cwd=ROOT / "tests" / "scripts", start_new_session=True)
+    job = subprocess.Popen(
+        [str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "3", SCRIPT, "--out", str(out), "--epochs", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT / "tests" / "scripts",
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:        # training has begun on every replica
+        while time.monotonic() < deadline:  # training has begun on every replica
             if len([row for row in _events(out) if row["kind"] == "step"]) >= 9:
                 break
             time.sleep(0.2)
@@ -248,8 +274,10 @@ def test_the_lighthouse_killed_stops_every_replica_with_one_line(tmp_path):
         kill_tree(job.pid)
     assert job.returncode == 1
     said = [line for line in err.splitlines() if line.startswith("ddpkit run:")]
-    assert ("ddpkit run: the fault-tolerant lighthouse exited (code -9); stopping every replica "
-            "so that none trains apart from the others") in said, err[-3000:]
+    assert (
+        "ddpkit run: the fault-tolerant lighthouse exited (code -9); stopping every replica "
+        "so that none trains apart from the others"
+    ) in said, err[-3000:]
     assert not [p for p in replicas if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     steps = [row["step"] for row in _events(out) if row["kind"] == "step"]
     assert max(steps) < 50 * STEPS_PER_EPOCH
@@ -261,9 +289,29 @@ def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoin
     """Two replicas, both needed; replica 1 dies for good: replica 0 waits, then saves and stops."""
     out = tmp_path / "minimum"
     out.mkdir()
-    done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", "--min-replicas", "2",
-                "--quorum-timeout", "5", SCRIPT, "--out", str(out), "--kill", "1:6", "--checkpoint-every", "100"],
-               timeout=240, env=clean_env(), cwd=ROOT / "tests" / "scripts")
+    done = run(
+        [
+            str(BIN / "ddpkit"),
+            "run",
+            "--fault-tolerant",
+            "-n",
+            "2",
+            "--min-replicas",
+            "2",
+            "--quorum-timeout",
+            "5",
+            SCRIPT,
+            "--out",
+            str(out),
+            "--kill",
+            "1:6",
+            "--checkpoint-every",
+            "100",
+        ],
+        timeout=240,
+        env=clean_env(),
+        cwd=ROOT / "tests" / "scripts",
+    )
     assert done.returncode != 0
     said = [line for line in done.stderr.splitlines() if "no quorum" in line]
     assert len(said) == 1, done.stderr[-3000:]
@@ -281,7 +329,10 @@ def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoin
 _BENCH_REFUSED = [
     (("--fault-tolerant",), "--fault-tolerant needs --kill-at STEP"),
     (("--kill-at", "3"), "--kill-at kills a process in --fault-tolerant's comparison; add --fault-tolerant"),
-    (("--fault-tolerant", "--kill-at", "3", "--nproc", "1"), "runs one --nproc (and at most one --hosts) of 2 or more replicas"),
+    (
+        ("--fault-tolerant", "--kill-at", "3", "--nproc", "1"),
+        "runs one --nproc (and at most one --hosts) of 2 or more replicas",
+    ),
     (("--min-step-s", "0.5"), "--min-step-s lengthens the steps of --fault-tolerant's comparison"),
     (("--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--min-step-s", "-1"), "--min-step-s must be 0 or more"),
 ]
@@ -312,9 +363,32 @@ def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_pat
     out = tmp_path / "bench"
     # 72 steps of at least 0.4 s: the killed replica restarts (10 s or more on a busy machine) well
     # before the others end
-    done = run([str(BIN / "ddpkit"), "bench", "--fault-tolerant", "--kill-at", "6", "--model", "convnet",
-                "--data", "digits", "--nproc", "3", "--batch", "20", "--steps", "72", "--checkpoint-every", "4",
-                "--min-step-s", "0.4", "--out", str(out)], timeout=500)
+    done = run(
+        [
+            str(BIN / "ddpkit"),
+            "bench",
+            "--fault-tolerant",
+            "--kill-at",
+            "6",
+            "--model",
+            "convnet",
+            "--data",
+            "digits",
+            "--nproc",
+            "3",
+            "--batch",
+            "20",
+            "--steps",
+            "72",
+            "--checkpoint-every",
+            "4",
+            "--min-step-s",
+            "0.4",
+            "--out",
+            str(out),
+        ],
+        timeout=500,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "ft.json").read_text())
     runs = report["runs"]
@@ -338,22 +412,48 @@ def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_pat
 # -- across hosts ------------------------------------------------------------------------------------
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces")
+    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces",
+)
 
 
 def _on_hosts(sim, out: Path, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     """``ddpkit run --fault-tolerant -n 1`` on every simulated host, node 0's address the master."""
-    master = f"{sim.addresses[0]}:29600"      # every namespace is fresh: nothing else holds the port
+    master = f"{sim.addresses[0]}:29600"  # every namespace is fresh: nothing else holds the port
     out.mkdir(parents=True, exist_ok=True)
     secret = out / "secret"
     if not secret.exists():
         ft.write_secret(str(secret))
-    return [sim.popen(host, [str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "1", "--max-restarts", "1",
-                             "--nnodes", str(sim.hosts), "--node-rank", str(host), "--master", master,
-                             "--secret-file", str(secret), SCRIPT, "--out", str(out), *extra],
-                      env=clean_env(), cwd=ROOT / "tests" / "scripts", stdout=open(out / f"node{host}.log", "w"),
-                      stderr=subprocess.STDOUT)
-            for host in range(sim.hosts)]
+    return [
+        sim.popen(
+            host,
+            [
+                str(BIN / "ddpkit"),
+                "run",
+                "--fault-tolerant",
+                "-n",
+                "1",
+                "--max-restarts",
+                "1",
+                "--nnodes",
+                str(sim.hosts),
+                "--node-rank",
+                str(host),
+                "--master",
+                master,
+                "--secret-file",
+                str(secret),
+                SCRIPT,
+                "--out",
+                str(out),
+                *extra,
+            ],
+            env=clean_env(),
+            cwd=ROOT / "tests" / "scripts",
+            stdout=open(out / f"node{host}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for host in range(sim.hosts)
+    ]
 
 
 @needs_netns
@@ -400,8 +500,9 @@ def test_losing_node_zero_stops_the_other_hosts_with_one_line(tmp_path):
     log = (out / "node1.log").read_text()
     assert code == 1, log[-3000:]
     said = [line for line in log.splitlines() if line.startswith("ddpkit run: lost node 0")]
-    assert len(said) == 1 and said[0].endswith("stopping this node's replicas so that none trains apart from "
-                                               "the others"), log[-3000:]
+    assert len(said) == 1 and said[0].endswith(
+        "stopping this node's replicas so that none trains apart from the others"
+    ), log[-3000:]
     assert not [p for p in replicas if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert max(row["step"] for row in _events(out) if row["kind"] == "step") < 50 * STEPS_PER_EPOCH
 
@@ -413,9 +514,36 @@ def test_the_fault_tolerant_bench_runs_on_simulated_hosts(tmp_path):
     """``--hosts 3 --link-mbit``: one replica (or restart-all rank) per simulated host, node 0's
     address the master of all three runs."""
     out = tmp_path / "bench"
-    done = run([str(BIN / "ddpkit"), "bench", "--fault-tolerant", "--kill-at", "6", "--model", "convnet",
-                "--data", "digits", "--nproc", "1", "--hosts", "3", "--link-mbit", "1000", "--batch", "20",
-                "--steps", "40", "--checkpoint-every", "4", "--min-step-s", "0.3", "--out", str(out)], timeout=550)
+    done = run(
+        [
+            str(BIN / "ddpkit"),
+            "bench",
+            "--fault-tolerant",
+            "--kill-at",
+            "6",
+            "--model",
+            "convnet",
+            "--data",
+            "digits",
+            "--nproc",
+            "1",
+            "--hosts",
+            "3",
+            "--link-mbit",
+            "1000",
+            "--batch",
+            "20",
+            "--steps",
+            "40",
+            "--checkpoint-every",
+            "4",
+            "--min-step-s",
+            "0.3",
+            "--out",
+            str(out),
+        ],
+        timeout=550,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "ft.json").read_text())
     assert report["hosts"] == 3 and report["link_mbit"] == 1000 and report["replicas"] == 3
@@ -433,20 +561,28 @@ def test_under_srun_the_nodes_node_rank_and_master_come_from_slurm(monkeypatch):
     """One srun task per node: ``ddpkit run --fault-tolerant -n 2`` is node 2 of 4, node 0's
     address the master; its replicas are numbered from 4 and their own ``ddpkit run`` is not srun's."""
     from ddpkit.cli.run import fault_tolerant_spec, parser, split
-    from ddpkit.dist import ft_launch
-    from ddpkit.dist.environment import detect
+    from ddpkit.distributed import ft_launch
+    from ddpkit.distributed.environment import detect
 
-    slurm = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODEID": "2",
-             "SLURM_JOB_NODELIST": "node[01-04]", "SLURM_TASKS_PER_NODE": "1(x4)", "SLURM_JOB_ID": "77",
-             "SLURM_STEP_ID": "0"}
+    slurm = {
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_JOB_NODELIST": "node[01-04]",
+        "SLURM_TASKS_PER_NODE": "1(x4)",
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+    }
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     ours, rest = split(["--fault-tolerant", "-n", "2", "train.py", "--lr", "0.1"])
     spec = fault_tolerant_spec(parser().parse_args(ours), rest)
     assert (spec.nnodes, spec.node_rank, spec.total) == (4, 2, 8)
     assert spec.master == f"node01:{detect().master_port}" and spec.target_args == ["--lr", "0.1"]
-    env = ft_launch.replica_env(spec, 2 * 2 + 1, "http://node01:1", "tcp:node01:2", host="10.0.0.3",
-                                sockets={"GLOO_SOCKET_IFNAME": "eth0"})
+    env = ft_launch.replica_env(
+        spec, 2 * 2 + 1, "http://node01:1", "tcp:node01:2", host="10.0.0.3", sockets={"GLOO_SOCKET_IFNAME": "eth0"}
+    )
     assert env[ft.REPLICA_ENV] == "5" and env[ft.REPLICAS_ENV] == "8" and env[ft.HOST_ENV] == "10.0.0.3"
     assert env["GLOO_SOCKET_IFNAME"] == "eth0"
-    assert detect(env).launcher == "none"          # the replica's one-process ddpkit run meets alone
+    assert detect(env).launcher == "none"  # the replica's one-process ddpkit run meets alone

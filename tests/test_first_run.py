@@ -58,15 +58,18 @@ def _reference() -> dict:
     targets = data.tensors[1]
     kept = targets != -100
     loss = F.cross_entropy(logits[kept].double(), targets[kept], reduction="sum")
-    return {"count": int(kept.sum()), "correct": int((logits.argmax(-1)[kept] == targets[kept]).sum()),
-            "loss": float(loss) / int(kept.sum())}
+    return {
+        "count": int(kept.sum()),
+        "correct": int((logits.argmax(-1)[kept] == targets[kept]).sum()),
+        "loss": float(loss) / int(kept.sum()),
+    }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_language_models_loss_and_accuracy_count_every_token_once(world):
     reference = _reference()
-    assert reference["count"] < frw.SAMPLES * frw.LENGTH            # padding is left out
+    assert reference["count"] < frw.SAMPLES * frw.LENGTH  # padding is left out
     for last, first in ddpkit.launch(frw.sequence_metrics, nprocs=world).values():
         for metrics in (last, first):
             assert metrics["count"] == reference["count"] and metrics["correct"] == reference["correct"]
@@ -81,7 +84,7 @@ def test_targets_that_do_not_fit_the_outputs_are_one_line():
     model = frw.TinyLM()
     data = frw.token_data()
     with pytest.raises(UsageError, match=r"pass class_dim=-1") as said:
-        ddpkit.evaluate(model, data, num_classes=frw.VOCAB)           # (B, T, V) read as (B, C, T)
+        ddpkit.evaluate(model, data, num_classes=frw.VOCAB)  # (B, T, V) read as (B, C, T)
     assert "\n" not in str(said.value)
     labels = torch.utils.data.TensorDataset(torch.randn(4, 3), torch.tensor([0, 1, 7, 1]))
     with pytest.raises(UsageError, match="a target is 7, outside 0 to num_classes - 1"):
@@ -105,14 +108,16 @@ def test_predict_keeps_sequence_outputs_in_order():
 def test_loss_backward_in_place_of_rt_backward_is_said_once_at_the_step_it_changes():
     plain = ddpkit.launch(frw.plain_backward, nprocs=2, args=(False,))
     said = plain[0][0]
-    assert len(said) == 1 and said[0].startswith("rt.step: this step's gradients came from loss.backward(), "
-                                                 "not rt.backward(loss); this rank holds 2 of the batch's 3 samples")
-    assert plain[1][0] == []                                  # rank 0 says it, once
+    assert len(said) == 1 and said[0].startswith(
+        "rt.step: this step's gradients came from loss.backward(), "
+        "not rt.backward(loss); this rank holds 2 of the batch's 3 samples"
+    )
+    assert plain[1][0] == []  # rank 0 says it, once
     weighted = ddpkit.launch(frw.plain_backward, nprocs=2, args=(True,))
     assert weighted[0][0] == [] and weighted[1][0] == []
     single = ddpkit.launch(frw.plain_backward, nprocs=1, args=(True,))[0][1]
     assert max(float((weighted[0][1][k] - single[k]).abs().max()) for k in single) <= 1e-6
-    assert max(float((plain[0][1][k] - single[k]).abs().max()) for k in single) > 1e-6   # what the line warns of
+    assert max(float((plain[0][1][k] - single[k]).abs().max()) for k in single) > 1e-6  # what the line warns of
 
 
 def test_on_one_process_loss_backward_is_exact_and_nothing_is_said():
@@ -126,21 +131,21 @@ def test_what_rt_save_writes_reads_back_with_torch_load(tmp_path):
     model = torch.nn.Linear(3, 2)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     path = rt.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "epoch": 4, "user": "mine"})
-    loaded = torch.load(path, weights_only=True)        # imagenet's --resume, nanoGPT's sample.py
+    loaded = torch.load(path, weights_only=True)  # imagenet's --resume, nanoGPT's sample.py
     fresh = torch.nn.Linear(3, 2)
     fresh.load_state_dict(loaded["model"])
     assert torch.equal(fresh.weight, model.weight) and loaded["epoch"] == 4
     torch.optim.SGD(fresh.parameters(), lr=0.1).load_state_dict(loaded["optimizer"])
-    assert loaded["user"]["user"] == "mine"              # a user key named as ddpkit's own stays inside
-    weights = rt.save(tmp_path / "mnist_cnn.pt", model)   # MNIST's torch.save(model.state_dict(), ...)
+    assert loaded["user"]["user"] == "mine"  # a user key named as ddpkit's own stays inside
+    weights = rt.save(tmp_path / "mnist_cnn.pt", model)  # MNIST's torch.save(model.state_dict(), ...)
     again = torch.nn.Linear(3, 2)
     again.load_state_dict(torch.load(weights, weights_only=True))
     assert torch.equal(again.bias, model.bias) and weights.with_name(weights.name + ".sha256").exists()
     other = torch.nn.Linear(3, 2)
-    rt.load(weights, other)                               # and back through ddpkit, weights alone
+    rt.load(weights, other)  # and back through ddpkit, weights alone
     assert torch.equal(other.weight, model.weight)
     third = torch.nn.Linear(3, 2)
-    rt.load(path, third)                                  # a checkpoint's "model" entry
+    rt.load(path, third)  # a checkpoint's "model" entry
     assert torch.equal(third.weight, model.weight)
     with pytest.raises(ddpkit.UsageError, match="writes one file of weights"):
         rt.save(tmp_path, model)
@@ -165,15 +170,15 @@ def test_epochs_count_from_start_and_a_restart_after_the_last_one_says_why_nothi
     loader = rt.loader(data, global_batch_size=4)
     state = {"model": model, "optimizer": optimizer}
     seen = []
-    for epoch in rt.epochs(3, start=1):                 # range(1, 4), as scripts counting from 1 write it
+    for epoch in rt.epochs(3, start=1):  # range(1, 4), as scripts counting from 1 write it
         seen.append(epoch)
         for x, y in loader:
             rt.backward(F.cross_entropy(model(x), y))
             rt.step(optimizer)
-        rt.checkpoint(state)                            # the last one: after the final epoch
+        rt.checkpoint(state)  # the last one: after the final epoch
     rt.close()
     assert seen == [1, 2, 3]
-    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path, resume="auto")     # a worker died at exit
+    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path, resume="auto")  # a worker died at exit
     model = torch.nn.Linear(3, 2)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     rt.loader(data, global_batch_size=4)
@@ -186,7 +191,7 @@ def test_epochs_count_from_start_and_a_restart_after_the_last_one_says_why_nothi
 # -- torchrun's flags -----------------------------------------------------------------------------------------
 def test_torchruns_remaining_flags_are_passed_on_and_a_node_rank_without_nodes_is_refused():
     from ddpkit.cli.run import spec_of
-    from ddpkit.dist.torchrun import torchrun_args
+    from ddpkit.distributed.torchrun import torchrun_args
 
     spec = spec_of(["--local-ranks-filter", "0", "--monitor_interval=2", "--role", "trainer", "-n", "2", "t.py"])
     args = torchrun_args(spec, store_dir="/tmp/x")
@@ -206,21 +211,43 @@ def test_a_one_node_job_gives_the_master_asked_and_says_when_no_process_joined(t
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(_PROBE))
     port = master_port()
-    done = subprocess.run([str(BIN / "ddpkit"), "run", "-n", "2", "--master_addr", "127.0.0.1", "--master_port",
-                           str(port), "--local-ranks-filter", "0", str(script)], capture_output=True, text=True,
-                          env=clean_env(), timeout=100)
+    done = subprocess.run(
+        [
+            str(BIN / "ddpkit"),
+            "run",
+            "-n",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "--local-ranks-filter",
+            "0",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=100,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(f"MASTER 127.0.0.1 {port}") == 1, done.stdout      # rank 0's output alone
+    assert done.stdout.count(f"MASTER 127.0.0.1 {port}") == 1, done.stdout  # rank 0's output alone
     warned = [line for line in done.stderr.splitlines() if "joined a process group" in line]
-    assert warned == ["ddpkit run: warning: none of the 2 processes joined a process group, so each ran the whole "
-                      "script on its own; call ddpkit.init() (or torch.distributed.init_process_group()) in the "
-                      "script, or run it with -n 1"], done.stderr[-2000:]
+    assert warned == [
+        "ddpkit run: warning: none of the 2 processes joined a process group, so each ran the whole "
+        "script on its own; call ddpkit.init() (or torch.distributed.init_process_group()) in the "
+        "script, or run it with -n 1"
+    ], done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("flag", ["--min-replicas=2", "--secret-file=x", "--quorum-timeout=5"])
 def test_fault_tolerant_flags_without_fault_tolerance_are_one_line(flag):
-    done = subprocess.run([str(BIN / "ddpkit"), "run", flag, "-n", "1", "x.py"], capture_output=True, text=True,
-                          env=clean_env(), timeout=60)
+    done = subprocess.run(
+        [str(BIN / "ddpkit"), "run", flag, "-n", "1", "x.py"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
+    )
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
     assert "is for fault-tolerant jobs: add --fault-tolerant" in done.stderr
-

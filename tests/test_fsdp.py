@@ -22,7 +22,7 @@ def _close(a: dict, b: dict, atol: float = 1e-5) -> None:
 
 @pytest.fixture(scope="module")
 def one():
-    result = fw.compare(("ddp", "fsdp"))            # a world of one, in this process
+    result = fw.compare(("ddp", "fsdp"))  # a world of one, in this process
     ddpkit.current().close()
     return result
 
@@ -34,30 +34,37 @@ def two():
 
 def test_fsdp_on_one_process_equals_ddp_and_names_are_plain(one):
     _close(one["fsdp"]["weights"], one["ddp"]["weights"])
-    assert list(one["fsdp"]["weights"]) == ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias",
-                                            "head.weight", "head.bias"]
+    assert list(one["fsdp"]["weights"]) == [
+        "body.0.weight",
+        "body.0.bias",
+        "body.2.weight",
+        "body.2.bias",
+        "head.weight",
+        "head.bias",
+    ]
 
 
 @pytest.mark.timeout(240)
 def test_fsdp_x2_equals_ddp_x2_and_one_process_with_the_loop_features(one, two):
     for rank in (0, 1):
         run = two[rank]
-        assert (run["fsdp"]["weights"] is None) == (rank == 1)        # full_state_dict: rank 0 only
-        for variant in ("fsdp", "fsdp-after"):               # the optimizer made before or after setup
+        assert (run["fsdp"]["weights"] is None) == (rank == 1)  # full_state_dict: rank 0 only
+        for variant in ("fsdp", "fsdp-after"):  # the optimizer made before or after setup
             got, want = run[variant]["metrics"], run["ddp"]["metrics"]
-            assert [got[k] for k in ("count", "correct", "confusion")] == \
-                [want[k] for k in ("count", "correct", "confusion")]
+            assert [got[k] for k in ("count", "correct", "confusion")] == [
+                want[k] for k in ("count", "correct", "confusion")
+            ]
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
             torch.testing.assert_close(run[variant]["predicted"], run["ddp"]["predicted"], rtol=0, atol=1e-5)
-        assert run["fsdp-acc"]["metrics"]["count"] == 101                     # uneven shards, no hang
+        assert run["fsdp-acc"]["metrics"]["count"] == 101  # uneven shards, no hang
         assert run["fsdp-acc"]["norms"] == pytest.approx(run["ddp-acc"]["norms"], rel=1e-5)
     run = two[0]
     _close(run["fsdp"]["weights"], run["ddp"]["weights"])
     _close(run["fsdp-after"]["weights"], run["ddp"]["weights"])
-    _close(run["fsdp-acc"]["weights"], run["ddp-acc"]["weights"])          # accumulate + clip
+    _close(run["fsdp-acc"]["weights"], run["ddp-acc"]["weights"])  # accumulate + clip
     _close(run["fsdp-offload-acc"]["weights"], run["ddp-acc"]["weights"])  # and cpu_offload
     assert run["fsdp-offload-acc"]["norms"] == pytest.approx(run["ddp-acc"]["norms"], rel=1e-5)
-    _close(run["fsdp"]["weights"], one["fsdp"]["weights"])                  # 2 processes = 1
+    _close(run["fsdp"]["weights"], one["fsdp"]["weights"])  # 2 processes = 1
     assert not torch.equal(run["fsdp"]["weights"]["head.weight"], run["fsdp-acc"]["weights"]["head.weight"])
 
 
@@ -90,11 +97,11 @@ def test_what_fsdp_refuses_is_one_line_each():
 def test_fp16_under_fsdp_scales_like_ddp_and_every_rank_skips_an_inf_in_one_shard():
     ddp = ddpkit.launch(fw.scaled, nprocs=2, args=("ddp",))[0]
     sharded = ddpkit.launch(fw.scaled, nprocs=2, args=("fsdp",))
-    _close(sharded[0]["weights"], ddp["weights"])                  # fp16 + loss scale, accumulate, clip
+    _close(sharded[0]["weights"], ddp["weights"])  # fp16 + loss scale, accumulate, clip
     assert sharded[0]["metrics"]["correct"] == ddp["metrics"]["correct"]
     assert sharded[0]["norms"] == pytest.approx(ddp["norms"], rel=1e-4)
     assert sharded[0]["scale"] == ddp["scale"]
-    for rank in (0, 1):         # the inf sat in rank 1's shard only: rank 0 skipped the step too
+    for rank in (0, 1):  # the inf sat in rank 1's shard only: rank 0 skipped the step too
         assert sharded[rank]["inf_stepped"] is False and sharded[rank]["inf_unchanged"] is True
     assert type(ddpkit_scaler_after_fsdp_setup()).__name__ == "ShardedGradScaler"
 
@@ -110,7 +117,8 @@ def ddpkit_scaler_after_fsdp_setup():
 
 # -- checkpoints that reshard ----------------------------------------------------------------
 
-@pytest.mark.slow       # 32 s, for make test's budget
+
+@pytest.mark.slow  # 32 s, for make test's budget
 @pytest.mark.timeout(300)
 def test_fsdp_stopped_on_two_resumes_on_three_and_crosses_strategies(tmp_path):
     full = ddpkit.launch(fw.resumable, nprocs=2, args=("full", str(tmp_path / "unused")))[0]
@@ -118,16 +126,18 @@ def test_fsdp_stopped_on_two_resumes_on_three_and_crosses_strategies(tmp_path):
     assert stopped["stopped"] == 17
     saved = Path(stopped["path"])
     assert saved.name == "ckpt-step00000017"
-    assert {"manifest.json", "ddpkit.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in saved.iterdir()}
+    assert {"manifest.json", "ddpkit.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= {
+        p.name for p in saved.iterdir()
+    }
     on_three = ddpkit.launch(fw.resumable, nprocs=3, args=("resume", str(tmp_path / "fsdp")))[0]
-    assert on_three["steps"] == full["steps"] == 27 and on_three["lr"] == full["lr"]    # the scheduler came back
+    assert on_three["steps"] == full["steps"] == 27 and on_three["lr"] == full["lr"]  # the scheduler came back
     _close(on_three["weights"], full["weights"])
     as_ddp = ddpkit.launch(fw.resumable, nprocs=2, args=("resume", str(tmp_path / "fsdp"), "ddp"))[0]
-    _close(as_ddp["weights"], full["weights"])                          # fsdp checkpoint -> DDP
+    _close(as_ddp["weights"], full["weights"])  # fsdp checkpoint -> DDP
     ddpkit.launch(fw.resumable, nprocs=2, args=("stop", str(tmp_path / "ddp"), "ddp"))
     assert [p.name for p in (tmp_path / "ddp").iterdir() if p.suffix == ".pt"] == ["ckpt-step00000017.pt"]
     from_ddp = ddpkit.launch(fw.resumable, nprocs=2, args=("resume", str(tmp_path / "ddp"), "fsdp"))[0]
-    _close(from_ddp["weights"], full["weights"])                        # DDP checkpoint -> fsdp
+    _close(from_ddp["weights"], full["weights"])  # DDP checkpoint -> fsdp
 
 
 def _one_process_checkpoint(tmp_path) -> Path:
@@ -173,7 +183,7 @@ def test_bad_sharded_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_pat
 
     said = _load_error(good, Wider)
     assert said.startswith(f"checkpoint {good} does not fit this model") and "\n" not in said
-    assert {p.name: p.read_bytes() for p in good.iterdir()} == before        # loads wrote nothing
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before  # loads wrote nothing
 
 
 @pytest.mark.timeout(120)
@@ -188,10 +198,10 @@ def test_a_kill_inside_an_fsdp_save_keeps_the_previous_checkpoint(tmp_path):
     resumed = python(script, str(tmp_path), "99", timeout=60)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from ckpt-step00000002 at step 2" in resumed.stdout
-    assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())     # the leftover is swept
+    assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())  # the leftover is swept
 
 
-@pytest.mark.slow       # ~30 s: two 2-process runs
+@pytest.mark.slow  # ~30 s: two 2-process runs
 @pytest.mark.timeout(240)
 def test_a_rank_killed_after_writing_its_shards_keeps_the_previous_checkpoint(tmp_path):
     from helpers import ddpkit as ddpkit_cli
@@ -203,20 +213,38 @@ def test_a_rank_killed_after_writing_its_shards_keeps_the_previous_checkpoint(tm
     assert names[1:] == ["ckpt-step00000001", "ckpt-step00000002"] and names[0].startswith(".ckpt-step00000003.tmp-")
     resumed = ddpkit_cli("run", "-n", "2", script, str(tmp_path), "99", timeout=200)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert resumed.stdout.count("resumed from ckpt-step00000002 at step 2") == 2       # both ranks
+    assert resumed.stdout.count("resumed from ckpt-step00000002 at step 2") == 2  # both ranks
     assert not any(p.name.startswith(".ckpt-step") for p in tmp_path.iterdir())
 
 
 # -- the commands ----------------------------------------------------------------------------
 
-@pytest.mark.slow       # ~25 s: train on 2 processes, predict on 2, export
+
+@pytest.mark.slow  # ~25 s: train on 2 processes, predict on 2, export
 @pytest.mark.timeout(300)
 def test_train_predict_and_export_with_strategy_fsdp(tmp_path):
     from helpers import ddpkit as ddpkit_cli
 
     out = tmp_path / "run"
-    trained = ddpkit_cli("train", "--model", "mlp", "--data", "digits", "--strategy", "fsdp", "--nproc", "2",
-                         "--precision", "fp16", "--cpu-offload", "--epochs", "1", "--out", str(out), timeout=200)
+    trained = ddpkit_cli(
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--strategy",
+        "fsdp",
+        "--nproc",
+        "2",
+        "--precision",
+        "fp16",
+        "--cpu-offload",
+        "--epochs",
+        "1",
+        "--out",
+        str(out),
+        timeout=200,
+    )
     assert trained.returncode == 0, trained.stderr[-2000:]
     import json
 
@@ -225,8 +253,18 @@ def test_train_predict_and_export_with_strategy_fsdp(tmp_path):
     assert summary["test_accuracy"] > 0.5
     [saved] = [p for p in (out / "checkpoints").iterdir()]
     assert (saved / "manifest.json").is_file()
-    predicted = ddpkit_cli("predict", "--checkpoint", str(out / "checkpoints"), "--data", "digits", "--nproc", "2",
-                           "--out", str(tmp_path / "p.csv"), timeout=200)
+    predicted = ddpkit_cli(
+        "predict",
+        "--checkpoint",
+        str(out / "checkpoints"),
+        "--data",
+        "digits",
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path / "p.csv"),
+        timeout=200,
+    )
     assert predicted.returncode == 0, predicted.stderr[-2000:]
     rows = (tmp_path / "p.csv").read_text().splitlines()
     exported = ddpkit_cli("export", "--checkpoint", str(out / "checkpoints"), "--out", str(tmp_path / "m.pt"))
@@ -236,7 +274,7 @@ def test_train_predict_and_export_with_strategy_fsdp(tmp_path):
     from ddpkit.recipes.models import build_model
 
     model = build_model("mlp", num_classes=10, in_channels=1, image_size=8)
-    model.load_state_dict(weights)              # plain names, the whole model
+    model.load_state_dict(weights)  # plain names, the whole model
     test = load_dataset("digits", "test")
     first = test.dataset[0][0].unsqueeze(0)
     assert rows[1].split(",")[1] == str(int(model(first).argmax()))
@@ -251,8 +289,10 @@ def test_train_and_export_refuse_bad_input_in_one_line(tmp_path):
     wrong = ddpkit_cli("train", "--strategy", "zero", "--out", str(tmp_path / "r"))
     assert wrong.returncode == 2 and "--strategy 'zero': choose ddp or fsdp" in wrong.stderr
     offload = ddpkit_cli("train", "--cpu-offload", "--out", str(tmp_path / "r"))
-    assert offload.returncode == 2 and "--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" \
-        in offload.stderr
+    assert (
+        offload.returncode == 2
+        and "--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" in offload.stderr
+    )
     (tmp_path / "m.pt").write_bytes(b"keep me")
     kept = ddpkit_cli("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt"))
     assert kept.returncode == 2 and "pass --overwrite" in kept.stderr
@@ -278,7 +318,7 @@ def test_fsdp_trains_and_evaluates_on_streams():
         rt.close()
 
 
-@pytest.mark.slow       # 15 s, for make test's budget
+@pytest.mark.slow  # 15 s, for make test's budget
 def test_fsdp_resumed_on_the_same_world_size_is_bitwise(tmp_path):
     runs = []
     for mode in ("full", "stop", "resume"):

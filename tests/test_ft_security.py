@@ -35,7 +35,7 @@ from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
 
-from ddpkit.dist import ft, ft_control  # noqa: E402
+from ddpkit.distributed import ft, ft_control  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ft_train.py")
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -72,8 +72,9 @@ def test_a_signed_state_round_trips_and_an_unsigned_request_is_refused_at_once(p
     assert sender._server.server_address[0] == "127.0.0.1"
     got: list = []
     # the peer asks before the state is staged: its (signed) request waits for it
-    thread = threading.Thread(target=lambda: got.append(receiver.recv_checkpoint(0, sender.metadata(), 7,
-                                                                                 timedelta(seconds=10))))
+    thread = threading.Thread(
+        target=lambda: got.append(receiver.recv_checkpoint(0, sender.metadata(), 7, timedelta(seconds=10)))
+    )
     thread.start()
     time.sleep(0.3)
     sender.send_checkpoint([1], 7, _state(7), timedelta(seconds=10))
@@ -95,7 +96,7 @@ def test_a_request_signed_for_another_server_or_seen_before_gets_nothing(pair):
     assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n1:{relayed}"})[0] == 403
     genuine = ft._mac(SECRET, b"GET", f"{sender.metadata()}3".encode(), b"n2")
     assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n2:{genuine}"})[0] == 200
-    assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n2:{genuine}"})[0] == 403      # replayed
+    assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n2:{genuine}"})[0] == 403  # replayed
 
 
 class _Payload:
@@ -142,9 +143,11 @@ def test_a_forged_state_is_refused_in_one_line_before_anything_of_it_is_loaded(t
             server.shutdown()
     assert not loads and not marker.exists() and receiver.refused == 2 and other_job
     said = [line for line in capfd.readouterr().err.splitlines() if "refused the state" in line]
-    assert len(said) == 2 and all(line.startswith("ddpkit: fault-tolerant replica 1: refused the state offered at "
-                                                  "http://127.0.0.1:") and line.endswith("this step is redone")
-                                  for line in said)
+    assert len(said) == 2 and all(
+        line.startswith("ddpkit: fault-tolerant replica 1: refused the state offered at http://127.0.0.1:")
+        and line.endswith("this step is redone")
+        for line in said
+    )
 
 
 def _signing(state: dict) -> http.server.ThreadingHTTPServer:
@@ -176,17 +179,22 @@ def test_a_quorum_that_names_a_step_the_source_is_not_at_gets_no_state(pair, cap
     """A forged Quorum makes a replica the source of a step it never reached: it serves nothing, and
     a state signed with the job's secret but of another step than the quorum's is refused too."""
     sender, receiver = pair
-    sender.send_checkpoint([1], 10**9, _state(40), timedelta(seconds=5))        # asked for 10**9, at 40
+    sender.send_checkpoint([1], 10**9, _state(40), timedelta(seconds=5))  # asked for 10**9, at 40
     with pytest.raises(ft.HealRefused, match="HTTP 404"):
         receiver.recv_checkpoint(0, sender.metadata(), 10**9, timedelta(seconds=2))
     assert "not serving its state as step 1000000000: it is at step 40" in capfd.readouterr().err
     server = _signing(_state(40))
     try:
         with pytest.raises(ft.HealRefused, match="it is of step 40, the quorum named step 41"):
-            receiver.recv_checkpoint(0, f"http://127.0.0.1:{server.server_address[1]}/checkpoint/", 41,
-                                     timedelta(seconds=5))
-        assert receiver.recv_checkpoint(0, f"http://127.0.0.1:{server.server_address[1]}/checkpoint/", 40,
-                                        timedelta(seconds=5))["torchft"]["step"] == 40
+            receiver.recv_checkpoint(
+                0, f"http://127.0.0.1:{server.server_address[1]}/checkpoint/", 41, timedelta(seconds=5)
+            )
+        assert (
+            receiver.recv_checkpoint(
+                0, f"http://127.0.0.1:{server.server_address[1]}/checkpoint/", 40, timedelta(seconds=5)
+            )["torchft"]["step"]
+            == 40
+        )
     finally:
         server.shutdown()
 
@@ -195,8 +203,9 @@ def test_a_state_larger_than_this_replica_allows_is_not_read(capfd):
     sender = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET)
     receiver = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET, limit=lambda: 1000)
     try:
-        sender.send_checkpoint([1], 5, {"user": {"w": torch.zeros(10_000)}, "torchft": {"step": 5}},
-                               timedelta(seconds=5))
+        sender.send_checkpoint(
+            [1], 5, {"user": {"w": torch.zeros(10_000)}, "torchft": {"step": 5}}, timedelta(seconds=5)
+        )
         with pytest.raises(ft.HealRefused, match=r"declares \d+ bytes, more than 1000"):
             receiver.recv_checkpoint(0, sender.metadata(), 5, timedelta(seconds=5))
     finally:
@@ -211,7 +220,7 @@ def test_a_signed_state_that_declares_more_memory_than_it_holds_is_refused(pair,
     bomb = inflated(64 << 20)
     loads: list = []
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or {})
-    monkeypatch.setattr(torch, "save", lambda state, buffer: buffer.write(bomb))   # a peer that sends it
+    monkeypatch.setattr(torch, "save", lambda state, buffer: buffer.write(bomb))  # a peer that sends it
     sender.send_checkpoint([1], 2, _state(2), timedelta(seconds=5))
     with pytest.raises(ft.HealRefused, match="is compressed"):
         receiver.recv_checkpoint(0, sender.metadata(), 2, timedelta(seconds=5))
@@ -239,17 +248,26 @@ def test_three_refused_heals_in_a_row_stop_the_replica_with_one_line():
     from ddpkit.errors import DdpkitError
 
     replica = object.__new__(ft.Replica)
-    replica.__dict__.update(index=1, _job_where=None, _job=None, _manager=_Manager(), healed=False,
-                            first_quorum=None, before_stop=None, transport=type("T", (), {"refused": 2})())
-    replica.quorum()                      # two in a row: it goes on
+    replica.__dict__.update(
+        index=1,
+        _job_where=None,
+        _job=None,
+        _manager=_Manager(),
+        healed=False,
+        first_quorum=None,
+        before_stop=None,
+        transport=type("T", (), {"refused": 2})(),
+    )
+    replica.quorum()  # two in a row: it goes on
     replica.transport.refused = 3
     with pytest.raises(DdpkitError) as stopped:
         replica.quorum()
     assert "refused 3 heal payloads in a row" in str(stopped.value) and "\n" not in str(stopped.value)
 
 
-@pytest.mark.parametrize("mode, says", [(0o644, "is open to others (mode 644"), (None, "cannot be read"),
-                                        (0o600, "holds 3 bytes")])
+@pytest.mark.parametrize(
+    "mode, says", [(0o644, "is open to others (mode 644"), (None, "cannot be read"), (0o600, "holds 3 bytes")]
+)
 def test_a_secret_file_others_can_read_or_too_short_is_one_line(tmp_path, mode, says):
     from ddpkit.errors import UsageError
 
@@ -361,8 +379,9 @@ def _attacker_python() -> str | None:
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if not os.access(candidate, os.X_OK):
             continue
-        version = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
-                                 text=True).stdout.strip()
+        version = subprocess.run(
+            [candidate, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+        ).stdout.strip()
         if version == str(sys.version_info[:2]):
             return candidate
     return None
@@ -376,14 +395,32 @@ def _torchft_extension() -> str:
 
 needs_other_user = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None or _attacker_python() is None,
-    reason="another user's attack needs root (setpriv to uid 65534) and a system Python of this Python's version")
+    reason="another user's attack needs root (setpriv to uid 65534) and a system Python of this Python's version",
+)
 
 
 def _as_nobody(*args: str) -> dict:
     # a world-readable working directory; the attacker gets no environment of ours
-    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i", "HOME=/tmp",
-                           "RUST_LOG=off", _attacker_python() or "", "-c", _ATTACK, *args], capture_output=True,
-                          text=True, timeout=240, cwd="/tmp")
+    done = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "env",
+            "-i",
+            "HOME=/tmp",
+            "RUST_LOG=off",
+            _attacker_python() or "",
+            "-c",
+            _ATTACK,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd="/tmp",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -403,7 +440,11 @@ def _loopback_ports() -> list[int]:
 def test_the_attacker_finds_torchft_where_it_listens_on_loopback():
     """The probe below is not empty-handed by construction: a lighthouse and a manager left on
     127.0.0.1 (torchft's own way, bound to loopback) are found, and the Kill reaches the manager."""
-    child = subprocess.Popen([sys.executable, "-c", """
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            """
 import datetime, sys, time
 from torchft._torchft import LighthouseServer, ManagerServer
 lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
@@ -413,13 +454,19 @@ manager = ManagerServer(replica_id="r", lighthouse_addr=address, hostname="127.0
                         connect_timeout=datetime.timedelta(seconds=5), quorum_retries=0)
 print(address.rsplit(":", 1)[-1], manager.address().rsplit(":", 1)[-1], flush=True)
 time.sleep(120)
-"""], stdout=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "off"}, start_new_session=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RUST_LOG": "off"},
+        start_new_session=True,
+    )
     try:
         lighthouse, manager = (int(p) for p in child.stdout.readline().split())
         found = _as_nobody(_torchft_extension(), "/nonexistent", f"{lighthouse},{manager}")
         assert found["lighthouse"] == [lighthouse] and manager in found["manager"], found
         assert lighthouse in found["dashboard"], found
-        child.wait(timeout=10)              # torchft's Kill: the manager's process exited
+        child.wait(timeout=10)  # torchft's Kill: the manager's process exited
         assert child.returncode == 1
     finally:
         kill_tree(child.pid)
@@ -435,15 +482,39 @@ def _job_family(launcher: int) -> list[psutil.Process]:
 def test_another_user_can_neither_reach_nor_read_a_one_machine_job(tmp_path):
     reference = tmp_path / "single"
     reference.mkdir()
-    done = run([str(BIN / "python"), SCRIPT, "--out", str(reference), "--epochs", "1"], timeout=200,
-               env=clean_env(), cwd=ROOT / "tests" / "scripts")
+    done = run(
+        [str(BIN / "python"), SCRIPT, "--out", str(reference), "--epochs", "1"],
+        timeout=200,
+        env=clean_env(),
+        cwd=ROOT / "tests" / "scripts",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "attacked"
     out.mkdir()
-    job = subprocess.Popen([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", "--max-restarts", "2",
-                            SCRIPT, "--out", str(out), "--epochs", "1", "--step-sleep", "0.4"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                           cwd=ROOT / "tests" / "scripts", start_new_session=True)
+    job = subprocess.Popen(
+        [
+            str(BIN / "ddpkit"),
+            "run",
+            "--fault-tolerant",
+            "-n",
+            "2",
+            "--max-restarts",
+            "2",
+            SCRIPT,
+            "--out",
+            str(out),
+            "--epochs",
+            "1",
+            "--step-sleep",
+            "0.4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT / "tests" / "scripts",
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and len(_steps(out)) < 4:
@@ -453,9 +524,14 @@ def test_another_user_can_neither_reach_nor_read_a_one_machine_job(tmp_path):
         control = [p for p in family if "ft_control" in " ".join(p.cmdline())]
         assert len(control) == 1
         here = os.readlink("/proc/self/ns/net")
-        assert os.readlink(f"/proc/{control[0].pid}/ns/net") != here     # a network namespace of its own
-        listening = [c.laddr for p in family if os.readlink(f"/proc/{p.pid}/ns/net") == here
-                     for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert os.readlink(f"/proc/{control[0].pid}/ns/net") != here  # a network namespace of its own
+        listening = [
+            c.laddr
+            for p in family
+            if os.readlink(f"/proc/{p.pid}/ns/net") == here
+            for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
         assert listening and all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
         private = next(p for p in family if p.environ().get(ft_control.CONTROL_ENV)).environ()[ft_control.CONTROL_ENV]
         found = _as_nobody(_torchft_extension(), private, ",".join(map(str, _loopback_ports())))
@@ -463,14 +539,16 @@ def test_another_user_can_neither_reach_nor_read_a_one_machine_job(tmp_path):
     finally:
         kill_tree(job.pid)
     assert job.returncode == 0, err[-3000:]
-    assert {addr.port for addr in listening} <= set(found["ports"]), found        # it tried every one of them
+    assert {addr.port for addr in listening} <= set(found["ports"]), found  # it tried every one of them
     assert found["manager"] == found["lighthouse"] == found["dashboard"] == found["heal"] == [], found
     assert found["files"] == [], found
     events = [json.loads(line) for path in out.glob("events-*.jsonl") for line in path.read_text().splitlines()]
-    assert {row["attempt"] for row in events} == {0}                    # nothing killed, nothing restarted
+    assert {row["attempt"] for row in events} == {0}  # nothing killed, nothing restarted
     mine, theirs = (torch.load(d / "weights.pt", weights_only=True) for d in (out, reference))
     scale = max(float(v.abs().max()) for v in theirs.values() if v.is_floating_point())
-    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs if theirs[k].is_floating_point()) <= 1e-5 * scale
+    assert (
+        max(float((mine[k] - theirs[k]).abs().max()) for k in theirs if theirs[k].is_floating_point()) <= 1e-5 * scale
+    )
 
 
 def _steps(out: Path) -> list[dict]:
@@ -481,7 +559,7 @@ def _steps(out: Path) -> list[dict]:
 
 
 # -- across hosts: a third host on the job's network ---------------------------------------------------
-_FORGE = r'''
+_FORGE = r"""
 import datetime, http.server, io, json, sys, threading, torch
 from torchft._torchft import ManagerClient
 
@@ -534,19 +612,22 @@ for thread in threads:
     thread.join()
 time.sleep(2)
 print(json.dumps({"answered": answered, "fetched": fetched}))
-'''
+"""
 
 
 def _ports_in(namespace: str) -> list[int]:
-    table = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/tcp"], capture_output=True,
-                           text=True, check=True).stdout
-    return sorted({int(line.split()[1].rsplit(":", 1)[1], 16) for line in table.splitlines()[1:]
-                   if line.split()[3] == "0A"})
+    table = subprocess.run(
+        ["ip", "netns", "exec", namespace, "cat", "/proc/net/tcp"], capture_output=True, text=True, check=True
+    ).stdout
+    return sorted(
+        {int(line.split()[1].rsplit(":", 1)[1], 16) for line in table.splitlines()[1:] if line.split()[3] == "0A"}
+    )
 
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces")
+    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces",
+)
 
 
 @needs_netns
@@ -557,8 +638,12 @@ def test_a_forged_quorum_from_another_host_cannot_choose_what_the_replicas_load(
 
     reference = tmp_path / "single"
     reference.mkdir()
-    done = run([str(BIN / "python"), SCRIPT, "--out", str(reference), "--epochs", "1"], timeout=200,
-               env=clean_env(), cwd=ROOT / "tests" / "scripts")
+    done = run(
+        [str(BIN / "python"), SCRIPT, "--out", str(reference), "--epochs", "1"],
+        timeout=200,
+        env=clean_env(),
+        cwd=ROOT / "tests" / "scripts",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "hosts"
     out.mkdir()
@@ -566,38 +651,78 @@ def test_a_forged_quorum_from_another_host_cannot_choose_what_the_replicas_load(
     ft.write_secret(str(secret))
     with SimulatedHosts(3, 1000.0) as sim:
         master = f"{sim.addresses[0]}:29600"
-        nodes = [sim.popen(host, [str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "1", "--max-restarts", "1",
-                                  "--nnodes", "2", "--node-rank", str(host), "--master", master,
-                                  "--secret-file", str(secret), SCRIPT, "--out", str(out), "--epochs", "1",
-                                  "--step-sleep", "0.3"],
-                           env=clean_env(), cwd=ROOT / "tests" / "scripts", stdout=open(out / f"node{host}.log", "w"),
-                           stderr=subprocess.STDOUT)
-                 for host in range(2)]
+        nodes = [
+            sim.popen(
+                host,
+                [
+                    str(BIN / "ddpkit"),
+                    "run",
+                    "--fault-tolerant",
+                    "-n",
+                    "1",
+                    "--max-restarts",
+                    "1",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(host),
+                    "--master",
+                    master,
+                    "--secret-file",
+                    str(secret),
+                    SCRIPT,
+                    "--out",
+                    str(out),
+                    "--epochs",
+                    "1",
+                    "--step-sleep",
+                    "0.3",
+                ],
+                env=clean_env(),
+                cwd=ROOT / "tests" / "scripts",
+                stdout=open(out / f"node{host}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for host in range(2)
+        ]
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline and len(_steps(out)) < 8:
             time.sleep(0.2)
         assert len(_steps(out)) >= 8, (out / "node0.log").read_text()[-3000:]
         # one host's manager claims a step far ahead: the other replica must heal from whatever it names
         targets = {sim.addresses[1]: _ports_in(sim.namespaces[1])}
-        attacker = sim.popen(2, [str(BIN / "python"), "-c", _FORGE, sim.addresses[2], json.dumps(targets), "10"],
-                             env={"RUST_LOG": "off"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        attacker = sim.popen(
+            2,
+            [str(BIN / "python"), "-c", _FORGE, sim.addresses[2], json.dumps(targets), "10"],
+            env={"RUST_LOG": "off"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         said, err = attacker.communicate(timeout=120)
         codes = [node.wait(timeout=300) for node in nodes]
     logs = "\n".join((out / f"node{host}.log").read_text() for host in range(2))
     assert codes == [0, 0], logs[-4000:]
     found = json.loads(said.strip().splitlines()[-1])
-    assert found["answered"], (found, err[-2000:])           # the managers took the forged Quorum...
-    refusals = [line for line in logs.splitlines() if "(a forged quorum call?)" in line
-                or "refused the state offered at" in line or "could not fetch the state" in line]
-    assert refusals, logs[-4000:]                           # ...and every heal it led to was refused
+    assert found["answered"], (found, err[-2000:])  # the managers took the forged Quorum...
+    refusals = [
+        line
+        for line in logs.splitlines()
+        if "(a forged quorum call?)" in line
+        or "refused the state offered at" in line
+        or "could not fetch the state" in line
+    ]
+    assert refusals, logs[-4000:]  # ...and every heal it led to was refused
     assert all(line.startswith("ddpkit: fault-tolerant replica ") for line in refusals), refusals
     mine, theirs = (torch.load(d / "weights.pt", weights_only=True) for d in (out, reference))
     scale = max(float(v.abs().max()) for v in theirs.values() if v.is_floating_point())
-    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs if theirs[k].is_floating_point()) <= 1e-5 * scale
+    assert (
+        max(float((mine[k] - theirs[k]).abs().max()) for k in theirs if theirs[k].is_floating_point()) <= 1e-5 * scale
+    )
 
 
 def test_the_control_plane_gets_a_namespace_of_its_own_or_says_why_not(tmp_path):
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     for isolate in (True, False):
         directory = stores.private_dir()
@@ -611,7 +736,7 @@ def test_the_control_plane_gets_a_namespace_of_its_own_or_says_why_not(tmp_path)
                 if not isolate:
                     assert refused == "not asked" and not inside
                     port = int(lighthouse.rsplit(":", 1)[-1])
-                    assert port in _loopback_ports()          # on this machine's loopback: what doctor warns of
+                    assert port in _loopback_ports()  # on this machine's loopback: what doctor warns of
             finally:
                 kill_tree(child.pid)
         finally:

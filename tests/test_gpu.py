@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from helpers import ddpkit as ddpkit_cli
-
 import gpu_workers
 import workers
+from helpers import ddpkit as ddpkit_cli
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -32,13 +31,13 @@ def test_ddp_on_nccl_trains_on_each_ranks_own_gpu():
     """Two processes on two GPUs when there are two, else an nccl group of one."""
     nprocs = min(2, GPUS)
     runs = ddpkit.launch(gpu_workers.gpu_ddp_steps, nprocs=nprocs)
-    for rank, run in runs.items():
+    for _rank, run in runs.items():
         own = f"cuda:{run['local_rank']}"
         assert run["backend"] == "nccl" and run["device"] == own, run
         assert run["param_devices"] == [own] and run["batch_devices"] == [own], run
         assert len(run["losses"]) == 4 and all(torch.isfinite(torch.tensor(run["losses"]))), run["losses"]
         assert run["rank_sum"] == sum(range(nprocs))
-    for name, value in runs[0]["weights"].items():          # DDP keeps the replicas identical
+    for name, value in runs[0]["weights"].items():  # DDP keeps the replicas identical
         assert all(runs[r]["weights"][name] == value for r in runs), name
 
 
@@ -83,8 +82,7 @@ def test_fsdp_on_nccl_shards_on_the_gpu_or_offloads_and_reloads(precision, cpu_o
     cpu_offload: shards and optimizer state then sit in (pinned) CPU memory."""
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16 support")
-    runs = ddpkit.launch(gpu_workers.gpu_fsdp_steps, nprocs=min(2, GPUS),
-                         args=(str(tmp_path), precision, cpu_offload))
+    runs = ddpkit.launch(gpu_workers.gpu_fsdp_steps, nprocs=min(2, GPUS), args=(str(tmp_path), precision, cpu_offload))
     for run in runs.values():
         assert len(run["losses"]) == 4 and all(torch.isfinite(torch.tensor(run["losses"]))), run
         assert any(run["stepped"]), run
@@ -112,7 +110,7 @@ def test_loader_pins_memory_and_hands_out_cuda_batches(monkeypatch, num_workers)
         assert features.device == labels.device == rt.device and rt.device.type == "cuda"
         seen.append(features.cpu())
     assert pinned and all(pinned), f"DataLoader pin_memory per loader built: {pinned}"
-    assert torch.equal(torch.cat(seen), data.tensors[0])          # pinned, copied, unchanged
+    assert torch.equal(torch.cat(seen), data.tensors[0])  # pinned, copied, unchanged
 
 
 @two_gpus
@@ -120,11 +118,13 @@ def test_loader_pins_memory_and_hands_out_cuda_batches(monkeypatch, num_workers)
 def test_sync_batchnorm_on_cuda_spans_both_ranks():
     runs = ddpkit.launch(gpu_workers.gpu_sync_bn_stats, nprocs=2)
     everything = torch.tensor(runs[0]["data"] + runs[1]["data"], dtype=torch.float64)
-    expected = 0.1 * everything.mean(dim=0)                         # momentum 0.1 from zero
+    expected = 0.1 * everything.mean(dim=0)  # momentum 0.1 from zero
     for rank, run in runs.items():
         assert run["type"] == "torch.nn.modules.batchnorm.SyncBatchNorm", run["type"]
-        assert torch.allclose(torch.tensor(run["running_mean"], dtype=torch.float64), expected, atol=1e-4), \
-            (rank, run["running_mean"])
+        assert torch.allclose(torch.tensor(run["running_mean"], dtype=torch.float64), expected, atol=1e-4), (
+            rank,
+            run["running_mean"],
+        )
 
 
 def test_convert_sync_batchnorm_on_cuda_uses_torchs_own():
@@ -138,9 +138,26 @@ def test_convert_sync_batchnorm_on_cuda_uses_torchs_own():
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bench") / "out"
     modes = "single,dp,ddp-amp" if GPUS >= 2 else "single,ddp-amp"
-    result = ddpkit_cli("bench", "--model", "mlp", "--data", "synthetic", "--modes", modes,
-                        "--nproc", str(min(2, GPUS)), "--batch", "8", "--steps", "3", "--warmup", "1",
-                        "--out", str(out), timeout=280)
+    result = ddpkit_cli(
+        "bench",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--modes",
+        modes,
+        "--nproc",
+        str(min(2, GPUS)),
+        "--batch",
+        "8",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        timeout=280,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out, json.loads((out / "bench.json").read_text())
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import pytest
 
 import ddpkit
+import workers
 from ddpkit.bench.guarantee import max_rel_diff
 
-import workers
 
-
-@pytest.mark.slow          # 11 s: make test-slow; tests/test_exact.py holds the demo's micro-shard rows to equal bits
+@pytest.mark.slow  # 11 s: make test-slow; tests/test_exact.py holds the demo's micro-shard rows to equal bits
 @pytest.mark.timeout(300)
 def test_one_process_and_ddp_x2_end_within_float64_rounding_on_the_demos_run():
     one = ddpkit.launch(workers.digits_convnet, nprocs=1, args=("float64",))[0]
@@ -32,5 +31,5 @@ def test_max_rel_diff_is_each_tensors_largest_difference_over_its_largest_value(
 
     reference = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([1.0]), "steps": torch.tensor(3)}
     other = {"w": torch.tensor([2.0, -3.0]), "b": torch.tensor([1.1]), "steps": torch.tensor(5)}
-    assert max_rel_diff(reference, other) == pytest.approx(0.25)        # w: 1 / 4; b: 0.1; ints ignored
+    assert max_rel_diff(reference, other) == pytest.approx(0.25)  # w: 1 / 4; b: 0.1; ints ignored
     assert max_rel_diff(reference, reference) == 0.0

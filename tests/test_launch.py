@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 
 import ddpkit
-from ddpkit.dist.environment import Environment
-from ddpkit.dist.host import threads_per_process
-from ddpkit.dist.torchrun import AGENT_ENV, RunSpec, parse_master, torchrun_args, validate
-from ddpkit.errors import UsageError
-
 import workers
-
+from ddpkit.distributed.environment import Environment
+from ddpkit.distributed.host import threads_per_process
+from ddpkit.distributed.torchrun import AGENT_ENV, RunSpec, parse_master, torchrun_args, validate
+from ddpkit.errors import UsageError
 
 PRIVATE = "/private/ddpkit-job-x"
 
@@ -19,7 +17,7 @@ PRIVATE = "/private/ddpkit-job-x"
 def test_single_node_meets_through_a_file_of_its_private_directory():
     args = torchrun_args(RunSpec("train.py", ["--lr", "0.1"], nproc_per_node=2), Environment(), store_dir=PRIVATE)
     assert {"--rdzv-backend=c10d", f"--rdzv-endpoint={PRIVATE}/rendezvous", "--rdzv-conf=store_type=file"} <= set(args)
-    assert "--local-addr=127.0.0.1" in args          # workers never depend on the host name resolving
+    assert "--local-addr=127.0.0.1" in args  # workers never depend on the host name resolving
     assert "--nproc-per-node=2" in args and "--nnodes=1" in args
     assert args[-3:] == ["train.py", "--lr", "0.1"]
     with pytest.raises(UsageError, match="private store directory"):
@@ -43,28 +41,37 @@ def test_two_single_node_runs_get_different_ids():
 
 
 def test_multi_node_is_c10d_at_the_master_with_one_run_id_on_every_node():
-    nodes = [torchrun_args(RunSpec("t.py", nproc_per_node=4, nnodes=2, node_rank=r, master="127.0.0.1:29400"),
-                           Environment()) for r in (0, 1)]
+    nodes = [
+        torchrun_args(RunSpec("t.py", nproc_per_node=4, nnodes=2, node_rank=r, master="127.0.0.1:29400"), Environment())
+        for r in (0, 1)
+    ]
     for args in nodes:
-        assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
-                "--local-addr=127.0.0.1"} <= set(args)
+        assert {
+            "--nnodes=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:29400",
+            "--local-addr=127.0.0.1",
+        } <= set(args)
         assert not any(a.startswith(("--node-rank", "--master-addr")) for a in args)
     ids = {a for args in nodes for a in args if a.startswith("--rdzv-id=")}
-    assert len(ids) == 1                                           # both nodes meet in one rendezvous
+    assert len(ids) == 1  # both nodes meet in one rendezvous
     assert "--rdzv-conf=is_host=true" in nodes[0] and "--rdzv-conf=is_host=false" in nodes[1]
 
 
 def test_multi_node_without_node_rank_lets_torchrun_pick_the_store_host():
     args = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, master="head.invalid:29400"), Environment())
     assert "--rdzv-endpoint=head.invalid:29400" in args and "--rdzv-backend=c10d" in args
-    assert not any(a.startswith(("--rdzv-conf", "--local-addr")) for a in args)   # no route: torchrun's FQDN
+    assert not any(a.startswith(("--rdzv-conf", "--local-addr")) for a in args)  # no route: torchrun's FQDN
 
 
 def test_every_attempt_gets_a_fresh_worker_store_and_the_agent_joins_ddpkits_own():
-    assert AGENT_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}    # no second agent store, on any job
-    node0 = torchrun_args(RunSpec("t.py", nproc_per_node=2, nnodes=2, node_rank=0, master="10.0.0.1:29400"),
-                          Environment(), store_port=29400)
-    assert "--rdzv-conf=is_host=false" in node0          # ddpkit serves node 0's store itself
+    assert AGENT_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # no second agent store, on any job
+    node0 = torchrun_args(
+        RunSpec("t.py", nproc_per_node=2, nnodes=2, node_rank=0, master="10.0.0.1:29400"),
+        Environment(),
+        store_port=29400,
+    )
+    assert "--rdzv-conf=is_host=false" in node0  # ddpkit serves node 0's store itself
 
 
 def test_workers_start_through_ddpkit_entry():
@@ -77,8 +84,16 @@ def test_workers_start_through_ddpkit_entry():
 
 def test_under_srun_nodes_come_from_slurm(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    slurm = Environment(launcher="slurm", rank=1, local_rank=0, world_size=3, local_world_size=1,
-                        node_rank=1, master_addr="node01", master_port=19242)
+    slurm = Environment(
+        launcher="slurm",
+        rank=1,
+        local_rank=0,
+        world_size=3,
+        local_world_size=1,
+        node_rank=1,
+        master_addr="node01",
+        master_port=19242,
+    )
     args = torchrun_args(RunSpec("t.py", nproc_per_node=2), slurm)
     assert {"--nnodes=3", "--rdzv-endpoint=node01:19242", "--rdzv-id=4242", "--rdzv-conf=is_host=false"} <= set(args)
 
@@ -89,17 +104,26 @@ def test_under_srun_more_than_one_task_per_node_is_refused():
         torchrun_args(RunSpec("t.py", nproc_per_node=2), slurm)
 
 
-@pytest.mark.parametrize("text, expected", [("node01:29500", ("node01", 29500)),
-                                            ("[::1]:1234", ("::1", 1234))])
+@pytest.mark.parametrize("text, expected", [("node01:29500", ("node01", 29500)), ("[::1]:1234", ("::1", 1234))])
 def test_parse_master(text, expected):
     assert parse_master(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [("nohost", "has no port"), ("h:0", "out of range"),
-                                           ("h:99999", "out of range"), ("h:abc", "not a number"),
-                                           ("[::1", "unbalanced brackets"), ("[::1:29500", "unbalanced brackets"),
-                                           ("::1]:29500", "unbalanced brackets"), (":29500", "has no host"),
-                                           ("[]:29500", "has no host"), ("h:", "has no port")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("nohost", "has no port"),
+        ("h:0", "out of range"),
+        ("h:99999", "out of range"),
+        ("h:abc", "not a number"),
+        ("[::1", "unbalanced brackets"),
+        ("[::1:29500", "unbalanced brackets"),
+        ("::1]:29500", "unbalanced brackets"),
+        (":29500", "has no host"),
+        ("[]:29500", "has no host"),
+        ("h:", "has no port"),
+    ],
+)
 def test_parse_master_errors(text, message):
     with pytest.raises(UsageError, match=message):
         parse_master(text)

@@ -22,7 +22,7 @@ STEPS_PER_EPOCH = math.ceil(N_TRAIN / GLOBAL_BATCH)
 
 def _run(nprocs: int, fn, *args):
     if nprocs == 1:
-        return fn(*args)                     # a world of one runs in this process
+        return fn(*args)  # a world of one runs in this process
     return ddpkit.launch(fn, nprocs=nprocs, args=args)[0]
 
 
@@ -37,7 +37,7 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers):
     ckpt = str(tmp_path / "ckpt.pt")
     full = _run(nprocs, loop_workers.variations, "full", str(tmp_path / "full.pt"), 20, workers)
-    assert full["steps_per_epoch"] == [STEPS_PER_EPOCH] * EPOCHS     # the probe took no batch
+    assert full["steps_per_epoch"] == [STEPS_PER_EPOCH] * EPOCHS  # the probe took no batch
     assert full["steps"] == STEPS_PER_EPOCH * EPOCHS
 
     assert _run(nprocs, loop_workers.variations, "stop", ckpt, 20, workers) == {"stopped": 20}
@@ -45,7 +45,7 @@ def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers)
     assert resumed["steps"] == full["steps"]
     # epoch 1 continued after its 7th batch (20 = 13 + 7), then one whole epoch
     assert resumed["steps_per_epoch"] == [STEPS_PER_EPOCH - 7, STEPS_PER_EPOCH]
-    assert resumed["lr"] == full["lr"]                    # the scheduler came back too
+    assert resumed["lr"] == full["lr"]  # the scheduler came back too
     _assert_bitwise(resumed["weights"], full["weights"])
 
 
@@ -54,7 +54,7 @@ def test_end_of_epoch_checkpoint_with_half_read_validation_goes_on_with_the_next
     full = loop_workers.variations("full", str(tmp_path / "run.pt"))
     end_of_epoch_0 = str(tmp_path / "run.pt.epoch0")
     resumed = loop_workers.variations("resume", end_of_epoch_0)
-    assert resumed["steps_per_epoch"] == [STEPS_PER_EPOCH] * (EPOCHS - 1)   # epoch 0 not repeated
+    assert resumed["steps_per_epoch"] == [STEPS_PER_EPOCH] * (EPOCHS - 1)  # epoch 0 not repeated
     _assert_bitwise(resumed["weights"], full["weights"])
 
 
@@ -69,7 +69,7 @@ def test_loader_built_after_load_that_differs_is_a_clear_error(tmp_path):
         if step == 1:
             break_at = rt.save(tmp_path / "c.pt", {"model": model})
             break
-    rt.run.loop = LoopState()                                # a fresh run of the same script
+    rt.run.loop = LoopState()  # a fresh run of the same script
     rt.load(break_at, {"model": model})
     with pytest.raises(ddpkit.DdpkitError, match="global batches of 4.*this loader has.*global batches of 5"):
         rt.loader(loop_workers.Toy(20), global_batch_size=5, shuffle=True)
@@ -80,7 +80,7 @@ def test_saved_position_that_matches_no_loader_is_an_error_or_a_warning(tmp_path
     model = torch.nn.Linear(8, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train = rt.loader(loop_workers.Toy(20), global_batch_size=4, shuffle=True, name="train")
-    batches = iter(train)                  # held: the pass is still open when we save
+    batches = iter(train)  # held: the pass is still open when we save
     x, y = next(batches)
     rt.backward(torch.nn.functional.cross_entropy(model(x), y))
     rt.step(opt)
@@ -104,10 +104,10 @@ def test_each_iter_starts_the_epoch_and_break_ends_it():
     rt = ddpkit.init(seed=2)
     loader = rt.loader(list(range(10)), global_batch_size=2, shuffle=True)
     first = next(iter(loader)).tolist()
-    assert [b.tolist() for b in loader][0] == first          # the probe consumed nothing
+    assert [b.tolist() for b in loader][0] == first  # the probe consumed nothing
     for _ in loader:
         break
-    assert loader.finished                                  # `break` ends the pass
+    assert loader.finished  # `break` ends the pass
 
 
 def test_two_optimizers_one_step_one_scaler_update():
@@ -117,19 +117,19 @@ def test_two_optimizers_one_step_one_scaler_update():
     updates = []
     real_update = rt.precision.scaler.update
     rt.precision.scaler.update = lambda *args: (updates.append(1), real_update(*args))[1]
-    for i in range(3):
+    for _i in range(3):
         with rt.autocast():
             loss = b(a(torch.randn(8, 4))).float().mean()
         rt.backward(loss)
         rt.step(opt_a)
-        rt.step(opt_b)                       # the same step: counted once
+        rt.step(opt_b)  # the same step: counted once
     rt.precision.flush()
     assert rt.global_step == 3
     assert len(updates) == 3
     with rt.autocast():
         loss = b(a(torch.randn(8, 4))).float().mean()
     rt.backward(loss)
-    rt.step(opt_a, opt_b)                    # both in one call
+    rt.step(opt_a, opt_b)  # both in one call
     assert rt.global_step == 4
 
 
@@ -155,7 +155,7 @@ def test_clip_grad_norm_unscales_fp16_and_only_clips_on_the_syncing_micro_step()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = rt.setup(model, opt)
         norms = []
-        x = torch.arange(32.0).reshape(8, 4) / 1000     # small: no fp16 overflow at the first scale
+        x = torch.arange(32.0).reshape(8, 4) / 1000  # small: no fp16 overflow at the first scale
         loader = rt.loader(list(zip(x, x.sum(1, keepdim=True))), global_batch_size=2)
         for xb, yb in loader:
             with rt.accumulate(model, 2):
@@ -168,7 +168,7 @@ def test_clip_grad_norm_unscales_fp16_and_only_clips_on_the_syncing_micro_step()
         rt.close()
     assert [n is None for n in results["fp32"]] == [True, False, True, False]
     for ours, reference in zip(results["fp16"], results["fp32"]):
-        if reference is not None:      # fp16 norms are of unscaled gradients: close to fp32's
+        if reference is not None:  # fp16 norms are of unscaled gradients: close to fp32's
             assert math.isclose(float(ours), float(reference), rel_tol=2e-2)
 
 
@@ -196,10 +196,10 @@ def test_worker_global_rng_differs_across_ranks_and_epochs():
     for epoch in (0, 1):
         flat0 = [v for batch in rank0[epoch] for row in batch for v in row]
         flat1 = [v for batch in rank1[epoch] for row in batch for v in row]
-        assert not set(flat0) & set(flat1)                 # torch, numpy and random all differ
-    assert rank0[0] != rank0[1]                            # and each epoch draws anew
+        assert not set(flat0) & set(flat1)  # torch, numpy and random all differ
+    assert rank0[0] != rank0[1]  # and each epoch draws anew
     again = ddpkit.launch(loop_workers.worker_draws, nprocs=2, args=(1,))
-    assert again == draws                                  # keyed by (seed, epoch, rank, worker)
+    assert again == draws  # keyed by (seed, epoch, rank, worker)
 
 
 @pytest.mark.timeout(120)
@@ -219,7 +219,7 @@ def test_second_init_with_other_settings_is_refused():
         ddpkit.init(precision="bf16")
 
 
-@pytest.mark.slow       # 12 s: torch.compile
+@pytest.mark.slow  # 12 s: torch.compile
 def test_compiled_model_checkpoints_plain_names(tmp_path):
     rt = ddpkit.init(seed=0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
@@ -237,7 +237,7 @@ def test_compiled_model_checkpoints_plain_names(tmp_path):
 def test_save_inside_an_accumulation_group_resumes_bitwise(tmp_path):
     ckpt = str(tmp_path / "acc.pt")
     full = ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("full", ckpt))[0]
-    assert full["steps"] == 2 * 4                        # 10 batches an epoch: groups of 3, 3, 3, 1
+    assert full["steps"] == 2 * 4  # 10 batches an epoch: groups of 3, 3, 3, 1
     assert ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("stop", ckpt))[0] == {"micro_step": 1}
     resumed = ddpkit.launch(loop_workers.accumulation, nprocs=2, args=("resume", ckpt))[0]
     assert resumed["batches"] == 20 - 4 and resumed["steps"] == full["steps"]
@@ -247,21 +247,21 @@ def test_save_inside_an_accumulation_group_resumes_bitwise(tmp_path):
 @pytest.mark.timeout(120)
 def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path):
     blocker = tmp_path / "a-file"
-    blocker.write_text("occupied")                       # rank 0 cannot write beneath a file
+    blocker.write_text("occupied")  # rank 0 cannot write beneath a file
     results = ddpkit.launch(loop_workers.failed_write, nprocs=2, args=(str(blocker / "c.pt"),))
     assert results[0]["raised"] is not None
     assert results[1]["raised"] == "DdpkitError" and "rank 0 failed" in results[1]["message"]
     assert "could not write checkpoint" in results[1]["message"]
-    assert blocker.read_text() == "occupied"             # nothing lost
+    assert blocker.read_text() == "occupied"  # nothing lost
 
 
 @pytest.mark.timeout(120)
 def test_ddp_gradients_are_bucket_views_where_asked_and_never_on_cpu_by_default():
     default = ddpkit.launch(loop_workers.bucket_views, nprocs=2)[0]
-    assert default["storages"] == [4, 4, 4]               # on CPU each gradient has its own storage
-    assert default["cleared"] == [True, True, True]       # rt.step sets them to None (PyTorch's default)
+    assert default["storages"] == [4, 4, 4]  # on CPU each gradient has its own storage
+    assert default["cleared"] == [True, True, True]  # rt.step sets them to None (PyTorch's default)
     views = ddpkit.launch(loop_workers.bucket_views, nprocs=2, args=(True,))[0]
-    assert views["storages"] == [1, 1, 1]                 # all four gradients share one bucket's storage
+    assert views["storages"] == [1, 1, 1]  # all four gradients share one bucket's storage
     assert views["cleared"] == [True, True, True]
 
 
@@ -271,7 +271,7 @@ def test_weighted_sampling_is_the_same_for_any_world_size():
     two = ddpkit.launch(loop_workers.weighted_batches, nprocs=2, args=(8,))[0]
     assert one == two and len(one) == 2
     drawn = [i for batch in one for i in batch]
-    assert not any(i < 5 for i in drawn)                 # zero weight: never drawn
+    assert not any(i < 5 for i in drawn)  # zero weight: never drawn
 
 
 def test_fresh_run_in_a_used_out_dir_starts_its_metrics_anew(tmp_path):
@@ -315,7 +315,7 @@ def test_model_compiled_before_setup_checkpoints_plain_names(tmp_path):
     rt.step(opt)
     path = rt.save(tmp_path / "c.pt", {"model": model})
     assert sorted(ddpkit.checkpoint.read(path)["user"]["model"]) == ["0.bias", "0.weight"]
-    rt.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(4, 2))})   # loads into a plain model
+    rt.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(4, 2))})  # loads into a plain model
 
 
 class _SeenByWorker(torch.utils.data.Dataset):
@@ -332,7 +332,7 @@ def _user_worker_init(worker_id: int) -> None:
     import os
 
     os.environ["DDPKIT_TEST_WORKER_INIT"] = str(worker_id + 10)
-    torch.manual_seed(1234)                 # the user's seeding runs after ddpkit's, and wins
+    torch.manual_seed(1234)  # the user's seeding runs after ddpkit's, and wins
 
 
 def test_worker_init_fn_prefetch_and_persistent_workers_reach_the_dataloader(monkeypatch):
@@ -345,10 +345,17 @@ def test_worker_init_fn_prefetch_and_persistent_workers_reach_the_dataloader(mon
 
     monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", spy)
     rt = ddpkit.init(seed=0)
-    loader = rt.loader(_SeenByWorker(), batch_size=2, num_workers=1, prefetch_factor=3,
-                       persistent_workers=False, pin_memory=False, worker_init_fn=_user_worker_init)
+    loader = rt.loader(
+        _SeenByWorker(),
+        batch_size=2,
+        num_workers=1,
+        prefetch_factor=3,
+        persistent_workers=False,
+        pin_memory=False,
+        worker_init_fn=_user_worker_init,
+    )
     assert (made["prefetch_factor"], made["persistent_workers"], made["pin_memory"]) == (3, False, False)
     rows = [row for batch in loader for row in batch.tolist()]
-    assert [row[0] for row in rows] == [10.0] * 4                     # the user's function ran in the worker
+    assert [row[0] for row in rows] == [10.0] * 4  # the user's function ran in the worker
     torch.manual_seed(1234)
-    assert [row[1] for row in rows] == [float(torch.rand(())) for _ in range(4)]   # and seeded last
+    assert [row[1] for row in rows] == [float(torch.rand(())) for _ in range(4)]  # and seeded last

@@ -27,8 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _network_addresses() -> list[str]:
-    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    return [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
 
 
 def _can_unshare() -> bool:
@@ -43,24 +47,30 @@ def _interface_of(address: str) -> str:
 
 NETWORK = _network_addresses()
 needs_network = pytest.mark.skipif(not NETWORK, reason="this machine has no non-loopback IPv4 address to connect from")
-needs_uts = pytest.mark.skipif(not (NETWORK and _can_unshare()),
-                               reason="needs root, unshare and a non-loopback address: the job runs in a UTS "
-                                      "namespace whose host name is that address")
+needs_uts = pytest.mark.skipif(
+    not (NETWORK and _can_unshare()),
+    reason="needs root, unshare and a non-loopback address: the job runs in a UTS "
+    "namespace whose host name is that address",
+)
+
+
 def _python_of_nobody() -> str | None:
     """A Python that the user ``nobody`` can run (this venv's may live under /root, mode 0700)."""
     if os.geteuid() != 0 or not shutil.which("runuser"):
         return None
     for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        probe = subprocess.run(["runuser", "-u", "nobody", "--", candidate, "-c", "print(1)"], capture_output=True,
-                               text=True, cwd="/")
+        probe = subprocess.run(
+            ["runuser", "-u", "nobody", "--", candidate, "-c", "print(1)"], capture_output=True, text=True, cwd="/"
+        )
         if probe.returncode == 0:
             return candidate
     return None
 
 
 NOBODY_PYTHON = _python_of_nobody()
-needs_other_uid = pytest.mark.skipif(NOBODY_PYTHON is None,
-                                     reason="needs root, runuser and a Python the user nobody can run")
+needs_other_uid = pytest.mark.skipif(
+    NOBODY_PYTHON is None, reason="needs root, runuser and a Python the user nobody can run"
+)
 
 WAITER = """
 import os, sys, time
@@ -107,8 +117,11 @@ def _listening(root: psutil.Process) -> set[tuple[int, str, int]]:
     found = set()
     for proc in [root, *root.children(recursive=True)]:
         try:
-            found |= {(proc.pid, c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
-                      if c.status == psutil.CONN_LISTEN}
+            found |= {
+                (proc.pid, c.laddr.ip, c.laddr.port)
+                for c in proc.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN
+            }
         except psutil.NoSuchProcess:
             pass
     return found
@@ -133,10 +146,30 @@ def _command(how: str, script: Path, flag: str) -> list[str]:
         "groups": [*run, "-n", "2", str(script), "run", flag, "groups"],
         "ddpkit.launch": [sys.executable, str(script), "launch", flag, "ddpkit"],
         "plain init_process_group": [*run, "-n", "2", str(script), "run", flag, "plain"],
-        "--master_addr/--master_port": [*run, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                                        "--master_port", port, str(script), "run", flag, "ddpkit"],
-        "--rdzv-endpoint localhost": [*run, "--nproc_per_node", "2", "--rdzv-endpoint", f"localhost:{port}",
-                                      str(script), "run", flag, "plain"],
+        "--master_addr/--master_port": [
+            *run,
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            str(script),
+            "run",
+            flag,
+            "ddpkit",
+        ],
+        "--rdzv-endpoint localhost": [
+            *run,
+            "--nproc_per_node",
+            "2",
+            "--rdzv-endpoint",
+            f"localhost:{port}",
+            str(script),
+            "run",
+            flag,
+            "plain",
+        ],
         "--master localhost": [*run, "-n", "2", "--master", f"localhost:{port}", str(script), "run", flag, "ddpkit"],
     }
     return lines[how]
@@ -149,9 +182,15 @@ class Job:
         self.script = directory / "waiter.py"
         self.script.write_text(WAITER)
         self.flag = str(directory / "flag")
-        self.proc = subprocess.Popen(_in_container(_command(how, self.script, self.flag)), env=clean_env(),
-                                     cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            _in_container(_command(how, self.script, self.flag)),
+            env=clean_env(),
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def ready(self) -> str:
         """The MASTER_PORT the workers were given, once rank 0 is ready."""
@@ -173,22 +212,30 @@ class Job:
 
 @needs_uts
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", [
-    "ddpkit run -n 2", "plain init_process_group", "--master_addr/--master_port",
-    *(pytest.param(how, marks=pytest.mark.slow)
-      for how in ("ddpkit.launch", "groups", "--rdzv-endpoint localhost", "--master localhost"))])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "ddpkit run -n 2",
+        "plain init_process_group",
+        "--master_addr/--master_port",
+        *(
+            pytest.param(how, marks=pytest.mark.slow)
+            for how in ("ddpkit.launch", "groups", "--rdzv-endpoint localhost", "--master localhost")
+        ),
+    ],
+)
 def test_a_container_job_listens_on_loopback_only_and_a_squatted_port_changes_nothing(how, tmp_path):
     job = Job(how, tmp_path)
     try:
         published = job.ready()
         listening = _listening(psutil.Process(job.proc.pid))
         ports = {port for _, _, port in listening}
-        assert len(ports) >= 2, listening                     # gloo's: one per rank (and per group)
+        assert len(ports) >= 2, listening  # gloo's: one per rank (and per group)
         assert {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
         assert [(h, p) for h in NETWORK for p in ports if _accepts(h, p)] == []
-        with socket.create_server(("0.0.0.0", 0)) as control:     # the probe can tell: a wildcard socket accepts
+        with socket.create_server(("0.0.0.0", 0)) as control:  # the probe can tell: a wildcard socket accepts
             assert _accepts(NETWORK[0], control.getsockname()[1])
-        if published:               # the port the agent published: nothing binds it later, so take it
+        if published:  # the port the agent published: nothing binds it later, so take it
             assert int(published) not in ports
             squatter = socket.create_server(("0.0.0.0", int(published)))
         else:
@@ -199,7 +246,7 @@ def test_a_container_job_listens_on_loopback_only_and_a_squatted_port_changes_no
             if squatter is not None:
                 squatter.close()
         assert code == 0, err[-3000:]
-        assert Path(job.flag + ".result").read_text() == "4.0"      # the group made after the squat worked
+        assert Path(job.flag + ".result").read_text() == "4.0"  # the group made after the squat worked
     finally:
         job.kill()
 
@@ -265,8 +312,13 @@ os._exit(0)      # a client stuck on a socket that never answers (gloo's) cannot
 
 def _stores_among(ports: list[int]) -> list[int]:
     """The ports on 127.0.0.1 where a c10d store takes keys (it would take them from any local user)."""
-    probe = subprocess.run([sys.executable, "-c", STORE_PROBE, *map(str, ports)], capture_output=True, text=True,
-                           timeout=60, env=clean_env())
+    probe = subprocess.run(
+        [sys.executable, "-c", STORE_PROBE, *map(str, ports)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     return [int(p) for p in probe.stdout.split()]
 
@@ -282,24 +334,29 @@ def test_another_local_user_writing_every_port_and_store_file_runs_nothing_and_t
         attacker = public / "attacker.py"
         attacker.write_text(ATTACKER)
         attacker.chmod(0o644)
-        marker = tmp_path / "pwned"         # only the job's user could create it here
+        marker = tmp_path / "pwned"  # only the job's user could create it here
         job = Job("groups", tmp_path)
         try:
             job.ready()
             ports = sorted({port for _, _, port in _listening(psutil.Process(job.proc.pid))})
-            from ddpkit.dist import stores as ddpkit_stores
+            from ddpkit.distributed import stores as ddpkit_stores
 
-            control = ddpkit_stores.serve("127.0.0.1", 0, timeout_s=30)     # the probe can tell a store
-            stores = _stores_among([*ports, control.port])              # would take keys, from any uid
-            attack = subprocess.run(["runuser", "-u", "nobody", "--", NOBODY_PYTHON, str(attacker), str(marker),
-                                     *map(str, ports)], capture_output=True, text=True, timeout=120,
-                                    env={**clean_env(), "HOME": "/"}, cwd="/")
+            control = ddpkit_stores.serve("127.0.0.1", 0, timeout_s=30)  # the probe can tell a store
+            stores = _stores_among([*ports, control.port])  # would take keys, from any uid
+            attack = subprocess.run(
+                ["runuser", "-u", "nobody", "--", NOBODY_PYTHON, str(attacker), str(marker), *map(str, ports)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**clean_env(), "HOME": "/"},
+                cwd="/",
+            )
             assert attack.returncode == 0, attack.stderr[-2000:]
             report = json.loads(attack.stdout.strip().splitlines()[-1])
-            assert report["connected"], report           # it did reach gloo's ports on loopback...
-            assert stores == [control.port], stores       # ...but none of the job's is a store to write
-            assert report["files"], report               # the job's private directory was found...
-            assert "written" not in report["files"].values(), report     # ...and could not be written
+            assert report["connected"], report  # it did reach gloo's ports on loopback...
+            assert stores == [control.port], stores  # ...but none of the job's is a store to write
+            assert report["files"], report  # the job's private directory was found...
+            assert "written" not in report["files"].values(), report  # ...and could not be written
             code, err = job.finish()
             assert code == 0, err[-3000:]
             assert Path(job.flag + ".result").read_text() == "4.0"
@@ -311,7 +368,7 @@ def test_another_local_user_writing_every_port_and_store_file_runs_nothing_and_t
         shutil.rmtree(public, ignore_errors=True)
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(120)
 def test_doctor_says_where_a_run_listens_and_what_plain_torchrun_exposes(tmp_path):
     from helpers import ddpkit as ddpkit_cli
@@ -319,15 +376,29 @@ def test_doctor_says_where_a_run_listens_and_what_plain_torchrun_exposes(tmp_pat
     facts = json.loads(ddpkit_cli("doctor", "--json").stdout)["facts"]
     assert facts["a run listens on"].startswith("127.0.0.1 only")
     assert facts["gloo/NCCL listen on"].startswith("127.0.0.1 (")
-    script = tmp_path / "doctor.py"      # doctor inside a job started by plain torchrun, rank 0 reporting
-    script.write_text("import json, os, sys\nfrom ddpkit.cli.doctor import examine\n"
-                      "r = examine()\nif os.environ['RANK'] == '0': print(json.dumps(r.warnings))\n")
-    plain = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", str(script)],
-                           env=clean_env(), capture_output=True, text=True, timeout=100)
+    script = tmp_path / "doctor.py"  # doctor inside a job started by plain torchrun, rank 0 reporting
+    script.write_text(
+        "import json, os, sys\nfrom ddpkit.cli.doctor import examine\n"
+        "r = examine()\nif os.environ['RANK'] == '0': print(json.dumps(r.warnings))\n"
+    )
+    plain = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", str(script)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert plain.returncode == 0, plain.stderr[-2000:]
-    assert "started by plain torchrun: its agent's rendezvous and worker stores listen on every interface" in plain.stdout
-    ours = subprocess.run([str(BIN / "ddpkit"), "run", "-n", "1", str(script)],
-                          env=clean_env(), capture_output=True, text=True, timeout=100)
+    assert (
+        "started by plain torchrun: its agent's rendezvous and worker stores listen on every interface" in plain.stdout
+    )
+    ours = subprocess.run(
+        [str(BIN / "ddpkit"), "run", "-n", "1", str(script)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert ours.returncode == 0 and "plain torchrun" not in ours.stdout, ours.stderr[-2000:]
 
 
@@ -335,19 +406,27 @@ def test_doctor_says_where_a_run_listens_and_what_plain_torchrun_exposes(tmp_pat
 @pytest.mark.timeout(60)
 def test_doctor_in_a_container_names_the_addresses_gloo_would_really_use():
     doctor = [str(BIN / "ddpkit"), "doctor", "--json"]
-    inside = json.loads(subprocess.run(_in_container(doctor), env=clean_env(), capture_output=True, text=True,
-                                       timeout=50).stdout)
-    assert inside["facts"]["hostname resolves to"] == NETWORK[0]          # as in Docker
+    inside = json.loads(
+        subprocess.run(_in_container(doctor), env=clean_env(), capture_output=True, text=True, timeout=50).stdout
+    )
+    assert inside["facts"]["hostname resolves to"] == NETWORK[0]  # as in Docker
     assert inside["facts"]["a run listens on"].startswith("127.0.0.1 only")
     interface = _interface_of(NETWORK[0])
-    told = json.loads(subprocess.run(_in_container(doctor), env=clean_env(GLOO_SOCKET_IFNAME=interface),
-                                     capture_output=True, text=True, timeout=50).stdout)
+    told = json.loads(
+        subprocess.run(
+            _in_container(doctor),
+            env=clean_env(GLOO_SOCKET_IFNAME=interface),
+            capture_output=True,
+            text=True,
+            timeout=50,
+        ).stdout
+    )
     assert told["facts"]["gloo/NCCL listen on"] == f"{NETWORK[0]} ({interface})"
     assert any(f"GLOO_SOCKET_IFNAME={interface} makes gloo listen on {NETWORK[0]}" in w for w in told["warnings"])
 
 
 def test_worker_variables_bind_loopback_on_one_machine_and_keep_the_users_own(monkeypatch):
-    from ddpkit.dist import host, stores
+    from ddpkit.distributed import host, stores
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
@@ -359,7 +438,7 @@ def test_worker_variables_bind_loopback_on_one_machine_and_keep_the_users_own(mo
 
 @needs_network
 def test_between_nodes_gloo_binds_the_interface_of_the_route_to_the_master():
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     interface = _interface_of(NETWORK[0])
     assert stores.gloo_interface(2, NETWORK[0], 29500, {}) == (interface, NETWORK[0])
@@ -368,11 +447,11 @@ def test_between_nodes_gloo_binds_the_interface_of_the_route_to_the_master():
 def test_the_private_directory_is_the_users_alone(tmp_path, monkeypatch):
     import stat
 
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    old = os.umask(0o000)           # a permissive umask cannot widen it
+    old = os.umask(0o000)  # a permissive umask cannot widen it
     try:
         directory = stores.private_dir()
     finally:
@@ -385,11 +464,11 @@ def test_the_private_directory_is_the_users_alone(tmp_path, monkeypatch):
 def test_rank_0s_store_binds_the_master_address_unless_a_multi_node_name_is_loopback_here(monkeypatch):
     import torch.distributed as dist
 
-    from ddpkit.dist import process_group
-    from ddpkit.dist.environment import Environment
+    from ddpkit.distributed import process_group
+    from ddpkit.distributed.environment import Environment
 
     served = []
-    monkeypatch.setattr("ddpkit.dist.stores.serve", lambda host, port, **kw: served.append(host) or "bound")
+    monkeypatch.setattr("ddpkit.distributed.stores.serve", lambda host, port, **kw: served.append(host) or "bound")
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: "every interface")
     one_node = Environment(launcher="torchelastic", world_size=2, local_world_size=2, master_addr="127.0.0.1")
     assert process_group._serve(one_node, 5) == "bound" and served == ["127.0.0.1"]
@@ -399,11 +478,11 @@ def test_rank_0s_store_binds_the_master_address_unless_a_multi_node_name_is_loop
 
 
 def test_a_master_that_does_not_resolve_in_time_is_one_line(monkeypatch):
-    from ddpkit.dist.torchrun import resolve_master
+    from ddpkit.distributed.torchrun import resolve_master
     from ddpkit.errors import UsageError
 
     def slow(*args, **kwargs):
-        time.sleep(30)           # then fails as a resolver would (the asker thread outlives the test)
+        time.sleep(30)  # then fails as a resolver would (the asker thread outlives the test)
         raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
     monkeypatch.setattr(socket, "getaddrinfo", slow)
@@ -412,16 +491,26 @@ def test_a_master_that_does_not_resolve_in_time_is_one_line(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("master, message", [
-    ("[::1", "unbalanced brackets"), ("nohost.invalid:29500", "cannot be used"), (":29500", "has no host"),
-    ("h:70000", "out of range"), ("[::1]]:5", "unbalanced brackets"), ("[fe80::1%lo]:29400", "no zone index")])
+@pytest.mark.parametrize(
+    "master, message",
+    [
+        ("[::1", "unbalanced brackets"),
+        ("nohost.invalid:29500", "cannot be used"),
+        (":29500", "has no host"),
+        ("h:70000", "out of range"),
+        ("[::1]]:5", "unbalanced brackets"),
+        ("[fe80::1%lo]:29400", "no zone index"),
+    ],
+)
 def test_bad_masters_fail_in_one_line_with_exit_2(master, message):
     from helpers import EXAMPLES
 
-    for command in (["run", "-n", "2", "--nnodes", "2", "--node-rank", "0", "--master", master,
-                     str(EXAMPLES / "hello.py")],):
-        done = subprocess.run([str(BIN / "ddpkit"), *command], env=clean_env(), capture_output=True, text=True,
-                              timeout=50)
+    for command in (
+        ["run", "-n", "2", "--nnodes", "2", "--node-rank", "0", "--master", master, str(EXAMPLES / "hello.py")],
+    ):
+        done = subprocess.run(
+            [str(BIN / "ddpkit"), *command], env=clean_env(), capture_output=True, text=True, timeout=50
+        )
         assert done.returncode == 2, (done.stdout, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
@@ -440,17 +529,17 @@ def test_bytes_that_arrive_for_an_object_collective_never_build_anything_but_pla
 
     import torch
 
-    from ddpkit.dist import collectives
+    from ddpkit.distributed import collectives
     from ddpkit.errors import DdpkitError
 
     marker = tmp_path / "pwned"
     crafted = io.BytesIO()
-    torch.save({"rng": _Boom(marker)}, crafted)       # what a peer, or an impostor on its port, could send
+    torch.save({"rng": _Boom(marker)}, crafted)  # what a peer, or an impostor on its port, could send
     with pytest.raises(DdpkitError, match=r"not plain data \(it needs builtins.getattr\); ddpkit refuses"):
         collectives._from_bytes(torch.frombuffer(bytearray(crafted.getvalue()), dtype=torch.uint8))
     assert not marker.exists()
     with pytest.raises(TypeError, match="only tensors, numbers, strings"):
-        collectives._to_bytes({"rng": _Boom(marker)})             # refused before it is sent
+        collectives._to_bytes({"rng": _Boom(marker)})  # refused before it is sent
     plain = {"torch": torch.arange(3), "python": [3, (1, 2), None], "name": "x", "lr": 0.1}
     back = collectives._from_bytes(collectives._to_bytes(plain))
     assert torch.equal(back["torch"], plain["torch"]) and back["python"] == [3, (1, 2), None] and back["lr"] == 0.1

@@ -88,17 +88,26 @@ def test_the_bound_refuses_what_declares_more_than_it_holds_and_passes_what_torc
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
     clean = io.BytesIO()
-    torch.save({"m": model.state_dict(), "o": optimizer.state_dict(), "view": torch.arange(10.0)[2:5],
-                "half": torch.ones(3, dtype=torch.bfloat16), "p": torch.nn.Parameter(torch.ones(2)),
-                "plain": [1, 2.5, (3, "a")]}, clean)
+    torch.save(
+        {
+            "m": model.state_dict(),
+            "o": optimizer.state_dict(),
+            "view": torch.arange(10.0)[2:5],
+            "half": torch.ones(3, dtype=torch.bfloat16),
+            "p": torch.nn.Parameter(torch.ones(2)),
+            "plain": [1, 2.5, (3, "a")],
+        },
+        clean,
+    )
     _bounds.check(clean, "clean.pt")
-    assert clean.tell() == len(clean.getvalue())          # the position is given back
+    assert clean.tell() == len(clean.getvalue())  # the position is given back
 
 
 def _reseal_file(path: Path) -> None:
     data = path.read_bytes()
-    path.with_name(path.name + ".sha256").write_text(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
-                                                                 "size": len(data)}))
+    path.with_name(path.name + ".sha256").write_text(
+        json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+    )
 
 
 def _one_line_exit_2(result, command: str, says: str) -> None:
@@ -117,7 +126,7 @@ def test_an_inflating_single_file_checkpoint_is_refused_on_every_path(tmp_path, 
     payload["user"]["model"]["weight"] = torch.zeros(4)
     records, prefix = _archive(payload)
     bomb = inflated(64 << 20, payload) if kind == "inflated" else None
-    if bomb is None:       # the weight's storage (the first) declares 64 MiB over its 16 bytes
+    if bomb is None:  # the weight's storage (the first) declares 64 MiB over its 16 bytes
         records[prefix + "data.pkl"] = _declare(records[prefix + "data.pkl"], 16 << 20)
         out = io.BytesIO()
         with zipfile.ZipFile(out, "w") as archive:
@@ -126,11 +135,12 @@ def test_an_inflating_single_file_checkpoint_is_refused_on_every_path(tmp_path, 
         bomb = out.getvalue()
     path.write_bytes(bomb)
     _reseal_file(path)
-    checkpoint.verify(path)                                 # the checksums vouch for it
+    checkpoint.verify(path)  # the checksums vouch for it
     says = "is compressed" if kind == "inflated" else "declares"
     real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached") if a and a[0] == path
-                        else real_load(*a, **k))
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: pytest.fail("torch.load reached") if a and a[0] == path else real_load(*a, **k)
+    )
     for load in (lambda: rt.load(path, {"model": model}), lambda: checkpoint.read(path)):
         with pytest.raises(UnsafeCheckpoint) as caught:
             load()
@@ -141,12 +151,14 @@ def test_an_inflating_single_file_checkpoint_is_refused_on_every_path(tmp_path, 
         rt.resume({"model": model})
     rt.close()
     monkeypatch.undo()
-    if kind == "inflated":            # the command lines read through the same function: once is enough
-        _one_line_exit_2(ddpkit_cli("export", "--checkpoint", str(path), "--out", str(tmp_path / "m.pt")), "export",
-                         says)
-        _one_line_exit_2(ddpkit_cli("predict", "--checkpoint", str(path.parent), "--out", str(tmp_path / "p.csv")),
-                         "predict", says)
-    path.with_name(path.name + ".sha256").unlink()           # no checksum beside it: bounded all the same
+    if kind == "inflated":  # the command lines read through the same function: once is enough
+        _one_line_exit_2(
+            ddpkit_cli("export", "--checkpoint", str(path), "--out", str(tmp_path / "m.pt")), "export", says
+        )
+        _one_line_exit_2(
+            ddpkit_cli("predict", "--checkpoint", str(path.parent), "--out", str(tmp_path / "p.csv")), "predict", says
+        )
+    path.with_name(path.name + ".sha256").unlink()  # no checksum beside it: bounded all the same
     with pytest.raises(UnsafeCheckpoint, match=says):
         checkpoint.read(path)
     assert not (tmp_path / "m.pt").exists()
@@ -208,10 +220,16 @@ def _outside(metadata):
     _first_tensor(metadata)[3].relative_path = "../../etc/hostname"
 
 
-@pytest.mark.parametrize("edit, says", [(_grow, "declares 1073741824 bytes in an item of"),
-                                        (_transform, "is stored through ['zstd']"),
-                                        (_past_the_end, "spans bytes"), (_overlap, "two items overlap"),
-                                        (_outside, "not a file of the checkpoint")])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (_grow, "declares 1073741824 bytes in an item of"),
+        (_transform, "is stored through ['zstd']"),
+        (_past_the_end, "spans bytes"),
+        (_overlap, "two items overlap"),
+        (_outside, "not a file of the checkpoint"),
+    ],
+)
 def test_sharded_metadata_that_declares_more_than_its_files_is_refused(sharded, tmp_path, edit, says):
     step = shutil.copytree(sharded, tmp_path / sharded.name)
     _edit_metadata(step, edit)
@@ -220,9 +238,10 @@ def test_sharded_metadata_that_declares_more_than_its_files_is_refused(sharded, 
         checkpoint.read(step)
     assert says in str(caught.value) and "ddpkit refuses to load it" in str(caught.value)
     assert "\n" not in str(caught.value)
-    if edit is _grow:                 # the command line reads through the same function: once is enough
-        _one_line_exit_2(ddpkit_cli("export", "--checkpoint", str(step), "--out", str(tmp_path / "m.pt")), "export",
-                         says)
+    if edit is _grow:  # the command line reads through the same function: once is enough
+        _one_line_exit_2(
+            ddpkit_cli("export", "--checkpoint", str(step), "--out", str(tmp_path / "m.pt")), "export", says
+        )
 
 
 def test_a_sharded_tensor_whose_record_is_compressed_is_refused(sharded, tmp_path):
@@ -246,8 +265,10 @@ def test_a_code_free_but_wrong_ddpkit_pt_is_one_line_exit_2_on_every_command(sha
     step = shutil.copytree(sharded, tmp_path / sharded.name)
     torch.save(value, step / "ddpkit.pt")
     _reseal(step)
-    for command in (["export", "--checkpoint", str(step), "--out", str(tmp_path / "m.pt")],
-                    ["predict", "--checkpoint", str(step), "--out", str(tmp_path / "p.csv")]):
+    for command in (
+        ["export", "--checkpoint", str(step), "--out", str(tmp_path / "m.pt")],
+        ["predict", "--checkpoint", str(step), "--out", str(tmp_path / "p.csv")],
+    ):
         done = ddpkit_cli(*command)
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]

@@ -40,7 +40,7 @@ def test_every_ddpkit_name_it_shows_exists():
 
 def test_every_ddpkit_run_flag_it_shows_is_taken():
     options = {s for action in run_parser()._actions for s in action.option_strings}
-    prose = re.sub(r"```.*?```", "", _text(), flags=re.S)         # spans outside the code blocks
+    prose = re.sub(r"```.*?```", "", _text(), flags=re.S)  # spans outside the code blocks
     spans = re.findall(r"`([^`]+)`", prose)
     run_spans = [s for s in spans if s.startswith("ddpkit run")]
     flags = {f for s in run_spans for f in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", s)}
@@ -52,15 +52,18 @@ def test_every_ddpkit_run_flag_it_shows_is_taken():
 
 def test_before_and_after_line_counts_are_the_blocks_own():
     text = _text()
-    section = text[text.index("### Before and after"):]
+    section = text[text.index("### Before and after") :]
     before, after = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
     counts = []
     for block in (before, after):
         lines = block.rstrip("\n").split("\n")
         counts.append((len(lines), sum(1 for line in lines if line.strip())))
     (b_all, b_code), (a_all, a_code) = counts
-    said = re.search(r"Before: \*\*(\d+) lines\*\* \((\d+) not blank\).*?After: \*\*(\d+) lines\*\* \((\d+) not\s+blank\)",
-                     section, re.S)
+    said = re.search(
+        r"Before: \*\*(\d+) lines\*\* \((\d+) not blank\).*?After: \*\*(\d+) lines\*\* \((\d+) not\s+blank\)",
+        section,
+        re.S,
+    )
     assert said is not None
     assert tuple(int(g) for g in said.groups()) == (b_all, b_code, a_all, a_code)
     assert "DistributedSampler" in before and "DistributedSampler" not in after

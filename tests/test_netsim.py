@@ -27,10 +27,11 @@ from helpers import clean_env
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces and tbf")
+    reason="simulated hosts need root and iproute2 (`ip`, `tc`) for network namespaces and tbf",
+)
 
 NOTHING = {"namespaces": [], "links": []}
-PORT = 5000                     # every namespace is fresh: no other listener can hold it
+PORT = 5000  # every namespace is fresh: no other listener can hold it
 
 SERVER = textwrap.dedent("""
     import socket, sys, threading
@@ -109,17 +110,31 @@ def _transfer(sim: SimulatedHosts, senders: list[int], receiver: int, size: int)
 
 def _gone(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE    # our PID 1 may never reap it
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # our PID 1 may never reap it
     except psutil.NoSuchProcess:
         return True
 
 
 # -- arguments and availability: no namespaces needed ---------------------------------------------
 
-@pytest.mark.parametrize("hosts, link_mbit, tag", [
-    (0, 10, "a"), (255, 10, "a"), (1.5, 10, "a"), (True, 10, "a"), (2, 0, "a"), (2, -1, "a"),
-    (2, math.nan, "a"), (2, math.inf, "a"), (2, 1e-9, "a"), (2, 10, "bad-tag"), (2, 10, "x" * 10), (2, 10, ""),
-])
+
+@pytest.mark.parametrize(
+    "hosts, link_mbit, tag",
+    [
+        (0, 10, "a"),
+        (255, 10, "a"),
+        (1.5, 10, "a"),
+        (True, 10, "a"),
+        (2, 0, "a"),
+        (2, -1, "a"),
+        (2, math.nan, "a"),
+        (2, math.inf, "a"),
+        (2, 1e-9, "a"),
+        (2, 10, "bad-tag"),
+        (2, 10, "x" * 10),
+        (2, 10, ""),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(hosts, link_mbit, tag):
     with pytest.raises(NetsimError) as caught:
         SimulatedHosts(hosts, link_mbit, tag=tag)
@@ -147,15 +162,19 @@ def test_without_iproute2_one_line_names_it(monkeypatch):
 def test_env_points_every_backend_at_the_shaped_interface():
     sim = SimulatedHosts(3, 10, tag="a")
     assert sim.addresses == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
-    assert sim.env(2) == {"GLOO_SOCKET_IFNAME": sim.interface, "NCCL_SOCKET_IFNAME": sim.interface,
-                          "TP_SOCKET_IFNAME": sim.interface}
+    assert sim.env(2) == {
+        "GLOO_SOCKET_IFNAME": sim.interface,
+        "NCCL_SOCKET_IFNAME": sim.interface,
+        "TP_SOCKET_IFNAME": sim.interface,
+    }
     with pytest.raises(NetsimError):
         sim.env(3)
     with pytest.raises(NetsimError):
-        sim.popen(0, ["true"])                # not open
+        sim.popen(0, ["true"])  # not open
 
 
 # -- real namespaces -----------------------------------------------------------------------------
+
 
 @needs_netns
 def test_check_available_passes_here():
@@ -168,8 +187,10 @@ def test_check_available_passes_here():
 def test_two_hosts_talk_over_links_shaped_both_ways(tag):
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with SimulatedHosts(2, 2.5, tag=tag) as sim:
-        assert leftovers(tag) == {"namespaces": [f"ddpk-{tag}-h0", f"ddpk-{tag}-h1"],
-                                  "links": sorted([f"dkbr{tag}", f"dk{tag}h0", f"dk{tag}h1"])}
+        assert leftovers(tag) == {
+            "namespaces": [f"ddpk-{tag}-h0", f"ddpk-{tag}-h1"],
+            "links": sorted([f"dkbr{tag}", f"dk{tag}h0", f"dk{tag}h1"]),
+        }
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) != handlers
         _transfer(sim, [0], 1, 1000)
         sections = _sections(sim.qdiscs())
@@ -179,7 +200,7 @@ def test_two_hosts_talk_over_links_shaped_both_ways(tag):
             assert _rate_bits(re.search(r"rate (\S+)", body).group(1)) == 2.5e6
     assert leftovers(tag) == NOTHING
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-    sim.close()                                 # a second close does nothing
+    sim.close()  # a second close does nothing
 
 
 @pytest.mark.slow
@@ -196,34 +217,37 @@ def test_high_rates_are_set_exactly(tag, link_mbit):
 @pytest.mark.timeout(60)
 def test_processes_get_the_environment_and_run_inside_their_host(tag):
     with SimulatedHosts(2, 10, tag=tag) as sim:
-        code = ("import os, socket; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['EXTRA'], "
-                "sorted(socket.if_nameindex())[-1][1])")
+        code = (
+            "import os, socket; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['EXTRA'], "
+            "sorted(socket.if_nameindex())[-1][1])"
+        )
         proc = sim.popen(1, [sys.executable, "-c", code], env={"EXTRA": "x"}, stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=30)
         assert out.split() == [sim.interface, "x", sim.interface]
-        addr = sim.popen(1, ["ip", "-o", "addr", "show", "dev", sim.interface], stdout=subprocess.PIPE,
-                         text=True).communicate(timeout=30)[0]
+        addr = sim.popen(
+            1, ["ip", "-o", "addr", "show", "dev", sim.interface], stdout=subprocess.PIPE, text=True
+        ).communicate(timeout=30)[0]
         assert f"inet {sim.addresses[1]}/24" in addr
-        assert "inet6" not in addr              # IPv4 only: nothing else for gloo to bind
+        assert "inet6" not in addr  # IPv4 only: nothing else for gloo to bind
 
 
 @needs_netns
 @pytest.mark.timeout(60)
 def test_upload_is_shaped(tag):
-    payload = 1_000_000                         # about 1 s at 8 Mbit/s
+    payload = 1_000_000  # about 1 s at 8 Mbit/s
     with SimulatedHosts(2, 8, tag=tag) as sim:
         _transfer(sim, [0], 1, payload)
         sections = _sections(sim.qdiscs(stats=True))
         sent, overlimits = _stats(sections[0, "upload"])
-        assert sent >= payload and overlimits > 0         # host 0's upload held the data back
-        assert _stats(sections[1, "download"])[0] >= payload   # and it went through host 1's download
+        assert sent >= payload and overlimits > 0  # host 0's upload held the data back
+        assert _stats(sections[1, "download"])[0] >= payload  # and it went through host 1's download
 
 
 @pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_download_is_shaped(tag):
-    payload = 500_000                           # two senders at 8 Mbit/s each into one 8 Mbit/s download
+    payload = 500_000  # two senders at 8 Mbit/s each into one 8 Mbit/s download
     with SimulatedHosts(3, 8, tag=tag) as sim:
         _transfer(sim, [0, 2], 1, payload)
         sections = _sections(sim.qdiscs(stats=True))
@@ -273,21 +297,26 @@ def test_names_in_use_are_refused_and_left_alone(tag):
         with pytest.raises(NetsimError, match="exist already"):
             with SimulatedHosts(1, 10, tag=tag):
                 pass
-        remove_leftovers()                      # every tag, but the owner of this one is alive
+        remove_leftovers()  # every tag, but the owner of this one is alive
         assert leftovers(tag)["namespaces"] == [f"ddpk-{tag}-h0"]
     assert leftovers(tag) == NOTHING
 
 
 def _start_owner(tag: str) -> tuple[subprocess.Popen, list[int]]:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, tag], stdout=subprocess.PIPE, text=True,
-                             env=clean_env(), start_new_session=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, tag], stdout=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True
+    )
     line = owner.stdout.readline().split()
     assert line[:1] == ["ready"], line
     sleeps = [int(pid) for pid in line[1:]]
-    for host, pid in enumerate(sleeps):         # `ip netns exec` has entered the namespace
+    for host, pid in enumerate(sleeps):  # `ip netns exec` has entered the namespace
         deadline = time.monotonic() + 20
-        while str(pid) not in subprocess.run(["ip", "netns", "pids", f"ddpk-{tag}-h{host}"],
-                                             capture_output=True, text=True).stdout.split():
+        while (
+            str(pid)
+            not in subprocess.run(
+                ["ip", "netns", "pids", f"ddpk-{tag}-h{host}"], capture_output=True, text=True
+            ).stdout.split()
+        ):
             assert time.monotonic() < deadline, f"sleep {pid} never entered host {host}"
             time.sleep(0.05)
     return owner, sleeps
@@ -314,10 +343,12 @@ def test_a_killed_owner_leaves_names_that_remove_leftovers_removes(tag):
     owner, sleeps = _start_owner(tag)
     owner.kill()
     owner.wait(timeout=30)
-    assert leftovers(tag) == {"namespaces": [f"ddpk-{tag}-h0", f"ddpk-{tag}-h1"],
-                              "links": sorted([f"dkbr{tag}", f"dk{tag}h0", f"dk{tag}h1"])}
+    assert leftovers(tag) == {
+        "namespaces": [f"ddpk-{tag}-h0", f"ddpk-{tag}-h1"],
+        "links": sorted([f"dkbr{tag}", f"dk{tag}h0", f"dk{tag}h1"]),
+    }
     assert not any(_gone(pid) for pid in sleeps)
-    remove_leftovers()                          # every tag whose owner is dead: this one's is
+    remove_leftovers()  # every tag whose owner is dead: this one's is
     assert leftovers(tag) == NOTHING
     assert all(_gone(pid) for pid in sleeps)
 
@@ -328,12 +359,12 @@ def test_a_killed_owner_leaves_names_that_remove_leftovers_removes(tag):
 def test_what_ignores_sigterm_or_left_its_group_is_killed_too(tag):
     with SimulatedHosts(2, 10, tag=tag) as sim:
         stubborn = sim.popen(0, ["sh", "-c", "trap '' TERM; sleep 300 & wait"])
-        sim.popen(1, ["setsid", "-f", "sleep", "300"]).wait(timeout=30)    # its own session, parent gone
+        sim.popen(1, ["setsid", "-f", "sleep", "300"]).wait(timeout=30)  # its own session, parent gone
         deadline = time.monotonic() + 20
         while not (escaped := netns._namespace_pids([f"ddpk-{tag}-h1"])[f"ddpk-{tag}-h1"]):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    assert stubborn.returncode == -signal.SIGKILL       # SIGTERM was ignored: SIGKILL after the grace
+    assert stubborn.returncode == -signal.SIGKILL  # SIGTERM was ignored: SIGKILL after the grace
     assert all(_gone(pid) for pid in escaped)
     assert leftovers(tag) == NOTHING
 
@@ -348,8 +379,9 @@ def test_an_owner_that_never_closes_cleans_up_at_exit(tag):
         sim = SimulatedHosts(1, 10, tag=sys.argv[1]).__enter__()
         print(sim.popen(0, ["sleep", "300"]).pid, flush=True)
     """)
-    done = subprocess.run([sys.executable, "-c", script, tag], capture_output=True, text=True, env=clean_env(),
-                          timeout=45)
+    done = subprocess.run(
+        [sys.executable, "-c", script, tag], capture_output=True, text=True, env=clean_env(), timeout=45
+    )
     assert done.returncode == 0, done.stderr
     assert leftovers(tag) == NOTHING
     assert _gone(int(done.stdout))
@@ -370,12 +402,12 @@ def test_gloo_ranks_on_two_hosts_all_reduce_through_the_shaped_links(tag):
         dist.destroy_process_group()
     """)
     with SimulatedHosts(2, 1000, tag=tag) as sim:
-        init = f"tcp://{sim.addresses[0]}:29500"     # host 0's address: each host has its own loopback
+        init = f"tcp://{sim.addresses[0]}:29500"  # host 0's address: each host has its own loopback
         ranks = [_python(sim, host, script, host, init) for host in range(2)]
         outs = [rank.communicate(timeout=90)[0] for rank in ranks]
         assert [rank.returncode for rank in ranks] == [0, 0]
         assert [out.split() for out in outs] == [["3.0", "3.0"]] * 2
         sections = _sections(sim.qdiscs(stats=True))
-        for host in range(2):                   # half of the 4 MB tensor out in each of two phases
+        for host in range(2):  # half of the 4 MB tensor out in each of two phases
             assert _stats(sections[host, "upload"])[0] >= 4_000_000
             assert _stats(sections[host, "download"])[0] >= 4_000_000

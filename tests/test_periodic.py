@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.errors import UsageError
-
 import workers
+from ddpkit.errors import UsageError
 
 
 def _equal(a: list, b: list) -> bool:
@@ -22,15 +21,17 @@ def test_ranks_train_apart_and_meet_every_h_steps(tmp_path, sync):
     for rank, run in runs.items():
         assert run["step"] == 12 and run["syncs"] == 4 and run["steps_into_period"] == 0, rank
         # right after a sync every rank holds the synced weights
-        assert _equal([run["weights"][k] for k in run["weights"] if not k.endswith("num_batches_tracked")
-                       and "running" not in k], run["synced"])
+        assert _equal(
+            [run["weights"][k] for k in run["weights"] if not k.endswith("num_batches_tracked") and "running" not in k],
+            run["synced"],
+        )
         assert run["evaluation_restored_local"], "evaluate swapped the synced weights in and back out"
-        assert run["loss"] < 2.0       # it learned (chance is ln 10 = 2.30)
+        assert run["loss"] < 2.0  # it learned (chance is ln 10 = 2.30)
     assert _equal(runs[0]["synced"], runs[1]["synced"])
     # a bfloat16 exchange (the default) of every parameter's and BatchNorm statistic's change, 4 times
     params = sum(t.numel() for t in runs[0]["synced"])
     assert runs[0]["sent_bytes"] == 4 * 2 * (params + 2 * 32)
-    exported = runs[0]["exported"]           # rt.full_state_dict: the synced weights
+    exported = runs[0]["exported"]  # rt.full_state_dict: the synced weights
     assert _equal([v for k, v in exported.items() if k.endswith(("weight", "bias"))], runs[0]["synced"])
 
 
@@ -39,15 +40,17 @@ def test_ranks_train_apart_and_meet_every_h_steps(tmp_path, sync):
 def test_a_run_stopped_mid_period_resumes_bitwise(tmp_path, nprocs, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (tmp_path / "none").mkdir()
-    uninterrupted = ddpkit.launch(workers.periodic_run, nprocs=nprocs, args=("diloco", 14, None, str(tmp_path / "none")))
+    uninterrupted = ddpkit.launch(
+        workers.periodic_run, nprocs=nprocs, args=("diloco", 14, None, str(tmp_path / "none"))
+    )
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     stopped = ddpkit.launch(workers.periodic_run, nprocs=nprocs, args=("diloco", 14, 7, str(ckpt)))
-    assert stopped[0]["stopped"] == 7 and stopped[0]["steps_into_period"] == 1     # synced at 6, one step on
+    assert stopped[0]["stopped"] == 7 and stopped[0]["steps_into_period"] == 1  # synced at 6, one step on
     assert not _equal(stopped[0]["local"], stopped[0]["synced"])
     saved = ddpkit.checkpoint.read(stopped[0]["saved"])["user"]["model"]
     names = [k for k in saved if k.endswith(("weight", "bias")) and "running" not in k]
-    assert _equal([saved[k] for k in names], stopped[0]["synced"])    # the model entry: the synced weights
+    assert _equal([saved[k] for k in names], stopped[0]["synced"])  # the model entry: the synced weights
     resumed = ddpkit.launch(workers.periodic_run, nprocs=nprocs, args=("diloco", 14, None, str(ckpt)))
     for rank in range(nprocs):
         assert resumed[rank]["step"] == 14 and resumed[rank]["steps_into_period"] == 2
@@ -56,7 +59,7 @@ def test_a_run_stopped_mid_period_resumes_bitwise(tmp_path, nprocs, monkeypatch)
             assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
 
 
-@pytest.mark.slow          # 17 s: make test-slow
+@pytest.mark.slow  # 17 s: make test-slow
 @pytest.mark.timeout(300)
 def test_accumulation_and_a_float32_exchange_train_and_resume_bitwise(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -65,7 +68,7 @@ def test_accumulation_and_a_float32_exchange_train_and_resume_bitwise(tmp_path, 
     uninterrupted = ddpkit.launch(workers.periodic_run, nprocs=2, args=args)
     assert uninterrupted[0]["syncs"] == 3
     params = sum(t.numel() for t in uninterrupted[0]["synced"])
-    assert uninterrupted[0]["sent_bytes"] == 3 * 4 * (params + 2 * 32)           # float32: 4 bytes
+    assert uninterrupted[0]["sent_bytes"] == 3 * 4 * (params + 2 * 32)  # float32: 4 bytes
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 6, 3, str(ckpt), 2, "fp32", 2))
@@ -88,16 +91,17 @@ def test_another_world_size_continues_from_the_synced_weights(tmp_path):
     assert _equal(one["synced"], stopped[0]["synced"])
 
 
-@pytest.mark.slow          # five 2-process runs: make test-slow
+@pytest.mark.slow  # five 2-process runs: make test-slow
 @pytest.mark.timeout(300)
 def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp_path, monkeypatch):
     """Streaming DiLoCo: two fragments (sent at steps 2 and 4 of a 4-step period), each exchange
     landing 2 steps after it was sent; stopped at step 7 with fragment 0's exchange in flight."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (tmp_path / "none").mkdir()
-    stream = (4, None, 1, 2, 2)                   # every, sync_dtype, accumulate, fragments, delay
-    uninterrupted = ddpkit.launch(workers.periodic_run, nprocs=2,
-                                  args=("diloco", 14, None, str(tmp_path / "none"), *stream))
+    stream = (4, None, 1, 2, 2)  # every, sync_dtype, accumulate, fragments, delay
+    uninterrupted = ddpkit.launch(
+        workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(tmp_path / "none"), *stream)
+    )
     params = sum(t.numel() for t in uninterrupted[0]["synced"])
     # 14 steps: fragment 0 sent at 2, 6, 10, 14 and fragment 1 at 4, 8, 12; landed: all but the last
     assert uninterrupted[0]["syncs"] == 6
@@ -106,7 +110,7 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
     assert uninterrupted[0]["loss"] < 2.0
     (tmp_path / "plain").mkdir()
     plain = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(tmp_path / "plain"), 4))
-    assert not _equal(plain[0]["synced"], uninterrupted[0]["synced"])      # streaming is another schedule
+    assert not _equal(plain[0]["synced"], uninterrupted[0]["synced"])  # streaming is another schedule
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     stopped = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, 7, str(ckpt), *stream))
@@ -118,20 +122,38 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
             assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sync": "sometimes"}, "unknown sync 'sometimes'"),
-    ({"sync": "diloco"}, "sync='diloco' needs sync_every=H"),
-    ({"sync": "diloco", "sync_every": 0}, "sync='diloco' needs sync_every=H"),
-    ({"sync_every": 5}, "give sync='diloco' or 'local-sgd'"),
-    ({"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int8"}, "sync_dtype='int8': choose 'fp32' or 'bf16'"),
-    ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
-    ({"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"}, "compresses a per-step gradient exchange"),
-    ({"sync": "diloco", "sync_every": 5, "sync_batchnorm": True}, "averaged at each sync instead"),
-    ({"sync": "diloco", "sync_every": 4, "sync_fragments": 5}, "sync_fragments=5: give a whole number from 1 to"),
-    ({"sync": "diloco", "sync_every": 4, "sync_delay": 4}, "sync_delay=4: give a whole number of inner steps"),
-    ({"sync_delay": 2}, "give sync='diloco' or 'local-sgd'"),
-], ids=["unknown", "no-every", "zero-every", "every-without-sync", "dtype", "fsdp", "compression", "syncbn",
-        "fragments", "delay", "delay-without-sync"])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sync": "sometimes"}, "unknown sync 'sometimes'"),
+        ({"sync": "diloco"}, "sync='diloco' needs sync_every=H"),
+        ({"sync": "diloco", "sync_every": 0}, "sync='diloco' needs sync_every=H"),
+        ({"sync_every": 5}, "give sync='diloco' or 'local-sgd'"),
+        ({"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int8"}, "sync_dtype='int8': choose 'fp32' or 'bf16'"),
+        ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
+        (
+            {"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"},
+            "compresses a per-step gradient exchange",
+        ),
+        ({"sync": "diloco", "sync_every": 5, "sync_batchnorm": True}, "averaged at each sync instead"),
+        ({"sync": "diloco", "sync_every": 4, "sync_fragments": 5}, "sync_fragments=5: give a whole number from 1 to"),
+        ({"sync": "diloco", "sync_every": 4, "sync_delay": 4}, "sync_delay=4: give a whole number of inner steps"),
+        ({"sync_delay": 2}, "give sync='diloco' or 'local-sgd'"),
+    ],
+    ids=[
+        "unknown",
+        "no-every",
+        "zero-every",
+        "every-without-sync",
+        "dtype",
+        "fsdp",
+        "compression",
+        "syncbn",
+        "fragments",
+        "delay",
+        "delay-without-sync",
+    ],
+)
 def test_refused_combinations_are_one_line(kwargs, message):
     rt = ddpkit.init()
     model = torch.nn.Linear(4, 2)
@@ -161,8 +183,14 @@ def test_flush_applies_the_exchange_still_in_flight():
     rt = ddpkit.init(seed=0)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), sync="local-sgd",
-                                    sync_every=4, sync_fragments=2, sync_delay=2)
+        model, optimizer = rt.setup(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            sync="local-sgd",
+            sync_every=4,
+            sync_fragments=2,
+            sync_delay=2,
+        )
         syncer = periodic.of(model)
         for _ in range(6):
             rt.backward(model(torch.randn(5, 4)).square().mean())

@@ -21,9 +21,7 @@ def _model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimize
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _train_step(
-    precision: Precision, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
-) -> bool:
+def _train_step(precision: Precision, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> bool:
     with precision.autocast():
         loss = model(x).float().pow(2).mean()
     precision.backward(loss)
@@ -73,7 +71,7 @@ def test_inf_gradient_skips_step_and_halves_scale() -> None:
     x = _batch(1)
     x[0, 0] = float("inf")
     assert _train_step(precision, model, optimizer, x) is False
-    assert precision.scaler.get_scale() == scale       # the update waits for the next backward
+    assert precision.scaler.get_scale() == scale  # the update waits for the next backward
     precision.flush()
     assert precision.scaler.get_scale() == scale / 2
     torch.testing.assert_close(model.weight, weight, rtol=0, atol=0)

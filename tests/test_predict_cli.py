@@ -13,8 +13,15 @@ import ddpkit
 from ddpkit.recipes.models import build_model
 from helpers import ddpkit as ddpkit_cli
 
-RECIPE = {"model": "convnet", "data": "digits", "num_classes": 10, "in_channels": 1, "image_size": 8,
-          "precision": "fp32", "sync_bn": False}
+RECIPE = {
+    "model": "convnet",
+    "data": "digits",
+    "num_classes": 10,
+    "in_channels": 1,
+    "image_size": 8,
+    "precision": "fp32",
+    "sync_bn": False,
+}
 
 
 def _checkpoint(path, model_name="convnet", recipe=RECIPE):
@@ -36,14 +43,26 @@ def _rows(path):
         return list(csv.reader(handle))
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_three_processes_keep_input_order_and_match_one(digits_checkpoint, tmp_path):
     outputs = {}
     for nproc in (1, 3):
         out = tmp_path / f"pred{nproc}.csv"
-        result = ddpkit_cli("predict", "--checkpoint", str(digits_checkpoint), "--data", "digits",
-                            "--split", "test", "--nproc", str(nproc), "--out", str(out), timeout=120)
+        result = ddpkit_cli(
+            "predict",
+            "--checkpoint",
+            str(digits_checkpoint),
+            "--data",
+            "digits",
+            "--split",
+            "test",
+            "--nproc",
+            str(nproc),
+            "--out",
+            str(out),
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[nproc] = _rows(out)
     header = outputs[3][0]
@@ -55,13 +74,14 @@ def test_three_processes_keep_input_order_and_match_one(digits_checkpoint, tmp_p
     assert (probabilities.argmax(axis=1) == [int(r[1]) for r in outputs[3][1:]]).all()
 
 
-@pytest.mark.slow          # 51 s: make test-slow
+@pytest.mark.slow  # 51 s: make test-slow
 @pytest.mark.timeout(200)
 def test_npy_and_pt_outputs(digits_checkpoint, tmp_path):
     for suffix in (".npy", ".pt"):
         out = tmp_path / f"pred{suffix}"
-        result = ddpkit_cli("predict", "--checkpoint", str(digits_checkpoint), "--nproc", "2",
-                            "--out", str(out), timeout=90)
+        result = ddpkit_cli(
+            "predict", "--checkpoint", str(digits_checkpoint), "--nproc", "2", "--out", str(out), timeout=90
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     probabilities = np.load(tmp_path / "pred.npy")
     saved = torch.load(tmp_path / "pred.pt", weights_only=True)
@@ -70,11 +90,11 @@ def test_npy_and_pt_outputs(digits_checkpoint, tmp_path):
     assert np.allclose(saved["probabilities"].numpy(), probabilities)
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 def test_bad_input(digits_checkpoint, tmp_path):
     existing = tmp_path / "exists.csv"
     existing.write_text("keep me\n")
-    wrong_weights = _checkpoint(tmp_path / "mlp.pt", model_name="mlp")       # recipe says convnet
+    wrong_weights = _checkpoint(tmp_path / "mlp.pt", model_name="mlp")  # recipe says convnet
     no_recipe = tmp_path / "norecipe.pt"
     rt = ddpkit.init()
     rt.save(no_recipe, {"model": build_model("mlp", num_classes=10, in_channels=1, image_size=8)})
@@ -82,10 +102,16 @@ def test_bad_input(digits_checkpoint, tmp_path):
     cases = [
         (["--checkpoint", str(wrong_weights), "--out", str(tmp_path / "a.csv")], 2, "is for another model"),
         (["--checkpoint", str(no_recipe), "--out", str(tmp_path / "a.csv")], 2, "has no recipe"),
-        (["--checkpoint", str(digits_checkpoint), "--data", "synthetic", "--out", str(tmp_path / "a.csv")],
-         2, "gives 3x32x32"),
-        (["--checkpoint", str(digits_checkpoint), "--out", str(tmp_path / "missing" / "a.csv")], 2,
-         "does not exist; create it first"),
+        (
+            ["--checkpoint", str(digits_checkpoint), "--data", "synthetic", "--out", str(tmp_path / "a.csv")],
+            2,
+            "gives 3x32x32",
+        ),
+        (
+            ["--checkpoint", str(digits_checkpoint), "--out", str(tmp_path / "missing" / "a.csv")],
+            2,
+            "does not exist; create it first",
+        ),
         (["--checkpoint", str(digits_checkpoint), "--out", str(tmp_path / "a.txt")], 2, "unknown suffix '.txt'"),
         (["--checkpoint", str(digits_checkpoint), "--out", str(existing)], 2, "already exists"),
         (["--checkpoint", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "a.csv")], 2, "does not exist"),
@@ -99,8 +125,9 @@ def test_bad_input(digits_checkpoint, tmp_path):
         assert "Traceback" not in result.stderr
     assert existing.read_text() == "keep me\n"
     assert not (tmp_path / "a.csv").exists() and not (tmp_path / "missing").exists()
-    assert sorted(os.listdir(tmp_path)) == sorted(["exists.csv", "mlp.pt", "mlp.pt.sha256", "norecipe.pt",
-                                                   "norecipe.pt.sha256"])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["exists.csv", "mlp.pt", "mlp.pt.sha256", "norecipe.pt", "norecipe.pt.sha256"]
+    )
 
 
 @pytest.mark.timeout(150)
@@ -109,8 +136,20 @@ def test_the_forward_runs_in_the_precision_the_checkpoint_was_trained_in(tmp_pat
 
     path = _checkpoint(tmp_path / "bf16.pt", recipe={**RECIPE, "precision": "bf16"})
     out = tmp_path / "pred.csv"
-    result = ddpkit_cli("predict", "--checkpoint", str(path), "--data", "digits", "--split", "test",
-                        "--nproc", "1", "--out", str(out), timeout=120)
+    result = ddpkit_cli(
+        "predict",
+        "--checkpoint",
+        str(path),
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--nproc",
+        "1",
+        "--out",
+        str(out),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     written = np.array([[float(v) for v in r[2:]] for r in _rows(out)[1:]])
     torch.manual_seed(0)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 import ddpkit
-from ddpkit.dist.host import threads_per_process
-from helpers import ROOT, clean_env, ddpkit as ddpkit_cli
-
 import workers
+from ddpkit.distributed.host import threads_per_process
+from helpers import ROOT, clean_env
+from helpers import ddpkit as ddpkit_cli
 
 THREADS = str(ROOT / "tests" / "scripts" / "threads.py")
 
@@ -27,12 +26,15 @@ def test_sync_batchnorm_turns_off_the_per_forward_buffer_broadcast():
     synced, plain = [{r: runs[r][sync] for r in (0, 1)} for sync in (True, False)]
     assert [synced[r]["tag"] for r in (0, 1)] == [0.0, 1.0]
     assert all(synced[r]["flag"] is False and synced[r]["sync_bn"] for r in (0, 1))
-    assert [plain[r]["tag"] for r in (0, 1)] == [0.0, 0.0]      # the probe sees a broadcast
+    assert [plain[r]["tag"] for r in (0, 1)] == [0.0, 0.0]  # the probe sees a broadcast
     assert plain[1]["flag"] is True and not plain[1]["sync_bn"]
 
+
 def _threads(output: str) -> dict[str, tuple[str, int]]:
-    return {rank: (omp, int(torch_threads)) for rank, omp, torch_threads in
-            re.findall(r"rank (\d+) OMP_NUM_THREADS=(\S+) torch_threads=(\d+)", output)}
+    return {
+        rank: (omp, int(torch_threads))
+        for rank, omp, torch_threads in re.findall(r"rank (\d+) OMP_NUM_THREADS=(\S+) torch_threads=(\d+)", output)
+    }
 
 
 @pytest.mark.timeout(180)
@@ -62,11 +64,11 @@ def test_augmentation_does_not_change_with_processes_or_workers():
     single = workers.augmented_batches(0)
     ddpkit.current().close()
     two = ddpkit.launch(workers.augmented_batches, nprocs=2, args=(1,))
-    assert len(single) == len(two[0]) == len(two[1]) == 10            # 30 samples / 6, two epochs
+    assert len(single) == len(two[0]) == len(two[1]) == 10  # 30 samples / 6, two epochs
     for step, reference in enumerate(single):
         merged = {**_by_index(two[0][step]), **_by_index(two[1][step])}
         assert merged == _by_index(reference), f"step {step}"
     first, second = _by_index(single[0]), {}
     for batch in single[5:]:
         second.update(_by_index(batch))
-    assert all(first[i] != second[i] for i in first)                  # a new epoch, new noise
+    assert all(first[i] != second[i] for i in first)  # a new epoch, new noise

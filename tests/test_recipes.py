@@ -63,8 +63,7 @@ def _write_cifar_batch(path: Path, n: int, seed: int, protocol: int = 4) -> tupl
     labels = [int(v) for v in rng.randint(0, 10, size=n)]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        pickle.dump({b"batch_label": b"tiny", b"data": data, b"labels": labels}, f,
-                    protocol=protocol)
+        pickle.dump({b"batch_label": b"tiny", b"data": data, b"labels": labels}, f, protocol=protocol)
     return data, labels
 
 
@@ -117,13 +116,13 @@ def test_tiny_lm_reads_token_sequences_and_has_five_million_parameters():
     assert inputs.shape == targets.shape == (32,) and torch.equal(inputs[1:], targets[:-1])
     assert info.num_classes == 256 and int(inputs.max()) < 256
     again = load_dataset("tokens", "train", synthetic_size=64)
-    assert torch.equal(again.dataset.tokens, info.dataset.tokens)              # seeded: the same every time
+    assert torch.equal(again.dataset.tokens, info.dataset.tokens)  # seeded: the same every time
     assert not torch.equal(load_dataset("tokens", "test", synthetic_size=64).dataset.tokens, info.dataset.tokens)
     model = build_model("tiny-lm", num_classes=info.num_classes, in_channels=1, image_size=info.image_size)
     assert sum(p.numel() for p in model.parameters()) >= 5_000_000
     batch = torch.stack([inputs, info.dataset[4][0]])
     logits = model(batch)
-    assert logits.shape == (2, 256, 32)           # classes first: F.cross_entropy(logits, targets [N, T])
+    assert logits.shape == (2, 256, 32)  # classes first: F.cross_entropy(logits, targets [N, T])
     assert torch.nn.functional.cross_entropy(logits, torch.stack([targets, info.dataset[4][1]])).ndim == 0
 
 
@@ -141,10 +140,13 @@ def test_mlp_has_no_batchnorm():
     assert model(torch.randn(1, 1, 8, 8)).shape == (1, 10)
 
 
-@pytest.mark.parametrize("name,params,keys", [
-    ("resnet18", 11_689_512, ["layer2.0.downsample.0.weight", "layer4.1.bn2.running_var"]),
-    ("resnet50", 25_557_032, ["layer1.0.downsample.1.weight", "layer4.2.conv3.weight"]),
-])
+@pytest.mark.parametrize(
+    "name,params,keys",
+    [
+        ("resnet18", 11_689_512, ["layer2.0.downsample.0.weight", "layer4.1.bn2.running_var"]),
+        ("resnet50", 25_557_032, ["layer1.0.downsample.1.weight", "layer4.2.conv3.weight"]),
+    ],
+)
 def test_resnets_match_torchvision_without_needing_it(name, params, keys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # any import of torchvision would fail
     model = build_model(name, num_classes=1000, in_channels=3, image_size=224)

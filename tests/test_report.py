@@ -7,19 +7,37 @@ import re
 
 import pytest
 
-from ddpkit.errors import UsageError
 from ddpkit.bench.outputs import plot_scaling, write_report
 from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
+from ddpkit.errors import UsageError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 RUNS = [
-    {"mode": "single", "processes": 1, "precision": "fp32", "wall_seconds": 12.345,
-     "samples_per_second": 400.0, "test_accuracy": 0.9716},
-    {"mode": "ddp", "processes": 2, "precision": "fp32", "wall_seconds": 6.7,
-     "samples_per_second": 740.0, "test_accuracy": 0.9721},
-    {"mode": "ddp", "processes": 4, "precision": "bf16", "wall_seconds": 4.01,
-     "samples_per_second": 1333.3, "test_accuracy": None},
+    {
+        "mode": "single",
+        "processes": 1,
+        "precision": "fp32",
+        "wall_seconds": 12.345,
+        "samples_per_second": 400.0,
+        "test_accuracy": 0.9716,
+    },
+    {
+        "mode": "ddp",
+        "processes": 2,
+        "precision": "fp32",
+        "wall_seconds": 6.7,
+        "samples_per_second": 740.0,
+        "test_accuracy": 0.9721,
+    },
+    {
+        "mode": "ddp",
+        "processes": 4,
+        "precision": "bf16",
+        "wall_seconds": 4.01,
+        "samples_per_second": 1333.3,
+        "test_accuracy": None,
+    },
 ]
 
 
@@ -35,17 +53,19 @@ def test_speedup_is_the_exact_throughput_ratio_and_efficiency_per_process():
 
 
 def test_speedup_uses_the_first_baseline_and_none_when_missing():
-    rows = [{"mode": "ddp", "processes": 2, "samples_per_second": 300.0},
-            {"mode": "single", "processes": 1, "samples_per_second": 100.0},
-            {"mode": "single", "processes": 1, "samples_per_second": 200.0},
-            {"mode": "ddp", "processes": 2}]
+    rows = [
+        {"mode": "ddp", "processes": 2, "samples_per_second": 300.0},
+        {"mode": "single", "processes": 1, "samples_per_second": 100.0},
+        {"mode": "single", "processes": 1, "samples_per_second": 200.0},
+        {"mode": "ddp", "processes": 2},
+    ]
     out = add_speedup(rows)
     assert [r["speedup"] for r in out] == [3.0, 1.0, 2.0, None]
     assert out[0]["efficiency"] == 1.5 and out[3]["efficiency"] is None
-    assert all(r["speedup"] is None and r["efficiency"] is None
-               for r in add_speedup(rows, baseline_mode="cpu"))
-    other = add_speedup([{"mode": "single", "processes": 1, "tok": 10}, {"mode": "x", "processes": 2, "tok": 15}],
-                        key="tok")
+    assert all(r["speedup"] is None and r["efficiency"] is None for r in add_speedup(rows, baseline_mode="cpu"))
+    other = add_speedup(
+        [{"mode": "single", "processes": 1, "tok": 10}, {"mode": "x", "processes": 2, "tok": 15}], key="tok"
+    )
     assert other[1]["speedup"] == 1.5
 
 
@@ -76,8 +96,13 @@ def test_custom_formatters_and_escaping():
 
 def test_write_report_files_round_trip(tmp_path):
     rows = add_speedup(RUNS)
-    paths = write_report(tmp_path / "out", rows, title="Digits: single vs DDP",
-                         columns=COLUMNS, extra_markdown="Measured on 2 CPU cores.")
+    paths = write_report(
+        tmp_path / "out",
+        rows,
+        title="Digits: single vs DDP",
+        columns=COLUMNS,
+        extra_markdown="Measured on 2 CPU cores.",
+    )
     assert set(paths) == {"markdown", "json", "plot"}
     assert json.loads(paths["json"].read_text()) == rows
     md = paths["markdown"].read_text()
@@ -97,8 +122,7 @@ def test_write_report_keeps_old_files_when_rows_are_unserialisable(tmp_path):
 
 
 def test_nan_becomes_null_in_json(tmp_path):
-    paths = write_report(tmp_path, [{"mode": "single", "processes": 1, "test_accuracy": float("nan")}],
-                         title="nan")
+    paths = write_report(tmp_path, [{"mode": "single", "processes": 1, "test_accuracy": float("nan")}], title="nan")
     assert json.loads(paths["json"].read_text())[0]["test_accuracy"] is None
 
 

@@ -8,10 +8,10 @@ import torch
 from ddpkit.checkpoint import resume
 from ddpkit.errors import UsageError
 from ddpkit.loop import build, steps
+from ddpkit.loop.precision import Precision
 from ddpkit.loop.state import RunState
 from ddpkit.parallel.options import SetupOptions, check_strategy
 from ddpkit.parallel.wrap import wrap
-from ddpkit.loop.precision import Precision
 
 
 def _run(weights: int = 3) -> tuple[RunState, torch.nn.Module, torch.optim.Optimizer]:
@@ -19,8 +19,16 @@ def _run(weights: int = 3) -> tuple[RunState, torch.nn.Module, torch.optim.Optim
     run = RunState(Precision("fp32", "cpu"), seed=3)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    wrapped = wrap(model, opt, SetupOptions(), device=torch.device("cpu"), world_size=1, is_main=True,
-                   precision="fp32", timeout_s=60)
+    wrapped = wrap(
+        model,
+        opt,
+        SetupOptions(),
+        device=torch.device("cpu"),
+        world_size=1,
+        is_main=True,
+        precision="fp32",
+        timeout_s=60,
+    )
     run.adopt(wrapped.model, opt)
     return run, wrapped.model, opt
 
@@ -34,10 +42,16 @@ def _train(run: RunState, model: torch.nn.Module, opt: torch.optim.Optimizer, ba
 
 def _loader(run: RunState):
     data = torch.utils.data.TensorDataset(torch.arange(40.0).reshape(10, 4) / 40, torch.ones(10, 2))
-    return build.build_loader(run, data, build.loader_options({"global_batch_size": 2, "shuffle": True}),
-                              rank=0, world_size=1, device=torch.device("cpu"),
-                              on_batch=lambda made: steps.on_batch(run, made),
-                              watch=lambda probe: None)
+    return build.build_loader(
+        run,
+        data,
+        build.loader_options({"global_batch_size": 2, "shuffle": True}),
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        on_batch=lambda made: steps.on_batch(run, made),
+        watch=lambda probe: None,
+    )
 
 
 def test_save_and_load_are_functions_of_the_run_state_without_a_process_group(tmp_path):
@@ -46,14 +60,14 @@ def test_save_and_load_are_functions_of_the_run_state_without_a_process_group(tm
     batches = iter(_loader(run))
     _train(run, model, opt, batches, 3)
     saved = resume.save(run, resume.Peers(), tmp_path / "c.pt", {"model": model, "opt": opt})
-    _train(run, model, opt, batches, 2)             # the rest of the epoch, uninterrupted
+    _train(run, model, opt, batches, 2)  # the rest of the epoch, uninterrupted
     want = {k: v.clone() for k, v in model.state_dict().items()}
 
-    again, model2, opt2 = _run(weights=99)            # another process: other weights, fresh loop
+    again, model2, opt2 = _run(weights=99)  # another process: other weights, fresh loop
     loader2 = _loader(again)
     resume.load(again, resume.Peers(), saved, {"model": model2, "opt": opt2})
     assert again.loop.step == 3
-    rest = iter(loader2)                           # continues the saved pass: two batches are left
+    rest = iter(loader2)  # continues the saved pass: two batches are left
     _train(again, model2, opt2, rest, 2)
     with pytest.raises(StopIteration):
         next(rest)
@@ -79,8 +93,9 @@ def test_setup_options_refuse_in_one_place():
     with pytest.raises(UsageError, match="--cpu-offload keeps .* add --strategy fsdp"):
         check_strategy("ddp", True, cli=True)
     with pytest.raises(UsageError, match="grad_compression is a DDP communication hook"):
-        SetupOptions(strategy="fsdp", grad_compression="fp16").check(torch.nn.Linear(2, 2), device=cpu,
-                                                                     backend=None, precision="fp32")
+        SetupOptions(strategy="fsdp", grad_compression="fp16").check(
+            torch.nn.Linear(2, 2), device=cpu, backend=None, precision="fp32"
+        )
 
 
 def test_an_unknown_loader_option_is_named():
@@ -100,7 +115,7 @@ def test_a_warning_deep_inside_ddpkit_names_the_users_line():
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            rt.setup(torch.nn.Linear(2, 2), grad_compression="fp16")     # setup -> wrap -> replicate warns
+            rt.setup(torch.nn.Linear(2, 2), grad_compression="fp16")  # setup -> wrap -> replicate warns
         found = [w for w in seen if "no effect with one process" in str(w.message)]
         assert found and found[0].filename == __file__, [(w.filename, str(w.message)) for w in seen]
     finally:

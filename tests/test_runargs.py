@@ -5,64 +5,83 @@ from __future__ import annotations
 import pytest
 
 from ddpkit.cli.run import spec_of
-from ddpkit.dist.environment import Environment
-from ddpkit.dist.torchrun import torchrun_args
+from ddpkit.distributed.environment import Environment
+from ddpkit.distributed.torchrun import torchrun_args
 from ddpkit.errors import UsageError
-from helpers import EXAMPLES, ddpkit as ddpkit_cli
+from helpers import EXAMPLES
+from helpers import ddpkit as ddpkit_cli
 
 HELLO = str(EXAMPLES / "hello.py")
-LOCAL = Environment()          # not under SLURM: the flags alone decide
+LOCAL = Environment()  # not under SLURM: the flags alone decide
 
 
 def _agent_args(argv: list[str]) -> list[str]:
     """torchrun's arguments for a ddpkit run command line, without the single-node random run id."""
-    return [a for a in torchrun_args(spec_of(argv), LOCAL, store_dir="/private") if not a.startswith("--rdzv-id=") or "ddpkit-" in a]
+    return [
+        a
+        for a in torchrun_args(spec_of(argv), LOCAL, store_dir="/private")
+        if not a.startswith("--rdzv-id=") or "ddpkit-" in a
+    ]
 
 
-@pytest.mark.parametrize("torchrun, ours", [
-    (["--nproc_per_node", "2"], ["-n", "2"]),
-    (["--nproc-per-node=2"], ["-n", "2"]),
-    (["--standalone", "--nproc_per_node", "2"], ["-n", "2"]),
-    (["--nproc_per_node", "2", "--nnodes", "1"], ["-n", "2"]),
-    (["--nnodes=2:2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29501", "--nproc_per_node=4"],
-     ["--nnodes", "2", "--node-rank", "1", "--master", "10.0.0.1:29501", "-n", "4"]),
-    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "node01"],
-     ["--nnodes", "2", "--node-rank", "0", "--master", "node01:29500"]),          # torchrun's default port
-    (["--nnodes", "2", "--rdzv_endpoint", "node01", "--rdzv_backend", "c10d"],
-     ["--nnodes", "2", "--master", "node01:29400"]),
-    (["--nnodes", "2", "--rdzv-endpoint", "[fd00::1]:29600"], ["--nnodes", "2", "--master", "[fd00::1]:29600"]),
-    (["--max_restarts", "3", "-n", "2"], ["--max-restarts", "3", "-n", "2"]),
-])
+@pytest.mark.parametrize(
+    "torchrun, ours",
+    [
+        (["--nproc_per_node", "2"], ["-n", "2"]),
+        (["--nproc-per-node=2"], ["-n", "2"]),
+        (["--standalone", "--nproc_per_node", "2"], ["-n", "2"]),
+        (["--nproc_per_node", "2", "--nnodes", "1"], ["-n", "2"]),
+        (
+            ["--nnodes=2:2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29501", "--nproc_per_node=4"],
+            ["--nnodes", "2", "--node-rank", "1", "--master", "10.0.0.1:29501", "-n", "4"],
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "0", "--master-addr", "node01"],
+            ["--nnodes", "2", "--node-rank", "0", "--master", "node01:29500"],
+        ),  # torchrun's default port
+        (
+            ["--nnodes", "2", "--rdzv_endpoint", "node01", "--rdzv_backend", "c10d"],
+            ["--nnodes", "2", "--master", "node01:29400"],
+        ),
+        (["--nnodes", "2", "--rdzv-endpoint", "[fd00::1]:29600"], ["--nnodes", "2", "--master", "[fd00::1]:29600"]),
+        (["--max_restarts", "3", "-n", "2"], ["--max-restarts", "3", "-n", "2"]),
+    ],
+)
 def test_torchrun_flags_map_onto_ddpkits(torchrun, ours):
     assert spec_of([*torchrun, HELLO]) == spec_of([*ours, HELLO])
     assert _agent_args([*torchrun, HELLO]) == _agent_args([*ours, HELLO])
 
 
 def test_nproc_words_and_rdzv_id():
-    assert spec_of(["--nproc_per_node", "auto", HELLO]).nproc_per_node is None      # ddpkit's default
+    assert spec_of(["--nproc_per_node", "auto", HELLO]).nproc_per_node is None  # ddpkit's default
     assert spec_of(["--nproc-per-node", "cpu", HELLO]).nproc_per_node >= 1
     spec = spec_of(["--nnodes", "2", "--master", "h:1", "--rdzv_id", "job42", HELLO])
     assert "--rdzv-id=job42" in torchrun_args(spec, LOCAL)
     assert "--rdzv-id=job7" in torchrun_args(spec_of(["--rdzv-id", "job7", HELLO]), LOCAL, store_dir="/private")
-    assert spec_of(["-n", "2", "--nproc_per_node", "2", HELLO]).nproc_per_node == 2      # agreeing is fine
-    script = spec_of(["--nproc_per_node", "2", HELLO, "--nproc_per_node", "9"])           # the script's own
+    assert spec_of(["-n", "2", "--nproc_per_node", "2", HELLO]).nproc_per_node == 2  # agreeing is fine
+    script = spec_of(["--nproc_per_node", "2", HELLO, "--nproc_per_node", "9"])  # the script's own
     assert script.nproc_per_node == 2 and list(script.target_args) == ["--nproc_per_node", "9"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-n", "2", "--nproc_per_node", "3"], "-n 2 and --nproc-per-node 3 disagree; give one of them"),
-    (["--standalone", "--nnodes", "2"], "--standalone is one node with its own rendezvous; it does not combine "
-                                        "with --nnodes 2"),
-    (["--standalone", "--master_addr", "h"], "it does not combine with --master-addr/--master-port"),
-    (["--master", "a:1", "--master_addr", "b"], "--master and --master-addr/--master-port both name the master"),
-    (["--master_addr", "a", "--rdzv_endpoint", "b:1"], "both name the master; give one of them"),
-    (["--nnodes", "1:4"], "elastic MIN:MAX is not supported"),
-    (["--nnodes", "two"], "--nnodes 'two': give a number of nodes"),
-    (["--nproc_per_node", "many"], "give a number, auto, gpu or cpu"),
-    (["--rdzv_backend", "etcd"], "--rdzv-backend 'etcd': ddpkit run rendezvouses with c10d"),
-    (["--tee", "3"], "--tee is a torchrun flag that ddpkit run does not take"),
-    (["--log_dir", "x"], "--log_dir is a torchrun flag that ddpkit run does not take"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "2", "--nproc_per_node", "3"], "-n 2 and --nproc-per-node 3 disagree; give one of them"),
+        (
+            ["--standalone", "--nnodes", "2"],
+            "--standalone is one node with its own rendezvous; it does not combine with --nnodes 2",
+        ),
+        (["--standalone", "--master_addr", "h"], "it does not combine with --master-addr/--master-port"),
+        (["--master", "a:1", "--master_addr", "b"], "--master and --master-addr/--master-port both name the master"),
+        (["--master_addr", "a", "--rdzv_endpoint", "b:1"], "both name the master; give one of them"),
+        (["--nnodes", "1:4"], "elastic MIN:MAX is not supported"),
+        (["--nnodes", "two"], "--nnodes 'two': give a number of nodes"),
+        (["--nproc_per_node", "many"], "give a number, auto, gpu or cpu"),
+        (["--rdzv_backend", "etcd"], "--rdzv-backend 'etcd': ddpkit run rendezvouses with c10d"),
+        (["--tee", "3"], "--tee is a torchrun flag that ddpkit run does not take"),
+        (["--log_dir", "x"], "--log_dir is a torchrun flag that ddpkit run does not take"),
+    ],
+)
 def test_conflicting_or_unsupported_flags_are_one_line(argv, message):
     with pytest.raises(UsageError) as said:
         spec_of([*argv, HELLO])
@@ -80,11 +99,13 @@ def test_nproc_gpu_without_a_gpu_is_refused():
 def test_hello_with_torchruns_flags(flags):
     result = ddpkit_cli("run", *flags, HELLO)
     assert result.returncode == 0, result.stderr
-    assert [line for line in result.stdout.splitlines() if line.startswith("world_size=")] == \
-        ["world_size=2 rank_sum=1"]
+    assert [line for line in result.stdout.splitlines() if line.startswith("world_size=")] == [
+        "world_size=2 rank_sum=1"
+    ]
 
 
 def test_a_conflict_on_the_command_line_exits_2_in_one_line():
     result = ddpkit_cli("run", "-n", "2", "--nproc_per_node", "3", HELLO, timeout=60)
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == \
-        ["ddpkit run: error: -n 2 and --nproc-per-node 3 disagree; give one of them"]
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "ddpkit run: error: -n 2 and --nproc-per-node 3 disagree; give one of them"
+    ]

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.dist.host import free_port
+from ddpkit.distributed.host import free_port
 from ddpkit.errors import DdpkitError
-
 from helpers import clean_env, python
 
 
@@ -45,7 +44,7 @@ def test_print_hands_each_line_to_the_stream_in_one_write():
     stream = _Writes()
     rt.print("a", 1, "b", sep="-", file=stream)
     rt.print("x", all_ranks=True, end="!\n", file=stream)
-    assert stream.calls == ["a-1-b\n", "x!\n"]       # builtin print under PYTHONUNBUFFERED makes 4 writes
+    assert stream.calls == ["a-1-b\n", "x!\n"]  # builtin print under PYTHONUNBUFFERED makes 4 writes
 
 
 def test_collectives_are_identity_in_one_process():
@@ -64,8 +63,13 @@ def test_unknown_reduce_op_is_a_usage_error():
 
 
 def _single_rank_env(monkeypatch):
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port())}.items():
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(name, value)
 
 
@@ -83,7 +87,8 @@ def test_group_destroyed_when_the_block_raises(monkeypatch):
 def test_group_destroyed_at_exit_when_script_raises(tmp_path):
     # An atexit hook registered before init runs after ddpkit's own (atexit is LIFO).
     script = tmp_path / "raises.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import atexit
         import torch.distributed as dist
         atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
@@ -91,9 +96,9 @@ def test_group_destroyed_at_exit_when_script_raises(tmp_path):
         rt = ddpkit.init()
         print("initialized:", dist.is_initialized(), flush=True)
         raise SystemExit("script failed")
-    """))
-    env = clean_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(free_port()))
+    """)
+    )
+    env = clean_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     result = python(str(script), env=env, timeout=60)
     assert result.returncode == 1
     assert "initialized: True" in result.stdout
@@ -103,8 +108,14 @@ def test_group_destroyed_at_exit_when_script_raises(tmp_path):
 @pytest.mark.timeout(60)
 def test_unreachable_master_names_host_and_port(monkeypatch):
     port = free_port()
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for name, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(DdpkitError, match=f"could not reach the master at 127.0.0.1:{port} within 2s"):
         ddpkit.init(timeout=2)

@@ -33,9 +33,9 @@ def _check_coverage(results: dict, worker_counts=(0, 2), epochs: int = 2) -> Non
             for epoch in range(epochs):
                 key = f"{kind}/{workers}/{epoch}"
                 seen = sorted(i for r in results.values() for i in r[key]["seen"])
-                assert seen == EVERY, key                                    # each sample once
-                assert {r[key]["steps"] for r in results.values()} == {17}, key   # same steps everywhere
-                for step in range(17):     # the ranks' shares add up to the global batch
+                assert seen == EVERY, key  # each sample once
+                assert {r[key]["steps"] for r in results.values()} == {17}, key  # same steps everywhere
+                for step in range(17):  # the ranks' shares add up to the global batch
                     counts = [r[key]["counts"][step] for r in results.values()]
                     assert sum(local for local, _ in counts) == counts[0][1], key
 
@@ -48,13 +48,14 @@ def _global_batches(results: dict, key: str) -> list[set[int]]:
         batch = set()
         for r, result in enumerate(ranks):
             local = result[key]["counts"][step][0]
-            batch |= set(result[key]["seen"][cursor[r]:cursor[r] + local])
+            batch |= set(result[key]["seen"][cursor[r] : cursor[r] + local])
             cursor[r] += local
         batches.append(batch)
     return batches
 
 
 # -- where samples go (pure: rank and world size are arguments) ---------------------------
+
 
 @pytest.mark.parametrize("length,size", [(203, 12), (10, 4), (5, 12), (24, 12), (1, 6)])
 def test_layout_cuts_every_sample_once_with_one_short_last_batch(length, size):
@@ -69,6 +70,7 @@ def test_layout_cuts_every_sample_once_with_one_short_last_batch(length, size):
 
 def _read_pass(shards, rank, world, workers, epoch, opened):
     """One rank's pass, read by hand through its workers' Pieces (no DataLoader, no process group)."""
+
     def logged(shard):
         opened.add(shard)
         return sw.read_shard(shard)
@@ -76,8 +78,17 @@ def _read_pass(shards, rank, world, workers, epoch, opened):
     logged_shards = ddpkit.Shards(shards.shards, logged, lengths=shards.lengths)
     pieces = []
     for worker in range(workers):
-        maker = Pieces(logged_shards, mode="train", rank=rank, world_size=world, batch_size=12,
-                       shuffle=True, seed=5, drop_last=False, collate_fn=torch.utils.data.default_collate)
+        maker = Pieces(
+            logged_shards,
+            mode="train",
+            rank=rank,
+            world_size=world,
+            batch_size=12,
+            shuffle=True,
+            seed=5,
+            drop_last=False,
+            collate_fn=torch.utils.data.default_collate,
+        )
         pieces += list(maker._shard_train(epoch, 0, worker, workers))
     return [(b, set(local)) for b, local, _, _, _ in join(pieces, workers)]
 
@@ -98,7 +109,7 @@ def test_shards_global_batches_do_not_depend_on_world_size_and_ranks_read_their_
             last = layout.column_start(columns.stop - 1) + layout.column_length(columns.stop - 1) - 1
             holding = {order.locate(p)[0] for p in range(first, last + 1)}
             template = {order.locate(0)[0]}
-            assert opened <= holding | template, (world, rank)      # only the shards holding its samples
+            assert opened <= holding | template, (world, rank)  # only the shards holding its samples
         joined = [set().union(*(part[b][1] for part in parts)) for b in range(layout.batches)]
         assert joined == [batch for _, batch in one], world
 
@@ -122,6 +133,7 @@ def test_read_tar_groups_members_by_key_and_skips_without_reading(tmp_path):
 
 # -- one process (in this process) ---------------------------------------------------------
 
+
 def test_one_process_reads_every_sample_once_with_and_without_workers(rt):
     _check_coverage({0: sw.coverage()})
 
@@ -130,7 +142,7 @@ def test_probe_and_break_take_nothing_and_a_stream_resumes_exactly(rt, tmp_path)
     loader = rt.loader(sw.Plain(), global_batch_size=12, shuffle=True, num_workers=2)
     probe = next(iter(loader))[0].tolist()
     for index, _, _ in loader:
-        assert index.tolist() == probe           # the probe took nothing: the pass starts over
+        assert index.tolist() == probe  # the probe took nothing: the pass starts over
         break
     first = [index.tolist() for index, _, _ in loader]
     assert len(first) == 17
@@ -148,8 +160,8 @@ def test_a_stream_stopped_mid_epoch_resumes_bitwise_with_workers(tmp_path, kind)
         ddpkit.current().close()
     full, stopped, resumed = runs
     assert stopped == {"stopped": 25} and resumed["steps"] == full["steps"] == 34
-    assert resumed["trained"] == full["trained"][-len(resumed["trained"]):]     # the same samples after step 25
-    assert len(resumed["trained"]) == sw.TOTAL - 8 * 12           # epoch 1 after its 8th batch
+    assert resumed["trained"] == full["trained"][-len(resumed["trained"]) :]  # the same samples after step 25
+    assert len(resumed["trained"]) == sw.TOTAL - 8 * 12  # epoch 1 after its 8th batch
     for key in full["weights"]:
         assert torch.equal(resumed["weights"][key], full["weights"][key]), key
 
@@ -184,9 +196,8 @@ def test_a_shard_that_raises_is_named(rt, workers):
     with pytest.raises(ddpkit.ShardError, match=r"^shard 3 failed at sample 5: ValueError: corrupt record$"):
         for _ in loader:
             pass
-    with pytest.raises(ddpkit.ShardError, match="shard 3 failed"):        # counting names it too
-        rt.loader(ddpkit.Shards(list(range(7)), _raising, cache=False), global_batch_size=12,
-                  num_workers=workers)
+    with pytest.raises(ddpkit.ShardError, match="shard 3 failed"):  # counting names it too
+        rt.loader(ddpkit.Shards(list(range(7)), _raising, cache=False), global_batch_size=12, num_workers=workers)
 
 
 def _second_empty(shard):
@@ -236,7 +247,7 @@ def test_learned_lengths_are_cached(tmp_path, rt):
     calls.clear()
     second = ddpkit.Shards(list(range(7)), counted, cache=tmp_path)
     rt.loader(second, global_batch_size=12)
-    assert second.lengths == sw.SIZES and calls == []                     # read from the cache
+    assert second.lengths == sw.SIZES and calls == []  # read from the cache
     assert len(list((tmp_path / "shard-lengths").glob("*.json"))) == 1
 
 
@@ -248,13 +259,14 @@ def test_evaluate_and_predict_on_streams_with_workers(rt):
         assert metrics["count"] == sw.TOTAL
         predicted = ddpkit.predict(model, sw.pairs(kind), batch_size=10, num_workers=2)
         expected = model(torch.stack([sw.sample(i)[1] for i in EVERY]))
-        torch.testing.assert_close(predicted, expected)                     # stream order
+        torch.testing.assert_close(predicted, expected)  # stream order
         assert metrics["correct"] == int((expected.argmax(1) == torch.tensor(EVERY) % 3).sum())
     with pytest.raises(UsageError, match="predict_to_file needs a map-style dataset"):
         ddpkit.predict_to_file(model, sw.pairs("plain"), "out.npy")
 
 
 # -- the ecosystem -------------------------------------------------------------------------
+
 
 def _write_tars(folder: Path) -> list[Path]:
     import io
@@ -291,13 +303,13 @@ def test_webdataset_tar_shards(rt, tmp_path):
         loader.set_epoch(epoch)
         seen = [i for index, x, _ in loader for i in index.tolist()]
         assert sorted(seen) == EVERY
-    loader.resume_at(1, 9)                         # a resumed reader starts mid-shard: read_tar skips
+    loader.resume_at(1, 9)  # a resumed reader starts mid-shard: read_tar skips
     tail = [i for index, _, _ in loader for i in index.tolist()]
-    assert tail == seen[9 * 12:]
+    assert tail == seen[9 * 12 :]
 
 
 def test_hugging_face_streaming_dataset(rt, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))      # before the import: datasets reads them then
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # before the import: datasets reads them then
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     datasets = pytest.importorskip("datasets", reason="the test extra installs datasets")
     import json
@@ -305,26 +317,28 @@ def test_hugging_face_streaming_dataset(rt, tmp_path, monkeypatch):
     files = []
     for shard, (start, size) in enumerate(zip(sw.STARTS, sw.SIZES)):
         path = tmp_path / f"part-{shard}.jsonl"
-        path.write_text("".join(json.dumps({"index": i, "x": sw.sample(i)[1].tolist()}) + "\n"
-                                for i in range(start, start + size)))
+        path.write_text(
+            "".join(json.dumps({"index": i, "x": sw.sample(i)[1].tolist()}) + "\n" for i in range(start, start + size))
+        )
         files.append(str(path))
     stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
     assert isinstance(stream, IterableDataset) and stream.n_shards == 7
     for data in (stream, ddpkit.Shards.from_hf(stream, cache=False)):
         loader = rt.loader(data, global_batch_size=12, num_workers=2)
         seen = [i for batch in loader for i in batch["index"].tolist()]
-        assert sorted(seen) == EVERY, type(data).__name__          # workers did not split it twice
+        assert sorted(seen) == EVERY, type(data).__name__  # workers did not split it twice
 
 
 # -- several processes ---------------------------------------------------------------------
+
 
 @pytest.mark.timeout(240)
 def test_two_processes_read_every_sample_once_and_evaluate_exactly():
     results = ddpkit.launch(sw.coverage, nprocs=2)
     _check_coverage(results)
-    single = sw.coverage(worker_counts=(0,))          # this process: a world of one
+    single = sw.coverage(worker_counts=(0,))  # this process: a world of one
     ddpkit.current().close()
-    for kind in ("plain", "shards"):                  # the same global batches as one process
+    for kind in ("plain", "shards"):  # the same global batches as one process
         key = f"{kind}/0/1"
         assert _global_batches(results, key) == _global_batches({0: single}, key)
     evaluated = ddpkit.launch(sw.evaluation, nprocs=2)
@@ -345,7 +359,7 @@ def test_three_processes_read_every_sample_once():
     _check_coverage(ddpkit.launch(sw.coverage, nprocs=3))
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(300)
 def test_shards_three_processes_match_one_and_resume_from_two_on_three(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")

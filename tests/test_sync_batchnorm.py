@@ -189,12 +189,17 @@ def _count_collectives() -> dict:
         setattr(sync_batchnorm.dist, name, counted)
     before = SyncBatchNorm.collective_seconds
     model(torch.randn(4, 2, 7, 7)).sum().backward()
-    waited = SyncBatchNorm.collective_seconds - before             # what ddpkit bench reads
+    waited = SyncBatchNorm.collective_seconds - before  # what ddpkit bench reads
     groups = {id(m.process_group) for m in layers}
     own_group = layers[0].process_group is not None and layers[0].process_group is not dist.group.WORLD
     rt.close()
-    return {"calls": calls, "layers": len(layers), "one_group": len(groups) == 1, "own_group": own_group,
-            "waited": waited}
+    return {
+        "calls": calls,
+        "layers": len(layers),
+        "one_group": len(groups) == 1,
+        "own_group": own_group,
+        "waited": waited,
+    }
 
 
 @pytest.mark.timeout(120)

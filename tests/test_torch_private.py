@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import _torch
 import workers
-from workers import bucket_layout, three_layers as _three_layers
+from ddpkit import _torch
+from workers import bucket_layout
+from workers import three_layers as _three_layers
 
 
 def _one_process_group(tmp_path):
@@ -30,7 +31,7 @@ def test_default_store_is_the_groups_store(tmp_path):
 def test_settle_ddp_buckets_runs_on_this_torch(tmp_path):
     _one_process_group(tmp_path)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)))
-    _torch.settle_ddp_buckets(model)           # raises PrivateApiChanged if torch renamed them
+    _torch.settle_ddp_buckets(model)  # raises PrivateApiChanged if torch renamed them
     model(torch.randn(2, 3)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 
@@ -41,9 +42,9 @@ def test_ready_order_ddp_settles_the_last_layers_into_the_first_bucket(tmp_path)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
     _torch.settle_ddp_buckets(model)
     first, second = bucket_layout(model)
-    assert first == second                         # settled: DDP does not re-bucket after a backward
+    assert first == second  # settled: DDP does not re-bucket after a backward
     assert len(first) == 2 and "0.weight" not in first[0] and "4.weight" in first[0], first
-    assert first[1] == ["0.bias", "0.weight"]      # the first layer's gradients, ready last, go last
+    assert first[1] == ["0.bias", "0.weight"]  # the first layer's gradients, ready last, go last
 
 
 def test_settled_in_registration_order_the_first_layer_would_go_first(tmp_path):
@@ -56,7 +57,7 @@ def test_settled_in_registration_order_the_first_layer_would_go_first(tmp_path):
 
 def test_ready_order_is_loud_when_torch_builds_the_list_elsewhere(tmp_path, monkeypatch):
     _one_process_group(tmp_path)
-    monkeypatch.delattr(_torch._ReadyOrderDDP, "_build_params_for_reducer")     # as if torch renamed it
+    monkeypatch.delattr(_torch._ReadyOrderDDP, "_build_params_for_reducer")  # as if torch renamed it
     model = _torch.ready_order_ddp(_three_layers())
     with pytest.raises(_torch.PrivateApiChanged, match="_build_params_for_reducer"):
         _torch.settle_ddp_buckets(model)
@@ -111,10 +112,10 @@ def test_scaler_found_inf_is_loud_when_the_api_is_gone():
 def test_unwrap_reaches_the_module_inside_compile_and_data_parallel():
     inner = torch.nn.Linear(3, 2)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)    # torch's own, as it imports dynamo
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch's own, as it imports dynamo
         wrapped = torch.compile(torch.nn.DataParallel(inner))  # torch.compile keeps it in _orig_mod
     assert _torch.unwrap(wrapped) is inner
-    assert list(_torch.unwrap(wrapped).state_dict()) == ["weight", "bias"]     # plain names
+    assert list(_torch.unwrap(wrapped).state_dict()) == ["weight", "bias"]  # plain names
     assert _torch.unwrap(inner) is inner and _torch.unwrap({"x": 1}) == {"x": 1}
 
 
@@ -126,10 +127,14 @@ def _dcp_checkpoint(path):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
-    state = {"model": model.state_dict(), "opt": opt.state_dict(), "plain": {"lr": 0.5, "name": "x"},
-             "more": {"half": torch.ones(2, dtype=torch.bfloat16), "ids": torch.arange(3)}}
+    state = {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "plain": {"lr": 0.5, "name": "x"},
+        "more": {"half": torch.ones(2, dtype=torch.bfloat16), "ids": torch.arange(3)},
+    }
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")              # no process group: dcp warns that it saves alone
+        warnings.simplefilter("ignore")  # no process group: dcp warns that it saves alone
         dcp.save(state, checkpoint_id=str(path))
     return state
 
@@ -144,11 +149,11 @@ def test_dcp_metadata_of_this_torch_is_made_of_the_allowlist_and_read_as_torch_r
     reader, theirs = dcp_reader.Reader(tmp_path), FileSystemReader(tmp_path)
     assert _torch.dcp_metadata_path(reader).name == ".metadata"
     assert _torch.dcp_metadata_path(reader, 1).name == "__1.metadata"
-    ours, expected = reader.read_metadata(), theirs.read_metadata()     # raises UnsafeCheckpoint, naming it
+    ours, expected = reader.read_metadata(), theirs.read_metadata()  # raises UnsafeCheckpoint, naming it
     assert ours.state_dict_metadata == expected.state_dict_metadata
     assert ours.planner_data == expected.planner_data and ours.storage_data == expected.storage_data
     assert ours.storage_meta.load_id == reader.load_id and ours.storage_meta.save_id == expected.storage_meta.save_id
-    assert reader.read_metadata() is ours                                # read once per load
+    assert reader.read_metadata() is ours  # read once per load
     reader.reset()
     again = reader.read_metadata()
     assert again is not ours and again.storage_meta.load_id == reader.load_id != ours.storage_meta.load_id
@@ -162,7 +167,7 @@ def test_dcp_rebuilds_a_whole_checkpoint_in_one_process(tmp_path):
 
     state = _dcp_checkpoint(tmp_path)
     assert isinstance(_torch.dcp_rebuilding_planner(), type)
-    whole = dcp_reader.load_whole(tmp_path)          # dcp_rebuilding_planner + dcp_load_in_one_process
+    whole = dcp_reader.load_whole(tmp_path)  # dcp_rebuilding_planner + dcp_load_in_one_process
     assert whole["plain"] == {"lr": 0.5, "name": "x"} and whole["opt"]["param_groups"][0]["lr"] == 0.01
     for key, value in state["model"].items():
         assert torch.equal(whole["model"][key], value)
@@ -193,8 +198,7 @@ class _Reports(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         with _torch.worker_info_hidden():
             hidden = torch.utils.data.get_worker_info()
-        yield (info is not None and info.num_workers == 2, hidden is None,
-               torch.utils.data.get_worker_info() is info)
+        yield (info is not None and info.num_workers == 2, hidden is None, torch.utils.data.get_worker_info() is info)
 
 
 def test_worker_info_hidden_hides_it_in_a_worker_and_restores_it():
@@ -225,7 +229,7 @@ def test_use_env_rendezvous_makes_init_process_group_meet_through_the_given_hand
         yield dist.FileStore(str(tmp_path / "store"), 1), 0, 1
 
     _torch.use_env_rendezvous(handler)
-    dist.init_process_group("gloo")         # env:// with no MASTER_ADDR/PORT: only our handler can serve it
+    dist.init_process_group("gloo")  # env:// with no MASTER_ADDR/PORT: only our handler can serve it
     try:
         assert used and used[0].startswith("env://") and dist.get_world_size() == 1
     finally:
@@ -243,13 +247,13 @@ def test_use_env_rendezvous_is_loud_when_the_registry_is_gone(monkeypatch):
 @pytest.mark.timeout(120)
 def test_ddp_bucket_count_counts_the_reducers_buckets():
     counted, seen = ddpkit.launch(workers.ddpkit_bucket_count, nprocs=2)[0]
-    assert counted == seen == 2          # DDP's 1 MiB first bucket, then the rest
+    assert counted == seen == 2  # DDP's 1 MiB first bucket, then the rest
 
 
 def test_ddp_bucket_count_is_loud_when_the_api_is_gone(tmp_path, monkeypatch):
     _one_process_group(tmp_path)
     model = torch.nn.parallel.DistributedDataParallel(_three_layers())
-    assert _torch.ddp_bucket_count(model) == 1           # a world of one: DDP keeps one bucket
+    assert _torch.ddp_bucket_count(model) == 1  # a world of one: DDP keeps one bucket
     monkeypatch.setattr(torch.distributed.Reducer, "_get_zeros_like_grad_buckets", lambda self: [])
     with pytest.raises(_torch.PrivateApiChanged, match="no bucket listed"):
         _torch.ddp_bucket_count(model)
@@ -265,11 +269,11 @@ def test_elastic_signal_exception_is_what_the_agent_raises_on_a_signal_and_carri
 
     cls = _torch.elastic_signal_exception()
     with pytest.raises(cls) as raised:
-        api._terminate_process_handler(signal.SIGUSR1, None)     # the agent's own handler
+        api._terminate_process_handler(signal.SIGUSR1, None)  # the agent's own handler
     assert raised.value.sigval == signal.SIGUSR1
     import torch.distributed.run as torchrun
 
-    args = torchrun.parse_args(["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "x.py"])   # what ddpkit run passes
+    args = torchrun.parse_args(["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "x.py"])  # what ddpkit run passes
     assert args.signals_to_handle == "SIGINT,SIGHUP,SIGQUIT"
 
 
@@ -291,8 +295,9 @@ def test_every_torchft_seam_is_still_where_ddpkit_replaces_it():
 
 def test_a_seam_torchft_no_longer_calls_raises(monkeypatch):
     pytest.importorskip("torchft")
-    monkeypatch.setitem(_torch.TORCHFT_SEAMS, "ManagerServer",
-                        ("torchft.manager", "ManagerServer", "ManagerServer(bind_address="))
+    monkeypatch.setitem(
+        _torch.TORCHFT_SEAMS, "ManagerServer", ("torchft.manager", "ManagerServer", "ManagerServer(bind_address=")
+    )
     with pytest.raises(_torch.PrivateApiChanged, match="no longer calls 'ManagerServer"):
         _torch.patch_torchft(ManagerServer=object())
 
@@ -305,18 +310,27 @@ def test_torchft_managers_built_through_the_seam_listen_on_the_address_given_onl
     import psutil
     from torchft._torchft import LighthouseServer
 
-    from ddpkit.dist import ft
+    from ddpkit.distributed import ft
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     server = ft._bound_server("127.0.0.1")(
-        replica_id="r", lighthouse_addr="http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[-1],
-        hostname="127.0.0.1", bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
-        heartbeat_interval=datetime.timedelta(seconds=1), connect_timeout=datetime.timedelta(seconds=5),
-        quorum_retries=0)
+        replica_id="r",
+        lighthouse_addr="http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[-1],
+        hostname="127.0.0.1",
+        bind="[::]:0",
+        store_addr="127.0.0.1:1",
+        world_size=1,
+        heartbeat_interval=datetime.timedelta(seconds=1),
+        connect_timeout=datetime.timedelta(seconds=5),
+        quorum_retries=0,
+    )
     try:
         port = int(server.address().rsplit(":", 1)[-1])
-        mine = [c.laddr for c in psutil.Process().net_connections(kind="inet")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        mine = [
+            c.laddr
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        ]
         assert mine and all(addr.ip == "127.0.0.1" for addr in mine), mine
     finally:
         server.shutdown()

@@ -48,7 +48,7 @@ def test_names_take_a_list_or_commas_and_refuse_an_unknown_one():
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_at_init(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "wandb", None)          # import wandb now fails
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails
     with pytest.raises(UsageError, match=r"tracker 'wandb' is not installed .*pip install 'ddpkit\[wandb\]'"):
         ddpkit.init(trackers=("wandb",), out_dir=tmp_path)
     assert ddpkit.current() is None
@@ -57,14 +57,14 @@ def test_a_tracker_that_is_not_installed_is_one_line_at_init(monkeypatch, tmp_pa
 def test_wandb_online_without_credentials_is_one_line(monkeypatch, tmp_path):
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))                 # no ~/.netrc
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     import wandb
 
     try:
         found = trackers.problem(("wandb",), tmp_path)
     finally:
-        wandb.teardown()                     # its settings, read from this environment, go with it
+        wandb.teardown()  # its settings, read from this environment, go with it
     assert found is not None and "WANDB_MODE=offline" in found and "\n" not in found
 
 
@@ -74,10 +74,23 @@ def test_an_mlflow_uri_that_cannot_open_is_one_line_before_any_process(monkeypat
     monkeypatch.setenv("MLFLOW_TRACKING_URI", bad)
     found = trackers.problem(("mlflow",), tmp_path)
     assert found is not None and found.startswith("tracker 'mlflow' cannot open tracking URI")
-    done = subprocess.run([str(BIN / "ddpkit"), "train", "--tracker", "tensorboard,mlflow", "--epochs", "1",
-                           "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=clean_env(MLFLOW_TRACKING_URI=bad))
+    done = subprocess.run(
+        [
+            str(BIN / "ddpkit"),
+            "train",
+            "--tracker",
+            "tensorboard,mlflow",
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=clean_env(MLFLOW_TRACKING_URI=bad),
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"ddpkit train: error: {found}"]
     assert not (tmp_path / "run").exists()
@@ -94,7 +107,7 @@ def test_the_run_config_holds_settings_world_versions_commit_and_the_users(tmp_p
     assert found["world_size"] == 4 and found["lr"] == 0.1
     assert found["ddpkit_version"] == ddpkit.__version__ and found["torch_version"] == torch.__version__
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    if head.returncode == 0:           # the tests run in ddpkit's checkout
+    if head.returncode == 0:  # the tests run in ddpkit's checkout
         assert found["git_commit"] == head.stdout.strip()
 
 
@@ -108,20 +121,19 @@ def test_a_crash_and_a_resume_make_one_run_with_every_step_once(offline, tmp_pat
     first = Remote(("wandb", "mlflow"), tmp_path, run_name="exp", config=config, deferred=True)
     for row in _rows(range(1, 4)):
         first.log(row)
-    state = first.state_dict(3)              # what the checkpoint of step 3 holds
+    state = first.state_dict(3)  # what the checkpoint of step 3 holds
     ids = {k: v for k, v in state.items() if k != "rows"}
     assert set(ids) == {"wandb", "mlflow"} and state["rows"] == _rows(range(3, 4))
     first.saved(3)
     for row in _rows(range(4, 6)):
-        first.log(row)                       # after the checkpoint: held back
-    first.close("FAILED")                    # an uncaught exception ends attempt 1
+        first.log(row)  # after the checkpoint: held back
+    first.close("FAILED")  # an uncaught exception ends attempt 1
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1 and runs[0]["status"] == "FAILED"
-    assert [s for s, _ in runs[0]["history"]["loss"]] == [1, 2]       # step 3 waits in the checkpoint
+    assert [s for s, _ in runs[0]["history"]["loss"]] == [1, 2]  # step 3 waits in the checkpoint
 
-    second = Remote(("wandb", "mlflow"), tmp_path, run_name="exp", config={**config, "world_size": 3},
-                    deferred=True)
+    second = Remote(("wandb", "mlflow"), tmp_path, run_name="exp", config={**config, "world_size": 3}, deferred=True)
     second.load_state_dict(state, step=3)
     for row in _rows(range(4, 8)):
         second.log(row)
@@ -129,18 +141,18 @@ def test_a_crash_and_a_resume_make_one_run_with_every_step_once(offline, tmp_pat
         held = second.state_dict(6)
     assert {k: v for k, v in held.items() if k != "rows"} == ids and held["rows"] == _rows(range(6, 7))
     second.saved(6)
-    second.log({"step": 6, "val_loss": 0.25})      # logged after the save, in the checkpoint's step
-    second.close("FINISHED")                 # the rest (steps 6 and 7) at the end
+    second.log({"step": 6, "val_loss": 0.25})  # logged after the save, in the checkpoint's step
+    second.close("FINISHED")  # the rest (steps 6 and 7) at the end
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1 and runs[0]["id"] == ids["mlflow"] and runs[0]["status"] == "FINISHED"
     assert runs[0]["history"]["loss"] == [(r["step"], r["loss"]) for r in _rows(range(1, 8))]
     assert runs[0]["history"]["val_loss"] == [(6, 0.25)]
-    assert runs[0]["params"]["lr"] == "0.1" and runs[0]["params"]["world_size"] == "2"   # MLflow keeps the first
+    assert runs[0]["params"]["lr"] == "0.1" and runs[0]["params"]["world_size"] == "2"  # MLflow keeps the first
     w = wandb_runs_settled(tmp_path)
-    assert [r["id"] for r in w] == [ids["wandb"], ids["wandb"]]          # two attempts, one run
+    assert [r["id"] for r in w] == [ids["wandb"], ids["wandb"]]  # two attempts, one run
     assert wandb_history(w, "loss") == [(r["step"], r["loss"]) for r in _rows(range(1, 8))]
-    assert [row["_step"] for run in w for row in run["rows"]] == list(range(1, 8))     # one W&B row a step
+    assert [row["_step"] for run in w for row in run["rows"]] == list(range(1, 8))  # one W&B row a step
     assert wandb_history(w, "val_loss") == [(6, 0.25)]
 
 
@@ -152,7 +164,7 @@ def test_wandb_writes_its_run_file_every_half_second_unless_told_otherwise(offli
     remote.close()
     import wandb
 
-    wandb.teardown()                         # wandb reads its environment once a process
+    wandb.teardown()  # wandb reads its environment once a process
     monkeypatch.setenv("WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL", "7")
     remote = Remote(("wandb",), tmp_path / "b")
     remote.log(_rows(range(1, 2))[0])
@@ -167,7 +179,7 @@ def test_a_run_without_checkpoints_sends_rows_at_once(offline, tmp_path):
     for row in _rows(range(1, 3)):
         remote.log(row)
     assert [s for s, _ in mlflow_runs(tmp_path)[0]["history"]["loss"]] == [1, 2]
-    remote.saved(2)                          # the first save: from now on rows wait for checkpoints
+    remote.saved(2)  # the first save: from now on rows wait for checkpoints
     remote.log(_rows(range(3, 4))[0])
     assert [s for s, _ in mlflow_runs(tmp_path)[0]["history"]["loss"]] == [1, 2]
     remote.close()
@@ -183,7 +195,7 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_others_go_on(offline, tmp_
     with pytest.warns(UserWarning, match=r"tracker 'mlflow' failed \(server went away\)"):
         remote.log(_rows(range(2, 3))[0])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")       # once: no second warning
+        warnings.simplefilter("error")  # once: no second warning
         remote.log(_rows(range(3, 4))[0])
     remote.close()
     assert [s for s, _ in wandb_history(wandb_runs_settled(tmp_path), "loss")] == [1, 2, 3]
@@ -191,16 +203,34 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_others_go_on(offline, tmp_
 
 def _tracked(tmp_path: Path, name: str, *extra: str, restarts: int = 0) -> tuple[Path, str]:
     out = tmp_path / name
-    done = subprocess.run([str(BIN / "ddpkit"), "run", "-n", "2", "--max-restarts", str(restarts), TRACKED,
-                           "--out", str(out), "--result", str(out / "w.pt"),
-                           "--trackers", "tensorboard,wandb,mlflow", *extra],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env=clean_env(WANDB_MODE="offline", WANDB_SILENT="true"))
+    done = subprocess.run(
+        [
+            str(BIN / "ddpkit"),
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            TRACKED,
+            "--out",
+            str(out),
+            "--result",
+            str(out / "w.pt"),
+            "--trackers",
+            "tensorboard,wandb,mlflow",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=clean_env(WANDB_MODE="offline", WANDB_SILENT="true"),
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return out, done.stdout
 
 
-@pytest.mark.slow          # two 2-process runs with three trackers (~70 s): make test-slow
+@pytest.mark.slow  # two 2-process runs with three trackers (~70 s): make test-slow
 @pytest.mark.timeout(420)
 def test_a_run_killed_mid_epoch_and_restarted_is_one_run_with_each_step_once_in_every_tracker(tmp_path):
     whole, _ = _tracked(tmp_path, "whole")

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.observe import metrics as tracking
-from ddpkit.errors import UsageError
-from ddpkit.observe.progress import Progress
 from ddpkit._files import atomic_path
+from ddpkit.errors import UsageError
+from ddpkit.observe import metrics as tracking
 from ddpkit.observe.metrics import MetricsLogger
+from ddpkit.observe.progress import Progress
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -129,16 +129,18 @@ def test_resume_drops_a_torn_last_line_with_a_warning(tmp_path):
         log = MetricsLogger(tmp_path, tensorboard=False, resume=True)
     log.log({"train_loss": 0.5}, step=2)
     log.close()
-    assert _jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "train_loss": 1.0},
-                                                  {"step": 2, "train_loss": 0.5}]
+    assert _jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "train_loss": 1.0}, {"step": 2, "train_loss": 0.5}]
 
 
-@pytest.mark.parametrize("metrics, step", [
-    ({"loss": "high"}, 1),
-    ({"loss": torch.ones(2)}, 1),
-    ({"step": 1.0}, 1),
-    ({"loss": 1.0}, 1.5),
-])
+@pytest.mark.parametrize(
+    "metrics, step",
+    [
+        ({"loss": "high"}, 1),
+        ({"loss": torch.ones(2)}, 1),
+        ({"step": 1.0}, 1),
+        ({"loss": 1.0}, 1.5),
+    ],
+)
 def test_bad_values_are_usage_errors(tmp_path, metrics, step):
     with MetricsLogger(tmp_path, tensorboard=False) as log, pytest.raises(UsageError):
         log.log(metrics, step=step)
@@ -173,7 +175,7 @@ def test_atomic_path_writes_a_file_with_the_modes_of_any_new_file(tmp_path):
     finally:
         os.umask(old)
     made = tmp_path / "sub" / "summary.json"
-    assert made.read_text() == "{}" and stat.S_IMODE(made.stat().st_mode) == 0o644     # not mkstemp's 0600
+    assert made.read_text() == "{}" and stat.S_IMODE(made.stat().st_mode) == 0o644  # not mkstemp's 0600
     assert sorted(p.name for p in made.parent.iterdir()) == ["summary.json"]
 
 

@@ -13,9 +13,9 @@ import torch
 
 import ddpkit
 from ddpkit.cli.train import train_config
-from ddpkit.recipes.config import TrainConfig
 from ddpkit.errors import UsageError
 from ddpkit.recipes import train as train_recipe
+from ddpkit.recipes.config import TrainConfig
 from ddpkit.recipes.models import build_model
 from helpers import ddpkit as ddpkit_cli
 
@@ -25,8 +25,20 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
-    result = ddpkit_cli("train", "--model", "convnet", "--data", "digits", "--nproc", "2", "--epochs", "3",
-                        "--out", str(out), timeout=140)
+    result = ddpkit_cli(
+        "train",
+        "--model",
+        "convnet",
+        "--data",
+        "digits",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--out",
+        str(out),
+        timeout=140,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -38,8 +50,8 @@ def test_train_writes_every_output(trained):
     assert summary["global_batch_size"] == 64 and summary["test_count"] == 360
     assert summary["test_accuracy"] >= 0.95
     assert summary["wall_seconds"] > 0 and summary["samples_per_second"] > 0
-    assert summary["final_checkpoint"].endswith("ckpt-step00000069.pt")   # 1437 samples / 64 = 23 steps x 3
-    assert summary["sync_bn"] is True           # the default where DDP trains a model with BatchNorm
+    assert summary["final_checkpoint"].endswith("ckpt-step00000069.pt")  # 1437 samples / 64 = 23 steps x 3
+    assert summary["sync_bn"] is True  # the default where DDP trains a model with BatchNorm
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     assert rows[-1]["test_accuracy"] == summary["test_accuracy"]
@@ -47,7 +59,7 @@ def test_train_writes_every_output(trained):
     assert header[:2] == ["step", "epoch"] and "test_loss" in header
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert (out / "loss.png").read_bytes()[:8] == PNG
-    assert result.stdout.count("epoch 2: train_loss=") == 1            # printed on rank 0 only
+    assert result.stdout.count("epoch 2: train_loss=") == 1  # printed on rank 0 only
 
 
 def test_resume_auto_continues_a_finished_run(trained, tmp_path):
@@ -56,8 +68,7 @@ def test_resume_auto_continues_a_finished_run(trained, tmp_path):
     import shutil
 
     shutil.copytree(out, copy)
-    result = ddpkit_cli("train", "--nproc", "1", "--epochs", "4", "--out", str(copy), "--resume", "auto",
-                        timeout=140)
+    result = ddpkit_cli("train", "--nproc", "1", "--epochs", "4", "--out", str(copy), "--resume", "auto", timeout=140)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout and "ckpt-step00000069.pt" in result.stdout
     summary = json.loads((copy / "summary.json").read_text())
@@ -70,8 +81,22 @@ def test_resume_auto_continues_a_finished_run(trained, tmp_path):
 @pytest.mark.timeout(200)
 def test_train_with_powersgd_reaches_95_percent_and_records_it(tmp_path):
     out = tmp_path / "run"
-    result = ddpkit_cli("train", "--model", "convnet", "--data", "digits", "--nproc", "2", "--epochs", "3",
-                        "--grad-compression", "powersgd", "--out", str(out), timeout=180)
+    result = ddpkit_cli(
+        "train",
+        "--model",
+        "convnet",
+        "--data",
+        "digits",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--grad-compression",
+        "powersgd",
+        "--out",
+        str(out),
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["grad_compression"] == "powersgd" and summary["powersgd_rank"] == 2
@@ -106,14 +131,21 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"sync_every": 5}, "--sync-every sets how often --sync local-sgd or diloco meets"),
-    ({"sync": "diloco", "sync_every": 5, "sync_bn": True}, "drop --sync-bn"),
-    ({"sync": "local-sgd", "sync_every": 5, "strategy": "fsdp", "model": "mlp"}, "strategy='fsdp' shards"),
-    ({"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"}, "compresses a per-step gradient exchange"),
-    ({"sync": "diloco", "sync_every": 5, "precision": "fp16"}, "use bf16 or fp32"),
-    ({"sync": "rarely", "sync_every": 5}, "unknown sync 'rarely'"),
-], ids=["every-alone", "sync-bn", "fsdp", "compression", "fp16", "unknown"])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"sync_every": 5}, "--sync-every sets how often --sync local-sgd or diloco meets"),
+        ({"sync": "diloco", "sync_every": 5, "sync_bn": True}, "drop --sync-bn"),
+        ({"sync": "local-sgd", "sync_every": 5, "strategy": "fsdp", "model": "mlp"}, "strategy='fsdp' shards"),
+        (
+            {"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"},
+            "compresses a per-step gradient exchange",
+        ),
+        ({"sync": "diloco", "sync_every": 5, "precision": "fp16"}, "use bf16 or fp32"),
+        ({"sync": "rarely", "sync_every": 5}, "unknown sync 'rarely'"),
+    ],
+    ids=["every-alone", "sync-bn", "fsdp", "compression", "fp16", "unknown"],
+)
 def test_infrequent_sync_flags_are_checked_before_anything_runs(settings, message):
     from ddpkit.recipes.config import check
 
@@ -121,17 +153,34 @@ def test_infrequent_sync_flags_are_checked_before_anything_runs(settings, messag
         check(TrainConfig(**settings))
 
 
-@pytest.mark.slow          # 11 s: make test-slow; tests/test_periodic.py trains DiLoCo through rt.setup in make test
+@pytest.mark.slow  # 11 s: make test-slow; tests/test_periodic.py trains DiLoCo through rt.setup in make test
 @pytest.mark.timeout(120)
 def test_train_with_diloco_records_it_and_learns(tmp_path):
     out = tmp_path / "run"
-    result = ddpkit_cli("train", "--nproc", "2", "--epochs", "2", "--sync", "diloco", "--sync-every", "5",
-                        "--out", str(out), timeout=110)
+    result = ddpkit_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--sync",
+        "diloco",
+        "--sync-every",
+        "5",
+        "--out",
+        str(out),
+        timeout=110,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the result depends on the number of processes" in result.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["sync"], summary["sync_every"], summary["outer_lr"], summary["sync_bn"]) == ("diloco", 5, 0.7, False)
-    assert summary["test_accuracy"] >= 0.8         # it learns (chance: 0.1); how well, BENCHMARKS.md
+    assert (summary["sync"], summary["sync_every"], summary["outer_lr"], summary["sync_bn"]) == (
+        "diloco",
+        5,
+        0.7,
+        False,
+    )
+    assert summary["test_accuracy"] >= 0.8  # it learns (chance: 0.1); how well, BENCHMARKS.md
 
 
 @pytest.mark.parametrize("args, message", BAD)
@@ -174,12 +223,13 @@ def test_overwrite_replaces_the_old_run_and_keeps_other_files(trained, tmp_path)
     (copy / "notes.txt").write_text("mine")
     old_steps = sorted(p.name for p in (copy / "checkpoints").glob("*.pt"))
     assert old_steps[-1] == "ckpt-step00000069.pt"
-    result = ddpkit_cli("train", "--nproc", "1", "--model", "mlp", "--epochs", "1", "--out", str(copy),
-                        "--overwrite", timeout=120)
+    result = ddpkit_cli(
+        "train", "--nproc", "1", "--model", "mlp", "--epochs", "1", "--out", str(copy), "--overwrite", timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--overwrite removed" in result.stdout
     steps = sorted(p.name for p in (copy / "checkpoints").glob("*.pt"))
-    assert steps == ["ckpt-step00000023.pt"]            # the old run's step 69 cannot outrank it
+    assert steps == ["ckpt-step00000023.pt"]  # the old run's step 69 cannot outrank it
     rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0]
     assert json.loads((copy / "summary.json").read_text())["model"] == "mlp"
@@ -216,12 +266,11 @@ def test_sync_bn_is_on_by_default_only_where_ddp_trains_batchnorm_on_several_pro
 
 
 def test_scale_lr_and_per_process_batch(tmp_path):
-    config = train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05",
-                               "--out", str(tmp_path / "o")])
+    config = train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05", "--out", str(tmp_path / "o")])
     assert config.global_batch_size == 32 and config.effective_lr == pytest.approx(0.1)
 
 
-@pytest.mark.slow          # 61 s: make test-slow (CI runs it)
+@pytest.mark.slow  # 61 s: make test-slow (CI runs it)
 @pytest.mark.timeout(400)
 def test_demo_compares_modes_and_reaches_95_percent(tmp_path):
     out = tmp_path / "demo"
@@ -247,22 +296,22 @@ def _check_guarantee(rows, out, stdout):
     guarantee = json.loads((out / "guarantee.json").read_text())
     opening = guarantee["opening"]
     assert opening.startswith("DDP x2 ends ") and "hand-written DDP with DistributedSampler" in opening
-    assert f"\n\n{opening}\n\n" in stdout and stdout.index(opening) < stdout.index("| mode")   # before the table
+    assert f"\n\n{opening}\n\n" in stdout and stdout.index(opening) < stdout.index("| mode")  # before the table
     assert (out / "report.md").read_text().split("\n\n")[1] == opening
     ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
-    exact = rows[1]                   # rows[0]: one process on every core, the speed to beat
+    exact = rows[1]  # rows[0]: one process on every core, the speed to beat
     assert rows[0]["micro_shards"] is None and exact["mode"] == "single" and exact["run"] == "single-x1-fp32-ms2"
     assert rows[0]["max_rel_diff_vs_single"] == exact["max_rel_diff_vs_single"] == 0.0
     assert ddp["micro_shards"] == 2 == exact["micro_shards"]
     assert "The same bits on 1 and 2 processes cost one process here: with --micro-shards 2" in stdout
     assert guarantee["max_rel_diff_vs_single"][ddp["run"]] == ddp["max_rel_diff_vs_single"]
-    assert ddp["max_rel_diff_vs_single"] <= 1e-5            # the issue's bound; with micro-shards it is 0
+    assert ddp["max_rel_diff_vs_single"] <= 1e-5  # the issue's bound; with micro-shards it is 0
     assert ddp["max_rel_diff_vs_single"] == 0.0 and "bit for bit (max relative difference 0)" in opening
     assert "0 (bitwise) |" in stdout
     assert guarantee["hand_written_max_rel_diff_vs_single"] > 1e-3
     bf16 = next(r for r in rows if r["precision"] == "bf16")
     assert f"bf16's tolerance of {guarantee['bf16_tolerance']:g}" in opening and bf16["max_rel_diff_vs_single"] > 0
-    for row in rows:                  # each fix a diagnosis recommends is measured, against its prediction
+    for row in rows:  # each fix a diagnosis recommends is measured, against its prediction
         if row["verify"]:
             assert f"checked {row['run']}: {row['verify']['change']}: predicted " in stdout
 
@@ -278,7 +327,9 @@ def _check_diagnoses(rows, out, stdout):
         assert row["bound"]
     bf16 = next(r for r in rows if r["precision"] == "bf16")
     native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    assert ("bf16 is not accelerated on this CPU" in bf16["diagnosis"]) is (not native and not torch.cuda.is_available())
+    assert ("bf16 is not accelerated on this CPU" in bf16["diagnosis"]) is (
+        not native and not torch.cuda.is_available()
+    )
     ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
     bound = ddp["diagnosis"].split(";")[0].removeprefix("bound by ").split(" (")[0]
     markdown = (out / "report.md").read_text()
@@ -298,7 +349,7 @@ def test_demo_adds_data_parallel_only_with_two_gpus():
     assert [o["precision"] for _, o in with_gpus[3:]] == ["fp32", "bf16"]
     # every core first; then the micro-sharded single process and DDP rows, the same bits on 1 and 4
     assert [o.get("micro_shards") for _, o in with_gpus] == [None, 4, None, 4, 4]
-    assert [o.get("micro_shards") for _, o in modes(3, gpus=0)] == [None, None, None]    # 3: not a power of two
+    assert [o.get("micro_shards") for _, o in modes(3, gpus=0)] == [None, None, None]  # 3: not a power of two
 
 
 def test_data_parallel_needs_two_gpus(tmp_path):
@@ -346,17 +397,30 @@ def test_bound_words_and_precision_notes():
 def test_the_verdict_names_the_bound_of_the_ddp_row():
     from ddpkit.cli.demo import verdict
 
-    rows = [{"mode": "single", "processes": 1, "precision": "fp32", "speedup": 1.0, "diagnosis": "bound by compute"},
-            {"mode": "ddp", "processes": 2, "precision": "fp32", "speedup": 0.63, "cores": 2,
-             "threads_per_process": 1, "shares": {"compute": 0.6, "communication": 0.4},
-             "diagnosis": "bound by waiting for the slowest rank or a busy core (3.10 ms ...); what helps: ..."}]
+    rows = [
+        {"mode": "single", "processes": 1, "precision": "fp32", "speedup": 1.0, "diagnosis": "bound by compute"},
+        {
+            "mode": "ddp",
+            "processes": 2,
+            "precision": "fp32",
+            "speedup": 0.63,
+            "cores": 2,
+            "threads_per_process": 1,
+            "shares": {"compute": 0.6, "communication": 0.4},
+            "diagnosis": "bound by waiting for the slowest rank or a busy core (3.10 ms ...); what helps: ...",
+        },
+    ]
     said = verdict(rows, {"what": "ResNet-18, DDP x2 fp32 against one process", "speedup": 0.68})
     assert said.startswith("On this machine (2 cores, 2 processes of 1 thread(s) each), DDP x2 runs at 0.63x")
     assert "bound by waiting for the slowest rank or a busy core (a step is compute 60%, communication 40%)" in said
-    assert ("The closest to a speed-up measured here is ResNet-18, DDP x2 fp32 against one process: 0.68x, "
-            "32% short of one process's samples/s.") in said
+    assert (
+        "The closest to a speed-up measured here is ResNet-18, DDP x2 fp32 against one process: 0.68x, "
+        "32% short of one process's samples/s."
+    ) in said
     assert "closest" not in verdict(rows)
     faster = verdict(rows, {"what": "ResNet-18, DDP x2 fp32 against one process", "speedup": 1.04})
-    assert ("A speed-up does show here with more compute per step: ResNet-18, DDP x2 fp32 against one process, "
-            "1.04x (4% more samples/s than one process).") in faster
+    assert (
+        "A speed-up does show here with more compute per step: ResNet-18, DDP x2 fp32 against one process, "
+        "1.04x (4% more samples/s than one process)."
+    ) in faster
     assert "short of" not in faster

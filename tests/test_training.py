@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.dist import collectives
-from ddpkit.errors import DdpkitError
-
 import workers
+from ddpkit.distributed import collectives
+from ddpkit.errors import DdpkitError
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -23,11 +22,11 @@ def test_same_samples_and_weights_for_1_2_3_processes():
     # 100 samples, global batch 12: 9 steps an epoch, the last one of 4 samples (2/1/1 on 3 ranks).
     runs = {world: ddpkit.launch(workers.train_steps, nprocs=world, args=(50,))[0] for world in (1, 2, 3)}
     reference = runs[1]
-    assert reference["epoch"] == 5                                    # crossed five epoch boundaries
+    assert reference["epoch"] == 5  # crossed five epoch boundaries
     for world in (2, 3):
         assert runs[world]["visited"] == reference["visited"], f"world {world} visited other samples"
         assert _relative(runs[world]["weights"], reference["weights"]) <= 1e-5
-        for name, value in reference["weights"].items():   # every tensor on its own, too
+        for name, value in reference["weights"].items():  # every tensor on its own, too
             if value.is_floating_point():
                 assert _relative({name: runs[world]["weights"][name]}, {name: value}) <= 1e-5, name
             else:
@@ -74,8 +73,11 @@ def test_every_rank_resumes_from_the_checkpoint_rank_zero_chose(tmp_path):
 def test_a_checkpoint_this_rank_cannot_read_is_a_clear_error(tmp_path, monkeypatch):
     rt = ddpkit.init(checkpoint_dir=tmp_path, resume="auto")
     monkeypatch.setattr(collectives, "broadcast_object", lambda obj, src=0: str(tmp_path / "elsewhere.pt"))
-    with pytest.raises(DdpkitError, match=r"rank 0 resumes from .*elsewhere\.pt, which rank 0 cannot read on "
-                                          r".*: put checkpoint_dir on a filesystem every node shares"):
+    with pytest.raises(
+        DdpkitError,
+        match=r"rank 0 resumes from .*elsewhere\.pt, which rank 0 cannot read on "
+        r".*: put checkpoint_dir on a filesystem every node shares",
+    ):
         rt.resume({"model": torch.nn.Linear(4, 2)})
 
 
@@ -84,10 +86,9 @@ def test_accumulating_two_batches_on_two_ranks_equals_one_big_batch():
     """Under DDP (no_sync on the inner micro-step), ranks and micro-steps weigh as one big batch."""
     accumulated = ddpkit.launch(workers.accumulated_run, nprocs=2, args=(2, 4))[0]
     big_batch = workers.accumulated_run(1, 8)
-    assert accumulated["steps"] == big_batch["steps"] == 6       # 8, 8, 2 samples per step, twice
+    assert accumulated["steps"] == big_batch["steps"] == 6  # 8, 8, 2 samples per step, twice
     for name, value in big_batch["weights"].items():
         assert torch.allclose(accumulated["weights"][name], value, atol=1e-6), name
-
 
 
 @pytest.mark.timeout(120)
@@ -101,8 +102,8 @@ def test_accumulation_allreduces_once_per_group():
         for run, (steps, rounds) in zip(passes, [(2, 2), (8, 8)]):
             buckets = run["buckets"]
             assert run["steps"] == steps, (rank, run)
-            assert buckets.count(0) == rounds, (rank, buckets)                  # one round per group
-            assert len(buckets) == rounds * len(set(buckets)), (rank, buckets)   # every bucket each round
+            assert buckets.count(0) == rounds, (rank, buckets)  # one round per group
+            assert len(buckets) == rounds * len(set(buckets)), (rank, buckets)  # every bucket each round
 
 
 @pytest.mark.timeout(120)

@@ -11,8 +11,16 @@ import torch
 
 import ddpkit
 from ddpkit import cli
-from ddpkit.observe.heartbeats import (CLOSED, EXIT_HANG, Heartbeat, culprit, format_report, job_is_hung, phase_order,
-                         seconds_until_hung)
+from ddpkit.observe.heartbeats import (
+    CLOSED,
+    EXIT_HANG,
+    Heartbeat,
+    culprit,
+    format_report,
+    job_is_hung,
+    phase_order,
+    seconds_until_hung,
+)
 from ddpkit.recipes import train as train_recipe
 from ddpkit.recipes.config import TrainConfig, validate
 from helpers import ddpkit as ddpkit_cli
@@ -28,6 +36,7 @@ def beat(rank: int, step: int, phase: str, idle: float = 12.0, *, age: float = 0
 
 
 # -- pure logic: rank, world and heartbeats as plain data ---------------------------------
+
 
 def test_culprit_is_the_rank_with_the_lowest_step():
     beats = {0: beat(0, 7, "data"), 1: beat(1, 6, "optimizer"), 2: beat(2, 7, "backward")}
@@ -56,7 +65,7 @@ def test_a_silent_or_missing_heartbeat_is_blamed_before_any_live_rank():
     beats = {0: beat(0, 3, "data"), 1: beat(1, 4, "backward"), 2: beat(2, 9, "backward", age=30.0)}
     assert culprit(beats, NOW, silent_after=SILENT) == 2
     beats = {0: beat(0, 3, "data"), 1: None, 2: beat(2, 9, "backward", age=30.0)}
-    assert culprit(beats, NOW, silent_after=SILENT) == 2          # silent first, then missing
+    assert culprit(beats, NOW, silent_after=SILENT) == 2  # silent first, then missing
     assert culprit({0: beat(0, 3, "data"), 1: None}, NOW, silent_after=SILENT) == 1
 
 
@@ -71,7 +80,7 @@ def test_the_job_is_hung_only_when_no_open_rank_made_progress():
     # Rank 1 still beats (say its long evaluation): rank 0 waiting for it is no hang.
     alive = {0: beat(0, 5, "backward", idle=30.0), 1: beat(1, 5, "eval", idle=2.0)}
     assert not job_is_hung(alive, NOW, hang_timeout=10.0)
-    assert seconds_until_hung(alive, NOW, hang_timeout=10.0) == pytest.approx(7.5)   # 10 - (2 + 0.5)
+    assert seconds_until_hung(alive, NOW, hang_timeout=10.0) == pytest.approx(7.5)  # 10 - (2 + 0.5)
     # Publishing stopped 9 s ago: idle grows on.
     assert job_is_hung({0: beat(0, 1, "data", idle=2.0, age=9.0)}, NOW, hang_timeout=10.0)
     assert job_is_hung({0: beat(0, 5, "backward", idle=10.5), 1: None}, NOW, hang_timeout=10.0)
@@ -94,8 +103,9 @@ def test_report_names_the_stuck_rank_and_where_the_others_are():
 
 
 def test_report_of_a_rank_alone_says_its_peers_are_unknown():
-    text = format_report({3: beat(3, 2, "save", age=20.0)}, 3, NOW, world_size=4, silent_after=SILENT,
-                         note="store unreachable: refused")
+    text = format_report(
+        {3: beat(3, 2, "save", age=20.0)}, 3, NOW, world_size=4, silent_after=SILENT, note="store unreachable: refused"
+    )
     assert "its heartbeat stopped 20.0s ago" in text
     assert "the other 3 rank(s) are unknown (store unreachable: refused)" in text
 
@@ -107,6 +117,7 @@ def test_heartbeat_round_trips_through_json():
 
 
 # -- settings and the runtime -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "10"])
 def test_a_bad_hang_timeout_is_a_usage_error(bad):
@@ -139,12 +150,12 @@ def test_setup_and_each_evaluation_batch_count_as_progress():
     dog.beat = lambda step, phase: (seen.append((step, phase)), real_beat(step, phase))
     data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randint(0, 3, (10,)))
     ddpkit.evaluate(model, data, num_classes=3, batch_size=4)
-    assert seen == [(7, "eval")] * 3                      # one beat per batch, at the current step
+    assert seen == [(7, "eval")] * 3  # one beat per batch, at the current step
     ddpkit.predict(model, data, batch_size=5)
     assert seen[3:] == [(7, "eval")] * 2
     rt.close()
     seen.clear()
-    ddpkit.evaluate(model, data, num_classes=3)           # no watchdog any more: nothing to tell
+    ddpkit.evaluate(model, data, num_classes=3)  # no watchdog any more: nothing to tell
     assert seen == []
 
 
@@ -218,7 +229,7 @@ def script(tmp_path):
     return path
 
 
-@pytest.mark.slow          # 10-16 s: make test-slow keeps make test under 15 minutes
+@pytest.mark.slow  # 10-16 s: make test-slow keeps make test under 15 minutes
 @pytest.mark.timeout(90)
 def test_a_rank_sleeping_forever_is_named_and_the_job_fails_fast(script):
     started = time.monotonic()
@@ -228,17 +239,17 @@ def test_a_rank_sleeping_forever_is_named_and_the_job_fails_fast(script):
     assert result.returncode != 0, output[-3000:]
     assert "ddpkit watchdog: rank 1 made no progress for" in output, output[-3000:]
     stall = float(re.search(r"rank 1 made no progress for ([\d.]+)s", output).group(1))
-    assert 10 <= stall < 16, output[-3000:]                 # caught soon after hang_timeout, not later
-    assert elapsed < 70, f"took {elapsed:.1f}s\n{output[-3000:]}"   # far below the 600 s collective timeout
+    assert 10 <= stall < 16, output[-3000:]  # caught soon after hang_timeout, not later
+    assert elapsed < 70, f"took {elapsed:.1f}s\n{output[-3000:]}"  # far below the 600 s collective timeout
     assert re.search(r"rank 1 made no progress for [\d.]+s at step 5 \(phase data\)", output)
     assert "rank 0 is at step 5 (backward)" in output
     assert "Python stack of rank 1" in output
-    assert re.search(r'File ".*hang\.py", line \d+ in sleep_forever', output)     # faulthandler's stack
-    assert output.count("ddpkit watchdog: the job is hung") == 1                    # one report
-    assert f"rank 1 failed first (exit code {EXIT_HANG})" in result.stderr          # the stuck rank exits first
+    assert re.search(r'File ".*hang\.py", line \d+ in sleep_forever', output)  # faulthandler's stack
+    assert output.count("ddpkit watchdog: the job is hung") == 1  # one report
+    assert f"rank 1 failed first (exit code {EXIT_HANG})" in result.stderr  # the stuck rank exits first
 
 
-@pytest.mark.slow       # 19 s
+@pytest.mark.slow  # 19 s
 @pytest.mark.timeout(90)
 def test_a_healthy_run_longer_than_hang_timeout_finishes(script):
     # 32 steps of at least 0.35 s each: over 11 s of training, beyond an 8 s hang_timeout.
@@ -251,7 +262,8 @@ def test_a_healthy_run_longer_than_hang_timeout_finishes(script):
 @pytest.mark.timeout(60)
 def test_a_world_of_one_watches_its_own_main_thread(tmp_path):
     path = tmp_path / "alone.py"
-    path.write_text(textwrap.dedent('''
+    path.write_text(
+        textwrap.dedent("""
         import time
         import ddpkit
 
@@ -261,7 +273,8 @@ def test_a_world_of_one_watches_its_own_main_thread(tmp_path):
         rt = ddpkit.init(hang_timeout=1)
         rt.heartbeat("eval")
         wait_for_nothing()
-    '''))
+    """)
+    )
     result = python(str(path), timeout=50)
     assert result.returncode == EXIT_HANG, result.stderr[-3000:]
     assert "rank 0 made no progress for" in result.stderr and "at step 0 (phase eval)" in result.stderr

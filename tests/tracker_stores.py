@@ -24,10 +24,19 @@ def mlflow_runs(out: Path) -> list[dict]:
     runs = []
     for experiment in client.search_experiments():
         for run in client.search_runs([experiment.experiment_id]):
-            history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-                       for key in run.data.metrics}
-            runs.append({"id": run.info.run_id, "name": run.info.run_name, "status": run.info.status,
-                         "params": dict(run.data.params), "history": history})
+            history = {
+                key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+                for key in run.data.metrics
+            }
+            runs.append(
+                {
+                    "id": run.info.run_id,
+                    "name": run.info.run_name,
+                    "status": run.info.status,
+                    "params": dict(run.data.params),
+                    "history": history,
+                }
+            )
     return runs
 
 
@@ -37,22 +46,22 @@ def _wandb_records(path: Path) -> list[bytes]:
     records, chunks, offset = [], [], _HEADER
     while offset + _HEADER <= len(data):
         left = _BLOCK - offset % _BLOCK
-        if left < _HEADER:                       # the block's tail is padding
+        if left < _HEADER:  # the block's tail is padding
             offset += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[offset:offset + _HEADER])
+        _, length, kind = struct.unpack("<IHB", data[offset : offset + _HEADER])
         if kind == 0 and length == 0:
             offset += left
             continue
-        body = data[offset + _HEADER:offset + _HEADER + length]
+        body = data[offset + _HEADER : offset + _HEADER + length]
         offset += _HEADER + length
-        if kind == 1:                            # FULL
+        if kind == 1:  # FULL
             records.append(body)
-        elif kind == 2:                          # FIRST
+        elif kind == 2:  # FIRST
             chunks = [body]
-        elif kind == 3:                          # MIDDLE
+        elif kind == 3:  # MIDDLE
             chunks.append(body)
-        elif kind == 4:                          # LAST
+        elif kind == 4:  # LAST
             records.append(b"".join(chunks + [body]))
     return records
 

@@ -34,6 +34,7 @@ def gather_uneven() -> list:
 
 # -- training workers ---------------------------------------------------------------------
 
+
 def _toy_data(length: int = 100):
     import torch
 
@@ -43,8 +44,14 @@ def _toy_data(length: int = 100):
     return torch.utils.data.TensorDataset(images, labels, torch.arange(length))
 
 
-def train_steps(steps: int, global_batch: int = 12, length: int = 100, sync_bn: bool = True,
-                stop_at: int | None = None, checkpoint_dir: str | None = None) -> dict:
+def train_steps(
+    steps: int,
+    global_batch: int = 12,
+    length: int = 100,
+    sync_bn: bool = True,
+    stop_at: int | None = None,
+    checkpoint_dir: str | None = None,
+) -> dict:
     """Train the seeds' ConvNet for ``steps`` steps; returns weights and the samples of each step.
 
     With ``checkpoint_dir``: resume from it when it holds a checkpoint, and with ``stop_at``
@@ -105,8 +112,9 @@ def resumable_run(total_steps: int, stop_at: int | None, checkpoint_dir: str) ->
     import torch.nn.functional as F
 
     rt = ddpkit.init(seed=4)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                                torch.nn.Dropout(0.3), torch.nn.Linear(32, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 10)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
     loader = rt.loader(_NoisyToy(), global_batch_size=8, shuffle=True)
@@ -175,14 +183,20 @@ def evaluate_everything(stream_dir: str | None = None) -> dict:
         main = ddpkit.predict(IndexedModel(), data, batch_size=64, to="main")
         everywhere = ddpkit.predict(IndexedModel(), data, batch_size=64, to="all")
         accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=5)
-        metrics = ddpkit.evaluate(LogitsOnly(), data, num_classes=5, batch_size=64,
-                                  extra_metrics={"tm_accuracy": accuracy})
+        metrics = ddpkit.evaluate(
+            LogitsOnly(), data, num_classes=5, batch_size=64, extra_metrics={"tm_accuracy": accuracy}
+        )
         streamed = None
         if stream_dir is not None:
             path = predict_to_file(LogitsOnly(), data, f"{stream_dir}/pred{length}.npy", batch_size=64)
             streamed = None if path is None else str(path)
-        results[length] = {"main": main, "all": everywhere, "metrics": metrics, "streamed": streamed,
-                           "shard": len(ddpkit.loop.sampler.shard_range(length, rt.rank, rt.world_size))}
+        results[length] = {
+            "main": main,
+            "all": everywhere,
+            "metrics": metrics,
+            "streamed": streamed,
+            "shard": len(ddpkit.loop.sampler.shard_range(length, rt.rank, rt.world_size)),
+        }
     return results
 
 
@@ -202,8 +216,9 @@ def accumulated_run(steps: int, global_batch: int) -> dict:
 
     rt = ddpkit.init(seed=0)
     generator = torch.Generator().manual_seed(5)
-    data = torch.utils.data.TensorDataset(torch.randn(18, 3, generator=generator),
-                                          torch.randn(18, 1, generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(18, 3, generator=generator), torch.randn(18, 1, generator=generator)
+    )
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
@@ -224,8 +239,9 @@ def accumulation_allreduces(group_sizes: list[int], batches: int) -> list[dict]:
 
     rt = ddpkit.init(seed=0)
     generator = torch.Generator().manual_seed(6)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * batches, 3, generator=generator),
-                                          torch.randn(4 * batches, 1, generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(4 * batches, 3, generator=generator), torch.randn(4 * batches, 1, generator=generator)
+    )
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = rt.setup(model, optimizer)
@@ -261,10 +277,13 @@ def buffer_broadcasts() -> dict:
         model.register_buffer("tag", torch.zeros(()))
         model = rt.setup(model, sync_batchnorm=sync_batchnorm)
         module = ddpkit._torch.unwrap(model)
-        module.tag.fill_(float(rt.rank))          # after setup: DDP's start-up broadcast is done
+        module.tag.fill_(float(rt.rank))  # after setup: DDP's start-up broadcast is done
         model(torch.randn(8, 4))
-        found[sync_batchnorm] = {"tag": float(module.tag), "flag": bool(model.broadcast_buffers),
-                                 "sync_bn": any(type(m).__name__ == "SyncBatchNorm" for m in module.modules())}
+        found[sync_batchnorm] = {
+            "tag": float(module.tag),
+            "flag": bool(model.broadcast_buffers),
+            "sync_bn": any(type(m).__name__ == "SyncBatchNorm" for m in module.modules()),
+        }
     return found
 
 
@@ -290,9 +309,14 @@ def augmented_batches(num_workers: int, epochs: int = 2) -> list:
 
 
 def three_layers():
-    torch.manual_seed(0)     # 1 MiB + 4 MiB + 40 KiB of fp32 weights: more than DDP's 1 MiB first bucket
-    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    torch.manual_seed(0)  # 1 MiB + 4 MiB + 40 KiB of fp32 weights: more than DDP's 1 MiB first bucket
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
 
 
 def bucket_layout(model, steps: int = 2) -> list[list[list[str]]]:
@@ -313,7 +337,6 @@ def bucket_layout(model, steps: int = 2) -> list[list[list[str]]]:
         model(torch.randn(4, 256, device=next(model.parameters()).device)).sum().backward()
         layouts.append(list(seen))
     return layouts
-
 
 
 def ddpkit_bucket_layout() -> list:
@@ -357,8 +380,17 @@ def digits_convnet(dtype_name: str, epochs: int = 1, sync_bn: bool = True) -> di
     return weights
 
 
-def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_dir: str, every: int = 3,
-                 sync_dtype: str | None = None, accumulate: int = 1, fragments: int = 1, delay: int = 0) -> dict:
+def periodic_run(
+    sync: str,
+    total_steps: int,
+    stop_at: int | None,
+    checkpoint_dir: str,
+    every: int = 3,
+    sync_dtype: str | None = None,
+    accumulate: int = 1,
+    fragments: int = 1,
+    delay: int = 0,
+) -> dict:
     """resumable_run's model and data under an infrequent sync (Adam inner, as DiLoCo trains); optionally
     stop mid-period after ``stop_at`` steps, or resume from ``checkpoint_dir``. Returns rank's local and
     synced weights, the sync count, a held-out evaluation and what the checkpoint's model entry holds."""
@@ -370,12 +402,19 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
     from ddpkit.parallel import periodic
 
     rt = ddpkit.init(seed=4)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
-                                torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, 32),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.3),
+        torch.nn.Linear(32, 10),
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model, optimizer = rt.setup(model, optimizer, sync=sync, sync_every=every, sync_dtype=sync_dtype,
-                                sync_fragments=fragments, sync_delay=delay)
-    loader = rt.loader(_NoisyToy(), global_batch_size=12, shuffle=True)     # 5 steps an epoch, even on 2 and 3
+    model, optimizer = rt.setup(
+        model, optimizer, sync=sync, sync_every=every, sync_dtype=sync_dtype, sync_fragments=fragments, sync_delay=delay
+    )
+    loader = rt.loader(_NoisyToy(), global_batch_size=12, shuffle=True)  # 5 steps an epoch, even on 2 and 3
     state = {"model": model, "optimizer": optimizer}
     if stop_at is None and os.listdir(checkpoint_dir):
         rt.load(checkpoint_dir, state)
@@ -388,10 +427,14 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
                 rt.step(optimizer)
             if rt.global_step == stop_at and rt.loop.micro_step == 0:
                 path = rt.save(checkpoint_dir, state)
-                return {"stopped": rt.global_step, "saved": str(path), "steps_into_period": periodic.of(model).steps,
-                        "pending": len(periodic.of(model).pending),
-                        "synced": [s.clone() for s in periodic.of(model).synced],
-                        "local": [p.detach().clone() for p in model.parameters()]}
+                return {
+                    "stopped": rt.global_step,
+                    "saved": str(path),
+                    "steps_into_period": periodic.of(model).steps,
+                    "pending": len(periodic.of(model).pending),
+                    "synced": [s.clone() for s in periodic.of(model).synced],
+                    "local": [p.detach().clone() for p in model.parameters()],
+                }
             if rt.global_step == total_steps:
                 done = True
                 break
@@ -402,15 +445,24 @@ def periodic_run(sync: str, total_steps: int, stop_at: int | None, checkpoint_di
     metrics = ddpkit.evaluate(model, torch.utils.data.TensorDataset(*toy.tensors[:2]), num_classes=10)
     local = {k: v.detach().clone() for k, v in model.state_dict().items()}
     after = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"weights": local, "synced": [s.clone() for s in syncer.synced], "syncs": syncer.syncs,
-            "steps_into_period": syncer.steps, "step": rt.global_step, "accuracy": metrics["accuracy"],
-            "loss": metrics["loss"], "evaluation_restored_local": all(torch.equal(local[k], after[k]) for k in local),
-            "sent_bytes": syncer.sent_bytes, "exported": rt.full_state_dict(model),
-            "fragment0_elements": sum(syncer.params[i].numel() for i in syncer.fragments[0])}
+    return {
+        "weights": local,
+        "synced": [s.clone() for s in syncer.synced],
+        "syncs": syncer.syncs,
+        "steps_into_period": syncer.steps,
+        "step": rt.global_step,
+        "accuracy": metrics["accuracy"],
+        "loss": metrics["loss"],
+        "evaluation_restored_local": all(torch.equal(local[k], after[k]) for k in local),
+        "sent_bytes": syncer.sent_bytes,
+        "exported": rt.full_state_dict(model),
+        "fragment0_elements": sum(syncer.params[i].numel() for i in syncer.fragments[0]),
+    }
 
 
-def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at: int | None = None,
-                     min_gain: float | None = None) -> dict:
+def auto_compression(
+    steps: int = 8, checkpoint_dir: str | None = None, stop_at: int | None = None, min_gain: float | None = None
+) -> dict:
     """grad_compression="auto" on a small MLP: its decision (the same on every rank) after ``steps``;
     optionally save after ``stop_at`` steps, or resume from ``checkpoint_dir``. ``min_gain``
     replaces the gain a compression must promise (``float("inf")``: the choice is always none)."""
@@ -444,13 +496,23 @@ def auto_compression(steps: int = 8, checkpoint_dir: str | None = None, stop_at:
                 rt.save(checkpoint_dir, state)
                 return {"stopped": stop_at, "decision": compressor.decision}
             if rt.global_step == steps:
-                return {"decision": compressor.decision, "decided_at": decided_at,
-                        "weights": [p.detach().clone() for p in model.parameters()]}
+                return {
+                    "decision": compressor.decision,
+                    "decided_at": decided_at,
+                    "weights": [p.detach().clone() for p in model.parameters()],
+                }
     return {}
 
 
-def exact_run(micro_shards: int, epochs: int = 1, stop_after: int | None = None, checkpoint_dir: str | None = None,
-              precision: str = "fp32", samples: int | None = None, clip: float | None = None) -> dict:
+def exact_run(
+    micro_shards: int,
+    epochs: int = 1,
+    stop_after: int | None = None,
+    checkpoint_dir: str | None = None,
+    precision: str = "fp32",
+    samples: int | None = None,
+    clip: float | None = None,
+) -> dict:
     """A BatchNorm + dropout ConvNet on digits with ``rt.setup(micro_shards=...)`` (global batch 48,
     so the last batch's shards are uneven). Stops after ``stop_after`` steps with a checkpoint, or
     resumes from ``checkpoint_dir``'s newest; returns rank 0's final state, the steps, the
@@ -460,17 +522,31 @@ def exact_run(micro_shards: int, epochs: int = 1, stop_after: int | None = None,
 
     from ddpkit.recipes.datasets import load_dataset
 
-    rt = ddpkit.init(seed=3, precision=precision, checkpoint_dir=checkpoint_dir,
-                     resume="auto" if checkpoint_dir and stop_after is None else None)
+    rt = ddpkit.init(
+        seed=3,
+        precision=precision,
+        checkpoint_dir=checkpoint_dir,
+        resume="auto" if checkpoint_dir and stop_after is None else None,
+    )
     train, test = load_dataset("digits", "train"), load_dataset("digits", "test")
     torch.manual_seed(3)
     if samples is None:
-        model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                                    torch.nn.Dropout(0.2), torch.nn.Flatten(), torch.nn.Linear(8 * 64, 32),
-                                    torch.nn.BatchNorm1d(32, momentum=None), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-    else:       # a last batch of a sample or two leaves some ranks no shard: no BatchNorm then
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 64, 32),
+            torch.nn.BatchNorm1d(32, momentum=None),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 10),
+        )
+    else:  # a last batch of a sample or two leaves some ranks no shard: no BatchNorm then
         data = torch.utils.data.Subset(train.dataset, range(samples))
-        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)
+        )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer, micro_shards=micro_shards)
     state = {"model": model, "optimizer": optimizer}
@@ -494,7 +570,12 @@ def exact_run(micro_shards: int, epochs: int = 1, stop_after: int | None = None,
                 return {"stopped_at": rt.global_step}
     metrics = ddpkit.evaluate(model, test.dataset, num_classes=10)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = {"state": weights, "steps": rt.global_step, "train_loss": float(rt.all_reduce(loss_sum)),
-           "accuracy": metrics["accuracy"], "threads": torch.get_num_threads()}
+    out = {
+        "state": weights,
+        "steps": rt.global_step,
+        "train_loss": float(rt.all_reduce(loss_sum)),
+        "accuracy": metrics["accuracy"],
+        "threads": torch.get_num_threads(),
+    }
     rt.close()
     return out

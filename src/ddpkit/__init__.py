@@ -13,20 +13,16 @@ Heavy optional libraries (matplotlib, tensorboard, scikit-learn) are imported on
 the features that need them.
 """
 
-from ddpkit.parallel.lazy_buffers import settle as sync_buffers
-from ddpkit.rng import sample_rng
-from ddpkit.dist.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
-from ddpkit.dist.environment import Environment, detect
-from ddpkit.dist.launch import LaunchError, launch
+from ddpkit._version import __version__
+from ddpkit.distributed.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
+from ddpkit.distributed.environment import Environment, detect
+from ddpkit.distributed.launch import LaunchError, launch
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.evaluate import evaluate, predict, predict_to_file
-from ddpkit.runtime import Runtime, current, init
 from ddpkit.loop.streams import ShardError, Shards, read_tar
-from ddpkit._version import __version__
-
-from ddpkit.errors import install_excepthook as _install_excepthook
-
-_install_excepthook()   # an uncaught DdpkitError in a user script is one line, not a traceback
+from ddpkit.parallel.lazy_buffers import settle as sync_buffers
+from ddpkit.rng import sample_rng
+from ddpkit.runtime import Runtime, current, init
 
 __all__ = [
     "DdpkitError",

@@ -26,7 +26,8 @@ import inspect
 import textwrap
 import types
 import typing
-from typing import Any, Iterable, NoReturn
+from collections.abc import Iterable
+from typing import Any, NoReturn
 
 from ddpkit.errors import UsageError
 
@@ -54,9 +55,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -91,9 +96,11 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str
             elif field.default is False:
                 options["action"] = "store_true"
             else:
-                raise TypeError(f"{cls.__name__}.{field.name}: a switch needs the default False (or None "
-                                "for a --flag/--no-flag pair)")
-        elif kind is not str:                  # argparse's own default type: strings as given
+                raise TypeError(
+                    f"{cls.__name__}.{field.name}: a switch needs the default False (or None "
+                    "for a --flag/--no-flag pair)"
+                )
+        elif kind is not str:  # argparse's own default type: strings as given
             options["type"] = kind
         if required:
             options["required"] = True

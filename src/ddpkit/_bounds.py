@@ -31,10 +31,33 @@ import pickletools
 import zipfile
 from typing import IO, Any
 
-_ITEMSIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-             "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QInt8": 1, "QUInt8": 1,
-             "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1, "Untyped": 1, "Float8_e5m2": 1, "Float8_e4m3fn": 1,
-             "Float8_e5m2fnuz": 1, "Float8_e4m3fnuz": 1, "UInt16": 2, "UInt32": 4, "UInt64": 8}
+_ITEMSIZE = {
+    "Double": 8,
+    "Float": 4,
+    "Half": 2,
+    "BFloat16": 2,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "ComplexDouble": 16,
+    "ComplexFloat": 8,
+    "QInt8": 1,
+    "QUInt8": 1,
+    "QInt32": 4,
+    "QUInt4x2": 1,
+    "QUInt2x4": 1,
+    "Untyped": 1,
+    "Float8_e5m2": 1,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2fnuz": 1,
+    "Float8_e4m3fnuz": 1,
+    "UInt16": 2,
+    "UInt32": 4,
+    "UInt64": 8,
+}
 """Bytes per element of each ``torch.<Name>Storage`` a pickle may name."""
 
 
@@ -47,13 +70,13 @@ class _Stand:
 
     name = ""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Stand":
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Stand:
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> "_Stand":
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stand:
         return _Stand()
 
     def __setstate__(self, state: Any) -> None:
@@ -92,7 +115,7 @@ class _Declared(pickle.Unpickler):
 def _itemsize(name: str) -> int:
     """Bytes per element of the storage class (``torch.FloatStorage``) or dtype (``torch.float32``) named;
     1 where torch names something this module does not know (the bound is then the element count)."""
-    short = name[len("torch."):] if name.startswith("torch.") else ""
+    short = name[len("torch.") :] if name.startswith("torch.") else ""
     if short.endswith("Storage") and short[: -len("Storage")] in _ITEMSIZE:
         return _ITEMSIZE[short[: -len("Storage")]]
     import torch
@@ -145,10 +168,12 @@ def _check_open(handle: IO[bytes], where: Any) -> None:
     handle.seek(0)
     if not zipfile.is_zipfile(handle):
         if _legacy(head):
-            raise Disproportionate(f"{where} is in torch's legacy format (torch.save before 1.6, or "
-                                   "_use_new_zipfile_serialization=False), whose storages torch allocates before "
-                                   "reading them; load it with torch.load yourself and save it again")
-        return      # a damaged archive, or not a torch file at all: torch.load says which, allocating nothing
+            raise Disproportionate(
+                f"{where} is in torch's legacy format (torch.save before 1.6, or "
+                "_use_new_zipfile_serialization=False), whose storages torch allocates before "
+                "reading them; load it with torch.load yourself and save it again"
+            )
+        return  # a damaged archive, or not a torch file at all: torch.load says which, allocating nothing
     handle.seek(0)
     try:
         archive = zipfile.ZipFile(handle)
@@ -158,9 +183,11 @@ def _check_open(handle: IO[bytes], where: Any) -> None:
         records = {info.filename: info for info in archive.infolist()}
         for info in records.values():
             if info.compress_type != zipfile.ZIP_STORED:
-                raise Disproportionate(f"{where}: record {info.filename} is compressed ({info.file_size} bytes "
-                                       f"from {info.compress_size}); torch.save never compresses, so this file "
-                                       "was made to take more memory than it holds")
+                raise Disproportionate(
+                    f"{where}: record {info.filename} is compressed ({info.file_size} bytes "
+                    f"from {info.compress_size}); torch.save never compresses, so this file "
+                    "was made to take more memory than it holds"
+                )
         stored = sum(info.file_size for info in records.values())
         if stored > total:
             raise Disproportionate(f"{where}: its records declare {stored} bytes in a file of {total}")
@@ -173,15 +200,16 @@ def _check_open(handle: IO[bytes], where: Any) -> None:
             reader.load()
         except Disproportionate as exc:
             raise Disproportionate(f"{where}: {exc}") from None
-        except Exception as exc:       # noqa: BLE001 - a damaged pickle fails in many ways; torch says the rest
+        except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways; torch says the rest
             raise Disproportionate(f"{where}: its pickle is damaged ({type(exc).__name__})") from None
         for key, declared in reader.storages.items():
             record = records.get(f"{prefix}data/{key}")
             if record is None:
                 raise Disproportionate(f"{where}: storage {key} has no record")
             if declared > record.file_size:
-                raise Disproportionate(f"{where}: storage {key} declares {declared} bytes in a record of "
-                                       f"{record.file_size}")
+                raise Disproportionate(
+                    f"{where}: storage {key} declares {declared} bytes in a record of {record.file_size}"
+                )
 
 
 __all__ = ["Disproportionate", "check"]

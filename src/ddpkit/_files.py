@@ -15,8 +15,8 @@ import contextlib
 import hashlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def temp_path(path: Path, token: str | int | None = None) -> Path:

@@ -16,8 +16,11 @@ class PrivateApiChanged(Exception):
     """A private torch API that ddpkit relies on is missing or behaves differently."""
 
     def __init__(self, api: str, detail: str = ""):
-        super().__init__(f"torch {torch.__version__} changed the private API {api}"
-                         + (f" ({detail})" if detail else "") + "; ddpkit needs an update for this torch")
+        super().__init__(
+            f"torch {torch.__version__} changed the private API {api}"
+            + (f" ({detail})" if detail else "")
+            + "; ddpkit needs an update for this torch"
+        )
         self.api = api
 
 
@@ -148,8 +151,10 @@ def dcp_item_file(reader: Any, storage_index: Any) -> str:
     info = getattr(reader, "storage_data", {}).get(storage_index)
     path = getattr(info, "relative_path", None)
     if not isinstance(path, str):
-        raise PrivateApiChanged("torch.distributed.checkpoint.filesystem._StorageInfo.relative_path",
-                                f"storage_data[{storage_index!r}] is {info!r}")
+        raise PrivateApiChanged(
+            "torch.distributed.checkpoint.filesystem._StorageInfo.relative_path",
+            f"storage_data[{storage_index!r}] is {info!r}",
+        )
     return path
 
 
@@ -218,7 +223,7 @@ def use_env_rendezvous(handler: Any) -> None:
     """
     import importlib
 
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")   # the module: dist.rendezvous is a function
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module: dist.rendezvous is a function
     handlers = getattr(rendezvous, "_rendezvous_handlers", None)
     if not isinstance(handlers, dict) or "env" not in handlers:
         raise PrivateApiChanged("torch.distributed.rendezvous._rendezvous_handlers['env']")
@@ -240,8 +245,11 @@ TORCHFT_SEAMS: dict[str, tuple[str, str, str]] = {
     "ManagerServer": ("torchft.manager", "ManagerServer", "self._manager = ManagerServer("),
     "ManagerClient": ("torchft.manager", "ManagerClient", "ManagerClient("),
     "TCPStore": ("torchft.manager", "TCPStore", "self._store = TCPStore("),
-    "create_store_client": ("torchft.process_group", "create_store_client",
-                            "store = create_store_client(store_addr, timeout=self._timeout)"),
+    "create_store_client": (
+        "torchft.process_group",
+        "create_store_client",
+        "store = create_store_client(store_addr, timeout=self._timeout)",
+    ),
 }
 """The module globals of torchft that ddpkit replaces, each ``(module, name, how the code calls it)``.
 

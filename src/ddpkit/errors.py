@@ -17,8 +17,9 @@ class DdpkitError(Exception):
     exit_code = 1
 
 
-class UsageError(DdpkitError):
-    """Bad flags, paths or values given by the user (exit code 2, like argparse)."""
+class UsageError(DdpkitError, ValueError):
+    """Bad flags, paths or values given by the user (exit code 2, like argparse); a ``ValueError``,
+    as Python's own refusals of bad values are."""
 
     exit_code = 2
 
@@ -43,11 +44,15 @@ def refused(where: object, wanted: str | None, detail: str = "") -> UnsafeCheckp
     else (``detail``, its own words).
     """
     if wanted:
-        return UnsafeCheckpoint(f"checkpoint {where} wants {wanted}, which is not among what a checkpoint is "
-                                "made of; ddpkit refuses to unpickle it (it could run code)")
+        return UnsafeCheckpoint(
+            f"checkpoint {where} wants {wanted}, which is not among what a checkpoint is "
+            "made of; ddpkit refuses to unpickle it (it could run code)"
+        )
     said = f" ({one_line(detail)})" if detail else ""
-    return UnsafeCheckpoint(f"checkpoint {where} holds objects that are not plain tensors or containers{said}; "
-                            "ddpkit refuses to unpickle them (they could run code)")
+    return UnsafeCheckpoint(
+        f"checkpoint {where} holds objects that are not plain tensors or containers{said}; "
+        "ddpkit refuses to unpickle them (they could run code)"
+    )
 
 
 def refused_global(exc: BaseException) -> str | None:
@@ -86,47 +91,6 @@ def one_line(text: str, budget: int = 160) -> str:
     return kept
 
 
-def _is_file(stream) -> bool:  # type: ignore[no-untyped-def]
-    try:
-        stream.fileno()
-    except (OSError, ValueError, AttributeError):
-        return False           # io.StringIO and the like: not where the user would look
-    return True
-
-
-def install_excepthook() -> None:
-    """Report an uncaught :class:`DdpkitError` in a user script as one line, with its exit code.
-
-    Other exceptions keep the previous hook and their traceback. The process then ends as
-    :func:`ddpkit.entry.finish` ends it: threads joined, exit handlers run (the process group is
-    destroyed), open files flushed, and no interpreter teardown that gloo could abort.
-    """
-    import os
-    import sys
-
-    previous = sys.excepthook
-    if getattr(previous, "_ddpkit", False):
-        return
-
-    def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
-        if not isinstance(value, DdpkitError):
-            previous(kind, value, traceback)
-            return
-        # torch's init_process_group wraps this hook and points sys.stderr at a buffer it prints
-        # after the hook returns; this one never returns (os._exit), so write past the buffer.
-        stream = sys.stderr if _is_file(sys.stderr) else sys.__stderr__
-        rank = os.environ.get("RANK")
-        prefix = f"[rank{rank}]: " if rank is not None and stream is not sys.stderr else ""
-        stream.write(f"{prefix}ddpkit: error: {value}\n")
-        stream.flush()
-        from ddpkit.entry import finish
-
-        finish(value.exit_code)     # threads, atexit handlers, open files, then os._exit
-
-    hook._ddpkit = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside ddpkit: the user's line.
 
@@ -134,7 +98,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     names the script's line that led there, as a library's warning should; and a warning
     filter keyed on the user's module works.
     """
-    level, frame = 2, sys._getframe(1)     # level 2: the caller of warn
+    level, frame = 2, sys._getframe(1)  # level 2: the caller of warn
     while frame is not None and frame.f_code.co_filename.startswith(_PASSED):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

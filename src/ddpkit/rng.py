@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch

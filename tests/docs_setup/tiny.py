@@ -19,8 +19,9 @@ torch.manual_seed(0)
 
 class MyNet(nn.Sequential):
     def __init__(self) -> None:
-        super().__init__(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 8 * 8, 10))
+        super().__init__(
+            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 10)
+        )
 
 
 train_set = TensorDataset(torch.randn(96, 1, 8, 8), torch.randint(0, 10, (96,)))

@@ -13,11 +13,11 @@ import signal
 
 import torch
 import torch.nn.functional as F
+from toy_data import NoisyToy
 
 import ddpkit
 import ddpkit._torch
 import ddpkit.checkpoint
-from toy_data import NoisyToy
 
 
 def main() -> None:
@@ -32,21 +32,23 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = parser.parse_args()
 
-    rt = ddpkit.init(seed=4, checkpoint_dir=args.checkpoints, resume="auto", keep_checkpoints=2,
-                     precision=args.precision)
+    rt = ddpkit.init(
+        seed=4, checkpoint_dir=args.checkpoints, resume="auto", keep_checkpoints=2, precision=args.precision
+    )
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if args.kill_in_save and first_attempt and rt.rank == 0:
         real_replace = os.replace
 
-        def replace(src, dst):   # die after the temp file is written, before it is renamed
+        def replace(src, dst):  # die after the temp file is written, before it is renamed
             if str(dst).endswith(f"ckpt-step{args.kill_step:08d}.pt"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_replace(src, dst)
 
         ddpkit.checkpoint.pt.os.replace = replace
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                torch.nn.Linear(32, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 10)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
     loader = rt.loader(NoisyToy(), global_batch_size=8, shuffle=True)
@@ -55,7 +57,7 @@ def main() -> None:
         rt.print(f"resumed at step {rt.global_step}")
     started_at = rt.global_step
     while rt.global_step < args.steps:
-        for epoch in rt.epochs(rt.epoch + 1):
+        for _epoch in rt.epochs(rt.epoch + 1):
             for images, labels in loader:
                 with rt.autocast():
                     loss = F.cross_entropy(model(images), labels)

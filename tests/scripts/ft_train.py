@@ -35,21 +35,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=60)
     parser.add_argument("--kill", action="append", default=[], help="R:S, replica R dies after step S")
     parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--fail-once", type=int, default=None,
-                        help="every replica reports an error to torchft in step S, once: the step is redone")
+    parser.add_argument(
+        "--fail-once",
+        type=int,
+        default=None,
+        help="every replica reports an error to torchft in step S, once: the step is redone",
+    )
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a longer run)")
     args = parser.parse_args()
     kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
 
-    rt = ddpkit.init(seed=0, out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
-                     resume="auto", trackers=())
-    replica = rt.replica or 0            # which replica this is (None without --fault-tolerant)
+    rt = ddpkit.init(
+        seed=0, out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"), resume="auto", trackers=()
+    )
+    replica = rt.replica or 0  # which replica this is (None without --fault-tolerant)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     info = load_dataset("digits", "train")
     test = load_dataset("digits", "test")
     torch.manual_seed(0)
-    model = build_model("convnet", num_classes=info.num_classes, in_channels=info.in_channels,
-                        image_size=info.image_size)
+    model = build_model(
+        "convnet", num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
     loader = rt.loader(info.dataset, global_batch_size=args.batch, shuffle=True)
@@ -72,20 +78,25 @@ def main() -> None:
             loss = F.cross_entropy(model(images), labels)
             rt.backward(loss)
             if args.fail_once is not None and rt.global_step + 1 == args.fail_once and not failed:
-                failed = True                  # as if a collective of this step had failed
+                failed = True  # as if a collective of this step had failed
                 rt.run.ft.manager.report_error(RuntimeError("injected by ft_train.py"))
             if not rt.step(optimizer):
                 event(kind="redo", step=rt.global_step)
                 continue
-            event(kind="step", step=rt.global_step, epoch=rt.epoch, local=loader.local_count,
-                  total=loader.global_count)
+            event(kind="step", step=rt.global_step, epoch=rt.epoch, local=loader.local_count, total=loader.global_count)
             if attempt == 0 and replica in kills and rt.global_step >= kills[replica]:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.checkpoint_every and rt.global_step % args.checkpoint_every == 0:
                 rt.checkpoint(state)
         metrics = ddpkit.evaluate(model, test.dataset, num_classes=test.num_classes)
-        event(kind="eval", step=rt.global_step, epoch=epoch, count=metrics["count"], correct=metrics["correct"],
-              accuracy=metrics["accuracy"])
+        event(
+            kind="eval",
+            step=rt.global_step,
+            epoch=epoch,
+            count=metrics["count"],
+            correct=metrics["correct"],
+            accuracy=metrics["accuracy"],
+        )
     event(kind="end", step=rt.global_step)
     if rt.is_main:
         weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}

@@ -1,6 +1,6 @@
 """Each node's local rank 0 prepares a node-local file first; its peers must find it ready.
 
-    ddpkit run --nnodes 2 --node-rank R --master HOST:PORT -n 2 tests/scripts/node_local.py DIR
+ddpkit run --nnodes 2 --node-rank R --master HOST:PORT -n 2 tests/scripts/node_local.py DIR
 """
 
 import os
@@ -16,7 +16,7 @@ def main() -> None:
     marker = os.path.join(root, f"node{rt.node_rank}.ready")
     with rt.local_main_first():
         if rt.is_local_main:
-            time.sleep(1.0)                      # a slow preparation: peers must not run ahead
+            time.sleep(1.0)  # a slow preparation: peers must not run ahead
             with open(marker, "w") as handle:
                 handle.write(str(os.getpid()))
             prepared_by = "self"
@@ -25,8 +25,11 @@ def main() -> None:
                 raise RuntimeError(f"rank {rt.rank} ran before node {rt.node_rank} was prepared")
             prepared_by = "peer"
     total = rt.all_reduce(1)
-    rt.print(f"rank={rt.rank} node={rt.node_rank} local_rank={rt.local_rank} prepared_by={prepared_by} "
-             f"world_size={rt.world_size} seen={int(total)}", all_ranks=True)
+    rt.print(
+        f"rank={rt.rank} node={rt.node_rank} local_rank={rt.local_rank} prepared_by={prepared_by} "
+        f"world_size={rt.world_size} seen={int(total)}",
+        all_ranks=True,
+    )
 
 
 if __name__ == "__main__":

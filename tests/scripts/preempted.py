@@ -33,8 +33,9 @@ def main() -> None:
 
     rt = ddpkit.init(seed=3, checkpoint_dir=args.checkpoints, resume="auto", trackers=())
     generator = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(40, 16, generator=generator),
-                                          torch.randint(0, 4, (40,), generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(40, 16, generator=generator), torch.randint(0, 4, (40,), generator=generator)
+    )
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = rt.setup(model, optimizer)
@@ -46,7 +47,7 @@ def main() -> None:
     if args.again_in_save or args.kill_in_save:
         real_replace = os.replace
 
-        def replace(src, dst):          # the preempted save's file is written, not yet renamed
+        def replace(src, dst):  # the preempted save's file is written, not yet renamed
             if rt.preempted and str(dst).endswith(".pt"):
                 os.kill(os.getpid(), signal.SIGKILL if args.kill_in_save else signal.SIGTERM)
             return real_replace(src, dst)
@@ -60,7 +61,7 @@ def main() -> None:
                 if not resumed and rt.global_step == args.signal_step:
                     os.kill(os.getpid(), signal.SIGTERM)
                 if rt.preempted or rt.global_step % 4 == 0:
-                    rt.checkpoint(state)          # preempted: saves, then exits 75
+                    rt.checkpoint(state)  # preempted: saves, then exits 75
                 if rt.global_step == args.steps:
                     break
     torch.save({k: v.clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}, args.result)

@@ -4,5 +4,8 @@ import os
 
 import torch
 
-print(f"rank {os.environ['RANK']} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
-      f"torch_threads={torch.get_num_threads()}", flush=True)
+print(
+    f"rank {os.environ['RANK']} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+    f"torch_threads={torch.get_num_threads()}",
+    flush=True,
+)

@@ -15,10 +15,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from toy_data import NoisyToy
 
 import ddpkit
 import ddpkit._torch
-from toy_data import NoisyToy
 
 
 def main() -> None:
@@ -33,8 +33,15 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
 
-    rt = ddpkit.init(seed=4, out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"),
-                     resume="auto", trackers=args.trackers, run_name="tracked", config={"lr": 0.1})
+    rt = ddpkit.init(
+        seed=4,
+        out_dir=args.out,
+        checkpoint_dir=os.path.join(args.out, "checkpoints"),
+        resume="auto",
+        trackers=args.trackers,
+        run_name="tracked",
+        config={"lr": 0.1},
+    )
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -42,8 +49,11 @@ def main() -> None:
     loader = rt.loader(NoisyToy(), global_batch_size=8, shuffle=True)
     state = {"model": model, "optimizer": optimizer}
     resumed = rt.resume(state)
-    print(f"rank {rt.rank} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} starts at step "
-          f"{rt.global_step} (resumed: {resumed is not None})", flush=True)
+    print(
+        f"rank {rt.rank} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} starts at step "
+        f"{rt.global_step} (resumed: {resumed is not None})",
+        flush=True,
+    )
     while rt.global_step < args.steps:
         for epoch in rt.epochs(rt.epoch + 1):
             for images, labels in loader:
@@ -56,7 +66,7 @@ def main() -> None:
                     time.sleep(args.kill_delay)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if rt.preempted or rt.global_step % args.every == 0:
-                    rt.checkpoint(state)          # preempted: saves, then exits 75
+                    rt.checkpoint(state)  # preempted: saves, then exits 75
                 if rt.global_step == args.steps:
                     break
     if rt.is_main:

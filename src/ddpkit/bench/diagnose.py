@@ -14,17 +14,18 @@ A fix is named only where the arithmetic predicts a gain, and with the samples/s
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ddpkit.bench.wire import bus_bytes
 
 # Diagnosis thresholds: shares of the mean step time, gains, and samples per process.
-DATA_SHARE = 0.15      # data loading this large is worth workers or a faster source
-COMM_SHARE = 0.25      # a gradient exchange costing this much of the step bounds it
-LINK_SHARE = 0.10      # below this share of the step on the wire, fewer bytes cannot help: no compression
-MIN_GAIN = 1.10        # a fix is named where it predicts at least this many times the samples/s
-LOW_OVERLAP = 0.25     # hiding less than this of what backward could cover is named
-SMALL_BATCH = 32       # below this, per-step fixed costs (Python, launches, latency) dominate
+DATA_SHARE = 0.15  # data loading this large is worth workers or a faster source
+COMM_SHARE = 0.25  # a gradient exchange costing this much of the step bounds it
+LINK_SHARE = 0.10  # below this share of the step on the wire, fewer bytes cannot help: no compression
+MIN_GAIN = 1.10  # a fix is named where it predicts at least this many times the samples/s
+LOW_OVERLAP = 0.25  # hiding less than this of what backward could cover is named
+SMALL_BATCH = 32  # below this, per-step fixed costs (Python, launches, latency) dominate
 VERIFY_TOLERANCE = 0.30
 """A measured fix more than this far from its prediction (relative) is flagged as a diagnosis error."""
 
@@ -45,10 +46,15 @@ def exchange(row: Mapping[str, Any]) -> dict[str, Any] | None:
     exposed = comm.get("exposed_seconds")
     lost = min(step, sum(parts.values()) if exposed is None else exposed)
     own = parts["link"] + parts["latency"]
-    return {**parts, "lost": lost, "compute": max(step - lost, 1e-9), "step": step,
-            # what of the exchange's own time (not the wait) the step did not hide
-            "exposed_share": min(1.0, max(0.0, lost - parts["wait"]) / own) if own > 0 else 1.0,
-            "cause": max(parts, key=parts.get)}
+    return {
+        **parts,
+        "lost": lost,
+        "compute": max(step - lost, 1e-9),
+        "step": step,
+        # what of the exchange's own time (not the wait) the step did not hide
+        "exposed_share": min(1.0, max(0.0, lost - parts["wait"]) / own) if own > 0 else 1.0,
+        "cause": max(parts, key=parts.get),
+    }
 
 
 def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
@@ -67,25 +73,34 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
     if part is None:
         return []
     rate, step, comm = row["samples_per_second"], part["step"], row["comm"]
-    synced = comm.get("sync_batchnorm_seconds") or 0.0       # SyncBatchNorm's collectives, inside the phases
+    synced = comm.get("sync_batchnorm_seconds") or 0.0  # SyncBatchNorm's collectives, inside the phases
     if (part["lost"] + synced) / step < COMM_SHARE:
         return []
     found = []
     link = comm.get("link_bytes_per_s")
-    exact = bool(row.get("micro_shards"))      # compression and infrequent syncs do not combine with it
+    exact = bool(row.get("micro_shards"))  # compression and infrequent syncs do not combine with it
     if part["cause"] == "link" and link and part["link"] / step >= LINK_SHARE and not exact:
         world = row.get("world_size") or row["nproc"] * (row.get("hosts") or 1)
         per_call = comm.get("latency_per_call_s") or 0.0
         calls = comm.get("calls_per_step") or 1
         current = row.get("grad_compression") or "none"
-        for choice, sent in (("powersgd", comm.get("powersgd_bytes_per_step")), ("fp16", comm["grad_bytes_per_step"] / 2)):
+        for choice, sent in (
+            ("powersgd", comm.get("powersgd_bytes_per_step")),
+            ("fp16", comm["grad_bytes_per_step"] / 2),
+        ):
             if choice == current or not sent or sent >= (row.get("payload_bytes_per_step") or 0):
                 continue
             new_calls = calls * (2 if choice == "powersgd" and current != "powersgd" else 1)
             own = bus_bytes(sent, world) / link + new_calls * per_call
             predicted = rate * step / (part["compute"] + part["wait"] + own * part["exposed_share"])
-            found.append({"change": f"grad_compression='{choice}'", "grad_compression": choice,
-                          "sends_bytes": sent, "predicted_samples_per_second": predicted})
+            found.append(
+                {
+                    "change": f"grad_compression='{choice}'",
+                    "grad_compression": choice,
+                    "sends_bytes": sent,
+                    "predicted_samples_per_second": predicted,
+                }
+            )
     if part["cause"] == "link" and link and row.get("sync", "every-step") == "every-step" and not exact:
         found += _infrequent(row, part, link, found)
     # twice the samples: the data doubles, the forward and backward compute grow by what the bench
@@ -96,8 +111,13 @@ def recommendations(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] =
     compute = max(0.0, phases["forward"] + phases["backward"] - part["lost"] - synced)
     scaling = phases["data_wait"] + compute * growth
     predicted = rate * 2 * step / (step + scaling)
-    found.append({"change": "a 2x per-process batch or accumulating 2 micro-batches", "batch_factor": 2,
-                  "predicted_samples_per_second": predicted})
+    found.append(
+        {
+            "change": "a 2x per-process batch or accumulating 2 micro-batches",
+            "batch_factor": 2,
+            "predicted_samples_per_second": predicted,
+        }
+    )
     found = [f for f in found if f["predicted_samples_per_second"] >= MIN_GAIN * rate]
     for fix in found:
         peer = _measured(row, fix, peers)
@@ -111,8 +131,9 @@ DILOCO_PERIODS = (10, 50, 100, 200, 500)
 most a tenth of the compute of its period."""
 
 
-def _infrequent(row: Mapping[str, Any], part: Mapping[str, Any], link: float,
-                compressions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _infrequent(
+    row: Mapping[str, Any], part: Mapping[str, Any], link: float, compressions: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
     """DiLoCo where even PowerSGD leaves the link a quarter of the step: the whole exchange once a period.
 
     A sync sends every weight once (bytes / link speed, and one call); spread over ``H`` steps it
@@ -121,7 +142,7 @@ def _infrequent(row: Mapping[str, Any], part: Mapping[str, Any], link: float,
     comm = row["comm"]
     world = row.get("world_size") or row["nproc"] * (row.get("hosts") or 1)
     per_call = comm.get("latency_per_call_s") or 0.0
-    if row.get("grad_compression") == "powersgd":    # does PowerSGD leave the link a quarter of the step?
+    if row.get("grad_compression") == "powersgd":  # does PowerSGD leave the link a quarter of the step?
         wire = part["link"] + part["latency"]
         step_with = part["step"]
     else:
@@ -136,32 +157,51 @@ def _infrequent(row: Mapping[str, Any], part: Mapping[str, Any], link: float,
     compute = part["compute"]
     every = next((h for h in DILOCO_PERIODS if sync / h <= 0.1 * compute), DILOCO_PERIODS[-1])
     predicted = row["samples_per_second"] * part["step"] / (compute + sync / every)
-    return [{"change": f"sync='diloco', sync_every={every} (every weight once a period)", "sync": "diloco",
-             "sync_every": every, "predicted_samples_per_second": predicted}]
+    return [
+        {
+            "change": f"sync='diloco', sync_every={every} (every weight once a period)",
+            "sync": "diloco",
+            "sync_every": every,
+            "predicted_samples_per_second": predicted,
+        }
+    ]
 
 
 def _measured(row: Mapping[str, Any], fix: Mapping[str, Any], peers: Sequence[Mapping[str, Any]]) -> Any:
     """The row of ``peers`` that already ran ``fix`` of ``row`` (same mode, processes, hosts, precision)."""
-    if "sync" in fix:            # the same infrequent sync at the same period, uncompressed
+    if "sync" in fix:  # the same infrequent sync at the same period, uncompressed
         wanted = {"sync": fix["sync"], "sync_every": fix["sync_every"], "grad_compression": "none"}
     elif fix.get("grad_compression"):
         wanted = {"grad_compression": fix["grad_compression"], "sync": row.get("sync", "every-step")}
     else:
         return None
-    return next((p for p in peers if p is not row and p.get("applicable", True) and p.get("samples_per_second")
-                 and all(p.get(k, "every-step" if k == "sync" else None) == v for k, v in wanted.items())
-                 and all(p.get(k) == row.get(k)
-                         for k in ("mode", "nproc", "hosts", "link_mbit", "precision", "data_format", "sync_bn",
-                                   "micro_shards"))),
-                None)
+    return next(
+        (
+            p
+            for p in peers
+            if p is not row
+            and p.get("applicable", True)
+            and p.get("samples_per_second")
+            and all(p.get(k, "every-step" if k == "sync" else None) == v for k, v in wanted.items())
+            and all(
+                p.get(k) == row.get(k)
+                for k in ("mode", "nproc", "hosts", "link_mbit", "precision", "data_format", "sync_bn", "micro_shards")
+            )
+        ),
+        None,
+    )
 
 
 def checked(fix: Mapping[str, Any], measured: float) -> dict[str, Any]:
     """``fix`` with what running it measured, its error and whether that is a diagnosis error."""
     predicted = fix["predicted_samples_per_second"]
     error = measured / predicted - 1.0
-    return {**fix, "measured_samples_per_second": measured, "error": error,
-            "diagnosis_error": abs(error) > VERIFY_TOLERANCE}
+    return {
+        **fix,
+        "measured_samples_per_second": measured,
+        "error": error,
+        "diagnosis_error": abs(error) > VERIFY_TOLERANCE,
+    }
 
 
 def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -173,22 +213,31 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
     slow = precision_note(row["precision"], row["device"])
     step, phases = row["mean_step_seconds"], row["breakdown"]
     threads, cores = row["threads_per_process"], row["cores"]
-    nproc = row["nproc"] * (row.get("hosts") or 1)      # simulated hosts share this machine's cores
+    nproc = row["nproc"] * (row.get("hosts") or 1)  # simulated hosts share this machine's cores
     found = []
     if row["device"] == "cpu" and cores and nproc * threads > cores:
-        fix = (f"OMP_NUM_THREADS={cores // nproc} would fit" if nproc <= cores
-               else f"more processes than cores: use at most {cores} per node")
+        fix = (
+            f"OMP_NUM_THREADS={cores // nproc} would fit"
+            if nproc <= cores
+            else f"more processes than cores: use at most {cores} per node"
+        )
         found.append(f"CPU threads oversubscribed ({nproc} process(es) x {threads} threads on {cores} cores; {fix})")
     part = exchange(row)
     comm = row.get("comm") or {}
     synced = comm.get("sync_batchnorm_seconds") or 0.0
     if synced / step >= COMM_SHARE:
         batch = [f for f in recommendations(row, peers) if "batch_factor" in f]
-        tip = f" ({batch[0]['change']}: expect ~{batch[0]['predicted_samples_per_second']:.0f} samples/s)" if batch else ""
-        found.append(f"SyncBatchNorm's collectives ({comm['sync_batchnorm_calls']} a step, 2 per layer: "
-                     f"{synced * 1e3:.2f} ms = {synced / step:.0%} of the step, every rank waiting for the slowest "
-                     f"at each layer); what helps: fewer, larger steps{tip}; sync_batchnorm=False (--no-sync-bn) "
-                     "where a result that depends on the number of processes is acceptable")
+        tip = (
+            f" ({batch[0]['change']}: expect ~{batch[0]['predicted_samples_per_second']:.0f} samples/s)"
+            if batch
+            else ""
+        )
+        found.append(
+            f"SyncBatchNorm's collectives ({comm['sync_batchnorm_calls']} a step, 2 per layer: "
+            f"{synced * 1e3:.2f} ms = {synced / step:.0%} of the step, every rank waiting for the slowest "
+            f"at each layer); what helps: fewer, larger steps{tip}; sync_batchnorm=False (--no-sync-bn) "
+            "where a result that depends on the number of processes is acceptable"
+        )
     bound = part is not None and part["lost"] / step >= COMM_SHARE
     if bound:
         found.append(_exchange_bound(row, part, recommendations(row, peers)))
@@ -204,8 +253,10 @@ def diagnose(row: Mapping[str, Any], peers: Sequence[Mapping[str, Any]] = ()) ->
     if part is not None and not bound:
         line += f"; gradient exchange {_parts(row, part)}"
     if comm.get("sync_batchnorm_calls") and synced / step < COMM_SHARE:
-        line += (f"; SyncBatchNorm's {comm['sync_batchnorm_calls']} collectives a step (2 per layer) take "
-                 f"{synced * 1e3:.2f} ms = {synced / step:.0%} of it, waiting for the other ranks included")
+        line += (
+            f"; SyncBatchNorm's {comm['sync_batchnorm_calls']} collectives a step (2 per layer) take "
+            f"{synced * 1e3:.2f} ms = {synced / step:.0%} of it, waiting for the other ranks included"
+        )
     return f"{slow}; {line}" if slow else line
 
 
@@ -221,10 +272,13 @@ def _parts(row: Mapping[str, Any], part: Mapping[str, Any]) -> str:
     else:
         what = f"{payload / 1e6:.2f} MB of gradients"
     speed = comm.get("link_bytes_per_s")
-    text = (f"{part['lost'] * 1e3:.2f} ms = {part['lost'] / part['step']:.0%} of the step ({what} on the link "
-            f"{part['link'] * 1e3:.2f} ms" + (f" at {speed / 1e6:.1f} MB/s" if speed else "")
-            + f", {comm.get('calls_per_step') or 1} call(s) {part['latency'] * 1e3:.2f} ms, waiting "
-            f"{part['wait'] * 1e3:.2f} ms)")
+    text = (
+        f"{part['lost'] * 1e3:.2f} ms = {part['lost'] / part['step']:.0%} of the step ({what} on the link "
+        f"{part['link'] * 1e3:.2f} ms"
+        + (f" at {speed / 1e6:.1f} MB/s" if speed else "")
+        + f", {comm.get('calls_per_step') or 1} call(s) {part['latency'] * 1e3:.2f} ms, waiting "
+        f"{part['wait'] * 1e3:.2f} ms)"
+    )
     overlap = row.get("comm_overlap")
     if overlap is not None:
         text += f", {overlap:.0%} of the exchange hidden behind the backward pass"
@@ -234,35 +288,46 @@ def _parts(row: Mapping[str, Any], part: Mapping[str, Any]) -> str:
 def _exchange_bound(row: Mapping[str, Any], part: Mapping[str, Any], fixes: Sequence[Mapping[str, Any]]) -> str:
     """The bound's phrase for a row whose gradient exchange costs it a real share of the step."""
     nproc, threads, cores = row["nproc"] * (row.get("hosts") or 1), row["threads_per_process"], row["cores"]
-    tips = [f"{f['change']}" + (f" ({f['sends_bytes'] / 1e6:.2f} MB per step)" if f.get("sends_bytes") else "")
-            + f": expect ~{f['predicted_samples_per_second']:.0f} samples/s"
-            + (f" (measured {f['measured_samples_per_second']:.0f} here)" if "measured_samples_per_second" in f else "")
-            for f in fixes]
+    tips = [
+        f"{f['change']}"
+        + (f" ({f['sends_bytes'] / 1e6:.2f} MB per step)" if f.get("sends_bytes") else "")
+        + f": expect ~{f['predicted_samples_per_second']:.0f} samples/s"
+        + (f" (measured {f['measured_samples_per_second']:.0f} here)" if "measured_samples_per_second" in f else "")
+        for f in fixes
+    ]
     if part["cause"] == "link":
         text = f"the link ({_parts(row, part)})"
         comm = row["comm"]
         of_possible = comm.get("overlap_of_possible")
         if of_possible is not None and of_possible < LOW_OVERLAP:
             # with every core computing, gloo's transfers take turns with the backward: no layout helps
-            why = (f"on CPU, gloo's transfers compete with the backward pass for cores that {nproc} "
-                   f"process(es) x {threads} thread(s) already fill, as they would in any loop"
-                   if row["device"] == "cpu" and cores and nproc * threads >= cores
-                   else "gradient buckets reduced first-layers-first wait for the whole backward")
+            why = (
+                f"on CPU, gloo's transfers compete with the backward pass for cores that {nproc} "
+                f"process(es) x {threads} thread(s) already fill, as they would in any loop"
+                if row["device"] == "cpu" and cores and nproc * threads >= cores
+                else "gradient buckets reduced first-layers-first wait for the whole backward"
+            )
             text += f"; the exchange hid only {of_possible:.0%} of what the backward pass could cover ({why})"
         return text + (f"; try {'; '.join(tips)}" if tips else "")
     crowded = row["device"] == "cpu" and cores and nproc * threads >= cores
     helps = ["fewer, larger steps" + (f" ({tips[0]})" if tips else "")]
     if part["cause"] == "wait":
         skew = row["comm"].get("skew_s") or 0.0
-        text = (f"waiting for the slowest rank or a busy core ({part['wait'] * 1e3:.2f} ms a step; ranks end "
-                f"their forward pass {skew * 1e3:.2f} ms apart on average; exchange {_parts(row, part)})")
+        text = (
+            f"waiting for the slowest rank or a busy core ({part['wait'] * 1e3:.2f} ms a step; ranks end "
+            f"their forward pass {skew * 1e3:.2f} ms apart on average; exchange {_parts(row, part)})"
+        )
         if crowded:
-            helps.append(f"fewer processes than cores ({nproc} process(es) x {threads} thread(s) fill {cores} "
-                         "cores, so a pause on one core stalls every rank)")
+            helps.append(
+                f"fewer processes than cores ({nproc} process(es) x {threads} thread(s) fill {cores} "
+                "cores, so a pause on one core stalls every rank)"
+            )
         helps.append("pinning each process's threads to cores of its own (taskset, OMP_PROC_BIND=close)")
     else:
-        text = (f"per-call latency ({row['comm'].get('calls_per_step') or 1} collective call(s) a step at "
-                f"{row['comm']['latency_per_call_s'] * 1e3:.2f} ms each; exchange {_parts(row, part)})")
+        text = (
+            f"per-call latency ({row['comm'].get('calls_per_step') or 1} collective call(s) a step at "
+            f"{row['comm']['latency_per_call_s'] * 1e3:.2f} ms each; exchange {_parts(row, part)})"
+        )
         if crowded:
             helps.append(f"fewer processes than cores ({nproc} process(es) x {threads} thread(s) fill {cores} cores)")
     return f"{text}; what helps: {', '.join(helps)}"
@@ -289,12 +354,16 @@ def precision_note(precision: str, device: str, flags: set[str] | None = None) -
     if device == "cpu" and precision == "bf16":
         flags = cpu_flags() if flags is None else flags
         if not flags & {"avx512_bf16", "amx_bf16"}:
-            return ("bf16 is not accelerated on this CPU (no AVX512-BF16 or AMX flag): autocast only adds "
-                    "conversions, so expect it slower than fp32 here; CPUs with AMX (Xeon Sapphire Rapids "
-                    "and later) or GPUs with bf16 tensor cores (Ampere and later) run it faster")
+            return (
+                "bf16 is not accelerated on this CPU (no AVX512-BF16 or AMX flag): autocast only adds "
+                "conversions, so expect it slower than fp32 here; CPUs with AMX (Xeon Sapphire Rapids "
+                "and later) or GPUs with bf16 tensor cores (Ampere and later) run it faster"
+            )
     if device == "cpu" and precision == "fp16":
-        return ("fp16 is not accelerated on a CPU: expect it slower than fp32 here; GPUs with tensor "
-                "cores run it 2x or more faster")
+        return (
+            "fp16 is not accelerated on a CPU: expect it slower than fp32 here; GPUs with tensor "
+            "cores run it 2x or more faster"
+        )
     if device == "cuda" and precision == "bf16":
         import torch
 
@@ -303,11 +372,16 @@ def precision_note(precision: str, device: str, flags: set[str] | None = None) -
     return None
 
 
-_BOUNDS = (("bound by CPU threads", "thread-bound"), ("bound by SyncBatchNorm", "syncbn-bound"),
-           ("bound by the link", "link-bound"),
-           ("bound by waiting", "wait-bound"), ("bound by per-call latency", "latency-bound"),
-           ("bound by data loading", "data-bound"), ("bound by too-small", "overhead-bound"),
-           ("bound by compute", "compute-bound"))
+_BOUNDS = (
+    ("bound by CPU threads", "thread-bound"),
+    ("bound by SyncBatchNorm", "syncbn-bound"),
+    ("bound by the link", "link-bound"),
+    ("bound by waiting", "wait-bound"),
+    ("bound by per-call latency", "latency-bound"),
+    ("bound by data loading", "data-bound"),
+    ("bound by too-small", "overhead-bound"),
+    ("bound by compute", "compute-bound"),
+)
 
 
 def bound_word(diagnosis: str) -> str:

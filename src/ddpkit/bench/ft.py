@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ddpkit._files import write_text_atomic
-from ddpkit.dist import ft
+from ddpkit.distributed import ft
 
 TIMED = {"wall_s": 0.0, "samples_per_s": 0.0, "weights_rel_diff": 0.0, "samples_per_s_lost": 0.0}
 """The keys :func:`run` adds to each run's :func:`measure` (docs/reference/outputs.md lists them all)."""
@@ -48,10 +48,30 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
     out.mkdir(parents=True)
     n = settings.nproc[0]
     hosts = settings.hosts[0] if settings.hosts else 1
-    worker = ["-m", "ddpkit.bench.ft_worker", "--out", str(out), "--model", settings.model, "--data", settings.data,
-              "--batch", str(settings.batch * n * hosts), "--steps", str(settings.steps), "--seed", str(settings.seed),
-              "--lr", str(settings.lr), "--momentum", str(settings.momentum), "--kill-who", str(KILLED),
-              "--min-step-s", str(settings.min_step_s)]
+    worker = [
+        "-m",
+        "ddpkit.bench.ft_worker",
+        "--out",
+        str(out),
+        "--model",
+        settings.model,
+        "--data",
+        settings.data,
+        "--batch",
+        str(settings.batch * n * hosts),
+        "--steps",
+        str(settings.steps),
+        "--seed",
+        str(settings.seed),
+        "--lr",
+        str(settings.lr),
+        "--momentum",
+        str(settings.momentum),
+        "--kill-who",
+        str(KILLED),
+        "--min-step-s",
+        str(settings.min_step_s),
+    ]
     if kill:
         worker += ["--kill-at", str(settings.kill_at)]
     if kind == "restart-all":
@@ -62,12 +82,17 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
     if hosts > 1:
         return _launch_on_hosts(kind, settings, out, [*launcher, *worker], hosts)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ddpkit", *launcher, *worker], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpkit", *launcher, *worker],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        raise RuntimeError(f"bench --fault-tolerant: the {kind} run failed (exit {done.returncode}):\n"
-                           + done.stderr[-3000:])
+        raise RuntimeError(
+            f"bench --fault-tolerant: the {kind} run failed (exit {done.returncode}):\n" + done.stderr[-3000:]
+        )
     return seconds
 
 
@@ -76,13 +101,13 @@ def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], ho
     each on a link of ``--link-mbit``; node 0's address is the master. Its wall time in seconds."""
     from ddpkit.bench import netsim
     from ddpkit.bench.run import HOST_PORT
-    from ddpkit.dist.host import usable_cores
+    from ddpkit.distributed.host import usable_cores
 
     env = {"PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
-    if "OMP_NUM_THREADS" not in os.environ:      # the hosts share this machine's cores
+    if "OMP_NUM_THREADS" not in os.environ:  # the hosts share this machine's cores
         env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (hosts * settings.nproc[0])))
-    launcher, worker = command[:command.index("-m")], command[command.index("-m"):]
-    if "--fault-tolerant" in launcher:        # the job's secret, the same file on every host
+    launcher, worker = command[: command.index("-m")], command[command.index("-m") :]
+    if "--fault-tolerant" in launcher:  # the job's secret, the same file on every host
         secret = out / "secret"
         ft.write_secret(str(secret))
         launcher += ["--secret-file", str(secret)]
@@ -90,18 +115,37 @@ def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], ho
         master = f"{sim.addresses[0]}:{HOST_PORT}"
         logs = [open(out / f"node{host}.log", "w") for host in range(hosts)]
         started = time.perf_counter()
-        nodes = [sim.popen(host, [sys.executable, "-m", "ddpkit", *launcher, "--nnodes", str(hosts), "--node-rank",
-                                  str(host), "--master", master, *worker], env=env, stdout=logs[host],
-                           stderr=subprocess.STDOUT)
-                 for host in range(hosts)]
+        nodes = [
+            sim.popen(
+                host,
+                [
+                    sys.executable,
+                    "-m",
+                    "ddpkit",
+                    *launcher,
+                    "--nnodes",
+                    str(hosts),
+                    "--node-rank",
+                    str(host),
+                    "--master",
+                    master,
+                    *worker,
+                ],
+                env=env,
+                stdout=logs[host],
+                stderr=subprocess.STDOUT,
+            )
+            for host in range(hosts)
+        ]
         codes = [node.wait() for node in nodes]
         seconds = time.perf_counter() - started
         for log in logs:
             log.close()
     if any(codes):
         tail = "\n".join((out / f"node{host}.log").read_text()[-1500:] for host, code in enumerate(codes) if code)
-        raise RuntimeError(f"bench --fault-tolerant: the {kind} run failed on {hosts} hosts (exit codes {codes}):\n"
-                           + tail)
+        raise RuntimeError(
+            f"bench --fault-tolerant: the {kind} run failed on {hosts} hosts (exit codes {codes}):\n" + tail
+        )
     return seconds
 
 
@@ -132,8 +176,11 @@ def measure(events: list[dict[str, Any]], kill_at: int | None) -> dict[str, Any]
     victim = [row for row in steps if row["who"] == KILLED and row["attempt"] == 0]
     died_step = max(row["step"] for row in victim)
     died = max(row["t"] for row in victim)
-    later = [row["t"] for row in steps if row["step"] > died_step and row["t"] > died
-             and not (row["who"] == KILLED and row["attempt"] == 0)]
+    later = [
+        row["t"]
+        for row in steps
+        if row["step"] > died_step and row["t"] > died and not (row["who"] == KILLED and row["attempt"] == 0)
+    ]
     found["killed_after_step"] = died_step
     found["recovery_s"] = round(min(later) - died, 3) if later else None
     back = [row for row in events if row["who"] == KILLED and row["attempt"] == 1]
@@ -154,7 +201,7 @@ def run(settings: Any) -> dict[str, Any]:
         from ddpkit.bench import netsim
 
         netsim.check_available()
-        netsim.remove_leftovers()        # of a bench killed before it could clean up (SIGKILL)
+        netsim.remove_leftovers()  # of a bench killed before it could clean up (SIGKILL)
     rows: dict[str, Any] = {}
     for kind, kill in (("uninterrupted", False), ("fault-tolerant", True), ("restart-all", True)):
         where = out / kind
@@ -171,21 +218,39 @@ def run(settings: Any) -> dict[str, Any]:
     base = rows["uninterrupted"]["samples_per_s"]
     for kind in rows:
         rows[kind]["samples_per_s_lost"] = round(base - rows[kind]["samples_per_s"], 1)
-    report = {"model": settings.model, "data": settings.data, "replicas": settings.nproc[0] * hosts,
-              "hosts": hosts if settings.hosts else None, "link_mbit": settings.link_mbit if settings.hosts else None,
-              "global_batch": settings.batch * settings.nproc[0] * hosts, "steps": settings.steps,
-              "kill_at": settings.kill_at, "checkpoint_every": settings.checkpoint_every,
-              "min_step_s": settings.min_step_s, "runs": rows}
+    report = {
+        "model": settings.model,
+        "data": settings.data,
+        "replicas": settings.nproc[0] * hosts,
+        "hosts": hosts if settings.hosts else None,
+        "link_mbit": settings.link_mbit if settings.hosts else None,
+        "global_batch": settings.batch * settings.nproc[0] * hosts,
+        "steps": settings.steps,
+        "kill_at": settings.kill_at,
+        "checkpoint_every": settings.checkpoint_every,
+        "min_step_s": settings.min_step_s,
+        "runs": rows,
+    }
     return report
 
 
 def table(report: dict[str, Any]) -> str:
     """The report as a markdown table."""
-    lines = ["| run | wall s | samples/s | lost samples/s | recovery s | heal s | steps twice | weights rel diff |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | wall s | samples/s | lost samples/s | recovery s | heal s | steps twice | weights rel diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for kind, row in report["runs"].items():
-        cells = [kind, row["wall_s"], row["samples_per_s"], row["samples_per_s_lost"], row.get("recovery_s", "-"),
-                 row.get("heal_s", "-"), row.get("steps_trained_twice", "-"), f"{row['weights_rel_diff']:.1e}"]
+        cells = [
+            kind,
+            row["wall_s"],
+            row["samples_per_s"],
+            row["samples_per_s_lost"],
+            row.get("recovery_s", "-"),
+            row.get("heal_s", "-"),
+            row.get("steps_trained_twice", "-"),
+            f"{row['weights_rel_diff']:.1e}",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -40,18 +40,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-who", type=int, default=1)
     parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--min-step-s", type=float, default=0.0,
-                        help="sleep out each step to at least this long (a larger model's step)")
+    parser.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="sleep out each step to at least this long (a larger model's step)",
+    )
     opts = parser.parse_args(argv)
 
-    rt = ddpkit.init(seed=opts.seed, out_dir=opts.out, checkpoint_dir=os.path.join(opts.out, "checkpoints"),
-                     resume="auto", trackers=())
+    rt = ddpkit.init(
+        seed=opts.seed,
+        out_dir=opts.out,
+        checkpoint_dir=os.path.join(opts.out, "checkpoints"),
+        resume="auto",
+        trackers=(),
+    )
     me = int(os.environ.get("DDPKIT_FT_REPLICA", rt.rank))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     info = bench_dataset(opts.data, opts.batch, opts.model)
     torch.manual_seed(opts.seed)
-    model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                        image_size=info.image_size)
+    model = build_model(
+        opts.model, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
     model, optimizer = rt.setup(model, optimizer, sync_batchnorm=rt.run.ft is None and rt.world_size > 1)
     loader = rt.loader(info.dataset, global_batch_size=opts.batch, shuffle=True)
@@ -89,8 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                     break
     event(kind="end", step=rt.global_step)
     if rt.is_main:
-        torch.save({k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()},
-                   os.path.join(opts.out, "weights.pt"))
+        torch.save(
+            {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()},
+            os.path.join(opts.out, "weights.pt"),
+        )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ following steps carry on; in float64 those runs agree to 1e-14 (``tests/test_inv
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -62,24 +63,28 @@ def opening_line(rows: Sequence[Mapping[str, Any]], hand_written: float, nproc: 
     hand-written loop's, then each bf16 row's within :data:`BF16_TOLERANCE`."""
     ddp = next(r for r in rows if r["mode"] == "ddp" and r["precision"] == "fp32")
     ours = ddp["max_rel_diff_vs_single"]
-    seeds = (f"hand-written DDP with DistributedSampler and the per-process batch ends {hand_written:.0e} away")
+    seeds = f"hand-written DDP with DistributedSampler and the per-process batch ends {hand_written:.0e} away"
     if ours == 0:
-        said = [f"DDP x{nproc} ends at the same weights as one process, bit for bit (max relative difference 0); "
-                f"{seeds}."]
+        said = [
+            f"DDP x{nproc} ends at the same weights as one process, bit for bit (max relative difference 0); {seeds}."
+        ]
     elif ours <= SAME_WEIGHTS:
-        said = [f"DDP x{nproc} ends at the same weights as one process (max relative difference {ours:.0e}); "
-                f"{seeds}."]
+        said = [f"DDP x{nproc} ends at the same weights as one process (max relative difference {ours:.0e}); {seeds}."]
     else:
-        said = [f"DDP x{nproc} ends {ours:.0e} from one process's weights (max relative difference), where {seeds}"
-                f" ({hand_written / max(ours, 1e-30):.0f}x farther): ddpkit trains on one process's global batches "
-                "with its BatchNorm statistics, and what is left is float32 rounding (a sum over 64 samples and two "
-                "sums over 32 differ in the last bit, and a ReLU or max-pool input within that bit of its threshold "
-                "then goes the other way); in float64 the same runs agree to 1e-14."]
+        said = [
+            f"DDP x{nproc} ends {ours:.0e} from one process's weights (max relative difference), where {seeds}"
+            f" ({hand_written / max(ours, 1e-30):.0f}x farther): ddpkit trains on one process's global batches "
+            "with its BatchNorm statistics, and what is left is float32 rounding (a sum over 64 samples and two "
+            "sums over 32 differ in the last bit, and a ReLU or max-pool input within that bit of its threshold "
+            "then goes the other way); in float64 the same runs agree to 1e-14."
+        ]
     for row in rows:
         if row["precision"] == "bf16":
             within = "within" if row["max_rel_diff_vs_single"] <= BF16_TOLERANCE else "outside"
-            said.append(f"{row['mode'].upper()} x{row['processes']} bf16 ends {row['max_rel_diff_vs_single']:.0e} "
-                        f"from one fp32 process, {within} bf16's tolerance of {BF16_TOLERANCE:g} (8 bits of mantissa).")
+            said.append(
+                f"{row['mode'].upper()} x{row['processes']} bf16 ends {row['max_rel_diff_vs_single']:.0e} "
+                f"from one fp32 process, {within} bf16's tolerance of {BF16_TOLERANCE:g} (8 bits of mantissa)."
+            )
     return " ".join(said)
 
 
@@ -95,17 +100,22 @@ def write_summary(out: Path, rows: Sequence[Mapping[str, Any]], hand_written: fl
     """
     from ddpkit._files import atomic_path
 
-    summary = {"max_rel_diff_vs_single": {row["run"]: row["max_rel_diff_vs_single"] for row in rows},
-               "hand_written_max_rel_diff_vs_single": hand_written,
-               "same_weights_tolerance": SAME_WEIGHTS, "bf16_tolerance": BF16_TOLERANCE, "opening": opening}
+    summary = {
+        "max_rel_diff_vs_single": {row["run"]: row["max_rel_diff_vs_single"] for row in rows},
+        "hand_written_max_rel_diff_vs_single": hand_written,
+        "same_weights_tolerance": SAME_WEIGHTS,
+        "bf16_tolerance": BF16_TOLERANCE,
+        "opening": opening,
+    }
     target = out / "guarantee.json"
     with atomic_path(target) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
     return target
 
 
-def plot_losses(out: Path, curves: Mapping[str, Sequence[float]], reference: str,
-                notes: Mapping[str, str] | None = None) -> Path:
+def plot_losses(
+    out: Path, curves: Mapping[str, Sequence[float]], reference: str, notes: Mapping[str, str] | None = None
+) -> Path:
     """Test loss per epoch of every run on one axis, and beneath it each run's absolute difference
     from ``reference``'s (log scale), saved as ``out/loss.png``.
 
@@ -130,7 +140,7 @@ def plot_losses(out: Path, curves: Mapping[str, Sequence[float]], reference: str
         epochs = list(range(1, len(losses) + 1))
         style = {"marker": "o", "label": name, "color": colors[index % len(colors)]}
         if name != reference and name.startswith(("ddp", "dp")):
-            style.update(linestyle="--", marker="x")       # drawn over the reference: both stay visible
+            style.update(linestyle="--", marker="x")  # drawn over the reference: both stay visible
         top.plot(epochs, losses, **style)
         if name != reference:
             gaps = [max(abs(a - b), 1e-12) for a, b in zip(losses, base)]

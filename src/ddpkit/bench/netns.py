@@ -21,8 +21,8 @@ import psutil
 
 from ddpkit.errors import UsageError
 
-_NETNS_DIR = Path("/run/netns")           # where `ip netns` keeps its names (/var/run is /run)
-_OWNERS = Path("/run/ddpkit-netsim")      # <tag>: "pid create_time" of the process that made them
+_NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps its names (/var/run is /run)
+_OWNERS = Path("/run/ddpkit-netsim")  # <tag>: "pid create_time" of the process that made them
 _GRACE_S = 5.0
 _NAMESPACE = re.compile(r"^ddpk-([A-Za-z0-9]+)-(?:h\d+|probe)$")
 _VETH = re.compile(r"^dk([A-Za-z0-9]+)h\d+$")
@@ -62,7 +62,7 @@ def _stop(procs: list[subprocess.Popen], namespaces: list[str]) -> list[str]:
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
-                    pass                          # the whole group ended meanwhile
+                    pass  # the whole group ended meanwhile
         for pid in sum(_namespace_pids(namespaces).values(), []):
             try:
                 os.kill(pid, sig)
@@ -102,7 +102,7 @@ def _namespace_pids(namespaces: list[str]) -> dict[str, list[int]]:
             try:
                 st = os.stat(f"/proc/{entry}/ns/net")
             except OSError:
-                continue                          # gone, or a zombie: it holds no namespace
+                continue  # gone, or a zombie: it holds no namespace
             if (name := ids.get((st.st_dev, st.st_ino))) is not None:
                 found[name].append(int(entry))
     return found
@@ -139,22 +139,25 @@ def _scan() -> list[tuple[str, str, str]]:
 def leftovers(tag: str | None = None) -> dict[str, list[str]]:
     """Namespaces and links made by ddpkit that exist now: of every tag, or of ``tag`` only."""
     found = [(kind, name) for kind, t, name in _scan() if tag in (None, t)]
-    return {"namespaces": sorted(name for kind, name in found if kind == "netns"),
-            "links": sorted(name for kind, name in found if kind != "netns")}
+    return {
+        "namespaces": sorted(name for kind, name in found if kind == "netns"),
+        "links": sorted(name for kind, name in found if kind != "netns"),
+    }
 
 
 def _owner_alive(tag: str) -> bool:
     try:
         pid_text, created = (_OWNERS / tag).read_text().split()
         pid, create_time = int(pid_text), float(created)
-    except (FileNotFoundError, ValueError):       # none, or not ours to read: judge by the tag
+    except (FileNotFoundError, ValueError):  # none, or not ours to read: judge by the tag
         if not tag.isdigit():
-            return False                          # owner files come first and go last: a dead run
+            return False  # owner files come first and go last: a dead run
         pid, create_time = int(tag), None
     try:
         owner = psutil.Process(pid)
         return owner.status() != psutil.STATUS_ZOMBIE and (
-            create_time is None or abs(owner.create_time() - create_time) < 0.01)
+            create_time is None or abs(owner.create_time() - create_time) < 0.01
+        )
     except psutil.NoSuchProcess:
         return False
 

@@ -23,13 +23,13 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
-from ddpkit.bench.netns import (_OWNERS, NetsimError, _check_tag, _delete, _run, _stop, leftovers,
-                                remove_leftovers)
+from ddpkit.bench.netns import _OWNERS, NetsimError, _check_tag, _delete, _run, _stop, leftovers, remove_leftovers
 from ddpkit.errors import warn
 
 _SUBNET = "10.213.0"
@@ -37,7 +37,7 @@ _INTERFACE = "dkn0"
 
 
 def _tbf(dev: str, link_mbit: float, netns: str | None = None) -> list[str]:
-    rate = round(link_mbit * 1e6)                 # bit/s: no float formatting for tc to misread
+    rate = round(link_mbit * 1e6)  # bit/s: no float formatting for tc to misread
     # The bucket must hold at least one timer tick of traffic (rate/HZ, HZ=250 being the common
     # kernel default) or tbf cannot reach its rate. At low rates 32 KiB (22 full frames, 33 ms at
     # 8 Mbit/s) lets a TCP burst out whole instead of a frame per wake-up, yet stays small next to
@@ -47,20 +47,34 @@ def _tbf(dev: str, link_mbit: float, netns: str | None = None) -> list[str]:
     # flow never overflows it, and several peers sending into one host wait rather than drop
     # (slow start may still lose a few frames there, as it would on a real switch).
     prefix = ["tc"] if netns is None else ["tc", "-n", netns]
-    return [*prefix, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-            "burst", str(burst), "latency", "100ms"]
+    return [
+        *prefix,
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate}bit",
+        "burst",
+        str(burst),
+        "latency",
+        "100ms",
+    ]
 
 
 def check_available() -> None:
     """Raise :class:`NetsimError` (one line) unless namespaces, veths, a bridge and tbf work here."""
     if os.geteuid() != 0:
-        raise NetsimError("ddpkit bench --hosts needs root (network namespaces and tc); "
-                          "run it as root or drop --hosts")
+        raise NetsimError("ddpkit bench --hosts needs root (network namespaces and tc); run it as root or drop --hosts")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise NetsimError(f"ddpkit bench --hosts needs iproute2 ({' and '.join(f'`{t}`' for t in missing)} "
-                          "not found); install iproute2 or drop --hosts")
-    probe = f"ddpk-{os.getpid()}-probe"          # everything inside it goes when it is deleted
+        raise NetsimError(
+            f"ddpkit bench --hosts needs iproute2 ({' and '.join(f'`{t}`' for t in missing)} "
+            "not found); install iproute2 or drop --hosts"
+        )
+    probe = f"ddpk-{os.getpid()}-probe"  # everything inside it goes when it is deleted
     try:
         _run(["ip", "netns", "add", probe])
         try:
@@ -89,8 +103,12 @@ class SimulatedHosts:
     def __init__(self, hosts: int, link_mbit: float, *, tag: str | None = None) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= 254:
             raise NetsimError(f"--hosts must be an integer from 1 to 254, not {hosts!r}")
-        if (isinstance(link_mbit, bool) or not isinstance(link_mbit, (int, float))
-                or not math.isfinite(link_mbit) or round(link_mbit * 1e6) < 8):
+        if (
+            isinstance(link_mbit, bool)
+            or not isinstance(link_mbit, (int, float))
+            or not math.isfinite(link_mbit)
+            or round(link_mbit * 1e6) < 8
+        ):
             raise NetsimError(f"--link-mbit must be a rate above 0 Mbit/s (at least 8 bit/s), not {link_mbit!r}")
         self.tag = str(os.getpid()) if tag is None else _check_tag(tag)
         self.hosts = hosts
@@ -99,8 +117,8 @@ class SimulatedHosts:
         self.interface = _INTERFACE
         self.namespaces = [f"ddpk-{self.tag}-h{i}" for i in range(hosts)]
         self._bridge = f"dkbr{self.tag}"
-        self._veths = [f"dk{self.tag}h{i}" for i in range(hosts)]      # the bridge ends
-        self._made: list[tuple[str, str]] = []     # ("netns" | "link" | "owner", name), in order
+        self._veths = [f"dk{self.tag}h{i}" for i in range(hosts)]  # the bridge ends
+        self._made: list[tuple[str, str]] = []  # ("netns" | "link" | "owner", name), in order
         self._procs: list[subprocess.Popen] = []
         self._previous: dict[int, Any] = {}
         self._open = False
@@ -111,8 +129,9 @@ class SimulatedHosts:
         self._host(host)
         return {name: self.interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
 
-    def popen(self, host: int, argv: list[str], *, env: dict[str, str] | None = None,
-              **kwargs: Any) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: list[str], *, env: dict[str, str] | None = None, **kwargs: Any
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace, in a session of its own, killed by :meth:`close`.
 
         Args:
@@ -124,7 +143,7 @@ class SimulatedHosts:
         if not self._open or self._closed:
             raise NetsimError("SimulatedHosts.popen needs an open simulation (use it inside `with`)")
         full_env = {**os.environ, **self.env(host), **(env or {})}
-        kwargs["start_new_session"] = True        # its own process group, spared the terminal's Ctrl-C
+        kwargs["start_new_session"] = True  # its own process group, spared the terminal's Ctrl-C
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *argv], env=full_env, **kwargs)
         self._procs.append(proc)
         return proc
@@ -136,8 +155,7 @@ class SimulatedHosts:
         for i, (ns, veth) in enumerate(zip(self.namespaces, self._veths)):
             up = _run(["tc", "-n", ns, *show, "dev", self.interface]).strip()
             down = _run(["tc", *show, "dev", veth]).strip()
-            blocks.append(f"host {i} upload ({ns} {self.interface}):\n{up}\n"
-                          f"host {i} download ({veth}):\n{down}")
+            blocks.append(f"host {i} upload ({ns} {self.interface}):\n{up}\nhost {i} download ({veth}):\n{down}")
         return "\n".join(blocks)
 
     def __enter__(self) -> SimulatedHosts:
@@ -152,8 +170,7 @@ class SimulatedHosts:
             raise
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self._close(quiet=kind is not None)
 
     def close(self) -> None:
@@ -169,8 +186,10 @@ class SimulatedHosts:
     def _create(self) -> None:
         present = leftovers(self.tag)
         if present["namespaces"] or present["links"]:
-            raise NetsimError(f"names of tag {self.tag} exist already ({', '.join(sum(present.values(), []))}); "
-                              f"another run uses them, or remove_leftovers('{self.tag}') removes them")
+            raise NetsimError(
+                f"names of tag {self.tag} exist already ({', '.join(sum(present.values(), []))}); "
+                f"another run uses them, or remove_leftovers('{self.tag}') removes them"
+            )
         _OWNERS.mkdir(parents=True, exist_ok=True)
         me = psutil.Process()
         (_OWNERS / self.tag).write_text(f"{me.pid} {me.create_time()}\n")
@@ -199,10 +218,10 @@ class SimulatedHosts:
         if self._closed or not self._open:
             self._closed = True
             return
-        self._closed = True                       # first: a signal or atexit re-entering finds it done
+        self._closed = True  # first: a signal or atexit re-entering finds it done
         deferred: list[int] = []
         handlers = self._previous if threading.current_thread() is threading.main_thread() else {}
-        for sig in handlers:                      # a second Ctrl-C must not cut the clean-up short
+        for sig in handlers:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, lambda signum, frame: deferred.append(signum))
         try:
             errors = _stop(self._procs, [ns for kind, ns in self._made if kind == "netns"])
@@ -216,7 +235,7 @@ class SimulatedHosts:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             atexit.unregister(self._at_exit)
-            for sig in deferred:                  # delivered late, to the handler that was there before
+            for sig in deferred:  # delivered late, to the handler that was there before
                 os.kill(os.getpid(), sig)
         if errors:
             message = f"simulated hosts of tag {self.tag} not fully removed: {'; '.join(errors)}"
@@ -228,7 +247,7 @@ class SimulatedHosts:
     def _install_handlers(self) -> None:
         atexit.register(self._at_exit)
         if threading.current_thread() is not threading.main_thread():
-            return                                # signals reach the main thread only
+            return  # signals reach the main thread only
 
         def terminate(signum: int, frame: FrameType | None) -> None:
             raise SystemExit(128 + signum)
@@ -237,7 +256,9 @@ class SimulatedHosts:
             raise KeyboardInterrupt
 
         handlers: dict[int, Callable[[int, FrameType | None], None]] = {
-            signal.SIGINT: interrupt, signal.SIGTERM: terminate}
+            signal.SIGINT: interrupt,
+            signal.SIGTERM: terminate,
+        }
         for sig, handler in handlers.items():
             self._previous[sig] = signal.signal(sig, handler)
 

@@ -24,7 +24,8 @@ import contextlib
 import itertools
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,9 @@ def _register_hook(model: DistributedDataParallel, choice: str, warmup: int) -> 
 
     if choice == "powersgd":
         # what Accelerate registers for DDPCommunicationHookType.POWER_SGD, at rank 2
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                            start_powerSGD_iter=powersgd_start(warmup))
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=powersgd_start(warmup)
+        )
         hook = powerSGD_hook.powerSGD_hook
         model.register_comm_hook(state, hook if dist.get_backend() == "nccl" else _one_bucket_at_a_time(hook))
     elif choice in ("fp16", "bf16"):
@@ -93,15 +95,15 @@ def train(opts: Any) -> None:
     try:
         info = bench_dataset(opts.data, opts.batch * world_size, opts.model)
         torch.manual_seed(opts.seed)
-        model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                            image_size=info.image_size).to(device)
+        model = build_model(
+            opts.model, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+        ).to(device)
         model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
         _register_hook(model, opts.grad_compression, opts.warmup)
         optimizer = make_optimizer(model, opts)
         amp_dtype = _AMP_DTYPES.get(opts.precision)
         scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None
-        sampler = DistributedSampler(info.dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=opts.seed)
+        sampler = DistributedSampler(info.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=opts.seed)
         loader = DataLoader(info.dataset, batch_size=opts.batch, sampler=sampler, pin_memory=use_cuda)
         batches = _batches(sampler, loader)
         marks = []
@@ -111,8 +113,9 @@ def train(opts: Any) -> None:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             fetched = mark(device)
-            autocast = (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
-                        else contextlib.nullcontext())
+            autocast = (
+                torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+            )
             with autocast:
                 loss = F.cross_entropy(model(inputs), targets)
             forward = mark(device)
@@ -128,21 +131,33 @@ def train(opts: Any) -> None:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             marks.append((start, fetched, forward, backward, mark(device)))
-        stats = rank_stats(marks, opts.warmup, model, device, world_size,
-                           comm_calls=wire.calls_per_step(model, opts.grad_compression))
+        stats = rank_stats(
+            marks, opts.warmup, model, device, world_size, comm_calls=wire.calls_per_step(model, opts.grad_compression)
+        )
         if world_size > 1:
             stats["backward_alone_seconds"] = backward_alone(
-                model, inputs, targets,
+                model,
+                inputs,
+                targets,
                 lambda: torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext(),
-                device)
+                device,
+            )
         # Not dist.all_gather_object: it unpickles what arrives, and between hosts that is a socket.
-        from ddpkit.dist.collectives import all_gather_object
+        from ddpkit.distributed.collectives import all_gather_object
 
         gathered = all_gather_object(stats)
         if rank == 0:
-            write_result(opts.result, gathered, loop="raw", world_size=world_size, device=device.type,
-                         devices=1, precision=opts.precision, batch_per_process=opts.batch,
-                         global_batch=opts.batch * world_size)
+            write_result(
+                opts.result,
+                gathered,
+                loop="raw",
+                world_size=world_size,
+                device=device.type,
+                devices=1,
+                precision=opts.precision,
+                batch_per_process=opts.batch,
+                global_batch=opts.batch * world_size,
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -152,8 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ddpkit.bench.raw_ddp`` under a launcher: parse the arguments and run the raw loop."""
     opts = worker_parser("python -m ddpkit.bench.raw_ddp").parse_args(argv)
     if "RANK" not in os.environ:
-        sys.stderr.write("start the raw loop under a launcher: "
-                         "torchrun --nproc-per-node 2 -m ddpkit.bench.raw_ddp ...\n")
+        sys.stderr.write(
+            "start the raw loop under a launcher: torchrun --nproc-per-node 2 -m ddpkit.bench.raw_ddp ...\n"
+        )
         return 2
     train(opts)
     return 0

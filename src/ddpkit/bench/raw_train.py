@@ -20,8 +20,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,12 +74,17 @@ def train(opts: argparse.Namespace) -> None:
     try:
         train_set, test_set = load_dataset(opts.data, "train"), load_dataset(opts.data, "test")
         torch.manual_seed(opts.seed)
-        model = build_model(opts.model, num_classes=train_set.num_classes, in_channels=train_set.in_channels,
-                            image_size=train_set.image_size).to(device)
+        model = build_model(
+            opts.model,
+            num_classes=train_set.num_classes,
+            in_channels=train_set.in_channels,
+            image_size=train_set.image_size,
+        ).to(device)
         model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
-        sampler = DistributedSampler(train_set.dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=opts.seed)
+        sampler = DistributedSampler(
+            train_set.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=opts.seed
+        )
         loader = DataLoader(train_set.dataset, batch_size=opts.batch, sampler=sampler)
         losses = []
         for epoch in range(opts.epochs):
@@ -93,10 +99,21 @@ def train(opts: argparse.Namespace) -> None:
         if rank == 0:
             out = Path(opts.out)
             out.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": {k: v.cpu() for k, v in model.module.state_dict().items()}, "test_loss": losses},
-                       out / WEIGHTS)
-            (out / "summary.json").write_text(json.dumps({"world_size": world_size, "batch_per_process": opts.batch,
-                                                          "epochs": opts.epochs, "test_loss": losses}) + "\n")
+            torch.save(
+                {"model": {k: v.cpu() for k, v in model.module.state_dict().items()}, "test_loss": losses},
+                out / WEIGHTS,
+            )
+            (out / "summary.json").write_text(
+                json.dumps(
+                    {
+                        "world_size": world_size,
+                        "batch_per_process": opts.batch,
+                        "epochs": opts.epochs,
+                        "test_loss": losses,
+                    }
+                )
+                + "\n"
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -106,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ddpkit.bench.raw_train`` under a launcher."""
     opts = parser().parse_args(argv)
     if "RANK" not in os.environ:
-        sys.stderr.write("start the hand-written loop under a launcher: "
-                         "ddpkit run -n 2 -m ddpkit.bench.raw_train ...\n")
+        sys.stderr.write(
+            "start the hand-written loop under a launcher: ddpkit run -n 2 -m ddpkit.bench.raw_train ...\n"
+        )
         return 2
     train(opts)
     return 0

@@ -24,7 +24,7 @@ from ddpkit.bench.plan import Configuration, Settings, plan
 from ddpkit.bench.summary import not_applicable, summarize, with_speedup
 from ddpkit.errors import DdpkitError, UsageError
 
-HOST_PORT = 29500           # the rendezvous port on simulated host 0 (a fresh namespace: nothing else there)
+HOST_PORT = 29500  # the rendezvous port on simulated host 0 (a fresh namespace: nothing else there)
 RAW_LOOP = "ddpkit.bench.raw_ddp"
 DDPKIT_LOOP = "ddpkit.bench.worker"
 
@@ -44,27 +44,59 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
     Raises:
         DdpkitError: the loop failed or wrote no result.
     """
-    from ddpkit.dist.torchrun import RunSpec, run
+    from ddpkit.distributed.torchrun import RunSpec, run
 
-    args = ["--model", settings.model, "--data", settings.data, "--precision", config.precision,
-            "--batch", str(settings.batch), "--steps", str(settings.steps), "--warmup", str(settings.warmup),
-            "--seed", str(settings.seed), "--lr", repr(settings.lr), "--momentum", repr(settings.momentum),
-            "--result", str(result), "--grad-compression", config.grad_compression,
-            "--data-format", config.data_format, "--optimizer", settings.optimizer,
-            "--strategy", "fsdp" if config.mode == "fsdp" else "ddp"]
+    args = [
+        "--model",
+        settings.model,
+        "--data",
+        settings.data,
+        "--precision",
+        config.precision,
+        "--batch",
+        str(settings.batch),
+        "--steps",
+        str(settings.steps),
+        "--warmup",
+        str(settings.warmup),
+        "--seed",
+        str(settings.seed),
+        "--lr",
+        repr(settings.lr),
+        "--momentum",
+        repr(settings.momentum),
+        "--result",
+        str(result),
+        "--grad-compression",
+        config.grad_compression,
+        "--data-format",
+        config.data_format,
+        "--optimizer",
+        settings.optimizer,
+        "--strategy",
+        "fsdp" if config.mode == "fsdp" else "ddp",
+    ]
     if config.mode == "dp":
         args.append("--data-parallel")
     if config.sync_bn:
         args.append("--sync-bn")
     if config.sync != "every-step":
-        args += ["--sync", config.sync, "--sync-every", str(settings.sync_every),
-                 "--sync-fragments", str(settings.sync_fragments), "--sync-delay", str(settings.sync_delay)]
+        args += [
+            "--sync",
+            config.sync,
+            "--sync-every",
+            str(settings.sync_every),
+            "--sync-fragments",
+            str(settings.sync_fragments),
+            "--sync-delay",
+            str(settings.sync_delay),
+        ]
         if settings.sync_dtype is not None:
             args += ["--sync-dtype", settings.sync_dtype]
     if settings.powersgd_rank is not None and config.grad_compression == "powersgd":
         args += ["--powersgd-rank", str(settings.powersgd_rank)]
     if config.micro_shards:
-        if target != DDPKIT_LOOP:       # the hand-written loop and the peers have no micro-shards
+        if target != DDPKIT_LOOP:  # the hand-written loop and the peers have no micro-shards
             raise DdpkitError(f"bench: {config.label} runs ddpkit's own loop only; it has no {target} row")
         args += ["--micro-shards", str(config.micro_shards)]
     result.unlink(missing_ok=True)
@@ -74,8 +106,7 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
         code = run(RunSpec(target, args, module=True, nproc_per_node=config.nproc))
     if code != 0 or not result.is_file():
         loop = {DDPKIT_LOOP: "", RAW_LOOP: "raw "}.get(target, f"{target} ")
-        raise DdpkitError(f"bench {loop}{config.label} failed (exit code {code}); "
-                          "see its output above")
+        raise DdpkitError(f"bench {loop}{config.label} failed (exit code {code}); see its output above")
     return json.loads(result.read_text())
 
 
@@ -94,18 +125,38 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
     import time
 
     from ddpkit.bench import netsim
-    from ddpkit.dist.host import usable_cores
+    from ddpkit.distributed.host import usable_cores
 
     with netsim.SimulatedHosts(config.hosts, float(config.link_mbit or settings.link_mbit or 0)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"
         # NCCL would reach another GPU of this machine over shared memory or NVLink: the link is the point.
         env = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
-        if "OMP_NUM_THREADS" not in os.environ:      # the hosts share this machine's cores
+        if "OMP_NUM_THREADS" not in os.environ:  # the hosts share this machine's cores
             env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // config.world_size))
-        procs = [sim.popen(host, [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", str(config.hosts),
-                                  "--node-rank", str(host), "--master", master, "-n", str(config.nproc),
-                                  "-m", target, *args], env={**env, **_gpus_of_host(host, config.nproc)})
-                 for host in range(config.hosts)]
+        procs = [
+            sim.popen(
+                host,
+                [
+                    sys.executable,
+                    "-m",
+                    "ddpkit.cli",
+                    "run",
+                    "--nnodes",
+                    str(config.hosts),
+                    "--node-rank",
+                    str(host),
+                    "--master",
+                    master,
+                    "-n",
+                    str(config.nproc),
+                    "-m",
+                    target,
+                    *args,
+                ],
+                env={**env, **_gpus_of_host(host, config.nproc)},
+            )
+            for host in range(config.hosts)
+        ]
         failed_at = None
         while True:
             codes = [p.poll() for p in procs]
@@ -114,7 +165,7 @@ def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: 
             if failed_at is None and any(code not in (None, 0) for code in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > 30:
-                break                          # the simulation's close kills the rest
+                break  # the simulation's close kills the rest
             time.sleep(0.5)
     return next((code for code in codes if code not in (None, 0)), 0 if None not in codes else 1)
 
@@ -127,7 +178,7 @@ def _gpus_of_host(host: int, nproc: int) -> dict[str, str]:
         return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc:(host + 1) * nproc])}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])}
 
 
 def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[str, Any]:
@@ -137,21 +188,37 @@ def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[s
         pair = {}
         for loop in ("raw", "ddpkit"):
             print(f"bench: compare {i}/{settings.repeats} {loop} {config.label} ...", end="", flush=True)
-            row = summarize(config, run_loop(config, settings, runs / f"compare-{i}-{loop}.json",
-                                             target=RAW_LOOP if loop == "raw" else DDPKIT_LOOP))
+            row = summarize(
+                config,
+                run_loop(
+                    config,
+                    settings,
+                    runs / f"compare-{i}-{loop}.json",
+                    target=RAW_LOOP if loop == "raw" else DDPKIT_LOOP,
+                ),
+            )
             print(f" {row['samples_per_second']:.1f} samples/s", flush=True)
             pair[loop] = row
         pairs.append(pair)
     memory = "peak_cuda_mb" if pairs[0]["raw"]["peak_cuda_mb"] is not None else "peak_rss_mb"
     return {
-        "mode": config.mode, "nproc": config.nproc, "precision": config.precision,
-        "repeats": settings.repeats, "memory_metric": memory,
+        "mode": config.mode,
+        "nproc": config.nproc,
+        "precision": config.precision,
+        "repeats": settings.repeats,
+        "memory_metric": memory,
         "step_time_ratio": statistics.median(p["ddpkit"]["step_seconds"] / p["raw"]["step_seconds"] for p in pairs),
         "memory_ratio": statistics.median(p["ddpkit"][memory] / p["raw"][memory] for p in pairs),
         "weights_equal": all(p["ddpkit"]["weights_sha256"] == p["raw"]["weights_sha256"] for p in pairs),
         "comm_overlap": {loop: _median_or_none(p[loop]["comm_overlap"] for p in pairs) for loop in ("raw", "ddpkit")},
-        "pairs": [{f"{loop}_{key}": p[loop][key] for loop in ("raw", "ddpkit")
-                   for key in ("step_seconds", memory, "weights_sha256")} for p in pairs],
+        "pairs": [
+            {
+                f"{loop}_{key}": p[loop][key]
+                for loop in ("raw", "ddpkit")
+                for key in ("step_seconds", memory, "weights_sha256")
+            }
+            for p in pairs
+        ],
     }
 
 
@@ -176,18 +243,27 @@ def verify(row: dict[str, Any], rows: list[dict[str, Any]], settings: Settings, 
     if not fixes:
         return None
     fix = fixes[0]
-    config = Configuration(row["mode"], row["nproc"], row["precision"], devices=row.get("devices", 1),
-                           grad_compression="none" if "sync" in fix else fix.get("grad_compression",
-                                                                                  row["grad_compression"]),
-                           hosts=row.get("hosts") or 0, data_format=row.get("data_format", "map"),
-                           sync_bn=bool(row.get("sync_bn")), sync=fix.get("sync", row.get("sync") or "every-step"),
-                           link_mbit=row.get("link_mbit"), micro_shards=row.get("micro_shards"))
+    config = Configuration(
+        row["mode"],
+        row["nproc"],
+        row["precision"],
+        devices=row.get("devices", 1),
+        grad_compression="none" if "sync" in fix else fix.get("grad_compression", row["grad_compression"]),
+        hosts=row.get("hosts") or 0,
+        data_format=row.get("data_format", "map"),
+        sync_bn=bool(row.get("sync_bn")),
+        sync=fix.get("sync", row.get("sync") or "every-step"),
+        link_mbit=row.get("link_mbit"),
+        micro_shards=row.get("micro_shards"),
+    )
     label = f"{config.label}{' x' + str(fix['batch_factor']) + ' batch' if 'batch_factor' in fix else ''}"
     measured = fix.get("measured_samples_per_second")
     if measured is None:
         factor = fix.get("batch_factor", 1)
         batch = (row.get("batch_per_process") or settings.batch) // max(1, row.get("devices", 1))
-        tried = dataclasses.replace(settings, batch=batch * factor, sync_every=fix.get("sync_every", settings.sync_every))
+        tried = dataclasses.replace(
+            settings, batch=batch * factor, sync_every=fix.get("sync_every", settings.sync_every)
+        )
         print(f"bench: verify {label} ...", end="", flush=True)
         name = f"verify-{config.name}" + (f"-batch{batch * factor}" if factor != 1 else "")
         measured = measure(config, tried, runs / f"{name}.json")["samples_per_second"]
@@ -223,16 +299,35 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     rows = [{**row, "diagnosis": diagnose(row, rows)} for row in rows]
     if settings.diagnose_verify:
         rows = [{**row, "verify": verify(row, rows, settings, out / "runs")} for row in rows]
-    report: dict[str, Any] = {"settings": asdict(settings), "torch": torch.__version__,
-                              "device": "cuda" if gpus else "cpu", "gpus": gpus, "configurations": rows}
+    report: dict[str, Any] = {
+        "settings": asdict(settings),
+        "torch": torch.__version__,
+        "device": "cuda" if gpus else "cpu",
+        "gpus": gpus,
+        "configurations": rows,
+    }
     if settings.compare_raw:
-        target = next((c for c in plan(settings, gpus) if c.mode in ("ddp", "ddp-amp") and c.reason is None
-                       and c.nproc == max(settings.nproc) and c.hosts == max(settings.hosts or (0,))
-                       and c.grad_compression == settings.grad_compression[0] and c.data_format == "map"
-                       and not c.sync_bn and c.sync == "every-step" and not c.micro_shards), None)
+        target = next(
+            (
+                c
+                for c in plan(settings, gpus)
+                if c.mode in ("ddp", "ddp-amp")
+                and c.reason is None
+                and c.nproc == max(settings.nproc)
+                and c.hosts == max(settings.hosts or (0,))
+                and c.grad_compression == settings.grad_compression[0]
+                and c.data_format == "map"
+                and not c.sync_bn
+                and c.sync == "every-step"
+                and not c.micro_shards
+            ),
+            None,
+        )
         if target is None:
-            raise UsageError(f"--compare-raw found no runnable DDP configuration with --grad-compression "
-                             f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first")
+            raise UsageError(
+                f"--compare-raw found no runnable DDP configuration with --grad-compression "
+                f"{settings.grad_compression[0]} at the largest --nproc; put a runnable one first"
+            )
         report["raw_vs_ddpkit"] = compare_raw(settings, target, out / "runs")
     return report
 
@@ -243,20 +338,28 @@ def _check_machine(settings: Settings, gpus: int) -> None:
 
     hosts = max(settings.hosts or (1,))
     if gpus and max(settings.nproc) * hosts > gpus:
-        raise UsageError(f"--nproc {max(settings.nproc)}" + (f" x --hosts {hosts}" if settings.hosts else "")
-                         + f" needs as many GPUs, {gpus} visible")
+        raise UsageError(
+            f"--nproc {max(settings.nproc)}"
+            + (f" x --hosts {hosts}" if settings.hosts else "")
+            + f" needs as many GPUs, {gpus} visible"
+        )
     if settings.compare_raw and settings.grad_compression[0] == "auto":
-        raise UsageError("--compare-raw with auto compression: the hand-written loop has no such choice; "
-                         "compare none, fp16, bf16 or powersgd")
+        raise UsageError(
+            "--compare-raw with auto compression: the hand-written loop has no such choice; "
+            "compare none, fp16, bf16 or powersgd"
+        )
     if settings.compare_raw and settings.grad_compression[0] == "bf16" and not gpus:
-        raise UsageError("--compare-raw with bf16 compression: torch's bf16_compress_hook, which the "
-                         "hand-written loop uses, refuses CPUs; compare none, fp16 or powersgd here")
+        raise UsageError(
+            "--compare-raw with bf16 compression: torch's bf16_compress_hook, which the "
+            "hand-written loop uses, refuses CPUs; compare none, fp16 or powersgd here"
+        )
     if settings.hosts:
         from ddpkit.bench import netsim
 
         netsim.check_available()
-        netsim.remove_leftovers()        # of a bench killed before it could clean up (SIGKILL)
+        netsim.remove_leftovers()  # of a bench killed before it could clean up (SIGKILL)
     if settings.data != "synthetic":
         runnable = [c for c in plan(settings, gpus) if c.reason is None]
-        bench_dataset(settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1),
-                      settings.model)
+        bench_dataset(
+            settings.data, settings.batch * max((c.nproc * c.devices for c in runnable), default=1), settings.model
+        )

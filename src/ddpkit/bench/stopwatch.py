@@ -14,16 +14,18 @@ import json
 import resource
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ddpkit._torch import unwrap
-from ddpkit.dist.host import usable_cores
+from ddpkit.distributed.host import usable_cores
 
 PHASES = ("data_wait", "forward", "backward", "optimizer")
 """The four phases between a step's five :func:`mark` readings (start, data, forward, backward, optimizer)."""
+
 
 def mark(device: torch.device) -> float:
     """A phase boundary: wait for queued GPU work (CUDA runs asynchronously), then read the clock."""
@@ -32,9 +34,16 @@ def mark(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Module,
-               device: torch.device, world_size: int, devices: int = 1,
-               payload_bytes: float | None = None, comm_calls: int | None = None) -> dict[str, Any]:
+def rank_stats(
+    marks: Sequence[Sequence[float]],
+    warmup: int,
+    model: torch.nn.Module,
+    device: torch.device,
+    world_size: int,
+    devices: int = 1,
+    payload_bytes: float | None = None,
+    comm_calls: int | None = None,
+) -> dict[str, Any]:
     """This rank's measurements after the loop: phase times, peak memory, gradients, weights, wire.
 
     Peak memory is read before the link is probed (:func:`ddpkit.bench.wire.probe`), which
@@ -83,7 +92,7 @@ def rank_stats(marks: Sequence[Sequence[float]], warmup: int, model: torch.nn.Mo
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor      # a DTensor's own shard
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -94,8 +103,12 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     params = [_local(p) for p in unwrap(model).parameters()]
     held = sum(p.numel() * p.element_size() for p in params)
     grads = sum(_local(p).numel() * p.element_size() for p in unwrap(model).parameters() if p.requires_grad)
-    state = sum(_local(v).numel() * v.element_size() for entry in optimizer.state.values()
-                for v in entry.values() if isinstance(v, torch.Tensor))
+    state = sum(
+        _local(v).numel() * v.element_size()
+        for entry in optimizer.state.values()
+        for v in entry.values()
+        if isinstance(v, torch.Tensor)
+    )
     return int(held + grads + state)
 
 
@@ -118,17 +131,23 @@ def write_result(path: str, gathered: list[dict[str, Any]], **meta: Any) -> None
 
 def _peak_memory(device: torch.device, devices: int) -> dict[str, float | None]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 1024   # bytes on macOS, KiB on Linux
+    rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB on Linux
     cuda_mb = None
     if device.type == "cuda":
-        first = device.index or 0      # only our own GPUs: touching others could create contexts there
+        first = device.index or 0  # only our own GPUs: touching others could create contexts there
         cuda_mb = max(torch.cuda.max_memory_allocated(i) for i in range(first, first + devices)) / 2**20
     return {"peak_rss_mb": rss_mb, "peak_cuda_mb": cuda_mb}
 
 
-def compute_scaling(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                    autocast: Callable[[], Any], device: torch.device, quiet: Any = None,
-                    repeats: int = 2) -> float | None:
+def compute_scaling(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    autocast: Callable[[], Any],
+    device: torch.device,
+    quiet: Any = None,
+    repeats: int = 2,
+) -> float | None:
     """How much longer a forward and backward take on twice the batch: seconds at ``2b`` over
     seconds at ``b`` (the fastest of ``repeats`` each), without any gradient sync.
 
@@ -166,8 +185,14 @@ def compute_scaling(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
     return seconds[1] / seconds[0] if seconds[0] > 0 else None
 
 
-def backward_alone(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                   autocast: Callable[[], Any], device: torch.device, repeats: int = 2) -> float | None:
+def backward_alone(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    autocast: Callable[[], Any],
+    device: torch.device,
+    repeats: int = 2,
+) -> float | None:
     """Seconds of one backward pass with no gradient sync (DDP's ``no_sync``): the compute the
     allreduce can hide behind. None for a model without ``no_sync`` (fsdp, one process).
 

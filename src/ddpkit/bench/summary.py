@@ -11,7 +11,8 @@ Memory is in MiB: the peak RSS of the largest rank, and CUDA's max allocated on 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ddpkit.bench import wire
 from ddpkit.bench.plan import Configuration
@@ -25,14 +26,16 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
     world_steps = [max(steps) for steps in zip(*(r["steps"] for r in ranks))]
     median_step = statistics.median(world_steps)
     periodic = ranks[0].get("periodic")
-    if periodic is not None:            # an infrequent sync: a step apart, plus a sync's cost over its period
+    if periodic is not None:  # an infrequent sync: a step apart, plus a sync's cost over its period
         plain = [s for s, synced in zip(world_steps, periodic["synced_steps"]) if not synced]
         sync_seconds = max(r["periodic"]["seconds_per_sync"] for r in ranks)
-        if plain:           # with every step a sync (sync_every 1) the median holds it already
+        if plain:  # with every step a sync (sync_every 1) the median holds it already
             median_step = statistics.median(plain) + sync_seconds / periodic["every"]
     count = len(ranks) * len(world_steps)
-    breakdown = {phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
-                 for i, phase in enumerate(PHASES)}
+    breakdown = {
+        phase: sum(r["phases"][k][i] for r in ranks for k in range(len(world_steps))) / count
+        for i, phase in enumerate(PHASES)
+    }
     world = len(ranks)
     payload = statistics.fmean(r.get("payload_bytes_per_step", 0) for r in ranks)
     comm, overlap = _comm(ranks, payload), None
@@ -40,35 +43,51 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         overlap = comm.pop("overlap")
     cuda = [r["peak_cuda_mb"] for r in ranks]
     return {
-        "mode": config.mode, "nproc": config.nproc, "precision": config.precision, "applicable": True,
-        "grad_compression": config.grad_compression, "hosts": config.hosts or None,
-        "link_mbit": None, "world_size": world, "data_format": config.data_format, "sync_bn": config.sync_bn,
+        "mode": config.mode,
+        "nproc": config.nproc,
+        "precision": config.precision,
+        "applicable": True,
+        "grad_compression": config.grad_compression,
+        "hosts": config.hosts or None,
+        "link_mbit": None,
+        "world_size": world,
+        "data_format": config.data_format,
+        "sync_bn": config.sync_bn,
         "micro_shards": config.micro_shards,
         # what each rank hands to allreduce per step, and what a ring allreduce sends of it
         "payload_bytes_per_step": payload,
         "bytes_sent_per_step": wire.bus_bytes(payload, world),
-        "device": result["device"], "devices": config.devices,
-        "batch_per_process": result["batch_per_process"], "global_batch": result["global_batch"],
+        "device": result["device"],
+        "devices": config.devices,
+        "batch_per_process": result["batch_per_process"],
+        "global_batch": result["global_batch"],
         "samples_per_second": result["global_batch"] / median_step,
-        "tokens_per_second": (result["global_batch"] * result["tokens_per_sample"] / median_step
-                              if result.get("tokens_per_sample") else None),
+        "tokens_per_second": (
+            result["global_batch"] * result["tokens_per_sample"] / median_step
+            if result.get("tokens_per_sample")
+            else None
+        ),
         "sync": result.get("sync", "every-step"),
         "grad_compression_auto": ranks[0].get("grad_compression_auto"),
         "sync_every": periodic["every"] if periodic else None,
         "sync_seconds": max(r["periodic"]["seconds_per_sync"] for r in ranks) if periodic else None,
-        "step_seconds": median_step, "mean_step_seconds": statistics.fmean(world_steps),
-        "speedup": None, "efficiency": None,
+        "step_seconds": median_step,
+        "mean_step_seconds": statistics.fmean(world_steps),
+        "speedup": None,
+        "efficiency": None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
         # parameters + gradients + optimizer state this rank holds (DDP: all; fsdp: its shards)
         "state_bytes_per_rank": [r.get("state_bytes") for r in ranks],
         "peak_cuda_mb": max(cuda) if None not in cuda else None,
-        "breakdown": breakdown, "comm": comm,
+        "breakdown": breakdown,
+        "comm": comm,
         # the share of the allreduce hidden behind the backward pass (None: not measured)
         "comm_overlap": overlap,
         # a forward and backward on twice the batch over one on the batch (None: not measured)
         "compute_scaling_2x": _median_of(ranks, "compute_scaling_2x"),
-        "threads_per_process": ranks[0]["threads"], "cores": ranks[0]["cores"],
+        "threads_per_process": ranks[0]["threads"],
+        "cores": ranks[0]["cores"],
         "weights_sha256": ranks[0]["weights_sha256"],
     }
 
@@ -105,14 +124,21 @@ def _comm(ranks: Sequence[Mapping[str, Any]], payload: float) -> dict[str, Any] 
         # slowest rank (the skew) or for a core
         wait = max(wait, exposed - split["transfer_s"] - split["latency_s"])
     call = split.pop("payload_call_s")
-    return {"grad_bytes_per_step": grad_bytes, **split, "wait_s": wait,
-            # the payload allreduced once in isolation, latency included: achieved, not the link's speed
-            "allreduce_seconds": call, "allreduce_gb_per_s": payload / call / 1e9 if call > 0 else None,
-            "powersgd_bytes_per_step": ranks[0].get("powersgd_bytes"),
-            "sync_batchnorm_calls": 2 * (ranks[0].get("sync_batchnorm_layers") or 0),
-            # seconds a step in SyncBatchNorm's collectives, their waiting included (mean of ranks)
-            "sync_batchnorm_seconds": statistics.fmean(r.get("sync_batchnorm_seconds") or 0.0 for r in ranks),
-            "exposed_seconds": exposed, "overlap_of_possible": of_possible, "overlap": overlap}
+    return {
+        "grad_bytes_per_step": grad_bytes,
+        **split,
+        "wait_s": wait,
+        # the payload allreduced once in isolation, latency included: achieved, not the link's speed
+        "allreduce_seconds": call,
+        "allreduce_gb_per_s": payload / call / 1e9 if call > 0 else None,
+        "powersgd_bytes_per_step": ranks[0].get("powersgd_bytes"),
+        "sync_batchnorm_calls": 2 * (ranks[0].get("sync_batchnorm_layers") or 0),
+        # seconds a step in SyncBatchNorm's collectives, their waiting included (mean of ranks)
+        "sync_batchnorm_seconds": statistics.fmean(r.get("sync_batchnorm_seconds") or 0.0 for r in ranks),
+        "exposed_seconds": exposed,
+        "overlap_of_possible": of_possible,
+        "overlap": overlap,
+    }
 
 
 def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> tuple[float | None, ...]:
@@ -130,8 +156,9 @@ def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> tuple[floa
     if None in alone or allreduce <= 0:
         return None, None, None
     backward = PHASES.index("backward")
-    exposed = statistics.fmean(max(0.0, statistics.median(p[backward] for p in r["phases"]) - a)
-                               for r, a in zip(ranks, alone))
+    exposed = statistics.fmean(
+        max(0.0, statistics.median(p[backward] for p in r["phases"]) - a) for r, a in zip(ranks, alone)
+    )
     hidden = max(0.0, allreduce - exposed)
     possible = min(allreduce, statistics.fmean(alone))
     return min(1.0, hidden / allreduce), exposed, (min(1.0, hidden / possible) if possible > 0 else None)
@@ -139,17 +166,30 @@ def _overlap(ranks: Sequence[Mapping[str, Any]], allreduce: float) -> tuple[floa
 
 def not_applicable(config: Configuration, link_mbit: float | None = None) -> dict[str, Any]:
     """The row of a configuration that cannot run here: its names, its reason, no measurements."""
-    return {"mode": config.mode, "nproc": config.nproc, "precision": config.precision,
-            "grad_compression": config.grad_compression, "hosts": config.hosts or None, "link_mbit": link_mbit,
-            "sync_bn": config.sync_bn, "micro_shards": config.micro_shards,
-            "data_format": config.data_format,
-            "applicable": False, "reason": config.reason, "samples_per_second": None,
-            "speedup": None, "efficiency": None, "peak_rss_mb": None, "breakdown": None}
+    return {
+        "mode": config.mode,
+        "nproc": config.nproc,
+        "precision": config.precision,
+        "grad_compression": config.grad_compression,
+        "hosts": config.hosts or None,
+        "link_mbit": link_mbit,
+        "sync_bn": config.sync_bn,
+        "micro_shards": config.micro_shards,
+        "data_format": config.data_format,
+        "applicable": False,
+        "reason": config.reason,
+        "samples_per_second": None,
+        "speedup": None,
+        "efficiency": None,
+        "peak_rss_mb": None,
+        "breakdown": None,
+    }
 
 
 def with_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Speed-up over single; efficiency per device doing the work (GPUs of dp, else processes)."""
     widths = [{**r, "processes": r["nproc"] * r.get("devices", 1) * (r.get("hosts") or 1)} for r in rows]
-    return [{**row, "speedup": done["speedup"], "efficiency": done["efficiency"]}
-            for row, done in zip(rows, add_speedup(widths))]
-
+    return [
+        {**row, "speedup": done["speedup"], "efficiency": done["efficiency"]}
+        for row, done in zip(rows, add_speedup(widths))
+    ]

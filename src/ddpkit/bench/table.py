@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from ddpkit.errors import UsageError
 
-Formatter = Union[str, Callable[[Any], str]]
-Column = Union[tuple[str, str], tuple[str, str, Formatter]]
+Formatter = str | Callable[[Any], str]
+Column = tuple[str, str] | tuple[str, str, Formatter]
 
 SECONDS = "{:.2f}"
 RATE = "{:.1f}"
@@ -45,8 +45,9 @@ COLUMNS: list[Column] = [
 MISSING = "-"
 
 
-def add_speedup(rows: Sequence[Mapping[str, Any]], *, baseline_mode: str = "single",
-                key: str = "samples_per_second") -> list[dict[str, Any]]:
+def add_speedup(
+    rows: Sequence[Mapping[str, Any]], *, baseline_mode: str = "single", key: str = "samples_per_second"
+) -> list[dict[str, Any]]:
     """Copy ``rows`` adding ``speedup`` (throughput over the baseline's) and ``efficiency``.
 
     The baseline is the first row whose ``mode`` is ``baseline_mode``; ``efficiency`` is
@@ -113,8 +114,7 @@ def _escape(text: str) -> str:
 
 def _is_numeric(values: Any) -> bool:
     present = [v for v in values if v is not None]
-    return bool(present) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                 for v in present)
+    return bool(present) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present)
 
 
 def finite(value: Any) -> bool:
@@ -126,5 +126,4 @@ def _positive(value: Any) -> float | None:
     return float(value) if finite(value) and value > 0 else None
 
 
-__all__ = ["COLUMNS", "Column", "PERCENT", "RATE", "SECONDS", "SPEEDUP", "add_speedup", "finite",
-           "markdown_table"]
+__all__ = ["COLUMNS", "Column", "PERCENT", "RATE", "SECONDS", "SPEEDUP", "add_speedup", "finite", "markdown_table"]

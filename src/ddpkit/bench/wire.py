@@ -14,9 +14,9 @@ them depends on the bytes:
   the spread, across ranks, of the moment each finished its forward pass (every rank of a bench
   runs on this machine, so their monotonic clocks are one).
 
-Each call is timed on every rank (:func:`ddpkit.dist.probe.timed_calls`), and a call counts at
+Each call is timed on every rank (:func:`ddpkit.distributed.probe.timed_calls`), and a call counts at
 the rank that measured it shortest (the rank released last waited for no one). Of those, the
-median of the faster half counts (:func:`ddpkit.dist.probe.typical`): on a machine whose cores the ranks fill, a call now and then waits a scheduler
+median of the faster half counts (:func:`ddpkit.distributed.probe.typical`): on a machine whose cores the ranks fill, a call now and then waits a scheduler
 tick (seen here: 0.4 ms or 3-4 ms for the same 140 KB on loopback), and that is the cores being busy,
 which no fewer bytes would shorten.
 
@@ -34,9 +34,10 @@ nothing of the link.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from ddpkit.dist.probe import bus_bytes, timed_calls, typical
+from ddpkit.distributed.probe import bus_bytes, timed_calls, typical
 
 LATENCY_REPEATS = 15
 """One-element allreduces timed for the per-call latency."""
@@ -59,8 +60,10 @@ def probe(payload_bytes: float, device: Any) -> dict[str, Any]:
 
     elements = max(1, int(payload_bytes) // 4)
     payload = torch.zeros(elements, dtype=torch.float32, device=device)
-    found: dict[str, Any] = {"latency_calls": timed_calls(torch.zeros(1, device=device), LATENCY_REPEATS),
-                             "payload_calls": timed_calls(payload, TRANSFER_REPEATS)}
+    found: dict[str, Any] = {
+        "latency_calls": timed_calls(torch.zeros(1, device=device), LATENCY_REPEATS),
+        "payload_calls": timed_calls(payload, TRANSFER_REPEATS),
+    }
     if elements * 4 >= LINK_PROBE_BYTES:
         found.update(link_probe_bytes=float(elements * 4), link_calls=found["payload_calls"])
     else:
@@ -80,7 +83,7 @@ def calls_per_step(model: Any, grad_compression: str) -> int | None:
         return None
     try:
         buckets = ddp_bucket_count(model)
-    except PrivateApiChanged as exc:          # a bench row without latency counted, said out loud
+    except PrivateApiChanged as exc:  # a bench row without latency counted, said out loud
         import warnings
 
         warnings.warn(f"bench: per-step calls not counted: {exc}", stacklevel=2)
@@ -104,7 +107,7 @@ def split(ranks: Sequence[Mapping[str, Any]], payload_bytes: float) -> dict[str,
         return None
     world = len(ranks)
 
-    def call(kind: str) -> float:          # per call, the rank released last; then the typical call
+    def call(kind: str) -> float:  # per call, the rank released last; then the typical call
         return typical([min(times) for times in zip(*(p[kind] for p in probes))])
 
     latency_call, payload_call, link_call = call("latency_calls"), call("payload_calls"), call("link_calls")

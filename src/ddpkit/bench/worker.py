@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +40,20 @@ def _periodic_costs(syncer: Any) -> dict[str, Any]:
     ``--sync-every``). Seconds are those the steps waited: an exchange behind the inner steps
     (``sync_delay``) costs only what was left of it when it landed."""
     if syncer.syncs == 0:
-        syncer.sync()           # every rank runs the same steps, so every rank comes here: a collective
+        syncer.sync()  # every rank runs the same steps, so every rank comes here: a collective
     # a sync of the whole model: with sync_fragments=F, F fragment exchanges (each counted in syncs)
     whole = syncer.syncs / len(syncer.fragments)
-    return {"every": syncer.every, "syncs": syncer.syncs, "seconds_per_sync": syncer.sync_seconds / whole,
-            "bytes_per_sync": syncer.sent_bytes / whole}
+    return {
+        "every": syncer.every,
+        "syncs": syncer.syncs,
+        "seconds_per_sync": syncer.sync_seconds / whole,
+        "bytes_per_sync": syncer.sent_bytes / whole,
+    }
 
 
-def _micro_shard_step(rt: Any, model: Any, optimizer: Any, inputs: Any, targets: Any, start: float,
-                      fetched: float, alone: list[float]) -> tuple[float, ...]:
+def _micro_shard_step(
+    rt: Any, model: Any, optimizer: Any, inputs: Any, targets: Any, start: float, fetched: float, alone: list[float]
+) -> tuple[float, ...]:
     """One step of ``rt.setup(micro_shards=M)``: each shard's forward and backward, then ``rt.step``,
     whose exchange (the ranks' all_gather) counts as backward time, where DDP's allreduce counts.
 
@@ -79,8 +85,9 @@ def train(opts: argparse.Namespace) -> None:
     devices = torch.cuda.device_count() if opts.data_parallel else 1
     info = bench_dataset(opts.data, opts.batch * devices * rt.world_size, opts.model)
     torch.manual_seed(opts.seed)
-    model = build_model(opts.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                        image_size=info.image_size)
+    model = build_model(
+        opts.model, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+    )
     optimizer = make_optimizer(model, opts)
     compression = None if opts.grad_compression == "none" else opts.grad_compression
     if opts.micro_shards:
@@ -88,34 +95,47 @@ def train(opts: argparse.Namespace) -> None:
     elif opts.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp")
     else:
-        extra = {} if opts.sync == "every-step" else {"sync": opts.sync, "sync_every": opts.sync_every,
-                                                      "sync_dtype": opts.sync_dtype,
-                                                      "sync_fragments": opts.sync_fragments,
-                                                      "sync_delay": opts.sync_delay}
+        extra = (
+            {}
+            if opts.sync == "every-step"
+            else {
+                "sync": opts.sync,
+                "sync_every": opts.sync_every,
+                "sync_dtype": opts.sync_dtype,
+                "sync_fragments": opts.sync_fragments,
+                "sync_delay": opts.sync_delay,
+            }
+        )
         if opts.powersgd_rank is not None:
             extra["powersgd_rank"] = opts.powersgd_rank
-        model, optimizer = rt.setup(model, optimizer, grad_compression=compression, sync_batchnorm=opts.sync_bn,
-                                    powersgd_start=powersgd_start(opts.warmup), **extra)
-    compressor = rt.run.compressors[-1]       # the gradient compressor of the model set up last
+        model, optimizer = rt.setup(
+            model,
+            optimizer,
+            grad_compression=compression,
+            sync_batchnorm=opts.sync_bn,
+            powersgd_start=powersgd_start(opts.warmup),
+            **extra,
+        )
+    compressor = rt.run.compressors[-1]  # the gradient compressor of the model set up last
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
     data = info.dataset
-    if opts.data_format == "shards":        # the same samples, read as a stream of 16 shards
+    if opts.data_format == "shards":  # the same samples, read as a stream of 16 shards
         data = ddpkit.Shards.from_dataset(data, shards=16)
     loader = rt.loader(data, batch_size=opts.batch * devices, shuffle=True)
     batches = _batches(rt, loader)
     device, marks, synced = rt.device, [], []
     from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
-    syncer = compressor if hasattr(compressor, "sync") else None       # sync="diloco" / "local-sgd"
-    alone: list[float] = []         # micro-shards: each step's backward passes without the exchange
+    syncer = compressor if hasattr(compressor, "sync") else None  # sync="diloco" / "local-sgd"
+    alone: list[float] = []  # micro-shards: each step's backward passes without the exchange
     for step in range(opts.warmup + opts.steps):
         if step == opts.warmup:
             synced_before = SyncBatchNorm.collective_seconds
             if syncer is not None:
                 syncer.sent_bytes = syncer.sync_seconds = syncer.syncs = 0
             elif compressor is not None:
-                compressor.payload_elements = 0          # count the timed steps only
+                compressor.payload_elements = 0  # count the timed steps only
         start = mark(device)
         inputs, targets = next(batches)
         fetched = mark(device)
@@ -133,7 +153,7 @@ def train(opts: argparse.Namespace) -> None:
         synced.append(syncer is not None and syncer.syncs > syncs)
     if syncer is not None:
         periodic = _periodic_costs(syncer)
-        payload = periodic["bytes_per_sync"] / syncer.every       # amortised over the period
+        payload = periodic["bytes_per_sync"] / syncer.every  # amortised over the period
     else:
         payload = None if compressor is None else compressor.payload_bytes / opts.steps
     calls = wire.calls_per_step(model, opts.grad_compression)
@@ -141,42 +161,52 @@ def train(opts: argparse.Namespace) -> None:
         calls = rt.run.exact.exchange_calls
         # an all_gather of the gradients receives (W - 1) x their bytes: the bus bytes of an
         # allreduce of W / 2 x them, which is what the diagnosis's arithmetic takes
-        payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) \
-            * rt.world_size / 2
+        payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) * rt.world_size / 2
     stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload, calls)
     stats["sync_batchnorm_seconds"] = (SyncBatchNorm.collective_seconds - synced_before) / opts.steps
     if syncer is not None:
-        stats["periodic"] = {**periodic, "synced_steps": synced[opts.warmup:]}
+        stats["periodic"] = {**periodic, "synced_steps": synced[opts.warmup :]}
     stats["grad_compression_auto"] = getattr(compressor, "decision", None)
     if opts.micro_shards and rt.world_size > 1:
-        stats["backward_alone_seconds"] = min(alone[opts.warmup:])
+        stats["backward_alone_seconds"] = min(alone[opts.warmup :])
     elif rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
-    if opts.micro_shards:          # what one forward takes: a shard
+    if opts.micro_shards:  # what one forward takes: a shard
         every = opts.micro_shards // rt.world_size
-        stats["compute_scaling_2x"] = compute_scaling(model, inputs[0::every], targets[0::every], rt.autocast,
-                                                      device, quiet=rt.run.exact.probing)
+        stats["compute_scaling_2x"] = compute_scaling(
+            model, inputs[0::every], targets[0::every], rt.autocast, device, quiet=rt.run.exact.probing
+        )
     elif opts.strategy != "fsdp" and syncer is None:
-        stats["compute_scaling_2x"] = compute_scaling(model, inputs, targets, rt.autocast, device,
-                                                      quiet=getattr(model, "no_sync", None))
+        stats["compute_scaling_2x"] = compute_scaling(
+            model, inputs, targets, rt.autocast, device, quiet=getattr(model, "no_sync", None)
+        )
     stats["state_bytes"] = state_bytes(model, optimizer)
     gathered = ddpkit.all_gather_object(stats)
     if rt.is_main:
-        write_result(opts.result, gathered, loop="ddpkit", world_size=rt.world_size,
-                     device=device.type, devices=devices, precision=opts.precision,
-                     grad_compression=opts.grad_compression, sync=opts.sync,
-                     tokens_per_sample=info.image_size if opts.model == "tiny-lm" else None,
-                     batch_per_process=opts.batch * devices,
-                     global_batch=opts.batch * devices * rt.world_size)
-    rt.barrier()    # leave together: a rank tearing down while a peer still talks can abort
+        write_result(
+            opts.result,
+            gathered,
+            loop="ddpkit",
+            world_size=rt.world_size,
+            device=device.type,
+            devices=devices,
+            precision=opts.precision,
+            grad_compression=opts.grad_compression,
+            sync=opts.sync,
+            tokens_per_sample=info.image_size if opts.model == "tiny-lm" else None,
+            batch_per_process=opts.batch * devices,
+            global_batch=opts.batch * devices * rt.world_size,
+        )
+    rt.barrier()  # leave together: a rank tearing down while a peer still talks can abort
     rt.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ddpkit.bench.worker``: parse the workload's arguments and run the timed loop."""
     parser = worker_parser("python -m ddpkit.bench.worker")
-    parser.add_argument("--data-parallel", action="store_true",
-                        help="wrap the model in torch.nn.DataParallel over every visible GPU")
+    parser.add_argument(
+        "--data-parallel", action="store_true", help="wrap the model in torch.nn.DataParallel over every visible GPU"
+    )
     opts = parser.parse_args(argv)
     Path(opts.result).parent.mkdir(parents=True, exist_ok=True)
     train(opts)

@@ -44,8 +44,12 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"), help="the infrequent sync's exchange")
     parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
-    parser.add_argument("--micro-shards", type=int, default=None,
-                        help="rt.setup(micro_shards=M): each batch in M shards, summed along one tree (ddpkit's loop)")
+    parser.add_argument(
+        "--micro-shards",
+        type=int,
+        default=None,
+        help="rt.setup(micro_shards=M): each batch in M shards, summed along one tree (ddpkit's loop)",
+    )
     return parser
 
 
@@ -73,8 +77,10 @@ def bench_dataset(name: str, global_batch: int, model: str = "") -> DatasetInfo:
     info = load_dataset(name, "train")
     usable = len(info.dataset) // global_batch * global_batch
     if usable == 0:
-        raise UsageError(f"--data {name} has {len(info.dataset)} training samples, fewer than one "
-                         f"global batch of {global_batch}; lower --batch or --nproc")
+        raise UsageError(
+            f"--data {name} has {len(info.dataset)} training samples, fewer than one "
+            f"global batch of {global_batch}; lower --batch or --nproc"
+        )
     if usable == len(info.dataset):
         return info
     return dataclasses.replace(info, dataset=torch.utils.data.Subset(info.dataset, range(usable)))
@@ -85,4 +91,3 @@ def make_optimizer(model: torch.nn.Module, opts: argparse.Namespace) -> torch.op
     if opts.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=opts.lr)
     return torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
-

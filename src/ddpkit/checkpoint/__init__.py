@@ -74,7 +74,7 @@ def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool =
         DdpkitError: corrupt, not a ddpkit checkpoint, from a newer ddpkit, or holding
             objects that would need arbitrary unpickling.
     """
-    if Path(path).is_dir():            # a sharded (strategy="fsdp") checkpoint, consolidated here
+    if Path(path).is_dir():  # a sharded (strategy="fsdp") checkpoint, consolidated here
         return dcp.read_consolidated(Path(path), verified=verified)
     return pt.read(path, map_location, verified=verified)
 

@@ -24,8 +24,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from ddpkit._files import digest, fsync_dir, fsync_file, temp_path
 from ddpkit._torch import unwrap
 from ddpkit.checkpoint import steps
 from ddpkit.checkpoint.safe import reason, safe_load
-from ddpkit.dist import collectives
+from ddpkit.distributed import collectives
 from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint
 
 MANIFEST = "manifest.json"
@@ -101,8 +102,12 @@ def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, 
             fsync_file(path)
             sha, size = digest(path)
             files[path.name] = {"size": size, "sha256": sha}
-        manifest = {"format": FORMAT, "torch": torch.__version__, "world_size": collectives.world_size(),
-                    "files": files}
+        manifest = {
+            "format": FORMAT,
+            "torch": torch.__version__,
+            "world_size": collectives.world_size(),
+            "files": files,
+        }
         with open(tmp / MANIFEST, "w") as handle:
             json.dump(manifest, handle, indent=1)
             handle.flush()
@@ -118,8 +123,12 @@ def prune(directory: Path, keep: int, token: str) -> None:
     """Keep the newest ``keep`` checkpoints; remove what saves killed midway left (not ``token``'s)."""
     steps.prune(directory, keep)
     for path in directory.iterdir():
-        if path.is_dir() and path.name.startswith(".ckpt-step") and ".tmp-" in path.name \
-                and not path.name.endswith(token):
+        if (
+            path.is_dir()
+            and path.name.startswith(".ckpt-step")
+            and ".tmp-" in path.name
+            and not path.name.endswith(token)
+        ):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -135,16 +144,20 @@ def verify(path: Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT:
         raise DamagedCheckpoint(f"checkpoint {path}: {MANIFEST} is not a ddpkit DCP manifest")
     if _major_minor(manifest.get("torch", "")) > _major_minor(torch.__version__):
-        raise DdpkitError(f"checkpoint {path} was written by torch {manifest.get('torch')}, newer than this "
-                          f"torch {torch.__version__}; load it with torch {manifest.get('torch')} or newer")
+        raise DdpkitError(
+            f"checkpoint {path} was written by torch {manifest.get('torch')}, newer than this "
+            f"torch {torch.__version__}; load it with torch {manifest.get('torch')} or newer"
+        )
     for name, record in manifest["files"].items():
         file = path / name
         if not file.is_file():
             raise DamagedCheckpoint(f"checkpoint {path} is incomplete: {name} (in its manifest) is missing")
         sha, size = digest(file)
         if size != record["size"] or sha != record["sha256"]:
-            raise DamagedCheckpoint(f"checkpoint {path} is damaged: {name} has {size} bytes and another checksum "
-                              f"than its manifest records ({record['size']} bytes)")
+            raise DamagedCheckpoint(
+                f"checkpoint {path} is damaged: {name} has {size} bytes and another checksum "
+                f"than its manifest records ({record['size']} bytes)"
+            )
     return manifest
 
 
@@ -174,7 +187,7 @@ def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
         full = dcp_reader.load_whole(path)
     except DdpkitError:
         raise
-    except (Exception, CheckpointException) as exc:     # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise DamagedCheckpoint(f"checkpoint {path} cannot be read: {_cause(exc)}") from None
     user = dict(own.pop("user", {}))
     user.update(full)
@@ -213,9 +226,9 @@ def load(path: Path, state: MutableMapping[str, Any]) -> None:
     template = sharded_state(state)
     try:
         dcp_reader.load(path, template)
-    except DdpkitError:                                 # a refusal, or no readable .metadata
+    except DdpkitError:  # a refusal, or no readable .metadata
         raise
-    except (Exception, CheckpointException) as exc:     # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise DdpkitError(f"checkpoint {path} does not fit this model: {_cause(exc)}") from None
     models, optimizers = _entries(state)
     for key, model in models.items():
@@ -227,13 +240,14 @@ def load(path: Path, state: MutableMapping[str, Any]) -> None:
 def _cause(exc: BaseException) -> str:
     """The innermost ``SomeError: message`` line of DCP's per-rank tracebacks."""
     found = [line.strip() for line in str(exc).splitlines() if re.match(r"^\s*\w+(Error|Exception): ", line)]
-    return found[-1] if found else f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return (
+        found[-1] if found else f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    )
 
 
 def load_plain_into_sharded(state: MutableMapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
     """A ``.pt`` checkpoint of a replicated (DDP) run into sharded models; returns the keys it took."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     from ddpkit.parallel.fsdp import is_sharded
 
@@ -257,8 +271,10 @@ def _by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Ma
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
     if len(saved_ids) != len(order):
-        raise DdpkitError(f"the checkpoint's optimizer holds {len(saved_ids)} parameters, this one "
-                          f"{len(order)}: build the optimizer over the same parameters")
+        raise DdpkitError(
+            f"the checkpoint's optimizer holds {len(saved_ids)} parameters, this one "
+            f"{len(order)}: build the optimizer over the same parameters"
+        )
     name_of = dict(zip(saved_ids, order))
     state = {name_of[i]: value for i, value in saved["state"].items()}
     groups = [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]

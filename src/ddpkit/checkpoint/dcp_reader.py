@@ -41,21 +41,23 @@ from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint, one_
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 
-METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
-    (_METADATA, "Metadata"),
-    (_METADATA, "StorageMeta"),
-    (_METADATA, "MetadataIndex"),
-    (_METADATA, "TensorStorageMetadata"),
-    (_METADATA, "BytesStorageMetadata"),
-    (_METADATA, "ChunkStorageMetadata"),
-    (_METADATA, "TensorProperties"),
-    (_METADATA, "_MEM_FORMAT_ENCODING"),       # TensorProperties' memory format, an Enum
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),   # where each item lies in which file
-    ("torch", "Size"),                          # sizes and chunk offsets
-    ("torch.serialization", "_get_layout"),     # a torch.layout pickles as _get_layout("torch.strided")
-    ("pathlib", "PosixPath"),                   # StorageMeta.checkpoint_id, the directory written
-    ("pathlib._local", "PosixPath"),            # the same, pickled by Python 3.13
-})
+METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_METADATA, "Metadata"),
+        (_METADATA, "StorageMeta"),
+        (_METADATA, "MetadataIndex"),
+        (_METADATA, "TensorStorageMetadata"),
+        (_METADATA, "BytesStorageMetadata"),
+        (_METADATA, "ChunkStorageMetadata"),
+        (_METADATA, "TensorProperties"),
+        (_METADATA, "_MEM_FORMAT_ENCODING"),  # TensorProperties' memory format, an Enum
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # where each item lies in which file
+        ("torch", "Size"),  # sizes and chunk offsets
+        ("torch.serialization", "_get_layout"),  # a torch.layout pickles as _get_layout("torch.strided")
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id, the directory written
+        ("pathlib._local", "PosixPath"),  # the same, pickled by Python 3.13
+    }
+)
 """The ``(module, name)`` globals DCP metadata is made of, found by logging what the metadata of real
 checkpoints (models, AdamW + scheduler, one process and sharded on two) asks for; a dtype pickles
 as ``("torch", "float32")`` and the like (:data:`DTYPE_NAMES`). A test writes a checkpoint with
@@ -86,7 +88,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def _python3_name(module: str, name: str) -> str:
     """``module.name`` as Python 3 calls it: pickles of protocol 0-2 may say ``__builtin__.eval``."""
-    import _compat_pickle    # the table pickle itself maps Python 2 names with
+    import _compat_pickle  # the table pickle itself maps Python 2 names with
 
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
     return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
@@ -191,10 +193,14 @@ def read_metadata(reader: Reader) -> Metadata:
     except DdpkitError:
         raise
     except FileNotFoundError:
-        raise DamagedCheckpoint(f"checkpoint {path} has no {Path(file).name}: it is not a complete DCP checkpoint") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {path} has no {Path(file).name}: it is not a complete DCP checkpoint"
+        ) from None
     except Exception as exc:
         said = one_line(str(exc)) or "no message"
-        raise DamagedCheckpoint(f"checkpoint {file} cannot be read ({type(exc).__name__}: {said}); it is damaged") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {file} cannot be read ({type(exc).__name__}: {said}); it is damaged"
+        ) from None
     check_sizes(path, metadata)
     return metadata
 
@@ -209,9 +215,11 @@ def check_sizes(path: Path, metadata: Metadata) -> None:
     Raises:
         UnsafeCheckpoint: any of these does not hold.
     """
+
     def refuse(what: str) -> UnsafeCheckpoint:
-        return UnsafeCheckpoint(f"checkpoint {path}: {what}; ddpkit refuses to load it (it declares more "
-                                "memory than its files hold)")
+        return UnsafeCheckpoint(
+            f"checkpoint {path}: {what}; ddpkit refuses to load it (it declares more memory than its files hold)"
+        )
 
     root = path.resolve()
     spans: dict[Path, list[tuple[int, int]]] = {}
@@ -222,8 +230,10 @@ def check_sizes(path: Path, metadata: Metadata) -> None:
         if getattr(info, "transform_descriptors", None):
             raise refuse(f"item {index.fqn} is stored through {list(info.transform_descriptors)}")
         if info.offset < 0 or info.length < 0 or info.offset + info.length > file.stat().st_size:
-            raise refuse(f"item {index.fqn} spans bytes {info.offset}-{info.offset + info.length} of "
-                         f"{file.name} ({file.stat().st_size} bytes)")
+            raise refuse(
+                f"item {index.fqn} spans bytes {info.offset}-{info.offset + info.length} of "
+                f"{file.name} ({file.stat().st_size} bytes)"
+            )
         spans.setdefault(file, []).append((info.offset, info.offset + info.length))
     for file, pieces in spans.items():
         pieces.sort()
@@ -322,7 +332,7 @@ def load_whole(path: Path) -> dict[str, Any]:
 
 def _raise_refusal(exc: BaseException) -> None:
     """Raise the :class:`UnsafeCheckpoint` that DCP's ``exc`` carries (it gathers each rank's error)."""
-    for failure in getattr(exc, "failures", {}).values():      # CheckpointException: rank -> (error, trace)
+    for failure in getattr(exc, "failures", {}).values():  # CheckpointException: rank -> (error, trace)
         error = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(error, UnsafeCheckpoint):
             raise error from None

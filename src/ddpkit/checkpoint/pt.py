@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -32,10 +33,11 @@ from ddpkit.checkpoint.safe import reason, safe_load
 from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint
 
 FORMAT = "ddpkit-checkpoint"
-VERSION = 2   # 2: the loop state ("loop") replaced the list of loader positions
+VERSION = 2  # 2: the loop state ("loop") replaced the list of loader positions
 
 
 # -- writing ------------------------------------------------------------------------------
+
 
 def write(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path:
     """Write ``payload`` atomically: temp file, fsync, checksum file, rename, fsync the directory."""
@@ -84,23 +86,31 @@ def verify(path: str | os.PathLike) -> None:
     """
     path = Path(path)
     if not path.is_file():
-        raise DamagedCheckpoint(f"checkpoint {path} does not exist; give a checkpoint file, or its directory for the newest")
+        raise DamagedCheckpoint(
+            f"checkpoint {path} does not exist; give a checkpoint file, or its directory for the newest"
+        )
     record_path = sum_path(path)
     if not record_path.is_file():
         return  # written by something else (e.g. torch.save by hand): rely on torch.load's checks
     try:
         record = json.loads(record_path.read_text())
     except ValueError:
-        raise DamagedCheckpoint(f"checkpoint {path}: its checksum file {record_path.name} is damaged; delete it to "
-                          "load the checkpoint unchecked, or " + _EARLIER) from None
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: its checksum file {record_path.name} is damaged; delete it to "
+            "load the checkpoint unchecked, or " + _EARLIER
+        ) from None
     sha, size = digest(path)
     previous = record.get("previous") or {}
     if (sha, size) == (previous.get("sha256"), previous.get("size")):
-        return   # a save to this path was cut short before its rename: the old file is intact
+        return  # a save to this path was cut short before its rename: the old file is intact
     if size != record.get("size"):
-        raise DamagedCheckpoint(f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written; " + _EARLIER)
+        raise DamagedCheckpoint(
+            f"checkpoint {path} is truncated: {size} bytes of {record.get('size')} written; " + _EARLIER
+        )
     if sha != record.get("sha256"):
-        raise DamagedCheckpoint(f"checkpoint {path} is corrupted: its checksum does not match the one written; " + _EARLIER)
+        raise DamagedCheckpoint(
+            f"checkpoint {path} is corrupted: its checksum does not match the one written; " + _EARLIER
+        )
 
 
 def read(path: str | os.PathLike, map_location: Any = "cpu", *, verified: bool = False) -> dict[str, Any]:

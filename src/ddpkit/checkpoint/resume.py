@@ -15,14 +15,15 @@ loop, a layer above); :class:`RunLike` names what is used.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping, Protocol
+from typing import Any, Protocol
 
 from ddpkit import checkpoint, rng
 from ddpkit._version import __version__
 from ddpkit.checkpoint import dcp
-from ddpkit.dist import collectives, store_sync
+from ddpkit.distributed import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.observe.heartbeats import beat
 
@@ -94,16 +95,15 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
     rngs = collectives.all_gather_object(rng.rng_state())
     grads = _open_group_grads(run)
     own_stats, averages = None, {}
-    if any(b is not None for b in run.buffers):         # lazily averaged BatchNorm statistics
+    if any(b is not None for b in run.buffers):  # lazily averaged BatchNorm statistics
         for syncer in run.buffers:
             if syncer is not None:
-                syncer.agree()      # a layer trained on one rank only is saved as dirty on all
+                syncer.agree()  # a layer trained on one rank only is saved as dirty on all
         own_stats = collectives.all_gather_object([None if b is None else b.state_dict() for b in run.buffers])
-        averages = {b: b.averaged() for b in run.buffers if b is not None}    # out of place
+        averages = {b: b.averaged() for b in run.buffers if b is not None}  # out of place
     compression = None
-    if any(c is not None for c in run.compressors):    # the same models on every rank
-        compression = collectives.all_gather_object(
-            [None if c is None else c.state_dict() for c in run.compressors])
+    if any(c is not None for c in run.compressors):  # the same models on every rank
+        compression = collectives.all_gather_object([None if c is None else c.state_dict() for c in run.compressors])
     if not peers.is_main:
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
         return target
@@ -111,15 +111,20 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
     if grads is not None:
         own["accumulated_grads"] = grads
     if compression is not None:
-        own["compression"] = compression      # per rank, per model: the compressor's state
+        own["compression"] = compression  # per rank, per model: the compressor's state
     if own_stats is not None:
-        own["buffers"] = own_stats            # per rank, per model: its own statistics, for resume
+        own["buffers"] = own_stats  # per rank, per model: its own statistics, for resume
     user = _with_averages(checkpoint.user_state(state), state, averages)
     # each entry at the top level too (the same tensors, stored once): torch.load(path)["model"] reads
     # as a torch.save({"model": ...}) file would, for the scripts that read checkpoints themselves
-    payload = {**{key: value for key, value in user.items() if key not in _HEADER},
-               "format": checkpoint.FORMAT, "version": checkpoint.VERSION, "ddpkit_version": __version__,
-               "user": user, "ddpkit": own}
+    payload = {
+        **{key: value for key, value in user.items() if key not in _HEADER},
+        "format": checkpoint.FORMAT,
+        "version": checkpoint.VERSION,
+        "ddpkit_version": __version__,
+        "user": user,
+        "ddpkit": own,
+    }
     try:
         checkpoint.write(target, payload)
         if rotate:
@@ -161,11 +166,11 @@ def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Map
     for key, value in state.items():
         if isinstance(user.get(key), dict) and periodic.of(value) is not None:
             user[key] = periodic.exported(value, user[key])
-        found = averages.get(lazy_buffers.of(value))      # by syncer; empty when nothing was dirty
+        found = averages.get(lazy_buffers.of(value))  # by syncer; empty when nothing was dirty
         if found:
             saved = user[key]
             user[key] = type(saved)({k: found.get(k, v) for k, v in saved.items()})
-            if hasattr(saved, "_metadata"):           # torch's per-module versions, for load
+            if hasattr(saved, "_metadata"):  # torch's per-module versions, for load
                 user[key]._metadata = saved._metadata
     return user
 
@@ -174,18 +179,25 @@ def _open_group_grads(run: RunLike) -> list[Any] | None:
     """Every rank's part-accumulated gradients when a save falls inside an accumulation group."""
     if run.loop.micro_step == 0:
         return None
-    mine = [[None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()]
-            for model in run.models]
+    mine = [
+        [None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()] for model in run.models
+    ]
     return collectives.all_gather_object(mine)
 
 
 def _own_state(run: RunLike, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
     """ddpkit's part of every checkpoint: the loop, every rank's RNGs, precision, settings."""
     tracking = getattr(run, "tracking", None)
-    return {"loop": run.loop.state_dict(), "epoch": run.loop.epoch, "step": run.loop.step,
-            "rng": rngs, "world_size": peers.world_size, "precision": run.precision.state_dict(),
-            "config": {"seed": run.seed, "precision": run.precision.name},
-            "trackers": tracking.state_dict(run.loop.step) if tracking is not None else {}}
+    return {
+        "loop": run.loop.state_dict(),
+        "epoch": run.loop.epoch,
+        "step": run.loop.step,
+        "rng": rngs,
+        "world_size": peers.world_size,
+        "precision": run.precision.state_dict(),
+        "config": {"seed": run.seed, "precision": run.precision.name},
+        "trackers": tracking.state_dict(run.loop.step) if tracking is not None else {},
+    }
 
 
 def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, Any], keep: int) -> Path:
@@ -193,11 +205,15 @@ def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, An
     import uuid
 
     if path.suffix == ".pt":
-        raise UsageError(f"rt.save({str(path)!r}): under strategy='fsdp' a checkpoint is a directory of "
-                         "shards; give a checkpoint directory (each save makes a ckpt-stepNNNNNNNN in it)")
+        raise UsageError(
+            f"rt.save({str(path)!r}): under strategy='fsdp' a checkpoint is a directory of "
+            "shards; give a checkpoint directory (each save makes a ckpt-stepNNNNNNNN in it)"
+        )
     if run.loop.micro_step:
-        raise UsageError("rt.save inside an accumulation group under strategy='fsdp' is not supported; "
-                         "save at the step that ends a group")
+        raise UsageError(
+            "rt.save inside an accumulation group under strategy='fsdp' is not supported; "
+            "save at the step that ends a group"
+        )
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
     target = checkpoint.step_dir(path, run.loop.step)
     rngs = collectives.all_gather_object(rng.rng_state())
@@ -205,25 +221,31 @@ def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, An
     own = None
     if peers.is_main:
         plain = {key: state[key] for key in dcp.plain_entries(state)}
-        own = {**_own_state(run, peers, rngs), "user": checkpoint.user_state(plain),
-               "ddpkit_version": __version__, "strategy": "fsdp"}
+        own = {
+            **_own_state(run, peers, rngs),
+            "user": checkpoint.user_state(plain),
+            "ddpkit_version": __version__,
+            "strategy": "fsdp",
+        }
     try:
         dcp.save(target, state, own, token)
         if peers.is_main:
             dcp.prune(path, keep, token)
     except Exception as exc:
-        store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}" if peers.is_main
-                                 else None, peers.timeout_s)
+        store_sync.share_outcome(
+            meeting_point, f"could not write checkpoint {target}: {exc}" if peers.is_main else None, peers.timeout_s
+        )
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
     _saved_tracking(run)
     return target
 
 
-def _restore_sharded(run: RunLike, peers: Peers, target: Path, state: MutableMapping[str, Any], strict: bool, *,
-                     verified: bool) -> Path:
+def _restore_sharded(
+    run: RunLike, peers: Peers, target: Path, state: MutableMapping[str, Any], strict: bool, *, verified: bool
+) -> Path:
     problem = None
-    if peers.is_main and not verified:      # checkpoint.latest verified what it found
+    if peers.is_main and not verified:  # checkpoint.latest verified what it found
         try:
             dcp.verify(target)
         except DdpkitError as exc:
@@ -246,12 +268,16 @@ def _restore_rng(peers: Peers, own: Mapping[str, Any], target: Path) -> None:
     if saved_world == peers.world_size:
         rng.set_rng_state(own["rng"][peers.rank])
     elif peers.is_main:
-        warn(f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
-             f"{peers.world_size}: the data order and per-sample randomness continue exactly, "
-             "per-process random streams (dropout) start afresh")
+        warn(
+            f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
+            f"{peers.world_size}: the data order and per-sample randomness continue exactly, "
+            "per-process random streams (dropout) start afresh"
+        )
 
 
-def load(run: RunLike, peers: Peers, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True) -> Path:
+def load(
+    run: RunLike, peers: Peers, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True
+) -> Path:
     """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
 
     Resumes mid-epoch exactly: the next batch is the one after the last trained, also for
@@ -276,25 +302,34 @@ def load(run: RunLike, peers: Peers, path: str | os.PathLike, state: MutableMapp
     return _restore(run, peers, target, state, verified=False, strict=strict)
 
 
-def _restore(run: RunLike, peers: Peers, target: Path, state: MutableMapping[str, Any], *, verified: bool,
-             strict: bool = True) -> Path:
-    if dcp.is_dcp(target):           # a sharded checkpoint: rank 0 verifies it for everyone
+def _restore(
+    run: RunLike, peers: Peers, target: Path, state: MutableMapping[str, Any], *, verified: bool, strict: bool = True
+) -> Path:
+    if dcp.is_dcp(target):  # a sharded checkpoint: rank 0 verifies it for everyone
         return _restore_sharded(run, peers, target, state, strict, verified=verified)
     payload = checkpoint.read(target, verified=verified)
     own = payload["ddpkit"]
     if "loop" not in own:
-        raise DdpkitError(f"checkpoint {target} was written by ddpkit {payload.get('ddpkit_version', '?')}, "
-                          "before loader positions were keyed by name: its weights load with "
-                          "ddpkit.checkpoint.read(path)['user'], but it cannot resume a loop")
+        raise DdpkitError(
+            f"checkpoint {target} was written by ddpkit {payload.get('ddpkit_version', '?')}, "
+            "before loader positions were keyed by name: its weights load with "
+            "ddpkit.checkpoint.read(path)['user'], but it cannot resume a loop"
+        )
     saved_world = int(own.get("world_size", 1))
-    if own["loop"].get("micro_step") and saved_world != peers.world_size:      # before anything changes
-        raise DdpkitError(f"checkpoint {target} was saved inside an accumulation group on {saved_world} "
-                          f"process(es); resume it on {saved_world}, or save at the step that ends a group")
+    if own["loop"].get("micro_step") and saved_world != peers.world_size:  # before anything changes
+        raise DdpkitError(
+            f"checkpoint {target} was saved inside an accumulation group on {saved_world} "
+            f"process(es); resume it on {saved_world}, or save at the step that ends a group"
+        )
     taken: list[str] = []
-    if run.sharded():             # a replicated (DDP) run's checkpoint, into sharded models
+    if run.sharded():  # a replicated (DDP) run's checkpoint, into sharded models
         taken = dcp.load_plain_into_sharded(state, payload["user"])
-    _restore_entries(state, {k: v for k, v in payload["user"].items() if k not in taken},
-                     [key for key in state if key not in taken], target)
+    _restore_entries(
+        state,
+        {k: v for k, v in payload["user"].items() if k not in taken},
+        [key for key in state if key not in taken],
+        target,
+    )
     run.precision.load_state_dict(own["precision"])
     run.loop.restore(own["loop"], source=str(target), strict=strict)
     if "accumulated_grads" in own:
@@ -306,7 +341,7 @@ def _restore(run: RunLike, peers: Peers, target: Path, state: MutableMapping[str
     # on another world size every rank keeps the averages the model entry holds
     run.saved_buffers = stats[peers.rank] if stats is not None and saved_world == peers.world_size else None
     if run.saved_buffers is None:
-        for syncer in run.buffers:        # the loaded statistics are equal on every rank
+        for syncer in run.buffers:  # the loaded statistics are equal on every rank
             if syncer is not None:
                 syncer.dirty.clear()
     for index in range(len(run.models)):
@@ -343,17 +378,23 @@ def _restore_compression(run: RunLike, index: int, is_main: bool) -> None:
             from ddpkit.parallel.periodic import SYNCS
 
             if saved["name"] in SYNCS:
-                warn(f"checkpoint {source} was trained with sync={saved['name']!r} and resumes with a sync "
-                     "every step, from its synced weights")
+                warn(
+                    f"checkpoint {source} was trained with sync={saved['name']!r} and resumes with a sync "
+                    "every step, from its synced weights"
+                )
             else:
-                warn(f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
-                     "resumes without compression")
+                warn(
+                    f"checkpoint {source} was trained with grad_compression={saved['name']!r} and "
+                    "resumes without compression"
+                )
 
 
 def _restore_grads(run: RunLike, peers: Peers, saved: list[list[Any]], target: Path) -> None:
     if len(saved) != len(run.models):
-        raise DdpkitError(f"checkpoint {target} holds the gradients of {len(saved)} model(s) of an open "
-                          f"accumulation group; call rt.setup for each ({len(run.models)} so far) before load")
+        raise DdpkitError(
+            f"checkpoint {target} holds the gradients of {len(saved)} model(s) of an open "
+            f"accumulation group; call rt.setup for each ({len(run.models)} so far) before load"
+        )
     for model, grads in zip(run.models, saved):
         for param, grad in zip(model.parameters(), grads):
             if grad is None:
@@ -364,8 +405,15 @@ def _restore_grads(run: RunLike, peers: Peers, saved: list[list[Any]], target: P
                 param.grad.copy_(grad)
 
 
-def resume(run: RunLike, peers: Peers, source: str | os.PathLike | None, directory: Path | None,
-           state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
+def resume(
+    run: RunLike,
+    peers: Peers,
+    source: str | os.PathLike | None,
+    directory: Path | None,
+    state: MutableMapping[str, Any],
+    *,
+    strict: bool = True,
+) -> Path | None:
     """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
 
     ``source="auto"`` takes the newest complete checkpoint of ``directory`` and does nothing when
@@ -403,7 +451,7 @@ def newest_agreed(peers: Peers, directory: Path) -> Path | None:
     save lands between two looks) and silently train from different states; and only rank
     0 hashes the file. Every rank must call it.
     """
-    found = checkpoint.latest(directory) if peers.is_main else None     # verifies what it returns
+    found = checkpoint.latest(directory) if peers.is_main else None  # verifies what it returns
     found = collectives.broadcast_object(None if found is None else str(found))
     if found is None:
         return None

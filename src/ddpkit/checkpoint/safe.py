@@ -33,7 +33,7 @@ def safe_load(source: Any, where: Any, *, map_location: Any = "cpu") -> Any:
     """
     bounded(source, where)
     try:
-        with warnings.catch_warnings():          # torch's advice on a file it cannot read: the error says it
+        with warnings.catch_warnings():  # torch's advice on a file it cannot read: the error says it
             warnings.simplefilter("ignore")
             return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as exc:
@@ -65,8 +65,12 @@ def unsafe_refusal(exc: BaseException, where: Any) -> UnsafeCheckpoint | None:
     wanted = refused_global(exc)
     if wanted:
         return refused(where, wanted)
-    unsafe = re.search(r"^.*(Can only (?:build|create new object)|Trying to call reduce|"
-                       r"unsupported class).*$", text, re.IGNORECASE | re.MULTILINE)
+    unsafe = re.search(
+        r"^.*(Can only (?:build|create new object)|Trying to call reduce|"
+        r"unsupported class).*$",
+        text,
+        re.IGNORECASE | re.MULTILINE,
+    )
     if unsafe:
         return refused(where, None, unsafe.group(0))
     return None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -12,16 +13,17 @@ from ddpkit.errors import DdpkitError, one_line
 
 def user_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict()`` of each object that has one; plain values as they are."""
-    return {key: unwrap(value).state_dict() if hasattr(value, "state_dict") else value
-            for key, value in state.items()}
+    return {key: unwrap(value).state_dict() if hasattr(value, "state_dict") else value for key, value in state.items()}
 
 
 def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any], path: Any) -> None:
     """Load each saved entry into ``state``; models are checked key by key and shape by shape."""
     missing = [key for key in state if key not in saved]
     if missing:
-        raise DdpkitError(f"checkpoint {path} has no entry for {', '.join(map(repr, missing))}; "
-                          f"it holds {', '.join(map(repr, saved)) or 'nothing'}: pass a state with those keys")
+        raise DdpkitError(
+            f"checkpoint {path} has no entry for {', '.join(map(repr, missing))}; "
+            f"it holds {', '.join(map(repr, saved)) or 'nothing'}: pass a state with those keys"
+        )
     for key, target in state.items():
         if hasattr(target, "load_state_dict"):
             obj = unwrap(target)
@@ -42,14 +44,21 @@ def check_model_state(model: torch.nn.Module, saved: Mapping[str, Any], where: s
     expected = model.state_dict()
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
-    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(v.shape)]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(v.shape)
+    ]
     problems = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                         ("shape mismatches (checkpoint vs model)", shapes)):
+    for label, items in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches (checkpoint vs model)", shapes),
+    ):
         if items:
             shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
             problems.append(f"{label}: {shown}")
     if problems:
-        raise DdpkitError(f"{where} is for another model: " + "; ".join(problems)
-                          + "; build the model the checkpoint was saved from")
+        raise DdpkitError(
+            f"{where} is for another model: " + "; ".join(problems) + "; build the model the checkpoint was saved from"
+        )

@@ -38,8 +38,11 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of each step checkpoint in ``directory``, files and step directories, unordered."""
     if not directory.is_dir():
         return []
-    return [(int(m.group(1)), p) for p in directory.iterdir()
-            if (m := STEP_FILE.match(p.name)) or (p.is_dir() and (m := STEP_DIR.match(p.name)))]
+    return [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := STEP_FILE.match(p.name)) or (p.is_dir() and (m := STEP_DIR.match(p.name)))
+    ]
 
 
 def prune(directory: str | os.PathLike, keep: int) -> None:
@@ -60,8 +63,11 @@ def prune(directory: str | os.PathLike, keep: int) -> None:
         temp = _TEMP_NAME.match(path.name)
         if temp and int(temp.group(1)) != os.getpid() and not _alive(int(temp.group(1))):
             path.unlink(missing_ok=True)
-        elif path.name.endswith(".pt.sha256") and STEP_FILE.match(path.name[:-7]) \
-                and not path.with_name(path.name[:-7]).exists():
+        elif (
+            path.name.endswith(".pt.sha256")
+            and STEP_FILE.match(path.name[:-7])
+            and not path.with_name(path.name[:-7]).exists()
+        ):
             path.unlink(missing_ok=True)
 
 

@@ -12,7 +12,7 @@ the top layer, checked by import-linter.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ddpkit.cli import bench, demo, doctor, export, predict, run, slurm, train
 from ddpkit.errors import DdpkitError, UsageError
@@ -47,12 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _main(list(sys.argv[1:] if argv is None else argv))
         finally:
-            sys.stdout.flush()          # here, not at exit, so a closed pipe is caught below
+            sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
     except BrokenPipeError:
         import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # no second error at exit's flush
-        return 141                                                       # 128 + SIGPIPE, as a shell reports
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, as a shell reports
 
 
 def _main(argv: list[str]) -> int:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def parser() -> argparse.ArgumentParser:

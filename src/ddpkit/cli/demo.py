@@ -12,25 +12,30 @@ into ``runs/demo``.
 from __future__ import annotations
 
 import argparse
-
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ddpkit._argparse import Parser
-from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.dist.torchrun import RunSpec, run
-from ddpkit.recipes.config import TrainConfig, validate
 from ddpkit.bench.outputs import verified_line, write_report
 from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
+from ddpkit.distributed.torchrun import RunSpec, run
+from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.recipes.config import TrainConfig, validate
+
 
 def _rel_diff_cell(value: float) -> str:
     """``0 (bitwise)`` for equal bits, else the difference in one significant digit."""
     return "0 (bitwise)" if value == 0 else f"{value:.0e}"
 
 
-DEMO_COLUMNS = [*COLUMNS[:3], ("micro_shards", "micro-shards", "{:d}"), *COLUMNS[3:],
-                ("max_rel_diff_vs_single", "max rel. diff vs single", _rel_diff_cell)]
+DEMO_COLUMNS = [
+    *COLUMNS[:3],
+    ("micro_shards", "micro-shards", "{:d}"),
+    *COLUMNS[3:],
+    ("max_rel_diff_vs_single", "max rel. diff vs single", _rel_diff_cell),
+]
 """The demo's table: the comparison's columns and how far each run's weights end from one process's."""
 
 
@@ -59,9 +64,9 @@ def modes(nproc: int, gpus: int) -> list[tuple[str, dict[str, Any]]]:
     (:mod:`ddpkit.parallel.exact`): the same bits on 1 and ``nproc`` processes. Otherwise the DDP
     rows keep ``ddpkit train``'s default, SyncBatchNorm (the same weights up to float rounding)."""
     exact = {"micro_shards": nproc} if nproc & (nproc - 1) == 0 else {}
-    found = [("single", {"nproc": 1, "precision": "fp32"})]     # every core: the speed to beat
+    found = [("single", {"nproc": 1, "precision": "fp32"})]  # every core: the speed to beat
     if exact:
-        found.append(("single", {"nproc": 1, "precision": "fp32", **exact}))   # the weights to match
+        found.append(("single", {"nproc": 1, "precision": "fp32", **exact}))  # the weights to match
     if gpus >= 2:
         found.append(("dp", {"nproc": 1, "precision": "fp32", "data_parallel": True}))
     found.append(("ddp", {"nproc": nproc, "precision": "fp32", **exact}))
@@ -71,8 +76,9 @@ def modes(nproc: int, gpus: int) -> list[tuple[str, dict[str, Any]]]:
 
 def _train(config: TrainConfig) -> dict[str, Any]:
     validate(config)
-    code = run(RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True,
-                       nproc_per_node=config.nproc))
+    code = run(
+        RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True, nproc_per_node=config.nproc)
+    )
     if code != 0:
         raise DdpkitError(f"demo run into {config.out} failed (exit code {code}); see the output above")
     return json.loads((Path(config.out) / "summary.json").read_text())
@@ -91,21 +97,38 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
         shards = overrides.get("micro_shards")
         name = f"{mode}-x{overrides['nproc']}-{overrides['precision']}" + (f"-ms{shards}" if shards else "")
         print(f"== {name}", flush=True)
-        config = TrainConfig(model="convnet", data="digits", epochs=epochs, out=f"{out}/{name}",
-                             overwrite=True, **overrides)
+        config = TrainConfig(
+            model="convnet", data="digits", epochs=epochs, out=f"{out}/{name}", overwrite=True, **overrides
+        )
         summary = _train(config)
         weights[name] = guarantee.final_weights(summary)
         print(f"== {name}: measuring a step as ddpkit bench does", flush=True)
         step = _measure(mode, overrides, gpus, Path(out) / "bench" / f"{name}.json", sync_bn=summary["sync_bn"])
-        rows.append({"mode": mode, "processes": summary["world_size"], "precision": summary["precision"],
-                     "wall_seconds": summary["wall_seconds"], "samples_per_second": summary["samples_per_second"],
-                     "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
-                     "sync_bn": summary["sync_bn"], "micro_shards": summary.get("micro_shards"), "run": name,
-                     "step": step})
+        rows.append(
+            {
+                "mode": mode,
+                "processes": summary["world_size"],
+                "precision": summary["precision"],
+                "wall_seconds": summary["wall_seconds"],
+                "samples_per_second": summary["samples_per_second"],
+                "test_accuracy": summary["test_accuracy"],
+                "test_loss": summary["test_loss"],
+                "sync_bn": summary["sync_bn"],
+                "micro_shards": summary.get("micro_shards"),
+                "run": name,
+                "step": step,
+            }
+        )
     singles = {row["micro_shards"]: row["run"] for row in rows if row["mode"] == "single"}
-    rows = [{**row, "max_rel_diff_vs_single": guarantee.max_rel_diff(weights[singles[row["micro_shards"]]],
-                                                                      weights[row["run"]])}
-            for row in rows]                  # each against the single process of the same settings
+    rows = [
+        {
+            **row,
+            "max_rel_diff_vs_single": guarantee.max_rel_diff(
+                weights[singles[row["micro_shards"]]], weights[row["run"]]
+            ),
+        }
+        for row in rows
+    ]  # each against the single process of the same settings
     exact_single = next(r for r in rows if r["mode"] == "ddp")["micro_shards"]
     reference_run = singles[exact_single]
     reference = weights[reference_run]
@@ -119,32 +142,50 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
     closest = _closest(rows, gpus, Path(out) / "bench")
     said = verdict(rows, closest)
     checks = [f"- {row['run']}: {verified_line(row['verify'])}" for row in rows if row["verify"]]
-    note = (f"ConvNet on scikit-learn digits ({epochs} epochs, global batch 64, SGD lr 0.05), "
-            f"{'CUDA' if gpus else 'CPU'}; wall s is the whole training process, samples/s the "
-            "training steps alone, and the speed-up is against the first row, one process on every core; "
-            "max rel. diff is the largest relative difference of a run's final weights from those of the "
-            "single process trained with the same settings. "
-            + (f"The rows named `-ms{nproc}` train with `--micro-shards {nproc}`: each global batch in {nproc} "
-               f"shards with their own BatchNorm statistics, computed on {exact_threads(rows, nproc)} "
-               "thread(s) each and summed along one fixed tree, so one process and DDP do the same additions "
-               "(the single process computes its shards one after another, on a share of the cores). "
-               if exact_single else
-               "BatchNorm is synchronised across processes (`ddpkit train`'s default). ")
-            + "The diagnoses come from a separate measured run of each "
-            "configuration as `ddpkit bench` runs it (the same micro-shards; 3 warm-up + 20 timed steps); "
-            "in the shares, communication is what DDP's backward (or the micro-shards' exchange after it) took "
-            "beyond a backward without gradient sync.\n\n## Diagnosis\n\n"
-            + "\n".join(f"- {row['run']}: {row['diagnosis']}" for row in rows)
-            + ("\n\n## Diagnosis checked by measuring it\n\n" + "\n".join(checks) if checks else "")
-            + f"\n\n## Verdict\n\n{said}")
-    paths = write_report(out, [{k: v for k, v in r.items() if k != "step"} for r in rows], title="ddpkit demo",
-                         columns=DEMO_COLUMNS, extra_markdown=note, opening=opening)
-    curves = {row["run"]: guarantee.epoch_losses(Path(out) / row["run"]) for row in rows
-              if row["micro_shards"] == exact_single}
+    note = (
+        f"ConvNet on scikit-learn digits ({epochs} epochs, global batch 64, SGD lr 0.05), "
+        f"{'CUDA' if gpus else 'CPU'}; wall s is the whole training process, samples/s the "
+        "training steps alone, and the speed-up is against the first row, one process on every core; "
+        "max rel. diff is the largest relative difference of a run's final weights from those of the "
+        "single process trained with the same settings. "
+        + (
+            f"The rows named `-ms{nproc}` train with `--micro-shards {nproc}`: each global batch in {nproc} "
+            f"shards with their own BatchNorm statistics, computed on {exact_threads(rows, nproc)} "
+            "thread(s) each and summed along one fixed tree, so one process and DDP do the same additions "
+            "(the single process computes its shards one after another, on a share of the cores). "
+            if exact_single
+            else "BatchNorm is synchronised across processes (`ddpkit train`'s default). "
+        )
+        + "The diagnoses come from a separate measured run of each "
+        "configuration as `ddpkit bench` runs it (the same micro-shards; 3 warm-up + 20 timed steps); "
+        "in the shares, communication is what DDP's backward (or the micro-shards' exchange after it) took "
+        "beyond a backward without gradient sync.\n\n## Diagnosis\n\n"
+        + "\n".join(f"- {row['run']}: {row['diagnosis']}" for row in rows)
+        + ("\n\n## Diagnosis checked by measuring it\n\n" + "\n".join(checks) if checks else "")
+        + f"\n\n## Verdict\n\n{said}"
+    )
+    paths = write_report(
+        out,
+        [{k: v for k, v in r.items() if k != "step"} for r in rows],
+        title="ddpkit demo",
+        columns=DEMO_COLUMNS,
+        extra_markdown=note,
+        opening=opening,
+    )
+    curves = {
+        row["run"]: guarantee.epoch_losses(Path(out) / row["run"])
+        for row in rows
+        if row["micro_shards"] == exact_single
+    }
     curves[f"hand-written-ddp-x{nproc}"] = hand_written["test_loss"]
-    notes = {row["run"]: f"weights equal bit for bit; evaluation's float32 rounding, test set split in {nproc}"
-             for row in rows if row["run"] in curves and row["run"] != reference_run
-             and row["max_rel_diff_vs_single"] == 0 and row["processes"] > 1}
+    notes = {
+        row["run"]: f"weights equal bit for bit; evaluation's float32 rounding, test set split in {nproc}"
+        for row in rows
+        if row["run"] in curves
+        and row["run"] != reference_run
+        and row["max_rel_diff_vs_single"] == 0
+        and row["processes"] > 1
+    }
     guarantee.plot_losses(Path(out), curves, reference_run, notes)
     print()
     print(opening)
@@ -166,26 +207,63 @@ def _hand_written(nproc: int, epochs: int, out: Path) -> dict[str, Any]:
     from ddpkit.bench import guarantee
 
     print(f"== hand-written DDP x{nproc} (DistributedSampler, 64 samples per process)", flush=True)
-    args = ["--model", "convnet", "--data", "digits", "--epochs", str(epochs), "--batch", "64", "--lr", "0.05",
-            "--momentum", "0.9", "--seed", "0", "--out", str(out)]
+    args = [
+        "--model",
+        "convnet",
+        "--data",
+        "digits",
+        "--epochs",
+        str(epochs),
+        "--batch",
+        "64",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0.9",
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+    ]
     code = run(RunSpec("ddpkit.bench.raw_train", args, module=True, nproc_per_node=nproc))
     if code != 0:
         raise DdpkitError(f"the hand-written DDP run into {out} failed (exit code {code}); see the output above")
     return guarantee.hand_written_weights(out)
 
 
-def _measure(mode: str, overrides: dict[str, Any], gpus: int, result: Path, *, batch_factor: int = 1,
-             grad_compression: str = "none", sync_bn: bool = False) -> dict[str, Any]:
+def _measure(
+    mode: str,
+    overrides: dict[str, Any],
+    gpus: int,
+    result: Path,
+    *,
+    batch_factor: int = 1,
+    grad_compression: str = "none",
+    sync_bn: bool = False,
+) -> dict[str, Any]:
     """A ``ddpkit bench`` row of this configuration: 64 samples a step and BatchNorm as the training
     used (times ``batch_factor``, with ``grad_compression``, where a diagnosis's fix is measured)."""
     from ddpkit.bench.plan import Configuration, Settings
     from ddpkit.bench.run import measure
 
     nproc, devices = overrides["nproc"], (gpus if overrides.get("data_parallel") else 1)
-    config = Configuration(mode, nproc, overrides["precision"], devices=devices, grad_compression=grad_compression,
-                           sync_bn=sync_bn, micro_shards=overrides.get("micro_shards"))
-    settings = Settings(model="convnet", data="digits", batch=max(1, 64 // (nproc * devices)) * batch_factor,
-                        steps=20, warmup=3, out=str(result.parent))
+    config = Configuration(
+        mode,
+        nproc,
+        overrides["precision"],
+        devices=devices,
+        grad_compression=grad_compression,
+        sync_bn=sync_bn,
+        micro_shards=overrides.get("micro_shards"),
+    )
+    settings = Settings(
+        model="convnet",
+        data="digits",
+        batch=max(1, 64 // (nproc * devices)) * batch_factor,
+        steps=20,
+        warmup=3,
+        out=str(result.parent),
+    )
     return measure(config, settings, result)
 
 
@@ -195,8 +273,14 @@ def _diagnosed(row: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, An
 
     step = row["step"]
     diagnosis = diagnose(step, steps)
-    return {**row, "diagnosis": diagnosis, "bound": bound_word(diagnosis), "shares": shares(step),
-            "threads_per_process": step["threads_per_process"], "cores": step["cores"]}
+    return {
+        **row,
+        "diagnosis": diagnosis,
+        "bound": bound_word(diagnosis),
+        "shares": shares(step),
+        "threads_per_process": step["threads_per_process"],
+        "cores": step["cores"],
+    }
 
 
 def shares(step: dict[str, Any]) -> dict[str, float]:
@@ -210,8 +294,12 @@ def shares(step: dict[str, Any]) -> dict[str, float]:
     exposed = exposed or 0.0
     busy = phases["forward"] + phases["backward"] + phases["optimizer"]
     waiting = max(0.0, total - busy - phases["data_wait"])
-    parts = {"compute": max(0.0, busy - exposed), "communication": min(exposed, busy), "waiting": waiting,
-             "data": phases["data_wait"]}
+    parts = {
+        "compute": max(0.0, busy - exposed),
+        "communication": min(exposed, busy),
+        "waiting": waiting,
+        "data": phases["data_wait"],
+    }
     whole = sum(parts.values()) or 1.0
     return {name: value / whole for name, value in parts.items()}
 
@@ -224,12 +312,22 @@ def _verify(row: dict[str, Any], steps: list[dict[str, Any]], gpus: int, runs: P
     if not fixes:
         return None
     fix = fixes[0]
-    overrides = {"nproc": row["processes"] if row["mode"] != "dp" else 1, "precision": row["precision"],
-                 "data_parallel": row["mode"] == "dp", "micro_shards": row.get("micro_shards")}
+    overrides = {
+        "nproc": row["processes"] if row["mode"] != "dp" else 1,
+        "precision": row["precision"],
+        "data_parallel": row["mode"] == "dp",
+        "micro_shards": row.get("micro_shards"),
+    }
     print(f"== {row['run']}: measuring the diagnosis's fix, {fix['change']}", flush=True)
-    measured = _measure(row["mode"], overrides, gpus, runs / f"verify-{row['run']}.json",
-                        batch_factor=fix.get("batch_factor", 1),
-                        grad_compression=fix.get("grad_compression", "none"), sync_bn=row["sync_bn"])
+    measured = _measure(
+        row["mode"],
+        overrides,
+        gpus,
+        runs / f"verify-{row['run']}.json",
+        batch_factor=fix.get("batch_factor", 1),
+        grad_compression=fix.get("grad_compression", "none"),
+        sync_bn=row["sync_bn"],
+    )
     return {**checked(fix, measured["samples_per_second"]), "step": measured}
 
 
@@ -248,17 +346,26 @@ def _closest(rows: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any
     if gpus or not ddp or max(r["speedup"] for r in ddp) >= 1.0:
         return None
     found = [{"what": f"DDP x{r['processes']} {r['precision']} (the table)", "speedup": r["speedup"]} for r in ddp]
-    found += [{"what": f"DDP x{r['processes']} {r['precision']} with {r['verify']['change']}",
-               "speedup": r["verify"]["measured_samples_per_second"] / single}
-              for r in ddp if r.get("verify")]
+    found += [
+        {
+            "what": f"DDP x{r['processes']} {r['precision']} with {r['verify']['change']}",
+            "speedup": r["verify"]["measured_samples_per_second"] / single,
+        }
+        for r in ddp
+        if r.get("verify")
+    ]
     nproc = ddp[0]["processes"]
     print(f"== resnet18: one process and DDP x{nproc}, measured as ddpkit bench does", flush=True)
     settings = Settings(model="resnet18", data="synthetic", batch=32, steps=8, warmup=2, out=str(runs))
     alone = measure(Configuration("single", 1, "fp32"), settings, runs / "resnet18-single.json")
     together = measure(Configuration("ddp", nproc, "fp32"), settings, runs / f"resnet18-ddp-x{nproc}.json")
-    found.append({"what": f"ResNet-18, DDP x{nproc} fp32 against one process (`ddpkit bench --model resnet18 "
-                          f"--data synthetic --modes single,ddp --nproc {nproc}`)",
-                  "speedup": together["samples_per_second"] / alone["samples_per_second"]})
+    found.append(
+        {
+            "what": f"ResNet-18, DDP x{nproc} fp32 against one process (`ddpkit bench --model resnet18 "
+            f"--data synthetic --modes single,ddp --nproc {nproc}`)",
+            "speedup": together["samples_per_second"] / alone["samples_per_second"],
+        }
+    )
     return max(found, key=lambda f: f["speedup"])
 
 
@@ -279,28 +386,38 @@ def verdict(rows: list[dict[str, Any]], closest: dict[str, Any] | None = None) -
     cores, threads, n = ddp["cores"], ddp["threads_per_process"], ddp["processes"]
     split = ", ".join(f"{name} {value:.0%}" for name, value in ddp["shares"].items() if value >= 0.005)
     bound = ddp["diagnosis"].split(";")[0].removeprefix("bound by ").split(" (")[0]
-    said = [f"On this machine ({cores} cores, {n} processes of {threads} thread(s) each), DDP x{n} runs at "
-            f"{ddp['speedup']:.2f}x the samples/s of one process: it is bound by {bound} (a step is {split})."]
+    said = [
+        f"On this machine ({cores} cores, {n} processes of {threads} thread(s) each), DDP x{n} runs at "
+        f"{ddp['speedup']:.2f}x the samples/s of one process: it is bound by {bound} (a step is {split})."
+    ]
     fast = [r for r in rows if r["precision"] != "fp32" and "not accelerated" in r["diagnosis"]]
     for row in fast:
         said.append(f"{row['precision']} runs at {row['speedup']:.2f}x: {row['diagnosis'].split(':')[0]}.")
     if ddp["speedup"] < 1.0:
-        said.append("What would change it: more compute per step (a bigger model or batch), so the fixed "
-                    "per-step costs and the gradient exchange weigh less, and more cores, machines or GPUs "
-                    "to run on.")
+        said.append(
+            "What would change it: more compute per step (a bigger model or batch), so the fixed "
+            "per-step costs and the gradient exchange weigh less, and more cores, machines or GPUs "
+            "to run on."
+        )
         if closest is not None:
             if closest["speedup"] < 1:
-                said.append(f"The closest to a speed-up measured here is {closest['what']}: "
-                            f"{closest['speedup']:.2f}x, {1 - closest['speedup']:.0%} short of one process's samples/s.")
+                said.append(
+                    f"The closest to a speed-up measured here is {closest['what']}: "
+                    f"{closest['speedup']:.2f}x, {1 - closest['speedup']:.0%} short of one process's samples/s."
+                )
             else:
-                said.append(f"A speed-up does show here with more compute per step: {closest['what']}, "
-                            f"{closest['speedup']:.2f}x ({closest['speedup'] - 1:.0%} more samples/s than one process).")
+                said.append(
+                    f"A speed-up does show here with more compute per step: {closest['what']}, "
+                    f"{closest['speedup']:.2f}x ({closest['speedup'] - 1:.0%} more samples/s than one process)."
+                )
     else:
         said.append(f"{single['mode']} is the baseline; `ddpkit bench` explains each row in more detail.")
     exact = next((r for r in rows if r["mode"] == "single" and r.get("micro_shards")), None)
     if exact is not None and single.get("samples_per_second"):
         ratio = exact["samples_per_second"] / single["samples_per_second"]
-        said.append(f"The same bits on 1 and {n} processes cost one process here: with --micro-shards "
-                    f"{exact['micro_shards']} it computes its shards one after another, at {ratio:.2f}x the samples/s "
-                    f"of one process on every core; the DDP rows run one shard a process and do not pay it.")
+        said.append(
+            f"The same bits on 1 and {n} processes cost one process here: with --micro-shards "
+            f"{exact['micro_shards']} it computes its shards one after another, at {ratio:.2f}x the samples/s "
+            f"of one process on every core; the DDP rows run one shard a process and do not pay it."
+        )
     return " ".join(said)

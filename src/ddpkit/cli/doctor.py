@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-
 import json
 import os
 import platform
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ddpkit._argparse import Parser
-from ddpkit.dist import host, process_group
-from ddpkit.dist.environment import detect
+from ddpkit.distributed import host, process_group
+from ddpkit.distributed.environment import detect
 from ddpkit.errors import DdpkitError
 
 
@@ -102,9 +102,12 @@ def examine() -> Report:
     _listening(report, env)
     _fault_tolerant(report)
     _threads(report, env.local_world_size)
-    report.add("not checked", "firewalls and routes between nodes, other programs' ports, SLURM's and the "
-               "trackers' own daemons and network use, NCCL's InfiniBand and NVLink transports, plain torchrun's "
-               "stores beyond its variables")
+    report.add(
+        "not checked",
+        "firewalls and routes between nodes, other programs' ports, SLURM's and the "
+        "trackers' own daemons and network use, NCCL's InfiniBand and NVLink transports, plain torchrun's "
+        "stores beyond its variables",
+    )
     return report
 
 
@@ -115,57 +118,80 @@ def _fault_tolerant(report: Any) -> None:
     except ImportError:
         report.add("fault-tolerant listens on", "nothing: torchft is not installed (pip install 'ddpkit[ft]')")
         return
-    from ddpkit.dist import ft_control
+    from ddpkit.distributed import ft_control
 
     refused = ft_control.namespace_refusal()
     if not refused:
-        report.add("fault-tolerant listens on", "one machine: torchft's lighthouse and managers in a network namespace "
-                   "of the job's own (no other process can connect), reached through a Unix socket in a 0700 "
-                   "directory; heal servers and gloo on 127.0.0.1, heal requests and payloads signed with the job's "
-                   "secret; stores are files in that directory")
+        report.add(
+            "fault-tolerant listens on",
+            "one machine: torchft's lighthouse and managers in a network namespace "
+            "of the job's own (no other process can connect), reached through a Unix socket in a 0700 "
+            "directory; heal servers and gloo on 127.0.0.1, heal requests and payloads signed with the job's "
+            "secret; stores are files in that directory",
+        )
     else:
-        report.add("fault-tolerant listens on", "one machine: torchft's lighthouse and managers on 127.0.0.1 (no "
-                   "namespace of their own here); heal servers and gloo on 127.0.0.1, signed with the job's secret; "
-                   "stores are files in a 0700 directory")
-        report.warnings.append(f"this machine gives no unprivileged network namespace ({refused}): other users of "
-                               "it can reach a fault-tolerant job's torchft lighthouse and managers on 127.0.0.1 "
-                               "(torchft's Kill restarts a replica; a forged Quorum makes a step be redone); they "
-                               "cannot read or change its state")
-    report.add("fault-tolerant across hosts", "node 0: the lighthouse at the master's PORT and the job's store at "
-               "PORT + 1; each node: its managers, replica stores and heal servers on its address on the job's "
-               "network, heal payloads signed with --secret-file (the multi-node trust boundary: "
-               "docs/concepts/security.md)")
+        report.add(
+            "fault-tolerant listens on",
+            "one machine: torchft's lighthouse and managers on 127.0.0.1 (no "
+            "namespace of their own here); heal servers and gloo on 127.0.0.1, signed with the job's secret; "
+            "stores are files in a 0700 directory",
+        )
+        report.warnings.append(
+            f"this machine gives no unprivileged network namespace ({refused}): other users of "
+            "it can reach a fault-tolerant job's torchft lighthouse and managers on 127.0.0.1 "
+            "(torchft's Kill restarts a replica; a forged Quorum makes a step be redone); they "
+            "cannot read or change its state"
+        )
+    report.add(
+        "fault-tolerant across hosts",
+        "node 0: the lighthouse at the master's PORT and the job's store at "
+        "PORT + 1; each node: its managers, replica stores and heal servers on its address on the job's "
+        "network, heal payloads signed with --secret-file (the multi-node trust boundary: "
+        "docs/concepts/security.md)",
+    )
 
 
 def _listening(report: Any, env: Any) -> None:
     """Every address a run with these settings listens on, from what the launcher itself uses.
 
-    gloo's (and NCCL's) interface comes from :func:`ddpkit.dist.stores.gloo_interface`, the function
+    gloo's (and NCCL's) interface comes from :func:`ddpkit.distributed.stores.gloo_interface`, the function
     ``ddpkit run``, ``ddpkit.launch`` and ``ddpkit.init`` set it with, so a container whose host
     name resolves to its network address gets the real answer.
     """
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     interface, address = stores.gloo_interface(env.num_nodes, env.master_addr, env.master_port)
     where = f"{address or '(no address)'} ({interface or 'the interface of the host name'})"
     report.add("gloo/NCCL listen on", where)
     if env.num_nodes > 1 or (env.launcher == "slurm" and env.world_size > 1):
-        report.add("a run listens on", f"{env.master_addr}:{env.master_port} (rendezvous and rank 0's store, on "
-                   f"node 0) and {where} for gloo/NCCL; see README 'Security'")
+        report.add(
+            "a run listens on",
+            f"{env.master_addr}:{env.master_port} (rendezvous and rank 0's store, on "
+            f"node 0) and {where} for gloo/NCCL; see README 'Security'",
+        )
         return
     if address is not None and host.is_loopback(address):
-        report.add("a run listens on", f"{address} only (gloo's ports; the rendezvous and the workers' store are "
-                   "files in a private directory) for ddpkit run, ddpkit.launch, train/bench/predict/demo")
+        report.add(
+            "a run listens on",
+            f"{address} only (gloo's ports; the rendezvous and the workers' store are "
+            "files in a private directory) for ddpkit run, ddpkit.launch, train/bench/predict/demo",
+        )
     else:
         report.add("a run listens on", f"{where}: gloo's ports, reachable from the network")
         report.warnings.append(
             f"GLOO_SOCKET_IFNAME={interface} makes gloo listen on {address or interface}, where other hosts can "
-            "connect; unset it (a job on one machine binds loopback) unless this is meant")
-    if env.launcher == "torchelastic" and not env.store_dir and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            "connect; unset it (a job on one machine binds loopback) unless this is meant"
+        )
+    if (
+        env.launcher == "torchelastic"
+        and not env.store_dir
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
         report.warnings.append(
             "started by plain torchrun: its agent's rendezvous and worker stores listen on every interface, "
             "and its rendezvous unpickles what it reads there; anyone who can reach those ports can run code "
-            "as you. ddpkit run keeps them in files only you can open on one machine")
+            "as you. ddpkit run keeps them in files only you can open on one machine"
+        )
 
 
 def _network(report: Any, env: Any) -> None:

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
-
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ddpkit._argparse import Parser
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import UsageError
 
 
 def parser() -> argparse.ArgumentParser:
     """The parser of ``ddpkit export``."""
-    parser = Parser(prog="ddpkit export", description="Write a checkpoint's model weights (sharded or not) "
-                    "as one state dict with plain names, loadable with torch.load and model.load_state_dict.")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint (file, step directory, or a "
-                        "checkpoint directory: its newest)")
+    parser = Parser(
+        prog="ddpkit export",
+        description="Write a checkpoint's model weights (sharded or not) "
+        "as one state dict with plain names, loadable with torch.load and model.load_state_dict.",
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint (file, step directory, or a checkpoint directory: its newest)"
+    )
     parser.add_argument("--out", required=True, help="FILE.pt to write")
     parser.add_argument("--key", default="model", help="the state entry to export (default model)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

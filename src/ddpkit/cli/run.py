@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ddpkit._argparse import Parser
-from ddpkit.dist.host import host_port
-from ddpkit.dist.torchrun import RunSpec, run
+from ddpkit.distributed.host import host_port
+from ddpkit.distributed.torchrun import RunSpec, run
 from ddpkit.errors import UsageError
 
 # (our spelling, torchrun's spelling) -> dest; each takes a value.
@@ -61,8 +62,8 @@ _NOT_TAKEN = {
     "--local-addr": "ddpkit picks this node's address on the route to the master",
 }
 
-TORCHRUN_MASTER_PORT = 29500    # torchrun's default for --master_port
-TORCHRUN_RDZV_PORT = 29400      # and for an --rdzv_endpoint without a port
+TORCHRUN_MASTER_PORT = 29500  # torchrun's default for --master_port
+TORCHRUN_RDZV_PORT = 29400  # and for an --rdzv_endpoint without a port
 
 
 def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -74,21 +75,22 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         name = token.split("=", 1)[0]
         if name in ("-m", "--module"):
             take = 1 if "=" in token else 2
-            return ours + list(argv[index:index + take]), list(argv[index + take:])
+            return ours + list(argv[index : index + take]), list(argv[index + take :])
         if name in _VALUE_OPTIONS:
             take = 1 if "=" in token else 2
-            ours += argv[index:index + take]
+            ours += argv[index : index + take]
             index += take
         elif name in _FLAGS:
             ours.append(token)
             index += 1
         elif name.replace("_", "-") in _NOT_TAKEN:
-            raise UsageError(f"{name} is a torchrun flag that ddpkit run does not take: "
-                             f"{_NOT_TAKEN[name.replace('_', '-')]}")
+            raise UsageError(
+                f"{name} is a torchrun flag that ddpkit run does not take: {_NOT_TAKEN[name.replace('_', '-')]}"
+            )
         elif token.startswith("-") and token != "-":
             raise UsageError(f"unknown option {token!r} for 'ddpkit run' (see 'ddpkit run --help')")
         else:
-            return ours + [token], list(argv[index + 1:])
+            return ours + [token], list(argv[index + 1 :])
     return ours, []
 
 
@@ -97,43 +99,108 @@ def parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ddpkit run",
         description="Start SCRIPT (or -m MODULE) in N processes per node under torch's elastic agent. "
-                    "torchrun's flags work too, in either spelling.",
+        "torchrun's flags work too, in either spelling.",
     )
     add = parser.add_argument
     add("-n", dest="n", type=int, default=None, help="processes per node (default: one per visible GPU, else 1)")
-    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None, metavar="N|auto|gpu|cpu",
-        help="torchrun's spelling of -n; auto: one per GPU, else 1; gpu: one per GPU; cpu: one per core")
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default=None,
+        metavar="N|auto|gpu|cpu",
+        help="torchrun's spelling of -n; auto: one per GPU, else 1; gpu: one per GPU; cpu: one per core",
+    )
     add("--nnodes", default=None, help="number of nodes (default 1); torchrun's N:N is taken too")
-    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
-        help="this node's index when --nnodes > 1")
+    add(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=None,
+        help="this node's index when --nnodes > 1",
+    )
     add("--master", default=None, metavar="HOST:PORT", help="rendezvous host and port of node 0")
-    add("--master-addr", "--master_addr", dest="master_addr", default=None,
-        help=f"torchrun's host of node 0 (with --master-port, default {TORCHRUN_MASTER_PORT}): --master HOST:PORT")
+    add(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default=None,
+        help=f"torchrun's host of node 0 (with --master-port, default {TORCHRUN_MASTER_PORT}): --master HOST:PORT",
+    )
     add("--master-port", "--master_port", dest="master_port", type=int, default=None, help="see --master-addr")
-    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, metavar="HOST[:PORT]",
-        help=f"torchrun's rendezvous endpoint (port default {TORCHRUN_RDZV_PORT}): --master HOST:PORT")
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        metavar="HOST[:PORT]",
+        help=f"torchrun's rendezvous endpoint (port default {TORCHRUN_RDZV_PORT}): --master HOST:PORT",
+    )
     add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id, the same on every node")
-    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
-        help="c10d (what ddpkit uses) or static (taken as c10d)")
+    add(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default=None,
+        help="c10d (what ddpkit uses) or static (taken as c10d)",
+    )
     add("--standalone", action="store_true", help="one node with its own rendezvous (the default)")
-    add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-        help="restart the whole group up to K times when a worker fails")
-    add("--fault-tolerant", action="store_true",
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="restart the whole group up to K times when a worker fails",
+    )
+    add(
+        "--fault-tolerant",
+        action="store_true",
         help="per-step fault tolerance (torchft): -n replicas of one process each; a replica that dies "
-             "is restarted on its own (--max-restarts counts per replica) and heals from a live peer "
-             "while the others go on, with the same result; across hosts with --nnodes/--node-rank/--master "
-             "(node 0 runs the lighthouse at the master's PORT, the job's store at PORT + 1) or under srun")
-    add("--min-replicas", dest="min_replicas", type=int, default=None,
-        help="with --fault-tolerant: the fewest replicas a step may commit with")
-    add("--quorum-timeout", dest="quorum_timeout", type=float, default=None, metavar="SECONDS",
-        help="with --fault-tolerant: how long a replica waits for --min-replicas before it stops (default 60)")
-    add("--secret-file", dest="secret_file", default=None, metavar="PATH",
+        "is restarted on its own (--max-restarts counts per replica) and heals from a live peer "
+        "while the others go on, with the same result; across hosts with --nnodes/--node-rank/--master "
+        "(node 0 runs the lighthouse at the master's PORT, the job's store at PORT + 1) or under srun",
+    )
+    add(
+        "--min-replicas",
+        dest="min_replicas",
+        type=int,
+        default=None,
+        help="with --fault-tolerant: the fewest replicas a step may commit with",
+    )
+    add(
+        "--quorum-timeout",
+        dest="quorum_timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --fault-tolerant: how long a replica waits for --min-replicas before it stops (default 60)",
+    )
+    add(
+        "--secret-file",
+        dest="secret_file",
+        default=None,
+        metavar="PATH",
         help="with --fault-tolerant across hosts: the job's secret, the same file (readable by you alone) on "
-             "every node; heal payloads are signed with it (one machine: made for the job)")
-    add("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=None, metavar="RANKS",
-        help="torchrun's: show only these local ranks' output (e.g. 0 or 0,2)")
-    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", default=None, metavar="SECONDS",
-        help="torchrun's: how often the agent checks its workers")
+        "every node; heal payloads are signed with it (one machine: made for the job)",
+    )
+    add(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        dest="local_ranks_filter",
+        default=None,
+        metavar="RANKS",
+        help="torchrun's: show only these local ranks' output (e.g. 0 or 0,2)",
+    )
+    add(
+        "--monitor-interval",
+        "--monitor_interval",
+        dest="monitor_interval",
+        default=None,
+        metavar="SECONDS",
+        help="torchrun's: how often the agent checks its workers",
+    )
     add("--role", default=None, help="torchrun's: the workers' role name")
     add("-m", "--module", default=None, help="run a module, like python -m")
     add("script", nargs="?", help="the Python script to run, followed by its arguments")
@@ -145,46 +212,60 @@ def cmd_run(argv: Sequence[str]) -> int:
     ours, rest = split(argv)
     opts = parser().parse_args(ours)
     if opts.fault_tolerant:
-        from ddpkit.dist import ft_launch
+        from ddpkit.distributed import ft_launch
 
         return ft_launch.run(fault_tolerant_spec(opts, rest))
-    for flag, value in (("--min-replicas", opts.min_replicas), ("--quorum-timeout", opts.quorum_timeout),
-                        ("--secret-file", opts.secret_file)):
+    for flag, value in (
+        ("--min-replicas", opts.min_replicas),
+        ("--quorum-timeout", opts.quorum_timeout),
+        ("--secret-file", opts.secret_file),
+    ):
         if value is not None:
             raise UsageError(f"{flag} is for fault-tolerant jobs: add --fault-tolerant, or drop {flag}")
     return run(spec_of(argv))
 
 
-def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> "Any":
-    """The :class:`~ddpkit.dist.ft_launch.FaultTolerantSpec` of ``ddpkit run --fault-tolerant``."""
-    from ddpkit.dist.ft_launch import FaultTolerantSpec
+def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> Any:
+    """The :class:`~ddpkit.distributed.ft_launch.FaultTolerantSpec` of ``ddpkit run --fault-tolerant``."""
+    from ddpkit.distributed.ft_launch import FaultTolerantSpec
 
     if opts.module is None and opts.script is None:
         raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
-    from ddpkit.dist.environment import detect
-    from ddpkit.dist.torchrun import placement
+    from ddpkit.distributed.environment import detect
+    from ddpkit.distributed.torchrun import placement
 
     nnodes = _nnodes(opts.nnodes)
-    where = RunSpec(target=opts.module or opts.script, nnodes=nnodes, node_rank=opts.node_rank,
-                    master=_master(opts, nnodes))
-    nnodes, node_rank, master, _ = placement(where, detect())      # SLURM's, under srun
+    where = RunSpec(
+        target=opts.module or opts.script, nnodes=nnodes, node_rank=opts.node_rank, master=_master(opts, nnodes)
+    )
+    nnodes, node_rank, master, _ = placement(where, detect())  # SLURM's, under srun
     for dest, flag in _PASSED_ON.items():
         if getattr(opts, dest) is not None:
-            raise UsageError(f"{flag} is not taken with --fault-tolerant (each replica has an agent of its own); "
-                             f"drop {flag}")
+            raise UsageError(
+                f"{flag} is not taken with --fault-tolerant (each replica has an agent of its own); drop {flag}"
+            )
     if nnodes > 1 and node_rank is None:
-        raise UsageError(f"--fault-tolerant --nnodes {nnodes} needs --node-rank I, this host's index (node 0 "
-                         "runs the lighthouse)")
+        raise UsageError(
+            f"--fault-tolerant --nnodes {nnodes} needs --node-rank I, this host's index (node 0 runs the lighthouse)"
+        )
     replicas = _nproc(opts.n, opts.nproc_per_node) or 1
-    return FaultTolerantSpec(target=opts.module or opts.script, target_args=list(rest), replicas=replicas,
-                             min_replicas=opts.min_replicas or 1, max_restarts=opts.max_restarts,
-                             module=opts.module is not None,
-                             quorum_timeout_s=60.0 if opts.quorum_timeout is None else opts.quorum_timeout,
-                             nnodes=nnodes, node_rank=node_rank or 0, master=master, secret_file=opts.secret_file)
+    return FaultTolerantSpec(
+        target=opts.module or opts.script,
+        target_args=list(rest),
+        replicas=replicas,
+        min_replicas=opts.min_replicas or 1,
+        max_restarts=opts.max_restarts,
+        module=opts.module is not None,
+        quorum_timeout_s=60.0 if opts.quorum_timeout is None else opts.quorum_timeout,
+        nnodes=nnodes,
+        node_rank=node_rank or 0,
+        master=master,
+        secret_file=opts.secret_file,
+    )
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:
-    """The :class:`~ddpkit.dist.torchrun.RunSpec` of a ``ddpkit run`` command line (without ``run``)."""
+    """The :class:`~ddpkit.distributed.torchrun.RunSpec` of a ``ddpkit run`` command line (without ``run``)."""
     ours, rest = split(argv)
     opts = parser().parse_args(ours)
     if opts.module is None and opts.script is None:
@@ -192,13 +273,24 @@ def spec_of(argv: Sequence[str]) -> RunSpec:
     nnodes = _nnodes(opts.nnodes)
     master = _master(opts, nnodes)
     if opts.rdzv_backend not in (None, "c10d", "static"):
-        raise UsageError(f"--rdzv-backend {opts.rdzv_backend!r}: ddpkit run rendezvouses with c10d; "
-                         "drop the flag or give c10d")
-    agent_args = [f"{flag}={getattr(opts, dest)}" for dest, flag in _PASSED_ON.items()
-                  if getattr(opts, dest) is not None]
-    return RunSpec(target=opts.module or opts.script, target_args=rest, module=opts.module is not None,
-                   nproc_per_node=_nproc(opts.n, opts.nproc_per_node), nnodes=nnodes, node_rank=opts.node_rank,
-                   master=master, max_restarts=opts.max_restarts, run_id=opts.rdzv_id, agent_args=agent_args)
+        raise UsageError(
+            f"--rdzv-backend {opts.rdzv_backend!r}: ddpkit run rendezvouses with c10d; drop the flag or give c10d"
+        )
+    agent_args = [
+        f"{flag}={getattr(opts, dest)}" for dest, flag in _PASSED_ON.items() if getattr(opts, dest) is not None
+    ]
+    return RunSpec(
+        target=opts.module or opts.script,
+        target_args=rest,
+        module=opts.module is not None,
+        nproc_per_node=_nproc(opts.n, opts.nproc_per_node),
+        nnodes=nnodes,
+        node_rank=opts.node_rank,
+        master=master,
+        max_restarts=opts.max_restarts,
+        run_id=opts.rdzv_id,
+        agent_args=agent_args,
+    )
 
 
 def _nproc(n: int | None, torchrun: str | None) -> int | None:
@@ -215,7 +307,7 @@ def _nproc_value(text: str) -> int | None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if text == "auto":
-        return None                             # ddpkit's default: one per GPU, else 1
+        return None  # ddpkit's default: one per GPU, else 1
     if text == "gpu":
         if not gpus:
             raise UsageError("--nproc-per-node gpu: torch sees no CUDA GPU here; give a number or auto")
@@ -237,8 +329,10 @@ def _nnodes(text: str | None) -> int:
     except ValueError:
         raise UsageError(f"--nnodes {text!r}: give a number of nodes") from None
     if low_n != high_n:
-        raise UsageError(f"--nnodes {text}: ddpkit run starts a fixed number of nodes (elastic MIN:MAX is "
-                         "not supported); give one number")
+        raise UsageError(
+            f"--nnodes {text}: ddpkit run starts a fixed number of nodes (elastic MIN:MAX is "
+            "not supported); give one number"
+        )
     return low_n
 
 
@@ -252,14 +346,16 @@ def _master(opts: argparse.Namespace, nnodes: int) -> str | None:
         said["--master-addr/--master-port"] = host_port(host, opts.master_port or TORCHRUN_MASTER_PORT)
     if opts.rdzv_endpoint is not None:
         host, sep, port = opts.rdzv_endpoint.rpartition(":")
-        if not sep or "]" in port:                  # no port (or a bare [v6] address)
+        if not sep or "]" in port:  # no port (or a bare [v6] address)
             host, port = opts.rdzv_endpoint, str(TORCHRUN_RDZV_PORT)
         said["--rdzv-endpoint"] = host_port(host, port)
     if len(said) > 1:
         raise UsageError(f"{' and '.join(said)} both name the master; give one of them")
     if opts.standalone:
         if said or nnodes > 1:
-            raise UsageError(f"--standalone is one node with its own rendezvous; it does not combine with "
-                             f"{next(iter(said), '--nnodes ' + str(nnodes))}")
+            raise UsageError(
+                f"--standalone is one node with its own rendezvous; it does not combine with "
+                f"{next(iter(said), '--nnodes ' + str(nnodes))}"
+            )
         return None
     return next(iter(said.values()), None)

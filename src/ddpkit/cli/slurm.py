@@ -1,7 +1,7 @@
 """``ddpkit slurm``: an sbatch script that runs ``srun ddpkit run ...``, one task per node.
 
 Inside the job, ``ddpkit run`` reads nodes, node rank and master from SLURM (see
-:func:`ddpkit.dist.torchrun.torchrun_args`), so the script needs no addresses or ports.
+:func:`ddpkit.distributed.torchrun.torchrun_args`), so the script needs no addresses or ports.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import re
 import shlex
 import shutil
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ddpkit._argparse import Parser
-from ddpkit.dist.preemption import EXIT_CODE
+from ddpkit.distributed.preemption import EXIT_CODE
 from ddpkit.errors import UsageError
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -23,11 +23,22 @@ PREEMPT_SIGNAL_S = 120
 """Default lead of SLURM's warning signal over the time limit (``--preempt-signal-s``)."""
 
 
-def sbatch_script(script: str, script_args: Sequence[str], *, nodes: int, gpus_per_node: int = 0,
-                  nproc_per_node: int | None = None, cpus_per_task: int | None = None,
-                  partition: str | None = None, time: str | None = None, job_name: str = "ddpkit",
-                  max_restarts: int = 0, ddpkit_command: str | None = None, requeue: bool = False,
-                  preempt_signal_s: int = PREEMPT_SIGNAL_S) -> str:
+def sbatch_script(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nodes: int,
+    gpus_per_node: int = 0,
+    nproc_per_node: int | None = None,
+    cpus_per_task: int | None = None,
+    partition: str | None = None,
+    time: str | None = None,
+    job_name: str = "ddpkit",
+    max_restarts: int = 0,
+    ddpkit_command: str | None = None,
+    requeue: bool = False,
+    preempt_signal_s: int = PREEMPT_SIGNAL_S,
+) -> str:
     """The text of an sbatch script for ``script`` on ``nodes`` nodes.
 
     Each node gets one task (``srun --ntasks-per-node=1``) that runs ``ddpkit run`` with one
@@ -63,8 +74,7 @@ def sbatch_script(script: str, script_args: Sequence[str], *, nodes: int, gpus_p
     if requeue:
         _check_requeue(time, preempt_signal_s)
     nproc = nproc_per_node or gpus_per_node or 1
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
-             "#SBATCH --ntasks-per-node=1"]
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1"]
     if gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if cpus_per_task:
@@ -92,6 +102,7 @@ def sbatch_script(script: str, script_args: Sequence[str], *, nodes: int, gpus_p
         return "\n".join(lines) + "\n"
     lines += _REQUEUE.format(srun=srun, code=EXIT_CODE).splitlines()
     return "\n".join(lines) + "\n"
+
 
 # The batch step (outside any container the tasks run in) gets SIGUSR1, passes it to srun, which
 # passes it to every node's ddpkit run and so to the ranks; they save and exit 75, and the batch
@@ -126,14 +137,17 @@ exit "$code"
 def _check_requeue(time: str | None, lead: int) -> None:
     """``--requeue`` needs a time limit the warning comes before, and a lead SLURM can give."""
     if time is None:
-        raise UsageError("--requeue needs --time: SLURM sends the warning signal --preempt-signal-s seconds "
-                         "before the time limit")
+        raise UsageError(
+            "--requeue needs --time: SLURM sends the warning signal --preempt-signal-s seconds before the time limit"
+        )
     if not 1 <= lead <= 65535:
         raise UsageError(f"--preempt-signal-s must be 1 to 65535 seconds (SLURM's limit), got {lead}")
     limit = _seconds(time)
     if lead >= limit:
-        raise UsageError(f"--preempt-signal-s {lead} is not before the end of --time {time} ({limit} s); "
-                         "give a shorter lead or a longer time")
+        raise UsageError(
+            f"--preempt-signal-s {lead} is not before the end of --time {time} ({limit} s); "
+            "give a shorter lead or a longer time"
+        )
 
 
 def _seconds(time: str) -> int:
@@ -165,20 +179,34 @@ def parser() -> argparse.ArgumentParser:
     parser = Parser(prog="ddpkit slurm", description="Print an sbatch script that runs SCRIPT with ddpkit on N nodes.")
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=0, help="GPUs per node")
-    parser.add_argument("--nproc-per-node", dest="nproc_per_node", type=int, default=None,
-                        help="processes per node (default: GPUs per node, else 1)")
-    parser.add_argument("--cpus-per-task", dest="cpus_per_task", type=int, default=None, help="CPUs of each node's task")
+    parser.add_argument(
+        "--nproc-per-node",
+        dest="nproc_per_node",
+        type=int,
+        default=None,
+        help="processes per node (default: GPUs per node, else 1)",
+    )
+    parser.add_argument(
+        "--cpus-per-task", dest="cpus_per_task", type=int, default=None, help="CPUs of each node's task"
+    )
     parser.add_argument("--partition", default=None, help="SLURM partition")
     parser.add_argument("--time", default=None, help="time limit, e.g. 4:00:00")
     parser.add_argument("--job-name", dest="job_name", default="ddpkit", help="job name (default ddpkit)")
     parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0, help="restarts after a failure")
-    parser.add_argument("--requeue", action="store_true",
-                        help="before the time limit (and on preemption) SLURM signals the job, the ranks save a "
-                             "checkpoint and exit 75, and the job is requeued to resume (needs --time, and "
-                             "resume='auto' in the script)")
-    parser.add_argument("--preempt-signal-s", dest="preempt_signal_s", type=int, default=PREEMPT_SIGNAL_S,
-                        help=f"with --requeue: seconds before the time limit SLURM sends SIGUSR1 "
-                             f"(default {PREEMPT_SIGNAL_S})")
+    parser.add_argument(
+        "--requeue",
+        action="store_true",
+        help="before the time limit (and on preemption) SLURM signals the job, the ranks save a "
+        "checkpoint and exit 75, and the job is requeued to resume (needs --time, and "
+        "resume='auto' in the script)",
+    )
+    parser.add_argument(
+        "--preempt-signal-s",
+        dest="preempt_signal_s",
+        type=int,
+        default=PREEMPT_SIGNAL_S,
+        help=f"with --requeue: seconds before the time limit SLURM sends SIGUSR1 (default {PREEMPT_SIGNAL_S})",
+    )
     parser.add_argument("script", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -187,9 +215,20 @@ def parser() -> argparse.ArgumentParser:
 def cmd_slurm(argv: Sequence[str]) -> int:
     """``ddpkit slurm``: print the sbatch script of the flags on stdout; 0."""
     opts = parser().parse_args(argv)
-    sys.stdout.write(sbatch_script(opts.script, opts.args, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node,
-                                   nproc_per_node=opts.nproc_per_node, cpus_per_task=opts.cpus_per_task,
-                                   partition=opts.partition, time=opts.time, job_name=opts.job_name,
-                                   max_restarts=opts.max_restarts, requeue=opts.requeue,
-                                   preempt_signal_s=opts.preempt_signal_s))
+    sys.stdout.write(
+        sbatch_script(
+            opts.script,
+            opts.args,
+            nodes=opts.nodes,
+            gpus_per_node=opts.gpus_per_node,
+            nproc_per_node=opts.nproc_per_node,
+            cpus_per_task=opts.cpus_per_task,
+            partition=opts.partition,
+            time=opts.time,
+            job_name=opts.job_name,
+            max_restarts=opts.max_restarts,
+            requeue=opts.requeue,
+            preempt_signal_s=opts.preempt_signal_s,
+        )
+    )
     return 0

@@ -8,7 +8,7 @@ namespace, so a ``--config`` file's value, then the dataclass default, applies.
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 from ddpkit._argparse import Parser, add_fields
 from ddpkit.recipes.config import TrainConfig
@@ -19,9 +19,12 @@ NOT_FLAGS = ("data_parallel", "extra")
 
 def parser() -> argparse.ArgumentParser:
     """The parser of ``ddpkit train``: one flag per TrainConfig field, and ``--config FILE``."""
-    parser = Parser(prog="ddpkit train", argument_default=argparse.SUPPRESS,
-                    description="Train a built-in recipe in N processes; writes metrics, plots, "
-                                "checkpoints and summary.json into --out.")
+    parser = Parser(
+        prog="ddpkit train",
+        argument_default=argparse.SUPPRESS,
+        description="Train a built-in recipe in N processes; writes metrics, plots, "
+        "checkpoints and summary.json into --out.",
+    )
     add_fields(parser, TrainConfig, skip=NOT_FLAGS)
     parser.add_argument("--config", help="YAML or TOML file of these settings; flags override it")
     return parser
@@ -41,16 +44,23 @@ def train_config(argv: Sequence[str]) -> TrainConfig:
 
 def cmd_train(argv: Sequence[str]) -> int:
     """``ddpkit train``: check the settings, clear an overwritten run, train; the job's exit code."""
-    from ddpkit.dist.torchrun import RunSpec, run
+    from ddpkit.distributed.torchrun import RunSpec, run
     from ddpkit.recipes.train import clear_previous_run, preflight
 
     config = train_config(argv)
     preflight(config)
     for path in clear_previous_run(config):
         print(f"ddpkit train: --overwrite removed {path}")
-    spec = RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True,
-                   nproc_per_node=config.nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
-                   node_rank=config.node_rank, master=config.master)
+    spec = RunSpec(
+        "ddpkit.recipes.train",
+        ["--config-json", config.to_json()],
+        module=True,
+        nproc_per_node=config.nproc,
+        max_restarts=config.max_restarts,
+        nnodes=config.nnodes,
+        node_rank=config.node_rank,
+        master=config.master,
+    )
     code = run(spec)
     if code == 0:
         print(f"ddpkit train: wrote {config.out}/summary.json")

@@ -7,7 +7,8 @@ The loaders (:mod:`ddpkit.loop.loader`, :mod:`ddpkit.loop.streams`) and evaluati
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ def concat_batches(batches: list[Any]) -> Any:
         return {key: concat_batches([b[key] for b in batches]) for key in first}
     if isinstance(first, (list, tuple)):
         if all(not isinstance(v, (torch.Tensor, dict, list, tuple)) for b in batches for v in b):
-            return type(first)([v for b in batches for v in b])       # a per-sample list (strings)
+            return type(first)([v for b in batches for v in b])  # a per-sample list (strings)
         joined = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
         return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
     raise TypeError(f"cannot join batches of {type(first).__name__} from several workers")

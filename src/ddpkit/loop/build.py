@@ -4,14 +4,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
-from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
 from ddpkit.errors import UsageError
 from ddpkit.loop.loader import QuorumLoader, ShardedLoader
+from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
 from ddpkit.loop.state import RunState
 
 
@@ -54,14 +55,23 @@ def loader_options(given: dict[str, Any]) -> LoaderOptions:
     known = {f.name for f in fields(LoaderOptions)}
     unknown = sorted(set(given) - known)
     if unknown:
-        raise TypeError(f"rt.loader() got an unexpected keyword argument {unknown[0]!r}; "
-                        f"it takes {', '.join(sorted(known))}")
+        raise TypeError(
+            f"rt.loader() got an unexpected keyword argument {unknown[0]!r}; it takes {', '.join(sorted(known))}"
+        )
     return LoaderOptions(**given)
 
 
-def build_loader(run: RunState, dataset: Any, options: LoaderOptions, *, rank: int, world_size: int,
-                 device: torch.device, on_batch: Callable[[Any], None],
-                 watch: Callable[[Callable[[], int]], None]) -> Any:
+def build_loader(
+    run: RunState,
+    dataset: Any,
+    options: LoaderOptions,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    on_batch: Callable[[Any], None],
+    watch: Callable[[Callable[[], int]], None],
+) -> Any:
     """Make and register the loader of ``dataset`` for this rank.
 
     Args:
@@ -76,32 +86,69 @@ def build_loader(run: RunState, dataset: Any, options: LoaderOptions, *, rank: i
     """
     total = check_batch_sizes(world_size, options.batch_size, options.global_batch_size)
     seed = run.seed or 0
-    common = dict(device=device, num_workers=options.num_workers, collate_fn=options.collate_fn, seed=seed,
-                  on_batch=on_batch, pin_memory=options.pin_memory, prefetch_factor=options.prefetch_factor,
-                  persistent_workers=options.persistent_workers, worker_init_fn=options.worker_init_fn)
+    common = dict(
+        device=device,
+        num_workers=options.num_workers,
+        collate_fn=options.collate_fn,
+        seed=seed,
+        on_batch=on_batch,
+        pin_memory=options.pin_memory,
+        prefetch_factor=options.prefetch_factor,
+        persistent_workers=options.persistent_workers,
+        worker_init_fn=options.worker_init_fn,
+    )
     if _is_stream(dataset):
         if run.ft is not None:
-            raise UsageError("--fault-tolerant does not read streams yet (an IterableDataset); "
-                             "give a map-style dataset")
+            raise UsageError(
+                "--fault-tolerant does not read streams yet (an IterableDataset); give a map-style dataset"
+            )
         if options.weights is not None or options.num_samples is not None:
-            raise UsageError("weights= and num_samples= need a map-style dataset (they draw indices); "
-                             "a stream is read in its own order")
+            raise UsageError(
+                "weights= and num_samples= need a map-style dataset (they draw indices); "
+                "a stream is read in its own order"
+            )
         from ddpkit.loop.streams.loader import StreamLoader
 
-        made: Any = StreamLoader(dataset, global_batch_size=total, rank=rank, world_size=world_size,
-                                 shuffle=options.shuffle, drop_last=options.drop_last, watch=watch, **common)
+        made: Any = StreamLoader(
+            dataset,
+            global_batch_size=total,
+            rank=rank,
+            world_size=world_size,
+            shuffle=options.shuffle,
+            drop_last=options.drop_last,
+            watch=watch,
+            **common,
+        )
     elif run.ft is not None:
         if options.num_workers:
-            raise UsageError("--fault-tolerant reads samples in the training process, between quorums: "
-                             "drop num_workers (each replica is one process)")
-        sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=0, world_size=1,
-                                     shuffle=options.shuffle, seed=seed, drop_last=options.drop_last,
-                                     weights=options.weights, num_samples=options.num_samples)
+            raise UsageError(
+                "--fault-tolerant reads samples in the training process, between quorums: "
+                "drop num_workers (each replica is one process)"
+            )
+        sampler = GlobalBatchSampler(
+            len(dataset),
+            global_batch_size=total,
+            rank=0,
+            world_size=1,
+            shuffle=options.shuffle,
+            seed=seed,
+            drop_last=options.drop_last,
+            weights=options.weights,
+            num_samples=options.num_samples,
+        )
         made = QuorumLoader(dataset, sampler, replica=run.ft, **common)
     else:
-        sampler = GlobalBatchSampler(len(dataset), global_batch_size=total, rank=rank, world_size=world_size,
-                                     shuffle=options.shuffle, seed=seed, drop_last=options.drop_last,
-                                     weights=options.weights, num_samples=options.num_samples)
+        sampler = GlobalBatchSampler(
+            len(dataset),
+            global_batch_size=total,
+            rank=rank,
+            world_size=world_size,
+            shuffle=options.shuffle,
+            seed=seed,
+            drop_last=options.drop_last,
+            weights=options.weights,
+            num_samples=options.num_samples,
+        )
         made = ShardedLoader(dataset, sampler, **common)
     run.loop.register(made, options.name)
     return made
@@ -114,6 +161,8 @@ def _is_stream(dataset: Any) -> bool:
     if isinstance(dataset, IterableDataset):
         return True
     if isinstance(dataset, Iterator) and not hasattr(dataset, "__getitem__"):
-        raise UsageError(f"rt.loader got a {type(dataset).__name__}, which can be read only once; wrap it "
-                         "in a torch IterableDataset whose __iter__ starts it anew each epoch")
+        raise UsageError(
+            f"rt.loader got a {type(dataset).__name__}, which can be read only once; wrap it "
+            "in a torch IterableDataset whose __iter__ starts it anew each epoch"
+        )
     return False

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, Subset, default_collate
 
 from ddpkit._files import atomic_path
 from ddpkit._torch import unwrap
-from ddpkit.dist import collectives
+from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import shard_range
@@ -33,8 +34,9 @@ from ddpkit.parallel import lazy_buffers, periodic
 from ddpkit.rng import private_generator
 
 
-def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
-                   stream: Any = None, positions: list[list[int]] | None = None) -> Iterator[Any]:
+def _shard_batches(
+    dataset: Any, batch_size: int, num_workers: int = 0, stream: Any = None, positions: list[list[int]] | None = None
+) -> Iterator[Any]:
     """This rank's shard in batches; each batch counts as progress for the hang watchdog.
 
     For a stream pass its :class:`ddpkit.loop.streams.evaluation.StreamShard`; ``positions`` then
@@ -44,9 +46,16 @@ def _shard_batches(dataset: Any, batch_size: int, num_workers: int = 0,
         batches = stream.batches()
     else:
         indices = shard_range(len(dataset), collectives.rank(), collectives.world_size())
-        batches = ((None, b) for b in DataLoader(Subset(dataset, list(indices)), batch_size=batch_size,
-                                                 shuffle=False, num_workers=num_workers,
-                                                 generator=private_generator()))
+        batches = (
+            (None, b)
+            for b in DataLoader(
+                Subset(dataset, list(indices)),
+                batch_size=batch_size,
+                shuffle=False,
+                num_workers=num_workers,
+                generator=private_generator(),
+            )
+        )
     for where, batch in batches:
         if positions is not None and where is not None:
             positions.append(where)
@@ -105,7 +114,7 @@ def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), periodic.synced_weights(module):   # never one rank's local weights
+        with torch.no_grad(), periodic.synced_weights(module):  # never one rank's local weights
             yield
     finally:
         module.train(was_training)
@@ -117,11 +126,19 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_size: int = 256,
-             loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, num_workers: int = 0,
-             autocast: Callable[[], Any] | None = None,
-             extra_metrics: Mapping[str, Any] | None = None, ignore_index: int = -100,
-             class_dim: int = 1) -> dict[str, Any]:
+def evaluate(
+    model: torch.nn.Module,
+    dataset: Any,
+    *,
+    num_classes: int,
+    batch_size: int = 256,
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+    num_workers: int = 0,
+    autocast: Callable[[], Any] | None = None,
+    extra_metrics: Mapping[str, Any] | None = None,
+    ignore_index: int = -100,
+    class_dim: int = 1,
+) -> dict[str, Any]:
     """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
 
     Every rank must call it. Returns plain Python numbers and lists, identical on every rank.
@@ -153,10 +170,12 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
         class_dim: the outputs' dimension of the classes: 1 (torch's convention) or -1 (``(B, T, C)``).
     """
     if class_dim not in (1, -1):
-        raise UsageError(f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
-                         "(B, C, T)) or -1 ((B, T, C)); give 1 or -1")
-    lazy_buffers.settle(model)   # BatchNorm statistics trained apart are averaged first
-    module = unwrap(model)       # DDP's forward may broadcast buffers: a collective per batch
+        raise UsageError(
+            f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
+            "(B, C, T)) or -1 ((B, T, C)); give 1 or -1"
+        )
+    lazy_buffers.settle(model)  # BatchNorm statistics trained apart are averaged first
+    module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
@@ -172,21 +191,23 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
             counted = targets != ignore_index
             truth, predicted = targets[counted], outputs.argmax(dim=1)[counted]
             if truth.numel() and not 0 <= int(truth.min()) <= int(truth.max()) < num_classes:
-                raise UsageError(f"evaluate: a target is {int(truth.min()) if truth.min() < 0 else int(truth.max())}, "
-                                 f"outside 0 to num_classes - 1 ({num_classes - 1}) and not ignore_index "
-                                 f"({ignore_index})")
+                raise UsageError(
+                    f"evaluate: a target is {int(truth.min()) if truth.min() < 0 else int(truth.max())}, "
+                    f"outside 0 to num_classes - 1 ({num_classes - 1}) and not ignore_index "
+                    f"({ignore_index})"
+                )
             extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
             loss_sum += loss_fn(outputs.float(), targets, reduction="sum", **extra).double()
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs.float(), targets)
     if stream is not None:
-        stream.total()          # a plain stream read alike on every rank, or one clear error
+        stream.total()  # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
     loss_total = float(collectives.all_reduce(loss_sum.cpu()))
     result = _metrics(confusion, loss_total)
     for name, metric in (extra_metrics or {}).items():
-        value = metric.compute()                   # torchmetrics syncs its states across ranks here
+        value = metric.compute()  # torchmetrics syncs its states across ranks here
         result[name] = value.tolist() if isinstance(value, torch.Tensor) else value
     return result
 
@@ -194,24 +215,36 @@ def evaluate(model: torch.nn.Module, dataset: Any, *, num_classes: int, batch_si
 def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:
     """The outputs with the classes in dimension 1, checked against the targets in one line each."""
     if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise UsageError(f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
-                         f"{type(targets).__name__}; evaluate takes a tensor of scores and a tensor of class indices")
+        raise UsageError(
+            f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
+            f"{type(targets).__name__}; evaluate takes a tensor of scores and a tensor of class indices"
+        )
     if outputs.dim() < 2:
-        raise UsageError(f"evaluate: outputs of shape {tuple(outputs.shape)} have no class dimension; return "
-                         "(B, C) scores, or (B, C, T, ...) for one class per position")
+        raise UsageError(
+            f"evaluate: outputs of shape {tuple(outputs.shape)} have no class dimension; return "
+            "(B, C) scores, or (B, C, T, ...) for one class per position"
+        )
     if class_dim == -1 and outputs.dim() > 2:
         outputs = outputs.movedim(-1, 1)
     wanted = (outputs.shape[0], *outputs.shape[2:])
     if targets.is_floating_point() or targets.is_complex() or tuple(targets.shape) != wanted:
-        hint = (" (a language model's (B, T, V) logits: pass class_dim=-1)"
-                if class_dim == 1 and outputs.dim() == 3 and outputs.shape[-1] == num_classes
-                and outputs.shape[1] == targets.shape[-1] else "")
-        raise UsageError(f"evaluate: targets of shape {tuple(targets.shape)} and dtype {targets.dtype} do not "
-                         f"go with outputs of shape {tuple(outputs.shape)} (classes in dimension 1): give one "
-                         f"integer class per sample, shape {wanted}{hint}")
+        hint = (
+            " (a language model's (B, T, V) logits: pass class_dim=-1)"
+            if class_dim == 1
+            and outputs.dim() == 3
+            and outputs.shape[-1] == num_classes
+            and outputs.shape[1] == targets.shape[-1]
+            else ""
+        )
+        raise UsageError(
+            f"evaluate: targets of shape {tuple(targets.shape)} and dtype {targets.dtype} do not "
+            f"go with outputs of shape {tuple(outputs.shape)} (classes in dimension 1): give one "
+            f"integer class per sample, shape {wanted}{hint}"
+        )
     if outputs.shape[1] != num_classes:
-        raise UsageError(f"evaluate: outputs have {outputs.shape[1]} classes in dimension 1, num_classes is "
-                         f"{num_classes}")
+        raise UsageError(
+            f"evaluate: outputs have {outputs.shape[1]} classes in dimension 1, num_classes is {num_classes}"
+        )
     return outputs
 
 
@@ -223,8 +256,11 @@ def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:
     actual = confusion.sum(dim=1).double()
     precision = torch.where(predicted > 0, true_positive / predicted.clamp(min=1), torch.zeros_like(predicted))
     recall = torch.where(actual > 0, true_positive / actual.clamp(min=1), torch.zeros_like(actual))
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300),
-                     torch.zeros_like(precision))
+    f1 = torch.where(
+        precision + recall > 0,
+        2 * precision * recall / (precision + recall).clamp(min=1e-300),
+        torch.zeros_like(precision),
+    )
     return {
         "count": count,
         "correct": correct,
@@ -237,9 +273,15 @@ def _metrics(confusion: torch.Tensor, loss_total: float) -> dict[str, Any]:
     }
 
 
-def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_workers: int,
-               autocast: Callable[[], Any] | None = None, stream: Any = None,
-               positions: list[list[int]] | None = None) -> Iterator[Any]:
+def _run_shard(
+    module: torch.nn.Module,
+    dataset: Any,
+    batch_size: int,
+    num_workers: int,
+    autocast: Callable[[], Any] | None = None,
+    stream: Any = None,
+    positions: list[list[int]] | None = None,
+) -> Iterator[Any]:
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
     device = _device_of(module)
     with _eval_mode(module):
@@ -250,8 +292,15 @@ def _run_shard(module: torch.nn.Module, dataset: Any, batch_size: int, num_worke
             yield _map(lambda t: t.detach().cpu(), outputs)
 
 
-def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: str = "main",
-            num_workers: int = 0, autocast: Callable[[], Any] | None = None) -> Any:
+def predict(
+    model: torch.nn.Module,
+    dataset: Any,
+    *,
+    batch_size: int = 256,
+    to: str = "main",
+    num_workers: int = 0,
+    autocast: Callable[[], Any] | None = None,
+) -> Any:
     """Outputs for every sample exactly once, in dataset order: first dimension ``len(dataset)``.
 
     Works for models returning a tensor, or a tuple/list/dict of tensors (the same
@@ -280,7 +329,7 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
     local = concat_batches(outputs) if outputs else _empty_output(module, dataset)
     collect = collectives.all_gather if to == "all" else collectives.gather
     gathered = _map(collect, local)
-    if stream is None:     # contiguous shards concatenated in rank order are the dataset order
+    if stream is None:  # contiguous shards concatenated in rank order are the dataset order
         return gathered if to == "all" or collectives.rank() == 0 else None
     where = collect(torch.tensor([i for part in positions for i in part], dtype=torch.long))
     if to == "main" and collectives.rank() != 0:
@@ -291,8 +340,9 @@ def predict(model: torch.nn.Module, dataset: Any, *, batch_size: int = 256, to: 
     return _map(lambda t: t[order], gathered)
 
 
-def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLike, *,
-                    batch_size: int = 256, num_workers: int = 0) -> Path | None:
+def predict_to_file(
+    model: torch.nn.Module, dataset: Any, path: str | os.PathLike, *, batch_size: int = 256, num_workers: int = 0
+) -> Path | None:
     """Stream predictions larger than memory into one ``.npy`` file, in dataset order.
 
     Each rank appends its shard's outputs to its own part file as it goes; rank 0 then
@@ -308,12 +358,13 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
         num_workers: DataLoader workers per rank (0: the main process reads).
     """
     import numpy as np
-
     from torch.utils.data import IterableDataset
 
     if isinstance(dataset, IterableDataset):
-        raise UsageError("predict_to_file needs a map-style dataset; for a stream use ddpkit.predict, "
-                         "which returns the outputs in stream order")
+        raise UsageError(
+            "predict_to_file needs a map-style dataset; for a stream use ddpkit.predict, "
+            "which returns the outputs in stream order"
+        )
     path = Path(path)
     rank, world = collectives.rank(), collectives.world_size()
     part = path.with_name(f".{path.name}.rank{rank}.part")
@@ -330,10 +381,9 @@ def predict_to_file(model: torch.nn.Module, dataset: Any, path: str | os.PathLik
     if tail is None:
         probe = _empty_output(module, dataset).numpy()
         tail, dtype = probe.shape[1:], probe.dtype
-    counts = collectives.all_gather_object(rows)   # also: every part file is complete
+    counts = collectives.all_gather_object(rows)  # also: every part file is complete
     if rank == 0:
-        _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)],
-                     counts, tail, dtype)
+        _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)], counts, tail, dtype)
     collectives.barrier()
     part.unlink(missing_ok=True)
     return path if rank == 0 else None
@@ -343,8 +393,13 @@ def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, 
     import numpy as np
 
     with atomic_path(path) as tmp:
-        _copy_parts(np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(counts), *tail)),
-                    parts, counts, tail, dtype)
+        _copy_parts(
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(counts), *tail)),
+            parts,
+            counts,
+            tail,
+            dtype,
+        )
 
 
 def _copy_parts(merged: Any, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:
@@ -360,7 +415,7 @@ def _copy_parts(merged: Any, parts: list[Path], counts: list[int], tail: tuple, 
             while done < count:
                 take = min(chunk_rows, count - done)
                 data = np.frombuffer(handle.read(take * row_bytes), dtype=dtype).reshape(take, *tail)
-                merged[start + done:start + done + take] = data
+                merged[start + done : start + done + take] = data
                 done += take
         start += count
     merged.flush()
@@ -371,8 +426,9 @@ def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     try:
         return map_tensors(fn, value, strict=True)
     except TypeError as exc:
-        raise UsageError(f"predict: the model returned a {exc}; return tensors "
-                         "or tuples, lists or dicts of tensors") from None
+        raise UsageError(
+            f"predict: the model returned a {exc}; return tensors or tuples, lists or dicts of tensors"
+        ) from None
 
 
 def _empty_output(module: torch.nn.Module, dataset: Any) -> Any:

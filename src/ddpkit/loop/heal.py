@@ -4,12 +4,13 @@ The state is the one a checkpoint holds, kept in memory: the user's objects (the
 ``rt.resume``/``rt.checkpoint``, else the set-up models and optimizers), the loop state (epoch,
 step, loader positions), the RNG states and the precision's scaler. Every value is a tensor or
 plain data, so the receiving side loads it with ``weights_only=True``
-(:class:`ddpkit.dist.ft.SafeTransport`).
+(:class:`ddpkit.distributed.ft.SafeTransport`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ddpkit import rng
 from ddpkit._torch import unwrap
@@ -28,8 +29,13 @@ def _objects(run: RunState) -> dict[str, Any]:
 def heal_state(run: RunState, replica: int = 0) -> dict[str, Any]:
     """This replica's state for a peer that is behind (called by torchft, between steps); ``replica``
     is this replica's index, which the peer names as its source."""
-    return {"user": user_state(_objects(run)), "loop": run.loop.state_dict(), "rng": rng.rng_state(),
-            "precision": run.precision.state_dict(), "replica": replica}
+    return {
+        "user": user_state(_objects(run)),
+        "loop": run.loop.state_dict(),
+        "rng": rng.rng_state(),
+        "precision": run.precision.state_dict(),
+        "replica": replica,
+    }
 
 
 def apply_heal(run: RunState, saved: Mapping[str, Any]) -> None:
@@ -40,7 +46,7 @@ def apply_heal(run: RunState, saved: Mapping[str, Any]) -> None:
     if run.ft_state is not None:
         for key in run.ft_state:
             if not hasattr(run.ft_state[key], "load_state_dict"):
-                run.ft_state[key] = objects[key]          # plain values
+                run.ft_state[key] = objects[key]  # plain values
     run.loop.restore(saved["loop"], source=source, strict=True)
     rng.set_rng_state(saved["rng"])
     run.precision.load_state_dict(saved["precision"])

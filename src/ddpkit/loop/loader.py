@@ -16,14 +16,14 @@ into checkpoints and hands saved positions back through :meth:`ShardedLoader.res
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from ddpkit import rng
-from ddpkit.loop.batch import zero_rows
-from ddpkit.loop.batch import to_device
+from ddpkit.loop.batch import to_device, zero_rows
 from ddpkit.loop.sampler import GlobalBatchSampler
 
 
@@ -31,12 +31,11 @@ class _KeyedDataset(Dataset):
     """Reads ``dataset[index]`` with the sample's key set (for :func:`ddpkit.sample_rng`) and
     seeds a worker's global generators at the start of every epoch it reads."""
 
-    def __init__(self, dataset: Any, seed: int, rank: int,
-                 worker_init_fn: Callable[[int], None] | None = None):
+    def __init__(self, dataset: Any, seed: int, rank: int, worker_init_fn: Callable[[int], None] | None = None):
         self.dataset = dataset
         self.seed = seed
         self.rank = rank
-        self.start_epoch = 0                  # the epoch being read when workers start
+        self.start_epoch = 0  # the epoch being read when workers start
         self.user_worker_init = worker_init_fn
         self._seeded_epoch: int | None = None
 
@@ -57,7 +56,7 @@ class _KeyedDataset(Dataset):
         epoch, index = key
         worker = get_worker_info()
         if worker is not None and self._seeded_epoch != epoch:
-            self._seed_globals(epoch, worker.id)    # a persistent worker reading a new epoch
+            self._seed_globals(epoch, worker.id)  # a persistent worker reading a new epoch
         with rng.reading(rng.SampleKey(self.seed, epoch, index)):
             return self.dataset[index]
 
@@ -65,7 +64,7 @@ class _KeyedDataset(Dataset):
 class _EpochBatches:
     """The batch sampler handed to DataLoader: the loader's plan for the pass it is starting."""
 
-    def __init__(self, loader: "ShardedLoader"):
+    def __init__(self, loader: ShardedLoader):
         self.loader = loader
 
     def __len__(self) -> int:
@@ -88,15 +87,15 @@ class LoaderPosition:
     length_known = True
 
     def _start_positions(self, name: str | None, on_batch: Callable[[Any], None] | None) -> None:
-        self.name = name           # the key its position is saved under (set by the loop state)
+        self.name = name  # the key its position is saved under (set by the loop state)
         self.epoch = 0
-        self.position = 0          # batches handed out by the current pass
-        self.finished = False      # the current pass ran out or was left (``break``)
-        self.trained = False       # a batch of it fed a backward: its position matters for resume
-        self.local_count = 0       # samples of this rank in the current batch
-        self.global_count = 0      # samples of all ranks in the current batch
-        self._resume: int | None = None   # a saved position the next passes start from
-        self._passes = 0                  # passes started; an older iterator leaves no mark
+        self.position = 0  # batches handed out by the current pass
+        self.finished = False  # the current pass ran out or was left (``break``)
+        self.trained = False  # a batch of it fed a backward: its position matters for resume
+        self.local_count = 0  # samples of this rank in the current batch
+        self.global_count = 0  # samples of all ranks in the current batch
+        self._resume: int | None = None  # a saved position the next passes start from
+        self._passes = 0  # passes started; an older iterator leaves no mark
         self._on_batch = on_batch
 
     def __len__(self) -> int:
@@ -116,8 +115,10 @@ class LoaderPosition:
     def _check_pass(self, this_pass: int) -> None:
         """Refuse to go on with an iterator that a newer ``iter(loader)`` replaced."""
         if this_pass != self._passes:
-            raise RuntimeError("this iterator of a ddpkit loader was replaced by a newer "
-                               "iter(loader); iterate one pass at a time, like a DataLoader")
+            raise RuntimeError(
+                "this iterator of a ddpkit loader was replaced by a newer "
+                "iter(loader); iterate one pass at a time, like a DataLoader"
+            )
 
     def mark_trained(self) -> None:
         """A batch of the current pass fed a backward: a pending resume point is used up."""
@@ -141,8 +142,7 @@ class LoaderPosition:
     def position_record(self) -> dict[str, Any]:
         """Where the current pass stands, for a checkpoint (plain data)."""
         done = self.finished or (self.length_known and self.position >= len(self))
-        return {"epoch": self.epoch, "position": self.position, "finished": done,
-                "signature": self.signature()}
+        return {"epoch": self.epoch, "position": self.position, "finished": done, "signature": self.signature()}
 
 
 class ShardedLoader(LoaderPosition):
@@ -153,21 +153,33 @@ class ShardedLoader(LoaderPosition):
     Made by :meth:`ddpkit.Runtime.loader`.
     """
 
-    def __init__(self, dataset: Any, sampler: GlobalBatchSampler, *, device: torch.device,
-                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 seed: int = 0, on_batch: Callable[["ShardedLoader"], None] | None = None,
-                 pin_memory: bool | None = None, prefetch_factor: int | None = None,
-                 persistent_workers: bool | None = None,
-                 worker_init_fn: Callable[[int], None] | None = None, name: str | None = None):
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: GlobalBatchSampler,
+        *,
+        device: torch.device,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        seed: int = 0,
+        on_batch: Callable[[ShardedLoader], None] | None = None,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        name: str | None = None,
+    ):
         self.dataset = dataset
         self.sampler = sampler
         self.device = device
         self._start_positions(name, on_batch)
-        self._plan: list[tuple[list[int], int]] = []   # (local part, global size) of each batch left
+        self._plan: list[tuple[list[int], int]] = []  # (local part, global size) of each batch left
         workers = num_workers > 0
         self._keyed = _KeyedDataset(dataset, seed, sampler.rank, worker_init_fn)
         self._loader = DataLoader(
-            self._keyed, batch_sampler=_EpochBatches(self), num_workers=num_workers,
+            self._keyed,
+            batch_sampler=_EpochBatches(self),
+            num_workers=num_workers,
             collate_fn=collate_fn or default_collate,
             pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
@@ -183,8 +195,9 @@ class ShardedLoader(LoaderPosition):
         self.position, self.finished = start, False
         self._keyed.start_epoch = self.epoch
         # One permutation per pass: the DataLoader's batch sampler reads this plan too.
-        self._plan = [(self.sampler.local_part(batch), len(batch))
-                      for batch in self.sampler.global_batches(self.epoch, start)]
+        self._plan = [
+            (self.sampler.local_part(batch), len(batch)) for batch in self.sampler.global_batches(self.epoch, start)
+        ]
         try:
             for batch, (local, total) in zip(self._loader, self._plan):
                 self._check_pass(this_pass)
@@ -201,13 +214,12 @@ class ShardedLoader(LoaderPosition):
                 self.finished = True
 
     def __repr__(self) -> str:
-        return (f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, "
-                f"position={self.position})")
+        return f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, position={self.position})"
 
 
 class QuorumLoader(ShardedLoader):
     """A fault-tolerant job's loader: each batch is this replica's part of the step's global batch,
-    split over the replicas in that step's quorum (:class:`ddpkit.dist.ft.Replica`).
+    split over the replicas in that step's quorum (:class:`ddpkit.distributed.ft.Replica`).
 
     Before each batch the replicas form a quorum (a replica that is behind heals there, and its
     loader continues at the peer's epoch and position). The global batches are those of every
@@ -226,7 +238,7 @@ class QuorumLoader(ShardedLoader):
         if self._order is None or self._order[0] != self.epoch:
             self._order = (self.epoch, self.sampler.order(self.epoch))
         size = self.sampler.global_batch_size
-        return self._order[1][index * size:(index + 1) * size]
+        return self._order[1][index * size : (index + 1) * size]
 
     def __iter__(self) -> Iterator[Any]:
         start = self._resume or 0
@@ -235,7 +247,7 @@ class QuorumLoader(ShardedLoader):
         self.position, self.finished = start, False
         try:
             while True:
-                rank, world = self.replica.quorum()     # may heal: epoch and position become the peer's
+                rank, world = self.replica.quorum()  # may heal: epoch and position become the peer's
                 self._check_pass(this_pass)
                 if self.position >= len(self):
                     break

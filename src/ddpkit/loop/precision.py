@@ -26,7 +26,9 @@ Notes for torch 2.13 on CPU (checked, not assumed):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import torch
 
@@ -54,10 +56,8 @@ class Precision:
             raise UsageError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}")
         self.name = name
         self.device = torch.device(device)
-        self.scaler: torch.amp.GradScaler | None = (
-            torch.amp.GradScaler(self.device.type) if name == "fp16" else None
-        )
-        self._update_due = False     # an optimizer stepped since the scaler last updated
+        self.scaler: torch.amp.GradScaler | None = torch.amp.GradScaler(self.device.type) if name == "fp16" else None
+        self._update_due = False  # an optimizer stepped since the scaler last updated
 
     @property
     def dtype(self) -> torch.dtype:

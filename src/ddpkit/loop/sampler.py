@@ -17,7 +17,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -27,9 +28,19 @@ from ddpkit.errors import UsageError
 class GlobalBatchSampler:
     """Index lists of one rank's part of each global batch (pure: rank and world size are arguments)."""
 
-    def __init__(self, length: int, *, global_batch_size: int, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False,
-                 weights: Sequence[float] | torch.Tensor | None = None, num_samples: int | None = None):
+    def __init__(
+        self,
+        length: int,
+        *,
+        global_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        weights: Sequence[float] | torch.Tensor | None = None,
+        num_samples: int | None = None,
+    ):
         if global_batch_size < 1:
             raise UsageError(f"batch size must be at least 1, got {global_batch_size}")
         self.weights = None if weights is None else _check_weights(weights, length)
@@ -64,16 +75,22 @@ class GlobalBatchSampler:
 
     def signature(self) -> dict[str, Any]:
         """What must match for a saved position to name the same batches again (plain data)."""
-        return {"length": self.dataset_length, "global_batch_size": self.global_batch_size,
-                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
-                "weighted": self.weights is not None, "samples": self.length}
+        return {
+            "length": self.dataset_length,
+            "global_batch_size": self.global_batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "weighted": self.weights is not None,
+            "samples": self.length,
+        }
 
     def global_batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """Every global batch of ``epoch`` from step ``start`` on."""
         order = self.order(epoch)
         size = self.global_batch_size
         for step in range(start, len(self)):
-            yield order[step * size:(step + 1) * size]
+            yield order[step * size : (step + 1) * size]
 
     def global_count(self, index: int) -> int:
         """Samples in global batch ``index`` of a pass (the last one may be short; 0 past the end)."""
@@ -83,7 +100,7 @@ class GlobalBatchSampler:
 
     def local_part(self, global_batch: list[int]) -> list[int]:
         """This rank's strided part of one global batch (possibly empty in a short last batch)."""
-        return global_batch[self.rank::self.world_size]
+        return global_batch[self.rank :: self.world_size]
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """This rank's part of each global batch."""

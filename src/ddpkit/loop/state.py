@@ -24,14 +24,14 @@ class LoopState:
     """Epoch, step, loader positions, accumulation position and resumability of one run."""
 
     def __init__(self) -> None:
-        self.epoch = 0               # the epoch being trained (or to be trained next)
-        self.step = 0                # optimizer steps taken
-        self.micro_step = 0          # batches into the open accumulation group
-        self.group: tuple[int, float] = (1, 1.0)   # (batches, divisor) of that group
+        self.epoch = 0  # the epoch being trained (or to be trained next)
+        self.step = 0  # optimizer steps taken
+        self.micro_step = 0  # batches into the open accumulation group
+        self.group: tuple[int, float] = (1, 1.0)  # (batches, divisor) of that group
         self.resumed_from: str | None = None
-        self.resumed_step: int | None = None        # the step the loaded checkpoint was saved at
-        self.not_bitwise: str | None = None         # why a resume of this run is not bitwise
-        self._loaders: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+        self.resumed_step: int | None = None  # the step the loaded checkpoint was saved at
+        self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
+        self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
         self._strict = True
 
@@ -46,7 +46,7 @@ class LoopState:
         """
         base = name or type(loader.dataset).__name__
         key, count = base, 1
-        while key in self._loaders and name is None:     # a second live loader of the same kind
+        while key in self._loaders and name is None:  # a second live loader of the same kind
             count += 1
             key = f"{base}#{count}"
         if name is not None and name in self._loaders:
@@ -69,9 +69,11 @@ class LoopState:
 
     def _apply(self, loader: Any, saved: dict[str, Any]) -> None:
         if saved["signature"] != loader.signature():
-            self._complain(f"the checkpoint's position for loader {loader.name!r} was saved for "
-                           f"{_describe(saved['signature'])}, but this loader has {_describe(loader.signature())}",
-                           "build the loader as it was saved, or give it another name=")
+            self._complain(
+                f"the checkpoint's position for loader {loader.name!r} was saved for "
+                f"{_describe(saved['signature'])}, but this loader has {_describe(loader.signature())}",
+                "build the loader as it was saved, or give it another name=",
+            )
             return
         loader.resume_at(int(saved["epoch"]), int(saved["position"]))
 
@@ -79,12 +81,15 @@ class LoopState:
         """Called when training resumes: a saved mid-epoch position nobody claimed is an error."""
         if not self._pending:
             return
-        left = ", ".join(f"{key!r} ({_describe(rec['signature'])}, batch {rec['position']})"
-                         for key, rec in self._pending.items())
+        left = ", ".join(
+            f"{key!r} ({_describe(rec['signature'])}, batch {rec['position']})" for key, rec in self._pending.items()
+        )
         self._pending = {}
-        self._complain(f"checkpoint {self.resumed_from} continues the epoch of loader(s) {left}, but no "
-                       "loader with that identity was built before training went on",
-                       "build it before the first step, pass the name= it was saved under")
+        self._complain(
+            f"checkpoint {self.resumed_from} continues the epoch of loader(s) {left}, but no "
+            "loader with that identity was built before training went on",
+            "build it before the first step, pass the name= it was saved under",
+        )
 
     def _complain(self, problem: str, fix: str) -> None:
         if self._strict:
@@ -97,10 +102,16 @@ class LoopState:
         training = {key: made.position_record() for key, made in self._loaders.items() if made.trained}
         current = [rec for rec in training.values() if rec["epoch"] == self.epoch]
         epoch_done = bool(current) and all(rec["finished"] for rec in current)
-        mid = {key: rec for key, rec in training.items()
-               if rec["epoch"] == self.epoch and not rec["finished"]}
-        return {"epoch": self.epoch, "step": self.step, "epoch_done": epoch_done, "loaders": mid,
-                "micro_step": self.micro_step, "group": list(self.group), "not_bitwise": self.not_bitwise}
+        mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["finished"]}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "epoch_done": epoch_done,
+            "loaders": mid,
+            "micro_step": self.micro_step,
+            "group": list(self.group),
+            "not_bitwise": self.not_bitwise,
+        }
 
     def restore(self, saved: dict[str, Any], *, source: str, strict: bool = True) -> None:
         """Continue from ``saved``: the next epoch if it ended, else mid-epoch where it stood."""
@@ -160,11 +171,11 @@ class RunState:
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
     preemption: Any = None
-    """The run's :class:`~ddpkit.dist.preemption.Preemption` (None: signals are not caught)."""
+    """The run's :class:`~ddpkit.distributed.preemption.Preemption` (None: signals are not caught)."""
     exact: Any = None
     """With ``rt.setup(..., micro_shards=M)``: the run's :class:`~ddpkit.parallel.exact.Exact` (None otherwise)."""
     ft: Any = None
-    """In a fault-tolerant job, this replica's :class:`~ddpkit.dist.ft.Replica` (None otherwise)."""
+    """In a fault-tolerant job, this replica's :class:`~ddpkit.distributed.ft.Replica` (None otherwise)."""
     ft_undo: Any = None
     """In a fault-tolerant job, ``([(buffer, its value)], torch random state)`` before the step in
     hand: put back when the step does not commit."""
@@ -178,8 +189,15 @@ class RunState:
     """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into
     checkpoints, and a save sends them the rows it covers."""
 
-    def adopt(self, model: Any, optimizer: Any = None, *, compressor: Any = None, buffers: Any = None,
-              not_bitwise: str | None = None) -> int:
+    def adopt(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        *,
+        compressor: Any = None,
+        buffers: Any = None,
+        not_bitwise: str | None = None,
+    ) -> int:
         """Track a set-up model (and its optimizer) for steps and checkpoints; returns its index.
 
         Args:

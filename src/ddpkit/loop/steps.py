@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from ddpkit.dist import collectives
+from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
-from ddpkit.observe.heartbeats import beat
 from ddpkit.loop.state import RunState
+from ddpkit.observe.heartbeats import beat
 
 
 def on_batch(run: RunState, loader: Any) -> None:
@@ -26,9 +27,11 @@ def on_batch(run: RunState, loader: Any) -> None:
     gradients (BatchNorm's running statistics, torch's random state) is kept to be put back."""
     run.active = loader
     if run.ft is not None:
-        run.ft_undo = ([(b, b.detach().clone()) for model in run.models for b in model.buffers()],
-                       torch.get_rng_state())
-    beat("data")     # a batch is in hand; the forward follows
+        run.ft_undo = (
+            [(b, b.detach().clone()) for model in run.models for b in model.buffers()],
+            torch.get_rng_state(),
+        )
+    beat("data")  # a batch is in hand; the forward follows
 
 
 def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
@@ -38,11 +41,13 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
     has no epoch left: it says so in one line, since code after the loop runs without the loop's
     variables."""
     if run.loop.epoch >= n and run.loop.resumed_from is not None:
-        warn(f"rt.epochs({n}): the run resumed from {run.loop.resumed_from} had trained all {n} epochs, so the "
-             "loop does not run; code after it must not use the loop's variables (or give a larger n)")
+        warn(
+            f"rt.epochs({n}): the run resumed from {run.loop.resumed_from} had trained all {n} epochs, so the "
+            "loop does not run; code after it must not use the loop's variables (or give a larger n)"
+        )
     while run.loop.epoch < n:
         for made in run.loop.loaders():
-            made.set_epoch(run.loop.epoch)      # a no-op for a loader already there
+            made.set_epoch(run.loop.epoch)  # a no-op for a loader already there
         yield run.loop.epoch + start
         run.loop.epoch += 1
 
@@ -57,13 +62,13 @@ def backward(run: RunState, loss: torch.Tensor) -> None:
     run.loop.check_pending()
     if active is not None and active.global_count:
         weight = active.batch_weight()
-        if run.accumulation is not None:      # a share of the group's samples, not the batch's
+        if run.accumulation is not None:  # a share of the group's samples, not the batch's
             weight *= active.global_count / active.sampler.global_batch_size
         if active.local_count == 0:
-            loss = torch.nan_to_num(loss, nan=0.0)   # mean of nothing; contributes zero
+            loss = torch.nan_to_num(loss, nan=0.0)  # mean of nothing; contributes zero
     if run.accumulation is not None:
         weight /= run.accumulation[0]
-    if run.exact is not None:         # a micro-shard: its share of the global batch, summed by the tree
+    if run.exact is not None:  # a micro-shard: its share of the global batch, summed by the tree
         weight = run.exact.weight()
     if not run.backward_since_step:
         run.unscaled.clear()
@@ -80,7 +85,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
-    if run.exact is not None and run.exact.cut:      # not yet reduced by rt.clip_grad_norm_
+    if run.exact is not None and run.exact.cut:  # not yet reduced by rt.clip_grad_norm_
         run.exact.reduce()
     if run.ft is not None and run.ft.in_quorum() and not _commit_across_replicas(run, optimizers):
         return False
@@ -94,12 +99,12 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.backward_since_step or not run.uses_backward:
         run.loop.step += 1
         run.backward_since_step = False
-        for syncer in run.compressors:          # an infrequent sync counts the step, and meets every H
+        for syncer in run.compressors:  # an infrequent sync counts the step, and meets every H
             if hasattr(syncer, "after_step"):
                 syncer.after_step()
         _agree_on_preemption(run)
     if not run.uses_backward:
-        run.precision.flush()        # no rt.backward will come to apply the scaler update
+        run.precision.flush()  # no rt.backward will come to apply the scaler update
     return stepped
 
 
@@ -113,9 +118,11 @@ def _plain_backward(run: RunState) -> None:
     if weight == 1.0 or not any(p.grad is not None for model in run.models for p in model.parameters()):
         return
     run.warned_plain_backward = True
-    warn(f"rt.step: this step's gradients came from loss.backward(), not rt.backward(loss); this rank holds "
-         f"{active.local_count} of the batch's {active.global_count} samples, so its mean loss counts {weight:.3g} "
-         "times its share and the result depends on the number of processes: call rt.backward(loss)")
+    warn(
+        f"rt.step: this step's gradients came from loss.backward(), not rt.backward(loss); this rank holds "
+        f"{active.local_count} of the batch's {active.global_count} samples, so its mean loss counts {weight:.3g} "
+        "times its share and the result depends on the number of processes: call rt.backward(loss)"
+    )
 
 
 def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
@@ -124,20 +131,20 @@ def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimiz
     are dropped and the loader hands out the same global batch again, split over the next quorum."""
     trained = [p for model in run.models for p in model.parameters()]
     trained += [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-    params = list({id(p): p for p in trained if p.requires_grad}.values())     # each once, in order
+    params = list({id(p): p for p in trained if p.requires_grad}.values())  # each once, in order
     for dtype in sorted({p.dtype for p in params}, key=str):
         same = [p for p in params if p.dtype == dtype]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
         run.ft.average(flat)
         offset = 0
         for p in same:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
     if run.ft.should_commit():
         return True
     for p in params:
         p.grad = None
-    if run.ft_undo is not None:          # the forward's statistics and random draws, undone
+    if run.ft_undo is not None:  # the forward's statistics and random draws, undone
         buffers, rng_state = run.ft_undo
         with torch.no_grad():
             for buffer, saved in buffers:
@@ -163,8 +170,8 @@ def _agree_on_preemption(run: RunState) -> None:
     watch = run.preemption
     if watch is None or watch.agreed:
         return
-    watch.armed = True          # from the first step on, a signal waits for a step boundary
-    if collectives.world_size() == 1:       # nobody to ask: the next step boundary
+    watch.armed = True  # from the first step on, a signal waits for a step boundary
+    if collectives.world_size() == 1:  # nobody to ask: the next step boundary
         watch.agreed = watch.received is not None
         return
     step = run.loop.step
@@ -180,11 +187,12 @@ def _agree_on_preemption(run: RunState) -> None:
     if agreed:
         watch.agreed = True
         if watch.received is None:
-            watch.received = -1     # another rank's signal
+            watch.received = -1  # another rank's signal
 
 
-def clip_grad_norm_(run: RunState, model: torch.nn.Module, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor | None:
+def clip_grad_norm_(
+    run: RunState, model: torch.nn.Module, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor | None:
     """Clip ``model``'s gradients (unscaled first under fp16); None on a micro-step that does not sync.
 
     Args:
@@ -198,16 +206,19 @@ def clip_grad_norm_(run: RunState, model: torch.nn.Module, max_norm: float,
     """
     if run.accumulation is not None and not run.accumulation[1]:
         return None
-    if run.exact is not None and run.exact.cut:      # the shards' sum first: the gradients to clip
+    if run.exact is not None and run.exact.cut:  # the shards' sum first: the gradients to clip
         run.exact.reduce()
     params = [p for p in model.parameters() if p.grad is not None]
     if run.precision.scaler is not None:
         mine = {id(p) for p in params}
-        owners = [opt for opt in run.optimizers
-                  if any(id(p) in mine for group in opt.param_groups for p in group["params"])]
+        owners = [
+            opt for opt in run.optimizers if any(id(p) in mine for group in opt.param_groups for p in group["params"])
+        ]
         if not owners:
-            raise UsageError("rt.clip_grad_norm_ under fp16 must unscale the gradients first: "
-                             "pass the optimizer to rt.setup(model, optimizer)")
+            raise UsageError(
+                "rt.clip_grad_norm_ under fp16 must unscale the gradients first: "
+                "pass the optimizer to rt.setup(model, optimizer)"
+            )
         for opt in owners:
             if id(opt) not in run.unscaled:
                 run.precision.unscale_(opt)
@@ -228,8 +239,10 @@ def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bo
     if steps < 1:
         raise UsageError(f"accumulate needs steps >= 1, got {steps}")
     if run.exact is not None:
-        raise UsageError("rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
-                         "raise global_batch_size, or micro_shards, instead")
+        raise UsageError(
+            "rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
+            "raise global_batch_size, or micro_shards, instead"
+        )
     loop = run.loop
     if loop.micro_step == 0:
         loop.group = group_weight(run.active, steps)
@@ -242,7 +255,7 @@ def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bo
     sync_off: Any = contextlib.nullcontext()
     if not last and hasattr(model, "no_sync"):
         sync_off = model.no_sync()
-    elif not last and hasattr(model, "set_requires_gradient_sync"):     # strategy="fsdp"
+    elif not last and hasattr(model, "set_requires_gradient_sync"):  # strategy="fsdp"
         from ddpkit.parallel.fsdp import no_gradient_sync
 
         sync_off = no_gradient_sync(model)
@@ -261,11 +274,13 @@ def group_weight(loader: Any, steps: int) -> tuple[int, float]:
     group (or one ending in a short batch) is the exact mean over the samples it saw.
     """
     if loader is not None and not getattr(loader, "length_known", True):
-        raise UsageError("rt.accumulate over a plain stream: its length is unknown, so the last "
-                         "group's size cannot be known; use ddpkit.Shards (lengths known) or step every batch")
+        raise UsageError(
+            "rt.accumulate over a plain stream: its length is unknown, so the last "
+            "group's size cannot be known; use ddpkit.Shards (lengths known) or step every batch"
+        )
     if loader is None or not len(loader):
         return steps, float(steps)
-    first = loader.position - 1                      # index of the batch just handed out
+    first = loader.position - 1  # index of the batch just handed out
     batches = max(1, min(steps, len(loader) - first))
     full = loader.sampler.global_batch_size
     seen = sum(loader.sampler.global_count(first + i) for i in range(batches))

@@ -1,6 +1,6 @@
 """What a running job shows and watches: heartbeats and the hang watchdog, metrics, progress.
 
-Beside :mod:`ddpkit.dist` on the layer above the base modules; it imports only the base modules,
+Beside :mod:`ddpkit.distributed` on the layer above the base modules; it imports only the base modules,
 so every layer above (parallel, checkpoint, loop, runtime) may send it heartbeats and lines:
 
 - :mod:`ddpkit.observe.heartbeats`: what a hang looks like (pure functions of each rank's

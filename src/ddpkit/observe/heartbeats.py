@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 EXIT_HANG = 124
 """Exit code of every rank of a job the watchdog found hung (as ``timeout(1)``)."""
@@ -49,7 +50,7 @@ class Heartbeat:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Heartbeat":
+    def from_json(cls, text: str | bytes) -> Heartbeat:
         """The heartbeat that :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
@@ -60,15 +61,15 @@ class Verdict:
 
     culprit: int
     reporter: int
-    peers: int = 0         # live peers the culprit waits for (reported and quiet) before its stack
-    silent: bool = False   # the culprit's watchdog is not running: no stack will come
+    peers: int = 0  # live peers the culprit waits for (reported and quiet) before its stack
+    silent: bool = False  # the culprit's watchdog is not running: no stack will come
 
     def to_json(self) -> str:
         """This verdict as a JSON object, as it is proposed in the store."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Verdict":
+    def from_json(cls, text: str | bytes) -> Verdict:
         """The verdict that :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
@@ -104,6 +105,7 @@ def culprit(heartbeats: Mapping[int, Heartbeat | None], now: float, *, silent_af
     within the step, then the longest idle (it stopped first), then the lowest rank.
     Peers blocked in a collective have reached a later phase than the rank they wait for.
     """
+
     def behind(item: tuple[int, Heartbeat | None]) -> tuple:
         rank, beat = item
         if beat is None:
@@ -117,8 +119,15 @@ def culprit(heartbeats: Mapping[int, Heartbeat | None], now: float, *, silent_af
     return min(heartbeats.items(), key=behind)[0]
 
 
-def format_report(heartbeats: Mapping[int, Heartbeat | None], stuck: int, now: float, *,
-                  world_size: int, silent_after: float, note: str = "") -> str:
+def format_report(
+    heartbeats: Mapping[int, Heartbeat | None],
+    stuck: int,
+    now: float,
+    *,
+    world_size: int,
+    silent_after: float,
+    note: str = "",
+) -> str:
     """The lines the reporting rank prints: a one-line verdict, then where each rank is.
 
     Args:
@@ -133,8 +142,7 @@ def format_report(heartbeats: Mapping[int, Heartbeat | None], stuck: int, now: f
     if beat is None:
         head = f"rank {stuck} never sent a heartbeat"
     else:
-        head = (f"rank {stuck} made no progress for {beat.idle_at(now):.1f}s at step {beat.step} "
-                f"(phase {beat.phase})")
+        head = f"rank {stuck} made no progress for {beat.idle_at(now):.1f}s at step {beat.step} (phase {beat.phase})"
         if now - beat.time > silent_after:
             head += f"; its heartbeat stopped {now - beat.time:.1f}s ago (process frozen or dead)"
         elif beat.where:
@@ -144,8 +152,10 @@ def format_report(heartbeats: Mapping[int, Heartbeat | None], stuck: int, now: f
         head += "; " + "; ".join(others)
     if len(heartbeats) < world_size:
         head += f"; the other {world_size - len(heartbeats)} rank(s) are unknown" + (f" ({note})" if note else "")
-    lines = [f"ddpkit watchdog: {head}",
-             f"ddpkit watchdog: the job is hung; exiting with code {EXIT_HANG}. Where each rank is:"]
+    lines = [
+        f"ddpkit watchdog: {head}",
+        f"ddpkit watchdog: the job is hung; exiting with code {EXIT_HANG}. Where each rank is:",
+    ]
     ranked = [stuck] + sorted(r for r in heartbeats if r != stuck)
     for rank in ranked[:_TABLE_ROWS]:
         lines.append("  " + _row(rank, heartbeats[rank], now, silent_after) + ("  <- stuck" if rank == stuck else ""))
@@ -157,8 +167,9 @@ def format_report(heartbeats: Mapping[int, Heartbeat | None], stuck: int, now: f
 def _row(rank: int, beat: Heartbeat | None, now: float, silent_after: float) -> str:
     if beat is None:
         return f"rank {rank}: no heartbeat"
-    text = (f"rank {rank}: step {beat.step}, phase {beat.phase}, idle {beat.idle_at(now):.1f}s, "
-            f"{beat.host} pid {beat.pid}")
+    text = (
+        f"rank {rank}: step {beat.step}, phase {beat.phase}, idle {beat.idle_at(now):.1f}s, {beat.host} pid {beat.pid}"
+    )
     if now - beat.time > silent_after:
         text += f", heartbeat silent for {now - beat.time:.1f}s"
     return text + (f", in {beat.where}" if beat.where else "")
@@ -170,9 +181,12 @@ def _groups(heartbeats: Mapping[int, Heartbeat | None]) -> list[str]:
     for rank, beat in sorted(heartbeats.items()):
         place = "" if beat is None else "closed" if beat.phase == CLOSED else f"at step {beat.step} ({beat.phase})"
         where.setdefault(place, []).append(rank)
-    return [f"{_ranges(ranks)} sent no heartbeat" if not place
-            else f"{_ranges(ranks)} {'is' if len(ranks) == 1 else 'are'} {place}"
-            for place, ranks in where.items()]
+    return [
+        f"{_ranges(ranks)} sent no heartbeat"
+        if not place
+        else f"{_ranges(ranks)} {'is' if len(ranks) == 1 else 'are'} {place}"
+        for place, ranks in where.items()
+    ]
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -184,7 +198,6 @@ def _ranges(ranks: list[int]) -> str:
             runs.append([rank, rank])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
     return ("rank " if len(ranks) == 1 else "ranks ") + text
-
 
 
 class Target(Protocol):

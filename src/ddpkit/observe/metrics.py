@@ -43,8 +43,15 @@ class MetricsLogger:
             crash undid, and the resumed run logs them again (TensorBoard purges them too).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, *, enabled: bool = True,
-                 tensorboard: bool = True, resume: bool = False, resume_step: int | None = None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        resume: bool = False,
+        resume_step: int | None = None,
+    ):
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self._rows: list[dict[str, Any]] = []
@@ -135,8 +142,9 @@ class MetricsLogger:
             writer.writerows(self._rows)
 
     # -- plotting -----------------------------------------------------------------------
-    def plot_loss(self, path: str | os.PathLike | None = None, *,
-                  keys: Sequence[str] = ("train_loss", "test_loss")) -> Path | None:
+    def plot_loss(
+        self, path: str | os.PathLike | None = None, *, keys: Sequence[str] = ("train_loss", "test_loss")
+    ) -> Path | None:
         """Draw each of ``keys`` that was logged against step into a PNG (``out_dir/loss.png``).
 
         Returns:
@@ -192,8 +200,9 @@ class MetricsLogger:
 # -- helpers ----------------------------------------------------------------------------
 def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Each metric as a float: a tensor's mean, or the number itself."""
-    return {k: float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
-            for k, v in metrics.items()}
+    return {
+        k: float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()
+    }
 
 
 def _as_step(step: Any) -> int:
@@ -264,8 +273,10 @@ def _summary_writer(log_dir: Path, purge_step: int | None = None) -> Any:
     except Exception as exc:  # ImportError, or a broken protobuf/tensorboard install
         if not _TB_WARNED:
             _TB_WARNED = True
-            warn(f"TensorBoard logging is off ({exc}); install it with "
-                 "`pip install tensorboard` or `pip install ddpkit[train]`")
+            warn(
+                f"TensorBoard logging is off ({exc}); install it with "
+                "`pip install tensorboard` or `pip install ddpkit[train]`"
+            )
         return None
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 

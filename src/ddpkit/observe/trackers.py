@@ -57,8 +57,11 @@ killed in between loses them)."""
 PROJECT = "ddpkit"
 """The W&B project and MLflow experiment, unless ``WANDB_PROJECT``/``MLFLOW_EXPERIMENT_NAME`` say another."""
 
-_INSTALL = {"wandb": "pip install 'ddpkit[wandb]'", "mlflow": "pip install 'ddpkit[mlflow]'",
-            "tensorboard": "pip install 'ddpkit[train]'"}
+_INSTALL = {
+    "wandb": "pip install 'ddpkit[wandb]'",
+    "mlflow": "pip install 'ddpkit[mlflow]'",
+    "tensorboard": "pip install 'ddpkit[train]'",
+}
 
 
 def names(trackers: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -102,11 +105,13 @@ def problem(chosen: Sequence[str], out_dir: str | os.PathLike | None) -> str | N
                 import wandb
             else:
                 import mlflow  # noqa: F401
-        except Exception as exc:     # ImportError, or a broken install of the library
+        except Exception as exc:  # ImportError, or a broken install of the library
             return f"tracker {name!r} is not installed ({one_line(str(exc), 80)}): {_INSTALL[name]}"
         if name == "wandb" and _wandb_online() and not wandb.login(prompt=False, verify=False):
-            return ("tracker 'wandb' runs online but no W&B API key is set: run `wandb login`, "
-                    "set WANDB_API_KEY, or set WANDB_MODE=offline")
+            return (
+                "tracker 'wandb' runs online but no W&B API key is set: run `wandb login`, "
+                "set WANDB_API_KEY, or set WANDB_MODE=offline"
+            )
         if name == "mlflow":
             assert out_dir is not None
             uri = mlflow_uri(out_dir)
@@ -117,8 +122,10 @@ def problem(chosen: Sequence[str], out_dir: str | os.PathLike | None) -> str | N
                 with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="15"):
                     MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
             except Exception as exc:
-                return (f"tracker 'mlflow' cannot open tracking URI {uri!r} ({one_line(str(exc), 120)}); "
-                        "set MLFLOW_TRACKING_URI to a store this machine can reach")
+                return (
+                    f"tracker 'mlflow' cannot open tracking URI {uri!r} ({one_line(str(exc), 120)}); "
+                    "set MLFLOW_TRACKING_URI to a store this machine can reach"
+                )
     return None
 
 
@@ -181,23 +188,30 @@ class Remote:
         deferred: hold rows until a checkpoint covers them (a run with a ``checkpoint_dir``).
     """
 
-    def __init__(self, chosen: Sequence[str], out_dir: str | os.PathLike, *, run_name: str | None = None,
-                 config: Mapping[str, Any] | None = None, deferred: bool = False) -> None:
+    def __init__(
+        self,
+        chosen: Sequence[str],
+        out_dir: str | os.PathLike,
+        *,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        deferred: bool = False,
+    ) -> None:
         self.chosen = tuple(name for name in chosen if name in REMOTE)
         self.out_dir = Path(out_dir)
         self.run_name = run_name
         self.config = dict(config or {})
         self.deferred = deferred
-        self.ids: dict[str, str] = {}           # tracker -> its run id, once known
+        self.ids: dict[str, str] = {}  # tracker -> its run id, once known
         self.resumed = False
         self._pending: list[dict[str, Any]] = []
-        self._open: dict[str, Any] = {}         # tracker -> its run (W&B) or client (MLflow)
+        self._open: dict[str, Any] = {}  # tracker -> its run (W&B) or client (MLflow)
         self._failed: set[str] = set()
         self._closed = False
         self.outcome: Any = lambda: "FINISHED"
         """Called at exit for how the run ended (the runtime sets it: ``"FAILED"`` after an uncaught exception)."""
         if "wandb" in self.chosen:
-            self.ids["wandb"] = uuid.uuid4().hex[:12]     # chosen now: checkpoints hold it from the start
+            self.ids["wandb"] = uuid.uuid4().hex[:12]  # chosen now: checkpoints hold it from the start
 
     @property
     def active(self) -> bool:
@@ -248,8 +262,10 @@ class Remote:
             if name not in self.chosen:
                 continue
             if name in self._open and self.ids.get(name) != run_id:
-                warn(f"tracker {name!r}: a run was opened before the checkpoint was loaded; "
-                     "load before the first save to continue the checkpoint's run")
+                warn(
+                    f"tracker {name!r}: a run was opened before the checkpoint was loaded; "
+                    "load before the first save to continue the checkpoint's run"
+                )
                 continue
             self.ids[name] = str(run_id)
 
@@ -287,8 +303,10 @@ class Remote:
         except Exception as exc:
             self._failed.add(name)
             self._open.pop(name, None)
-            warn(f"tracker {name!r} failed ({one_line(str(exc), 160)}); it gets no more rows in this run, "
-                 "metrics.jsonl and metrics.csv still hold every row")
+            warn(
+                f"tracker {name!r} failed ({one_line(str(exc), 160)}); it gets no more rows in this run, "
+                "metrics.jsonl and metrics.csv still hold every row"
+            )
 
     def _opened(self, name: str) -> Any:
         if name not in self._open:
@@ -296,24 +314,34 @@ class Remote:
                 self._open[name] = self._start_wandb() if name == "wandb" else self._start_mlflow()
             except Exception as exc:
                 self._failed.add(name)
-                warn(f"tracker {name!r} could not start ({one_line(str(exc), 160)}); "
-                     "metrics.jsonl and metrics.csv hold every row")
+                warn(
+                    f"tracker {name!r} could not start ({one_line(str(exc), 160)}); "
+                    "metrics.jsonl and metrics.csv hold every row"
+                )
                 return None
         return self._open[name]
 
     def _start_wandb(self) -> Any:
-        import wandb
-
         import atexit
+
+        import wandb
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         settings = {}
         if "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL" not in os.environ:
             settings["x_transaction_log_flush_interval"] = WANDB_FLUSH_S
-        run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), id=self.ids["wandb"], resume="allow",
-                         name=self.run_name, dir=str(self.out_dir), config=self.config, allow_val_change=True,
-                         reinit="create_new", mode=os.environ.get("WANDB_MODE") or None,
-                         settings=wandb.Settings(**settings) if settings else None)
+        run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", PROJECT),
+            id=self.ids["wandb"],
+            resume="allow",
+            name=self.run_name,
+            dir=str(self.out_dir),
+            config=self.config,
+            allow_val_change=True,
+            reinit="create_new",
+            mode=os.environ.get("WANDB_MODE") or None,
+            settings=wandb.Settings(**settings) if settings else None,
+        )
         # wandb tears its service down at exit; registered after its hook, this ends our run first
         atexit.register(lambda: self.close(self.outcome()))
         return run
@@ -342,11 +370,13 @@ class Remote:
         held = client.get_run(run_id).data.params
         changed = [k for k, v in self.config.items() if k in held and held[k] != _param(v)]
         if changed:
-            warn(f"tracker 'mlflow': params {', '.join(changed[:5])} differ from the run's first attempt; "
-                 "MLflow keeps the first values")
+            warn(
+                f"tracker 'mlflow': params {', '.join(changed[:5])} differ from the run's first attempt; "
+                "MLflow keeps the first values"
+            )
         params = [Param(k, _param(v)) for k, v in self.config.items() if k not in held]
         for start in range(0, len(params), 100):
-            client.log_batch(run_id, params=params[start:start + 100])
+            client.log_batch(run_id, params=params[start : start + 100])
 
     def _write(self, name: str, rows: list[dict[str, Any]]) -> None:
         handle = self._opened(name)
@@ -368,7 +398,7 @@ class Remote:
             now = int(time.time() * 1000)
             metrics = [Metric(k, float(v), now, row["step"]) for row in rows for k, v in row.items() if k != "step"]
             for start in range(0, len(metrics), 1000):
-                handle.log_batch(self.ids["mlflow"], metrics=metrics[start:start + 1000])
+                handle.log_batch(self.ids["mlflow"], metrics=metrics[start : start + 1000])
 
     def _finish(self, name: str, outcome: str) -> None:
         handle = self._open[name]

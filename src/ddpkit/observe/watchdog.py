@@ -34,14 +34,15 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ddpkit.errors import UsageError
 from ddpkit.observe.heartbeats import CLOSED, EXIT_HANG, Heartbeat, Verdict, culprit, format_report, seconds_until_hung
 
 _PREFIX = "ddpkit/watchdog/"
 _VERDICT, _READY, _DUMPED = _PREFIX + "verdict", _PREFIX + "ready", _PREFIX + "dumped"
-_LINGER_S = 2.0          # peers of the stuck rank exit this much later, so the launcher names it
+_LINGER_S = 2.0  # peers of the stuck rank exit this much later, so the launcher names it
 _STORE_TIMEOUT_S = 10.0
 
 
@@ -60,8 +61,15 @@ class Watchdog:
     ``store`` is a c10d store shared by all ranks (None: watch this rank alone).
     """
 
-    def __init__(self, hang_timeout: float, *, rank: int = 0, world_size: int = 1, store: Any = None,
-                 interval: float | None = None):
+    def __init__(
+        self,
+        hang_timeout: float,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        store: Any = None,
+        interval: float | None = None,
+    ):
         check_timeout(hang_timeout)
         self.hang_timeout = float(hang_timeout)
         self.rank, self.world_size = rank, world_size
@@ -72,9 +80,9 @@ class Watchdog:
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._last: tuple[int, str, float] = (0, "start", time.monotonic())
         self._watched = threading.get_ident()
-        self._next_look = 0.0            # monotonic time before which peers cannot all be stalled
+        self._next_look = 0.0  # monotonic time before which peers cannot all be stalled
         self._stop = threading.Event()
-        self._probes: list[list[Any]] = []   # [probe, last value]: reads in DataLoader workers
+        self._probes: list[list[Any]] = []  # [probe, last value]: reads in DataLoader workers
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
 
     def beat(self, step: int, phase: str) -> None:
@@ -92,7 +100,7 @@ class Watchdog:
                 entry[1] = value
                 self._last = (self._last[0], "data", time.monotonic())
 
-    def start(self, step: int = 0) -> "Watchdog":
+    def start(self, step: int = 0) -> Watchdog:
         """Watch the calling thread from ``step`` (phase ``start``) on a daemon thread; returns self."""
         self._watched = threading.get_ident()
         self.beat(step, "start")
@@ -110,7 +118,7 @@ class Watchdog:
         while not self._stop.is_set():
             try:
                 self._tick()
-            except (RuntimeError, OSError) as exc:   # the store went away: watch this rank alone
+            except (RuntimeError, OSError) as exc:  # the store went away: watch this rank alone
                 self._store, self._store_error = None, f"store unreachable: {exc}".splitlines()[0]
             self._stop.wait(self.interval)
         if self._store is not None:
@@ -136,14 +144,14 @@ class Watchdog:
             beats = self._heartbeats(mine)
             now = time.time()
             wait = seconds_until_hung(beats, now, self.hang_timeout)
-            if wait > 0.0:     # a peer is still making progress: look again when it could be hung
+            if wait > 0.0:  # a peer is still making progress: look again when it could be hung
                 self._next_look = time.monotonic() + max(self.interval, min(wait, self.hang_timeout))
                 return
             stuck = culprit(beats, now, silent_after=self.silent_after)
-            live = [r for r, b in beats.items() if b is not None and b.phase != CLOSED
-                    and now - b.time <= self.silent_after]
-            verdict = self._propose(Verdict(stuck, self.rank, peers=len(set(live) - {stuck}),
-                                            silent=stuck not in live))
+            live = [
+                r for r, b in beats.items() if b is not None and b.phase != CLOSED and now - b.time <= self.silent_after
+            ]
+            verdict = self._propose(Verdict(stuck, self.rank, peers=len(set(live) - {stuck}), silent=stuck not in live))
         self._act(verdict, beats)
 
     def _act(self, verdict: Verdict, beats: Mapping[int, Heartbeat | None] | None) -> None:
@@ -154,8 +162,16 @@ class Watchdog:
         "connection closed by peer": a consequence, not news.
         """
         if verdict.reporter == self.rank and beats is not None:
-            _say(format_report(beats, verdict.culprit, time.time(), world_size=self.world_size,
-                               silent_after=self.silent_after, note=self._store_error))
+            _say(
+                format_report(
+                    beats,
+                    verdict.culprit,
+                    time.time(),
+                    world_size=self.world_size,
+                    silent_after=self.silent_after,
+                    note=self._store_error,
+                )
+            )
         if verdict.culprit == self.rank:
             self._await(lambda: int(self._store.add(_READY, 0)) >= verdict.peers)
             self._dump_stack()
@@ -170,12 +186,14 @@ class Watchdog:
 
     def _dump_stack(self) -> None:
         step, phase, since = self._last
-        _say(f"ddpkit watchdog: Python stack of rank {self.rank} ({self._host}, pid {self._pid}), stuck "
-             f"{time.monotonic() - since:.1f}s at step {step} (phase {phase}); "
-             f"the watched thread is Thread 0x{self._watched:016x}:")
+        _say(
+            f"ddpkit watchdog: Python stack of rank {self.rank} ({self._host}, pid {self._pid}), stuck "
+            f"{time.monotonic() - since:.1f}s at step {step} (phase {phase}); "
+            f"the watched thread is Thread 0x{self._watched:016x}:"
+        )
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        except (AttributeError, ValueError, OSError):   # stderr replaced by an object without a fd
+        except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a fd
             faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
 
     def _where(self) -> str:
@@ -224,7 +242,7 @@ class Watchdog:
             while self._store is not None and time.monotonic() < deadline and not done():
                 time.sleep(0.05)
         except (RuntimeError, OSError):
-            pass                        # the others already left
+            pass  # the others already left
 
 
 def _beat_key(rank: int) -> str:
@@ -277,7 +295,7 @@ def group_store() -> Any | None:
     from ddpkit._torch import default_store
 
     try:
-        shared = default_store()      # a changed private API raises PrivateApiChanged: loud
+        shared = default_store()  # a changed private API raises PrivateApiChanged: loud
     except (ValueError, RuntimeError):
         return None
     try:

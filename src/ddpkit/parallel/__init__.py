@@ -2,7 +2,7 @@
 PowerSGD, lazily averaged BatchNorm statistics, SyncBatchNorm on every backend.
 
 What ``rt.setup`` does to a model, below the checkpoints and the loop. Its modules import only
-one another, :mod:`ddpkit.dist`, the observe modules and ddpkit's base modules, never the
+one another, :mod:`ddpkit.distributed`, the observe modules and ddpkit's base modules, never the
 layers above them:
 
 - :mod:`ddpkit.parallel.ddp`: device, SyncBatchNorm, DDP with its buckets settled at setup, compile.

@@ -1,6 +1,6 @@
 """``grad_compression="auto"``: measure the link and the step, then send the fewest bytes that pay.
 
-At ``rt.setup`` the ranks time the link they share (:func:`ddpkit.dist.probe.link`: a one-element
+At ``rt.setup`` the ranks time the link they share (:func:`ddpkit.distributed.probe.link`: a one-element
 allreduce and one of the gradients' bytes, at most :data:`PROBE_BYTES`, every rank released
 together); the first :data:`MEASURE_STEPS` steps then run uncompressed and are timed. At the step
 after them every rank takes the same decision from the same numbers (the slowest rank's step):
@@ -50,7 +50,7 @@ class AutoCompressor(Compressor):
     name = "auto"
 
     def __init__(self, model: Any, device: torch.device, *, rank: int, start: int | None, make: Any) -> None:
-        from ddpkit.dist.probe import link
+        from ddpkit.distributed.probe import link
         from ddpkit.parallel.powersgd import payload_elements
 
         super().__init__()
@@ -87,12 +87,12 @@ class AutoCompressor(Compressor):
             self._decide()
 
     def _decide(self) -> None:
-        from ddpkit.dist.probe import bus_bytes
+        from ddpkit.distributed.probe import bus_bytes
         from ddpkit.errors import warn
 
-        steps = [b - a for a, b in zip(self.step_ends[1:], self.step_ends[2:])]    # the first is set-up
+        steps = [b - a for a, b in zip(self.step_ends[1:], self.step_ends[2:])]  # the first is set-up
         slowest = torch.tensor([statistics.median(steps)], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)         # one number for every rank
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # one number for every rank
         step, world = float(slowest.item()), dist.get_world_size()
         buckets = _buckets(self.model)
         link = self.link_bytes_per_s or float("inf")
@@ -101,34 +101,48 @@ class AutoCompressor(Compressor):
             return bus_bytes(nbytes, world) / link + calls * self.latency_s
 
         plain = exchange(self.grad_bytes, buckets)
-        compute = max(step - plain, 0.01 * step)          # the link timing can exceed a noisy step
-        predicted = {"none": step, "bf16": compute + exchange(self.grad_bytes / 2, buckets),
-                     "powersgd": compute + exchange(self.powersgd_bytes, 2 * buckets)}
+        compute = max(step - plain, 0.01 * step)  # the link timing can exceed a noisy step
+        predicted = {
+            "none": step,
+            "bf16": compute + exchange(self.grad_bytes / 2, buckets),
+            "powersgd": compute + exchange(self.powersgd_bytes, 2 * buckets),
+        }
         best = min(("bf16", "powersgd"), key=lambda c: predicted[c])
         choice = best if step / predicted[best] >= MIN_GAIN else "none"
-        self.decision = {"choice": choice, "link_bytes_per_s": self.link_bytes_per_s, "latency_s": self.latency_s,
-                         "step_s": step, "compute_s": compute, "grad_bytes": self.grad_bytes,
-                         "powersgd_bytes": self.powersgd_bytes,
-                         "predicted_step_s": {k: round(v, 6) for k, v in predicted.items()}}
+        self.decision = {
+            "choice": choice,
+            "link_bytes_per_s": self.link_bytes_per_s,
+            "latency_s": self.latency_s,
+            "step_s": step,
+            "compute_s": compute,
+            "grad_bytes": self.grad_bytes,
+            "powersgd_bytes": self.powersgd_bytes,
+            "predicted_step_s": {k: round(v, 6) for k, v in predicted.items()},
+        }
         self._adopt(choice)
         if dist.get_rank() == 0:
             speed = "unmeasured" if self.link_bytes_per_s is None else f"{self.link_bytes_per_s / 1e6:.1f} MB/s"
-            warn(f"grad_compression='auto' chose {choice!r}: link {speed}, latency {self.latency_s * 1e3:.2f} ms, "
-                 f"step {step * 1e3:.1f} ms of which {plain * 1e3:.1f} ms exchanging {self.grad_bytes / 1e6:.2f} MB; "
-                 + ", ".join(f"{k} predicts {v * 1e3:.1f} ms" for k, v in predicted.items()))
+            warn(
+                f"grad_compression='auto' chose {choice!r}: link {speed}, latency {self.latency_s * 1e3:.2f} ms, "
+                f"step {step * 1e3:.1f} ms of which {plain * 1e3:.1f} ms exchanging {self.grad_bytes / 1e6:.2f} MB; "
+                + ", ".join(f"{k} predicts {v * 1e3:.1f} ms" for k, v in predicted.items())
+            )
 
     def _adopt(self, choice: str) -> None:
         self.chosen = None if choice == "none" else self.make(choice)
 
     def state_dict(self) -> dict[str, Any]:
         """The decision (or that none was taken yet) and the chosen compressor's own state."""
-        return {"name": self.name, "decision": self.decision,
-                "chosen": None if self.chosen is None else self.chosen.state_dict()}
+        return {
+            "name": self.name,
+            "decision": self.decision,
+            "chosen": None if self.chosen is None else self.chosen.state_dict(),
+        }
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
         """Resume the saved decision (and its compressor's state); none saved: measure again."""
         if saved.get("name") != self.name:
-            super().load_state_dict(saved, same_world=same_world, source=source)      # warns
+            super().load_state_dict(saved, same_world=same_world, source=source)  # warns
             return
         self.decision = saved.get("decision")
         if self.decision is None:

@@ -34,8 +34,16 @@ POWERSGD_START = 10
 first steps of training move fastest, where a low-rank sketch of the gradient is least apt."""
 
 
-def check(choice: str | None, *, rank: int, start: int | None, backend: str | None, device: torch.device,
-          precision: str, compile: Any) -> None:
+def check(
+    choice: str | None,
+    *,
+    rank: int,
+    start: int | None,
+    backend: str | None,
+    device: torch.device,
+    precision: str,
+    compile: Any,
+) -> None:
     """Refuse a choice that cannot work here, in one line, before any process group work.
 
     Args:
@@ -59,20 +67,28 @@ def check(choice: str | None, *, rank: int, start: int | None, backend: str | No
         if not isinstance(rank, int) or rank < 1:
             raise UsageError(f"powersgd_rank must be a whole number of at least 1, got {rank!r}")
         if start is not None and (not isinstance(start, int) or start < 2):
-            raise UsageError(f"powersgd_start must be at least 2 (PowerSGD's error feedback needs "
-                             f"plain steps before it), got {start!r}")
+            raise UsageError(
+                f"powersgd_start must be at least 2 (PowerSGD's error feedback needs "
+                f"plain steps before it), got {start!r}"
+            )
         if precision == "fp16":
-            raise UsageError(f"grad_compression={choice!r} with precision='fp16': a step whose loss scale "
-                             "overflows would put inf into PowerSGD's error feedback for good; use "
-                             "precision='bf16', or grad_compression='fp16'")
+            raise UsageError(
+                f"grad_compression={choice!r} with precision='fp16': a step whose loss scale "
+                "overflows would put inf into PowerSGD's error feedback for good; use "
+                "precision='bf16', or grad_compression='fp16'"
+            )
     if choice == "bf16" and backend == "nccl" and device.type == "cuda":
         nccl = torch.cuda.nccl.version()
         if nccl < (2, 10) or not torch.cuda.is_bf16_supported():
-            raise UsageError(f"grad_compression='bf16' needs NCCL 2.10+ and a GPU with bfloat16 (NCCL "
-                             f"{'.'.join(map(str, nccl))} here); use grad_compression='fp16'")
+            raise UsageError(
+                f"grad_compression='bf16' needs NCCL 2.10+ and a GPU with bfloat16 (NCCL "
+                f"{'.'.join(map(str, nccl))} here); use grad_compression='fp16'"
+            )
     if compile:
-        raise UsageError("grad_compression with compile=True is not supported yet (compiled DDP "
-                         "and communication hooks are untested together); drop one of them")
+        raise UsageError(
+            "grad_compression with compile=True is not supported yet (compiled DDP "
+            "and communication hooks are untested together); drop one of them"
+        )
 
 
 class Compressor:
@@ -81,7 +97,7 @@ class Compressor:
     name = "none"
 
     def __init__(self) -> None:
-        self.payload_elements = 0    # elements handed to allreduce since the start (or reset)
+        self.payload_elements = 0  # elements handed to allreduce since the start (or reset)
         self.element_size = 4
 
     @property
@@ -104,8 +120,10 @@ class Compressor:
 
 def _check_name(name: str, saved: dict[str, Any], source: str) -> None:
     if saved.get("name") != name:
-        warn(f"checkpoint {source} was trained with grad_compression={saved.get('name')!r} and "
-             f"resumes with {name!r}: the run continues, not bitwise as an uninterrupted one")
+        warn(
+            f"checkpoint {source} was trained with grad_compression={saved.get('name')!r} and "
+            f"resumes with {name!r}: the run continues, not bitwise as an uninterrupted one"
+        )
 
 
 class CastCompressor(Compressor):
@@ -121,7 +139,7 @@ class CastCompressor(Compressor):
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         """Cast ``bucket`` to 16 bits, divide by the world, all-reduce, copy the result back."""
         buffer = bucket.buffer()
-        sent = buffer.to(self.dtype).div_(dist.get_world_size())    # divide first: fp16 overflows later
+        sent = buffer.to(self.dtype).div_(dist.get_world_size())  # divide first: fp16 overflows later
         self.payload_elements += sent.numel()
         future = dist.all_reduce(sent, async_op=True).get_future()
 
@@ -141,7 +159,7 @@ class PowerSGDCompressor(Compressor):
         from ddpkit.parallel.powersgd import PowerSGD
 
         super().__init__()
-        self.buckets_settled = True      # per-bucket state can be restored into the same buckets
+        self.buckets_settled = True  # per-bucket state can be restored into the same buckets
         self.state = PowerSGD(rank, start, device)
 
     @property
@@ -161,13 +179,17 @@ class PowerSGDCompressor(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         """Iteration, this rank's error feedback, the warm-start factors and the RNG, as plain data."""
-        from ddpkit.rng import numpy_state
         from ddpkit.parallel.powersgd import FORMAT
+        from ddpkit.rng import numpy_state
 
         s = self.state
         held = {**{k: (v.error, v.q) for k, v in s.buckets.items()}, **s.saved}
         return {
-            "name": self.name, "format": FORMAT, "rank": s.rank, "start": s.start, "iter": s.iter,
+            "name": self.name,
+            "format": FORMAT,
+            "rank": s.rank,
+            "start": s.start,
+            "iter": s.iter,
             "error": {k: e.detach().cpu().clone() for k, (e, _) in held.items()},
             "q": {k: q.detach().cpu().clone() for k, (_, q) in held.items()},
             "rng": numpy_state(s.rng.get_state()),
@@ -180,8 +202,8 @@ class PowerSGDCompressor(Compressor):
         rank: neither carries over to another world size or ``powersgd_rank``, so they start
         afresh there (with a warning) while the plain warm-up is not repeated.
         """
-        from ddpkit.rng import numpy_state_tuple
         from ddpkit.parallel.powersgd import FORMAT
+        from ddpkit.rng import numpy_state_tuple
 
         _check_name(self.name, saved, source)
         if saved.get("name") != self.name:
@@ -191,19 +213,35 @@ class PowerSGDCompressor(Compressor):
         s.rng.set_state(numpy_state_tuple(saved["rng"]))
         s.buckets.clear()
         s.saved.clear()
-        if (not same_world or saved["rank"] != s.rank or not self.buckets_settled
-                or saved.get("format") != FORMAT):
-            why = ("another world size" if not same_world else f"powersgd_rank {saved['rank']}"
-                   if saved["rank"] != s.rank else "DDP buckets that could not be settled"
-                   if not self.buckets_settled else "an earlier ddpkit's layout")
-            warn(f"checkpoint {source} holds PowerSGD error feedback of {why}: it starts afresh "
-                 "(the run continues, not bitwise as an uninterrupted one)")
+        if not same_world or saved["rank"] != s.rank or not self.buckets_settled or saved.get("format") != FORMAT:
+            why = (
+                "another world size"
+                if not same_world
+                else f"powersgd_rank {saved['rank']}"
+                if saved["rank"] != s.rank
+                else "DDP buckets that could not be settled"
+                if not self.buckets_settled
+                else "an earlier ddpkit's layout"
+            )
+            warn(
+                f"checkpoint {source} holds PowerSGD error feedback of {why}: it starts afresh "
+                "(the run continues, not bitwise as an uninterrupted one)"
+            )
             return
         s.saved.update({int(k): (saved["error"][k], saved["q"][k]) for k in saved["error"]})
 
 
-def attach(model: Any, choice: str, *, rank: int, start: int | None, device: torch.device,
-           buckets_settled: bool = True, timeout_s: float | None = None, choose: Any = None) -> Compressor:
+def attach(
+    model: Any,
+    choice: str,
+    *,
+    rank: int,
+    start: int | None,
+    device: torch.device,
+    buckets_settled: bool = True,
+    timeout_s: float | None = None,
+    choose: Any = None,
+) -> Compressor:
     """Register ``choice``'s hook on the DDP ``model``; returns its compressor (bytes, state).
 
     Args:
@@ -219,6 +257,7 @@ def attach(model: Any, choice: str, *, rank: int, start: int | None, device: tor
             given here so this module does not import it), called ``choose(model, device, rank=,
             start=, make=)``; it builds its choice with ``make``.
     """
+
     def make(name: str) -> Compressor:
         if name != "powersgd":
             return CastCompressor(torch.float16 if name == "fp16" else torch.bfloat16)

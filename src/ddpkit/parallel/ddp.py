@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ddpkit.parallel.options import SetupOptions, Wrapped
 from ddpkit.errors import warn
+from ddpkit.parallel.options import SetupOptions, Wrapped
 
 
 def _buffer_sync_arg() -> str:
@@ -27,8 +27,15 @@ def _buffer_sync_arg() -> str:
 _BUFFER_SYNC_ARG = _buffer_sync_arg()
 
 
-def replicate(model: torch.nn.Module, options: SetupOptions, *, device: torch.device, world_size: int,
-              is_main: bool, timeout_s: float | None = None) -> Wrapped:
+def replicate(
+    model: torch.nn.Module,
+    options: SetupOptions,
+    *,
+    device: torch.device,
+    world_size: int,
+    is_main: bool,
+    timeout_s: float | None = None,
+) -> Wrapped:
     """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
 
     ``options.grad_compression`` (checked by :meth:`SetupOptions.check`) registers its hook on the
@@ -52,8 +59,7 @@ def replicate(model: torch.nn.Module, options: SetupOptions, *, device: torch.de
     if world_size > 1:
         model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
     elif options.grad_compression is not None and is_main:
-        warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no "
-             "gradients are sent")
+        warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no gradients are sent")
     if options.compile:
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
     wrapped.model = model
@@ -87,16 +93,23 @@ def _buffer_policy(model: torch.nn.Module, options: SetupOptions, ddp_kwargs: di
     if options.sync_batchnorm:
         ddp_kwargs[_BUFFER_SYNC_ARG] = False
         return None
-    if options.compile or hasattr(model, "_orig_mod"):      # compiled before setup counts too
+    if options.compile or hasattr(model, "_orig_mod"):  # compiled before setup counts too
         return None
-    lazy = lazy_buffers.candidates(model)       # only BatchNorm statistics: average them lazily
+    lazy = lazy_buffers.candidates(model)  # only BatchNorm statistics: average them lazily
     if lazy is not None:
         ddp_kwargs[_BUFFER_SYNC_ARG] = False
     return lazy
 
 
-def _distributed(model: torch.nn.Module, options: SetupOptions, wrapped: Wrapped, *, device: torch.device,
-                 is_main: bool, timeout_s: float | None) -> Any:
+def _distributed(
+    model: torch.nn.Module,
+    options: SetupOptions,
+    wrapped: Wrapped,
+    *,
+    device: torch.device,
+    is_main: bool,
+    timeout_s: float | None,
+) -> Any:
     """Wrap ``model`` in DDP (buckets settled, buffers policy, compression); fills ``wrapped``'s extras."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -126,13 +139,19 @@ def _distributed(model: torch.nn.Module, options: SetupOptions, wrapped: Wrapped
     if settle:
         wrapped.not_bitwise = settle_buckets(model, is_main=is_main)
     if options.grad_compression is not None:
+        from ddpkit.parallel.auto import AutoCompressor
         from ddpkit.parallel.compression import attach
 
-        from ddpkit.parallel.auto import AutoCompressor
-
-        wrapped.compressor = attach(model, options.grad_compression, rank=options.powersgd_rank,
-                                    start=options.powersgd_start, device=device, choose=AutoCompressor,
-                                    buckets_settled=wrapped.not_bitwise is None, timeout_s=timeout_s)
+        wrapped.compressor = attach(
+            model,
+            options.grad_compression,
+            rank=options.powersgd_rank,
+            start=options.powersgd_start,
+            device=device,
+            choose=AutoCompressor,
+            buckets_settled=wrapped.not_bitwise is None,
+            timeout_s=timeout_s,
+        )
     return model
 
 
@@ -156,10 +175,9 @@ def settle_buckets(model: Any, *, is_main: bool) -> str | None:
     from ddpkit import _torch
 
     try:
-        _torch.settle_ddp_buckets(model)     # a collective: every rank calls setup
+        _torch.settle_ddp_buckets(model)  # a collective: every rank calls setup
     except _torch.PrivateApiChanged as exc:
         if is_main:
-            warn(f"{exc}: with 3 or more processes a resumed run may differ from an "
-                 "uninterrupted one by rounding")
+            warn(f"{exc}: with 3 or more processes a resumed run may differ from an uninterrupted one by rounding")
         return f"DDP buckets could not be settled at setup ({exc})"
     return None

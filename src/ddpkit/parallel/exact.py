@@ -46,7 +46,8 @@ Example (one process; the same lines under ``ddpkit run -n 2`` end at the same b
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -56,8 +57,18 @@ from ddpkit.errors import UsageError
 __all__ = ["Exact", "check", "tree_sum", "threads_for"]
 
 
-def check(micro_shards: int | None, *, world_size: int, sync_batchnorm: bool, grad_compression: str | None,
-          strategy: str, sync: str, compile: Any, ddp_kwargs: dict[str, Any], fault_tolerant: bool = False) -> None:
+def check(
+    micro_shards: int | None,
+    *,
+    world_size: int,
+    sync_batchnorm: bool,
+    grad_compression: str | None,
+    strategy: str,
+    sync: str,
+    compile: Any,
+    ddp_kwargs: dict[str, Any],
+    fault_tolerant: bool = False,
+) -> None:
     """Refuse, in one line, ``micro_shards`` that cannot be exact here (nothing when it is None).
 
     Args:
@@ -77,16 +88,20 @@ def check(micro_shards: int | None, *, world_size: int, sync_batchnorm: bool, gr
     if isinstance(micro_shards, bool) or not isinstance(micro_shards, int) or micro_shards < 1:
         raise UsageError(f"micro_shards must be a whole number of at least 1, got {micro_shards!r}")
     if world_size & (world_size - 1) or micro_shards % world_size:
-        raise UsageError(f"micro_shards={micro_shards} is exact on a power-of-two number of processes that "
-                         f"divides it (1, 2, 4, ...); this run has {world_size}: change the number of processes, "
-                         f"or micro_shards to a multiple of {world_size}")
-    refused = [("sync_batchnorm=True", sync_batchnorm, "each shard keeps its own BatchNorm statistics"),
-               (f"grad_compression={grad_compression!r}", grad_compression is not None, "the sums must be exact"),
-               (f"strategy={strategy!r}", strategy != "ddp", "the model is replicated"),
-               (f"sync={sync!r}", sync != "every-step", "every step is summed"),
-               ("compile", bool(compile), "its hooks keep BatchNorm's statistics per shard"),
-               (f"DDP arguments {sorted(ddp_kwargs)}", bool(ddp_kwargs), "no DDP wrapper is used"),
-               ("--fault-tolerant", fault_tolerant, "replicas come and go")]
+        raise UsageError(
+            f"micro_shards={micro_shards} is exact on a power-of-two number of processes that "
+            f"divides it (1, 2, 4, ...); this run has {world_size}: change the number of processes, "
+            f"or micro_shards to a multiple of {world_size}"
+        )
+    refused = [
+        ("sync_batchnorm=True", sync_batchnorm, "each shard keeps its own BatchNorm statistics"),
+        (f"grad_compression={grad_compression!r}", grad_compression is not None, "the sums must be exact"),
+        (f"strategy={strategy!r}", strategy != "ddp", "the model is replicated"),
+        (f"sync={sync!r}", sync != "every-step", "every step is summed"),
+        ("compile", bool(compile), "its hooks keep BatchNorm's statistics per shard"),
+        (f"DDP arguments {sorted(ddp_kwargs)}", bool(ddp_kwargs), "no DDP wrapper is used"),
+        ("--fault-tolerant", fault_tolerant, "replicas come and go"),
+    ]
     for name, bad, why in refused:
         if bad:
             raise UsageError(f"micro_shards does not combine with {name} ({why}); drop one of the two")
@@ -94,7 +109,7 @@ def check(micro_shards: int | None, *, world_size: int, sync_batchnorm: bool, gr
 
 def threads_for(micro_shards: int, cores: int | None = None) -> int:
     """Intra-op threads of every shard: ``cores // micro_shards`` (at least one), whatever the world size."""
-    from ddpkit.dist.host import usable_cores
+    from ddpkit.distributed.host import usable_cores
 
     return max(1, (usable_cores() if cores is None else cores) // micro_shards)
 
@@ -125,8 +140,17 @@ def _add_grads(a: list[Any], b: list[Any]) -> list[Any]:
 class Exact:
     """The micro-shard state of one run: the shard in hand, the shards' gradients and statistics."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, *, micro_shards: int, world_size: int, rank: int,
-                 seed: int | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        *,
+        micro_shards: int,
+        world_size: int,
+        rank: int,
+        seed: int | None,
+        device: torch.device,
+    ) -> None:
         self.micro_shards, self.world_size, self.rank = micro_shards, world_size, rank
         self.local_shards = micro_shards // world_size
         self.seed, self.device = seed, device
@@ -135,15 +159,15 @@ class Exact:
             params += [p for group in optimizer.param_groups for p in group["params"]]
         self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
         self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
-        self.current: tuple[int, int, int] | None = None     # (local index j, global shard s, its samples)
-        self.leaves: dict[int, list[Any]] = {}                # local index -> gradients per parameter
-        self.stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}   # j -> norm -> (mean, var)
-        self.expected: list[int] = []                        # local shards of the batch in hand with samples
-        self.cut = False                                     # a batch was cut and its exchange is due
-        self.batch_count = 0                                 # samples of the global batch in hand
+        self.current: tuple[int, int, int] | None = None  # (local index j, global shard s, its samples)
+        self.leaves: dict[int, list[Any]] = {}  # local index -> gradients per parameter
+        self.stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # j -> norm -> (mean, var)
+        self.expected: list[int] = []  # local shards of the batch in hand with samples
+        self.cut = False  # a batch was cut and its exchange is due
+        self.batch_count = 0  # samples of the global batch in hand
         self._saved: dict[int, tuple[Any, ...]] = {}
-        self.exchange_seconds = 0.0                          # spent in the ranks' all_gathers (ddpkit bench reads it)
-        self.exchange_calls = 0                              # collectives of the last step's exchange
+        self.exchange_seconds = 0.0  # spent in the ranks' all_gathers (ddpkit bench reads it)
+        self.exchange_calls = 0  # collectives of the last step's exchange
         for index, norm in enumerate(self.norms):
             norm.register_forward_pre_hook(self._make_pre_hook(index))
             norm.register_forward_hook(self._make_post_hook(index))
@@ -155,14 +179,18 @@ class Exact:
         Checks and marks the batch as cut at once (not at the first ``next``): a rank whose shards
         are all empty (a short last batch) yields nothing, yet its ``rt.step`` must still take
         part in the exchange."""
-        if active is None or not hasattr(active, "sampler"):     # the runtime refuses streams before this
-            raise UsageError("rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
-                             "splits its global batches; streams are not built for it)")
+        if active is None or not hasattr(active, "sampler"):  # the runtime refuses streams before this
+            raise UsageError(
+                "rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
+                "splits its global batches; streams are not built for it)"
+            )
         if active.sampler.world_size != self.world_size:
             raise UsageError("rt.shards: this loader splits batches over another world size than the run's")
         if self.cut:
-            raise UsageError("rt.shards: the shards of the previous batch were not stepped; call rt.step "
-                             "after the last shard's rt.backward")
+            raise UsageError(
+                "rt.shards: the shards of the previous batch were not stepped; call rt.step "
+                "after the last shard's rt.backward"
+            )
         total = active.global_count
         sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
         mine = [j for j in range(self.local_shards) if sizes[self.rank + j * self.world_size]]
@@ -180,24 +208,27 @@ class Exact:
             finally:
                 self.current = None
             if j not in self.leaves:
-                raise UsageError("rt.shards: a shard went by without rt.backward; call rt.backward(loss) "
-                                 "once for every shard it hands out")
+                raise UsageError(
+                    "rt.shards: a shard went by without rt.backward; call rt.backward(loss) "
+                    "once for every shard it hands out"
+                )
 
     @contextlib.contextmanager
     def _random_stream(self, step: int, shard: int) -> Iterator[None]:
-        if self.seed is None:       # unseeded: nothing to make equal
+        if self.seed is None:  # unseeded: nothing to make equal
             yield
             return
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed((self.seed * 1_000_003 + step * 65_537 + shard) % (2 ** 63))
+            torch.manual_seed((self.seed * 1_000_003 + step * 65_537 + shard) % (2**63))
             yield
 
     def weight(self) -> float:
         """What the shard's mean loss is multiplied by: its share of the global batch's samples."""
         if self.current is None:
-            raise UsageError("with micro_shards, call rt.backward inside `for shard in rt.shards(*batch)`, "
-                             "once per shard")
+            raise UsageError(
+                "with micro_shards, call rt.backward inside `for shard in rt.shards(*batch)`, once per shard"
+            )
         if self.current[0] in self.leaves:
             raise UsageError("rt.backward ran twice on one shard; micro_shards takes one backward per shard")
         return self.current[2] / self.batch_count
@@ -213,8 +244,10 @@ class Exact:
         """Before the optimizer steps (or the gradients are clipped): the tree's sum of every shard's gradients into ``.grad`` and
         every shard's BatchNorm statistics into the running ones, in shard order (a collective)."""
         if self.current is not None or set(self.leaves) != set(self.expected):
-            raise UsageError("rt.step came before every shard of the batch ran rt.backward; finish the "
-                             "`for shard in rt.shards(...)` loop first")
+            raise UsageError(
+                "rt.step came before every shard of the batch ran rt.backward; finish the "
+                "`for shard in rt.shards(...)` loop first"
+            )
         local = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
         stats = [self.stats.get(j) for j in range(self.local_shards)]
         self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
@@ -242,26 +275,36 @@ class Exact:
         which an allreduce makes on both ranks (its ``a + b`` is ``b + a``): no gathered copies."""
         import torch.distributed as dist
 
-        present = torch.tensor([0.0 if local is None or g is None else 1.0 for g in (local or [None] * len(self.params))]
-                               + [0.0 if s is None else 1.0 for s in stats], dtype=torch.float64)
+        present = torch.tensor(
+            [0.0 if local is None or g is None else 1.0 for g in (local or [None] * len(self.params))]
+            + [0.0 if s is None else 1.0 for s in stats],
+            dtype=torch.float64,
+        )
         stat_width = sum(1 + 2 * n.num_features for n in self.norms)
-        stat_rows = [_pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64)
-                     for s in stats]
+        stat_rows = [
+            _pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64) for s in stats
+        ]
         head = torch.cat([present, *stat_rows]).to(self.device)
         heads = [torch.empty_like(head) for _ in range(self.world_size)]
         dist.all_gather(heads, head)
         self.exchange_calls = 1
-        heads = [h.cpu() for h in heads]      # (a float64 row: presence flags, then statistics)
+        heads = [h.cpu() for h in heads]  # (a float64 row: presence flags, then statistics)
         n = len(self.params)
         total: list[Any] = [None] * n
         for dtype in sorted({p.dtype for p in self.params}, key=str):
             idx = [i for i, p in enumerate(self.params) if p.dtype == dtype]
-            flat = torch.cat([(local[i] if local is not None and local[i] is not None
-                               else torch.zeros_like(self.params[i])).reshape(-1) for i in idx])
+            flat = torch.cat(
+                [
+                    (
+                        local[i] if local is not None and local[i] is not None else torch.zeros_like(self.params[i])
+                    ).reshape(-1)
+                    for i in idx
+                ]
+            )
             if self.world_size == 2 and all(heads[r][i] > 0 for r in range(2) for i in idx):
-                dist.all_reduce(flat)           # a + b, the top of the tree (b + a on the other rank: equal bits)
+                dist.all_reduce(flat)  # a + b, the top of the tree (b + a on the other rank: equal bits)
                 flats = [flat]
-            else:                               # the ranks' partial sums, the top of the tree summed here
+            else:  # the ranks' partial sums, the top of the tree summed here
                 flats = [torch.empty_like(flat) for _ in range(self.world_size)]
                 dist.all_gather(flats, flat)
             self.exchange_calls += 1
@@ -271,16 +314,17 @@ class Exact:
                 for k, i in enumerate(idx):
                     size = self.params[i].numel()
                     if len(flats) == 1 or heads[r][i] > 0:
-                        partials[r][k] = other[offset:offset + size].view_as(self.params[i])
+                        partials[r][k] = other[offset : offset + size].view_as(self.params[i])
                     offset += size
             for i, grad in zip(idx, tree_sum(partials, _add_grads)):
                 total[i] = grad
         total = None if all(g is None for g in total) else total
         gathered = []
         for r in range(self.world_size):
-            rows = heads[r][n + self.local_shards:].view(self.local_shards, -1) if stat_width else None
-            gathered.append([None if heads[r][n + j] == 0 else _unpack(rows[j], self.norms)
-                             for j in range(self.local_shards)])
+            rows = heads[r][n + self.local_shards :].view(self.local_shards, -1) if stat_width else None
+            gathered.append(
+                [None if heads[r][n + j] == 0 else _unpack(rows[j], self.norms) for j in range(self.local_shards)]
+            )
         return total, gathered
 
     def _update_running(self, gathered: list[list[Any]]) -> None:
@@ -297,7 +341,7 @@ class Exact:
                         continue
                     mean, var = shard[index]
                     norm.num_batches_tracked.add_(1)
-                    alpha = (1.0 / float(norm.num_batches_tracked) if norm.momentum is None else norm.momentum)
+                    alpha = 1.0 / float(norm.num_batches_tracked) if norm.momentum is None else norm.momentum
                     norm.running_mean.mul_(1 - alpha).add_(mean.to(norm.running_mean), alpha=alpha)
                     norm.running_var.mul_(1 - alpha).add_(var.to(norm.running_var), alpha=alpha)
 
@@ -329,18 +373,27 @@ class Exact:
             if not (module.training and module.track_running_stats) or self._probing:
                 return
             if self.current is None:
-                raise UsageError("with micro_shards, a training-mode forward of a BatchNorm model runs inside "
-                                 "`for shard in rt.shards(*batch)` (its statistics are kept per shard); "
-                                 "call model.eval() for other forwards")
+                raise UsageError(
+                    "with micro_shards, a training-mode forward of a BatchNorm model runs inside "
+                    "`for shard in rt.shards(*batch)` (its statistics are kept per shard); "
+                    "call model.eval() for other forwards"
+                )
             if index in self.stats.get(self.current[0], {}):
-                raise UsageError(f"micro_shards: BatchNorm layer {type(module).__name__} ran twice in one shard's "
-                                 "forward; micro_shards keeps one set of statistics per layer and shard")
-            self._saved[index] = (module.running_mean, module.running_var, module.num_batches_tracked.clone(),
-                                  module.momentum)
+                raise UsageError(
+                    f"micro_shards: BatchNorm layer {type(module).__name__} ran twice in one shard's "
+                    "forward; micro_shards keeps one set of statistics per layer and shard"
+                )
+            self._saved[index] = (
+                module.running_mean,
+                module.running_var,
+                module.num_batches_tracked.clone(),
+                module.momentum,
+            )
             # momentum 1 on zeroed buffers: the kernel leaves exactly this shard's mean and unbiased variance
             module.running_mean = torch.zeros_like(module.running_mean)
             module.running_var = torch.zeros_like(module.running_var)
             module.momentum = 1.0
+
         return pre_hook
 
     def _make_post_hook(self, index: int) -> Any:
@@ -348,10 +401,13 @@ class Exact:
             if index not in self._saved:
                 return
             mean, var, tracked, momentum = self._saved.pop(index)
-            self.stats.setdefault(self.current[0], {})[index] = (module.running_mean.detach(),
-                                                                  module.running_var.detach())
+            self.stats.setdefault(self.current[0], {})[index] = (
+                module.running_mean.detach(),
+                module.running_var.detach(),
+            )
             module.running_mean, module.running_var, module.momentum = mean, var, momentum
             module.num_batches_tracked.copy_(tracked)
+
         return post_hook
 
 
@@ -385,7 +441,7 @@ def _unpack(row: torch.Tensor, norms: list[_BatchNorm]) -> dict[int, tuple[torch
     for index, norm in enumerate(norms):
         c = norm.num_features
         if row[offset] > 0:
-            out[index] = (row[offset + 1:offset + 1 + c], row[offset + 1 + c:offset + 1 + 2 * c])
+            out[index] = (row[offset + 1 : offset + 1 + c], row[offset + 1 + c : offset + 1 + 2 * c])
         offset += 1 + 2 * c
     return out
 
@@ -399,11 +455,19 @@ def broadcast_from_rank0(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for parameter in model.parameters():
             dist.broadcast(parameter.data, src=0)
-    lazy_buffers.broadcast_from_rank0(model)         # the buffers, as DDP's own copy of them does
+    lazy_buffers.broadcast_from_rank0(model)  # the buffers, as DDP's own copy of them does
 
 
-def setup(model: torch.nn.Module, optimizer: Any, micro_shards: int, *, device: torch.device, world_size: int,
-          rank: int, seed: int | None) -> Exact:
+def setup(
+    model: torch.nn.Module,
+    optimizer: Any,
+    micro_shards: int,
+    *,
+    device: torch.device,
+    world_size: int,
+    rank: int,
+    seed: int | None,
+) -> Exact:
     """Put ``model`` on ``device`` with rank 0's weights, fix the threads and cuDNN, and return its :class:`Exact`.
 
     Args:
@@ -423,7 +487,8 @@ def setup(model: torch.nn.Module, optimizer: Any, micro_shards: int, *, device: 
         torch.backends.cudnn.benchmark = False
     if world_size > 1:
         broadcast_from_rank0(model)
-    exact = Exact(model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed,
-                  device=device)
+    exact = Exact(
+        model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed, device=device
+    )
     exact.threads_before = previous
     return exact

@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -32,8 +33,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def check(*, grad_compression: str | None, compile: Any, sync_batchnorm: bool,
-          model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
+def check(
+    *,
+    grad_compression: str | None,
+    compile: Any,
+    sync_batchnorm: bool,
+    model: torch.nn.Module,
+    ddp_kwargs: dict[str, Any],
+) -> None:
     """Refuse, in one line each, what is not built or tested with ``strategy="fsdp"``.
 
     Args:
@@ -44,16 +51,23 @@ def check(*, grad_compression: str | None, compile: Any, sync_batchnorm: bool,
         ddp_kwargs: further ``DistributedDataParallel`` arguments; any is refused.
     """
     if grad_compression is not None:
-        raise UsageError("grad_compression is a DDP communication hook; strategy='fsdp' reduce-scatters "
-                         "instead: drop grad_compression or use strategy='ddp'")
+        raise UsageError(
+            "grad_compression is a DDP communication hook; strategy='fsdp' reduce-scatters "
+            "instead: drop grad_compression or use strategy='ddp'"
+        )
     if compile or hasattr(model, "_orig_mod"):
-        raise UsageError("strategy='fsdp' with torch.compile is not tested; compile after training or use strategy='ddp'")
+        raise UsageError(
+            "strategy='fsdp' with torch.compile is not tested; compile after training or use strategy='ddp'"
+        )
     if sync_batchnorm or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        raise UsageError("strategy='fsdp' with BatchNorm layers: their running statistics would stay per "
-                         "rank; use strategy='ddp' (which averages them) or a norm without running statistics")
+        raise UsageError(
+            "strategy='fsdp' with BatchNorm layers: their running statistics would stay per "
+            "rank; use strategy='ddp' (which averages them) or a norm without running statistics"
+        )
     if ddp_kwargs:
-        raise UsageError(f"{', '.join(sorted(ddp_kwargs))}: DistributedDataParallel options do not apply "
-                         "to strategy='fsdp'")
+        raise UsageError(
+            f"{', '.join(sorted(ddp_kwargs))}: DistributedDataParallel options do not apply to strategy='fsdp'"
+        )
 
 
 def units(model: torch.nn.Module, classes: Sequence[type] | None, min_params: int) -> list[torch.nn.Module]:
@@ -70,9 +84,17 @@ def units(model: torch.nn.Module, classes: Sequence[type] | None, min_params: in
     return list(reversed(chosen))
 
 
-def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, device: torch.device,
-          precision: str, fsdp_units: Sequence[type] | None = None, reshard_after_forward: bool = True,
-          cpu_offload: bool = False, min_unit_params: int = MIN_UNIT_PARAMS) -> torch.nn.Module:
+def shard(
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    device: torch.device,
+    precision: str,
+    fsdp_units: Sequence[type] | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    min_unit_params: int = MIN_UNIT_PARAMS,
+) -> torch.nn.Module:
     """Shard ``model`` in place (moved to ``device`` first) and rebind ``optimizers`` to its new parameters.
 
     Under bf16 and fp16 the units compute with parameters in that dtype and reduce gradients in
@@ -95,8 +117,10 @@ def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *
 
     for optimizer in optimizers:
         if optimizer.state:
-            raise UsageError("the optimizer has state already (it stepped); build it before training, "
-                             "then call rt.setup(model, optimizer, strategy='fsdp')")
+            raise UsageError(
+                "the optimizer has state already (it stepped); build it before training, "
+                "then call rt.setup(model, optimizer, strategy='fsdp')"
+            )
     model.to(device)
     names = {id(p): name for name, p in model.named_parameters()}
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -104,15 +128,18 @@ def shard(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     mesh = _mesh(device)
     for unit in units(model, fsdp_units, min_unit_params) + [model]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    offload_policy=offload)
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload
+        )
     sharded = dict(model.named_parameters())
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             missing = [p for p in group["params"] if id(p) not in names]
             if missing:
-                raise UsageError("the optimizer holds parameters that are not the model's; build it from "
-                                 "model.parameters() of the model passed to rt.setup")
+                raise UsageError(
+                    "the optimizer holds parameters that are not the model's; build it from "
+                    "model.parameters() of the model passed to rt.setup"
+                )
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
 
@@ -121,9 +148,10 @@ def _mesh(device: torch.device) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not dist.is_initialized():      # a world of one (python script.py): a group of one to shard over
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+    if not dist.is_initialized():  # a world of one (python script.py): a group of one to shard over
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 

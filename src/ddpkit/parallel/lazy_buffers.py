@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm
 from torch.nn.modules.batchnorm import _BatchNorm
 
-_SYNCERS: "weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers]" = weakref.WeakKeyDictionary()
+_SYNCERS: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
 
-_STATS = ("running_mean", "running_var")     # num_batches_tracked counts forwards: equal on every rank
+_STATS = ("running_mean", "running_var")  # num_batches_tracked counts forwards: equal on every rank
 
 
 def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
@@ -42,9 +42,13 @@ def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
     """
     from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
-    layers = [(name, m) for name, m in module.named_modules()
-              if isinstance(m, _BatchNorm) and m.track_running_stats
-              and not isinstance(m, (SyncBatchNorm, _TorchSyncBatchNorm))]
+    layers = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm)
+        and m.track_running_stats
+        and not isinstance(m, (SyncBatchNorm, _TorchSyncBatchNorm))
+    ]
     owned = {id(b) for _, m in layers for b in m.buffers(recurse=False)}
     if not layers or any(id(b) not in owned for b in module.buffers()):
         return None
@@ -74,9 +78,13 @@ class LazyBuffers:
             self.average()
 
     def _dirty_stats(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"{name}.{stat}" if name else stat, getattr(layer, stat))
-                for i, (name, layer) in enumerate(self.layers) if i in self.dirty
-                for stat in _STATS if getattr(layer, stat) is not None]
+        return [
+            (f"{name}.{stat}" if name else stat, getattr(layer, stat))
+            for i, (name, layer) in enumerate(self.layers)
+            if i in self.dirty
+            for stat in _STATS
+            if getattr(layer, stat) is not None
+        ]
 
     def agree(self) -> None:
         """Make the dirty set the union over ranks (a small collective), so all average alike."""
@@ -96,14 +104,14 @@ class LazyBuffers:
             return {}
         world = dist.get_world_size()
         found: dict[str, torch.Tensor] = {}
-        for dtype in dict.fromkeys(t.dtype for _, t in stats):       # one allreduce per dtype
+        for dtype in dict.fromkeys(t.dtype for _, t in stats):  # one allreduce per dtype
             group = [(k, t) for k, t in stats if t.dtype == dtype]
             flat = torch.cat([t.detach().reshape(-1) for _, t in group])
             dist.all_reduce(flat)
             flat.div_(world)
             offset = 0
             for key, tensor in group:
-                found[key] = flat[offset:offset + tensor.numel()].view_as(tensor).clone()
+                found[key] = flat[offset : offset + tensor.numel()].view_as(tensor).clone()
                 offset += tensor.numel()
         return found
 
@@ -118,8 +126,7 @@ class LazyBuffers:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's own dirty statistics and which layers are dirty (for an exact resume)."""
-        return {"dirty": sorted(self.dirty),
-                "values": {k: t.detach().cpu().clone() for k, t in self._dirty_stats()}}
+        return {"dirty": sorted(self.dirty), "values": {k: t.detach().cpu().clone() for k, t in self._dirty_stats()}}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore this rank's own statistics and dirty layers from :meth:`state_dict`'s result."""

@@ -25,11 +25,17 @@ def check_strategy(strategy: str, cpu_offload: bool, *, cli: bool = False) -> No
     ``rt.setup`` and ``ddpkit train`` (``cli=True``: the message names the flags) both check here.
     """
     if strategy not in STRATEGIES:
-        raise UsageError(f"--strategy {strategy!r}: choose ddp or fsdp" if cli else
-                         f"unknown strategy {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)")
+        raise UsageError(
+            f"--strategy {strategy!r}: choose ddp or fsdp"
+            if cli
+            else f"unknown strategy {strategy!r}; choose 'ddp' (replicated) or 'fsdp' (sharded)"
+        )
     if cpu_offload and strategy != "fsdp":
-        raise UsageError("--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" if cli else
-                         "cpu_offload=True shards parameters to CPU memory: it needs strategy='fsdp'")
+        raise UsageError(
+            "--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp"
+            if cli
+            else "cpu_offload=True shards parameters to CPU memory: it needs strategy='fsdp'"
+        )
 
 
 @dataclass(frozen=True)
@@ -89,20 +95,39 @@ class SetupOptions:
         check_strategy(self.strategy, self.cpu_offload)
         from ddpkit.parallel import periodic
 
-        periodic.check(self.sync, every=self.sync_every, sync_dtype=self.sync_dtype, strategy=self.strategy,
-                       grad_compression=self.grad_compression, sync_batchnorm=self.sync_batchnorm,
-                       precision=precision, fragments=self.sync_fragments, delay=self.sync_delay)
+        periodic.check(
+            self.sync,
+            every=self.sync_every,
+            sync_dtype=self.sync_dtype,
+            strategy=self.strategy,
+            grad_compression=self.grad_compression,
+            sync_batchnorm=self.sync_batchnorm,
+            precision=precision,
+            fragments=self.sync_fragments,
+            delay=self.sync_delay,
+        )
         if self.strategy == "fsdp":
             from ddpkit.parallel import fsdp
 
-            fsdp.check(grad_compression=self.grad_compression, compile=self.compile,
-                       sync_batchnorm=self.sync_batchnorm, model=model, ddp_kwargs=self.ddp_kwargs)
+            fsdp.check(
+                grad_compression=self.grad_compression,
+                compile=self.compile,
+                sync_batchnorm=self.sync_batchnorm,
+                model=model,
+                ddp_kwargs=self.ddp_kwargs,
+            )
             return
         from ddpkit.parallel import compression
 
-        compression.check(self.grad_compression, rank=self.powersgd_rank, start=self.powersgd_start,
-                          backend=backend, device=device, precision=precision,
-                          compile=self.compile or hasattr(model, "_orig_mod"))    # compiled before setup too
+        compression.check(
+            self.grad_compression,
+            rank=self.powersgd_rank,
+            start=self.powersgd_start,
+            backend=backend,
+            device=device,
+            precision=precision,
+            compile=self.compile or hasattr(model, "_orig_mod"),
+        )  # compiled before setup too
 
 
 @dataclass

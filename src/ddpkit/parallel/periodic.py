@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,18 @@ _DTYPES = {None: torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
 validation loss moved by 0.1% (BENCHMARKS.md)."""
 
 
-def check(sync: str, *, every: int | None, sync_dtype: str | None, strategy: str, grad_compression: str | None,
-          sync_batchnorm: bool, precision: str, fragments: int = 1, delay: int = 0) -> None:
+def check(
+    sync: str,
+    *,
+    every: int | None,
+    sync_dtype: str | None,
+    strategy: str,
+    grad_compression: str | None,
+    sync_batchnorm: bool,
+    precision: str,
+    fragments: int = 1,
+    delay: int = 0,
+) -> None:
     """Refuse, in one line, an infrequent sync that cannot work as asked.
 
     Args:
@@ -72,28 +83,37 @@ def check(sync: str, *, every: int | None, sync_dtype: str | None, strategy: str
         raise UsageError(f"unknown sync {sync!r}; choose {', '.join(repr(s) for s in SYNCS)}")
     if sync == "every-step":
         if every is not None or sync_dtype is not None or fragments != 1 or delay != 0:
-            raise UsageError("sync_every, sync_dtype, sync_fragments and sync_delay set how an infrequent sync "
-                             "exchanges; give sync='diloco' or 'local-sgd'")
+            raise UsageError(
+                "sync_every, sync_dtype, sync_fragments and sync_delay set how an infrequent sync "
+                "exchanges; give sync='diloco' or 'local-sgd'"
+            )
         return
     if every is None or isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise UsageError(f"sync={sync!r} needs sync_every=H, a whole number of optimizer steps of at least 1 "
-                         f"between syncs, got {every!r}")
+        raise UsageError(
+            f"sync={sync!r} needs sync_every=H, a whole number of optimizer steps of at least 1 "
+            f"between syncs, got {every!r}"
+        )
     if sync_dtype not in _DTYPES:
         raise UsageError(f"sync_dtype={sync_dtype!r}: choose 'fp32' or 'bf16'")
     if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= every:
-        raise UsageError(f"sync_fragments={fragments!r}: give a whole number from 1 to sync_every ({every}), the "
-                         "fragments each sent at their own step of the period")
+        raise UsageError(
+            f"sync_fragments={fragments!r}: give a whole number from 1 to sync_every ({every}), the "
+            "fragments each sent at their own step of the period"
+        )
     if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < every:
-        raise UsageError(f"sync_delay={delay!r}: give a whole number of inner steps from 0 to sync_every - 1 "
-                         f"({every - 1}), so an exchange lands before its fragment is sent again")
+        raise UsageError(
+            f"sync_delay={delay!r}: give a whole number of inner steps from 0 to sync_every - 1 "
+            f"({every - 1}), so an exchange lands before its fragment is sent again"
+        )
     refused = {
         "fsdp": strategy == "fsdp" and "strategy='fsdp' shards the model each rank would train on its own",
-        "compression": grad_compression is not None and f"grad_compression={grad_compression!r} compresses a "
-                       "per-step gradient exchange, which infrequent sync does not make",
-        "syncbn": sync_batchnorm and "sync_batchnorm=True synchronises every forward; BatchNorm statistics "
-                  "are averaged at each sync instead",
-        "fp16": precision == "fp16" and "precision='fp16' scales each rank's loss on its own between syncs; "
-                "use bf16 or fp32",
+        "compression": grad_compression is not None
+        and f"grad_compression={grad_compression!r} compresses a "
+        "per-step gradient exchange, which infrequent sync does not make",
+        "syncbn": sync_batchnorm
+        and "sync_batchnorm=True synchronises every forward; BatchNorm statistics are averaged at each sync instead",
+        "fp16": precision == "fp16"
+        and "precision='fp16' scales each rank's loss on its own between syncs; use bf16 or fp32",
     }
     for reason in refused.values():
         if reason:
@@ -118,21 +138,31 @@ class PeriodicSync:
         delay: inner steps a fragment's exchange runs in the background before it is applied.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, *, kind: str, every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, sync_dtype: str | None = None, fragments: int = 1,
-                 delay: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        *,
+        kind: str,
+        every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_dtype: str | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+    ) -> None:
         self.name = kind
         self.model = model
         self.optimizer = optimizer
         self.every = every
         self.dtype = _DTYPES[sync_dtype]
-        self.steps = 0                       # optimizer steps into the period
-        self.total = 0                       # optimizer steps in all (when a delayed exchange lands)
+        self.steps = 0  # optimizer steps into the period
+        self.total = 0  # optimizer steps in all (when a delayed exchange lands)
         self.delay = delay
-        self.pending: list[dict[str, Any]] = []     # exchanges sent and not yet applied
-        self.syncs = 0                       # syncs made (fragments applied)
-        self.sent_bytes = 0                  # bytes handed to allreduce by syncs, in all
-        self.sync_seconds = 0.0              # seconds spent in syncs, in all
+        self.pending: list[dict[str, Any]] = []  # exchanges sent and not yet applied
+        self.syncs = 0  # syncs made (fragments applied)
+        self.sent_bytes = 0  # bytes handed to allreduce by syncs, in all
+        self.sync_seconds = 0.0  # seconds spent in syncs, in all
         self.params = [p for p in model.parameters()]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.synced = [p.detach().clone() for p in self.params]
@@ -142,8 +172,7 @@ class PeriodicSync:
         self.offsets = [(f + 1) * every // len(self.fragments) for f in range(len(self.fragments))]
         self.outer = None
         if kind == "diloco":
-            self.outer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum,
-                                         nesterov=outer_momentum > 0)
+            self.outer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
         model.__dict__["_ddpkit_periodic"] = self
 
     # -- training --------------------------------------------------------------------------
@@ -193,8 +222,14 @@ class PeriodicSync:
         self.sent_bytes += flat.numel() * flat.element_size()
         world = _world()
         work = dist.all_reduce(flat, async_op=delay > 0) if world > 1 else None
-        exchange = {"fragment": fragment, "flat": flat, "work": work, "apply_at": self.total + delay,
-                    "own": [t for t in own] if delay > 0 else None, "world": world}
+        exchange = {
+            "fragment": fragment,
+            "flat": flat,
+            "work": work,
+            "apply_at": self.total + delay,
+            "own": [t for t in own] if delay > 0 else None,
+            "world": world,
+        }
         self.sync_seconds += time.perf_counter() - started
         if delay > 0:
             self.pending.append(exchange)
@@ -209,40 +244,40 @@ class PeriodicSync:
         if exchange["work"] is not None:
             exchange["work"].wait()
             exchange["work"] = None
-        self.pending = [e for e in self.pending if e is not exchange]   # by identity: dicts of tensors
+        self.pending = [e for e in self.pending if e is not exchange]  # by identity: dicts of tensors
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
         flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32) / exchange["world"]
         moved, at = [], 0
         for t in tensors:
-            moved.append(flat[at:at + t.numel()].view_as(t).to(t.dtype))
+            moved.append(flat[at : at + t.numel()].view_as(t).to(t.dtype))
             at += t.numel()
-        deltas, stats = moved[:len(indices)], moved[len(indices):]
+        deltas, stats = moved[: len(indices)], moved[len(indices) :]
         synced = [self.synced[i] for i in indices]
         before = [s.clone() for s in synced] if exchange["own"] is not None else None
-        if self.outer is not None:        # DiLoCo: the average change is the outer step's gradient
+        if self.outer is not None:  # DiLoCo: the average change is the outer step's gradient
             for s, gradient in zip(synced, deltas):
                 s.grad = gradient
-            self.outer.step()             # parameters without a gradient (other fragments) are left alone
+            self.outer.step()  # parameters without a gradient (other fragments) are left alone
             for s in synced:
                 s.grad = None
-        else:                             # local SGD: the weights' average, synced - average change
+        else:  # local SGD: the weights' average, synced - average change
             for s, delta in zip(synced, deltas):
                 s.sub_(delta)
         if with_buffers:
-            for s, delta in zip(self.synced_buffers, stats):      # BatchNorm statistics: their average
+            for s, delta in zip(self.synced_buffers, stats):  # BatchNorm statistics: their average
                 s.sub_(delta)
         local = [self.params[i] for i in indices]
-        if exchange["own"] is None:       # applied where it was sent: every rank continues from the synced weights
+        if exchange["own"] is None:  # applied where it was sent: every rank continues from the synced weights
             _copy(local, synced)
             if with_buffers:
                 _copy(self.buffers, self.synced_buffers)
-        else:                             # sent ``delay`` steps ago: keep what this rank trained since
+        else:  # sent ``delay`` steps ago: keep what this rank trained since
             own = exchange["own"]
             for p, new, old, mine in zip(local, synced, before, own):
                 p.add_(new - old + mine)
             if with_buffers:
-                for b, s, mine in zip(self.buffers, self.synced_buffers, own[len(indices):]):
+                for b, s in zip(self.buffers, self.synced_buffers):
                     b.copy_(s)
         self.syncs += 1
         self.sync_seconds += time.perf_counter() - started
@@ -276,30 +311,46 @@ class PeriodicSync:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, plain tensors: local weights, inner optimizer, synced weights, outer optimizer."""
-        for exchange in self.pending:              # a checkpoint waits for what is in flight
+        for exchange in self.pending:  # a checkpoint waits for what is in flight
             if exchange["work"] is not None:
                 exchange["work"].wait()
                 exchange["work"] = None
-        return {"name": self.name, "every": self.every, "steps": self.steps, "syncs": self.syncs,
-                "sent_bytes": self.sent_bytes, "total": self.total, "fragments": len(self.fragments),
-                "delay": self.delay,
-                "pending": [{"fragment": e["fragment"], "flat": e["flat"].detach().cpu().clone(),
-                             "apply_at": e["apply_at"], "world": e["world"],
-                             "own": [t.detach().cpu().clone() for t in e["own"]]} for e in self.pending],
-                "local": [p.detach().cpu().clone() for p in self.params],
-                "local_buffers": [b.detach().cpu().clone() for b in self.buffers],
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-                "synced": [s.detach().cpu().clone() for s in self.synced],
-                "synced_buffers": [s.detach().cpu().clone() for s in self.synced_buffers],
-                "outer": None if self.outer is None else self.outer.state_dict()}
+        return {
+            "name": self.name,
+            "every": self.every,
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "sent_bytes": self.sent_bytes,
+            "total": self.total,
+            "fragments": len(self.fragments),
+            "delay": self.delay,
+            "pending": [
+                {
+                    "fragment": e["fragment"],
+                    "flat": e["flat"].detach().cpu().clone(),
+                    "apply_at": e["apply_at"],
+                    "world": e["world"],
+                    "own": [t.detach().cpu().clone() for t in e["own"]],
+                }
+                for e in self.pending
+            ],
+            "local": [p.detach().cpu().clone() for p in self.params],
+            "local_buffers": [b.detach().cpu().clone() for b in self.buffers],
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "synced": [s.detach().cpu().clone() for s in self.synced],
+            "synced_buffers": [s.detach().cpu().clone() for s in self.synced_buffers],
+            "outer": None if self.outer is None else self.outer.state_dict(),
+        }
 
     @torch.no_grad()
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
         """Resume: this rank's own state on the same world size; else the synced weights, with a warning."""
         if saved.get("name") != self.name:
-            warn(f"checkpoint {source} was trained with "
-                 f"{'sync=' + repr(saved['name']) if saved.get('name') else 'a sync every step'} and resumes "
-                 f"with sync={self.name!r}: the period starts at the loaded weights")
+            warn(
+                f"checkpoint {source} was trained with "
+                f"{'sync=' + repr(saved['name']) if saved.get('name') else 'a sync every step'} and resumes "
+                f"with sync={self.name!r}: the period starts at the loaded weights"
+            )
             self.synced = [p.detach().clone() for p in self.params]
             self.synced_buffers = [b.detach().clone() for b in self.buffers]
             if self.outer is not None:
@@ -307,8 +358,10 @@ class PeriodicSync:
                 self.outer.state.clear()
             return
         if len(saved["synced"]) != len(self.params):
-            raise UsageError(f"checkpoint {source} holds the synced weights of {len(saved['synced'])} tensors; "
-                             f"this model has {len(self.params)}")
+            raise UsageError(
+                f"checkpoint {source} holds the synced weights of {len(saved['synced'])} tensors; "
+                f"this model has {len(self.params)}"
+            )
         _copy(self.synced, saved["synced"])
         _copy(self.synced_buffers, saved["synced_buffers"])
         if self.outer is not None and saved.get("outer") is not None:
@@ -323,20 +376,32 @@ class PeriodicSync:
             self.steps = int(saved["steps"])
             self.total = int(saved.get("total", 0))
             device = self.params[0].device if self.params else torch.device("cpu")
-            self.pending = [{"fragment": int(e["fragment"]), "flat": e["flat"].to(device), "work": None,
-                             "apply_at": int(e["apply_at"]), "world": int(e["world"]),
-                             "own": [t.to(device) for t in e["own"]]} for e in saved.get("pending", [])]
+            self.pending = [
+                {
+                    "fragment": int(e["fragment"]),
+                    "flat": e["flat"].to(device),
+                    "work": None,
+                    "apply_at": int(e["apply_at"]),
+                    "world": int(e["world"]),
+                    "own": [t.to(device) for t in e["own"]],
+                }
+                for e in saved.get("pending", [])
+            ]
             return
         if same_world:
-            warn(f"checkpoint {source} was saved with sync_fragments={saved.get('fragments', 1)}, "
-                 f"sync_delay={saved.get('delay', 0)}; this run streams with sync_fragments={len(self.fragments)}, "
-                 f"sync_delay={self.delay}: every rank continues from the synced weights, and the period starts over")
+            warn(
+                f"checkpoint {source} was saved with sync_fragments={saved.get('fragments', 1)}, "
+                f"sync_delay={saved.get('delay', 0)}; this run streams with sync_fragments={len(self.fragments)}, "
+                f"sync_delay={self.delay}: every rank continues from the synced weights, and the period starts over"
+            )
             _copy(self.params, self.synced)
             _copy(self.buffers, self.synced_buffers)
             self.steps, self.pending = 0, []
             return
-        warn(f"checkpoint {source} was saved {saved['steps']} step(s) into a sync period on another world size: "
-             "every rank continues from the synced weights, and the period starts over")
+        warn(
+            f"checkpoint {source} was saved {saved['steps']} step(s) into a sync period on another world size: "
+            "every rank continues from the synced weights, and the period starts over"
+        )
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
         self.steps, self.pending = 0, []
@@ -354,7 +419,7 @@ def _fragments(sizes: list[int], count: int) -> list[list[int]]:
     count = max(1, min(count, len(sizes)))
     total, out, at, done = sum(sizes), [], 0, 0
     for f in range(count):
-        left = count - f - 1                      # fragments after this one, each needs a parameter
+        left = count - f - 1  # fragments after this one, each needs a parameter
         target = total * (f + 1) / count
         run: list[int] = []
         while at < len(sizes) - left and (not run or done + sizes[at] / 2 <= target):
@@ -403,6 +468,8 @@ def exported(model: Any, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def announce(kind: str, every: int, is_main: bool) -> None:
     """Say once that the run's result now depends on the world size."""
     if is_main:
-        warn(f"sync={kind!r} (every {every} steps): each rank takes its inner steps on its own share of the "
-             "global batch, so the result depends on the number of processes; evaluate, predict and "
-             "checkpoints use the synced weights")
+        warn(
+            f"sync={kind!r} (every {every} steps): each rank takes its inner steps on its own share of the "
+            "global batch, so the result depends on the number of processes; evaluate, predict and "
+            "checkpoints use the synced weights"
+        )

@@ -60,10 +60,10 @@ class _Group:
     n: int
     m: int
     members: list[int]
-    r: int = 1              # the rank of this shape's factors (:func:`matrix_rank`)
-    p_at: int = 0           # offset of this group's (k, r, n) block in the P buffer
-    q_at: int = 0           # offset of its (k, r, m) block in the Q buffer
-    e_at: int = 0           # offset of its (k, n, m) block in the feedback buffer
+    r: int = 1  # the rank of this shape's factors (:func:`matrix_rank`)
+    p_at: int = 0  # offset of this group's (k, r, n) block in the P buffer
+    q_at: int = 0  # offset of its (k, r, m) block in the Q buffer
+    e_at: int = 0  # offset of its (k, n, m) block in the feedback buffer
 
 
 @dataclass
@@ -72,15 +72,15 @@ class _Bucket:
 
     shapes: list[torch.Size]
     groups: list[_Group]
-    plain: list[int]                  # gradients sent whole
-    send: torch.Tensor                # [P blocks..., whole tensors]
-    q: torch.Tensor                   # [Q blocks...], kept between steps (warm start)
-    error: torch.Tensor               # [feedback blocks...], this rank's own
+    plain: list[int]  # gradients sent whole
+    send: torch.Tensor  # [P blocks..., whole tensors]
+    q: torch.Tensor  # [Q blocks...], kept between steps (warm start)
+    error: torch.Tensor  # [feedback blocks...], this rank's own
     p_numel: int = 0
-    result: Any = None                # this step: the future DDP waits on for this bucket
-    sent: Any = None                  # this step: the P allreduce's future
-    buffer: Any = None                # this step: the bucket's flat gradients
-    grads: list[torch.Tensor] = field(default_factory=list)     # this step: views into ``buffer``
+    result: Any = None  # this step: the future DDP waits on for this bucket
+    sent: Any = None  # this step: the P allreduce's future
+    buffer: Any = None  # this step: the bucket's flat gradients
+    grads: list[torch.Tensor] = field(default_factory=list)  # this step: views into ``buffer``
 
 
 def matrix_rank(shape: torch.Size, rank: int) -> int:
@@ -101,8 +101,7 @@ def payload_elements(shapes: list[torch.Size], rank: int) -> int:
 
     What ``ddpkit bench`` predicts a PowerSGD row sends before measuring it.
     """
-    return sum((s[0] + s.numel() // s[0]) * matrix_rank(s, rank) if _is_matrix(s, rank) else s.numel()
-               for s in shapes)
+    return sum((s[0] + s.numel() // s[0]) * matrix_rank(s, rank) if _is_matrix(s, rank) else s.numel() for s in shapes)
 
 
 class PowerSGD:
@@ -115,10 +114,10 @@ class PowerSGD:
         self.iter = 0
         self.rng = np.random.RandomState(seed)
         self.buckets: dict[int, _Bucket] = {}
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # loaded, not yet adopted
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # loaded, not yet adopted
         self.payload_elements = 0
-        self.group: Any = None                  # the process group for Q (P's is the default one)
-        self._queue = torch.futures.Future()    # done once the last bucket's Q is issued
+        self.group: Any = None  # the process group for Q (P's is the default one)
+        self._queue = torch.futures.Future()  # done once the last bucket's Q is issued
         self._queue.set_result(None)
 
     # -- the hook -------------------------------------------------------------------------------
@@ -135,8 +134,9 @@ class PowerSGD:
                 self.iter += 1
             return future
         if self.group is None:
-            raise RuntimeError("PowerSGD needs its own process group for Q; "
-                               "ddpkit.parallel.compression.attach makes it")
+            raise RuntimeError(
+                "PowerSGD needs its own process group for Q; ddpkit.parallel.compression.attach makes it"
+            )
         grads = bucket.gradients()
         state = self._bucket(bucket.index(), grads, buffer)
         state.buffer, state.grads = buffer, grads
@@ -159,16 +159,16 @@ class PowerSGD:
         grads = state.grads
         for group in state.groups:
             k, r = len(group.members), group.r
-            error = state.error[group.e_at:group.e_at + k * group.n * group.m].view(k, group.n, group.m)
-            q = state.q[group.q_at:group.q_at + k * r * group.m].view(k, r, group.m)
-            p = state.send[group.p_at:group.p_at + k * r * group.n].view(k, r, group.n)
+            error = state.error[group.e_at : group.e_at + k * group.n * group.m].view(k, group.n, group.m)
+            q = state.q[group.q_at : group.q_at + k * r * group.m].view(k, r, group.m)
+            p = state.send[group.p_at : group.p_at + k * r * group.n].view(k, r, group.n)
             for j, index in enumerate(group.members):
-                error[j].add_(grads[index].view(group.n, group.m))        # M = G + feedback
-                torch.mm(q[j], error[j].t(), out=p[j])                    # (M Q)^T
+                error[j].add_(grads[index].view(group.n, group.m))  # M = G + feedback
+                torch.mm(q[j], error[j].t(), out=p[j])  # (M Q)^T
         at = state.p_numel
         for index in state.plain:
             size = grads[index].numel()
-            state.send[at:at + size].copy_(grads[index].view(-1))
+            state.send[at : at + size].copy_(grads[index].view(-1))
             at += size
         self.payload_elements += state.send.numel() + state.q.numel()
         state.sent = dist.all_reduce(state.send, async_op=True).get_future()
@@ -190,16 +190,16 @@ class PowerSGD:
         at = state.p_numel
         for index in state.plain:
             size = grads[index].numel()
-            grads[index].view(-1).copy_(state.send[at:at + size]).div_(world)
+            grads[index].view(-1).copy_(state.send[at : at + size]).div_(world)
             at += size
         for group in state.groups:
             k, r = len(group.members), group.r
-            p = state.send[group.p_at:group.p_at + k * r * group.n].view(k, r, group.n)
+            p = state.send[group.p_at : group.p_at + k * r * group.n].view(k, r, group.n)
             _orthonormal_rows(p)
-            error = state.error[group.e_at:group.e_at + k * group.n * group.m].view(k, group.n, group.m)
-            q = state.q[group.q_at:group.q_at + k * r * group.m].view(k, r, group.m)
+            error = state.error[group.e_at : group.e_at + k * group.n * group.m].view(k, group.n, group.m)
+            q = state.q[group.q_at : group.q_at + k * r * group.m].view(k, r, group.m)
             for j in range(k):
-                torch.mm(p[j], error[j], out=q[j])                        # (M^T P)^T
+                torch.mm(p[j], error[j], out=q[j])  # (M^T P)^T
         result = state.result
 
         def decompress(done: Any) -> None:
@@ -208,13 +208,13 @@ class PowerSGD:
                 state.q.div_(world)
                 for group in state.groups:
                     k, r = len(group.members), group.r
-                    p = state.send[group.p_at:group.p_at + k * r * group.n].view(k, r, group.n)
-                    q = state.q[group.q_at:group.q_at + k * r * group.m].view(k, r, group.m)
-                    error = state.error[group.e_at:group.e_at + k * group.n * group.m].view(k, group.n, group.m)
+                    p = state.send[group.p_at : group.p_at + k * r * group.n].view(k, r, group.n)
+                    q = state.q[group.q_at : group.q_at + k * r * group.m].view(k, r, group.m)
+                    error = state.error[group.e_at : group.e_at + k * group.n * group.m].view(k, group.n, group.m)
                     for j, index in enumerate(group.members):
                         out = grads[index].view(group.n, group.m)
-                        torch.mm(p[j].t(), q[j], out=out)                 # P Q^T / world: the same on every rank
-                        error[j].sub_(out)                                # what stays behind
+                        torch.mm(p[j].t(), q[j], out=out)  # P Q^T / world: the same on every rank
+                        error[j].sub_(out)  # what stays behind
                 result.set_result(buffer)
             except BaseException as error:  # noqa: BLE001 — handed to DDP, which raises it
                 if not result.done():
@@ -222,7 +222,7 @@ class PowerSGD:
 
         if state.groups:
             dist.all_reduce(state.q, group=self.group, async_op=True).get_future().then(decompress)
-        else:                                       # nothing worth compressing in this bucket
+        else:  # nothing worth compressing in this bucket
             result.set_result(buffer)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -232,8 +232,10 @@ class PowerSGD:
         state = self.buckets.get(index)
         if state is not None:
             if state.shapes != shapes:
-                raise RuntimeError(f"DDP's gradient bucket {index} changed its layout under PowerSGD "
-                                   "(its error feedback no longer fits); report this to ddpkit")
+                raise RuntimeError(
+                    f"DDP's gradient bucket {index} changed its layout under PowerSGD "
+                    "(its error feedback no longer fits); report this to ddpkit"
+                )
             return state
         by_shape: dict[tuple[int, int], _Group] = {}
         plain = []
@@ -254,8 +256,10 @@ class PowerSGD:
         plain_numel = sum(shapes[i].numel() for i in plain)
         saved = self.saved.pop(index, None)
         if saved is not None and (saved[0].numel() != e_numel or saved[1].numel() != q_numel):
-            raise RuntimeError(f"the checkpoint's PowerSGD state for bucket {index} does not fit this model's "
-                               "buckets; resume with the model and DDP options it was saved with")
+            raise RuntimeError(
+                f"the checkpoint's PowerSGD state for bucket {index} does not fit this model's "
+                "buckets; resume with the model and DDP options it was saved with"
+            )
         if saved is not None:
             error, q = (t.to(buffer.device, buffer.dtype).clone() for t in saved)
         else:
@@ -278,8 +282,8 @@ def _orthonormal_rows(p: torch.Tensor) -> None:
     """
     r = p.shape[1]
     for i in range(r):
-        row = p[:, i:i + 1, :]
+        row = p[:, i : i + 1, :]
         row.div_(torch.linalg.vector_norm(row, dim=2, keepdim=True).clamp_min_(torch.finfo(p.dtype).tiny))
         if i + 1 < r:
-            rest = p[:, i + 1:, :]
+            rest = p[:, i + 1 :, :]
             rest.sub_(torch.sum(rest * row, dim=2, keepdim=True) * row)

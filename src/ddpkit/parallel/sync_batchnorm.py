@@ -43,15 +43,14 @@ def _global_stats(x: torch.Tensor, dims: list[int], group: Any) -> tuple[torch.T
         m2 = (x - mean.view(1, -1, *[1] * (x.dim() - 2))).square().sum(dims)
     else:
         mean = m2 = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
-    local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
-                       mean.double(), m2.double()])
-    if hasattr(group, "all_gather_rows"):        # a fault-tolerant job's replicas (ddpkit.dist.ft)
+    local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device), mean.double(), m2.double()])
+    if hasattr(group, "all_gather_rows"):  # a fault-tolerant job's replicas (ddpkit.distributed.ft)
         table = group.all_gather_rows(local)
     else:
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         table = torch.stack(gathered)
-    counts, means, m2s = table[:, :1], table[:, 1:1 + x.shape[1]], table[:, 1 + x.shape[1]:]
+    counts, means, m2s = table[:, :1], table[:, 1 : 1 + x.shape[1]], table[:, 1 + x.shape[1] :]
     total = int(counts.sum().item())
     if total <= 1:
         raise UsageError(
@@ -72,8 +71,16 @@ class _SyncNormalize(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, weight: Any, bias: Any,
-                total: int, group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        weight: Any,
+        bias: Any,
+        total: int,
+        group: Any,
+    ) -> torch.Tensor:
         shape = [1, -1] + [1] * (x.dim() - 2)
         xhat = (x - mean.view(shape)) * invstd.view(shape)
         ctx.save_for_backward(x, mean, invstd, weight)
@@ -233,7 +240,7 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_grou
 
 def convert_over(module: nn.Module, group: Any) -> nn.Module:
     """Replace every BatchNorm layer by ddpkit's :class:`SyncBatchNorm` over ``group``, on any device:
-    a fault-tolerant job's replicas (:class:`ddpkit.dist.ft.Replica`), whose members change from step to step."""
+    a fault-tolerant job's replicas (:class:`ddpkit.distributed.ft.Replica`), whose members change from step to step."""
     return _convert(module, group)
 
 

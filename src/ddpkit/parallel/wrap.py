@@ -20,8 +20,17 @@ import torch
 from ddpkit.parallel.options import SetupOptions, Wrapped
 
 
-def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions, *,
-         device: torch.device, world_size: int, is_main: bool, precision: str, timeout_s: float) -> Wrapped:
+def wrap(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    options: SetupOptions,
+    *,
+    device: torch.device,
+    world_size: int,
+    is_main: bool,
+    precision: str,
+    timeout_s: float,
+) -> Wrapped:
     """Replicate or shard ``model`` as ``options`` say (checked already with :meth:`SetupOptions.check`).
 
     Args:
@@ -41,9 +50,15 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, option
         from ddpkit.parallel import fsdp
 
         units = [options.fsdp_units] if isinstance(options.fsdp_units, type) else options.fsdp_units
-        sharded = fsdp.shard(model, [optimizer] if optimizer is not None else [], device=device,
-                             precision=precision, fsdp_units=units,
-                             reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload)
+        sharded = fsdp.shard(
+            model,
+            [optimizer] if optimizer is not None else [],
+            device=device,
+            precision=precision,
+            fsdp_units=units,
+            reshard_after_forward=options.reshard_after_forward,
+            cpu_offload=options.cpu_offload,
+        )
         return Wrapped(sharded, sharded=True)
     if options.sync != "every-step":
         return _train_apart(model, optimizer, options, device=device, is_main=is_main)
@@ -52,16 +67,29 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, option
     return replicate(model, options, device=device, world_size=world_size, is_main=is_main, timeout_s=timeout_s)
 
 
-def _train_apart(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions, *,
-                 device: torch.device, is_main: bool) -> Wrapped:
+def _train_apart(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    options: SetupOptions,
+    *,
+    device: torch.device,
+    is_main: bool,
+) -> Wrapped:
     """Infrequent sync: the model on its device, no DDP, a :class:`~ddpkit.parallel.periodic.PeriodicSync`."""
     from ddpkit.parallel import periodic
 
     model = model.to(device)
-    syncer = periodic.PeriodicSync(model, optimizer, kind=options.sync, every=int(options.sync_every or 1),
-                                   outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
-                                   sync_dtype=options.sync_dtype, fragments=options.sync_fragments,
-                                   delay=options.sync_delay)
+    syncer = periodic.PeriodicSync(
+        model,
+        optimizer,
+        kind=options.sync,
+        every=int(options.sync_every or 1),
+        outer_lr=options.outer_lr,
+        outer_momentum=options.outer_momentum,
+        sync_dtype=options.sync_dtype,
+        fragments=options.sync_fragments,
+        delay=options.sync_delay,
+    )
     periodic.announce(options.sync, syncer.every, is_main)
     if options.compile:
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))

@@ -138,7 +138,7 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "TrainConfig":
+    def from_json(cls, text: str) -> TrainConfig:
         """The settings :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
@@ -180,8 +180,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 
 _KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}
-_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-          "dict": "a mapping"}
+_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping"}
 
 
 def _check_type(path: str, name: str, value: Any) -> None:
@@ -226,18 +225,20 @@ def check(config: TrainConfig) -> None:
         UsageError: the first setting that is wrong, in one line.
     """
     from ddpkit.loop.precision import PRECISIONS
-    from ddpkit.recipes.datasets import DATASETS
-    from ddpkit.recipes.models import MODELS
     from ddpkit.observe.watchdog import check_timeout
     from ddpkit.parallel.options import check_strategy
+    from ddpkit.recipes.datasets import DATASETS
+    from ddpkit.recipes.models import MODELS
 
     if config.model not in MODELS:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
     if config.data not in DATASETS:
         raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
     if config.model == "tiny-lm" or config.data == "tokens":
-        raise UsageError("--model tiny-lm and --data tokens are ddpkit bench's language-model workload "
-                         "(ddpkit bench --model tiny-lm); ddpkit train classifies images: see examples/tiny_lm.py")
+        raise UsageError(
+            "--model tiny-lm and --data tokens are ddpkit bench's language-model workload "
+            "(ddpkit bench --model tiny-lm); ddpkit train classifies images: see examples/tiny_lm.py"
+        )
     if config.data in ("mnist", "cifar10") and not config.data_dir:
         raise UsageError(f"--data {config.data} needs --data-dir DIR with torchvision's files; nothing is downloaded")
     if config.precision not in PRECISIONS:
@@ -279,10 +280,15 @@ def probe(config: TrainConfig) -> None:
         from ddpkit.recipes.models import build_model
 
         # what rt.setup refuses, before any process starts
-        check_fsdp(grad_compression=config.grad_compression, compile=False, sync_batchnorm=config.sync_bn,
-                   ddp_kwargs={}, model=build_model(config.model, num_classes=10, in_channels=3, image_size=32))
+        check_fsdp(
+            grad_compression=config.grad_compression,
+            compile=False,
+            sync_batchnorm=config.sync_bn,
+            ddp_kwargs={},
+            model=build_model(config.model, num_classes=10, in_channels=3, image_size=32),
+        )
     _check_out(config)
-    if config.tracker is not None:       # what rank 0's init would refuse, before any process starts
+    if config.tracker is not None:  # what rank 0's init would refuse, before any process starts
         from ddpkit.observe.trackers import names, problem
 
         found = problem(names(config.tracker), config.out)
@@ -306,13 +312,16 @@ def _check_counts(config: TrainConfig) -> None:
         raise UsageError(f"--batch must be at least 1, got {config.batch}")
     if config.global_batch is not None and config.global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
-    if config.nnodes < 1:                   # before the world size divides anything
+    if config.nnodes < 1:  # before the world size divides anything
         raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
     if config.global_batch_size % config.world_size:
-        world = f"--nproc {config.nproc}" + (f" x --nnodes {config.nnodes} = {config.world_size}"
-                                              if config.nnodes > 1 else "")
-        raise UsageError(f"global batch {config.global_batch_size} does not divide by {world}; "
-                         f"use a multiple of {config.world_size} or --batch per process")
+        world = f"--nproc {config.nproc}" + (
+            f" x --nnodes {config.nnodes} = {config.world_size}" if config.nnodes > 1 else ""
+        )
+        raise UsageError(
+            f"global batch {config.global_batch_size} does not divide by {world}; "
+            f"use a multiple of {config.world_size} or --batch per process"
+        )
     if config.nnodes > 1 and config.master is None:
         raise UsageError("--nnodes > 1 needs --master HOST:PORT (the host of node 0) and --node-rank R")
 
@@ -324,8 +333,15 @@ def _check_compression(config: TrainConfig) -> None:
     from ddpkit.parallel.compression import check as check_compression
 
     choice = None if config.grad_compression == "none" else config.grad_compression
-    check_compression(choice, rank=config.powersgd_rank, start=None, backend=None, device=torch.device("cpu"),
-                      precision=config.precision, compile=False)
+    check_compression(
+        choice,
+        rank=config.powersgd_rank,
+        start=None,
+        backend=None,
+        device=torch.device("cpu"),
+        precision=config.precision,
+        compile=False,
+    )
 
 
 def _check_sync(config: TrainConfig) -> None:
@@ -341,8 +357,15 @@ def _check_sync(config: TrainConfig) -> None:
     if config.data_parallel:
         raise UsageError(f"--sync {config.sync} trains each process apart; it does not combine with --data-parallel")
     try:
-        check_sync(config.sync, every=config.sync_every, sync_dtype=None, strategy=config.strategy,
-                   grad_compression=config.grad_compression, sync_batchnorm=False, precision=config.precision)
+        check_sync(
+            config.sync,
+            every=config.sync_every,
+            sync_dtype=None,
+            strategy=config.strategy,
+            grad_compression=config.grad_compression,
+            sync_batchnorm=False,
+            precision=config.precision,
+        )
     except UsageError as exc:
         raise UsageError(str(exc).replace("sync_every=H", "--sync-every H")) from None
 
@@ -354,20 +377,35 @@ def _check_micro_shards(config: TrainConfig) -> None:
     if config.micro_shards is None:
         return
     if config.data_parallel:
-        raise UsageError("--micro-shards computes each shard in a process of its own; it does not combine "
-                         "with --data-parallel")
+        raise UsageError(
+            "--micro-shards computes each shard in a process of its own; it does not combine with --data-parallel"
+        )
     if config.global_batch_size < config.micro_shards:
-        raise UsageError(f"--micro-shards {config.micro_shards} cuts a global batch of {config.global_batch_size} "
-                         "samples; give at least one sample per shard")
+        raise UsageError(
+            f"--micro-shards {config.micro_shards} cuts a global batch of {config.global_batch_size} "
+            "samples; give at least one sample per shard"
+        )
     try:
-        check_exact(config.micro_shards, world_size=config.world_size, sync_batchnorm=bool(config.sync_bn),
-                    grad_compression=config.grad_compression, strategy=config.strategy, sync=config.sync,
-                    compile=False, ddp_kwargs={})
+        check_exact(
+            config.micro_shards,
+            world_size=config.world_size,
+            sync_batchnorm=bool(config.sync_bn),
+            grad_compression=config.grad_compression,
+            strategy=config.strategy,
+            sync=config.sync,
+            compile=False,
+            ddp_kwargs={},
+        )
     except UsageError as exc:
         message = str(exc)
-        for api, flag in (("micro_shards=", "--micro-shards "), ("micro_shards", "--micro-shards"),
-                          ("sync_batchnorm=True", "--sync-bn"), ("grad_compression=", "--grad-compression "),
-                          ("strategy=", "--strategy "), ("sync=", "--sync ")):
+        for api, flag in (
+            ("micro_shards=", "--micro-shards "),
+            ("micro_shards", "--micro-shards"),
+            ("sync_batchnorm=True", "--sync-bn"),
+            ("grad_compression=", "--grad-compression "),
+            ("strategy=", "--strategy "),
+            ("sync=", "--sync "),
+        ):
             message = message.replace(api, flag)
         raise UsageError(message.replace("'", "")) from None
 
@@ -381,5 +419,6 @@ def _check_out(config: TrainConfig) -> None:
         raise UsageError(f"--resume {config.resume} does not exist; give a checkpoint file or directory, or 'auto'")
     holds_run = out.is_dir() and any((out / name).exists() for name in ("summary.json", "metrics.jsonl", "checkpoints"))
     if holds_run and config.resume is None and not config.overwrite:
-        raise UsageError(f"--out {out} already holds a run; use --resume auto to continue it, "
-                         "another --out, or --overwrite")
+        raise UsageError(
+            f"--out {out} already holds a run; use --resume auto to continue it, another --out, or --overwrite"
+        )

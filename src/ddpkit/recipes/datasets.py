@@ -38,7 +38,7 @@ _CIFAR_DIRNAME = "cifar-10-batches-py"
 _SYNTHETIC_SEEDS = {"train": 1_000_003, "test": 2_000_003}
 _SYNTHETIC_PROJECTION_SEED = 3_000_017  # shared by both splits so test labels follow train's rule
 _NUM_CLASSES = 10
-TOKEN_VOCAB, TOKEN_LENGTH = 256, 32        # tokens: 32 inputs and 32 next-token targets a sequence
+TOKEN_VOCAB, TOKEN_LENGTH = 256, 32  # tokens: 32 inputs and 32 next-token targets a sequence
 _TOKEN_CHAIN_SEED = 4_000_037
 
 
@@ -61,8 +61,13 @@ class InMemoryDataset(Dataset):
     unchanged.
     """
 
-    def __init__(self, images: torch.Tensor, targets: torch.Tensor,
-                 mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None) -> None:
+    def __init__(
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+    ) -> None:
         if len(images) != len(targets):
             raise ValueError(f"{len(images)} images but {len(targets)} targets")
         self.images = images
@@ -126,14 +131,17 @@ def _read_idx(path: Path, ndim: int) -> np.ndarray:
         raise UsageError(f"{path} is too short to be an IDX file; re-download it")
     (magic,) = struct.unpack(">I", raw[:4])
     if magic != _IDX_UBYTE_MAGIC + ndim:
-        raise UsageError(f"{path} has magic number 0x{magic:08x}, expected "
-                         f"0x{_IDX_UBYTE_MAGIC + ndim:08x} (IDX, unsigned bytes, {ndim}-D); "
-                         "is it the right MNIST file?")
+        raise UsageError(
+            f"{path} has magic number 0x{magic:08x}, expected "
+            f"0x{_IDX_UBYTE_MAGIC + ndim:08x} (IDX, unsigned bytes, {ndim}-D); "
+            "is it the right MNIST file?"
+        )
     dims = struct.unpack(f">{ndim}I", raw[4:header_len])
     expected = int(np.prod(dims))
     if len(raw) - header_len != expected:
-        raise UsageError(f"{path} header says {dims} = {expected} bytes but it holds "
-                         f"{len(raw) - header_len}; re-download it")
+        raise UsageError(
+            f"{path} header says {dims} = {expected} bytes but it holds {len(raw) - header_len}; re-download it"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header_len).reshape(dims).copy()
 
 
@@ -145,8 +153,10 @@ def _find_mnist_file(root: Path, filename: str) -> Path:
             if candidate.is_file():
                 return candidate
     looked = ", ".join(str(f) for f in folders)
-    raise UsageError(f"MNIST file {filename}[.gz] not found in {looked}; put torchvision's "
-                     "MNIST raw files there (nothing is downloaded)")
+    raise UsageError(
+        f"MNIST file {filename}[.gz] not found in {looked}; put torchvision's "
+        "MNIST raw files there (nothing is downloaded)"
+    )
 
 
 def _load_mnist(root: Path, split: str) -> DatasetInfo:
@@ -157,14 +167,16 @@ def _load_mnist(root: Path, split: str) -> DatasetInfo:
     images = _read_idx(images_path, 3)
     labels = _read_idx(labels_path, 1)
     if len(images) != len(labels):
-        raise UsageError(f"{images_path} holds {len(images)} images but {labels_path} holds "
-                         f"{len(labels)} labels; the files do not belong together")
+        raise UsageError(
+            f"{images_path} holds {len(images)} images but {labels_path} holds "
+            f"{len(labels)} labels; the files do not belong together"
+        )
     if images.shape[1] != images.shape[2]:
-        raise UsageError(f"{images_path} holds {images.shape[1]}x{images.shape[2]} images; "
-                         "only square images are supported")
+        raise UsageError(
+            f"{images_path} holds {images.shape[1]}x{images.shape[2]} images; only square images are supported"
+        )
     _check_labels(labels, labels_path)
-    data = InMemoryDataset(torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels),
-                           *_MNIST_NORM)
+    data = InMemoryDataset(torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels), *_MNIST_NORM)
     return DatasetInfo(data, _NUM_CLASSES, 1, int(images.shape[1]), "mnist")
 
 
@@ -175,8 +187,7 @@ def _numpy_global(module: str, name: str) -> Any:
     """Return the numpy callable a pickled array legitimately needs, or None if not allowed."""
     if (module, name) in {("numpy", "ndarray"), ("numpy", "dtype")}:
         return getattr(np, name)
-    if module in {"numpy.core.multiarray", "numpy._core.multiarray"} and name in {
-            "_reconstruct", "scalar"}:
+    if module in {"numpy.core.multiarray", "numpy._core.multiarray"} and name in {"_reconstruct", "scalar"}:
         return getattr(_numpy_core_module("multiarray"), name)
     if module in {"numpy.core.numeric", "numpy._core.numeric"} and name == "_frombuffer":
         return _numpy_core_module("numeric")._frombuffer  # pickle protocol 5 arrays
@@ -205,8 +216,10 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
         """Resolve only allow-listed numpy globals; anything else is refused."""
         found = _numpy_global(module, name)
         if found is None:
-            raise UsageError(f"{self._path} refers to {module}.{name}, which a CIFAR-10 batch "
-                             "never needs; refusing to load it (is the file genuine?)")
+            raise UsageError(
+                f"{self._path} refers to {module}.{name}, which a CIFAR-10 batch "
+                "never needs; refusing to load it (is the file genuine?)"
+            )
         return found
 
 
@@ -223,8 +236,9 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise UsageError(f"{path} is not a CIFAR-10 batch (holds {type(batch).__name__})")
     data = batch.get(b"data", batch.get("data"))
     labels = batch.get(b"labels", batch.get("labels"))
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
-            and data.shape[1] == 3 * 32 * 32):
+    if not (
+        isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2 and data.shape[1] == 3 * 32 * 32
+    ):
         raise UsageError(f"{path} has no uint8 'data' array of shape N x 3072; re-download it")
     try:
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
@@ -246,8 +260,10 @@ def _load_cifar10(root: Path, split: str) -> DatasetInfo:
         paths = [folder / "test_batch"] if (folder / "test_batch").is_file() else []
         required = "test_batch"
     if not paths or paths[0].name != required:
-        raise UsageError(f"CIFAR-10 file {required} not found in {folder}; unpack torchvision's "
-                         f"cifar-10-python.tar.gz in {root} (nothing is downloaded)")
+        raise UsageError(
+            f"CIFAR-10 file {required} not found in {folder}; unpack torchvision's "
+            f"cifar-10-python.tar.gz in {root} (nothing is downloaded)"
+        )
     batches = [_read_cifar_batch(p) for p in paths]
     images = np.concatenate([d for d, _ in batches]).reshape(-1, 3, 32, 32)
     labels = np.concatenate([lab for _, lab in batches])
@@ -264,10 +280,10 @@ def _load_synthetic(split: str, size: int, image_size: int | None) -> DatasetInf
     for label, value in (("synthetic_size", size), ("image_size", side)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"--data synthetic needs a positive integer {label}, got {value!r}")
-    images = torch.randn(size, 3, side, side,
-                         generator=torch.Generator().manual_seed(_SYNTHETIC_SEEDS[split]))
-    projection = torch.randn(3 * side * side, _NUM_CLASSES,
-                             generator=torch.Generator().manual_seed(_SYNTHETIC_PROJECTION_SEED))
+    images = torch.randn(size, 3, side, side, generator=torch.Generator().manual_seed(_SYNTHETIC_SEEDS[split]))
+    projection = torch.randn(
+        3 * side * side, _NUM_CLASSES, generator=torch.Generator().manual_seed(_SYNTHETIC_PROJECTION_SEED)
+    )
     targets = (images.reshape(size, -1) @ projection).argmax(dim=1)
     return DatasetInfo(InMemoryDataset(images, targets), _NUM_CLASSES, 3, side, "synthetic")
 
@@ -309,8 +325,9 @@ def _load_tokens(split: str, size: int) -> DatasetInfo:
 def _check_labels(labels: np.ndarray, path: Path) -> None:
     """Catch out-of-range labels now rather than as a CUDA assert deep inside the loss."""
     if len(labels) and (labels.min() < 0 or labels.max() >= _NUM_CLASSES):
-        raise UsageError(f"{path} has labels outside 0..{_NUM_CLASSES - 1} "
-                         f"(min {labels.min()}, max {labels.max()}); re-download it")
+        raise UsageError(
+            f"{path} has labels outside 0..{_NUM_CLASSES - 1} (min {labels.min()}, max {labels.max()}); re-download it"
+        )
 
 
 def _data_root(name: str, data_dir: str | Path | None) -> Path:
@@ -318,17 +335,26 @@ def _data_root(name: str, data_dir: str | Path | None) -> Path:
     if data_dir is None:
         example = "train-images-idx3-ubyte" if name == "mnist" else f"{_CIFAR_DIRNAME}/data_batch_1"
         label = "MNIST" if name == "mnist" else "CIFAR-10"
-        raise UsageError(f"--data {name} needs --data-dir DIR holding torchvision's {label} "
-                         f"files ({example}, ...); nothing is downloaded")
+        raise UsageError(
+            f"--data {name} needs --data-dir DIR holding torchvision's {label} "
+            f"files ({example}, ...); nothing is downloaded"
+        )
     root = Path(data_dir).expanduser()
     if not root.is_dir():
-        raise UsageError(f"--data-dir {root} does not exist or is not a directory; "
-                         f"point it at the folder holding the {name} files")
+        raise UsageError(
+            f"--data-dir {root} does not exist or is not a directory; point it at the folder holding the {name} files"
+        )
     return root
 
 
-def load_dataset(name: str, split: str = "train", data_dir: str | Path | None = None, *,
-                 synthetic_size: int = 2048, image_size: int | None = None) -> DatasetInfo:
+def load_dataset(
+    name: str,
+    split: str = "train",
+    data_dir: str | Path | None = None,
+    *,
+    synthetic_size: int = 2048,
+    image_size: int | None = None,
+) -> DatasetInfo:
     """Load split ``split`` of data set ``name`` into memory.
 
     Args:
@@ -361,6 +387,8 @@ def load_dataset(name: str, split: str = "train", data_dir: str | Path | None = 
     else:
         info = _load_cifar10(_data_root(name, data_dir), split)
     if image_size is not None and image_size != info.image_size:
-        raise UsageError(f"--data {name} has {info.image_size}x{info.image_size} images and "
-                         f"nothing is resized; drop --image-size {image_size} (it is for synthetic)")
+        raise UsageError(
+            f"--data {name} has {info.image_size}x{info.image_size} images and "
+            f"nothing is resized; drop --image-size {image_size} (it is for synthetic)"
+        )
     return info

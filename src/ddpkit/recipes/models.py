@@ -73,8 +73,9 @@ class TinyLM(nn.Module):
     with 256 wide, 7 blocks: 5.6M parameters.
     """
 
-    def __init__(self, vocab: int, length: int, width: int = 64, layers: int = 2, heads: int = 4,
-                 classes_first: bool = False) -> None:
+    def __init__(
+        self, vocab: int, length: int, width: int = 64, layers: int = 2, heads: int = 4, classes_first: bool = False
+    ) -> None:
         super().__init__()
         self.classes_first = classes_first
         self.embed = nn.Embedding(vocab, width)
@@ -93,14 +94,12 @@ class TinyLM(nn.Module):
 
 def _check_sizes(name: str, num_classes: int, in_channels: int, image_size: int) -> None:
     """Reject sizes that would only fail later inside a layer with a cryptic shape error."""
-    for label, value in (("num_classes", num_classes), ("in_channels", in_channels),
-                         ("image_size", image_size)):
+    for label, value in (("num_classes", num_classes), ("in_channels", in_channels), ("image_size", image_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"model {name!r} needs a positive integer {label}, got {value!r}")
     if name == "convnet" and image_size < 4:
         raise UsageError(
-            f"model 'convnet' needs images of at least 4x4 pixels, got {image_size}; "
-            "use --model mlp for smaller images"
+            f"model 'convnet' needs images of at least 4x4 pixels, got {image_size}; use --model mlp for smaller images"
         )
 
 
@@ -128,6 +127,6 @@ def build_model(name: str, *, num_classes: int, in_channels: int, image_size: in
         return _mlp(num_classes, in_channels, image_size)
     if name == "mlp-large":
         return _mlp_large(num_classes, in_channels, image_size)
-    if name == "tiny-lm":        # num_classes: the vocabulary; image_size: the sequence length
+    if name == "tiny-lm":  # num_classes: the vocabulary; image_size: the sequence length
         return TinyLM(num_classes, image_size, width=256, layers=7, heads=8, classes_first=True)
     return ResNet(name, num_classes, in_channels)

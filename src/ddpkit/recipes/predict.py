@@ -99,8 +99,12 @@ def _model_from(payload: dict[str, Any], path: Path) -> tuple[torch.nn.Module, d
     recipe = payload["user"].get("recipe")
     if not isinstance(recipe, dict) or "model" not in payload["user"]:
         raise DdpkitError(f"checkpoint {path} has no recipe: predict reads checkpoints written by ddpkit train")
-    model = build_model(recipe["model"], num_classes=recipe["num_classes"],
-                        in_channels=recipe["in_channels"], image_size=recipe["image_size"])
+    model = build_model(
+        recipe["model"],
+        num_classes=recipe["num_classes"],
+        in_channels=recipe["in_channels"],
+        image_size=recipe["image_size"],
+    )
     return model, recipe
 
 
@@ -116,11 +120,10 @@ def run_worker(config: PredictConfig, path: Path) -> None:
 
     payload = checkpoint.read(path)
     model, recipe = _model_from(payload, path)
-    rt = ddpkit.init(precision=recipe.get("precision", "fp32"))   # the forward as it was trained
+    rt = ddpkit.init(precision=recipe.get("precision", "fp32"))  # the forward as it was trained
     model.load_state_dict(payload["user"]["model"])
     model = model.to(rt.device)
-    logits = ddpkit.predict(model, _dataset(config).dataset, batch_size=config.batch, to="main",
-                            autocast=rt.autocast)
+    logits = ddpkit.predict(model, _dataset(config).dataset, batch_size=config.batch, to="main", autocast=rt.autocast)
     if rt.is_main:
         write_predictions(Path(config.out), logits.float())
     rt.barrier()
@@ -146,8 +149,15 @@ def write_predictions(out: Path, logits: torch.Tensor) -> None:
             with open(tmp, "wb") as handle:
                 np.save(handle, probabilities.numpy())
         else:
-            torch.save({"index": torch.arange(len(prediction)), "prediction": prediction,
-                        "probabilities": probabilities, "logits": logits}, tmp)
+            torch.save(
+                {
+                    "index": torch.arange(len(prediction)),
+                    "prediction": prediction,
+                    "probabilities": probabilities,
+                    "logits": logits,
+                },
+                tmp,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,20 +18,27 @@ import torch.nn.functional as F
 
 import ddpkit
 from ddpkit import checkpoint
+from ddpkit._files import atomic_path
 from ddpkit.errors import DdpkitError
 from ddpkit.loop.evaluate import evaluate
+from ddpkit.observe.progress import Progress
 from ddpkit.recipes.config import TrainConfig
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 from ddpkit.recipes.models import build_model
-from ddpkit.observe.progress import Progress
-from ddpkit._files import atomic_path
 
 
 def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
     """What ``ddpkit predict`` needs to rebuild the model: stored as a plain dict in checkpoints."""
-    return {"model": config.model, "data": config.data, "num_classes": info.num_classes,
-            "in_channels": info.in_channels, "image_size": info.image_size,
-            "precision": config.precision, "sync_bn": bool(config.sync_bn), "micro_shards": config.micro_shards}
+    return {
+        "model": config.model,
+        "data": config.data,
+        "num_classes": info.num_classes,
+        "in_channels": info.in_channels,
+        "image_size": info.image_size,
+        "precision": config.precision,
+        "sync_bn": bool(config.sync_bn),
+        "micro_shards": config.micro_shards,
+    }
 
 
 def datasets_of(config: TrainConfig) -> tuple[DatasetInfo, DatasetInfo]:
@@ -43,27 +50,42 @@ def datasets_of(config: TrainConfig) -> tuple[DatasetInfo, DatasetInfo]:
 
 def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     """Data, model, optimizer and loader of ``config``, and ``config`` with ``sync_bn`` decided."""
-    with rt.local_main_first():    # one process per node reads (and caches) node-local files first
+    with rt.local_main_first():  # one process per node reads (and caches) node-local files first
         train, test = datasets_of(config)
-    model = build_model(config.model, num_classes=train.num_classes, in_channels=train.in_channels,
-                        image_size=train.image_size)
+    model = build_model(
+        config.model, num_classes=train.num_classes, in_channels=train.in_channels, image_size=train.image_size
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
-    if config.sync_bn is None:       # the default: world-size invariant wherever there is BatchNorm
+    if config.sync_bn is None:  # the default: world-size invariant wherever there is BatchNorm
         config = dataclasses.replace(config, sync_bn=sync_bn_default(config, model, rt.world_size))
-    if config.micro_shards is not None:     # bitwise invariant: ghost BatchNorm, one summation tree
+    if config.micro_shards is not None:  # bitwise invariant: ghost BatchNorm, one summation tree
         model, optimizer = rt.setup(model, optimizer, micro_shards=config.micro_shards)
     elif config.strategy == "fsdp":
         model, optimizer = rt.setup(model, optimizer, strategy="fsdp", cpu_offload=config.cpu_offload)
     else:
-        periodic = {} if config.sync == "every-step" else {
-            "sync": config.sync, "sync_every": config.sync_every, "outer_lr": config.outer_lr,
-            "outer_momentum": config.outer_momentum}
-        model, optimizer = rt.setup(model, optimizer, sync_batchnorm=config.sync_bn,
-                                    grad_compression=config.grad_compression, powersgd_rank=config.powersgd_rank,
-                                    **periodic)
-    if config.data_parallel:   # the seeds' single-process multi-GPU baseline
+        periodic = (
+            {}
+            if config.sync == "every-step"
+            else {
+                "sync": config.sync,
+                "sync_every": config.sync_every,
+                "outer_lr": config.outer_lr,
+                "outer_momentum": config.outer_momentum,
+            }
+        )
+        model, optimizer = rt.setup(
+            model,
+            optimizer,
+            sync_batchnorm=config.sync_bn,
+            grad_compression=config.grad_compression,
+            powersgd_rank=config.powersgd_rank,
+            **periodic,
+        )
+    if config.data_parallel:  # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
-    sizes = {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
+    sizes = (
+        {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
+    )
     loader = rt.loader(train.dataset, shuffle=True, num_workers=config.workers, **sizes)
     return train, test, model, optimizer, loader, config
 
@@ -82,17 +104,31 @@ def sync_bn_default(config: TrainConfig, model: torch.nn.Module, world_size: int
     at each sync, so none of them turns it on.
     """
     has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    return (has_batchnorm and world_size > 1 and config.strategy == "ddp" and not config.data_parallel
-            and config.sync == "every-step" and config.micro_shards is None)
+    return (
+        has_batchnorm
+        and world_size > 1
+        and config.strategy == "ddp"
+        and not config.data_parallel
+        and config.sync == "every-step"
+        and config.micro_shards is None
+    )
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` in this process (one of the world); returns the summary."""
     started = time.perf_counter()
-    rt = ddpkit.init(seed=config.seed, precision=config.precision, out_dir=config.out,
-                     keep_checkpoints=config.keep_checkpoints, hang_timeout=config.hang_timeout,
-                     checkpoint_dir=Path(config.out) / "checkpoints", resume=config.resume,
-                     trackers=config.tracker, run_name=config.run_name, config=tracked_config(config))
+    rt = ddpkit.init(
+        seed=config.seed,
+        precision=config.precision,
+        out_dir=config.out,
+        keep_checkpoints=config.keep_checkpoints,
+        hang_timeout=config.hang_timeout,
+        checkpoint_dir=Path(config.out) / "checkpoints",
+        resume=config.resume,
+        trackers=config.tracker,
+        run_name=config.run_name,
+        config=tracked_config(config),
+    )
     train_info, test_info, model, optimizer, loader, config = build(config, rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
     resumed = rt.resume(state)
@@ -127,32 +163,54 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 if config.log_every and rt.global_step % config.log_every == 0:
                     rt.log({"train_loss_step": loss.detach()})
                 if rt.preempted or (config.checkpoint_every and rt.global_step % config.checkpoint_every == 0):
-                    final_checkpoint = rt.checkpoint(state)      # preempted: saves, then exits 75
+                    final_checkpoint = rt.checkpoint(state)  # preempted: saves, then exits 75
             train_seconds += time.perf_counter() - epoch_start
             metrics = _evaluate(rt, model, test_info, config)
             train_loss = float(rt.all_reduce(loss_sum)) / max(1, len(train_info.dataset))
-            rt.log({"epoch": epoch, "train_loss": train_loss, "test_loss": metrics["loss"],
-                    "test_accuracy": metrics["accuracy"]}, reduce=None)
+            rt.log(
+                {
+                    "epoch": epoch,
+                    "train_loss": train_loss,
+                    "test_loss": metrics["loss"],
+                    "test_accuracy": metrics["accuracy"],
+                },
+                reduce=None,
+            )
             final_checkpoint = rt.checkpoint(state)
-            rt.print(f"epoch {epoch}: train_loss={train_loss:.4f} test_loss={metrics['loss']:.4f} "
-                     f"test_accuracy={metrics['accuracy']:.4f}")
+            rt.print(
+                f"epoch {epoch}: train_loss={train_loss:.4f} test_loss={metrics['loss']:.4f} "
+                f"test_accuracy={metrics['accuracy']:.4f}"
+            )
 
-    if not metrics:   # resumed after the last epoch: evaluate what was loaded
+    if not metrics:  # resumed after the last epoch: evaluate what was loaded
         metrics = _evaluate(rt, model, test_info, config)
     summary = {
-        "world_size": rt.world_size, "precision": config.precision, "epochs": config.epochs,
-        "global_batch_size": loader.sampler.global_batch_size, "model": config.model,
-        "data": config.data, "seed": config.seed, "steps": rt.global_step, "lr": config.effective_lr,
-        "sync_bn": config.sync_bn, "micro_shards": config.micro_shards, "grad_compression": config.grad_compression or "none", "strategy": config.strategy,
-        "sync": config.sync, "sync_every": config.sync_every,
+        "world_size": rt.world_size,
+        "precision": config.precision,
+        "epochs": config.epochs,
+        "global_batch_size": loader.sampler.global_batch_size,
+        "model": config.model,
+        "data": config.data,
+        "seed": config.seed,
+        "steps": rt.global_step,
+        "lr": config.effective_lr,
+        "sync_bn": config.sync_bn,
+        "micro_shards": config.micro_shards,
+        "grad_compression": config.grad_compression or "none",
+        "strategy": config.strategy,
+        "sync": config.sync,
+        "sync_every": config.sync_every,
         "outer_lr": config.outer_lr if config.sync == "diloco" else None,
         "outer_momentum": config.outer_momentum if config.sync == "diloco" else None,
         "cpu_offload": config.cpu_offload,
         "powersgd_rank": config.powersgd_rank if config.grad_compression in ("powersgd", "auto") else None,
         "grad_compression_auto": getattr(rt.run.compressors[0] if rt.run.compressors else None, "decision", None),
-        "test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
-        "test_count": metrics["count"], "wall_seconds": time.perf_counter() - started,
-        "train_seconds": train_seconds, "samples_per_second": seen / train_seconds if train_seconds else 0.0,
+        "test_accuracy": metrics["accuracy"],
+        "test_loss": metrics["loss"],
+        "test_count": metrics["count"],
+        "wall_seconds": time.perf_counter() - started,
+        "train_seconds": train_seconds,
+        "samples_per_second": seen / train_seconds if train_seconds else 0.0,
         "final_checkpoint": str(final_checkpoint) if final_checkpoint else None,
         "trackers": dict(rt.run.tracking.ids) if rt.run.tracking is not None else {},
     }
@@ -165,8 +223,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 def _evaluate(rt: ddpkit.Runtime, model: Any, info: DatasetInfo, config: TrainConfig) -> dict[str, Any]:
     """Evaluate on every rank (each batch tells the hang watchdog we are evaluating)."""
-    return evaluate(model, info.dataset, num_classes=info.num_classes, batch_size=config.eval_batch,
-                    autocast=rt.autocast)
+    return evaluate(
+        model, info.dataset, num_classes=info.num_classes, batch_size=config.eval_batch, autocast=rt.autocast
+    )
 
 
 def _write_outputs(rt: ddpkit.Runtime, summary: dict[str, Any], out: Path) -> None:
@@ -194,7 +253,7 @@ def clear_previous_run(config: TrainConfig) -> list[Path]:
     for name in RUN_OUTPUTS:
         path = Path(config.out) / name
         if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)     # another node sharing --out may race us
+            shutil.rmtree(path, ignore_errors=True)  # another node sharing --out may race us
         elif path.exists():
             path.unlink(missing_ok=True)
         else:
@@ -231,16 +290,19 @@ def _check_resume(config: TrainConfig, info: DatasetInfo) -> None:
     path = checkpoint.latest(source) if source.is_dir() else source
     if path is None:
         raise DdpkitError(f"--resume {source}: no complete checkpoint in this directory")
-    payload = checkpoint.read(path, verified=source.is_dir())    # latest() just verified it
-    model = build_model(config.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                        image_size=info.image_size)
+    payload = checkpoint.read(path, verified=source.is_dir())  # latest() just verified it
+    model = build_model(
+        config.model, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+    )
     if "model" not in payload["user"]:
         raise DdpkitError(f"checkpoint {path} holds no 'model' entry; it was not written by ddpkit train")
     checkpoint.check_model_state(model, payload["user"]["model"], f"checkpoint {path}")
     saved = payload["ddpkit"]["precision"].get("precision")
     if saved != config.precision:
-        raise DdpkitError(f"checkpoint {path} was written with precision {saved!r} and this run uses "
-                          f"{config.precision!r}; pass --precision {saved}")
+        raise DdpkitError(
+            f"checkpoint {path} was written with precision {saved!r} and this run uses "
+            f"{config.precision!r}; pass --precision {saved}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

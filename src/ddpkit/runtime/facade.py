@@ -1,6 +1,6 @@
 """``rt``, the object a user script holds: a thin facade over the run's parts.
 
-:class:`Runtime` composes the place in the world (:class:`~ddpkit.dist.environment.Environment`,
+:class:`Runtime` composes the place in the world (:class:`~ddpkit.distributed.environment.Environment`,
 device, backend), one :class:`~ddpkit.loop.state.RunState` (loop position, precision, models,
 optimizers, compressors, statistics) and the watchdog and metrics of :mod:`ddpkit.observe`. Each
 method hands its work to the module that owns it: set-up to :mod:`ddpkit.parallel.wrap`, loaders
@@ -13,26 +13,28 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
-from ddpkit import rng
-from ddpkit.observe import heartbeats, progress, watchdog
-from ddpkit.observe.metrics import MetricsLogger, as_floats
-from ddpkit import checkpoint
+from ddpkit import checkpoint, rng
 from ddpkit.checkpoint import pt
 from ddpkit.checkpoint import resume as resuming
-from ddpkit.dist import collectives, process_group, store_sync
-from ddpkit.dist.environment import Environment
+from ddpkit.distributed import collectives, process_group, store_sync
+from ddpkit.distributed.environment import Environment
 from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.loop import build
 from ddpkit.loop import steps as loop_steps
+from ddpkit.loop.precision import Precision
 from ddpkit.loop.state import RunState
+from ddpkit.observe import heartbeats, progress, watchdog
+from ddpkit.observe.metrics import MetricsLogger, as_floats
 from ddpkit.parallel.options import SetupOptions
 from ddpkit.parallel.wrap import full_state_dict, wrap
-from ddpkit.loop.precision import Precision
+
 
 def _from_user_code() -> bool:
     """Whether the caller of the property asking is outside ddpkit (a script's own line)."""
@@ -67,9 +69,9 @@ class Runtime:
         self._logger: Any = None
         self._local_first_count = 0
         self._closed = False
-        self.failed = False          # an uncaught exception ended the script (set by init's hook)
-        self._outcome: str | None = None     # "KILLED" after a preempted save
-        self._on_close: Callable[["Runtime"], None] | None = None     # init's: forget the current runtime
+        self.failed = False  # an uncaught exception ended the script (set by init's hook)
+        self._outcome: str | None = None  # "KILLED" after a preempted save
+        self._on_close: Callable[[Runtime], None] | None = None  # init's: forget the current runtime
         self._told_replica = False
 
     @property
@@ -81,8 +83,10 @@ class Runtime:
         """
         if self.run.ft is not None and not self._told_replica and _from_user_code():
             self._told_replica = True
-            warn("rt.rank is 0 in every replica of a fault-tolerant job (each replica is a one-process group); "
-                 "rt.replica says which replica this is, rt.is_main which one logs and saves")
+            warn(
+                "rt.rank is 0 in every replica of a fault-tolerant job (each replica is a one-process group); "
+                "rt.replica says which replica this is, rt.is_main which one logs and saves"
+            )
         return self.env.rank
 
     @property
@@ -170,7 +174,7 @@ class Runtime:
 
         A save-and-exit is coming: ``ddpkit train`` saves by itself; a loop of your own saves with
         :meth:`checkpoint` (or :meth:`save`), which then ends the process with exit code 75
-        (:data:`ddpkit.dist.preemption.EXIT_CODE`) once the checkpoint is on disk. Restart the
+        (:data:`ddpkit.distributed.preemption.EXIT_CODE`) once the checkpoint is on disk. Restart the
         job with ``resume="auto"`` (a requeued SLURM job does) to continue where it stopped.
 
         Example:
@@ -183,8 +187,9 @@ class Runtime:
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         """``print`` on rank 0 only (every rank, prefixed, with ``all_ranks=True``), one whole line at a time."""
         if self.is_main or all_ranks:
-            progress.print_line(*args, prefix=f"[rank {self.rank}]" if all_ranks and self.world_size > 1 else None,
-                                **kwargs)
+            progress.print_line(
+                *args, prefix=f"[rank {self.rank}]" if all_ranks and self.world_size > 1 else None, **kwargs
+            )
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
@@ -221,9 +226,11 @@ class Runtime:
     def _not_across_replicas(self, what: str) -> None:
         """In a fault-tolerant job a collective of the script's own would span one replica only."""
         if self.run.ft is not None:
-            raise UsageError(f"{what} under --fault-tolerant would reduce over this replica alone (the "
-                             "replicas change from step to step); evaluate with ddpkit.evaluate, which "
-                             "counts every sample in each replica")
+            raise UsageError(
+                f"{what} under --fault-tolerant would reduce over this replica alone (the "
+                "replicas change from step to step); evaluate with ddpkit.evaluate, which "
+                "counts every sample in each replica"
+            )
 
     def heartbeat(self, phase: str) -> None:
         """Tell the hang watchdog this rank made progress and is now in ``phase``.
@@ -239,14 +246,30 @@ class Runtime:
         if self._watchdog is not None:
             self._watchdog.add_probe(probe)
 
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-              sync_batchnorm: bool = False, compile: bool | dict[str, Any] = False,
-              grad_compression: str | None = None, powersgd_rank: int = 2, powersgd_start: int | None = None,
-              strategy: str = "ddp", fsdp_units: Any = None, reshard_after_forward: bool = True,
-              cpu_offload: bool = False, sync: str = "every-step", sync_every: int | None = None,
-              outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_dtype: str | None = None,
-              sync_fragments: int = 1, sync_delay: int = 0, micro_shards: int | None = None,
-              **ddp_kwargs: Any) -> Any:
+    def setup(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batchnorm: bool = False,
+        compile: bool | dict[str, Any] = False,
+        grad_compression: str | None = None,
+        powersgd_rank: int = 2,
+        powersgd_start: int | None = None,
+        strategy: str = "ddp",
+        fsdp_units: Any = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        sync: str = "every-step",
+        sync_every: int | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_dtype: str | None = None,
+        sync_fragments: int = 1,
+        sync_delay: int = 0,
+        micro_shards: int | None = None,
+        **ddp_kwargs: Any,
+    ) -> Any:
         """Move ``model`` to the device, convert BatchNorm if asked, wrap it in DDP when world > 1.
 
         Parameters keep their identity, so an optimizer built before ``setup`` stays valid.
@@ -290,47 +313,90 @@ class Runtime:
         Returns:
             The model, or ``(model, optimizer)`` when an optimizer is given.
         """
-        options = SetupOptions(sync_batchnorm=sync_batchnorm, compile=compile, grad_compression=grad_compression,
-                               powersgd_rank=powersgd_rank, powersgd_start=powersgd_start, strategy=strategy,
-                               fsdp_units=fsdp_units, reshard_after_forward=reshard_after_forward,
-                               cpu_offload=cpu_offload, ddp_kwargs=ddp_kwargs, sync=sync, sync_every=sync_every,
-                               outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype,
-                               sync_fragments=sync_fragments, sync_delay=sync_delay)
+        options = SetupOptions(
+            sync_batchnorm=sync_batchnorm,
+            compile=compile,
+            grad_compression=grad_compression,
+            powersgd_rank=powersgd_rank,
+            powersgd_start=powersgd_start,
+            strategy=strategy,
+            fsdp_units=fsdp_units,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            ddp_kwargs=ddp_kwargs,
+            sync=sync,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            sync_dtype=sync_dtype,
+            sync_fragments=sync_fragments,
+            sync_delay=sync_delay,
+        )
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
         if micro_shards is not None:
             return self._setup_exact(model, optimizer, options, micro_shards)
         if self.run.exact is not None:
-            raise UsageError("rt.setup: this run set up a model with micro_shards; a second model must use it too "
-                             "(micro_shards is built for one model a run)")
+            raise UsageError(
+                "rt.setup: this run set up a model with micro_shards; a second model must use it too "
+                "(micro_shards is built for one model a run)"
+            )
         if self.run.ft is not None:
             model = self._replica_model(model, options)
-        wrapped = wrap(model, optimizer, options, device=self.device, world_size=self.world_size,
-                       is_main=self.is_main, precision=self.run.precision.name, timeout_s=self.timeout_s)
+        wrapped = wrap(
+            model,
+            optimizer,
+            options,
+            device=self.device,
+            world_size=self.world_size,
+            is_main=self.is_main,
+            precision=self.run.precision.name,
+            timeout_s=self.timeout_s,
+        )
         if wrapped.sharded:
             self.run.precision.shard()
-        index = self.run.adopt(wrapped.model, optimizer, compressor=wrapped.compressor, buffers=wrapped.buffers,
-                               not_bitwise=wrapped.not_bitwise)
+        index = self.run.adopt(
+            wrapped.model,
+            optimizer,
+            compressor=wrapped.compressor,
+            buffers=wrapped.buffers,
+            not_bitwise=wrapped.not_bitwise,
+        )
         resuming.restore_pending(self.run, index, is_main=self.is_main)
-        self.heartbeat("start")     # the parameters are in place everywhere: the set-up made progress
+        self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
         if self.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
             rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
         return wrapped.model if optimizer is None else (wrapped.model, optimizer)
 
-    def _setup_exact(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions,
-                     micro_shards: int) -> Any:
+    def _setup_exact(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions, micro_shards: int
+    ) -> Any:
         """``rt.setup(..., micro_shards=M)``: rank 0's weights everywhere, no DDP wrapper, the shards' state."""
         from ddpkit.parallel import exact
 
-        exact.check(micro_shards, world_size=self.world_size, sync_batchnorm=options.sync_batchnorm,
-                    grad_compression=options.grad_compression, strategy=options.strategy, sync=options.sync,
-                    compile=options.compile or hasattr(model, "_orig_mod"), ddp_kwargs=options.ddp_kwargs,
-                    fault_tolerant=self.run.ft is not None)
+        exact.check(
+            micro_shards,
+            world_size=self.world_size,
+            sync_batchnorm=options.sync_batchnorm,
+            grad_compression=options.grad_compression,
+            strategy=options.strategy,
+            sync=options.sync,
+            compile=options.compile or hasattr(model, "_orig_mod"),
+            ddp_kwargs=options.ddp_kwargs,
+            fault_tolerant=self.run.ft is not None,
+        )
         if self.run.models:
             raise UsageError("rt.setup(micro_shards=...) is built for one model a run; this run set one up already")
-        self.run.exact = exact.setup(model, optimizer, micro_shards, device=self.device, world_size=self.world_size,
-                                     rank=self.rank, seed=self.seed)
+        self.run.exact = exact.setup(
+            model,
+            optimizer,
+            micro_shards,
+            device=self.device,
+            world_size=self.world_size,
+            rank=self.rank,
+            seed=self.seed,
+        )
         index = self.run.adopt(model, optimizer)
         resuming.restore_pending(self.run, index, is_main=self.is_main)
         self.heartbeat("start")
@@ -353,12 +419,14 @@ class Runtime:
         from ddpkit.loop.loader import ShardedLoader
 
         if not isinstance(self.run.active, ShardedLoader):
-            raise UsageError("rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
-                             "splits its global batches; streams are not built for it)")
+            raise UsageError(
+                "rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
+                "splits its global batches; streams are not built for it)"
+            )
         cut = self.run.exact.shards(self.run.active, self.run.loop.step, batch)
         if not self.run.backward_since_step:
-            self.run.unscaled.clear()        # a new step: fp16's unscaling is owed again (as rt.backward does)
-        self.run.backward_since_step = self.run.uses_backward = True    # a rank with empty shards steps too
+            self.run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as rt.backward does)
+        self.run.backward_since_step = self.run.uses_backward = True  # a rank with empty shards steps too
         return cut
 
     def _replica_model(self, model: torch.nn.Module, options: SetupOptions) -> torch.nn.Module:
@@ -366,11 +434,16 @@ class Runtime:
         depends on how many replicas are alive; what is not built for replicas yet is refused."""
         from ddpkit.parallel.sync_batchnorm import convert_over
 
-        for name, value, default in (("strategy", options.strategy, "ddp"), ("sync", options.sync, "every-step"),
-                                     ("grad_compression", options.grad_compression, None)):
+        for name, value, default in (
+            ("strategy", options.strategy, "ddp"),
+            ("sync", options.sync, "every-step"),
+            ("grad_compression", options.grad_compression, None),
+        ):
             if value != default:
-                raise UsageError(f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
-                                 f"leave {name} at its default ({default!r})")
+                raise UsageError(
+                    f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
+                    f"leave {name} at its default ({default!r})"
+                )
         return convert_over(model.to(self.device), self.run.ft)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -395,9 +468,16 @@ class Runtime:
                 ``num_samples`` (drawn with replacement, like ``WeightedRandomSampler``),
                 ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``.
         """
-        return build.build_loader(self.run, dataset, build.loader_options(options), rank=self.rank,
-                                  world_size=self.world_size, device=self.device,
-                                  on_batch=lambda made: loop_steps.on_batch(self.run, made), watch=self.watch_progress)
+        return build.build_loader(
+            self.run,
+            dataset,
+            build.loader_options(options),
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            on_batch=lambda made: loop_steps.on_batch(self.run, made),
+            watch=self.watch_progress,
+        )
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """``n`` epochs, numbered from ``start``, from where a loaded checkpoint left off; sets every loader's epoch.
@@ -454,8 +534,10 @@ class Runtime:
         :meth:`step` only steps there. Yields True on the last micro-step.
         """
         if self.run.ft is not None:
-            raise UsageError("rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
-                             "batch); raise global_batch_size instead")
+            raise UsageError(
+                "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
+                "batch); raise global_batch_size instead"
+            )
         return loop_steps.accumulate(self.run, model, steps)
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
@@ -473,9 +555,12 @@ class Runtime:
                 # Rows after the step we resumed from belong to work a crash undid; a fresh run
                 # (nothing loaded) starts its files anew.
                 chosen = self.settings.trackers
-                self._logger = MetricsLogger(self.out_dir, resume=self.loop.resumed_from is not None,
-                                             resume_step=self.loop.resumed_step,
-                                             tensorboard=chosen is None or "tensorboard" in chosen)
+                self._logger = MetricsLogger(
+                    self.out_dir,
+                    resume=self.loop.resumed_from is not None,
+                    resume_step=self.loop.resumed_step,
+                    tensorboard=chosen is None or "tensorboard" in chosen,
+                )
             at = self.global_step if step is None else step
             self._logger.log(values, step=at)
             if self.run.tracking is not None:
@@ -502,8 +587,8 @@ class Runtime:
         if isinstance(state, torch.nn.Module):
             return self._save_weights(Path(path), state)
         if self.run.ft is not None:
-            self.run.ft_state = state          # what a healing peer gets from now on
-            if not self.is_main:               # one replica writes: they all hold the same state
+            self.run.ft_state = state  # what a healing peer gets from now on
+            if not self.is_main:  # one replica writes: they all hold the same state
                 return resuming.target_of(path, self.run.loop.step)
         saved = resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
         if self.preempted:
@@ -512,18 +597,22 @@ class Runtime:
 
     def _exit_preempted(self, saved: Path) -> None:
         """The preempted save is on disk: tell the launcher, end the tracker runs, exit with 75."""
-        from ddpkit.dist import preemption
+        from ddpkit.distributed import preemption
 
         if self.is_local_main:
             preemption.mark_saved()
-        self.print(f"ddpkit: preempted ({self.run.preemption.name}); saved {saved} at step {self.global_step}, "
-                   f"exiting with code {preemption.EXIT_CODE} (resume='auto' continues from it)", flush=True)
+        self.print(
+            f"ddpkit: preempted ({self.run.preemption.name}); saved {saved} at step {self.global_step}, "
+            f"exiting with code {preemption.EXIT_CODE} (resume='auto' continues from it)",
+            flush=True,
+        )
         self._outcome = "KILLED"
         self.close()
         raise SystemExit(preemption.EXIT_CODE)
 
-    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any] | torch.nn.Module, *,
-             strict: bool = True) -> Path:
+    def load(
+        self, path: str | os.PathLike, state: MutableMapping[str, Any] | torch.nn.Module, *, strict: bool = True
+    ) -> Path:
         """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
 
         Resumes mid-epoch exactly: the next batch is the one after the last trained, also for
@@ -542,8 +631,10 @@ class Runtime:
     def _save_weights(self, path: Path, model: torch.nn.Module) -> Path:
         """``rt.save(file, model)``: the model's plain state dict, written by rank 0 atomically."""
         if path.is_dir():
-            raise UsageError(f"rt.save({str(path)!r}, model) writes one file of weights; give a file name "
-                             "(a checkpoint directory takes a mapping: rt.save(path, {'model': model, ...}))")
+            raise UsageError(
+                f"rt.save({str(path)!r}, model) writes one file of weights; give a file name "
+                "(a checkpoint directory takes a mapping: rt.save(path, {'model': model, ...}))"
+            )
         weights = self.full_state_dict(model)
         error = None
         if self.is_main and weights is not None:
@@ -577,8 +668,10 @@ class Runtime:
             else:
                 saved = {"model": saved}
         if "model" not in saved:
-            raise UsageError(f"rt.load({str(path)!r}, model): the checkpoint has no 'model' entry (it has "
-                             f"{', '.join(sorted(saved))}); load it with a mapping naming its entries")
+            raise UsageError(
+                f"rt.load({str(path)!r}, model): the checkpoint has no 'model' entry (it has "
+                f"{', '.join(sorted(saved))}); load it with a mapping naming its entries"
+            )
         from ddpkit.parallel.fsdp import is_sharded
 
         if is_sharded(model):
@@ -638,7 +731,7 @@ class Runtime:
             self.run.preemption.uninstall()
         heartbeats.set_target(None)
         if self.run.exact is not None:
-            self.run.exact.restore_threads()      # the process's own thread count, for what follows
+            self.run.exact.restore_threads()  # the process's own thread count, for what follows
         if self.run.ft is not None:
             if not self.failed and self._outcome is None and not self.run.ft.in_quorum() and self.run.loop.step > 0:
                 self.run.ft.finished()
@@ -647,7 +740,7 @@ class Runtime:
         if self._on_close is not None:
             self._on_close(self)
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -658,5 +751,3 @@ class Runtime:
             f"Runtime(launcher={self.launcher!r}, rank={self.rank}, local_rank={self.local_rank}, "
             f"world_size={self.world_size}, device={str(self.device)!r}, backend={self.backend!r})"
         )
-
-

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from ddpkit import rng
-from ddpkit.observe import heartbeats, watchdog
-from ddpkit.observe import trackers as trackers_mod
-from ddpkit.dist import collectives, ft, preemption, process_group, store_sync
-from ddpkit.dist.environment import Environment, detect
+from ddpkit.distributed import collectives, entry, ft, preemption, process_group, store_sync
+from ddpkit.distributed.environment import Environment, detect
 from ddpkit.errors import UsageError
 from ddpkit.loop.precision import Precision
+from ddpkit.observe import heartbeats, watchdog
+from ddpkit.observe import trackers as trackers_mod
 from ddpkit.runtime.facade import Runtime
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -66,8 +66,10 @@ class Settings:
         Precision(self.precision, torch.device("cpu"))
         remote = [name for name in self.trackers or () if name in trackers_mod.REMOTE]
         if remote and self.out_dir is None:
-            raise UsageError(f"trackers={tuple(self.trackers)!r} need ddpkit.init(out_dir=...): "
-                             "their files and ddpkit's metrics go there")
+            raise UsageError(
+                f"trackers={tuple(self.trackers)!r} need ddpkit.init(out_dir=...): "
+                "their files and ddpkit's metrics go there"
+            )
         if self.config is not None and not isinstance(self.config, Mapping):
             raise UsageError(f"config must be a mapping of names to values, got {type(self.config).__name__}")
         if self.resume == "auto" and self.checkpoint_dir is None:
@@ -132,15 +134,27 @@ def init(
             unknown, not installed or unable to start (on every rank, before any training).
     """
     global _current
-    settings = Settings(seed=seed, precision=precision, backend=backend, device=device, timeout=timeout,
-                        out_dir=_text(out_dir), keep_checkpoints=keep_checkpoints,
-                        checkpoint_dir=_text(checkpoint_dir), resume=_text(resume), hang_timeout=hang_timeout,
-                        save_timeout=save_timeout, trackers=None if trackers is None else trackers_mod.names(trackers), run_name=run_name,
-                        config=None if config is None else dict(config) if isinstance(config, Mapping) else config)
+    entry.install_excepthook()  # an uncaught DdpkitError in the script: one line, not a traceback
+    settings = Settings(
+        seed=seed,
+        precision=precision,
+        backend=backend,
+        device=device,
+        timeout=timeout,
+        out_dir=_text(out_dir),
+        keep_checkpoints=keep_checkpoints,
+        checkpoint_dir=_text(checkpoint_dir),
+        resume=_text(resume),
+        hang_timeout=hang_timeout,
+        save_timeout=save_timeout,
+        trackers=None if trackers is None else trackers_mod.names(trackers),
+        run_name=run_name,
+        config=None if config is None else dict(config) if isinstance(config, Mapping) else config,
+    )
     if _current is not None and not _current._closed:
         _same_settings(_current.settings, settings)
         return _current
-    settings.check()                      # before any process group exists
+    settings.check()  # before any process group exists
     env, chosen_device, chosen_backend = join(settings)
     if seed is not None:
         rng.seed_everything(seed)
@@ -152,9 +166,12 @@ def init(
     runtime.run.preemption.install()
     if env.rank == 0 and settings.out_dir is not None:
         runtime.run.tracking = trackers_mod.Remote(
-            settings.trackers or (), settings.out_dir, run_name=run_name,
+            settings.trackers or (),
+            settings.out_dir,
+            run_name=run_name,
             config=trackers_mod.run_config(asdict(settings), settings.config, env.world_size),
-            deferred=settings.checkpoint_dir is not None)
+            deferred=settings.checkpoint_dir is not None,
+        )
         runtime.run.tracking.outcome = lambda: runtime._outcome or ("FAILED" if runtime.failed else "FINISHED")
     _watch_failures(runtime)
     if hang_timeout is not None:
@@ -188,13 +205,20 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
 
     remote = [name for name in settings.trackers or () if name in trackers_mod.REMOTE]
     if remote:
-        raise UsageError(f"--fault-tolerant does not send to {', '.join(remote)} yet (replicas take turns "
-                         "logging); use tensorboard and metrics.jsonl")
+        raise UsageError(
+            f"--fault-tolerant does not send to {', '.join(remote)} yet (replicas take turns "
+            "logging); use tensorboard and metrics.jsonl"
+        )
     if runtime.world_size != 1:
         raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
     run = runtime.run
-    replica = ft.Replica(lambda: heal.heal_state(run, ft.replica_index()), lambda saved: heal.apply_heal(run, saved),
-                         device=runtime.device, seeded=settings.seed is not None, timeout_s=min(settings.timeout, 30.0))
+    replica = ft.Replica(
+        lambda: heal.heal_state(run, ft.replica_index()),
+        lambda saved: heal.apply_heal(run, saved),
+        device=runtime.device,
+        seeded=settings.seed is not None,
+        timeout_s=min(settings.timeout, 30.0),
+    )
     replica.first_quorum = runtime._first_quorum
     replica.before_stop = runtime._save_before_stop
     run.ft = replica
@@ -202,7 +226,7 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
 
 def _start_trackers(settings: Settings, env: Environment) -> None:
     """Rank 0 tries each tracker; every rank refuses in one line when one cannot start."""
-    if not settings.trackers:        # the default: TensorBoard where it loads, with a warning where not
+    if not settings.trackers:  # the default: TensorBoard where it loads, with a warning where not
         return
     found = trackers_mod.problem(settings.trackers, settings.out_dir) if env.rank == 0 else None
     if env.distributed:
@@ -246,5 +270,7 @@ def _same_settings(running: Settings, asked: Settings) -> None:
     differ = {k: v for k, v in theirs.items() if mine[k] != v}
     if differ:
         shown = ", ".join(f"{k}={v!r} (running: {mine[k]!r})" for k, v in differ.items())
-        raise UsageError(f"ddpkit.init was already called with other settings: {shown}; "
-                         "call rt.close() first, or pass the same settings")
+        raise UsageError(
+            f"ddpkit.init was already called with other settings: {shown}; "
+            "call rt.close() first, or pass the same settings"
+        )

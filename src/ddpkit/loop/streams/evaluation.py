@@ -9,17 +9,19 @@ is compared across ranks once at the end.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit.dist import collectives
-from ddpkit.observe import heartbeats
+from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError
+from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.order import EpochOrder
 from ddpkit.loop.streams.pieces import Pieces, as_is, warn_plain_stream
-from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.shards import ShardError, Shards, read_range
+from ddpkit.observe import heartbeats
+
 
 class StreamShard:
     """This rank's batches of a stream, each with the stream indices of its samples."""
@@ -27,15 +29,24 @@ class StreamShard:
     def __init__(self, dataset: Any, *, batch_size: int, num_workers: int = 0):
         self.dataset, self.num_workers = dataset, num_workers
         self.rank, self.world_size = collectives.rank(), collectives.world_size()
-        self.pieces = Pieces(dataset, mode="eval", rank=self.rank, world_size=self.world_size,
-                             batch_size=batch_size, shuffle=False, seed=0, drop_last=False,
-                             collate_fn=default_collate)
+        self.pieces = Pieces(
+            dataset,
+            mode="eval",
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=batch_size,
+            shuffle=False,
+            seed=0,
+            drop_last=False,
+            collate_fn=default_collate,
+        )
         progress = self.pieces.progress
         heartbeats.watch(lambda: int(progress[0]))
         self.seen, self.first = -1, 0
         if isinstance(dataset, Shards):
-            ensure_lengths(dataset, num_workers=num_workers, rank=self.rank, world_size=self.world_size,
-                           progress=self.pieces.tick)
+            ensure_lengths(
+                dataset, num_workers=num_workers, rank=self.rank, world_size=self.world_size, progress=self.pieces.tick
+            )
             self.seen = sum(dataset.lengths)
         elif self.rank == 0:
             warn_plain_stream(dataset, self.world_size, num_workers, "to evaluate its share")
@@ -63,11 +74,13 @@ class StreamShard:
         every = collectives.all_gather_object((self.seen, self.first))
         lengths = [seen for seen, _ in every]
         if len(set(every)) > 1:
-            raise DdpkitError(f"the ranks read different streams from {type(self.dataset).__name__} "
-                              f"({', '.join(map(str, lengths))} samples by rank, first samples "
-                              f"{'alike' if len({f for _, f in every}) == 1 else 'differ'}); ddpkit splits a plain stream "
-                              "itself, so it must yield the same samples on every rank (does it split itself "
-                              "by rank?); or use ddpkit.Shards")
+            raise DdpkitError(
+                f"the ranks read different streams from {type(self.dataset).__name__} "
+                f"({', '.join(map(str, lengths))} samples by rank, first samples "
+                f"{'alike' if len({f for _, f in every}) == 1 else 'differ'}); ddpkit splits a plain stream "
+                "itself, so it must yield the same samples on every rank (does it split itself "
+                "by rank?); or use ddpkit.Shards"
+            )
         return lengths[0]
 
 

@@ -4,12 +4,12 @@ decides), or counted now, round robin over ranks and each rank's workers.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.loop.streams.shards import ShardError, Shards, count_shard, shard_name
 from ddpkit.errors import warn
+from ddpkit.loop.streams.shards import ShardError, Shards, count_shard, shard_name
 
 
 class _Counting(Dataset):
@@ -28,8 +28,9 @@ class _Counting(Dataset):
             return self.mine[i], str(exc)
 
 
-def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: int,
-                   progress: Callable[[], None] | None = None) -> None:
+def ensure_lengths(
+    shards: Shards, *, num_workers: int, rank: int, world_size: int, progress: Callable[[], None] | None = None
+) -> None:
     """Give ``shards`` its lengths: given, cached (rank 0's cache decides), or counted now.
 
     A collective when the lengths are not given: every rank must call it. Shards are counted
@@ -45,7 +46,7 @@ def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: i
     """
     if shards.lengths is not None:
         return
-    from ddpkit.dist import collectives
+    from ddpkit.distributed import collectives
 
     cached = shards.load_cached() if rank == 0 else None
     if world_size > 1:
@@ -57,8 +58,7 @@ def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: i
     found: dict[int, int | str] = {}
     if mine:
         workers = min(num_workers, len(mine))
-        for shard, count in DataLoader(_Counting(shards, mine, progress), batch_size=None,
-                                       num_workers=workers):
+        for shard, count in DataLoader(_Counting(shards, mine, progress), batch_size=None, num_workers=workers):
             found[int(shard)] = count if isinstance(count, str) else int(count)
     every = [found] if world_size == 1 else collectives.all_gather_object(found)
     merged = {shard: count for part in every for shard, count in part.items()}
@@ -70,5 +70,7 @@ def ensure_lengths(shards: Shards, *, num_workers: int, rank: int, world_size: i
     if rank == 0:
         shards.save_cached()
         if empty:
-            warn(f"ddpkit: {len(empty)} shard(s) yield no samples and are left out: "
-                 f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}")
+            warn(
+                f"ddpkit: {len(empty)} shard(s) yield no samples and are left out: "
+                f"{', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}"
+            )

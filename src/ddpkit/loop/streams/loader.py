@@ -13,26 +13,29 @@ on different ranks (one that splits itself by rank) is one clear error, never a 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, default_collate
 
 from ddpkit import rng
-from ddpkit.loop.batch import to_device
-from ddpkit.dist import collectives
+from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError
+from ddpkit.loop.batch import to_device
 from ddpkit.loop.loader import LoaderPosition
+from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.order import Layout
 from ddpkit.loop.streams.pieces import Pieces, as_is, join, warn_once, warn_plain_stream
-from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.shards import Shards
+
 
 class StreamPlan:
     """The part of :class:`ddpkit.loop.sampler.GlobalBatchSampler`'s interface the training loop reads."""
 
-    def __init__(self, layout: Layout | None, global_batch_size: int, rank: int, world_size: int,
-                 signature: dict[str, Any]):
+    def __init__(
+        self, layout: Layout | None, global_batch_size: int, rank: int, world_size: int, signature: dict[str, Any]
+    ):
         self.layout, self.global_batch_size = layout, global_batch_size
         self.rank, self.world_size = rank, world_size
         self._signature = signature
@@ -54,37 +57,71 @@ class StreamPlan:
 class StreamLoader(LoaderPosition):
     """Batches of this rank's share of each global batch of a stream, on the device."""
 
-    def __init__(self, dataset: Any, *, global_batch_size: int, rank: int, world_size: int,
-                 device: torch.device, shuffle: bool = False, drop_last: bool = False, seed: int = 0,
-                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 on_batch: Callable[["StreamLoader"], None] | None = None,
-                 pin_memory: bool | None = None, prefetch_factor: int | None = None,
-                 persistent_workers: bool | None = None,
-                 worker_init_fn: Callable[[int], None] | None = None,
-                 watch: Callable[[Callable[[], int]], None] | None = None):
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        seed: int = 0,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        on_batch: Callable[[StreamLoader], None] | None = None,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        watch: Callable[[Callable[[], int]], None] | None = None,
+    ):
         self.dataset = dataset
         self.device = device
         self._start_positions(None, on_batch)
-        self.positions: list[int] = []     # stream indices of this rank's current batch
+        self.positions: list[int] = []  # stream indices of this rank's current batch
         self.is_shards = isinstance(dataset, Shards)
-        signature = {"stream": type(dataset).__name__, "global_batch_size": global_batch_size,
-                     "shuffle": shuffle, "seed": seed, "drop_last": drop_last, "weighted": False}
-        self._pieces = Pieces(dataset, mode="train", rank=rank, world_size=world_size,
-                              batch_size=global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                              collate_fn=collate_fn or default_collate)
+        signature = {
+            "stream": type(dataset).__name__,
+            "global_batch_size": global_batch_size,
+            "shuffle": shuffle,
+            "seed": seed,
+            "drop_last": drop_last,
+            "weighted": False,
+        }
+        self._pieces = Pieces(
+            dataset,
+            mode="train",
+            rank=rank,
+            world_size=world_size,
+            batch_size=global_batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            collate_fn=collate_fn or default_collate,
+        )
         if watch is not None:
             progress = self._pieces.progress
             watch(lambda: int(progress[0]))
         layout = None
         if self.is_shards:
-            ensure_lengths(dataset, num_workers=num_workers, rank=rank, world_size=world_size,
-                           progress=self._pieces.tick)
+            ensure_lengths(
+                dataset, num_workers=num_workers, rank=rank, world_size=world_size, progress=self._pieces.tick
+            )
             layout = Layout(sum(dataset.lengths), global_batch_size=global_batch_size, drop_last=drop_last)
-            signature.update(length=sum(dataset.lengths), samples=layout.length, shards=len(dataset.shards),
-                             window=dataset.shuffle_window if shuffle else None)
+            signature.update(
+                length=sum(dataset.lengths),
+                samples=layout.length,
+                shards=len(dataset.shards),
+                window=dataset.shuffle_window if shuffle else None,
+            )
             if layout.batches == 0 and rank == 0:
-                warn_once(f"empty:{id(dataset)}", f"ddpkit: the stream has {sum(dataset.lengths)} samples, "
-                           f"fewer than one global batch of {global_batch_size}; drop_last leaves no batches")
+                warn_once(
+                    f"empty:{id(dataset)}",
+                    f"ddpkit: the stream has {sum(dataset.lengths)} samples, "
+                    f"fewer than one global batch of {global_batch_size}; drop_last leaves no batches",
+                )
         else:
             signature.update(length=None, samples=None)
             if rank == 0:
@@ -94,15 +131,19 @@ class StreamLoader(LoaderPosition):
         workers = num_workers > 0
         self._pieces.user_worker_init = worker_init_fn
         self._loader = DataLoader(
-            self._pieces, batch_size=None, collate_fn=as_is, num_workers=num_workers,
+            self._pieces,
+            batch_size=None,
+            collate_fn=as_is,
+            num_workers=num_workers,
             pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
             prefetch_factor=(prefetch_factor or 2) if workers else None,
             worker_init_fn=self._pieces.seed_worker if workers else None,
-            generator=rng.private_generator(seed))
+            generator=rng.private_generator(seed),
+        )
 
     @property
-    def length_known(self) -> bool:       # type: ignore[override]
+    def length_known(self) -> bool:  # type: ignore[override]
         """Whether the number of batches is known before the pass ends (Shards: yes; a plain stream: no)."""
         return self.sampler.layout is not None
 
@@ -111,7 +152,9 @@ class StreamLoader(LoaderPosition):
         return {**super().position_record(), "samples": self.position * self.sampler.global_batch_size}
 
     def __repr__(self) -> str:
-        return f"StreamLoader(name={self.name!r}, dataset={self.dataset!r}, epoch={self.epoch}, position={self.position})"
+        return (
+            f"StreamLoader(name={self.name!r}, dataset={self.dataset!r}, epoch={self.epoch}, position={self.position})"
+        )
 
     # -- iteration --------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -150,7 +193,9 @@ class StreamLoader(LoaderPosition):
         value = torch.tensor([more, seen, digest, -more, -seen, -digest], dtype=torch.int64)
         top = collectives.all_reduce(value, "max").tolist()
         if top[0] != -top[3] or (more and (top[1] != -top[4] or top[2] != -top[5])):
-            raise DdpkitError(f"the ranks read different streams from {type(self.dataset).__name__}: at "
-                              f"batch {self.position} some have {'more' if top[0] else 'no more'} samples "
-                              "than others. ddpkit splits a plain stream itself, so it must yield the "
-                              "same samples on every rank (does it split itself by rank?); or use ddpkit.Shards")
+            raise DdpkitError(
+                f"the ranks read different streams from {type(self.dataset).__name__}: at "
+                f"batch {self.position} some have {'more' if top[0] else 'no more'} samples "
+                "than others. ddpkit splits a plain stream itself, so it must yield the "
+                "same samples on every rank (does it split itself by rank?); or use ddpkit.Shards"
+            )

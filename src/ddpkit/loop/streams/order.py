@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -96,7 +96,7 @@ class EpochOrder:
     def locate(self, position: int) -> tuple[int, int]:
         """(shard, offset) of ``position``."""
         slot = bisect.bisect_right(self.starts, position) - 1
-        while self.lengths[self.order[slot]] == 0:     # empty shards share a start
+        while self.lengths[self.order[slot]] == 0:  # empty shards share a start
             slot += 1
         return self.order[slot], position - self.starts[slot]
 

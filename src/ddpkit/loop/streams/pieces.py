@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ddpkit import rng
 from ddpkit._torch import worker_info_hidden
+from ddpkit.errors import warn
 from ddpkit.loop.batch import concat_batches, zero_rows
 from ddpkit.loop.sampler import shard_range
 from ddpkit.loop.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.loop.streams.shards import ShardError, Shards, read_range
-from ddpkit.errors import warn
 
-PLAIN_WINDOW = 256        # shuffle window of a plain stream with shuffle=True
+PLAIN_WINDOW = 256  # shuffle window of a plain stream with shuffle=True
 
 
 class Pieces(IterableDataset):
@@ -43,8 +44,19 @@ class Pieces(IterableDataset):
     the hang watchdog.
     """
 
-    def __init__(self, source: Any, *, mode: str, rank: int, world_size: int, batch_size: int,
-                 shuffle: bool, seed: int, drop_last: bool, collate_fn: Callable[[list[Any]], Any]):
+    def __init__(
+        self,
+        source: Any,
+        *,
+        mode: str,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any],
+    ):
         self.source, self.mode = source, mode
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
@@ -79,16 +91,22 @@ class Pieces(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None and self._seeded_epoch != epoch:
-            self._seed(epoch, worker)         # a persistent worker reading a new epoch
+            self._seed(epoch, worker)  # a persistent worker reading a new epoch
         try:
             if isinstance(self.source, Shards):
-                pieces = (self._shard_train(epoch, start, worker, workers) if self.mode == "train"
-                          else self._shard_eval(worker, workers))
+                pieces = (
+                    self._shard_train(epoch, start, worker, workers)
+                    if self.mode == "train"
+                    else self._shard_eval(worker, workers)
+                )
             else:
-                pieces = (self._plain_train(epoch, start, worker, workers) if self.mode == "train"
-                          else self._plain_eval(worker, workers))
+                pieces = (
+                    self._plain_train(epoch, start, worker, workers)
+                    if self.mode == "train"
+                    else self._plain_eval(worker, workers)
+                )
             yield from pieces
-        except ShardError as exc:       # StreamError too
+        except ShardError as exc:  # StreamError too
             yield _failed(str(exc))
 
     # -- Shards -----------------------------------------------------------------------------
@@ -108,7 +126,7 @@ class Pieces(IterableDataset):
                 piece["w"] = worker
                 if piece["batch"] is not None:
                     template = zero_rows(piece["batch"])
-                elif worker == 0 and rank_columns.start >= count:     # the rank has nothing here
+                elif worker == 0 and rank_columns.start >= count:  # the rank has nothing here
                     if template is None:
                         probe = [s for _, s in read_range(shards, order, 0, 1, seed=self.seed)]
                         template = zero_rows(self.collate_fn(probe))
@@ -165,8 +183,9 @@ class Pieces(IterableDataset):
             except StopIteration:
                 break
             except Exception as exc:
-                raise StreamError(f"{type(self.source).__name__} failed at sample {index}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                raise StreamError(
+                    f"{type(self.source).__name__} failed at sample {index}: {type(exc).__name__}: {exc}"
+                ) from exc
             self.tick()
             if not self.shuffle:
                 yield index, sample
@@ -185,7 +204,7 @@ class Pieces(IterableDataset):
         b, seen = 0, 0
         for item in self._stream(epoch):
             seen += 1
-            if b < start:                        # a resumed pass: these batches were trained
+            if b < start:  # a resumed pass: these batches were trained
                 if seen % size == 0:
                     b += 1
                 continue
@@ -198,7 +217,7 @@ class Pieces(IterableDataset):
             yield self._plain_piece(b, batch, seen)
 
     def _plain_piece(self, b: int, batch: list[tuple[int, Any]], seen: int) -> dict[str, Any]:
-        piece = self._piece(b, 1, batch[self.rank::self.world_size], len(batch))
+        piece = self._piece(b, 1, batch[self.rank :: self.world_size], len(batch))
         piece["seen"], piece["fp"] = seen, fingerprint(batch[0][1])
         if piece["batch"] is None:
             piece["template"] = zero_rows(self.collate_fn([batch[0][1]]))
@@ -220,14 +239,34 @@ class Pieces(IterableDataset):
                 chunk = []
         if chunk:
             yield self._piece(chunk[0][0] // self.batch_size, 1, chunk, len(chunk))
-        yield {"b": -1, "w": 0, "parts": 0, "pos": [], "batch": None, "template": None, "count": 0,
-               "seen": seen, "fp": first, "error": None}        # the end: what the stream was
+        yield {
+            "b": -1,
+            "w": 0,
+            "parts": 0,
+            "pos": [],
+            "batch": None,
+            "template": None,
+            "count": 0,
+            "seen": seen,
+            "fp": first,
+            "error": None,
+        }  # the end: what the stream was
 
     # -- helpers ----------------------------------------------------------------------------
     def _piece(self, b: int, parts: int, samples: list[tuple[int, Any]], count: int) -> dict[str, Any]:
         batch = self.collate_fn([sample for _, sample in samples]) if samples else None
-        return {"b": b, "w": 0, "parts": parts, "pos": [index for index, _ in samples], "batch": batch,
-                "template": None, "count": count, "seen": -1, "fp": 0, "error": None}
+        return {
+            "b": b,
+            "w": 0,
+            "parts": parts,
+            "pos": [index for index, _ in samples],
+            "batch": batch,
+            "template": None,
+            "count": count,
+            "seen": -1,
+            "fp": 0,
+            "error": None,
+        }
 
 
 class StreamError(ShardError):
@@ -258,9 +297,12 @@ def warn_plain_stream(dataset: Any, world_size: int, num_workers: int, doing: st
     readers = world_size * max(1, num_workers)
     if readers > 1:
         name = type(dataset).__name__
-        warn_once(f"plain:{name}:{doing}", f"ddpkit: {name} is a plain IterableDataset, so each of the {world_size} "
-                  f"process(es) x {max(1, num_workers)} reader(s) reads the whole stream {doing}: every sample "
-                  f"is read {readers} times per epoch; make it a ddpkit.Shards to read each sample once")
+        warn_once(
+            f"plain:{name}:{doing}",
+            f"ddpkit: {name} is a plain IterableDataset, so each of the {world_size} "
+            f"process(es) x {max(1, num_workers)} reader(s) reads the whole stream {doing}: every sample "
+            f"is read {readers} times per epoch; make it a ddpkit.Shards to read each sample once",
+        )
 
 
 def as_is(piece: dict[str, Any]) -> dict[str, Any]:
@@ -269,8 +311,18 @@ def as_is(piece: dict[str, Any]) -> dict[str, Any]:
 
 
 def _failed(message: str) -> dict[str, Any]:
-    return {"b": -1, "w": 0, "parts": 0, "pos": [], "batch": None, "template": None, "count": 0,
-            "seen": -1, "fp": 0, "error": message}
+    return {
+        "b": -1,
+        "w": 0,
+        "parts": 0,
+        "pos": [],
+        "batch": None,
+        "template": None,
+        "count": 0,
+        "seen": -1,
+        "fp": 0,
+        "error": message,
+    }
 
 
 def _shuffled(window: list[tuple[int, Any]], seed: int, epoch: int, block: int) -> Iterator[tuple[int, Any]]:

@@ -21,8 +21,9 @@ import hashlib
 import inspect
 import json
 import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from torch.utils.data import IterableDataset
 
@@ -55,12 +56,17 @@ class Shards(IterableDataset):
     Iterated directly (outside ddpkit) it yields every sample once, in stream order.
     """
 
-    def __init__(self, shards: Sequence[Any], read: Callable[..., Any], *,
-                 lengths: Sequence[int] | None = None, shuffle_window: int = DEFAULT_WINDOW,
-                 cache: str | os.PathLike | None | bool = None):
+    def __init__(
+        self,
+        shards: Sequence[Any],
+        read: Callable[..., Any],
+        *,
+        lengths: Sequence[int] | None = None,
+        shuffle_window: int = DEFAULT_WINDOW,
+        cache: str | os.PathLike | None | bool = None,
+    ):
         if isinstance(shards, (str, bytes)) or not hasattr(shards, "__len__"):
-            raise UsageError("Shards needs a list of shards (paths, URLs, ...), got "
-                             f"{type(shards).__name__}")
+            raise UsageError(f"Shards needs a list of shards (paths, URLs, ...), got {type(shards).__name__}")
         if not shards:
             raise UsageError("Shards got an empty list of shards")
         if not callable(read):
@@ -79,17 +85,18 @@ class Shards(IterableDataset):
         self.takes_start = _takes_start(read)
 
     @classmethod
-    def from_hf(cls, dataset: Any, **kwargs: Any) -> "Shards":
+    def from_hf(cls, dataset: Any, **kwargs: Any) -> Shards:
         """The shards of a Hugging Face streaming ``IterableDataset`` (``n_shards`` of them, e.g.
         one per data file), each read through ``dataset.shard(n_shards, i)``."""
         count = getattr(dataset, "n_shards", None)
         if not isinstance(count, int) or not hasattr(dataset, "shard"):
-            raise UsageError("Shards.from_hf needs a Hugging Face datasets.IterableDataset "
-                             "(load_dataset(..., streaming=True))")
+            raise UsageError(
+                "Shards.from_hf needs a Hugging Face datasets.IterableDataset (load_dataset(..., streaming=True))"
+            )
         return cls(list(range(count)), _HfShard(dataset, count), **kwargs)
 
     @classmethod
-    def from_dataset(cls, dataset: Any, *, shards: int = 16, **kwargs: Any) -> "Shards":
+    def from_dataset(cls, dataset: Any, *, shards: int = 16, **kwargs: Any) -> Shards:
         """A map-style ``dataset`` as a stream of ``shards`` contiguous shards (to compare, or to
         read an indexable set in stream order)."""
         from ddpkit.loop.sampler import shard_range
@@ -118,10 +125,14 @@ class Shards(IterableDataset):
         """Where learned lengths are kept: keyed by the shards (with file sizes and times) and read's code."""
         if self.cache is False:
             return None
-        root = Path(self.cache) if self.cache not in (None, True) else \
-            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddpkit"
-        key = hashlib.sha256(json.dumps([_describe_read(self.read)] + [_describe_shard(s) for s in self.shards])
-                             .encode()).hexdigest()[:24]
+        root = (
+            Path(self.cache)
+            if self.cache not in (None, True)
+            else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddpkit"
+        )
+        key = hashlib.sha256(
+            json.dumps([_describe_read(self.read)] + [_describe_shard(s) for s in self.shards]).encode()
+        ).hexdigest()[:24]
         return root / "shard-lengths" / f"{key}.json"
 
     def load_cached(self) -> list[int] | None:
@@ -151,6 +162,7 @@ class Shards(IterableDataset):
 # Every call into the user's ``read`` runs with worker info hidden (see
 # :func:`ddpkit._torch.worker_info_hidden`) and marks the sample for :func:`ddpkit.sample_rng`.
 
+
 def shard_name(shards: Shards, shard: int) -> str:
     """Shard number ``shard`` as messages name it: its path, else its ``repr``."""
     value = shards.shards[shard]
@@ -164,7 +176,7 @@ def _open(shards: Shards, shard: int, start: int) -> tuple[Iterator[Any], int]:
             if shards.takes_start and start:
                 return iter(shards.read(shards.shards[shard], start)), start
             return iter(shards.read(shards.shards[shard])), 0
-    except Exception as exc:   # the user's read: name the shard, whatever it raised
+    except Exception as exc:  # the user's read: name the shard, whatever it raised
         raise ShardError(f"shard {shard_name(shards, shard)} failed to open: {type(exc).__name__}: {exc}") from exc
 
 
@@ -175,14 +187,17 @@ def _next(shards: Shards, shard: int, it: Iterator[Any], index: int, key: rng.Sa
             return next(it)
     except StopIteration:
         expected = shards.lengths[shard] if shards.lengths is not None else index
-        raise ShardError(f"shard {shard_name(shards, shard)} ended after {index} samples, but its length "
-                         f"is {expected}; it changed since its length was counted (pass lengths= "
-                         f"or delete {shards.cache_file() or 'the cached lengths'})") from None
+        raise ShardError(
+            f"shard {shard_name(shards, shard)} ended after {index} samples, but its length "
+            f"is {expected}; it changed since its length was counted (pass lengths= "
+            f"or delete {shards.cache_file() or 'the cached lengths'})"
+        ) from None
     except ShardError:
         raise
     except Exception as exc:
-        raise ShardError(f"shard {shard_name(shards, shard)} failed at sample {index}: "
-                         f"{type(exc).__name__}: {exc}") from exc
+        raise ShardError(
+            f"shard {shard_name(shards, shard)} failed at sample {index}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _check_end(shards: Shards, shard: int, it: Iterator[Any]) -> None:
@@ -192,14 +207,23 @@ def _check_end(shards: Shards, shard: int, it: Iterator[Any]) -> None:
     except StopIteration:
         return
     except Exception:
-        return      # an error past the last counted sample: not one of ours to read
-    raise ShardError(f"shard {shard_name(shards, shard)} yields more than its length "
-                     f"{shards.lengths[shard]}; it changed since its length was counted (pass "
-                     f"lengths= or delete {shards.cache_file() or 'the cached lengths'})")
+        return  # an error past the last counted sample: not one of ours to read
+    raise ShardError(
+        f"shard {shard_name(shards, shard)} yields more than its length "
+        f"{shards.lengths[shard]}; it changed since its length was counted (pass "
+        f"lengths= or delete {shards.cache_file() or 'the cached lengths'})"
+    )
 
 
-def read_shard(shards: Shards, order: EpochOrder, shard: int, first: int, stop: int,
-               seed: int, progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+def read_shard(
+    shards: Shards,
+    order: EpochOrder,
+    shard: int,
+    first: int,
+    stop: int,
+    seed: int,
+    progress: Callable[[], None] | None = None,
+) -> Iterator[tuple[int, Any]]:
     """(stream index, sample) for samples ``[first, stop)`` of ``shard``, read in order.
 
     Args:
@@ -214,7 +238,7 @@ def read_shard(shards: Shards, order: EpochOrder, shard: int, first: int, stop: 
     it, index = _open(shards, shard, first)
     natural = order.natural[shard]
     try:
-        if index < first:                          # skip what read could not
+        if index < first:  # skip what read could not
             _warn_skip(shards, shard, first - index)
         while index < first:
             _next(shards, shard, it, index, None)
@@ -241,13 +265,16 @@ def _warn_skip(shards: Shards, shard: int, count: int) -> None:
     global _skip_warned
     if count >= _SKIP_WARNING and not _skip_warned:
         _skip_warned = True
-        warn(f"ddpkit: read({shard_name(shards, shard)}) cannot start mid-shard, so {count} samples "
-             "were read and dropped to reach a reader's first sample; give read a second "
-             "parameter, read(shard, start), that starts at sample start")
+        warn(
+            f"ddpkit: read({shard_name(shards, shard)}) cannot start mid-shard, so {count} samples "
+            "were read and dropped to reach a reader's first sample; give read a second "
+            "parameter, read(shard, start), that starts at sample start"
+        )
 
 
-def read_range(shards: Shards, order: EpochOrder, first: int, stop: int, *, seed: int,
-               progress: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+def read_range(
+    shards: Shards, order: EpochOrder, first: int, stop: int, *, seed: int, progress: Callable[[], None] | None = None
+) -> Iterator[tuple[int, Any]]:
     """(stream index, sample) for positions ``[first, stop)`` of the epoch's order, lazily.
 
     Args:
@@ -278,8 +305,9 @@ def count_shard(shards: Shards, shard: int, progress: Callable[[], None] | None 
             except StopIteration:
                 return count
             except Exception as exc:
-                raise ShardError(f"shard {shard_name(shards, shard)} failed at sample {count}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                raise ShardError(
+                    f"shard {shard_name(shards, shard)} failed at sample {count}: {type(exc).__name__}: {exc}"
+                ) from exc
             count += 1
             if progress is not None:
                 progress()

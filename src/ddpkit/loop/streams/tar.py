@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import tarfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def _split(name: str) -> tuple[str, str]:

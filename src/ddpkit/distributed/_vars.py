@@ -1,12 +1,12 @@
 """Reading one launcher variable: an integer or a port, each failure one line naming the variable.
 
-Shared by the launcher readers of :mod:`ddpkit.dist.environment` and the SLURM helpers of
-:mod:`ddpkit.dist.slurm_env`, which both import it (neither imports the other's readers).
+Shared by the launcher readers of :mod:`ddpkit.distributed.environment` and the SLURM helpers of
+:mod:`ddpkit.distributed.slurm_env`, which both import it (neither imports the other's readers).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ddpkit.errors import UsageError
 

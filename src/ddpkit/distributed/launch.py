@@ -1,7 +1,7 @@
 """:func:`ddpkit.launch`: a function in N processes on one machine, through torch's elastic launcher.
 
 The ``mp.spawn`` pattern without the index argument, from a notebook or a script. The job meets
-in a private directory (:func:`ddpkit.dist.torchrun.private_job`), like a one-machine ``ddpkit
+in a private directory (:func:`ddpkit.distributed.torchrun.private_job`), like a one-machine ``ddpkit
 run``, and its children end through :mod:`ddpkit.entry`, so a finished job cannot abort in
 interpreter teardown.
 """
@@ -14,10 +14,12 @@ import pickle
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from ddpkit.dist.torchrun import AGENT_ENV, _describe, _is_secondary, _root_failure, _thread_env, private_job
+from ddpkit.distributed import entry
+from ddpkit.distributed.torchrun import AGENT_ENV, _describe, _is_secondary, _root_failure, _thread_env, private_job
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -71,8 +73,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ddpkit import entry       # not at the top: python -m ddpkit.entry must import it first
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     with private_job() as (directory, worker_env):
         config = LaunchConfig(
@@ -82,19 +83,21 @@ def launch(
             run_id=uuid.uuid4().hex[:12],
             rdzv_backend="c10d",
             rdzv_endpoint=stores.rendezvous_file(directory),
-            rdzv_configs={"store_type": "file"},     # a file of the private directory: no socket
+            rdzv_configs={"store_type": "file"},  # a file of the private directory: no socket
             local_addr="127.0.0.1",
             max_restarts=max_restarts,
             monitor_interval=0.1,
             start_method=start_method or _start_method(fn),
         )
-        with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir, \
-                _thread_env(nprocs, {**AGENT_ENV, **worker_env}):
+        with (
+            tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir,
+            _thread_env(nprocs, {**AGENT_ENV, **worker_env}),
+        ):
             try:
                 returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
             except ChildFailedError as exc:
                 raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
-    return {rank: pickle.loads(value) for rank, value in returned.items()}   # bytes: see entry._by_value
+    return {rank: pickle.loads(value) for rank, value in returned.items()}  # bytes: see entry._by_value
 
 
 def _earliest_error(error_dir: str) -> LaunchError | None:

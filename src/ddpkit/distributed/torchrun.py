@@ -3,7 +3,7 @@
 ``ddpkit run`` is a thin front that fills in what torchrun leaves to the user (stores in a
 private directory on one node, nodes from SLURM, threads per process). Its workers end through
 :mod:`ddpkit.entry`, so a finished job cannot abort in interpreter teardown. :func:`ddpkit.launch`
-(:mod:`ddpkit.dist.launch`) starts its processes with the same private job, agent variables and
+(:mod:`ddpkit.distributed.launch`) starts its processes with the same private job, agent variables and
 failure ranking, from here.
 """
 
@@ -14,12 +14,13 @@ import os
 import sys
 import threading
 import uuid
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from ddpkit.dist.environment import Environment, detect
-from ddpkit.dist.host import LOOPBACK, default_nproc, is_loopback, local_address, threads_per_process
+from ddpkit.distributed.environment import Environment, detect
+from ddpkit.distributed.host import LOOPBACK, default_nproc, is_loopback, local_address, threads_per_process
 from ddpkit.errors import UsageError
 
 
@@ -36,8 +37,8 @@ class RunSpec:
     master: str | None = None
     max_restarts: int = 0
     extra_env: Mapping[str, str] = field(default_factory=dict)
-    run_id: str | None = None           # the same on every node; default: derived from the master
-    agent_args: Sequence[str] = ()      # torchrun flags passed on as given (--local-ranks-filter, ...)
+    run_id: str | None = None  # the same on every node; default: derived from the master
+    agent_args: Sequence[str] = ()  # torchrun flags passed on as given (--local-ranks-filter, ...)
 
 
 def parse_master(text: str) -> tuple[str, int]:
@@ -50,15 +51,21 @@ def parse_master(text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text:
         raise UsageError(f"--master {text!r} has no port; {example}")
-    if host.startswith("[") != host.endswith("]") or host.count("[") > 1 or host.count("]") > 1 or \
-            ("[" in host.strip("[]") or "]" in host.strip("[]")):
+    if (
+        host.startswith("[") != host.endswith("]")
+        or host.count("[") > 1
+        or host.count("]") > 1
+        or ("[" in host.strip("[]") or "]" in host.strip("[]"))
+    ):
         raise UsageError(f"--master {text!r} has unbalanced brackets; {example}")
     host = host[1:-1] if host.startswith("[") else host
     if not host.strip():
         raise UsageError(f"--master {text!r} has no host; {example}")
     if "%" in host:
-        raise UsageError(f"--master {text!r}: torch's rendezvous takes no zone index (%{host.split('%', 1)[1]}) on "
-                         "an address; give the node's host name or a global IPv6 address instead of a link-local one")
+        raise UsageError(
+            f"--master {text!r}: torch's rendezvous takes no zone index (%{host.split('%', 1)[1]}) on "
+            "an address; give the node's host name or a global IPv6 address instead of a link-local one"
+        )
     if "[" in port_text or "]" in port_text:
         raise UsageError(f"--master {text!r} has unbalanced brackets; {example}")
     try:
@@ -96,12 +103,15 @@ def resolve_master(host: str, port: int, timeout_s: float = RESOLVE_TIMEOUT_S) -
     if "address" in answer:
         return answer["address"]
     why = f"its resolver did not answer within {timeout_s:g} s" if asker.is_alive() else "it does not resolve"
-    raise UsageError(f"master host {host!r} cannot be used: {why}; give node 0's address or a name that "
-                     "resolves on every node (check /etc/hosts or DNS)")
+    raise UsageError(
+        f"master host {host!r} cannot be used: {why}; give node 0's address or a name that "
+        "resolves on every node (check /etc/hosts or DNS)"
+    )
 
 
-def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int | None = None,
-                  store_dir: str | None = None) -> list[str]:
+def torchrun_args(
+    spec: RunSpec, env: Environment | None = None, store_port: int | None = None, store_dir: str | None = None
+) -> list[str]:
     """The ``torch.distributed.run`` arguments for ``spec``.
 
     One node (``--nnodes 1``, whatever master is named): the c10d rendezvous keeps its state in a
@@ -116,7 +126,7 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
         env: the launcher's environment, read for SLURM's placement (None: detected now).
         store_port: given when ddpkit serves the rendezvous store itself (:func:`rendezvous_store`):
             node 0's agent then joins it as a client (None: the agent hosts it).
-        store_dir: the job's private directory (:func:`ddpkit.dist.stores.private_dir`); a one-node job needs it.
+        store_dir: the job's private directory (:func:`ddpkit.distributed.stores.private_dir`); a one-node job needs it.
 
     Raises:
         UsageError: a one-node job without ``store_dir``, or a node rank outside the nodes.
@@ -127,25 +137,35 @@ def torchrun_args(spec: RunSpec, env: Environment | None = None, store_port: int
     args += list(spec.agent_args)
     if master is None:
         if not store_dir:
-            raise UsageError("a one-node job needs its private store directory (ddpkit.dist.stores.private_dir)")
-        from ddpkit.dist.stores import rendezvous_file
+            raise UsageError("a one-node job needs its private store directory (ddpkit.distributed.stores.private_dir)")
+        from ddpkit.distributed.stores import rendezvous_file
 
         # --local-addr: the node's name in the rendezvous; nothing listens there
-        return args + ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous_file(store_dir)}",
-                       "--rdzv-conf=store_type=file", f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}",
-                       "--local-addr=127.0.0.1", *_target(spec)]
+        return args + [
+            "--nnodes=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous_file(store_dir)}",
+            "--rdzv-conf=store_type=file",
+            f"--rdzv-id={run_id or uuid.uuid4().hex[:12]}",
+            "--local-addr=127.0.0.1",
+            *_target(spec),
+        ]
     host, port = parse_master(master)
-    from ddpkit.dist.host import host_port
+    from ddpkit.distributed.host import host_port
 
-    args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(host, port)}",
-             f"--rdzv-id={run_id or f'ddpkit-{host}-{port}'}"]      # the same on every node
+    args += [
+        f"--nnodes={nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={host_port(host, port)}",
+        f"--rdzv-id={run_id or f'ddpkit-{host}-{port}'}",
+    ]  # the same on every node
     if node_rank is not None:
         if not 0 <= node_rank < nnodes:
             raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
         args.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 and not store_port else 'false'}")
     local = local_address(host, port)
     if local is not None:
-        args.append(f"--local-addr={local}")     # peers reach rank 0's store here, not at its FQDN
+        args.append(f"--local-addr={local}")  # peers reach rank 0's store here, not at its FQDN
     return args + _target(spec)
 
 
@@ -170,19 +190,20 @@ def placement(spec: RunSpec, env: Environment) -> tuple[int, int | None, str | N
         raise UsageError(f"--nnodes {spec.nnodes} needs --master HOST:PORT (the host of node 0)")
     if spec.nnodes == 1:
         if spec.node_rank not in (None, 0):
-            raise UsageError(f"--node-rank {spec.node_rank} with one node: a one-node job is node 0; give --nnodes N "
-                             "(and --master HOST:PORT) for a job of several nodes")
+            raise UsageError(
+                f"--node-rank {spec.node_rank} with one node: a one-node job is node 0; give --nnodes N "
+                "(and --master HOST:PORT) for a job of several nodes"
+            )
         return 1, None, None, spec.run_id
     return spec.nnodes, spec.node_rank, spec.master, spec.run_id
 
 
 def _target(spec: RunSpec) -> list[str]:
     """The worker command: the target under :mod:`ddpkit.entry`, which ends it without teardown."""
-    return ["--module", "ddpkit.entry", *(["-m", spec.target] if spec.module else [spec.target]),
-            *spec.target_args]
+    return ["--module", "ddpkit.entry", *(["-m", spec.target] if spec.module else [spec.target]), *spec.target_args]
 
 
-_STORE_TIMEOUT_S = 900.0         # how long the rendezvous store ddpkit serves waits on a client
+_STORE_TIMEOUT_S = 900.0  # how long the rendezvous store ddpkit serves waits on a client
 
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """Variables for the elastic agent of every job, on top of ``spec.extra_env``.
@@ -190,7 +211,7 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 The agent would otherwise open a second store for the workers, listening on every interface
 (and, between nodes, telling attempts apart by a restart count each node keeps for itself).
 Without it worker rank 0 hosts a fresh store for every attempt, bound to the master address
-(:func:`ddpkit.dist.process_group.init`).
+(:func:`ddpkit.distributed.process_group.init`).
 """
 
 
@@ -200,9 +221,9 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
     On node 0 (``--node-rank 0`` or SLURM's first node), at the master's port on the master's
     address when that is one of this machine's non-loopback addresses, bound before any port is
     published; otherwise torchrun's agent hosts it, on every interface. A one-node job has none
-    (its stores are files: :func:`ddpkit.dist.stores.private_dir`).
+    (its stores are files: :func:`ddpkit.distributed.stores.private_dir`).
     """
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     nnodes, node_rank, master, _ = placement(spec, detect() if env is None else env)
     if master is None or node_rank != 0:
@@ -213,7 +234,7 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
         return None
     try:
         return stores.serve(local, port, timeout_s=_STORE_TIMEOUT_S)
-    except OSError:                 # the master's address is not this machine's: the agent decides
+    except OSError:  # the master's address is not this machine's: the agent decides
         return None
 
 
@@ -233,7 +254,7 @@ def private_job(nnodes: int = 1, master: str | None = None) -> Iterator[tuple[st
     """
     import shutil
 
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     if master is not None:
         host, port = parse_master(master)
@@ -257,7 +278,7 @@ def validate(spec: RunSpec) -> None:
     if spec.node_rank is not None and spec.nnodes > 1 and not 0 <= spec.node_rank < spec.nnodes:
         raise UsageError(f"--node-rank {spec.node_rank} is outside 0..{spec.nnodes - 1}")
     if spec.master is not None:
-        resolve_master(*parse_master(spec.master))      # last: a resolver may take its 5 s
+        resolve_master(*parse_master(spec.master))  # last: a resolver may take its 5 s
     if not spec.module and not os.path.isfile(spec.target):
         raise UsageError(f"script {spec.target!r} not found; give the path of a Python file or use -m MODULE")
 
@@ -291,12 +312,12 @@ def _own_signals() -> bool:
 
 def _signal_args() -> list[str]:
     """torchrun's signals, less SIGTERM and SIGUSR1, which ``ddpkit run`` handles itself (given
-    only where it installed its handlers: :func:`ddpkit.dist.preemption.pass_on`).
+    only where it installed its handlers: :func:`ddpkit.distributed.preemption.pass_on`).
 
     ``ddpkit run`` notes a preemption signal for its workers, then stops the agent as torch's own
     handler does: the agent sends that signal (SIGTERM or SLURM's SIGUSR1) to every worker and
     gives them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) to save
-    (:mod:`ddpkit.dist.preemption`). With an older torch, torch handles SIGTERM as before.
+    (:mod:`ddpkit.distributed.preemption`). With an older torch, torch handles SIGTERM as before.
     """
     return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"]
 
@@ -305,7 +326,7 @@ def run(spec: RunSpec) -> int:
     """Start ``spec`` under torch's elastic agent and wait; returns the exit code.
 
     A job stopped by SIGTERM or SIGUSR1 whose workers saved a checkpoint for it returns
-    :data:`ddpkit.dist.preemption.EXIT_CODE` (75); stopped before they saved, 128 + the signal.
+    :data:`ddpkit.distributed.preemption.EXIT_CODE` (75); stopped before they saved, 128 + the signal.
     """
     import shutil
     import tempfile
@@ -316,12 +337,12 @@ def run(spec: RunSpec) -> int:
     from torch.distributed.run import run as torch_run
 
     from ddpkit._torch import elastic_signal_exception
-    from ddpkit.dist import preemption
+    from ddpkit.distributed import preemption
 
     nnodes, _, master, _ = placement(spec, detect())
-    store = rendezvous_store(spec)           # kept alive (and listening) until the run ends
+    store = rendezvous_store(spec)  # kept alive (and listening) until the run ends
     nproc = spec.nproc_per_node or default_nproc()
-    notes = tempfile.mkdtemp(prefix="ddpkit-run-")       # mode 0700: the preemption notice and marker
+    notes = tempfile.mkdtemp(prefix="ddpkit-run-")  # mode 0700: the preemption notice and marker
     marker = os.path.join(notes, "preempted-save-done")
     notice = os.path.join(notes, "preemption-signal")
     notes_env = {preemption.MARKER_ENV: marker}
@@ -332,7 +353,7 @@ def run(spec: RunSpec) -> int:
     try:
         with private_job(nnodes, master) as (directory, worker_env):
             argv = torchrun_args(spec, store_port=store.port if store is not None else None, store_dir=directory)
-            if master is None and spec.master is not None:     # one node: the script sees the master asked
+            if master is None and spec.master is not None:  # one node: the script sees the master asked
                 worker_env[ASKED_MASTER_ENV] = spec.master
             if undo is not None:
                 argv = _signal_args() + argv
@@ -342,11 +363,15 @@ def run(spec: RunSpec) -> int:
                 except ChildFailedError as exc:
                     codes = {getattr(f, "exitcode", None) for f in exc.failures.values()}
                     if codes == {preemption.EXIT_CODE}:
-                        sys.stderr.write("ddpkit run: the workers were preempted and saved a checkpoint; "
-                                         f"exit code {preemption.EXIT_CODE} (a resume continues from it)\n")
+                        sys.stderr.write(
+                            "ddpkit run: the workers were preempted and saved a checkpoint; "
+                            f"exit code {preemption.EXIT_CODE} (a resume continues from it)\n"
+                        )
                         return preemption.EXIT_CODE
                     rank, failure = _root_failure(exc.failures)
-                    sys.stderr.write(f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n")
+                    sys.stderr.write(
+                        f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n"
+                    )
                     # every rank that exited by itself refused its input (argparse, ddpkit's one-line
                     # usage errors): a usage error, exit 2 too
                     own = {f.exitcode for f in exc.failures.values() if (getattr(f, "exitcode", None) or 0) > 0}
@@ -354,9 +379,11 @@ def run(spec: RunSpec) -> int:
                 except elastic_signal_exception() as exc:
                     return preemption.stopped(exc.sigval, os.path.exists(marker), notice)
             if directory is not None and nproc > 1 and not any(Path(directory).glob("workers-*")):
-                sys.stderr.write(f"ddpkit run: warning: none of the {nproc} processes joined a process group, so each "
-                                 "ran the whole script on its own; call ddpkit.init() (or "
-                                 "torch.distributed.init_process_group()) in the script, or run it with -n 1\n")
+                sys.stderr.write(
+                    f"ddpkit run: warning: none of the {nproc} processes joined a process group, so each "
+                    "ran the whole script on its own; call ddpkit.init() (or "
+                    "torch.distributed.init_process_group()) in the script, or run it with -n 1\n"
+                )
     finally:
         if undo is not None:
             undo()
@@ -365,8 +392,14 @@ def run(spec: RunSpec) -> int:
 
 
 # Errors a rank raises because a peer died first: never the root cause when another exists.
-_SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
-              "remote worker crashing", "sigterm", "signal 15")
+_SECONDARY = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote worker crashing",
+    "sigterm",
+    "signal 15",
+)
 
 
 def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:

@@ -11,10 +11,10 @@ tell every rank at once that its write failed, instead of leaving them in a barr
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator
 
-from ddpkit.dist import collectives
+from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
 
 _count: dict[str, int] = {}
@@ -58,7 +58,7 @@ def all_arrive(what: str, timeout_s: float) -> str:
         store.set(f"{prefix}/all", "1")
     try:
         store.wait([f"{prefix}/all"], timedelta(seconds=timeout_s))
-    except RuntimeError:     # DistStoreError: the others did not come
+    except RuntimeError:  # DistStoreError: the others did not come
         missing = [r for r in range(world) if not store.check([f"{prefix}/rank{r}"])]
         shown = ", ".join(map(str, missing)) or "?"
         raise UsageError(

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ def timed_calls(tensor: torch.Tensor, repeats: int, group: Any = None) -> list[f
         return time.perf_counter()
 
     start = now()
-    dist.all_reduce(tensor, group=group)          # the first call sets up connections and buffers
+    dist.all_reduce(tensor, group=group)  # the first call sets up connections and buffers
     first = torch.tensor([now() - start], dtype=torch.float64, device=device)
     dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
     repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(first.item(), 1e-9))))
@@ -56,7 +57,7 @@ def timed_calls(tensor: torch.Tensor, repeats: int, group: Any = None) -> list[f
 def typical(calls: Sequence[float]) -> float:
     """The median of the faster half of ``calls``: what a call costs when no core is busy."""
     ordered = sorted(calls)
-    return statistics.median(ordered[:max(1, (len(ordered) + 1) // 2)])
+    return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
 def link(nbytes: int, device: torch.device, *, repeats: int = 7) -> tuple[float, float | None]:

@@ -70,7 +70,7 @@ def all_reduce(value: Any, op: str = "sum") -> Any:
     return tensor.item() if tensor.dim() == 0 else tensor.tolist()
 
 
-_control: tuple[Any, Any] | None = None     # (the default group it was made for, its gloo group)
+_control: tuple[Any, Any] | None = None  # (the default group it was made for, its gloo group)
 
 
 def _control_group() -> Any:
@@ -118,7 +118,7 @@ def gather(tensor: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
     """
     if world_size() == 1:
         return tensor.detach().clone()
-    if dist.get_backend() == "nccl":   # nccl has no gather; all_gather and drop elsewhere
+    if dist.get_backend() == "nccl":  # nccl has no gather; all_gather and drop elsewhere
         gathered = all_gather(tensor)
         return gathered if rank() == dst else None
     padded, sizes = _padded_rows(tensor, torch.device("cpu"))
@@ -198,10 +198,12 @@ def _to_bytes(obj: Any) -> torch.Tensor:
     data = buffer.getvalue()
     try:
         _load(data)
-    except Exception as exc:            # noqa: BLE001 - torch's weights_only errors are several types
-        raise TypeError("ddpkit sends between ranks only tensors, numbers, strings, None and dicts, lists and "
-                        f"tuples of them (read with torch.load(weights_only=True)); {type(obj).__name__} "
-                        f"holds something else: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - torch's weights_only errors are several types
+        raise TypeError(
+            "ddpkit sends between ranks only tensors, numbers, strings, None and dicts, lists and "
+            f"tuples of them (read with torch.load(weights_only=True)); {type(obj).__name__} "
+            f"holds something else: {_first_line(exc)}"
+        ) from None
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -216,9 +218,11 @@ def _from_bytes(payload: torch.Tensor) -> Any:
 
     try:
         return _load(payload.cpu().numpy().tobytes())
-    except Exception as exc:            # noqa: BLE001 - torch's weights_only errors are several types
-        raise DdpkitError("bytes received for an object collective are not plain data "
-                          f"({_first_line(exc)}); ddpkit refuses to unpickle them") from None
+    except Exception as exc:  # noqa: BLE001 - torch's weights_only errors are several types
+        raise DdpkitError(
+            "bytes received for an object collective are not plain data "
+            f"({_first_line(exc)}); ddpkit refuses to unpickle them"
+        ) from None
 
 
 def _load(data: bytes) -> Any:

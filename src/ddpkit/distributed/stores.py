@@ -4,7 +4,7 @@ One machine (``ddpkit run -n N``, :func:`ddpkit.launch`): the rendezvous state a
 store are ``FileStore`` files in a directory only the user can open, so no socket carries them,
 and gloo and NCCL bind loopback. Between nodes: stores and gloo on the job's interface only.
 Which interface that is (:func:`gloo_interface`, :func:`socket_env`) is decided here, for the job;
-the facts it is decided from, this machine's addresses and interfaces, are in :mod:`ddpkit.dist.host`.
+the facts it is decided from, this machine's addresses and interfaces, are in :mod:`ddpkit.distributed.host`.
 
 Between nodes a store must be a socket. torch's ``TCPStore`` server binds the wildcard address
 whatever host it is given, and torch's dynamic rendezvous unpickles the state it keeps there, so
@@ -22,10 +22,12 @@ from __future__ import annotations
 import datetime
 import errno
 import socket
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from ddpkit.dist.environment import STORE_DIR_ENV, detect   # STORE_DIR_ENV: re-exported for the launchers
-from ddpkit.dist.host import LOOPBACK, address_of, interface_of, local_address, loopback_interface
+from ddpkit.distributed.environment import STORE_DIR_ENV as STORE_DIR_ENV  # for the launchers
+from ddpkit.distributed.environment import detect
+from ddpkit.distributed.host import LOOPBACK, address_of, interface_of, local_address, loopback_interface
 from ddpkit.errors import UsageError
 
 
@@ -45,8 +47,10 @@ def bound_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise UsageError(f"port {port} on {host} is already in use, so this machine cannot host the "
-                             "rendezvous store: choose another port in --master HOST:PORT") from None
+            raise UsageError(
+                f"port {port} on {host} is already in use, so this machine cannot host the "
+                "rendezvous store: choose another port in --master HOST:PORT"
+            ) from None
         raise
     return sock
 
@@ -68,12 +72,18 @@ def serve(host: str, port: int, *, timeout_s: float, world_size: int | None = No
 
     sock = bound_socket(host, port)
     bound_port = sock.getsockname()[1]
-    return dist.TCPStore(host, bound_port, world_size, True, datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=sock.detach())   # the store owns the fd now
+    return dist.TCPStore(
+        host,
+        bound_port,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )  # the store owns the fd now
 
 
 # -- one machine: stores in a directory only the user can open -----------------------------------
-
 
 
 def private_dir() -> str:
@@ -98,8 +108,10 @@ def private_dir() -> str:
         shutil.rmtree(path, ignore_errors=True)
         from ddpkit.errors import DdpkitError
 
-        raise DdpkitError(f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}), so it cannot "
-                          "hold the job's stores privately: set TMPDIR to a directory on a local file system")
+        raise DdpkitError(
+            f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}), so it cannot "
+            "hold the job's stores privately: set TMPDIR to a directory on a local file system"
+        )
     return path
 
 
@@ -118,7 +130,9 @@ def worker_store(directory: str, attempt: int) -> Any:
     return dist.FileStore(f"{directory}/workers-{attempt}", -1)
 
 
-def env_rendezvous(url: str, timeout: datetime.timedelta | None = None, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+def env_rendezvous(
+    url: str, timeout: datetime.timedelta | None = None, **kwargs: Any
+) -> Iterator[tuple[Any, int, int]]:
     """torch's ``env://`` rendezvous for a worker of a one-machine ddpkit job, through the private store.
 
     Scripts that call ``dist.init_process_group()`` themselves read ``env://``; torch's own handler

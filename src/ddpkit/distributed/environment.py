@@ -1,7 +1,7 @@
 """Which launcher started us, and our place in the world.
 
 This is the only module that reads launcher variables (SLURM's host lists and task counts through
-:mod:`ddpkit.dist.slurm_env`). Everything else receives an :class:`Environment`, so configuration
+:mod:`ddpkit.distributed.slurm_env`). Everything else receives an :class:`Environment`, so configuration
 flows explicitly from here.
 
 Launchers are tried in order: torchrun / TorchElastic, SLURM (under ``srun``), MPI
@@ -18,18 +18,19 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
 
-from ddpkit.dist._vars import read_int as _int, read_port as _port
-from ddpkit.dist.slurm_env import expand_nodelist, slurm_port, slurm_tasks_on_node
+from ddpkit.distributed._vars import read_int as _int
+from ddpkit.distributed._vars import read_port as _port
+from ddpkit.distributed.slurm_env import expand_nodelist, slurm_port, slurm_tasks_on_node
 from ddpkit.errors import UsageError
 
 DEFAULT_MASTER_PORT = 29500
 
 STORE_DIR_ENV = "DDPKIT_STORE_DIR"
 """Set by ``ddpkit run`` and :func:`ddpkit.launch` for the workers of a one-machine job: the
-private directory that holds the job's stores (:func:`ddpkit.dist.stores.private_dir`)."""
+private directory that holds the job's stores (:func:`ddpkit.distributed.stores.private_dir`)."""
 
 
 @dataclass(frozen=True)
@@ -224,11 +225,9 @@ def _validate(env: Environment) -> None:
         )
     if not 0 <= env.local_rank < env.local_world_size:
         raise UsageError(
-            f"{env.launcher}: local rank {env.local_rank} is outside the {env.local_world_size} "
-            "processes of this node"
+            f"{env.launcher}: local rank {env.local_rank} is outside the {env.local_world_size} processes of this node"
         )
     if env.local_world_size > env.world_size:
         raise UsageError(
-            f"{env.launcher}: {env.local_world_size} processes on this node but a world of "
-            f"only {env.world_size}"
+            f"{env.launcher}: {env.local_world_size} processes on this node but a world of only {env.world_size}"
         )

@@ -32,9 +32,10 @@ import socketserver
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ddpkit import _torch
 
@@ -65,12 +66,15 @@ def isolate():
 """
 """``isolate()``: this process into a new user and network namespace with its loopback up; "" or why not."""
 
-_BOOT = _ISOLATE + r"""
+_BOOT = (
+    _ISOLATE
+    + r"""
 refused = isolate() if sys.argv[1] == "isolate" else "not asked"
-from ddpkit.dist.ft_control import serve
+from ddpkit.distributed.ft_control import serve
 
 serve(sys.argv[2:], refused)
 """
+)
 """Run by :func:`start` as ``python -c``: the namespace is made first, while the process has one
 thread (``unshare`` refuses a new user namespace to a threaded process), then ddpkit is imported."""
 
@@ -78,19 +82,25 @@ thread (``unshare`` refuses a new user namespace to a threaded process), then dd
 def namespace_refusal() -> str:
     """Why this machine would give a control plane no namespace of its own ("" when it would); for doctor."""
     try:
-        done = subprocess.run([sys.executable, "-S", "-c", _ISOLATE + "print(isolate() or 'ok')"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-S", "-c", _ISOLATE + "print(isolate() or 'ok')"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
-    said = (done.stdout.strip() or done.stderr.strip().splitlines()[-1:] or ["no answer"])
+    said = done.stdout.strip() or done.stderr.strip().splitlines()[-1:] or ["no answer"]
     text = said if isinstance(said, str) else said[0]
     return "" if text == "ok" else text
 
 
 # -- the control plane's process ------------------------------------------------------------------
 
-def start(directory: str, min_replicas: int, join_ms: int, tick_ms: int, heartbeat_ms: int,
-          isolate: bool = True) -> tuple[subprocess.Popen, str, str]:
+
+def start(
+    directory: str, min_replicas: int, join_ms: int, tick_ms: int, heartbeat_ms: int, isolate: bool = True
+) -> tuple[subprocess.Popen, str, str]:
     """Start the control plane for the job whose private directory is ``directory``.
 
     Args:
@@ -110,15 +120,21 @@ def start(directory: str, min_replicas: int, join_ms: int, tick_ms: int, heartbe
     """
     path = os.path.join(directory, SOCKET)
     if len(path.encode()) > 100:
-        raise RuntimeError(f"the job's directory {directory} is too long a path for a Unix socket; set TMPDIR "
-                           "to a shorter directory")
+        raise RuntimeError(
+            f"the job's directory {directory} is too long a path for a Unix socket; set TMPDIR to a shorter directory"
+        )
     args = [str(min_replicas), str(join_ms), str(tick_ms), str(heartbeat_ms)]
     attempts = ["isolate", "plain"] if isolate else ["plain"]
     said = ""
     for how in attempts:
-        child = subprocess.Popen([sys.executable, "-c", _BOOT, how, directory, *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                 env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+        child = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, how, directory, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
         assert child.stdout is not None
         line = child.stdout.readline().split()
         if len(line) == 3 and line[0] == "ready":
@@ -148,8 +164,13 @@ def serve(argv: Sequence[str], refused: str) -> None:
     from torchft._torchft import LighthouseServer
 
     directory, min_replicas, join_ms, tick_ms, heartbeat_ms = argv
-    lighthouse = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=int(min_replicas), join_timeout_ms=int(join_ms),
-                                  quorum_tick_ms=int(tick_ms), heartbeat_timeout_ms=int(heartbeat_ms))
+    lighthouse = LighthouseServer(
+        bind=f"{LOOPBACK}:0",
+        min_replicas=int(min_replicas),
+        join_timeout_ms=int(join_ms),
+        quorum_tick_ms=int(tick_ms),
+        heartbeat_timeout_ms=int(heartbeat_ms),
+    )
     port = lighthouse.address().rsplit(":", 1)[-1]
     path = os.path.join(directory, SOCKET)
     server = socketserver.ThreadingUnixStreamServer(path, _Handler)
@@ -187,10 +208,10 @@ class _Handler(socketserver.StreamRequestHandler):
         manager = ManagerServer(**kwargs)
         try:
             self._reply({"address": manager.address()})
-            while self.rfile.read(4096):       # until the replica closes it, or dies
+            while self.rfile.read(4096):  # until the replica closes it, or dies
                 pass
         finally:
-            manager.shutdown()                 # its heartbeats stop: the lighthouse drops the replica
+            manager.shutdown()  # its heartbeats stop: the lighthouse drops the replica
 
     def _call(self, request: dict[str, Any]) -> Any:
         from torchft._torchft import ManagerClient
@@ -210,23 +231,31 @@ class _Handler(socketserver.StreamRequestHandler):
             raise
         if isinstance(result, (str, bool, int)):
             return result
-        return {name: getattr(result, name) for name in dir(result)
-                if not name.startswith("_") and not callable(getattr(result, name))}
+        return {
+            name: getattr(result, name)
+            for name in dir(result)
+            if not name.startswith("_") and not callable(getattr(result, name))
+        }
 
 
 def encode(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Keywords of a torchft call as JSON: a ``timedelta`` becomes ``{"__seconds__": s}``."""
-    return {key: {"__seconds__": value.total_seconds()} if isinstance(value, timedelta) else value
-            for key, value in kwargs.items()}
+    return {
+        key: {"__seconds__": value.total_seconds()} if isinstance(value, timedelta) else value
+        for key, value in kwargs.items()
+    }
 
 
 def decode(kwargs: dict[str, Any]) -> dict[str, Any]:
     """What :func:`encode` made, back."""
-    return {key: timedelta(seconds=value["__seconds__"]) if isinstance(value, dict) and "__seconds__" in value
-            else value for key, value in kwargs.items()}
+    return {
+        key: timedelta(seconds=value["__seconds__"]) if isinstance(value, dict) and "__seconds__" in value else value
+        for key, value in kwargs.items()
+    }
 
 
 # -- in each replica: torchft's manager classes, passed on to the control plane -------------------
+
 
 def _connect(directory: str, timeout: float | None) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -285,8 +314,13 @@ class ControlClient:
     def _call(self, method: str, timeout: timedelta, **kwargs: Any) -> Any:
         sock = _connect(self.directory, timeout.total_seconds() + self._connect_timeout + 30)
         with sock:
-            request = {"op": "call", "addr": self._addr, "connect_timeout": self._connect_timeout,
-                       "method": method, "kwargs": encode({**kwargs, "timeout": timeout})}
+            request = {
+                "op": "call",
+                "addr": self._addr,
+                "connect_timeout": self._connect_timeout,
+                "method": method,
+                "kwargs": encode({**kwargs, "timeout": timeout}),
+            }
             sock.sendall((json.dumps(request) + "\n").encode())
             return _answer(sock)["result"]
 
@@ -307,8 +341,7 @@ class ControlClient:
             should_commit: this replica's vote.
             timeout: how long to wait for the others' votes.
         """
-        return bool(self._call("should_commit", timeout, group_rank=group_rank, step=step,
-                               should_commit=should_commit))
+        return bool(self._call("should_commit", timeout, group_rank=group_rank, step=step, should_commit=should_commit))
 
 
 def file_stores(directory: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -319,8 +352,14 @@ def file_stores(directory: str) -> tuple[Callable[..., Any], Callable[..., Any]]
     """
     import torch.distributed as dist
 
-    def store(host_name: str, port: int, is_master: bool = False, wait_for_workers: bool = True,
-              timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Any:
+    def store(
+        host_name: str,
+        port: int,
+        is_master: bool = False,
+        wait_for_workers: bool = True,
+        timeout: timedelta = timedelta(seconds=300),
+        **kwargs: Any,
+    ) -> Any:
         if host_name != STORE_HOST:
             raise RuntimeError(f"a replica store at {host_name}:{port} is not this job's")
         opened = dist.FileStore(os.path.join(directory, f"replica-store-{int(port)}"), -1)
@@ -331,8 +370,9 @@ def file_stores(directory: str) -> tuple[Callable[..., Any], Callable[..., Any]]
         host, _, rest = store_addr.partition(":")
         port, _, prefix = rest.partition("/")
         if host != STORE_HOST or not port.isdigit():
-            raise RuntimeError(f"the quorum named the store {store_addr!r}, which is not one of this job's "
-                               "(a forged quorum call?)")
+            raise RuntimeError(
+                f"the quorum named the store {store_addr!r}, which is not one of this job's (a forged quorum call?)"
+            )
         return dist.PrefixStore(prefix, store(host, int(port), timeout=timeout))
 
     return store, client
@@ -342,9 +382,21 @@ def install(directory: str) -> None:
     """Make this process's torchft managers use the control plane and the job's file stores."""
     ControlServer.directory = ControlClient.directory = directory
     store, client = file_stores(directory)
-    _torch.patch_torchft(ManagerServer=ControlServer, ManagerClient=ControlClient, TCPStore=store,
-                         create_store_client=client)
+    _torch.patch_torchft(
+        ManagerServer=ControlServer, ManagerClient=ControlClient, TCPStore=store, create_store_client=client
+    )
 
 
-__all__ = ["CONTROL_ENV", "ControlClient", "ControlServer", "STORE_HOST", "decode", "encode", "file_stores",
-           "install", "namespace_refusal", "serve", "start"]
+__all__ = [
+    "CONTROL_ENV",
+    "ControlClient",
+    "ControlServer",
+    "STORE_HOST",
+    "decode",
+    "encode",
+    "file_stores",
+    "install",
+    "namespace_refusal",
+    "serve",
+    "start",
+]

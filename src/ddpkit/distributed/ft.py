@@ -37,14 +37,15 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from ddpkit import _bounds, _torch
-from ddpkit.dist import ft_control, stores
-from ddpkit.dist.host import host_port
+from ddpkit.distributed import ft_control, stores
+from ddpkit.distributed.host import host_port
 from ddpkit.errors import DdpkitError, UsageError, warn
 
 LIGHTHOUSE_ENV = "DDPKIT_FT_LIGHTHOUSE"
@@ -105,8 +106,9 @@ def job_store(where: str, timeout_s: float = 60.0) -> Any:
         return dist.FileStore(rest, -1)
     host, sep, port = rest.rpartition(":")
     if kind == "tcp" and sep and port.isdigit():
-        return dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return dist.TCPStore(
+            host.strip("[]"), int(port), None, False, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
     raise UsageError(f"{JOB_STORE_ENV}={where!r}: expected file:PATH or tcp:HOST:PORT")
 
 
@@ -148,20 +150,27 @@ def read_secret(path: str) -> bytes:
         with open(path, "rb") as handle:
             secret = handle.read(4096).strip()
     except OSError as exc:
-        raise UsageError(f"the fault-tolerant job's secret file {path} cannot be read ({exc.strerror}); "
-                         f"{_MAKE_SECRET.format(path=path)}") from None
+        raise UsageError(
+            f"the fault-tolerant job's secret file {path} cannot be read ({exc.strerror}); "
+            f"{_MAKE_SECRET.format(path=path)}"
+        ) from None
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-        raise UsageError(f"the fault-tolerant job's secret file {path} is open to others (mode "
-                         f"{stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}): make it yours alone with "
-                         f"chmod 600 {path}")
+        raise UsageError(
+            f"the fault-tolerant job's secret file {path} is open to others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}): make it yours alone with "
+            f"chmod 600 {path}"
+        )
     if len(secret) < 16:
-        raise UsageError(f"the fault-tolerant job's secret file {path} holds {len(secret)} bytes; "
-                         f"{_MAKE_SECRET.format(path=path)}")
+        raise UsageError(
+            f"the fault-tolerant job's secret file {path} holds {len(secret)} bytes; {_MAKE_SECRET.format(path=path)}"
+        )
     return secret
 
 
-_MAKE_SECRET = ("give every node the same file of at least 16 random bytes, readable by you alone: "
-                "python -c 'import secrets; print(secrets.token_hex(32))' > {path} && chmod 600 {path}")
+_MAKE_SECRET = (
+    "give every node the same file of at least 16 random bytes, readable by you alone: "
+    "python -c 'import secrets; print(secrets.token_hex(32))' > {path} && chmod 600 {path}"
+)
 
 
 def write_secret(path: str) -> None:
@@ -197,11 +206,17 @@ class SafeTransport:
     interface.
     """
 
-    def __init__(self, host: str, timeout: timedelta, secret: bytes, limit: Callable[[], int] | None = None,
-                 name: str = "replica") -> None:
+    def __init__(
+        self,
+        host: str,
+        timeout: timedelta,
+        secret: bytes,
+        limit: Callable[[], int] | None = None,
+        name: str = "replica",
+    ) -> None:
         from torchft.checkpointing.transport import CheckpointTransport
 
-        if not isinstance(self, CheckpointTransport):        # torchft checks the type
+        if not isinstance(self, CheckpointTransport):  # torchft checks the type
             raise TypeError("SafeTransport must be made through transport()")
         self.host = host
         self.timeout = timeout
@@ -212,7 +227,7 @@ class SafeTransport:
         self._limit = limit or (lambda: 1 << 40)
         self._ready = threading.Condition()
         self._served: tuple[int, bytes] | None = None
-        self._not_served: int | None = None       # a step a quorum asked for that this replica is not at
+        self._not_served: int | None = None  # a step a quorum asked for that this replica is not at
         self._nonces: set[str] = set()
         transport = self
 
@@ -221,8 +236,12 @@ class SafeTransport:
                 wanted = self.path.rsplit("/", 1)[-1]
                 nonce, _, mac = self.headers.get("X-Ddpkit-Auth", "").partition(":")
                 url = f"{transport.metadata()}{wanted}"
-                if not (wanted.isdigit() and nonce and mac
-                        and hmac.compare_digest(mac, _mac(transport._secret, b"GET", url.encode(), nonce.encode()))):
+                if not (
+                    wanted.isdigit()
+                    and nonce
+                    and mac
+                    and hmac.compare_digest(mac, _mac(transport._secret, b"GET", url.encode(), nonce.encode()))
+                ):
                     self.send_error(403, "not signed with this job's secret")
                     return
                 with transport._ready:
@@ -231,9 +250,13 @@ class SafeTransport:
                         return
                     transport._nonces.add(nonce)
                     # the peer may ask before this replica's quorum thread has staged the state
-                    transport._ready.wait_for(lambda: transport._not_served == int(wanted) or (
-                        transport._served is not None and transport._served[0] == int(wanted)),
-                        timeout=transport.timeout.total_seconds())
+                    transport._ready.wait_for(
+                        lambda: (
+                            transport._not_served == int(wanted)
+                            or (transport._served is not None and transport._served[0] == int(wanted))
+                        ),
+                        timeout=transport.timeout.total_seconds(),
+                    )
                     served = transport._served
                 if served is None or served[0] != int(wanted):
                     self.send_error(404, "no checkpoint of that step is being served")
@@ -242,7 +265,9 @@ class SafeTransport:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(served[1])))
-                self.send_header("X-Ddpkit-Mac", _mac(transport._secret, b"STATE", url.encode(), nonce.encode(), digest))
+                self.send_header(
+                    "X-Ddpkit-Mac", _mac(transport._secret, b"STATE", url.encode(), nonce.encode(), digest)
+                )
                 self.end_headers()
                 self.wfile.write(served[1])
 
@@ -272,14 +297,16 @@ class SafeTransport:
         """
         own = _step_of(state_dict)
         if own != step:
-            _say(f"fault-tolerant {self.name}: not serving its state as step {step}: it is at step {own} "
-                 "(a forged quorum call?)")
+            _say(
+                f"fault-tolerant {self.name}: not serving its state as step {step}: it is at step {own} "
+                "(a forged quorum call?)"
+            )
             with self._ready:
                 self._not_served = step
                 self._ready.notify_all()
             return
         buffer = io.BytesIO()
-        torch.save(state_dict, buffer)       # CUDA tensors too: the peer loads onto its CPU
+        torch.save(state_dict, buffer)  # CUDA tensors too: the peer loads onto its CPU
         with self._ready:
             self._served = (step, buffer.getvalue())
             self._nonces.clear()
@@ -314,35 +341,44 @@ class SafeTransport:
     def _fetch(self, metadata: str, step: int, timeout: timedelta) -> Any:
         url = f"{metadata}{step}"
         nonce = secrets.token_hex(16)
-        request = urllib.request.Request(url, headers={
-            "X-Ddpkit-Auth": f"{nonce}:{_mac(self._secret, b'GET', url.encode(), nonce.encode())}"})
+        request = urllib.request.Request(
+            url, headers={"X-Ddpkit-Auth": f"{nonce}:{_mac(self._secret, b'GET', url.encode(), nonce.encode())}"}
+        )
         limit = self._limit()
         try:
             with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as answer:
                 declared = int(answer.headers.get("Content-Length") or -1)
                 if not 0 <= declared <= limit:
-                    raise HealRefused(f"refused the state offered at {url}: it declares {declared} bytes, more "
-                                      f"than {limit} (a state this replica's size allows)")
+                    raise HealRefused(
+                        f"refused the state offered at {url}: it declares {declared} bytes, more "
+                        f"than {limit} (a state this replica's size allows)"
+                    )
                 data = answer.read(declared)
                 mac = answer.headers.get("X-Ddpkit-Mac", "")
         except urllib.error.HTTPError as exc:
-            raise HealRefused(f"could not fetch the state of step {step} from {url} (HTTP {exc.code}: "
-                              f"{exc.reason})") from None
+            raise HealRefused(
+                f"could not fetch the state of step {step} from {url} (HTTP {exc.code}: {exc.reason})"
+            ) from None
         except (OSError, ValueError) as exc:
             raise HealRefused(f"could not fetch the state of step {step} from {url} ({exc})") from None
         digest = hashlib.sha256(data).hexdigest().encode()
         if len(data) != declared or not hmac.compare_digest(
-                mac, _mac(self._secret, b"STATE", url.encode(), nonce.encode(), digest)):
-            raise HealRefused(f"refused the state offered at {url}: it is not signed with this job's secret "
-                              "(forged, or from another job)")
+            mac, _mac(self._secret, b"STATE", url.encode(), nonce.encode(), digest)
+        ):
+            raise HealRefused(
+                f"refused the state offered at {url}: it is not signed with this job's secret "
+                "(forged, or from another job)"
+            )
         try:
             _bounds.check(data, url)
         except _bounds.Disproportionate as exc:
             raise HealRefused(f"refused the state offered at {exc}") from None
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if _step_of(state) != step:
-            raise HealRefused(f"refused the state offered at {url}: it is of step {_step_of(state)}, the quorum "
-                              f"named step {step} (a forged quorum call?)")
+            raise HealRefused(
+                f"refused the state offered at {url}: it is of step {_step_of(state)}, the quorum "
+                f"named step {step} (a forged quorum call?)"
+            )
         return state
 
     def shutdown(self, wait: bool = True) -> None:
@@ -361,8 +397,9 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def transport(host: str, timeout: timedelta, secret: bytes, limit: Callable[[], int] | None = None,
-              name: str = "replica") -> Any:
+def transport(
+    host: str, timeout: timedelta, secret: bytes, limit: Callable[[], int] | None = None, name: str = "replica"
+) -> Any:
     """A :class:`SafeTransport` that is also a torchft ``CheckpointTransport``.
 
     Args:
@@ -411,17 +448,25 @@ class Replica:
         environ: the environment ``ddpkit run --fault-tolerant`` set.
     """
 
-    def __init__(self, state: Callable[[], Any], load: Callable[[Any], None], *, device: torch.device,
-                 seeded: bool, timeout_s: float = 60.0, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        state: Callable[[], Any],
+        load: Callable[[Any], None],
+        *,
+        device: torch.device,
+        seeded: bool,
+        timeout_s: float = 60.0,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         check_installed()
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         environ = os.environ if environ is None else environ
         manager_log = logging.getLogger("torchft.manager")
-        if device.type != "cuda":          # its warning that NCCL's flight recorder cannot reset, each quorum
+        if device.type != "cuda":  # its warning that NCCL's flight recorder cannot reset, each quorum
             manager_log.setLevel(logging.ERROR)
-        manager_log.addFilter(_not_refused)      # a refused heal is one line of ddpkit's, not torchft's traceback
+        manager_log.addFilter(_not_refused)  # a refused heal is one line of ddpkit's, not torchft's traceback
         self.index = replica_index(environ)
         self.replicas = int(environ.get(REPLICAS_ENV, "1"))
         self.min_replicas = int(environ.get(MIN_REPLICAS_ENV, "1"))
@@ -430,29 +475,47 @@ class Replica:
         quorum_timeout = timedelta(seconds=float(environ.get(QUORUM_TIMEOUT_ENV, "60")))
         secret = read_secret(environ[SECRET_ENV]) if environ.get(SECRET_ENV) else None
         if secret is None:
-            raise UsageError(f"a fault-tolerant replica needs the job's secret ({SECRET_ENV}); start it with "
-                             "ddpkit run --fault-tolerant")
+            raise UsageError(
+                f"a fault-tolerant replica needs the job's secret ({SECRET_ENV}); start it with "
+                "ddpkit run --fault-tolerant"
+            )
         private = environ.get(ft_control.CONTROL_ENV)
-        if private:            # one machine: torchft's servers in the control plane, the stores in files
+        if private:  # one machine: torchft's servers in the control plane, the stores in files
             ft_control.install(private)
             store_addr, store_port = ft_control.STORE_HOST, self.index + 1
-        else:                  # across hosts: on this node's address only, not torchft's [::]
+        else:  # across hosts: on this node's address only, not torchft's [::]
             _torch.patch_torchft(ManagerServer=_bound_server(host))
-            self._store = stores.serve(host, 0, timeout_s=timeout_s)        # this replica group's own store
+            self._store = stores.serve(host, 0, timeout_s=timeout_s)  # this replica group's own store
             store_addr, store_port = host, self._store.port
+
         # a peer's state is about the size of this replica's own; 4x leaves room for optimizer state
         # that this replica has not made yet (its first quorum), and no more
-        limit = (lambda: 4 * _tensor_bytes(state()) + (64 << 20))
+        def limit():
+            return 4 * _tensor_bytes(state()) + (64 << 20)
+
         self.transport = transport(host, timeout, secret, limit, name=f"replica {self.index}")
 
         def start() -> Any:
             pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
             manager = Manager(
-                pg=pg, load_state_dict=None, state_dict=None, min_replica_size=self.min_replicas,
-                use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
-                rank=0, world_size=1, store_addr=store_addr, store_port=store_port,
-                lighthouse_addr=environ[LIGHTHOUSE_ENV], replica_id=f"replica_{self.index}", hostname=host,
-                checkpoint_transport=self.transport, init_sync=not seeded)
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=self.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=quorum_timeout,
+                connect_timeout=timeout,
+                rank=0,
+                world_size=1,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=environ[LIGHTHOUSE_ENV],
+                replica_id=f"replica_{self.index}",
+                hostname=host,
+                checkpoint_transport=self.transport,
+                init_sync=not seeded,
+            )
             manager.register_state_dict_fn("ddpkit", load, state)
             return manager
 
@@ -492,18 +555,22 @@ class Replica:
         before = self.manager.current_step()
         try:
             self.manager.start_quorum()
-        except Exception as exc:             # torchft raises its RPC errors as they come
+        except Exception as exc:  # torchft raises its RPC errors as they come
             saved = self.before_stop() if self.before_stop is not None else None
             kept = f"; saved {saved}" if saved else ""
-            raise DdpkitError(f"fault-tolerant replica {self.index}: no quorum ({_first_line(exc)}); "
-                              f"the lighthouse is gone or fewer than {self.min_replicas} replica(s) are alive"
-                              f"{kept}") from None
+            raise DdpkitError(
+                f"fault-tolerant replica {self.index}: no quorum ({_first_line(exc)}); "
+                f"the lighthouse is gone or fewer than {self.min_replicas} replica(s) are alive"
+                f"{kept}"
+            ) from None
         if self.transport.refused >= REFUSALS_BEFORE_STOP:
-            raise DdpkitError(f"fault-tolerant replica {self.index}: refused {self.transport.refused} heal payloads "
-                              "in a row (forged, or of another step than the quorum's); stopping rather than "
-                              "training on a state that is not the job's")
+            raise DdpkitError(
+                f"fault-tolerant replica {self.index}: refused {self.transport.refused} heal payloads "
+                "in a row (forged, or of another step than the quorum's); stopping rather than "
+                "training on a state that is not the job's"
+            )
         if self.manager.current_step() != before:
-            self.healed = True        # a peer's state was loaded (a failed step shows at commit)
+            self.healed = True  # a peer's state was loaded (a failed step shows at commit)
         rank = self.manager.participating_rank()
         self.rank = 0 if rank is None else int(rank)
         self.participants = max(1, self.manager.num_participants())
@@ -558,9 +625,11 @@ class Replica:
         if self._job_where:
             try:
                 mark_done(self._job_store())
-            except (RuntimeError, OSError) as exc:       # node 0 went first: nobody is left to tell
-                warn(f"fault-tolerant replica {self.index}: could not tell the job's store it finished "
-                     f"({_first_line(exc)})")
+            except (RuntimeError, OSError) as exc:  # node 0 went first: nobody is left to tell
+                warn(
+                    f"fault-tolerant replica {self.index}: could not tell the job's store it finished "
+                    f"({_first_line(exc)})"
+                )
 
     def shutdown(self) -> None:
         """Stop torchft's servers and threads."""
@@ -579,7 +648,26 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
-__all__ = ["DONE_KEY", "HOST_ENV", "HealRefused", "JOB_STORE_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV",
-           "QUORUM_TIMEOUT_ENV", "REPLICAS_ENV", "REPLICA_ENV", "SECRET_ENV", "Replica", "SafeTransport", "active",
-           "check_installed", "is_done", "job_store", "mark_done", "read_secret", "replica_index", "transport",
-           "write_secret"]
+__all__ = [
+    "DONE_KEY",
+    "HOST_ENV",
+    "HealRefused",
+    "JOB_STORE_ENV",
+    "LIGHTHOUSE_ENV",
+    "MIN_REPLICAS_ENV",
+    "QUORUM_TIMEOUT_ENV",
+    "REPLICAS_ENV",
+    "REPLICA_ENV",
+    "SECRET_ENV",
+    "Replica",
+    "SafeTransport",
+    "active",
+    "check_installed",
+    "is_done",
+    "job_store",
+    "mark_done",
+    "read_secret",
+    "replica_index",
+    "transport",
+    "write_secret",
+]

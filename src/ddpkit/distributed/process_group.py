@@ -1,6 +1,6 @@
 """Init and destroy of the default process group; the backend chosen from the device.
 
-Its barrier, like every other collective, is :func:`ddpkit.dist.collectives.barrier`.
+Its barrier, like every other collective, is :func:`ddpkit.distributed.collectives.barrier`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ddpkit.dist.environment import Environment
+from ddpkit.distributed.environment import Environment
 from ddpkit.errors import DdpkitError, UsageError, warn
 
 BACKENDS = ("nccl", "gloo", "mpi")
@@ -94,27 +94,33 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
     if backend == "nccl":
         # Binds NCCL's communicator to this process's GPU (avoids a guess by rank).
         kwargs["device_id"] = device
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     # Before the first group: every group of this process (PowerSGD's, fsdp's mesh) binds there too.
     os.environ.update(stores.socket_env(env.num_nodes, env.master_addr, env.master_port))
     store = _store(env, timeout_s)
-    dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
 
 
 def _store(env: Environment, timeout_s: float) -> dist.Store:
     """The rendezvous store, scoped to this attempt of this run.
 
     A one-machine job of ``ddpkit run`` or ``ddpkit.launch`` keeps it in a file of the job's
-    private directory, one file per attempt (:func:`ddpkit.dist.stores.worker_store`): nothing listens.
+    private directory, one file per attempt (:func:`ddpkit.distributed.stores.worker_store`): nothing listens.
     Under the elastic agent on one node the agent hosts the store and it outlives a restart;
     without a prefix per attempt, restarted workers read the previous attempt's peer addresses
     and hang or fail connecting to dead processes. Elsewhere (``ddpkit run`` on several nodes,
     srun, mpirun, by hand) rank 0 hosts a store of its own.
     """
-    if env.store_dir:       # one machine under ddpkit run / launch: a file only this user can open
-        from ddpkit.dist import stores
+    if env.store_dir:  # one machine under ddpkit run / launch: a file only this user can open
+        from ddpkit.distributed import stores
 
         return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/", stores.worker_store(env.store_dir, env.restart_count))
     host_store = not env.agent_store and env.rank == 0
@@ -122,7 +128,7 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
         store = _serve(env, timeout_s) if host_store else _tcp_store(env, timeout_s, is_master=False)
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         if "address already in use" in str(exc).lower():
-            if env.launcher == "torchelastic":      # the agent picked the port free, then let it go
+            if env.launcher == "torchelastic":  # the agent picked the port free, then let it go
                 raise DdpkitError(
                     f"port {env.master_port} on {env.master_addr}, which the launcher picked for rank 0's "
                     "store, was taken by another process before rank 0 could bind it: a process on this node "
@@ -153,7 +159,7 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
     often maps a machine's own name to 127.0.1.1) while the other nodes resolve it to this
     node's network address.
     """
-    from ddpkit.dist import host, stores
+    from ddpkit.distributed import host, stores
 
     if env.num_nodes > 1 and host.is_loopback(env.master_addr):
         return _tcp_store(env, timeout_s, is_master=True)
@@ -161,17 +167,25 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
         return stores.serve(env.master_addr, env.master_port, timeout_s=timeout_s, world_size=env.world_size)
     except OSError as exc:
         if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-            warn(f"MASTER_ADDR {env.master_addr} is not an address of this machine, so rank 0's "
-                 f"store listens on every interface ({exc.strerror or exc}); set MASTER_ADDR to "
-                 "this machine's address on the network the job uses")
+            warn(
+                f"MASTER_ADDR {env.master_addr} is not an address of this machine, so rank 0's "
+                f"store listens on every interface ({exc.strerror or exc}); set MASTER_ADDR to "
+                "this machine's address on the network the job uses"
+            )
             return _tcp_store(env, timeout_s, is_master=True)
         raise
 
 
 def _tcp_store(env: Environment, timeout_s: float, *, is_master: bool) -> dist.Store:
     """torch's own ``TCPStore`` at the master: a client, or a server on every interface."""
-    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_master,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def destroy() -> None:

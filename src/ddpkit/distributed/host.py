@@ -1,7 +1,7 @@
 """Facts about this machine: its cores, its addresses and interfaces, its free ports.
 
-Nothing here knows about a job: :mod:`ddpkit.dist.torchrun` shares the cores among a node's
-processes, :mod:`ddpkit.dist.stores` decides which interface a job's sockets bind, and
+Nothing here knows about a job: :mod:`ddpkit.distributed.torchrun` shares the cores among a node's
+processes, :mod:`ddpkit.distributed.stores` decides which interface a job's sockets bind, and
 ``ddpkit doctor`` reports both from these same functions.
 """
 
@@ -15,6 +15,7 @@ LOOPBACK = "127.0.0.1"
 
 
 # -- cores and GPUs --------------------------------------------------------------------------------
+
 
 def default_nproc() -> int:
     """One process per visible GPU, else one."""
@@ -38,6 +39,7 @@ def threads_per_process(nproc_per_node: int, cpu_count: int | None = None) -> in
 
 
 # -- addresses and interfaces ----------------------------------------------------------------------
+
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address, or a name: what it resolves to here) is a loopback address.
@@ -105,6 +107,7 @@ def address_of(interface: str) -> str | None:
 
 
 # -- ports -----------------------------------------------------------------------------------------
+
 
 def port_is_free(host: str, port: int) -> bool:
     """True when nothing listens on ``host:port`` and we could bind it."""

@@ -1,10 +1,10 @@
 """``ddpkit run --fault-tolerant -n N``: torchft's lighthouse and N replicas, each restarted on its own.
 
 On one machine, torchft's lighthouse and the replicas' manager servers run in the job's control
-plane (:mod:`ddpkit.dist.ft_control`): one process in a network namespace of its own, which the
+plane (:mod:`ddpkit.distributed.ft_control`): one process in a network namespace of its own, which the
 replicas reach through a Unix socket in the job's private directory (mode 0700). That directory
 also holds the replica groups' stores, the job's store and the job's secret, with which heal
-payloads are signed (:class:`ddpkit.dist.ft.SafeTransport`). Each replica is a one-process
+payloads are signed (:class:`ddpkit.distributed.ft.SafeTransport`). Each replica is a one-process
 ``ddpkit run`` (torch's elastic agent) with ``--max-restarts K``: when it dies, its own agent
 restarts it and it heals from a live peer, while the other replicas go on. This process only
 starts them and watches: when the control plane dies, every replica is stopped (one line), so the
@@ -29,11 +29,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from ddpkit.dist import ft, ft_control
-from ddpkit.dist.host import host_port
+from ddpkit.distributed import ft, ft_control
+from ddpkit.distributed.host import host_port
 from ddpkit.errors import UsageError
 
 HOST = "127.0.0.1"
@@ -101,27 +102,32 @@ def validate(spec: FaultTolerantSpec) -> None:
         raise UsageError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     if spec.nnodes > 1:
         if spec.master is None:
-            raise UsageError(f"--fault-tolerant --nnodes {spec.nnodes} needs --master HOST:PORT (node 0's "
-                             "address; its lighthouse listens at PORT, the job's store at PORT + 1)")
+            raise UsageError(
+                f"--fault-tolerant --nnodes {spec.nnodes} needs --master HOST:PORT (node 0's "
+                "address; its lighthouse listens at PORT, the job's store at PORT + 1)"
+            )
         if not 0 <= spec.node_rank < spec.nnodes:
             raise UsageError(f"--node-rank {spec.node_rank} must be between 0 and --nnodes - 1 ({spec.nnodes - 1})")
         _split_master(spec.master)
     if not 1 <= spec.min_replicas <= spec.total:
-        raise UsageError(f"--min-replicas {spec.min_replicas} must be between 1 and the job's replicas "
-                         f"({spec.total})")
+        raise UsageError(f"--min-replicas {spec.min_replicas} must be between 1 and the job's replicas ({spec.total})")
     if spec.nnodes > 1 and spec.secret_file is None:
-        raise UsageError(f"--fault-tolerant --nnodes {spec.nnodes} needs --secret-file PATH (the same file on "
-                         "every node: heal payloads are signed with it); make one with: python -c 'import "
-                         "secrets; print(secrets.token_hex(32))' > PATH && chmod 600 PATH")
+        raise UsageError(
+            f"--fault-tolerant --nnodes {spec.nnodes} needs --secret-file PATH (the same file on "
+            "every node: heal payloads are signed with it); make one with: python -c 'import "
+            "secrets; print(secrets.token_hex(32))' > PATH && chmod 600 PATH"
+        )
     if spec.nnodes == 1 and spec.secret_file is not None:
-        raise UsageError("--secret-file is for a fault-tolerant job across hosts (--nnodes); on one machine the "
-                         "job makes its own: drop --secret-file")
+        raise UsageError(
+            "--secret-file is for a fault-tolerant job across hosts (--nnodes); on one machine the "
+            "job makes its own: drop --secret-file"
+        )
     if spec.secret_file is not None:
         ft.read_secret(spec.secret_file)
 
 
 def _split_master(master: str) -> tuple[str, int]:
-    from ddpkit.dist.torchrun import parse_master
+    from ddpkit.distributed.torchrun import parse_master
 
     host, port = parse_master(master)
     if port >= 65535:
@@ -133,15 +139,29 @@ def start_lighthouse(min_replicas: int, host: str = HOST, port: int = 0) -> tupl
     """torchft's lighthouse in a child process listening on ``host:port`` (0: a free port); (process, its address)."""
     bind = host_port(host, port)
     child = subprocess.Popen(
-        [sys.executable, "-c", _LIGHTHOUSE, bind, str(min_replicas), str(ft.JOIN_TIMEOUT_MS),
-         str(ft.QUORUM_TICK_MS), str(ft.HEARTBEAT_TIMEOUT_MS)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+        [
+            sys.executable,
+            "-c",
+            _LIGHTHOUSE,
+            bind,
+            str(min_replicas),
+            str(ft.JOIN_TIMEOUT_MS),
+            str(ft.QUORUM_TICK_MS),
+            str(ft.HEARTBEAT_TIMEOUT_MS),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+    )
     assert child.stdout is not None
     port = child.stdout.readline().strip()
     if not port.isdigit():
         child.kill()
-        raise UsageError(f"torchft's lighthouse did not start on {bind} (is the port free, and torchft installed? "
-                         "pip install 'ddpkit[ft]')")
+        raise UsageError(
+            f"torchft's lighthouse did not start on {bind} (is the port free, and torchft installed? "
+            "pip install 'ddpkit[ft]')"
+        )
     return child, f"http://{host_port(host, port)}"
 
 
@@ -151,35 +171,56 @@ def start_control_plane(min_replicas: int, directory: str) -> tuple[subprocess.P
     Says in one line when the kernel gave it no namespace of its own (it then listens on 127.0.0.1).
     """
     try:
-        child, address, refused = ft_control.start(directory, min_replicas, ft.JOIN_TIMEOUT_MS, ft.QUORUM_TICK_MS,
-                                                   ft.HEARTBEAT_TIMEOUT_MS)
+        child, address, refused = ft_control.start(
+            directory, min_replicas, ft.JOIN_TIMEOUT_MS, ft.QUORUM_TICK_MS, ft.HEARTBEAT_TIMEOUT_MS
+        )
     except RuntimeError as exc:
         raise UsageError(f"{exc} (is torchft installed? pip install 'ddpkit[ft]')") from None
     if refused:
-        sys.stderr.write(f"ddpkit run: warning: the fault-tolerant control plane got no network namespace of its "
-                         f"own ({refused}: unprivileged user namespaces are off), so torchft's lighthouse and "
-                         "managers listen on 127.0.0.1, where other users of this machine can reach them "
-                         "(docs/concepts/security.md)\n")
+        sys.stderr.write(
+            f"ddpkit run: warning: the fault-tolerant control plane got no network namespace of its "
+            f"own ({refused}: unprivileged user namespaces are off), so torchft's lighthouse and "
+            "managers listen on 127.0.0.1, where other users of this machine can reach them "
+            "(docs/concepts/security.md)\n"
+        )
     return child, address
 
 
 def replica_command(spec: FaultTolerantSpec) -> list[str]:
     """One replica: a one-process ``ddpkit run`` that restarts it up to ``max_restarts`` times."""
     target = ["-m", spec.target] if spec.module else [spec.target]
-    return [sys.executable, "-m", "ddpkit", "run", "-n", "1", "--max-restarts", str(spec.max_restarts),
-            *target, *spec.target_args]
+    return [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "-n",
+        "1",
+        "--max-restarts",
+        str(spec.max_restarts),
+        *target,
+        *spec.target_args,
+    ]
 
 
-def replica_env(spec: FaultTolerantSpec, index: int, lighthouse: str, job: str, environ: Any = None,
-                host: str = HOST, sockets: dict[str, str] | None = None, secret: str = "",
-                private: str = "") -> dict[str, str]:
+def replica_env(
+    spec: FaultTolerantSpec,
+    index: int,
+    lighthouse: str,
+    job: str,
+    environ: Any = None,
+    host: str = HOST,
+    sockets: dict[str, str] | None = None,
+    secret: str = "",
+    private: str = "",
+) -> dict[str, str]:
     """The environment of replica ``index``.
 
     Args:
         spec: the job.
         index: the replica, 0 to ``spec.total - 1`` (node ``I``'s are ``I * replicas`` on).
         lighthouse: the lighthouse's address.
-        job: the job's store (:data:`ddpkit.dist.ft.JOB_STORE_ENV`).
+        job: the job's store (:data:`ddpkit.distributed.ft.JOB_STORE_ENV`).
         environ: the environment to start from (default: this process's).
         host: this node's address, where the replica's servers listen.
         sockets: the interface gloo and NCCL use (default: loopback, one machine).
@@ -187,25 +228,34 @@ def replica_env(spec: FaultTolerantSpec, index: int, lighthouse: str, job: str, 
         private: one machine: the job's private directory, where its control plane and stores are.
     """
     env = dict(os.environ if environ is None else environ)
-    for name in ("SLURM_STEP_ID", "SLURM_STEPID"):     # the replica's own ddpkit run is one process, not srun's task
+    for name in ("SLURM_STEP_ID", "SLURM_STEPID"):  # the replica's own ddpkit run is one process, not srun's task
         env.pop(name, None)
-    env.update({ft.LIGHTHOUSE_ENV: lighthouse, ft.JOB_STORE_ENV: job, ft.REPLICA_ENV: str(index),
-                ft.REPLICAS_ENV: str(spec.total), ft.MIN_REPLICAS_ENV: str(spec.min_replicas), ft.HOST_ENV: host,
-                ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s), ft.SECRET_ENV: secret})
+    env.update(
+        {
+            ft.LIGHTHOUSE_ENV: lighthouse,
+            ft.JOB_STORE_ENV: job,
+            ft.REPLICA_ENV: str(index),
+            ft.REPLICAS_ENV: str(spec.total),
+            ft.MIN_REPLICAS_ENV: str(spec.min_replicas),
+            ft.HOST_ENV: host,
+            ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s),
+            ft.SECRET_ENV: secret,
+        }
+    )
     env.pop(ft_control.CONTROL_ENV, None)
     if private:
         env[ft_control.CONTROL_ENV] = private
     env.update(sockets if sockets is not None else {"GLOO_SOCKET_IFNAME": "lo"})
-    env.setdefault("RUST_LOG", "warn")        # torchft's Rust side logs every quorum at info
+    env.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
     return env
 
 
 def run(spec: FaultTolerantSpec) -> int:
     """Start the lighthouse (node 0) and this node's replicas, wait for them; this node's exit code."""
-    from ddpkit.dist import stores
+    from ddpkit.distributed import stores
 
     validate(spec)
-    work = stores.private_dir()                 # mode 0700: the control plane's socket, the stores, the secret
+    work = stores.private_dir()  # mode 0700: the control plane's socket, the stores, the secret
     lighthouse: subprocess.Popen | None = None
     server: Any = None
     private = ""
@@ -228,7 +278,7 @@ def run(spec: FaultTolerantSpec) -> int:
                 _end_lighthouse(lighthouse)
                 raise
         else:
-            from ddpkit.dist.host import local_address
+            from ddpkit.distributed.host import local_address
 
             host = local_address(master_host, master_port) or ""
             if not host:
@@ -237,12 +287,14 @@ def run(spec: FaultTolerantSpec) -> int:
         job = f"tcp:{host_port(master_host, master_port + 1)}"
     sockets = stores.socket_env(spec.nnodes, master_host, master_port)
     try:
-        store = ft.job_store(job, timeout_s=NODE_JOIN_S)       # other nodes: waits for node 0's
+        store = ft.job_store(job, timeout_s=NODE_JOIN_S)  # other nodes: waits for node 0's
     except (RuntimeError, OSError) as exc:
         if lighthouse is not None:
             _end_lighthouse(lighthouse)
-        raise UsageError(f"ddpkit run: cannot reach the fault-tolerant job's store at {job[4:]} on node 0 "
-                         f"({ft._first_line(exc)}); start node 0 first, with the same --master") from None
+        raise UsageError(
+            f"ddpkit run: cannot reach the fault-tolerant job's store at {job[4:]} on node 0 "
+            f"({ft._first_line(exc)}); start node 0 first, with the same --master"
+        ) from None
     replicas: list[subprocess.Popen] = []
     stopping: list[int] = []
 
@@ -255,15 +307,20 @@ def run(spec: FaultTolerantSpec) -> int:
     previous = {number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGINT)}
     first = spec.node_rank * spec.replicas
     try:
-        replicas = [subprocess.Popen(replica_command(spec), env=replica_env(spec, first + index, address, job,
-                                                                              host=host, sockets=sockets,
-                                                                              secret=secret, private=private))
-                    for index in range(spec.replicas)]
+        replicas = [
+            subprocess.Popen(
+                replica_command(spec),
+                env=replica_env(
+                    spec, first + index, address, job, host=host, sockets=sockets, secret=secret, private=private
+                ),
+            )
+            for index in range(spec.replicas)
+        ]
         failure = _watch(spec, replicas, lighthouse, store)
         if failure is not None:
-            return failure                 # the replicas are stopped below
+            return failure  # the replicas are stopped below
         if spec.nnodes > 1 and spec.node_rank != 0:
-            with contextlib.suppress(RuntimeError, OSError):     # node 0 ended first: nobody is left to tell
+            with contextlib.suppress(RuntimeError, OSError):  # node 0 ended first: nobody is left to tell
                 store.set(f"ddpkit/ft/exit/{spec.node_rank}", "1")
         if server is not None:
             _wait_for_nodes(spec, store, lighthouse)
@@ -283,31 +340,36 @@ def run(spec: FaultTolerantSpec) -> int:
     return 0 if len(failed) < len(codes) else failed[0][1]
 
 
-def _watch(spec: FaultTolerantSpec, replicas: Sequence[subprocess.Popen], lighthouse: subprocess.Popen | None,
-           store: Any) -> int | None:
+def _watch(
+    spec: FaultTolerantSpec, replicas: Sequence[subprocess.Popen], lighthouse: subprocess.Popen | None, store: Any
+) -> int | None:
     """Wait for this node's replicas; an exit code when the job must stop (its lighthouse or node 0 is gone)."""
     finished_at: float | None = None
     beat = 0.0
     while any(child.poll() is None for child in replicas):
         now = time.monotonic()
         if lighthouse is not None and lighthouse.poll() is not None:
-            sys.stderr.write(f"ddpkit run: the fault-tolerant lighthouse exited (code {lighthouse.returncode}); "
-                             "stopping every replica so that none trains apart from the others\n")
+            sys.stderr.write(
+                f"ddpkit run: the fault-tolerant lighthouse exited (code {lighthouse.returncode}); "
+                "stopping every replica so that none trains apart from the others\n"
+            )
             return 1
         try:
             if finished_at is None and (any(child.poll() == 0 for child in replicas) or ft.is_done(store)):
-                ft.mark_done(store)            # a replica restarted from now on ends at once
+                ft.mark_done(store)  # a replica restarted from now on ends at once
                 finished_at = now
             if lighthouse is None and spec.nnodes > 1 and now - beat >= 1.0:
                 store.set(f"ddpkit/ft/beat/{spec.node_rank}", str(time.time()))
                 beat = now
-        except (RuntimeError, OSError) as exc:        # only another node's client can lose the store
-            sys.stderr.write(f"ddpkit run: lost node 0 of the fault-tolerant job, and its lighthouse, at "
-                             f"{spec.master} ({ft._first_line(exc)}); stopping this node's replicas so "
-                             "that none trains apart from the others\n")
+        except (RuntimeError, OSError) as exc:  # only another node's client can lose the store
+            sys.stderr.write(
+                f"ddpkit run: lost node 0 of the fault-tolerant job, and its lighthouse, at "
+                f"{spec.master} ({ft._first_line(exc)}); stopping this node's replicas so "
+                "that none trains apart from the others\n"
+            )
             return 1
         if finished_at is not None and now - finished_at > FINISH_GRACE_S:
-            return None                    # the rest are stopped by the caller
+            return None  # the rest are stopped by the caller
         time.sleep(0.2)
     return None
 

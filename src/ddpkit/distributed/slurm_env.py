@@ -1,7 +1,7 @@
 """SLURM's variables and host lists: nodes, tasks per node, and the port of a job.
 
-:mod:`ddpkit.dist.environment` reads a task started by ``srun`` through these; ``ddpkit run``
-under ``srun`` takes its nodes and master from there (:mod:`ddpkit.dist.torchrun`).
+:mod:`ddpkit.distributed.environment` reads a task started by ``srun`` through these; ``ddpkit run``
+under ``srun`` takes its nodes and master from there (:mod:`ddpkit.distributed.torchrun`).
 
 Example:
     >>> expand_nodelist("node[01-03],gpu5")
@@ -11,9 +11,9 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
-from ddpkit.dist._vars import read_int as _int
+from ddpkit.distributed._vars import read_int as _int
 from ddpkit.errors import DdpkitError
 
 _SLURM_PORT_BASE = 15000
@@ -85,7 +85,7 @@ def _expand_host(pattern: str) -> list[str]:
     match = _RANGE.search(pattern)
     if match is None:
         return [pattern]
-    prefix, suffix = pattern[: match.start()], pattern[match.end():]
+    prefix, suffix = pattern[: match.start()], pattern[match.end() :]
     expanded = []
     for value in _expand_ranges(match.group(1), pattern):
         expanded.extend(_expand_host(prefix + value + suffix))

@@ -50,6 +50,8 @@ def signals(environ: Any = None) -> tuple[str, ...]:
     """
     environ = os.environ if environ is None else environ
     return ("SIGUSR1",) if "TORCHELASTIC_RUN_ID" in environ else SIGNALS
+
+
 MARKER_ENV = "DDPKIT_PREEMPTED_FILE"
 """Set by ``ddpkit run`` for its workers: local rank 0 creates the file once the preempted save is
 on disk, so the launcher, whose workers torch's agent stops, can tell a save from a kill."""
@@ -73,7 +75,7 @@ class Preemption:
         self.checked_step = 0
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.armed:            # nothing to save yet: end as the signal's default would
+        if not self.armed:  # nothing to save yet: end as the signal's default would
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -108,7 +110,7 @@ class Preemption:
         if self.received is None:
             return ""
         notice = os.environ.get(NOTICE_ENV)
-        if notice and os.path.exists(notice):           # what ddpkit run itself got
+        if notice and os.path.exists(notice):  # what ddpkit run itself got
             with contextlib.suppress(OSError):
                 return Path(notice).read_text().strip() or "SIGUSR1"
         return signal.Signals(self.received).name if self.received > 0 else "a signal to another rank"
@@ -124,11 +126,15 @@ def stopped(sigval: int, saved: bool, notice: str | None = None) -> int:
         name = Path(notice).read_text().strip() or name
         sigval = getattr(signal, name, sigval)
     if saved:
-        sys.stderr.write(f"ddpkit run: stopped by {name}; the workers saved a checkpoint first, exit code "
-                         f"{EXIT_CODE} (resume='auto' continues from it)\n")
+        sys.stderr.write(
+            f"ddpkit run: stopped by {name}; the workers saved a checkpoint first, exit code "
+            f"{EXIT_CODE} (resume='auto' continues from it)\n"
+        )
         return EXIT_CODE
-    sys.stderr.write(f"ddpkit run: stopped by {name} before the workers saved a checkpoint "
-                     f"(exit code {128 + int(sigval)}); a resume starts from the newest earlier one\n")
+    sys.stderr.write(
+        f"ddpkit run: stopped by {name} before the workers saved a checkpoint "
+        f"(exit code {128 + int(sigval)}); a resume starts from the newest earlier one\n"
+    )
     return 128 + int(sigval)
 
 
@@ -161,4 +167,14 @@ def pass_on(notice: str) -> Any:
     return undo
 
 
-__all__ = ["EXIT_CODE", "MARKER_ENV", "NOTICE_ENV", "pass_on", "signals", "Preemption", "SIGNALS", "mark_saved", "stopped"]
+__all__ = [
+    "EXIT_CODE",
+    "MARKER_ENV",
+    "NOTICE_ENV",
+    "pass_on",
+    "signals",
+    "Preemption",
+    "SIGNALS",
+    "mark_saved",
+    "stopped",
+]
