@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.loop.state import LoopState
+from ddpkit.state.loop import LoopState
 
 sys.path.insert(0, str(Path(__file__).parent))
 import loop_workers  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.loop.precision import PRECISIONS, Precision
+from ddpkit.state.precision import PRECISIONS, Precision
 
 CPU = torch.device("cpu")
 

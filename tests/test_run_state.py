@@ -8,10 +8,10 @@ import torch
 from ddpkit.checkpoint import resume
 from ddpkit.errors import UsageError
 from ddpkit.loop import build, steps
-from ddpkit.loop.precision import Precision
-from ddpkit.loop.state import RunState
 from ddpkit.parallel.options import SetupOptions, check_strategy
 from ddpkit.parallel.wrap import wrap
+from ddpkit.state.precision import Precision
+from ddpkit.state.run import RunState
 
 
 def _run(weights: int = 3) -> tuple[RunState, torch.nn.Module, torch.optim.Optimizer]:

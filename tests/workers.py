@@ -484,7 +484,7 @@ def auto_compression(
     if checkpoint_dir and stop_at is None and os.listdir(checkpoint_dir):
         rt.load(checkpoint_dir, state)
     loader = rt.loader(_toy_data(200), global_batch_size=20, shuffle=True)
-    compressor = rt.run.compressors[0]
+    compressor = rt.run.entries[0].mode.compressor
     decided_at = None
     for _ in rt.epochs(10):
         for images, labels, _index in loader:

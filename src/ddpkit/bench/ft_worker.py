@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         opts.model, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
-    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=rt.run.ft is None and rt.world_size > 1)
+    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=rt.replica is None and rt.world_size > 1)
     loader = rt.loader(info.dataset, global_batch_size=opts.batch, shuffle=True)
     state = {"model": model, "optimizer": optimizer}
     rt.resume(state)
@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
             for inputs, targets in loader:
                 if not started:
                     started = True
-                    event(kind="start", step=rt.global_step, healed=bool(rt.run.ft is not None and rt.run.ft.healed))
+                    event(
+                        kind="start",
+                        step=rt.global_step,
+                        healed=bool(rt.run.world.quorum is not None and rt.run.world.quorum.healed),
+                    )
                 if opts.min_step_s > 0:
                     time.sleep(max(0.0, opts.min_step_s - (time.perf_counter() - began)))
                     began = time.perf_counter()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ddpkit.bench import wire
 from ddpkit.bench.stopwatch import backward_alone, compute_scaling, mark, rank_stats, state_bytes, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
+from ddpkit.parallel.modes import MicroShards
 from ddpkit.recipes.models import build_model
 
 
@@ -60,7 +61,8 @@ def _micro_shard_step(
     Returns the step's five marks as the plain loop takes them: the forwards' and backwards' own
     seconds laid end to end after ``fetched``; the exchange follows the backwards. ``alone`` gets
     the step's backward seconds without the exchange (the diagnosis's backward without sync)."""
-    device, exact = rt.device, rt.run.exact
+    device = rt.device
+    exact = next(mode.exact for mode in rt.run.modes if isinstance(mode, MicroShards))
     forward = backward = 0.0
     for shard_inputs, shard_targets in rt.shards(inputs, targets):
         begin = mark(device)
@@ -116,7 +118,9 @@ def train(opts: argparse.Namespace) -> None:
             powersgd_start=powersgd_start(opts.warmup),
             **extra,
         )
-    compressor = rt.run.compressors[-1]  # the gradient compressor of the model set up last
+    mode = rt.run.entries[-1].mode  # the mode of the model set up last
+    compressor = getattr(mode, "compressor", None) or getattr(mode, "syncer", None)
+    exact = mode.exact if isinstance(mode, MicroShards) else None
     if opts.data_parallel:
         model = torch.nn.DataParallel(model)
     data = info.dataset
@@ -158,7 +162,7 @@ def train(opts: argparse.Namespace) -> None:
         payload = None if compressor is None else compressor.payload_bytes / opts.steps
     calls = wire.calls_per_step(model, opts.grad_compression)
     if opts.micro_shards and rt.world_size > 1:
-        calls = rt.run.exact.exchange_calls
+        calls = exact.exchange_calls
         # an all_gather of the gradients receives (W - 1) x their bytes: the bus bytes of an
         # allreduce of W / 2 x them, which is what the diagnosis's arithmetic takes
         payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) * rt.world_size / 2
@@ -174,7 +178,7 @@ def train(opts: argparse.Namespace) -> None:
     if opts.micro_shards:  # what one forward takes: a shard
         every = opts.micro_shards // rt.world_size
         stats["compute_scaling_2x"] = compute_scaling(
-            model, inputs[0::every], targets[0::every], rt.autocast, device, quiet=rt.run.exact.probing
+            model, inputs[0::every], targets[0::every], rt.autocast, device, quiet=exact.probing
         )
     elif opts.strategy != "fsdp" and syncer is None:
         stats["compute_scaling_2x"] = compute_scaling(

@@ -1,7 +1,7 @@
 """Saving and resuming a run's whole state: the user's objects and ddpkit's own.
 
 ``rt.save``, ``rt.load``, ``rt.checkpoint`` and ``rt.resume`` are these functions of the run's
-state (:class:`~ddpkit.loop.state.RunState`) and of :class:`Peers` (this rank, the world, how long
+state (:class:`~ddpkit.state.run.RunState`) and of :class:`Peers` (this rank, the world, how long
 ranks wait for one another); with a world of one they need no process group. A checkpoint holds
 the loop state (epoch, step, the training loaders' positions by name, the accumulation group),
 every rank's RNG states, the precision's scaler and, inside an accumulation group, each rank's
@@ -9,16 +9,17 @@ part-accumulated gradients, so a resumed run continues with the very next batch 
 random streams (:mod:`ddpkit.checkpoint.pt` and :mod:`ddpkit.checkpoint.dcp` are the formats).
 
 The run's state is only read and changed through its attributes here (its class lives in the
-loop, a layer above); :class:`RunLike` names what is used.
+loop, a layer above); :class:`RunState` names what is used.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ddpkit import checkpoint, rng
 from ddpkit._version import __version__
@@ -26,6 +27,9 @@ from ddpkit.checkpoint import dcp
 from ddpkit.distributed import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.observe.heartbeats import beat
+from ddpkit.parallel import lazy_buffers, periodic
+from ddpkit.parallel.periodic import SYNCS
+from ddpkit.state.run import RunState
 
 
 @dataclass(frozen=True)
@@ -47,27 +51,11 @@ class Peers:
         return self.rank == 0
 
 
-class RunLike(Protocol):
-    """What saving and resuming use of a :class:`~ddpkit.loop.state.RunState`."""
-
-    seed: int | None
-    precision: Any
-    loop: Any
-    models: list[Any]
-    compressors: list[Any]
-    buffers: list[Any]
-    saved_compression: Any
-    saved_buffers: Any
-
-    def sharded(self) -> bool:
-        """Whether any set-up model is sharded (its checkpoints are DCP directories)."""
-
-
 _HEADER = frozenset({"format", "version", "ddpkit_version", "user", "ddpkit"})
 """ddpkit's keys at the top of a ``.pt`` checkpoint; a user entry of one of these names is in ``user`` only."""
 
 
-def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str, Any], *, keep: int = 3) -> Path:
+def save(run: RunState, peers: Peers, path: str | os.PathLike, state: Mapping[str, Any], *, keep: int = 3) -> Path:
     """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
 
     Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
@@ -102,8 +90,9 @@ def save(run: RunLike, peers: Peers, path: str | os.PathLike, state: Mapping[str
         own_stats = collectives.all_gather_object([None if b is None else b.state_dict() for b in run.buffers])
         averages = {b: b.averaged() for b in run.buffers if b is not None}  # out of place
     compression = None
-    if any(c is not None for c in run.compressors):  # the same models on every rank
-        compression = collectives.all_gather_object([None if c is None else c.state_dict() for c in run.compressors])
+    states = [entry.mode.state_dict() for entry in run.entries]
+    if any(state is not None for state in states):  # the same models on every rank
+        compression = collectives.all_gather_object(states)
     if not peers.is_main:
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
         return target
@@ -144,16 +133,16 @@ def target_of(path: str | os.PathLike, step: int) -> Path:
     return checkpoint.step_path(path, step) if path.is_dir() or path.suffix == "" else path
 
 
-def _saved_tracking(run: RunLike) -> None:
+def _saved_tracking(run: RunState) -> None:
     """The checkpoint is on disk: the trackers get the rows it covers (rank 0)."""
-    tracking = getattr(run, "tracking", None)
+    tracking = run.tracking
     if tracking is not None:
         tracking.saved(run.loop.step)
 
 
-def _restore_tracking(run: RunLike, own: Mapping[str, Any]) -> None:
+def _restore_tracking(run: RunState, own: Mapping[str, Any]) -> None:
     """Continue the checkpoint's tracker runs (rank 0); rows queued after its step are dropped."""
-    tracking = getattr(run, "tracking", None)
+    tracking = run.tracking
     if tracking is not None:
         tracking.load_state_dict(own.get("trackers"), run.loop.step)
 
@@ -161,8 +150,6 @@ def _restore_tracking(run: RunLike, own: Mapping[str, Any]) -> None:
 def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
     """The saved model entries with BatchNorm statistics replaced by their cross-rank averages, and
     the synced weights of a model that syncs infrequently in place of rank 0's local ones."""
-    from ddpkit.parallel import lazy_buffers, periodic
-
     for key, value in state.items():
         if isinstance(user.get(key), dict) and periodic.of(value) is not None:
             user[key] = periodic.exported(value, user[key])
@@ -175,7 +162,7 @@ def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Map
     return user
 
 
-def _open_group_grads(run: RunLike) -> list[Any] | None:
+def _open_group_grads(run: RunState) -> list[Any] | None:
     """Every rank's part-accumulated gradients when a save falls inside an accumulation group."""
     if run.loop.micro_step == 0:
         return None
@@ -185,9 +172,9 @@ def _open_group_grads(run: RunLike) -> list[Any] | None:
     return collectives.all_gather_object(mine)
 
 
-def _own_state(run: RunLike, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
+def _own_state(run: RunState, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
     """ddpkit's part of every checkpoint: the loop, every rank's RNGs, precision, settings."""
-    tracking = getattr(run, "tracking", None)
+    tracking = run.tracking
     return {
         "loop": run.loop.state_dict(),
         "epoch": run.loop.epoch,
@@ -200,7 +187,7 @@ def _own_state(run: RunLike, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
     }
 
 
-def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, Any], keep: int) -> Path:
+def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, Any], keep: int) -> Path:
     """A DCP checkpoint in a fresh step directory of ``path`` (see :mod:`ddpkit.checkpoint.dcp`)."""
     import uuid
 
@@ -242,7 +229,7 @@ def _save_sharded(run: RunLike, peers: Peers, path: Path, state: Mapping[str, An
 
 
 def _restore_sharded(
-    run: RunLike, peers: Peers, target: Path, state: MutableMapping[str, Any], strict: bool, *, verified: bool
+    run: RunState, peers: Peers, target: Path, state: MutableMapping[str, Any], strict: bool, *, verified: bool
 ) -> Path:
     problem = None
     if peers.is_main and not verified:  # checkpoint.latest verified what it found
@@ -276,7 +263,7 @@ def _restore_rng(peers: Peers, own: Mapping[str, Any], target: Path) -> None:
 
 
 def load(
-    run: RunLike, peers: Peers, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True
+    run: RunState, peers: Peers, path: str | os.PathLike, state: MutableMapping[str, Any], *, strict: bool = True
 ) -> Path:
     """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
 
@@ -303,7 +290,7 @@ def load(
 
 
 def _restore(
-    run: RunLike, peers: Peers, target: Path, state: MutableMapping[str, Any], *, verified: bool, strict: bool = True
+    run: RunState, peers: Peers, target: Path, state: MutableMapping[str, Any], *, verified: bool, strict: bool = True
 ) -> Path:
     if dcp.is_dcp(target):  # a sharded checkpoint: rank 0 verifies it for everyone
         return _restore_sharded(run, peers, target, state, strict, verified=verified)
@@ -352,7 +339,7 @@ def _restore(
     return target
 
 
-def _restore_buffers(run: RunLike, index: int) -> None:
+def _restore_buffers(run: RunState, index: int) -> None:
     """Give model ``index`` this rank's own saved BatchNorm statistics (load before or after setup)."""
     saved = run.saved_buffers
     if saved is None or index >= len(saved) or saved[index] is None or run.buffers[index] is None:
@@ -360,23 +347,19 @@ def _restore_buffers(run: RunLike, index: int) -> None:
     run.buffers[index].load_state_dict(saved[index])
 
 
-def _restore_compression(run: RunLike, index: int, is_main: bool) -> None:
+def _restore_compression(run: RunState, index: int, is_main: bool) -> None:
     """Give model ``index``'s compressor its saved state (load may come before or after setup)."""
     if run.saved_compression is None:
         return
-    import warnings
-
     states, same_world, source = run.saved_compression
     saved = states[index] if states is not None and index < len(states) else None
-    compressor = run.compressors[index]
+    mode = run.entries[index].mode
     with warnings.catch_warnings():
         if not is_main:
             warnings.simplefilter("ignore")
-        if compressor is not None:
-            compressor.load_state_dict(saved or {"name": None}, same_world=same_world, source=source)
+        if mode.state_dict() is not None:
+            mode.load_state_dict(saved or {"name": None}, same_world=same_world, source=source)
         elif saved is not None:
-            from ddpkit.parallel.periodic import SYNCS
-
             if saved["name"] in SYNCS:
                 warn(
                     f"checkpoint {source} was trained with sync={saved['name']!r} and resumes with a sync "
@@ -389,7 +372,7 @@ def _restore_compression(run: RunLike, index: int, is_main: bool) -> None:
                 )
 
 
-def _restore_grads(run: RunLike, peers: Peers, saved: list[list[Any]], target: Path) -> None:
+def _restore_grads(run: RunState, peers: Peers, saved: list[list[Any]], target: Path) -> None:
     if len(saved) != len(run.models):
         raise DdpkitError(
             f"checkpoint {target} holds the gradients of {len(saved)} model(s) of an open "
@@ -406,7 +389,7 @@ def _restore_grads(run: RunLike, peers: Peers, saved: list[list[Any]], target: P
 
 
 def resume(
-    run: RunLike,
+    run: RunState,
     peers: Peers,
     source: str | os.PathLike | None,
     directory: Path | None,
@@ -438,7 +421,7 @@ def resume(
     return load(run, peers, source, state, strict=strict)
 
 
-def restore_pending(run: RunLike, index: int, *, is_main: bool) -> None:
+def restore_pending(run: RunState, index: int, *, is_main: bool) -> None:
     """Give model ``index``, just set up, what a load before its setup saved for it."""
     _restore_compression(run, index, is_main)
     _restore_buffers(run, index)

@@ -13,7 +13,7 @@ import torch
 from ddpkit.errors import UsageError
 from ddpkit.loop.loader import QuorumLoader, ShardedLoader
 from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
-from ddpkit.loop.state import RunState
+from ddpkit.state.run import RunState
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,9 @@ def build_loader(
         persistent_workers=options.persistent_workers,
         worker_init_fn=options.worker_init_fn,
     )
+    quorum = run.world.quorum  # a fault-tolerant replica: batches split over each step's quorum
     if _is_stream(dataset):
-        if run.ft is not None:
+        if quorum is not None:
             raise UsageError(
                 "--fault-tolerant does not read streams yet (an IterableDataset); give a map-style dataset"
             )
@@ -119,7 +120,7 @@ def build_loader(
             watch=watch,
             **common,
         )
-    elif run.ft is not None:
+    elif quorum is not None:
         if options.num_workers:
             raise UsageError(
                 "--fault-tolerant reads samples in the training process, between quorums: "
@@ -136,7 +137,7 @@ def build_loader(
             weights=options.weights,
             num_samples=options.num_samples,
         )
-        made = QuorumLoader(dataset, sampler, replica=run.ft, **common)
+        made = QuorumLoader(dataset, sampler, replica=quorum, **common)
     else:
         sampler = GlobalBatchSampler(
             len(dataset),

@@ -9,28 +9,33 @@ plain data, so the receiving side loads it with ``weights_only=True``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from ddpkit import rng
 from ddpkit._torch import unwrap
 from ddpkit.checkpoint.state import restore_user_state, user_state
-from ddpkit.loop.state import RunState
+from ddpkit.state.run import RunState
 
 
-def _objects(run: RunState) -> dict[str, Any]:
-    if run.ft_state is not None:
-        return dict(run.ft_state)
+def _objects(run: RunState, state: Mapping[str, Any] | None) -> dict[str, Any]:
+    if state is not None:
+        return dict(state)
     found: dict[str, Any] = {f"model{i}": model for i, model in enumerate(run.models)}
     found.update({f"optimizer{i}": opt for i, opt in enumerate(run.optimizers)})
     return found
 
 
-def heal_state(run: RunState, replica: int = 0) -> dict[str, Any]:
-    """This replica's state for a peer that is behind (called by torchft, between steps); ``replica``
-    is this replica's index, which the peer names as its source."""
+def heal_state(run: RunState, state: Mapping[str, Any] | None, replica: int = 0) -> dict[str, Any]:
+    """This replica's state for a peer that is behind (called by torchft, between steps).
+
+    Args:
+        run: the replica's run.
+        state: the mapping given to ``rt.resume`` or a save (None: the set-up models and optimizers).
+        replica: this replica's index, which the peer names as its source.
+    """
     return {
-        "user": user_state(_objects(run)),
+        "user": user_state(_objects(run, state)),
         "loop": run.loop.state_dict(),
         "rng": rng.rng_state(),
         "precision": run.precision.state_dict(),
@@ -38,15 +43,15 @@ def heal_state(run: RunState, replica: int = 0) -> dict[str, Any]:
     }
 
 
-def apply_heal(run: RunState, saved: Mapping[str, Any]) -> None:
+def apply_heal(run: RunState, state: MutableMapping[str, Any] | None, saved: Mapping[str, Any]) -> None:
     """Take a peer's :func:`heal_state`: this replica continues exactly where the peer stands."""
     source = f"peer of replica {int(saved.get('replica', -1))}"
-    objects = _objects(run)
+    objects = _objects(run, state)
     restore_user_state(objects, saved["user"], source)
-    if run.ft_state is not None:
-        for key in run.ft_state:
-            if not hasattr(run.ft_state[key], "load_state_dict"):
-                run.ft_state[key] = objects[key]  # plain values
+    if state is not None:
+        for key in state:
+            if not hasattr(state[key], "load_state_dict"):
+                state[key] = objects[key]  # plain values
     run.loop.restore(saved["loop"], source=source, strict=True)
     rng.set_rng_state(saved["rng"])
     run.precision.load_state_dict(saved["precision"])

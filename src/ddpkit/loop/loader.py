@@ -10,7 +10,7 @@ nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
   seeded from (seed, epoch, rank, worker id), so ranks draw different numbers; per-sample
   randomness that must not depend on the world size comes from :func:`ddpkit.sample_rng`.
 
-The loop state (:mod:`ddpkit.loop.state`) reads each loader's :meth:`ShardedLoader.position_record`
+The loop state (:mod:`ddpkit.state.loop`) reads each loader's :meth:`ShardedLoader.position_record`
 into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.
 """
 
@@ -152,6 +152,9 @@ class ShardedLoader(LoaderPosition):
     and the true sample counts of the current batch, so the loss can weigh an uneven last batch.
     Made by :meth:`ddpkit.Runtime.loader`.
     """
+
+    cuts_global_batches = True
+    """Its batches are this rank's share of fixed global batches: micro-shards can cut them."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """One training step as functions of the run's state: backward, step, clip, accumulate, epochs.
 
 What ``rt.backward``, ``rt.step``, ``rt.clip_grad_norm_``, ``rt.accumulate``, ``rt.epochs`` and
-``rt.should_stop`` do, on a :class:`~ddpkit.loop.state.RunState`. They send the watchdog their
+``rt.should_stop`` do, on a :class:`~ddpkit.state.run.RunState`. They send the watchdog their
 heartbeats through :func:`ddpkit.observe.heartbeats.beat`, so nothing here knows the runtime.
 """
 
@@ -16,21 +16,16 @@ import torch
 
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
-from ddpkit.loop.state import RunState
 from ddpkit.observe.heartbeats import beat
+from ddpkit.parallel.modes import Mode
+from ddpkit.state.run import RunState
 
 
 def on_batch(run: RunState, loader: Any) -> None:
-    """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress.
-
-    In a fault-tolerant job the step may not commit; what its forward changes besides the
-    gradients (BatchNorm's running statistics, torch's random state) is kept to be put back."""
+    """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
     run.active = loader
-    if run.ft is not None:
-        run.ft_undo = (
-            [(b, b.detach().clone()) for model in run.models for b in model.buffers()],
-            torch.get_rng_state(),
-        )
+    for mode in run.modes:
+        mode.on_batch(run.models)
     beat("data")  # a batch is in hand; the forward follows
 
 
@@ -68,14 +63,14 @@ def backward(run: RunState, loss: torch.Tensor) -> None:
             loss = torch.nan_to_num(loss, nan=0.0)  # mean of nothing; contributes zero
     if run.accumulation is not None:
         weight /= run.accumulation[0]
-    if run.exact is not None:  # a micro-shard: its share of the global batch, summed by the tree
-        weight = run.exact.weight()
+    for mode in run.modes:
+        weight = mode.loss_weight(weight)
     if not run.backward_since_step:
         run.unscaled.clear()
     run.backward_since_step = run.uses_backward = True
     run.precision.backward(loss * weight if weight != 1.0 else loss)
-    if run.exact is not None:
-        run.exact.after_backward()
+    for mode in run.modes:
+        mode.after_backward()
 
 
 def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
@@ -85,9 +80,11 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
-    if run.exact is not None and run.exact.cut:  # not yet reduced by rt.clip_grad_norm_
-        run.exact.reduce()
-    if run.ft is not None and run.ft.in_quorum() and not _commit_across_replicas(run, optimizers):
+    for mode in run.modes:
+        mode.complete()
+    params = _trained(run, optimizers)
+    if not all(mode.commit(params, run.active) for mode in run.modes):
+        run.backward_since_step = False
         return False
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
         _plain_backward(run)
@@ -99,9 +96,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.backward_since_step or not run.uses_backward:
         run.loop.step += 1
         run.backward_since_step = False
-        for syncer in run.compressors:  # an infrequent sync counts the step, and meets every H
-            if hasattr(syncer, "after_step"):
-                syncer.after_step()
+        for mode in run.modes:  # an infrequent sync counts the step, and meets every H
+            mode.after_step()
         _agree_on_preemption(run)
     if not run.uses_backward:
         run.precision.flush()  # no rt.backward will come to apply the scaler update
@@ -112,7 +108,7 @@ def _plain_backward(run: RunState) -> None:
     """Warn once (rank 0) when this step's gradients came from ``loss.backward()`` on a batch that
     ``rt.backward`` would have weighted: an uneven split of the global batch (its last, say)."""
     active = run.active
-    if not hasattr(active, "batch_weight") or not active.global_count or collectives.rank() != 0:
+    if not getattr(active, "global_count", 0) or collectives.rank() != 0:
         return
     weight = active.batch_weight()
     if weight == 1.0 or not any(p.grad is not None for model in run.models for p in model.parameters()):
@@ -125,35 +121,11 @@ def _plain_backward(run: RunState) -> None:
     )
 
 
-def _commit_across_replicas(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
-    """A fault-tolerant step: average the gradients over the quorum's replicas, then ask whether
-    every one finished. False (a replica died during the step): nothing is applied, the gradients
-    are dropped and the loader hands out the same global batch again, split over the next quorum."""
+def _trained(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.Tensor]:
+    """The step's trainable parameters, each once, in order: the models' and the optimizers'."""
     trained = [p for model in run.models for p in model.parameters()]
     trained += [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-    params = list({id(p): p for p in trained if p.requires_grad}.values())  # each once, in order
-    for dtype in sorted({p.dtype for p in params}, key=str):
-        same = [p for p in params if p.dtype == dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
-        run.ft.average(flat)
-        offset = 0
-        for p in same:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-    if run.ft.should_commit():
-        return True
-    for p in params:
-        p.grad = None
-    if run.ft_undo is not None:  # the forward's statistics and random draws, undone
-        buffers, rng_state = run.ft_undo
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        torch.set_rng_state(rng_state)
-    run.backward_since_step = False
-    if run.active is not None and hasattr(run.active, "step_back"):
-        run.active.step_back()
-    return False
+    return list({id(p): p for p in trained if p.requires_grad}.values())
 
 
 PREEMPTION_CHECK_S = 1.0
@@ -206,8 +178,8 @@ def clip_grad_norm_(
     """
     if run.accumulation is not None and not run.accumulation[1]:
         return None
-    if run.exact is not None and run.exact.cut:  # the shards' sum first: the gradients to clip
-        run.exact.reduce()
+    for mode in run.modes:  # the shards' sum first: the gradients to clip
+        mode.complete()
     params = [p for p in model.parameters() if p.grad is not None]
     if run.precision.scaler is not None:
         mine = {id(p) for p in params}
@@ -238,11 +210,8 @@ def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bo
     """One micro-step of a group of ``steps``: gradients sync only on the last, which it yields True."""
     if steps < 1:
         raise UsageError(f"accumulate needs steps >= 1, got {steps}")
-    if run.exact is not None:
-        raise UsageError(
-            "rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
-            "raise global_batch_size, or micro_shards, instead"
-        )
+    for mode in run.modes:
+        mode.refuse("rt.accumulate")
     loop = run.loop
     if loop.micro_step == 0:
         loop.group = group_weight(run.active, steps)
@@ -252,13 +221,8 @@ def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bo
     if last:
         loop.micro_step = 0
     run.accumulation = (divisor, last)
-    sync_off: Any = contextlib.nullcontext()
-    if not last and hasattr(model, "no_sync"):
-        sync_off = model.no_sync()
-    elif not last and hasattr(model, "set_requires_gradient_sync"):  # strategy="fsdp"
-        from ddpkit.parallel.fsdp import no_gradient_sync
-
-        sync_off = no_gradient_sync(model)
+    mode = next((entry.mode for entry in run.entries if entry.model is model), Mode())
+    sync_off = mode.no_sync(model) if not last else contextlib.nullcontext()
     try:
         with sync_off:
             yield last

@@ -109,6 +109,9 @@ class Compressor:
         """DDP's communication hook: reduce ``bucket``, return a future of its averaged gradients."""
         raise NotImplementedError
 
+    def after_step(self) -> None:
+        """An optimizer step was taken (``"auto"`` counts its timed steps, then chooses)."""
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, as tensors and plain values (checkpoints load with ``weights_only``)."""
         return {"name": self.name}

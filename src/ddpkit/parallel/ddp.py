@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import warn
+from ddpkit.parallel.modes import Replicated
 from ddpkit.parallel.options import SetupOptions, Wrapped
 
 
@@ -142,15 +143,17 @@ def _distributed(
         from ddpkit.parallel.auto import AutoCompressor
         from ddpkit.parallel.compression import attach
 
-        wrapped.compressor = attach(
-            model,
-            options.grad_compression,
-            rank=options.powersgd_rank,
-            start=options.powersgd_start,
-            device=device,
-            choose=AutoCompressor,
-            buckets_settled=wrapped.not_bitwise is None,
-            timeout_s=timeout_s,
+        wrapped.mode = Replicated(
+            attach(
+                model,
+                options.grad_compression,
+                rank=options.powersgd_rank,
+                start=options.powersgd_start,
+                device=device,
+                choose=AutoCompressor,
+                buckets_settled=wrapped.not_bitwise is None,
+                timeout_s=timeout_s,
+            )
         )
     return model
 

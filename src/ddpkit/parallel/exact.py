@@ -179,7 +179,7 @@ class Exact:
         Checks and marks the batch as cut at once (not at the first ``next``): a rank whose shards
         are all empty (a short last batch) yields nothing, yet its ``rt.step`` must still take
         part in the exchange."""
-        if active is None or not hasattr(active, "sampler"):  # the runtime refuses streams before this
+        if not getattr(active, "cuts_global_batches", False):
             raise UsageError(
                 "rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
                 "splits its global batches; streams are not built for it)"

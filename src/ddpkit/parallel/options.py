@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel.modes import Mode, Replicated
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -140,7 +141,7 @@ class Wrapped:
     """``strategy="fsdp"``: parameters are shards (checkpoints are DCP directories)."""
     not_bitwise: str | None = None
     """Why a resumed run would not be bitwise equal to an uninterrupted one, if it would not."""
-    compressor: Any = None
-    """The gradient compression hook's state (:mod:`ddpkit.parallel.compression`), or None."""
+    mode: Mode = field(default_factory=Replicated)
+    """How the model trains (:mod:`ddpkit.parallel.modes`): replicated (with its compression hook), sharded or periodic."""
     buffers: Any = None
     """Lazily averaged BatchNorm statistics (:mod:`ddpkit.parallel.lazy_buffers`), or None."""

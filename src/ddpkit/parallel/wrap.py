@@ -9,14 +9,15 @@ Example:
     >>> options.check(torch.nn.Linear(2, 2), device=torch.device("cpu"), backend=None, precision="fp32")
     >>> wrapped = wrap(torch.nn.Linear(2, 2), None, options, device=torch.device("cpu"), world_size=1,
     ...                is_main=True, precision="fp32", timeout_s=60)
-    >>> wrapped.sharded, wrapped.compressor is None
-    (False, True)
+    >>> wrapped.sharded, wrapped.mode.name
+    (False, 'replicated')
 """
 
 from __future__ import annotations
 
 import torch
 
+from ddpkit.parallel.modes import Periodic, Sharded
 from ddpkit.parallel.options import SetupOptions, Wrapped
 
 
@@ -59,7 +60,7 @@ def wrap(
             reshard_after_forward=options.reshard_after_forward,
             cpu_offload=options.cpu_offload,
         )
-        return Wrapped(sharded, sharded=True)
+        return Wrapped(sharded, sharded=True, mode=Sharded())
     if options.sync != "every-step":
         return _train_apart(model, optimizer, options, device=device, is_main=is_main)
     from ddpkit.parallel.ddp import replicate
@@ -93,7 +94,7 @@ def _train_apart(
     periodic.announce(options.sync, syncer.every, is_main)
     if options.compile:
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
-    return Wrapped(model, compressor=syncer)
+    return Wrapped(model, mode=Periodic(syncer))
 
 
 def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch.Tensor] | None:

@@ -224,11 +224,11 @@ def check(config: TrainConfig) -> None:
     Raises:
         UsageError: the first setting that is wrong, in one line.
     """
-    from ddpkit.loop.precision import PRECISIONS
     from ddpkit.observe.watchdog import check_timeout
     from ddpkit.parallel.options import check_strategy
     from ddpkit.recipes.datasets import DATASETS
     from ddpkit.recipes.models import MODELS
+    from ddpkit.state.precision import PRECISIONS
 
     if config.model not in MODELS:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")

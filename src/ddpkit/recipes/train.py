@@ -204,7 +204,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "outer_momentum": config.outer_momentum if config.sync == "diloco" else None,
         "cpu_offload": config.cpu_offload,
         "powersgd_rank": config.powersgd_rank if config.grad_compression in ("powersgd", "auto") else None,
-        "grad_compression_auto": getattr(rt.run.compressors[0] if rt.run.compressors else None, "decision", None),
+        "grad_compression_auto": getattr(getattr(rt.run.entries[0].mode, "compressor", None), "decision", None)
+        if rt.run.entries
+        else None,
         "test_accuracy": metrics["accuracy"],
         "test_loss": metrics["loss"],
         "test_count": metrics["count"],

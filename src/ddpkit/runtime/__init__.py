@@ -1,7 +1,7 @@
 """The runtime layer: ``rt``, the facade a user script holds, and :func:`init`, which makes it.
 
 - :mod:`ddpkit.runtime.facade`: :class:`Runtime`, composing the place in the world, one
-  :class:`~ddpkit.loop.state.RunState` and the observers; each method hands its work on.
+  :class:`~ddpkit.state.run.RunState` and the observers; each method hands its work on.
 - :mod:`ddpkit.runtime.start`: :func:`init` (frozen :class:`Settings`, checked, then the join) and
   :func:`current`.
 """

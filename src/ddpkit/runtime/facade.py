@@ -1,7 +1,7 @@
 """``rt``, the object a user script holds: a thin facade over the run's parts.
 
 :class:`Runtime` composes the place in the world (:class:`~ddpkit.distributed.environment.Environment`,
-device, backend), one :class:`~ddpkit.loop.state.RunState` (loop position, precision, models,
+device, backend), one :class:`~ddpkit.state.run.RunState` (loop position, precision, models,
 optimizers, compressors, statistics) and the watchdog and metrics of :mod:`ddpkit.observe`. Each
 method hands its work to the module that owns it: set-up to :mod:`ddpkit.parallel.wrap`, loaders
 to :mod:`ddpkit.loop.build`, a step to :mod:`ddpkit.loop.steps`, save and load to
@@ -28,12 +28,13 @@ from ddpkit.distributed.environment import Environment
 from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.loop import build
 from ddpkit.loop import steps as loop_steps
-from ddpkit.loop.precision import Precision
-from ddpkit.loop.state import RunState
 from ddpkit.observe import heartbeats, progress, watchdog
 from ddpkit.observe.metrics import MetricsLogger, as_floats
+from ddpkit.parallel import exact, modes
 from ddpkit.parallel.options import SetupOptions
 from ddpkit.parallel.wrap import full_state_dict, wrap
+from ddpkit.state.precision import Precision
+from ddpkit.state.run import RunState
 
 
 def _from_user_code() -> bool:
@@ -47,7 +48,7 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 class Runtime:
     """Rank, device and backend of this process, the collectives it may call, and the training API.
 
-    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`~ddpkit.loop.state.RunState`,
+    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`~ddpkit.state.run.RunState`,
     ``rt.run``; where it stands in the world is ``rt.env``.
     """
 
@@ -81,7 +82,7 @@ class Runtime:
         In a fault-tolerant job each replica is a one-process group: ``rt.rank`` is 0 in every
         replica, and :attr:`replica` says which replica this is (read from a script, it says so once).
         """
-        if self.run.ft is not None and not self._told_replica and _from_user_code():
+        if self.run.world.replica is not None and not self._told_replica and _from_user_code():
             self._told_replica = True
             warn(
                 "rt.rank is 0 in every replica of a fault-tolerant job (each replica is a one-process group); "
@@ -93,12 +94,12 @@ class Runtime:
     def replica(self) -> int | None:
         """In a fault-tolerant job, this replica's index, 0 to ``rt.replicas - 1`` (kept across its
         restarts); None otherwise."""
-        return self.run.ft.index if self.run.ft is not None else None
+        return self.run.world.replica
 
     @property
     def replicas(self) -> int:
         """Replicas a fault-tolerant job started (1 otherwise)."""
-        return self.run.ft.replicas if self.run.ft is not None else 1
+        return self.run.world.replicas
 
     @property
     def local_rank(self) -> int:
@@ -126,9 +127,7 @@ class Runtime:
 
         In a fault-tolerant job (``ddpkit run --fault-tolerant``): the replica ranked first in the
         latest step's quorum, so exactly one live replica logs and saves each step."""
-        if self.run.ft is not None:
-            return self.run.ft.rank == 0
-        return self.env.rank == 0
+        return self.run.world.is_main(self.env.rank)
 
     @property
     def is_local_main(self) -> bool:
@@ -147,7 +146,7 @@ class Runtime:
 
     @property
     def loop(self) -> Any:
-        """Where the loop stands (:class:`~ddpkit.loop.state.LoopState`)."""
+        """Where the loop stands (:class:`~ddpkit.state.loop.LoopState`)."""
         return self.run.loop
 
     @property
@@ -215,22 +214,18 @@ class Runtime:
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Sum, mean, max or min of ``value`` across ranks (see :func:`ddpkit.all_reduce`)."""
-        self._not_across_replicas("rt.all_reduce")
+        self._refuse("rt.all_reduce")
         return collectives.all_reduce(value, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's rows concatenated in rank order; first dimensions may differ."""
-        self._not_across_replicas("rt.all_gather")
+        self._refuse("rt.all_gather")
         return collectives.all_gather(tensor)
 
-    def _not_across_replicas(self, what: str) -> None:
-        """In a fault-tolerant job a collective of the script's own would span one replica only."""
-        if self.run.ft is not None:
-            raise UsageError(
-                f"{what} under --fault-tolerant would reduce over this replica alone (the "
-                "replicas change from step to step); evaluate with ddpkit.evaluate, which "
-                "counts every sample in each replica"
-            )
+    def _refuse(self, call: str) -> None:
+        """Every mode of the run may refuse ``call`` in one line (a fault-tolerant replica's collectives)."""
+        for mode in self.run.modes:
+            mode.refuse(call)
 
     def heartbeat(self, phase: str) -> None:
         """Tell the hang watchdog this rank made progress and is now in ``phase``.
@@ -334,73 +329,50 @@ class Runtime:
         )
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
-        if micro_shards is not None:
-            return self._setup_exact(model, optimizer, options, micro_shards)
-        if self.run.exact is not None:
-            raise UsageError(
-                "rt.setup: this run set up a model with micro_shards; a second model must use it too "
-                "(micro_shards is built for one model a run)"
-            )
-        if self.run.ft is not None:
-            model = self._replica_model(model, options)
-        wrapped = wrap(
-            model,
-            optimizer,
-            options,
-            device=self.device,
+        modes.check_combination(
+            micro_shards=micro_shards,
+            fault_tolerant=self.run.world.replica is not None,
+            options=options,
             world_size=self.world_size,
-            is_main=self.is_main,
-            precision=self.run.precision.name,
-            timeout_s=self.timeout_s,
+            model=model,
+            models_set_up=len(self.run.entries),
+            micro_shards_set_up=any(isinstance(e.mode, modes.MicroShards) for e in self.run.entries),
         )
-        if wrapped.sharded:
-            self.run.precision.shard()
-        index = self.run.adopt(
-            wrapped.model,
-            optimizer,
-            compressor=wrapped.compressor,
-            buffers=wrapped.buffers,
-            not_bitwise=wrapped.not_bitwise,
-        )
+        if micro_shards is not None:
+            mode: modes.Mode = modes.MicroShards(
+                exact.setup(
+                    model,
+                    optimizer,
+                    micro_shards,
+                    device=self.device,
+                    world_size=self.world_size,
+                    rank=self.rank,
+                    seed=self.seed,
+                )
+            )
+            index = self.run.adopt(model, optimizer, mode=mode)
+        else:
+            model = self.run.world.prepare(model.to(self.device), options)
+            wrapped = wrap(
+                model,
+                optimizer,
+                options,
+                device=self.device,
+                world_size=self.world_size,
+                is_main=self.is_main,
+                precision=self.run.precision.name,
+                timeout_s=self.timeout_s,
+            )
+            if wrapped.sharded:
+                self.run.precision.shard()
+            model = wrapped.model
+            index = self.run.adopt(
+                model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise
+            )
         resuming.restore_pending(self.run, index, is_main=self.is_main)
         self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
         if self.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
-            rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
-        return wrapped.model if optimizer is None else (wrapped.model, optimizer)
-
-    def _setup_exact(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: SetupOptions, micro_shards: int
-    ) -> Any:
-        """``rt.setup(..., micro_shards=M)``: rank 0's weights everywhere, no DDP wrapper, the shards' state."""
-        from ddpkit.parallel import exact
-
-        exact.check(
-            micro_shards,
-            world_size=self.world_size,
-            sync_batchnorm=options.sync_batchnorm,
-            grad_compression=options.grad_compression,
-            strategy=options.strategy,
-            sync=options.sync,
-            compile=options.compile or hasattr(model, "_orig_mod"),
-            ddp_kwargs=options.ddp_kwargs,
-            fault_tolerant=self.run.ft is not None,
-        )
-        if self.run.models:
-            raise UsageError("rt.setup(micro_shards=...) is built for one model a run; this run set one up already")
-        self.run.exact = exact.setup(
-            model,
-            optimizer,
-            micro_shards,
-            device=self.device,
-            world_size=self.world_size,
-            rank=self.rank,
-            seed=self.seed,
-        )
-        index = self.run.adopt(model, optimizer)
-        resuming.restore_pending(self.run, index, is_main=self.is_main)
-        self.heartbeat("start")
-        if self.seed is not None:
             rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
         return model if optimizer is None else (model, optimizer)
 
@@ -412,39 +384,22 @@ class Runtime:
         along its first dimension; one argument yields one part, several yield a tuple. See
         :mod:`ddpkit.parallel.exact`.
         """
-        if self.run.exact is None:
-            raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
         if not batch:
             raise UsageError("rt.shards needs the batch to cut, e.g. rt.shards(inputs, targets)")
-        from ddpkit.loop.loader import ShardedLoader
-
-        if not isinstance(self.run.active, ShardedLoader):
-            raise UsageError(
-                "rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
-                "splits its global batches; streams are not built for it)"
-            )
-        cut = self.run.exact.shards(self.run.active, self.run.loop.step, batch)
+        cut = next(
+            (
+                c
+                for mode in self.run.modes
+                if (c := mode.shards(self.run.active, self.run.loop.step, batch)) is not None
+            ),
+            None,
+        )
+        if cut is None:
+            raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
         if not self.run.backward_since_step:
             self.run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as rt.backward does)
         self.run.backward_since_step = self.run.uses_backward = True  # a rank with empty shards steps too
         return cut
-
-    def _replica_model(self, model: torch.nn.Module, options: SetupOptions) -> torch.nn.Module:
-        """A fault-tolerant replica's model: BatchNorm over the step's quorum, so that no statistic
-        depends on how many replicas are alive; what is not built for replicas yet is refused."""
-        from ddpkit.parallel.sync_batchnorm import convert_over
-
-        for name, value, default in (
-            ("strategy", options.strategy, "ddp"),
-            ("sync", options.sync, "every-step"),
-            ("grad_compression", options.grad_compression, None),
-        ):
-            if value != default:
-                raise UsageError(
-                    f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
-                    f"leave {name} at its default ({default!r})"
-                )
-        return convert_over(model.to(self.device), self.run.ft)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state with plain names, on the CPU, on rank 0 (None elsewhere).
@@ -533,11 +488,6 @@ class Runtime:
         Gradients are not all-reduced (DDP ``no_sync``) except on the last micro-step, and
         :meth:`step` only steps there. Yields True on the last micro-step.
         """
-        if self.run.ft is not None:
-            raise UsageError(
-                "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
-                "batch); raise global_batch_size instead"
-            )
         return loop_steps.accumulate(self.run, model, steps)
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
@@ -586,10 +536,8 @@ class Runtime:
         """
         if isinstance(state, torch.nn.Module):
             return self._save_weights(Path(path), state)
-        if self.run.ft is not None:
-            self.run.ft_state = state  # what a healing peer gets from now on
-            if not self.is_main:  # one replica writes: they all hold the same state
-                return resuming.target_of(path, self.run.loop.step)
+        if not self.run.world.writes(state):  # a replica that is not the one to write: it holds the same state
+            return resuming.target_of(path, self.run.loop.step)
         saved = resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
         if self.preempted:
             self._exit_preempted(saved)
@@ -642,8 +590,7 @@ class Runtime:
                 pt.write(path, weights)
             except OSError as exc:
                 error = f"rt.save: could not write {path} ({exc.strerror or exc})"
-        if self.run.ft is None:
-            error = collectives.broadcast_object(error)
+        error = collectives.broadcast_object(error)
         if error:
             raise DdpkitError(error)
         return path
@@ -693,27 +640,9 @@ class Runtime:
         nothing when there is none yet, so one script serves the first start and every
         restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
         """
-        if self.run.ft is not None:
-            # a replica heals from a live peer at its first quorum; only where no peer is ahead
-            # (the whole job starting, or restarting after every replica died) is a file read
-            self.run.ft_state = state
-            self.run.ft_resume = (state, strict)
+        if self.run.world.defer_resume(state, strict):
             return None
         return resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, state, strict=strict)
-
-    def _save_before_stop(self) -> Path | None:
-        """A fault-tolerant replica that gets no quorum saves what it holds into ``checkpoint_dir``
-        (the state of its last committed step) before it stops, so a restarted job resumes from it.
-        The replica ranked first in the last quorum writes (all hold the same state)."""
-        if self.checkpoint_dir is None or self.run.ft_state is None or self.run.loop.step == 0 or not self.is_main:
-            return None
-        return resuming.save(self.run, self.peers, self.checkpoint_dir, self.run.ft_state, keep=self.keep_checkpoints)
-
-    def _first_quorum(self, healed: bool) -> None:
-        """A fault-tolerant replica's first quorum: resume from a file unless a peer's state healed it."""
-        waiting, self.run.ft_resume = self.run.ft_resume, None
-        if waiting is not None and not healed:
-            resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, waiting[0], strict=waiting[1])
 
     def close(self) -> None:
         """Flush logs and destroy the process group. Runs at exit too, also when the script raised."""
@@ -730,12 +659,9 @@ class Runtime:
         if self.run.preemption is not None:
             self.run.preemption.uninstall()
         heartbeats.set_target(None)
-        if self.run.exact is not None:
-            self.run.exact.restore_threads()  # the process's own thread count, for what follows
-        if self.run.ft is not None:
-            if not self.failed and self._outcome is None and not self.run.ft.in_quorum() and self.run.loop.step > 0:
-                self.run.ft.finished()
-            self.run.ft.shutdown()
+        finished = not self.failed and self._outcome is None and self.run.loop.step > 0
+        for mode in self.run.modes:
+            mode.close(finished=finished)
         process_group.destroy()
         if self._on_close is not None:
             self._on_close(self)

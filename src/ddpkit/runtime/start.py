@@ -21,13 +21,15 @@ from typing import Any
 import torch
 
 from ddpkit import rng
+from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, entry, ft, preemption, process_group, store_sync
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.errors import UsageError
-from ddpkit.loop.precision import Precision
 from ddpkit.observe import heartbeats, watchdog
 from ddpkit.observe import trackers as trackers_mod
+from ddpkit.parallel.replica import FaultTolerant
 from ddpkit.runtime.facade import Runtime
+from ddpkit.state.precision import Precision
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_SAVE_TIMEOUT_S = 60.0
@@ -212,16 +214,33 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
     if runtime.world_size != 1:
         raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
     run = runtime.run
-    replica = ft.Replica(
-        lambda: heal.heal_state(run, ft.replica_index()),
-        lambda saved: heal.apply_heal(run, saved),
+    manager = ft.Replica(
+        lambda: heal.heal_state(run, mode.state, ft.replica_index()),
+        lambda saved: heal.apply_heal(run, mode.state, saved),
         device=runtime.device,
         seeded=settings.seed is not None,
         timeout_s=min(settings.timeout, 30.0),
     )
-    replica.first_quorum = runtime._first_quorum
-    replica.before_stop = runtime._save_before_stop
-    run.ft = replica
+    mode = FaultTolerant(manager)
+
+    def first_quorum(healed: bool) -> None:
+        """Resume from a file unless a peer's state healed this replica."""
+        waiting, mode.waiting_resume = mode.waiting_resume, None
+        if waiting is not None and not healed:
+            resuming.resume(
+                run, runtime.peers, runtime.resume_from, runtime.checkpoint_dir, waiting[0], strict=waiting[1]
+            )
+
+    def before_stop() -> Any:
+        """No quorum formed: the replica ranked first in the last one saves what it holds (the state of
+        its last committed step) into ``checkpoint_dir``, so a restarted job resumes from it."""
+        if runtime.checkpoint_dir is None or mode.state is None or run.loop.step == 0 or not runtime.is_main:
+            return None
+        return resuming.save(run, runtime.peers, runtime.checkpoint_dir, mode.state, keep=runtime.keep_checkpoints)
+
+    manager.first_quorum = first_quorum
+    manager.before_stop = before_stop
+    run.world = mode
 
 
 def _start_trackers(settings: Settings, env: Environment) -> None:

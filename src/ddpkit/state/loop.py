@@ -14,7 +14,6 @@ never makes an end-of-epoch checkpoint look mid-epoch.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit.errors import DdpkitError, warn
@@ -127,99 +126,6 @@ class LoopState:
                 self._apply(made, self._pending.pop(key))
         if saved.get("not_bitwise"):
             warn(f"checkpoint {source} resumes, but not bitwise: {saved['not_bitwise']}")
-
-
-@dataclass(eq=False)
-class RunState:
-    """Everything one run carries from step to step, in one place: what ``rt`` composes.
-
-    The loop's position (:class:`LoopState`), the precision (autocast and the fp16 scaler), the
-    set-up models with their gradient compressors and lazily averaged statistics (one entry per
-    model, None where a model has none), the optimizers, and the step in progress. The loop's
-    functions (:mod:`ddpkit.loop.steps`) and the checkpoint's (:mod:`ddpkit.checkpoint.resume`)
-    read and change it; nothing else holds training state.
-    """
-
-    precision: Any
-    """The run's :class:`~ddpkit.loop.precision.Precision`."""
-    seed: int | None = None
-    """The seed of ``ddpkit.init`` (None: unseeded); keys the data order."""
-    loop: LoopState = field(default_factory=LoopState)
-    """Epoch, step, loader positions, the open accumulation group."""
-    models: list[Any] = field(default_factory=list)
-    """The models ``rt.setup`` returned, in set-up order."""
-    compressors: list[Any] = field(default_factory=list)
-    """Per model: its gradient compressor, or None."""
-    buffers: list[Any] = field(default_factory=list)
-    """Per model: its lazily averaged BatchNorm statistics, or None."""
-    optimizers: list[Any] = field(default_factory=list)
-    """Every optimizer given to ``rt.setup`` or ``rt.step``."""
-    saved_compression: Any = None
-    """From a load (maybe before setup): (this rank's states per model, same world, source)."""
-    saved_buffers: Any = None
-    """From a load on the same world size: this rank's saved statistics per model."""
-    active: Any = None
-    """The loader whose batch is in hand."""
-    accumulation: tuple[float, bool] | None = None
-    """Inside ``rt.accumulate``: (divisor, whether this micro-step is the group's last)."""
-    backward_since_step: bool = False
-    """A backward ran since the last optimizer step."""
-    uses_backward: bool = False
-    """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
-    warned_plain_backward: bool = False
-    """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
-    unscaled: set[int] = field(default_factory=set)
-    """Optimizers (by id) whose fp16 gradients are unscaled this step."""
-    preemption: Any = None
-    """The run's :class:`~ddpkit.distributed.preemption.Preemption` (None: signals are not caught)."""
-    exact: Any = None
-    """With ``rt.setup(..., micro_shards=M)``: the run's :class:`~ddpkit.parallel.exact.Exact` (None otherwise)."""
-    ft: Any = None
-    """In a fault-tolerant job, this replica's :class:`~ddpkit.distributed.ft.Replica` (None otherwise)."""
-    ft_undo: Any = None
-    """In a fault-tolerant job, ``([(buffer, its value)], torch random state)`` before the step in
-    hand: put back when the step does not commit."""
-    ft_state: Any = None
-    """In a fault-tolerant job, the state mapping given to ``rt.resume`` or ``rt.checkpoint``: what a
-    healing replica gets from a peer (None: the set-up models and optimizers)."""
-    ft_resume: Any = None
-    """In a fault-tolerant job, the ``rt.resume`` waiting for the first quorum: (state, strict),
-    done there unless a peer is ahead, whose state heals this replica instead."""
-    tracking: Any = None
-    """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into
-    checkpoints, and a save sends them the rows it covers."""
-
-    def adopt(
-        self,
-        model: Any,
-        optimizer: Any = None,
-        *,
-        compressor: Any = None,
-        buffers: Any = None,
-        not_bitwise: str | None = None,
-    ) -> int:
-        """Track a set-up model (and its optimizer) for steps and checkpoints; returns its index.
-
-        Args:
-            model: the set-up model (DDP-wrapped, sharded, compiled, or the model itself).
-            optimizer: its optimizer (None: none given); kept once however many models share it.
-            compressor: the model's gradient compression hook state, or None.
-            buffers: its lazily averaged BatchNorm statistics, or None.
-            not_bitwise: why a resume of this run would not be bitwise (None: it would); the first reason kept.
-        """
-        self.models.append(model)
-        self.compressors.append(compressor)
-        self.buffers.append(buffers)
-        self.loop.not_bitwise = self.loop.not_bitwise or not_bitwise
-        if optimizer is not None and optimizer not in self.optimizers:
-            self.optimizers.append(optimizer)
-        return len(self.models) - 1
-
-    def sharded(self) -> bool:
-        """Whether any set-up model is sharded (``strategy="fsdp"``: checkpoints are DCP directories)."""
-        from ddpkit.parallel.fsdp import is_sharded
-
-        return any(is_sharded(model) for model in self.models)
 
 
 def _describe(sig: dict[str, Any]) -> str:

@@ -1,0 +1,254 @@
+"""The ways ddpkit trains data-parallel, each an object behind one small protocol.
+
+The step, the save and the set-up call :class:`Mode`'s methods on every mode of the run and never
+ask which mode they hold. A run has one mode a set-up model, and one for how its processes meet:
+
+- :class:`Replicated`: DDP, or one process (with its gradient compression hook, if any);
+- :class:`Sharded`: FSDP;
+- :class:`Periodic`: DiLoCo and local SGD (:mod:`ddpkit.parallel.periodic`);
+- :class:`MicroShards`: the same bits on any world size (:mod:`ddpkit.parallel.exact`);
+- :class:`~ddpkit.parallel.replica.FaultTolerant`: a replica of ``ddpkit run --fault-tolerant``;
+  every other run meets in a process group (:class:`ProcessGroup`).
+
+Which combinations are refused, and why, is decided in one place: :func:`check_combination`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ddpkit.errors import UsageError
+from ddpkit.parallel import exact
+from ddpkit.parallel.fsdp import no_gradient_sync
+
+
+class Mode:
+    """What a mode does at each point of a run; the defaults do nothing (a plain DDP step).
+
+    Set-up: :meth:`prepare` and :meth:`refuse`. A step: :meth:`on_batch`, :meth:`loss_weight`,
+    :meth:`shards`, :meth:`after_backward`, :meth:`complete`, :meth:`commit`, :meth:`after_step`.
+    Saving: :meth:`is_main`, :meth:`state_dict`, :meth:`load_state_dict`. The end: :meth:`close`.
+    """
+
+    name = "replicated"
+    """How the mode is named in messages and checkpoints."""
+    replica: int | None = None
+    """Which replica of a fault-tolerant job this process is (None: not one)."""
+    replicas: int = 1
+    """Replicas of the job (1: not a fault-tolerant job)."""
+    quorum: Any = None
+    """What splits each step's global batch over the replicas in it (a fault-tolerant job's
+    :class:`~ddpkit.distributed.ft.Replica`); None: the ranks share every batch by rank."""
+
+    def prepare(self, model: torch.nn.Module, options: Any) -> torch.nn.Module:
+        """Another model being set up under this mode: refuse what it does not take, adapt the model."""
+        return model
+
+    def refuse(self, call: str) -> None:
+        """Raise a one-line :class:`UsageError` if ``call`` (``"rt.accumulate"``, ``"rt.all_reduce"``,
+        ``"rt.all_gather"``) cannot run under this mode."""
+
+    def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
+        """A batch is in hand; its forward follows."""
+
+    def loss_weight(self, weight: float) -> float:
+        """The weight of the loss ``rt.backward`` is given, from the one the batch's share gives."""
+        return weight
+
+    def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
+        """The micro-shards of the batch in hand, if this mode cuts batches (None: it does not)."""
+        return None
+
+    def after_backward(self) -> None:
+        """A backward has run."""
+
+    def complete(self) -> None:
+        """Make the gradients whole before they are clipped or stepped (a reduction that waited)."""
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """A micro-step of ``rt.accumulate`` that keeps its gradients local (DDP's ``no_sync``)."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def commit(self, params: Sequence[torch.Tensor], active: Any) -> bool:
+        """Whether the step in hand is applied (False: nothing of it is; the batch comes again)."""
+        return True
+
+    def after_step(self) -> None:
+        """An optimizer step was taken."""
+
+    def is_main(self, rank: int) -> bool:
+        """Whether this process is the one that prints, logs and saves."""
+        return rank == 0
+
+    def writes(self, state: Any) -> bool:
+        """A save of ``state`` (the user's mapping): whether this process takes part in it."""
+        return True
+
+    def defer_resume(self, state: Any, strict: bool) -> bool:
+        """``rt.resume(state)``: True when the mode resumes it later itself (a fault-tolerant replica
+        heals from a live peer at its first quorum, or reads the checkpoint then)."""
+        return False
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the mode on this rank (None: nothing)."""
+        return None
+
+    def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
+        """Take a state :meth:`state_dict` made (``same_world``: written on this many processes)."""
+
+    def close(self, *, finished: bool) -> None:
+        """The run ends (``finished``: it ran to its end)."""
+
+
+class ProcessGroup(Mode):
+    """How the processes of every run but a fault-tolerant one meet: one process group."""
+
+    name = "process-group"
+
+
+class Replicated(Mode):
+    """DDP (or one process), with a gradient compression hook (:mod:`ddpkit.parallel.compression`) or none."""
+
+    def __init__(self, compressor: Any = None) -> None:
+        self.compressor = compressor
+        """The hook's state (PowerSGD's error feedback, ...), or None."""
+
+    def after_step(self) -> None:
+        if self.compressor is not None:
+            self.compressor.after_step()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self.compressor is None else self.compressor.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
+        if self.compressor is not None:
+            self.compressor.load_state_dict(saved, same_world=same_world, source=source)
+
+
+class Sharded(Mode):
+    """FSDP: parameters, gradients and optimizer state sharded (:mod:`ddpkit.parallel.fsdp`)."""
+
+    name = "sharded"
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return no_gradient_sync(model)
+
+
+class Periodic(Mode):
+    """DiLoCo or local SGD: ranks train apart and meet every ``sync_every`` steps."""
+
+    def __init__(self, syncer: Any) -> None:
+        self.syncer = syncer
+        """The model's :class:`~ddpkit.parallel.periodic.PeriodicSync`."""
+        self.name = syncer.name
+
+    def after_step(self) -> None:
+        self.syncer.after_step()  # counts the step, and meets every H
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.syncer.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
+        self.syncer.load_state_dict(saved, same_world=same_world, source=source)
+
+
+class MicroShards(Mode):
+    """``micro_shards=M``: the same bits on any power-of-two world size dividing M."""
+
+    name = "micro-shards"
+
+    def __init__(self, exact: Any) -> None:
+        self.exact = exact
+        """The run's :class:`~ddpkit.parallel.exact.Exact`."""
+
+    def refuse(self, call: str) -> None:
+        if call == "rt.accumulate":
+            raise UsageError(
+                "rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
+                "raise global_batch_size, or micro_shards, instead"
+            )
+
+    def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
+        return self.exact.shards(active, step, batch)
+
+    def loss_weight(self, weight: float) -> float:
+        return self.exact.weight()  # a micro-shard: its share of the global batch, summed by the tree
+
+    def after_backward(self) -> None:
+        self.exact.after_backward()
+
+    def complete(self) -> None:
+        if self.exact.cut:  # not yet reduced (by rt.clip_grad_norm_)
+            self.exact.reduce()
+
+    def close(self, *, finished: bool) -> None:
+        self.exact.restore_threads()  # the process's own thread count, for what follows
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        """Passes that change nothing of the run (the bench's timings)."""
+        with self.exact.probing():
+            yield
+
+
+def check_combination(
+    *,
+    micro_shards: int | None,
+    fault_tolerant: bool,
+    options: Any,
+    world_size: int,
+    model: torch.nn.Module,
+    models_set_up: int,
+    micro_shards_set_up: bool = False,
+) -> None:
+    """Refuse, in one line, a combination of modes that cannot hold its guarantees (before any collective).
+
+    Args:
+        micro_shards: ``rt.setup``'s ``micro_shards`` (None: not asked).
+        fault_tolerant: the run is a replica of ``ddpkit run --fault-tolerant``.
+        options: the other ``rt.setup`` options (:class:`~ddpkit.parallel.options.SetupOptions`).
+        world_size: processes of the job.
+        model: the model being set up (maybe compiled already).
+        models_set_up: models the run set up before this one.
+        micro_shards_set_up: one of them trains with micro-shards.
+
+    Raises:
+        UsageError: which combination, why, and what to use instead.
+    """
+    if micro_shards is None:
+        if micro_shards_set_up:
+            raise UsageError(
+                "rt.setup: this run set up a model with micro_shards; a second model must use it too "
+                "(micro_shards is built for one model a run)"
+            )
+        return
+    exact.check(
+        micro_shards,
+        world_size=world_size,
+        sync_batchnorm=options.sync_batchnorm,
+        grad_compression=options.grad_compression,
+        strategy=options.strategy,
+        sync=options.sync,
+        compile=options.compile or hasattr(model, "_orig_mod"),
+        ddp_kwargs=options.ddp_kwargs,
+        fault_tolerant=fault_tolerant,
+    )
+    if models_set_up:
+        raise UsageError("rt.setup(micro_shards=...) is built for one model a run; this run set one up already")
+
+
+__all__ = [
+    "Mode",
+    "MicroShards",
+    "Periodic",
+    "ProcessGroup",
+    "Replicated",
+    "Sharded",
+    "check_combination",
+]

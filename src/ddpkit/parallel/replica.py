@@ -1,0 +1,131 @@
+"""A replica of ``ddpkit run --fault-tolerant`` as a mode: how its processes meet, step by step.
+
+Each replica is a one-process group; the replicas of a step are torchft's quorum
+(:class:`~ddpkit.distributed.ft.Replica`). :class:`FaultTolerant` is what the step, the save and
+the set-up see of it: BatchNorm over the quorum, gradients averaged over it and a step applied
+only where every participant finished it (otherwise what the forward changed is put back and the
+batch comes again), the replica ranked first in the quorum saving, and the calls it cannot run
+refused in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ddpkit.errors import UsageError
+from ddpkit.parallel.modes import Mode
+from ddpkit.parallel.sync_batchnorm import convert_over
+
+
+class FaultTolerant(Mode):
+    """This process's part in a fault-tolerant job (see the module's text)."""
+
+    name = "fault-tolerant"
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        """torchft's manager and what ddpkit asks of it (:class:`~ddpkit.distributed.ft.Replica`)."""
+        self.quorum = manager
+        self.state: Mapping[str, Any] | None = None
+        """The mapping given to ``rt.resume`` or a save: what a healing peer gets (None: the set-up
+        models and optimizers)."""
+        self.waiting_resume: tuple[Any, bool] | None = None
+        """``rt.resume``'s (state, strict), done at the first quorum unless a peer's state heals this replica."""
+        self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+
+    @property  # type: ignore[override]
+    def replica(self) -> int:
+        """Which replica this is, 0 to :attr:`replicas` - 1 (kept across its restarts)."""
+        return int(self.manager.index)
+
+    @property  # type: ignore[override]
+    def replicas(self) -> int:
+        """Replicas the job started."""
+        return int(self.manager.replicas)
+
+    def prepare(self, model: torch.nn.Module, options: Any) -> torch.nn.Module:
+        """BatchNorm over the step's quorum, so no statistic depends on how many replicas are alive."""
+        for name, value, default in (
+            ("strategy", options.strategy, "ddp"),
+            ("sync", options.sync, "every-step"),
+            ("grad_compression", options.grad_compression, None),
+        ):
+            if value != default:
+                raise UsageError(
+                    f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
+                    f"leave {name} at its default ({default!r})"
+                )
+        return convert_over(model, self.manager)
+
+    def refuse(self, call: str) -> None:
+        if call == "rt.accumulate":
+            raise UsageError(
+                "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
+                "batch); raise global_batch_size instead"
+            )
+        if call in ("rt.all_reduce", "rt.all_gather"):
+            raise UsageError(
+                f"{call} under --fault-tolerant would reduce over this replica alone (the "
+                "replicas change from step to step); evaluate with ddpkit.evaluate, which "
+                "counts every sample in each replica"
+            )
+
+    def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
+        """The step may not commit: keep what its forward changes besides the gradients (BatchNorm's
+        running statistics, torch's random state), to put it back."""
+        self._undo = ([(b, b.detach().clone()) for model in models for b in model.buffers()], torch.get_rng_state())
+
+    def commit(self, params: Sequence[torch.Tensor], active: Any) -> bool:
+        """Average the gradients over the quorum's replicas, then ask whether every one finished.
+
+        False (a replica died during the step): nothing is applied, the gradients are dropped, what
+        the forward changed is put back and the loader hands out the same global batch again, split
+        over the next quorum."""
+        if not self.manager.in_quorum():
+            return True
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            same = [p for p in params if p.dtype == dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+            self.manager.average(flat)
+            offset = 0
+            for p in same:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        if self.manager.should_commit():
+            return True
+        for p in params:
+            p.grad = None
+        if self._undo is not None:
+            buffers, rng_state = self._undo
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            torch.set_rng_state(rng_state)
+        if active is not None:
+            active.step_back()
+        return False
+
+    def is_main(self, rank: int) -> bool:
+        """The replica ranked first in the latest step's quorum: exactly one live replica logs and saves."""
+        return bool(self.manager.rank == 0)
+
+    def writes(self, state: Any) -> bool:
+        """Remember ``state`` for a healing peer; one replica writes (they all hold the same state)."""
+        self.state = state
+        return self.is_main(0)
+
+    def defer_resume(self, state: Any, strict: bool) -> bool:
+        """Resume at the first quorum: from a live peer that is ahead, else from the checkpoint."""
+        self.state, self.waiting_resume = state, (state, strict)
+        return True
+
+    def close(self, *, finished: bool) -> None:
+        if finished and not self.manager.in_quorum():
+            self.manager.finished()  # a replica still behind has nothing left to do
+        self.manager.shutdown()
+
+
+__all__ = ["FaultTolerant"]

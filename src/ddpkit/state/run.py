@@ -1,0 +1,130 @@
+"""Everything one run carries from step to step, in one typed object: what ``rt`` composes.
+
+Example:
+    >>> import torch
+    >>> from ddpkit.state.precision import Precision
+    >>> run = RunState(Precision("fp32", torch.device("cpu")))
+    >>> run.adopt(torch.nn.Linear(2, 2))
+    0
+    >>> [mode.name for mode in run.modes]
+    ['process-group', 'replicated']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddpkit.parallel.fsdp import is_sharded
+from ddpkit.parallel.modes import Mode, ProcessGroup, Replicated
+from ddpkit.state.loop import LoopState
+from ddpkit.state.precision import Precision
+
+
+@dataclass(eq=False)
+class Entry:
+    """One set-up model: the model as ``rt.setup`` returned it, its mode, its lazily averaged statistics."""
+
+    model: torch.nn.Module
+    """The set-up model (DDP-wrapped, sharded, compiled, or the model itself)."""
+    mode: Mode
+    """How it trains (:mod:`ddpkit.parallel.modes`): replicated, sharded, periodic or micro-shards."""
+    buffers: Any = None
+    """Its lazily averaged BatchNorm statistics (:class:`~ddpkit.parallel.lazy_buffers.LazyBuffers`), or None."""
+
+
+@dataclass(eq=False)
+class RunState:
+    """Everything one run carries from step to step, in one place.
+
+    The loop's position (:class:`~ddpkit.state.loop.LoopState`), the precision (autocast and the
+    fp16 scaler), one :class:`Entry` a set-up model, how the processes meet (:attr:`world`), the
+    optimizers, and the step in progress. The loop's functions (:mod:`ddpkit.loop.steps`) and the
+    checkpoint's (:mod:`ddpkit.checkpoint.resume`) read and change it; nothing else holds training state.
+    """
+
+    precision: Precision
+    """Autocast, the fp16 scaler and the optimizer step."""
+    seed: int | None = None
+    """The seed of ``ddpkit.init`` (None: unseeded); keys the data order."""
+    loop: LoopState = field(default_factory=LoopState)
+    """Epoch, step, loader positions, the open accumulation group."""
+    entries: list[Entry] = field(default_factory=list)
+    """The set-up models, in set-up order."""
+    world: Mode = field(default_factory=ProcessGroup)
+    """How this run's processes meet: one process group, or a fault-tolerant replica."""
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    """Every optimizer given to ``rt.setup`` or ``rt.step``."""
+    saved_compression: tuple[list[Any] | None, bool, str] | None = None
+    """From a load (maybe before setup): (this rank's mode states per model, same world, source)."""
+    saved_buffers: list[Any] | None = None
+    """From a load on the same world size: this rank's saved statistics per model."""
+    active: Any = None
+    """The loader whose batch is in hand."""
+    accumulation: tuple[float, bool] | None = None
+    """Inside ``rt.accumulate``: (divisor, whether this micro-step is the group's last)."""
+    backward_since_step: bool = False
+    """A backward ran since the last optimizer step."""
+    uses_backward: bool = False
+    """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
+    warned_plain_backward: bool = False
+    """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
+    unscaled: set[int] = field(default_factory=set)
+    """Optimizers (by id) whose fp16 gradients are unscaled this step."""
+    preemption: Any = None
+    """The run's :class:`~ddpkit.distributed.preemption.Preemption` (None: signals are not caught)."""
+    tracking: Any = None
+    """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into
+    checkpoints, and a save sends them the rows it covers."""
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The set-up models, in set-up order."""
+        return [entry.model for entry in self.entries]
+
+    @property
+    def buffers(self) -> list[Any]:
+        """Per model: its lazily averaged BatchNorm statistics, or None."""
+        return [entry.buffers for entry in self.entries]
+
+    @property
+    def modes(self) -> list[Mode]:
+        """Every mode of the run: how its processes meet, then each model's, each once."""
+        found: list[Mode] = [self.world]
+        for entry in self.entries:
+            if not any(entry.mode is mode for mode in found):
+                found.append(entry.mode)
+        return found
+
+    def adopt(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        mode: Mode | None = None,
+        buffers: Any = None,
+        not_bitwise: str | None = None,
+    ) -> int:
+        """Track a set-up model (and its optimizer) for steps and checkpoints; returns its index.
+
+        Args:
+            model: the set-up model (DDP-wrapped, sharded, compiled, or the model itself).
+            optimizer: its optimizer (None: none given); kept once however many models share it.
+            mode: how it trains (None: replicated, with no compression).
+            buffers: its lazily averaged BatchNorm statistics, or None.
+            not_bitwise: why a resume of this run would not be bitwise (None: it would); the first reason kept.
+        """
+        self.entries.append(Entry(model, mode if mode is not None else Replicated(), buffers))
+        self.loop.not_bitwise = self.loop.not_bitwise or not_bitwise
+        if optimizer is not None and optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+        return len(self.entries) - 1
+
+    def sharded(self) -> bool:
+        """Whether any set-up model is sharded (``strategy="fsdp"``: checkpoints are DCP directories)."""
+        return any(is_sharded(model) for model in self.models)
+
+
+__all__ = ["Entry", "RunState"]
