@@ -35,9 +35,9 @@ nitpicky = True
 # docs/architecture.md draws its layers in Mermaid, which GitHub renders; here it stays as text.
 suppress_warnings = ["misc.highlighting_failure"]
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|numpy|os|pathlib|collections|typing|types|argparse|datetime|io|enum|abc)(\..*)?"),
+    (r"py:.*", r"(torch|numpy|os|pathlib|collections|contextlib|typing|types|argparse|datetime|io|enum|abc)(\..*)?"),
     (r"py:.*", r"(Path|Any|Callable|Iterator|Iterable|Mapping|MutableMapping|Sequence|ContextManager|IO)"),
-    (r"py:.*", r"ddpkit\.(_torch|dist|loop|parallel|observe|checkpoint|runtime|recipes|bench|cli)\..*"),
+    (r"py:.*", r"ddpkit\.(_torch|distributed|state|loop|parallel|observe|checkpoint|runtime|recipes|bench|cli)\..*"),
 ]
 
 

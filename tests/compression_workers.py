@@ -42,7 +42,9 @@ def mlp_on_digits(
             warnings.simplefilter("always")
             rt.load(checkpoint, state)
     loader = rt.loader(train.dataset, global_batch_size=GLOBAL_BATCH, shuffle=True)
-    compressor = getattr(rt.run.entries[0].mode, "compressor", None) or getattr(rt.run.entries[0].mode, "syncer", None)
+    compressor = getattr(rt._run.entries[0].mode, "compressor", None) or getattr(
+        rt._run.entries[0].mode, "syncer", None
+    )
     for _ in rt.epochs(EPOCHS):
         for inputs, targets in loader:
             rt.backward(F.cross_entropy(model(inputs), targets))
@@ -80,8 +82,8 @@ def each_compression(choices: list) -> dict:
                 rt.backward(F.cross_entropy(model(inputs), targets))
                 rt.step(optimizer)
                 steps += 1
-        compressor = getattr(rt.run.entries[-1].mode, "compressor", None) or getattr(
-            rt.run.entries[-1].mode, "syncer", None
+        compressor = getattr(rt._run.entries[-1].mode, "compressor", None) or getattr(
+            rt._run.entries[-1].mode, "syncer", None
         )
         found[str(choice)] = {
             "digest": digest(model),

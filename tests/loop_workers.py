@@ -138,7 +138,7 @@ def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
                 rt.step(optimizer)
             batches += 1
             if mode == "stop" and batches == stop_after_batch:
-                micro = rt.loop.micro_step
+                micro = rt._run.loop.micro_step
                 rt.save(checkpoint, state)
                 rt.close()
                 return {"micro_step": micro}

@@ -95,7 +95,7 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
 
 def _drop_batch(rt) -> None:
     """Forget a refused batch's shards (what a script cannot do: its run ends at the error)."""
-    exact = next(m for m in rt.run.modes if m.name == "micro-shards").exact
+    exact = next(m for m in rt._run.modes if m.name == "micro-shards").exact
     exact.leaves.clear()
     exact.stats.clear()
     exact.cut = False

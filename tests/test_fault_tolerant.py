@@ -144,7 +144,7 @@ _REDUCES = """
 import torch, ddpkit
 rt = ddpkit.init(seed=0)
 model = rt.setup(torch.nn.Linear(2, 2))
-print(f"replica {rt.replica} of {rt.replicas}, rank {rt.rank}", flush=True)
+print(f"replica {rt.replica}, rank {rt.rank}", flush=True)
 rt.all_reduce(torch.ones(1))
 """
 
@@ -159,8 +159,8 @@ def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
     assert len(said) == 2 and all("evaluate with ddpkit.evaluate" in line for line in said)  # one per replica
     # which replica each is, though rt.rank is 0 in both (and says so, once)
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("replica ")) == [
-        "replica 0 of 2, rank 0",
-        "replica 1 of 2, rank 0",
+        "replica 0, rank 0",
+        "replica 1, rank 0",
     ], done.stdout
     assert done.stderr.count("rt.rank is 0 in every replica of a fault-tolerant job") == 2
 

@@ -69,7 +69,7 @@ def test_loader_built_after_load_that_differs_is_a_clear_error(tmp_path):
         if step == 1:
             break_at = rt.save(tmp_path / "c.pt", {"model": model})
             break
-    rt.run.loop = LoopState()  # a fresh run of the same script
+    rt._run.loop = LoopState()  # a fresh run of the same script
     rt.load(break_at, {"model": model})
     with pytest.raises(ddpkit.DdpkitError, match="global batches of 4.*this loader has.*global batches of 5"):
         rt.loader(loop_workers.Toy(20), global_batch_size=5, shuffle=True)
@@ -86,7 +86,7 @@ def test_saved_position_that_matches_no_loader_is_an_error_or_a_warning(tmp_path
     rt.step(opt)
     path = rt.save(tmp_path / "c.pt", {"model": model})
     for strict in (True, False):
-        rt.run.loop = LoopState()
+        rt._run.loop = LoopState()
         rt.load(path, {"model": model}, strict=strict)
         other = rt.loader(loop_workers.Toy(20), global_batch_size=4, shuffle=True, name="renamed")
         x, y = next(iter(other))

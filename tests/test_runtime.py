@@ -16,8 +16,8 @@ from helpers import clean_env, python
 
 def test_world_of_one_needs_no_process_group(capsys):
     rt = ddpkit.init()
-    assert (rt.rank, rt.local_rank, rt.world_size, rt.node_rank) == (0, 0, 1, 0)
-    assert rt.is_main and rt.launcher == "none" and rt.backend == "gloo"
+    assert (rt.rank, rt._env.local_rank, rt.world_size, rt._env.node_rank) == (0, 0, 1, 0)
+    assert rt.is_main and rt._env.launcher == "none" and rt._backend == "gloo"
     assert rt.device == torch.device("cpu")
     assert not dist.is_initialized()
     assert ddpkit.init() is rt
@@ -77,7 +77,7 @@ def test_group_destroyed_when_the_block_raises(monkeypatch):
     _single_rank_env(monkeypatch)
     with pytest.raises(RuntimeError, match="user bug"):
         with ddpkit.init(backend="gloo") as rt:
-            assert dist.is_initialized() and rt.launcher == "torchelastic"
+            assert dist.is_initialized() and rt._env.launcher == "torchelastic"
             raise RuntimeError("user bug")
     assert not dist.is_initialized()
     assert ddpkit.current() is None
@@ -141,4 +141,4 @@ def test_more_processes_than_gpus_with_nccl(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_device_follows_local_rank():
     rt = ddpkit.init()
-    assert rt.device == torch.device("cuda", 0) and rt.backend == "nccl"
+    assert rt.device == torch.device("cuda", 0) and rt._backend == "nccl"

@@ -425,7 +425,7 @@ def periodic_run(
                 rt.backward(F.cross_entropy(model(images), labels))
                 rt.clip_grad_norm_(model, 5.0)
                 rt.step(optimizer)
-            if rt.global_step == stop_at and rt.loop.micro_step == 0:
+            if rt.global_step == stop_at and rt._run.loop.micro_step == 0:
                 path = rt.save(checkpoint_dir, state)
                 return {
                     "stopped": rt.global_step,
@@ -484,7 +484,7 @@ def auto_compression(
     if checkpoint_dir and stop_at is None and os.listdir(checkpoint_dir):
         rt.load(checkpoint_dir, state)
     loader = rt.loader(_toy_data(200), global_batch_size=20, shuffle=True)
-    compressor = rt.run.entries[0].mode.compressor
+    compressor = rt._run.entries[0].mode.compressor
     decided_at = None
     for _ in rt.epochs(10):
         for images, labels, _index in loader:

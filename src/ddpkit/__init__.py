@@ -14,7 +14,6 @@ the features that need them.
 """
 
 from ddpkit._version import __version__
-from ddpkit.distributed.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.distributed.launch import LaunchError, launch
 from ddpkit.errors import DdpkitError, UsageError
@@ -23,6 +22,7 @@ from ddpkit.loop.streams import ShardError, Shards, read_tar
 from ddpkit.parallel.lazy_buffers import settle as sync_buffers
 from ddpkit.rng import sample_rng
 from ddpkit.runtime import Runtime, current, init
+from ddpkit.runtime.collectives import all_gather, all_gather_object, all_reduce, broadcast_object
 
 __all__ = [
     "DdpkitError",

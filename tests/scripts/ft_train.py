@@ -72,14 +72,14 @@ def main() -> None:
         for images, labels in loader:
             if not started:
                 started = True
-                healed = rt.run.world.quorum is not None and rt.run.world.quorum.healed
-                event(kind="start", step=rt.global_step, healed=healed, source=rt.loop.resumed_from)
+                healed = rt._run.world.quorum is not None and rt._run.world.quorum.healed
+                event(kind="start", step=rt.global_step, healed=healed, source=rt._run.loop.resumed_from)
             time.sleep(args.step_sleep)
             loss = F.cross_entropy(model(images), labels)
             rt.backward(loss)
             if args.fail_once is not None and rt.global_step + 1 == args.fail_once and not failed:
                 failed = True  # as if a collective of this step had failed
-                rt.run.world.quorum.manager.report_error(RuntimeError("injected by ft_train.py"))
+                rt._run.world.quorum.manager.report_error(RuntimeError("injected by ft_train.py"))
             if not rt.step(optimizer):
                 event(kind="redo", step=rt.global_step)
                 continue

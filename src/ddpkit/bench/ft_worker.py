@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                     event(
                         kind="start",
                         step=rt.global_step,
-                        healed=bool(rt.run.world.quorum is not None and rt.run.world.quorum.healed),
+                        healed=bool(rt._run.world.quorum is not None and rt._run.world.quorum.healed),
                     )
                 if opts.min_step_s > 0:
                     time.sleep(max(0.0, opts.min_step_s - (time.perf_counter() - began)))

@@ -62,7 +62,7 @@ def _micro_shard_step(
     seconds laid end to end after ``fetched``; the exchange follows the backwards. ``alone`` gets
     the step's backward seconds without the exchange (the diagnosis's backward without sync)."""
     device = rt.device
-    exact = next(mode.exact for mode in rt.run.modes if isinstance(mode, MicroShards))
+    exact = next(mode.exact for mode in rt._run.modes if isinstance(mode, MicroShards))
     forward = backward = 0.0
     for shard_inputs, shard_targets in rt.shards(inputs, targets):
         begin = mark(device)
@@ -118,7 +118,7 @@ def train(opts: argparse.Namespace) -> None:
             powersgd_start=powersgd_start(opts.warmup),
             **extra,
         )
-    mode = rt.run.entries[-1].mode  # the mode of the model set up last
+    mode = rt._run.entries[-1].mode  # the mode of the model set up last
     compressor = getattr(mode, "compressor", None) or getattr(mode, "syncer", None)
     exact = mode.exact if isinstance(mode, MicroShards) else None
     if opts.data_parallel:

@@ -206,7 +206,7 @@ class Target(Protocol):
     def heartbeat(self, phase: str) -> None:
         """Record that this rank made progress and is now in ``phase``."""
 
-    def watch_progress(self, probe: Callable[[], int]) -> None:
+    def _watch_progress(self, probe: Callable[[], int]) -> None:
         """Count a rise of ``probe()`` as progress (samples a loader's workers read)."""
 
 
@@ -225,7 +225,7 @@ def beat(phase: str) -> None:
 def watch(probe: Callable[[], int]) -> None:
     """Count a rise of ``probe()`` (samples a loader's workers read) as progress for the watchdog."""
     if _target is not None:
-        _target.watch_progress(probe)
+        _target._watch_progress(probe)
 
 
 def set_target(target: Target | None) -> None:

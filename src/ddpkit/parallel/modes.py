@@ -50,7 +50,7 @@ class Mode:
 
     def refuse(self, call: str) -> None:
         """Raise a one-line :class:`UsageError` if ``call`` (``"rt.accumulate"``, ``"rt.all_reduce"``,
-        ``"rt.all_gather"``) cannot run under this mode."""
+        ``"ddpkit.all_gather_object"``, ...) cannot run under this mode."""
 
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """A batch is in hand; its forward follows."""

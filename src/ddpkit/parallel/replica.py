@@ -66,7 +66,7 @@ class FaultTolerant(Mode):
                 "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
                 "batch); raise global_batch_size instead"
             )
-        if call in ("rt.all_reduce", "rt.all_gather"):
+        if call.rpartition(".")[2] in ("all_reduce", "all_gather", "all_gather_object", "broadcast_object"):
             raise UsageError(
                 f"{call} under --fault-tolerant would reduce over this replica alone (the "
                 "replicas change from step to step); evaluate with ddpkit.evaluate, which "

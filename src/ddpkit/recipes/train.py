@@ -204,8 +204,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "outer_momentum": config.outer_momentum if config.sync == "diloco" else None,
         "cpu_offload": config.cpu_offload,
         "powersgd_rank": config.powersgd_rank if config.grad_compression in ("powersgd", "auto") else None,
-        "grad_compression_auto": getattr(getattr(rt.run.entries[0].mode, "compressor", None), "decision", None)
-        if rt.run.entries
+        "grad_compression_auto": getattr(getattr(rt._run.entries[0].mode, "compressor", None), "decision", None)
+        if rt._run.entries
         else None,
         "test_accuracy": metrics["accuracy"],
         "test_loss": metrics["loss"],
@@ -214,7 +214,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "train_seconds": train_seconds,
         "samples_per_second": seen / train_seconds if train_seconds else 0.0,
         "final_checkpoint": str(final_checkpoint) if final_checkpoint else None,
-        "trackers": dict(rt.run.tracking.ids) if rt.run.tracking is not None else {},
+        "trackers": dict(rt._run.tracking.ids) if rt._run.tracking is not None else {},
     }
     rt.heartbeat("save")
     if rt.is_main:
@@ -234,7 +234,7 @@ def _write_outputs(rt: ddpkit.Runtime, summary: dict[str, Any], out: Path) -> No
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "summary.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    rt.plot_loss()
+    rt._plot_loss()
 
 
 RUN_OUTPUTS = ("summary.json", "metrics.jsonl", "metrics.csv", "loss.png", "checkpoints", "tensorboard")

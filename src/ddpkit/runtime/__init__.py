@@ -4,6 +4,7 @@
   :class:`~ddpkit.state.run.RunState` and the observers; each method hands its work on.
 - :mod:`ddpkit.runtime.start`: :func:`init` (frozen :class:`Settings`, checked, then the join) and
   :func:`current`.
+- :mod:`ddpkit.runtime.collectives`: ``ddpkit.all_reduce`` and the others, refused as ``rt``'s are.
 """
 
 from ddpkit.runtime.facade import Runtime

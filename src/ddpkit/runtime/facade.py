@@ -48,29 +48,25 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 class Runtime:
     """Rank, device and backend of this process, the collectives it may call, and the training API.
 
-    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`~ddpkit.state.run.RunState`,
-    ``rt.run``; where it stands in the world is ``rt.env``.
+    Create it with :func:`ddpkit.init`, not directly. Its state is one :class:`~ddpkit.state.run.RunState`;
+    the settings it was given are ``ddpkit.init``'s arguments.
     """
 
     def __init__(self, env: Environment, device: torch.device, backend: str, settings: Any) -> None:
-        self.env = env
         self.device = device
-        self.backend = backend
-        self.settings = settings
-        self.timeout_s = settings.timeout
-        self.hang_timeout = settings.hang_timeout
-        self.save_timeout = settings.save_timeout
-        self.out_dir = Path(settings.out_dir) if settings.out_dir is not None else None
-        self.keep_checkpoints = settings.keep_checkpoints
-        self.checkpoint_dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else None
-        self.resume_from = settings.resume
-        self.run = RunState(Precision(settings.precision, device), seed=settings.seed)
-        self.peers = resuming.Peers(env.rank, env.world_size, settings.timeout, settings.save_timeout)
+        """This process's device: the local rank's GPU where CUDA is usable, else the CPU."""
+        self._env = env
+        self._backend = backend
+        self._settings = settings
+        self._out_dir = Path(settings.out_dir) if settings.out_dir is not None else None
+        self._checkpoint_dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else None
+        self._run = RunState(Precision(settings.precision, device), seed=settings.seed)
+        self._peers = resuming.Peers(env.rank, env.world_size, settings.timeout, settings.save_timeout)
         self._watchdog: watchdog.Watchdog | None = None
         self._logger: Any = None
         self._local_first_count = 0
         self._closed = False
-        self.failed = False  # an uncaught exception ended the script (set by init's hook)
+        self._failed = False  # an uncaught exception ended the script (set by init's hook)
         self._outcome: str | None = None  # "KILLED" after a preempted save
         self._on_close: Callable[[Runtime], None] | None = None  # init's: forget the current runtime
         self._told_replica = False
@@ -82,44 +78,24 @@ class Runtime:
         In a fault-tolerant job each replica is a one-process group: ``rt.rank`` is 0 in every
         replica, and :attr:`replica` says which replica this is (read from a script, it says so once).
         """
-        if self.run.world.replica is not None and not self._told_replica and _from_user_code():
+        if self._run.world.replica is not None and not self._told_replica and _from_user_code():
             self._told_replica = True
             warn(
                 "rt.rank is 0 in every replica of a fault-tolerant job (each replica is a one-process group); "
                 "rt.replica says which replica this is, rt.is_main which one logs and saves"
             )
-        return self.env.rank
+        return self._env.rank
 
     @property
     def replica(self) -> int | None:
-        """In a fault-tolerant job, this replica's index, 0 to ``rt.replicas - 1`` (kept across its
+        """In a fault-tolerant job, this replica's index, 0 to the job's replicas - 1 (kept across its
         restarts); None otherwise."""
-        return self.run.world.replica
-
-    @property
-    def replicas(self) -> int:
-        """Replicas a fault-tolerant job started (1 otherwise)."""
-        return self.run.world.replicas
-
-    @property
-    def local_rank(self) -> int:
-        """Rank of this process on its node."""
-        return self.env.local_rank
+        return self._run.world.replica
 
     @property
     def world_size(self) -> int:
         """Processes of the job."""
-        return self.env.world_size
-
-    @property
-    def node_rank(self) -> int:
-        """Index of this node."""
-        return self.env.node_rank
-
-    @property
-    def launcher(self) -> str:
-        """What started this process: ``python``, ``torchrun``, ``slurm``, ..."""
-        return self.env.launcher
+        return self._env.world_size
 
     @property
     def is_main(self) -> bool:
@@ -127,45 +103,30 @@ class Runtime:
 
         In a fault-tolerant job (``ddpkit run --fault-tolerant``): the replica ranked first in the
         latest step's quorum, so exactly one live replica logs and saves each step."""
-        return self.run.world.is_main(self.env.rank)
-
-    @property
-    def is_local_main(self) -> bool:
-        """True on local rank 0 of each node: the one that prepares node-local files."""
-        return self.env.local_rank == 0
-
-    @property
-    def seed(self) -> int | None:
-        """The seed given to :func:`init` (None: unseeded)."""
-        return self.run.seed
+        return self._run.world.is_main(self._env.rank)
 
     @property
     def precision(self) -> Precision:
         """Autocast, the fp16 GradScaler (``rt.precision.scaler``) and the optimizer step."""
-        return self.run.precision
-
-    @property
-    def loop(self) -> Any:
-        """Where the loop stands (:class:`~ddpkit.state.loop.LoopState`)."""
-        return self.run.loop
+        return self._run.precision
 
     @property
     def epoch(self) -> int:
         """The epoch being trained (or to be trained next)."""
-        return self.run.loop.epoch
+        return self._run.loop.epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.run.loop.epoch = value
+        self._run.loop.epoch = value
 
     @property
     def global_step(self) -> int:
         """Optimizer steps taken (several optimizers stepped together count once)."""
-        return self.run.loop.step
+        return self._run.loop.step
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        self.run.loop.step = value
+        self._run.loop.step = value
 
     @property
     def preempted(self) -> bool:
@@ -181,7 +142,7 @@ class Runtime:
             >>> if rt.preempted:                                 # doctest: +SKIP
             ...     rt.checkpoint({"model": model, "optimizer": optimizer})   # saves, then exits 75
         """
-        return self.run.preemption is not None and self.run.preemption.agreed
+        return self._run.preemption is not None and self._run.preemption.agreed
 
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         """``print`` on rank 0 only (every rank, prefixed, with ``all_ranks=True``), one whole line at a time."""
@@ -205,11 +166,11 @@ class Runtime:
             >>> with rt.local_main_first():
             ...     data = load_or_prepare("data/")          # doctest: +SKIP
         """
-        if self.world_size == 1 or self.env.local_world_size == 1:
+        if self.world_size == 1 or self._env.local_world_size == 1:
             yield
             return
         self._local_first_count += 1
-        with store_sync.local_main_first(self.node_rank, self.is_local_main, self._local_first_count):
+        with store_sync.local_main_first(self._env.node_rank, self._env.local_rank == 0, self._local_first_count):
             yield
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
@@ -224,7 +185,7 @@ class Runtime:
 
     def _refuse(self, call: str) -> None:
         """Every mode of the run may refuse ``call`` in one line (a fault-tolerant replica's collectives)."""
-        for mode in self.run.modes:
+        for mode in self._run.modes:
             mode.refuse(call)
 
     def heartbeat(self, phase: str) -> None:
@@ -236,7 +197,7 @@ class Runtime:
         if self._watchdog is not None:
             self._watchdog.beat(self.global_step, phase)
 
-    def watch_progress(self, probe: Callable[[], int]) -> None:
+    def _watch_progress(self, probe: Callable[[], int]) -> None:
         """Count a rise of ``probe()`` (samples a loader's workers read) as progress for the watchdog."""
         if self._watchdog is not None:
             self._watchdog.add_probe(probe)
@@ -328,15 +289,15 @@ class Runtime:
             sync_delay=sync_delay,
         )
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-        options.check(model, device=self.device, backend=backend, precision=self.run.precision.name)
+        options.check(model, device=self.device, backend=backend, precision=self._run.precision.name)
         modes.check_combination(
             micro_shards=micro_shards,
-            fault_tolerant=self.run.world.replica is not None,
+            fault_tolerant=self._run.world.replica is not None,
             options=options,
             world_size=self.world_size,
             model=model,
-            models_set_up=len(self.run.entries),
-            micro_shards_set_up=any(isinstance(e.mode, modes.MicroShards) for e in self.run.entries),
+            models_set_up=len(self._run.entries),
+            micro_shards_set_up=any(isinstance(e.mode, modes.MicroShards) for e in self._run.entries),
         )
         if micro_shards is not None:
             mode: modes.Mode = modes.MicroShards(
@@ -347,12 +308,12 @@ class Runtime:
                     device=self.device,
                     world_size=self.world_size,
                     rank=self.rank,
-                    seed=self.seed,
+                    seed=self._run.seed,
                 )
             )
-            index = self.run.adopt(model, optimizer, mode=mode)
+            index = self._run.adopt(model, optimizer, mode=mode)
         else:
-            model = self.run.world.prepare(model.to(self.device), options)
+            model = self._run.world.prepare(model.to(self.device), options)
             wrapped = wrap(
                 model,
                 optimizer,
@@ -360,20 +321,20 @@ class Runtime:
                 device=self.device,
                 world_size=self.world_size,
                 is_main=self.is_main,
-                precision=self.run.precision.name,
-                timeout_s=self.timeout_s,
+                precision=self._run.precision.name,
+                timeout_s=self._settings.timeout,
             )
             if wrapped.sharded:
-                self.run.precision.shard()
+                self._run.precision.shard()
             model = wrapped.model
-            index = self.run.adopt(
+            index = self._run.adopt(
                 model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise
             )
-        resuming.restore_pending(self.run, index, is_main=self.is_main)
+        resuming.restore_pending(self._run, index, is_main=self.is_main)
         self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
-        if self.seed is not None:
+        if self._run.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
-            rng.seed_everything(self.seed + 1_000_003 * (self.rank + 1))
+            rng.seed_everything(self._run.seed + 1_000_003 * (self.rank + 1))
         return model if optimizer is None else (model, optimizer)
 
     def shards(self, *batch: Any) -> Iterator[Any]:
@@ -389,16 +350,16 @@ class Runtime:
         cut = next(
             (
                 c
-                for mode in self.run.modes
-                if (c := mode.shards(self.run.active, self.run.loop.step, batch)) is not None
+                for mode in self._run.modes
+                if (c := mode.shards(self._run.active, self._run.loop.step, batch)) is not None
             ),
             None,
         )
         if cut is None:
             raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
-        if not self.run.backward_since_step:
-            self.run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as rt.backward does)
-        self.run.backward_since_step = self.run.uses_backward = True  # a rank with empty shards steps too
+        if not self._run.backward_since_step:
+            self._run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as rt.backward does)
+        self._run.backward_since_step = self._run.uses_backward = True  # a rank with empty shards steps too
         return cut
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -424,14 +385,14 @@ class Runtime:
                 ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``.
         """
         return build.build_loader(
-            self.run,
+            self._run,
             dataset,
             build.loader_options(options),
             rank=self.rank,
             world_size=self.world_size,
             device=self.device,
-            on_batch=lambda made: loop_steps.on_batch(self.run, made),
-            watch=self.watch_progress,
+            on_batch=lambda made: loop_steps.on_batch(self._run, made),
+            watch=self._watch_progress,
         )
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -441,11 +402,11 @@ class Runtime:
         resumed after epoch 4 yields 5 to 10. A run resumed from a checkpoint written after its
         last epoch yields nothing, and says so in one line.
         """
-        return loop_steps.epochs(self.run, n, start)
+        return loop_steps.epochs(self._run, n, start)
 
     def autocast(self) -> ContextManager[Any]:
         """Autocast for the run's precision (nothing for fp32)."""
-        return self.run.precision.autocast()
+        return self._run.precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the mean loss of this rank's batch, weighted by its true sample count.
@@ -453,7 +414,7 @@ class Runtime:
         ``loss`` must be the mean over the local batch (PyTorch's default reduction). Uneven
         last batches then count every sample once, as in a single process.
         """
-        loop_steps.backward(self.run, loss)
+        loop_steps.backward(self._run, loss)
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Optimizer step (through the GradScaler for fp16), then ``zero_grad``, for each optimizer.
@@ -464,7 +425,7 @@ class Runtime:
         False when fp16 skipped the step for inf/nan gradients, or inside an accumulation group,
         so a learning-rate scheduler can follow (``if rt.step(opt): scheduler.step()``).
         """
-        return loop_steps.step(self.run, optimizers)
+        return loop_steps.step(self._run, optimizers)
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the gradients of ``model`` to ``max_norm``; returns their total norm before clipping.
@@ -473,7 +434,7 @@ class Runtime:
         :meth:`step`). Inside :meth:`accumulate` it clips only on the micro-step that syncs,
         where the gradients are complete, and returns None on the others.
         """
-        return loop_steps.clip_grad_norm_(self.run, model, max_norm, norm_type)
+        return loop_steps.clip_grad_norm_(self._run, model, max_norm, norm_type)
 
     def should_stop(self, flag: bool) -> bool:
         """True on every rank when any rank passes True: early stopping without a stranded rank.
@@ -488,7 +449,7 @@ class Runtime:
         Gradients are not all-reduced (DDP ``no_sync``) except on the last micro-step, and
         :meth:`step` only steps there. Yields True on the last micro-step.
         """
-        return loop_steps.accumulate(self.run, model, steps)
+        return loop_steps.accumulate(self._run, model, steps)
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None, reduce: str | None = "mean") -> dict:
         """Write metrics on rank 0 (``out_dir``/metrics.jsonl, .csv, TensorBoard).
@@ -500,24 +461,24 @@ class Runtime:
         if reduce is not None and self.world_size > 1 and values:
             reduced = collectives.all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), reduce)
             values = dict(zip(values, reduced.tolist()))
-        if self.is_main and self.out_dir is not None:
+        if self.is_main and self._out_dir is not None:
             if self._logger is None:
                 # Rows after the step we resumed from belong to work a crash undid; a fresh run
                 # (nothing loaded) starts its files anew.
-                chosen = self.settings.trackers
+                chosen = self._settings.trackers
                 self._logger = MetricsLogger(
-                    self.out_dir,
-                    resume=self.loop.resumed_from is not None,
-                    resume_step=self.loop.resumed_step,
+                    self._out_dir,
+                    resume=self._run.loop.resumed_from is not None,
+                    resume_step=self._run.loop.resumed_step,
                     tensorboard=chosen is None or "tensorboard" in chosen,
                 )
             at = self.global_step if step is None else step
             self._logger.log(values, step=at)
-            if self.run.tracking is not None:
-                self.run.tracking.log({"step": at, **values})
+            if self._run.tracking is not None:
+                self._run.tracking.log({"step": at, **values})
         return values
 
-    def plot_loss(self) -> Path | None:
+    def _plot_loss(self) -> Path | None:
         """Draw ``out_dir``/loss.png from the logged losses (rank 0; None elsewhere)."""
         return self._logger.plot_loss() if self._logger is not None else None
 
@@ -536,9 +497,9 @@ class Runtime:
         """
         if isinstance(state, torch.nn.Module):
             return self._save_weights(Path(path), state)
-        if not self.run.world.writes(state):  # a replica that is not the one to write: it holds the same state
-            return resuming.target_of(path, self.run.loop.step)
-        saved = resuming.save(self.run, self.peers, path, state, keep=self.keep_checkpoints)
+        if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
+            return resuming.target_of(path, self._run.loop.step)
+        saved = resuming.save(self._run, self._peers, path, state, keep=self._settings.keep_checkpoints)
         if self.preempted:
             self._exit_preempted(saved)
         return saved
@@ -547,10 +508,10 @@ class Runtime:
         """The preempted save is on disk: tell the launcher, end the tracker runs, exit with 75."""
         from ddpkit.distributed import preemption
 
-        if self.is_local_main:
+        if self._env.local_rank == 0:
             preemption.mark_saved()
         self.print(
-            f"ddpkit: preempted ({self.run.preemption.name}); saved {saved} at step {self.global_step}, "
+            f"ddpkit: preempted ({self._run.preemption.name}); saved {saved} at step {self.global_step}, "
             f"exiting with code {preemption.EXIT_CODE} (resume='auto' continues from it)",
             flush=True,
         )
@@ -574,7 +535,7 @@ class Runtime:
         """
         if isinstance(state, torch.nn.Module):
             return self._load_weights(Path(path), state)
-        return resuming.load(self.run, self.peers, path, state, strict=strict)
+        return resuming.load(self._run, self._peers, path, state, strict=strict)
 
     def _save_weights(self, path: Path, model: torch.nn.Module) -> Path:
         """``rt.save(file, model)``: the model's plain state dict, written by rank 0 atomically."""
@@ -629,9 +590,9 @@ class Runtime:
 
     def checkpoint(self, state: Mapping[str, Any]) -> Path:
         """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
-        if self.checkpoint_dir is None:
+        if self._checkpoint_dir is None:
             raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
-        return self.save(self.checkpoint_dir, state)
+        return self.save(self._checkpoint_dir, state)
 
     def resume(self, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
         """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
@@ -640,9 +601,11 @@ class Runtime:
         nothing when there is none yet, so one script serves the first start and every
         restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
         """
-        if self.run.world.defer_resume(state, strict):
+        if self._run.world.defer_resume(state, strict):
             return None
-        return resuming.resume(self.run, self.peers, self.resume_from, self.checkpoint_dir, state, strict=strict)
+        return resuming.resume(
+            self._run, self._peers, self._settings.resume, self._checkpoint_dir, state, strict=strict
+        )
 
     def close(self) -> None:
         """Flush logs and destroy the process group. Runs at exit too, also when the script raised."""
@@ -654,13 +617,13 @@ class Runtime:
             self._watchdog = None
         if self._logger is not None:
             self._logger.close()
-        if self.run.tracking is not None:
-            self.run.tracking.close(self._outcome or ("FAILED" if self.failed else "FINISHED"))
-        if self.run.preemption is not None:
-            self.run.preemption.uninstall()
+        if self._run.tracking is not None:
+            self._run.tracking.close(self._outcome or ("FAILED" if self._failed else "FINISHED"))
+        if self._run.preemption is not None:
+            self._run.preemption.uninstall()
         heartbeats.set_target(None)
-        finished = not self.failed and self._outcome is None and self.run.loop.step > 0
-        for mode in self.run.modes:
+        finished = not self._failed and self._outcome is None and self._run.loop.step > 0
+        for mode in self._run.modes:
             mode.close(finished=finished)
         process_group.destroy()
         if self._on_close is not None:
@@ -674,6 +637,6 @@ class Runtime:
 
     def __repr__(self) -> str:
         return (
-            f"Runtime(launcher={self.launcher!r}, rank={self.rank}, local_rank={self.local_rank}, "
-            f"world_size={self.world_size}, device={str(self.device)!r}, backend={self.backend!r})"
+            f"Runtime(launcher={self._env.launcher!r}, rank={self.rank}, local_rank={self._env.local_rank}, "
+            f"world_size={self.world_size}, device={str(self.device)!r}, backend={self._backend!r})"
         )

@@ -103,7 +103,7 @@ def init(
             the same initial weights, and keys the data order and per-sample randomness.
             ``rt.setup`` then gives each rank a stream of its own (``seed + 1_000_003 * (rank + 1)``)
             so that dropout differs between ranks: random data that must be equal on every rank is
-            drawn before ``rt.setup``, or from a ``torch.Generator`` seeded with ``rt.seed``.
+            drawn before ``rt.setup``, or from a ``torch.Generator`` seeded from this seed.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; chosen from the device when omitted.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; the local rank's GPU when CUDA is usable.
@@ -154,7 +154,7 @@ def init(
         config=None if config is None else dict(config) if isinstance(config, Mapping) else config,
     )
     if _current is not None and not _current._closed:
-        _same_settings(_current.settings, settings)
+        _same_settings(_current._settings, settings)
         return _current
     settings.check()  # before any process group exists
     env, chosen_device, chosen_backend = join(settings)
@@ -164,17 +164,17 @@ def init(
     runtime = Runtime(env, chosen_device, chosen_backend, settings)
     if ft.active():
         _join_replicas(runtime, settings)
-    runtime.run.preemption = preemption.Preemption()
-    runtime.run.preemption.install()
+    runtime._run.preemption = preemption.Preemption()
+    runtime._run.preemption.install()
     if env.rank == 0 and settings.out_dir is not None:
-        runtime.run.tracking = trackers_mod.Remote(
+        runtime._run.tracking = trackers_mod.Remote(
             settings.trackers or (),
             settings.out_dir,
             run_name=run_name,
             config=trackers_mod.run_config(asdict(settings), settings.config, env.world_size),
             deferred=settings.checkpoint_dir is not None,
         )
-        runtime.run.tracking.outcome = lambda: runtime._outcome or ("FAILED" if runtime.failed else "FINISHED")
+        runtime._run.tracking.outcome = lambda: runtime._outcome or ("FAILED" if runtime._failed else "FINISHED")
     _watch_failures(runtime)
     if hang_timeout is not None:
         runtime._watchdog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
@@ -213,7 +213,7 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
         )
     if runtime.world_size != 1:
         raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
-    run = runtime.run
+    run = runtime._run
     manager = ft.Replica(
         lambda: heal.heal_state(run, mode.state, ft.replica_index()),
         lambda saved: heal.apply_heal(run, mode.state, saved),
@@ -228,15 +228,17 @@ def _join_replicas(runtime: Runtime, settings: Settings) -> None:
         waiting, mode.waiting_resume = mode.waiting_resume, None
         if waiting is not None and not healed:
             resuming.resume(
-                run, runtime.peers, runtime.resume_from, runtime.checkpoint_dir, waiting[0], strict=waiting[1]
+                run, runtime._peers, runtime._settings.resume, runtime._checkpoint_dir, waiting[0], strict=waiting[1]
             )
 
     def before_stop() -> Any:
         """No quorum formed: the replica ranked first in the last one saves what it holds (the state of
         its last committed step) into ``checkpoint_dir``, so a restarted job resumes from it."""
-        if runtime.checkpoint_dir is None or mode.state is None or run.loop.step == 0 or not runtime.is_main:
+        if runtime._checkpoint_dir is None or mode.state is None or run.loop.step == 0 or not runtime.is_main:
             return None
-        return resuming.save(run, runtime.peers, runtime.checkpoint_dir, mode.state, keep=runtime.keep_checkpoints)
+        return resuming.save(
+            run, runtime._peers, runtime._checkpoint_dir, mode.state, keep=runtime._settings.keep_checkpoints
+        )
 
     manager.first_quorum = first_quorum
     manager.before_stop = before_stop
@@ -262,7 +264,7 @@ def _watch_failures(runtime: Runtime) -> None:
 
     def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
         if not issubclass(kind, SystemExit):
-            runtime.failed = True
+            runtime._failed = True
         previous(kind, value, traceback)
 
     sys.excepthook = hook
