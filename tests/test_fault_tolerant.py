@@ -26,7 +26,7 @@ from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
 
-from ddpkit.distributed import ft  # noqa: E402
+from ddpkit.distributed import ft, ft_heal  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ft_train.py")
 TRAIN_SAMPLES, TEST_SAMPLES, STEPS_PER_EPOCH = 1437, 360, 24  # digits, global batch 60
@@ -422,7 +422,7 @@ def _on_hosts(sim, out: Path, extra: tuple[str, ...] = ()) -> list[subprocess.Po
     out.mkdir(parents=True, exist_ok=True)
     secret = out / "secret"
     if not secret.exists():
-        ft.write_secret(str(secret))
+        ft_heal.write_secret(str(secret))
     return [
         sim.popen(
             host,

@@ -35,7 +35,7 @@ from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
 
-from ddpkit.distributed import ft, ft_control  # noqa: E402
+from ddpkit.distributed import ft, ft_control, ft_heal  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ft_train.py")
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -47,8 +47,8 @@ def _state(step: int) -> dict:
 
 @pytest.fixture
 def pair():
-    sender = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET, name="sender")
-    receiver = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET, name="receiver")
+    sender = ft_heal.transport("127.0.0.1", timedelta(seconds=5), SECRET, name="sender")
+    receiver = ft_heal.transport("127.0.0.1", timedelta(seconds=5), SECRET, name="receiver")
     yield sender, receiver
     sender.shutdown()
     receiver.shutdown()
@@ -92,9 +92,9 @@ def test_a_request_signed_for_another_server_or_seen_before_gets_nothing(pair):
     sender, receiver = pair
     sender.send_checkpoint([1], 3, _state(3), timedelta(seconds=5))
     # what a peer signed for the attacker's URL (a forged checkpoint address), relayed to the real server
-    relayed = ft._mac(SECRET, b"GET", b"http://127.0.0.1:9/checkpoint/3", b"n1")
+    relayed = ft_heal._mac(SECRET, b"GET", b"http://127.0.0.1:9/checkpoint/3", b"n1")
     assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n1:{relayed}"})[0] == 403
-    genuine = ft._mac(SECRET, b"GET", f"{sender.metadata()}3".encode(), b"n2")
+    genuine = ft_heal._mac(SECRET, b"GET", f"{sender.metadata()}3".encode(), b"n2")
     assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n2:{genuine}"})[0] == 200
     assert _get(f"{sender.metadata()}3", {"X-Ddpkit-Auth": f"n2:{genuine}"})[0] == 403  # replayed
 
@@ -129,13 +129,13 @@ def test_a_forged_state_is_refused_in_one_line_before_anything_of_it_is_loaded(t
     torch.save({"user": _Payload(), "torchft": {"step": 3}}, forged, pickle_module=pickle)
     loads: list = []
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or {})
-    receiver = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET, name="replica 1")
+    receiver = ft_heal.transport("127.0.0.1", timedelta(seconds=5), SECRET, name="replica 1")
     other_job = hashlib.sha256(b"another secret").hexdigest().encode()
     servers = [_hostile(forged.getvalue()), _hostile(forged.getvalue(), mac="0" * 64)]
     try:
         for server in servers:
             url = f"http://127.0.0.1:{server.server_address[1]}/checkpoint/"
-            with pytest.raises(ft.HealRefused, match="not signed with this job's secret"):
+            with pytest.raises(ft_heal.HealRefused, match="not signed with this job's secret"):
                 receiver.recv_checkpoint(0, url, 3, timedelta(seconds=5))
     finally:
         receiver.shutdown()
@@ -160,7 +160,7 @@ def _signing(state: dict) -> http.server.ThreadingHTTPServer:
         def do_GET(self):  # noqa: N802
             nonce = self.headers["X-Ddpkit-Auth"].partition(":")[0]
             url = f"http://127.0.0.1:{self.server.server_address[1]}{self.path}"
-            mac = ft._mac(SECRET, b"STATE", url.encode(), nonce.encode(), hashlib.sha256(body).hexdigest().encode())
+            mac = ft_heal._mac(SECRET, b"STATE", url.encode(), nonce.encode(), hashlib.sha256(body).hexdigest().encode())
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("X-Ddpkit-Mac", mac)
@@ -180,12 +180,12 @@ def test_a_quorum_that_names_a_step_the_source_is_not_at_gets_no_state(pair, cap
     a state signed with the job's secret but of another step than the quorum's is refused too."""
     sender, receiver = pair
     sender.send_checkpoint([1], 10**9, _state(40), timedelta(seconds=5))  # asked for 10**9, at 40
-    with pytest.raises(ft.HealRefused, match="HTTP 404"):
+    with pytest.raises(ft_heal.HealRefused, match="HTTP 404"):
         receiver.recv_checkpoint(0, sender.metadata(), 10**9, timedelta(seconds=2))
     assert "not serving its state as step 1000000000: it is at step 40" in capfd.readouterr().err
     server = _signing(_state(40))
     try:
-        with pytest.raises(ft.HealRefused, match="it is of step 40, the quorum named step 41"):
+        with pytest.raises(ft_heal.HealRefused, match="it is of step 40, the quorum named step 41"):
             receiver.recv_checkpoint(
                 0, f"http://127.0.0.1:{server.server_address[1]}/checkpoint/", 41, timedelta(seconds=5)
             )
@@ -200,13 +200,13 @@ def test_a_quorum_that_names_a_step_the_source_is_not_at_gets_no_state(pair, cap
 
 
 def test_a_state_larger_than_this_replica_allows_is_not_read(capfd):
-    sender = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET)
-    receiver = ft.transport("127.0.0.1", timedelta(seconds=5), SECRET, limit=lambda: 1000)
+    sender = ft_heal.transport("127.0.0.1", timedelta(seconds=5), SECRET)
+    receiver = ft_heal.transport("127.0.0.1", timedelta(seconds=5), SECRET, limit=lambda: 1000)
     try:
         sender.send_checkpoint(
             [1], 5, {"user": {"w": torch.zeros(10_000)}, "torchft": {"step": 5}}, timedelta(seconds=5)
         )
-        with pytest.raises(ft.HealRefused, match=r"declares \d+ bytes, more than 1000"):
+        with pytest.raises(ft_heal.HealRefused, match=r"declares \d+ bytes, more than 1000"):
             receiver.recv_checkpoint(0, sender.metadata(), 5, timedelta(seconds=5))
     finally:
         sender.shutdown()
@@ -222,7 +222,7 @@ def test_a_signed_state_that_declares_more_memory_than_it_holds_is_refused(pair,
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or {})
     monkeypatch.setattr(torch, "save", lambda state, buffer: buffer.write(bomb))  # a peer that sends it
     sender.send_checkpoint([1], 2, _state(2), timedelta(seconds=5))
-    with pytest.raises(ft.HealRefused, match="is compressed"):
+    with pytest.raises(ft_heal.HealRefused, match="is compressed"):
         receiver.recv_checkpoint(0, sender.metadata(), 2, timedelta(seconds=5))
     assert not loads
 
@@ -276,7 +276,7 @@ def test_a_secret_file_others_can_read_or_too_short_is_one_line(tmp_path, mode, 
         path.write_text("abc" if mode == 0o600 else SECRET.decode())
         path.chmod(mode)
     with pytest.raises(UsageError) as refused:
-        ft.read_secret(str(path))
+        ft_heal.read_secret(str(path))
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
@@ -648,7 +648,7 @@ def test_a_forged_quorum_from_another_host_cannot_choose_what_the_replicas_load(
     out = tmp_path / "hosts"
     out.mkdir()
     secret = out / "secret"
-    ft.write_secret(str(secret))
+    ft_heal.write_secret(str(secret))
     with SimulatedHosts(3, 1000.0) as sim:
         master = f"{sim.addresses[0]}:29600"
         nodes = [

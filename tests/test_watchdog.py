@@ -128,18 +128,18 @@ def test_a_bad_hang_timeout_is_a_usage_error(bad):
 
 def test_runtime_heartbeats_reach_the_watchdog():
     rt = ddpkit.init(hang_timeout=3600)
-    assert rt._settings.hang_timeout == 3600 and rt._watchdog is not None and rt._watchdog._thread.is_alive()
+    assert rt._settings.hang_timeout == 3600 and rt._reporter.watchdog is not None and rt._reporter.watchdog._thread.is_alive()
     rt.global_step = 4
     rt.heartbeat("eval")
-    assert rt._watchdog._last[:2] == (4, "eval")
-    thread = rt._watchdog._thread
+    assert rt._reporter.watchdog._last[:2] == (4, "eval")
+    thread = rt._reporter.watchdog._thread
     rt.close()
-    assert not thread.is_alive() and rt._watchdog is None
+    assert not thread.is_alive() and rt._reporter.watchdog is None
 
 
 def test_setup_and_each_evaluation_batch_count_as_progress():
     rt = ddpkit.init(seed=0, hang_timeout=3600)
-    dog = rt._watchdog
+    dog = rt._reporter.watchdog
     dog.beat(0, "data")
     before = dog._last[2]
     model = rt.setup(torch.nn.Linear(4, 3))
@@ -161,7 +161,7 @@ def test_setup_and_each_evaluation_batch_count_as_progress():
 
 def test_without_hang_timeout_heartbeat_does_nothing():
     rt = ddpkit.init()
-    assert rt._watchdog is None
+    assert rt._reporter.watchdog is None
     rt.heartbeat("eval")
 
 

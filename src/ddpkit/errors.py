@@ -91,6 +91,11 @@ def one_line(text: str, budget: int = 160) -> str:
     return kept
 
 
+def called_from_user_code(depth: int = 2) -> bool:
+    """Whether the frame ``depth`` levels above the caller is outside ddpkit: a script's own line."""
+    return not sys._getframe(depth).f_code.co_filename.startswith(_PASSED)
+
+
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside ddpkit: the user's line.
 

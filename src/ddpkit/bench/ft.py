@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ddpkit._files import write_text_atomic
-from ddpkit.distributed import ft
+from ddpkit.distributed import ft_heal
 
 TIMED = {"wall_s": 0.0, "samples_per_s": 0.0, "weights_rel_diff": 0.0, "samples_per_s_lost": 0.0}
 """The keys :func:`run` adds to each run's :func:`measure` (docs/reference/outputs.md lists them all)."""
@@ -109,7 +109,7 @@ def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], ho
     launcher, worker = command[: command.index("-m")], command[command.index("-m") :]
     if "--fault-tolerant" in launcher:  # the job's secret, the same file on every host
         secret = out / "secret"
-        ft.write_secret(str(secret))
+        ft_heal.write_secret(str(secret))
         launcher += ["--secret-file", str(secret)]
     with netsim.SimulatedHosts(hosts, float(settings.link_mbit)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"

@@ -4,7 +4,7 @@ On one machine, torchft's lighthouse and the replicas' manager servers run in th
 plane (:mod:`ddpkit.distributed.ft_control`): one process in a network namespace of its own, which the
 replicas reach through a Unix socket in the job's private directory (mode 0700). That directory
 also holds the replica groups' stores, the job's store and the job's secret, with which heal
-payloads are signed (:class:`ddpkit.distributed.ft.SafeTransport`). Each replica is a one-process
+payloads are signed (:class:`ddpkit.distributed.ft_heal.SafeTransport`). Each replica is a one-process
 ``ddpkit run`` (torch's elastic agent) with ``--max-restarts K``: when it dies, its own agent
 restarts it and it heals from a live peer, while the other replicas go on. This process only
 starts them and watches: when the control plane dies, every replica is stopped (one line), so the
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.distributed import ft, ft_control
+from ddpkit.distributed import ft, ft_control, ft_heal
 from ddpkit.distributed.host import host_port
 from ddpkit.errors import UsageError
 
@@ -123,7 +123,7 @@ def validate(spec: FaultTolerantSpec) -> None:
             "job makes its own: drop --secret-file"
         )
     if spec.secret_file is not None:
-        ft.read_secret(spec.secret_file)
+        ft_heal.read_secret(spec.secret_file)
 
 
 def _split_master(master: str) -> tuple[str, int]:
@@ -239,7 +239,7 @@ def replica_env(
             ft.MIN_REPLICAS_ENV: str(spec.min_replicas),
             ft.HOST_ENV: host,
             ft.QUORUM_TIMEOUT_ENV: str(spec.quorum_timeout_s),
-            ft.SECRET_ENV: secret,
+            ft_heal.SECRET_ENV: secret,
         }
     )
     env.pop(ft_control.CONTROL_ENV, None)
@@ -262,7 +262,7 @@ def run(spec: FaultTolerantSpec) -> int:
     if spec.nnodes == 1:
         host, master_host, master_port = HOST, HOST, 0
         secret = os.path.join(work, "secret")
-        ft.write_secret(secret)
+        ft_heal.write_secret(secret)
         lighthouse, address = start_control_plane(spec.min_replicas, work)
         job = f"file:{os.path.join(work, 'job-store')}"
         private = work

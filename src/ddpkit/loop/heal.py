@@ -4,7 +4,7 @@ The state is the one a checkpoint holds, kept in memory: the user's objects (the
 ``rt.resume``/``rt.checkpoint``, else the set-up models and optimizers), the loop state (epoch,
 step, loader positions), the RNG states and the precision's scaler. Every value is a tensor or
 plain data, so the receiving side loads it with ``weights_only=True``
-(:class:`ddpkit.distributed.ft.SafeTransport`).
+(:class:`ddpkit.distributed.ft_heal.SafeTransport`).
 """
 
 from __future__ import annotations

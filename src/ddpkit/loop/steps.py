@@ -47,6 +47,19 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
         run.loop.epoch += 1
 
 
+def shards(run: RunState, batch: tuple[Any, ...]) -> Iterator[Any]:
+    """The micro-shards of the batch in hand (``rt.shards``): from the run's mode that cuts batches."""
+    if not batch:
+        raise UsageError("rt.shards needs the batch to cut, e.g. rt.shards(inputs, targets)")
+    cut = next((c for mode in run.modes if (c := mode.shards(run.active, run.loop.step, batch)) is not None), None)
+    if cut is None:
+        raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
+    if not run.backward_since_step:
+        run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as backward does)
+    run.backward_since_step = run.uses_backward = True  # a rank with empty shards steps too
+    return cut
+
+
 def backward(run: RunState, loss: torch.Tensor) -> None:
     """Backward of the mean loss of this rank's batch, weighted by its true sample count."""
     beat("backward")

@@ -9,7 +9,7 @@ return: the model and what the loop and the checkpoints must keep of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -44,17 +44,20 @@ class SetupOptions:
     """How ``rt.setup`` wraps a model (its arguments besides the model and the optimizer)."""
 
     sync_batchnorm: bool = False
-    """Convert BatchNorm layers to SyncBatchNorm (with more than one process)."""
+    """Convert BatchNorm layers to SyncBatchNorm (with more than one process): statistics over the
+    global batch, whatever the number of processes."""
     compile: bool | dict[str, Any] = False
     """``torch.compile`` the wrapped model; a dict gives compile's arguments."""
     grad_compression: str | None = None
-    """``"fp16"``, ``"bf16"`` or ``"powersgd"``: fewer bytes per step (:mod:`ddpkit.parallel.compression`)."""
+    """``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"auto"`` (measures the link, then chooses): fewer bytes
+    per step on slow links (:mod:`ddpkit.parallel.compression`); its state is in every checkpoint."""
     powersgd_rank: int = 2
     """Rank of PowerSGD's low-rank factors."""
     powersgd_start: int | None = None
-    """Plain steps before PowerSGD compresses (None: ddpkit's default)."""
+    """Plain steps before PowerSGD compresses (None: ddpkit's default, 10)."""
     strategy: str = "ddp"
-    """``"ddp"`` (replicated) or ``"fsdp"`` (parameters, gradients and optimizer state sharded)."""
+    """``"ddp"`` (replicated) or ``"fsdp"`` (FSDP2, :mod:`ddpkit.parallel.fsdp`: parameters, gradients and
+    optimizer state sharded; the optimizer is rebound to the shards)."""
     fsdp_units: Any = None
     """Module classes that become FSDP units (a class or a list of them); None: children above a size."""
     reshard_after_forward: bool = True
@@ -64,9 +67,11 @@ class SetupOptions:
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further ``DistributedDataParallel`` arguments (``find_unused_parameters``, ...)."""
     sync: str = "every-step"
-    """``"every-step"`` (DDP), ``"local-sgd"`` or ``"diloco"`` (:mod:`ddpkit.parallel.periodic`)."""
+    """``"every-step"`` (DDP), or ``"local-sgd"``/``"diloco"``: ranks train apart and meet every
+    ``sync_every`` optimizer steps (:mod:`ddpkit.parallel.periodic`; the result then depends on the
+    world size)."""
     sync_every: int | None = None
-    """Optimizer steps between syncs of ``"local-sgd"`` and ``"diloco"``."""
+    """Optimizer steps between syncs (required by ``"local-sgd"`` and ``"diloco"``)."""
     outer_lr: float = 0.7
     """DiLoCo's outer learning rate."""
     outer_momentum: float = 0.9
@@ -76,7 +81,22 @@ class SetupOptions:
     sync_fragments: int = 1
     """Streaming DiLoCo: fragments of the model, each exchanged at its own step of the period."""
     sync_delay: int = 0
-    """Streaming DiLoCo: inner steps each exchange runs in the background before it is applied."""
+    """Streaming DiLoCo: inner steps each exchange runs in the background before it is applied; the
+    rank keeps what it trained meanwhile."""
+    micro_shards: int | None = None
+    """Bitwise the same run on any power-of-two number of processes dividing it
+    (:mod:`ddpkit.parallel.exact`): each global batch in this many shards, handed out by
+    ``rt.shards``, each with its own BatchNorm statistics, summed along one fixed tree."""
+
+    @classmethod
+    def from_keywords(cls, keywords: dict[str, Any]) -> SetupOptions:
+        """The options of ``rt.setup(model, optimizer, **keywords)``: a keyword that is not a field
+        goes to ``DistributedDataParallel`` (:attr:`ddp_kwargs`)."""
+        names = {f.name for f in fields(cls)} - {"ddp_kwargs"}
+        return cls(
+            **{k: v for k, v in keywords.items() if k in names},
+            ddp_kwargs={k: v for k, v in keywords.items() if k not in names},
+        )
 
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).

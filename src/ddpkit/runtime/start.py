@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,11 +25,14 @@ from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, entry, ft, preemption, process_group, store_sync
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.errors import UsageError
+from ddpkit.loop import heal
 from ddpkit.observe import heartbeats, watchdog
 from ddpkit.observe import trackers as trackers_mod
+from ddpkit.observe.reporter import Reporter
 from ddpkit.parallel.replica import FaultTolerant
 from ddpkit.runtime.facade import Runtime
 from ddpkit.state.precision import Precision
+from ddpkit.state.run import RunState
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_SAVE_TIMEOUT_S = 60.0
@@ -161,25 +164,28 @@ def init(
     if seed is not None:
         rng.seed_everything(seed)
     _start_trackers(settings, env)
-    runtime = Runtime(env, chosen_device, chosen_backend, settings)
+    run = RunState(Precision(settings.precision, chosen_device), seed=settings.seed)
+    peers = resuming.Peers(env.rank, env.world_size, settings.timeout, settings.save_timeout)
     if ft.active():
-        _join_replicas(runtime, settings)
-    runtime._run.preemption = preemption.Preemption()
-    runtime._run.preemption.install()
+        run.world = _replica(run, peers, settings, chosen_device, env)
+    run.preemption = preemption.Preemption()
+    run.preemption.install()
     if env.rank == 0 and settings.out_dir is not None:
-        runtime._run.tracking = trackers_mod.Remote(
+        run.tracking = trackers_mod.Remote(
             settings.trackers or (),
             settings.out_dir,
             run_name=run_name,
             config=trackers_mod.run_config(asdict(settings), settings.config, env.world_size),
             deferred=settings.checkpoint_dir is not None,
         )
-        runtime._run.tracking.outcome = lambda: runtime._outcome or ("FAILED" if runtime._failed else "FINISHED")
-    _watch_failures(runtime)
-    if hang_timeout is not None:
-        runtime._watchdog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
+    dog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size) if hang_timeout is not None else None
+    out_dir = Path(settings.out_dir) if settings.out_dir is not None else None
+    reporter = Reporter(out_dir, settings.trackers, dog)
+    runtime = Runtime(
+        env, chosen_device, chosen_backend, settings, run=run, peers=peers, reporter=reporter, on_close=_forget
+    )
+    if dog is not None:
         heartbeats.set_target(runtime)
-    runtime._on_close = _forget
     _current = runtime
     atexit.register(runtime.close)
     return runtime
@@ -201,48 +207,42 @@ def join(settings: Settings) -> tuple[Environment, torch.device, str]:
     return env, device, backend
 
 
-def _join_replicas(runtime: Runtime, settings: Settings) -> None:
-    """A replica of ``ddpkit run --fault-tolerant``: torchft's manager, with ddpkit's heal state."""
-    from ddpkit.loop import heal
-
+def _replica(run: RunState, peers: resuming.Peers, settings: Settings, device: torch.device, env: Environment) -> Any:
+    """A replica of ``ddpkit run --fault-tolerant``: torchft's manager, with ddpkit's heal state, as the run's world."""
     remote = [name for name in settings.trackers or () if name in trackers_mod.REMOTE]
     if remote:
         raise UsageError(
             f"--fault-tolerant does not send to {', '.join(remote)} yet (replicas take turns "
             "logging); use tensorboard and metrics.jsonl"
         )
-    if runtime.world_size != 1:
+    if env.world_size != 1:
         raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
-    run = runtime._run
     manager = ft.Replica(
         lambda: heal.heal_state(run, mode.state, ft.replica_index()),
         lambda saved: heal.apply_heal(run, mode.state, saved),
-        device=runtime.device,
+        device=device,
         seeded=settings.seed is not None,
         timeout_s=min(settings.timeout, 30.0),
     )
     mode = FaultTolerant(manager)
+    directory = Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else None
 
     def first_quorum(healed: bool) -> None:
         """Resume from a file unless a peer's state healed this replica."""
         waiting, mode.waiting_resume = mode.waiting_resume, None
         if waiting is not None and not healed:
-            resuming.resume(
-                run, runtime._peers, runtime._settings.resume, runtime._checkpoint_dir, waiting[0], strict=waiting[1]
-            )
+            resuming.resume(run, peers, settings.resume, directory, waiting[0], strict=waiting[1])
 
     def before_stop() -> Any:
         """No quorum formed: the replica ranked first in the last one saves what it holds (the state of
         its last committed step) into ``checkpoint_dir``, so a restarted job resumes from it."""
-        if runtime._checkpoint_dir is None or mode.state is None or run.loop.step == 0 or not runtime.is_main:
+        if directory is None or mode.state is None or run.loop.step == 0 or not mode.is_main(0):
             return None
-        return resuming.save(
-            run, runtime._peers, runtime._checkpoint_dir, mode.state, keep=runtime._settings.keep_checkpoints
-        )
+        return resuming.save(run, peers, directory, mode.state, keep=settings.keep_checkpoints)
 
     manager.first_quorum = first_quorum
     manager.before_stop = before_stop
-    run.world = mode
+    return mode
 
 
 def _start_trackers(settings: Settings, env: Environment) -> None:
@@ -256,18 +256,6 @@ def _start_trackers(settings: Settings, env: Environment) -> None:
         if env.distributed:
             process_group.destroy()
         raise UsageError(found)
-
-
-def _watch_failures(runtime: Runtime) -> None:
-    """Note an uncaught exception, so ``close`` at exit ends the tracker runs as failed."""
-    previous = sys.excepthook
-
-    def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
-        if not issubclass(kind, SystemExit):
-            runtime._failed = True
-        previous(kind, value, traceback)
-
-    sys.excepthook = hook
 
 
 def current() -> Runtime | None:

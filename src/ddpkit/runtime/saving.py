@@ -1,0 +1,99 @@
+"""``rt.save``, ``rt.load``, ``rt.checkpoint`` and ``rt.resume``: methods of :class:`~ddpkit.runtime.facade.Runtime`
+written in a module of their own (the facade names them), each handing its work to
+:mod:`ddpkit.checkpoint.resume` or, for a model alone, to :mod:`ddpkit.runtime.weights`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ddpkit.checkpoint import resume as resuming
+from ddpkit.distributed import preemption
+from ddpkit.errors import UsageError
+from ddpkit.runtime import weights
+
+if TYPE_CHECKING:
+    from ddpkit.runtime.facade import Runtime
+
+
+def save(self: Runtime, path: str | os.PathLike, state: Mapping[str, Any] | torch.nn.Module) -> Path:
+    """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
+
+    Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
+    fails within ``save_timeout`` seconds, naming the ranks that did not come. Global rank 0
+    writes atomically; if the write fails, every rank raises. A directory ``path`` gets
+    ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``. Each entry of ``state``
+    is also at the top of a ``.pt`` file, so ``torch.load(path)["model"]`` reads it back.
+
+    ``rt.save("model.pt", model)`` (a model, not a mapping) writes the model's weights alone,
+    with plain names, as ``torch.save(model.state_dict(), path)`` does: what
+    ``model.load_state_dict(torch.load(path))`` reads, and :meth:`load` with a model too.
+    """
+    if isinstance(state, torch.nn.Module):
+        return weights.save(Path(path), self.full_state_dict(state), is_main=self.is_main)
+    if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
+        return resuming.target_of(path, self._run.loop.step)
+    saved = resuming.save(self._run, self._peers, path, state, keep=self._settings.keep_checkpoints)
+    if self.preempted:
+        self._exit_preempted(saved)
+    return saved
+
+
+def exit_preempted(self: Runtime, saved: Path) -> None:
+    """The preempted save is on disk: tell the launcher, end the tracker runs, exit with 75."""
+    if self._env.local_rank == 0:
+        preemption.mark_saved()
+    self.print(
+        f"ddpkit: preempted ({self._run.preemption.name}); saved {saved} at step {self.global_step}, "
+        f"exiting with code {preemption.EXIT_CODE} (resume='auto' continues from it)",
+        flush=True,
+    )
+    self._outcome = "KILLED"
+    self.close()
+    raise SystemExit(preemption.EXIT_CODE)
+
+
+def load(
+    self: Runtime, path: str | os.PathLike, state: MutableMapping[str, Any] | torch.nn.Module, *, strict: bool = True
+) -> Path:
+    """Restore ``state`` and ddpkit's own on every rank; a directory means its newest checkpoint.
+
+    Resumes mid-epoch exactly: the next batch is the one after the last trained, also for
+    loaders built after ``load``. A saved position that matches no loader, or a loader built
+    differently from the saved one, is an error (a warning with ``strict=False``, and that
+    loader's epoch starts over). Every rank must call it.
+
+    With a model instead of a mapping, only its weights are loaded: from a file of weights
+    (``rt.save(path, model)``, ``torch.save(model.state_dict(), path)``) or a checkpoint's
+    ``"model"`` entry; the loop and random states are left as they are.
+    """
+    if isinstance(state, torch.nn.Module):
+        return weights.load(Path(path), state)
+    return resuming.load(self._run, self._peers, path, state, strict=strict)
+
+
+def checkpoint(self: Runtime, state: Mapping[str, Any]) -> Path:
+    """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
+    if self._checkpoint_dir is None:
+        raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
+    return self.save(self._checkpoint_dir, state)
+
+
+def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
+    """Load what ``init(resume=...)`` names into ``state``; returns the checkpoint, or None.
+
+    ``resume="auto"`` takes the newest complete checkpoint of ``checkpoint_dir`` and does
+    nothing when there is none yet, so one script serves the first start and every
+    restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
+    """
+    if self._run.world.defer_resume(state, strict):
+        return None
+    return resuming.resume(self._run, self._peers, self._settings.resume, self._checkpoint_dir, state, strict=strict)
+
+
+__all__ = ["checkpoint", "exit_preempted", "load", "resume", "save"]

@@ -1,0 +1,85 @@
+"""What ``rt.setup`` does with a model: check its options, choose its mode, wrap it, adopt it into the run."""
+
+from __future__ import annotations
+
+import torch
+
+from ddpkit.parallel import exact, modes
+from ddpkit.parallel.options import SetupOptions
+from ddpkit.parallel.wrap import wrap
+from ddpkit.state.run import RunState
+
+
+def adopt(
+    run: RunState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    options: SetupOptions,
+    *,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    is_main: bool,
+    timeout_s: float,
+) -> tuple[torch.nn.Module, int]:
+    """Check ``options`` (one line for what cannot work), make the model's mode, wrap it, adopt it.
+
+    Args:
+        run: the run that takes the model.
+        model: the user's model (maybe compiled already).
+        optimizer: its optimizer, if built.
+        options: ``rt.setup``'s options.
+        device: this process's device.
+        rank: this process's rank.
+        world_size: processes of the job.
+        is_main: the process that warns.
+        timeout_s: the collective timeout (PowerSGD's own group).
+
+    Returns:
+        The model to train and its index in the run.
+    """
+    micro_shards = options.micro_shards
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    options.check(model, device=device, backend=backend, precision=run.precision.name)
+    modes.check_combination(
+        micro_shards=micro_shards,
+        fault_tolerant=run.world.replica is not None,
+        options=options,
+        world_size=world_size,
+        model=model,
+        models_set_up=len(run.entries),
+        micro_shards_set_up=any(isinstance(e.mode, modes.MicroShards) for e in run.entries),
+    )
+    if micro_shards is not None:
+        mode: modes.Mode = modes.MicroShards(
+            exact.setup(
+                model,
+                optimizer,
+                micro_shards,
+                device=device,
+                world_size=world_size,
+                rank=rank,
+                seed=run.seed,
+            )
+        )
+        index = run.adopt(model, optimizer, mode=mode)
+    else:
+        model = run.world.prepare(model.to(device), options)
+        wrapped = wrap(
+            model,
+            optimizer,
+            options,
+            device=device,
+            world_size=world_size,
+            is_main=is_main,
+            precision=run.precision.name,
+            timeout_s=timeout_s,
+        )
+        if wrapped.sharded:
+            run.precision.shard()
+        model = wrapped.model
+        index = run.adopt(model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise)
+    return model, index
+
+
+__all__ = ["adopt"]
