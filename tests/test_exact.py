@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ddpkit
 import workers
 from ddpkit.errors import UsageError
-from ddpkit.parallel import exact
+from ddpkit.parallel import exact_tree
 
 
 def _same(a: dict, b: dict) -> list[str]:
@@ -33,16 +33,16 @@ def test_ranks_partial_sums_complete_the_single_process_tree_bit_for_bit(shards,
     leaves = [
         torch.randn(1000, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g).item() for _ in range(shards)
     ]
-    whole = exact.tree_sum(leaves)
-    partials = [exact.tree_sum(leaves[r::world]) for r in range(world)]
-    assert torch.equal(exact.tree_sum(partials), whole)
+    whole = exact_tree.tree_sum(leaves)
+    partials = [exact_tree.tree_sum(leaves[r::world]) for r in range(world)]
+    assert torch.equal(exact_tree.tree_sum(partials), whole)
     # and the order matters: a left-to-right sum is another float (else the test proves nothing)
     assert not torch.equal(sum(leaves[1:], leaves[0]), whole) or shards == 2
 
 
 def test_tree_sum_skips_empty_leaves():
-    assert exact.tree_sum([None, None]) is None
-    assert exact.tree_sum([1.0, None, 2.0, None]) == 3.0
+    assert exact_tree.tree_sum([None, None]) is None
+    assert exact_tree.tree_sum([1.0, None, 2.0, None]) == 3.0
 
 
 # -- one process ---------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
         assert torch.allclose(bn.running_mean, plain_bn.running_mean, rtol=1e-6, atol=1e-7)
         assert torch.allclose(bn.running_var, plain_bn.running_var, rtol=1e-6, atol=1e-7)
         assert not torch.equal(bn.running_mean, torch.zeros(8))
-        assert torch.get_num_threads() == exact.threads_for(2)
+        assert torch.get_num_threads() == exact_tree.threads_for(2)
     finally:
         rt.close()
     assert torch.get_num_threads() == threads  # rt.close gives the process its own count back
@@ -172,7 +172,7 @@ def test_what_micro_shards_does_not_combine_with_is_one_line(options, match):
     }
     shards = args.pop("micro_shards")
     with pytest.raises(UsageError, match=match) as caught:
-        exact.check(shards, **args)
+        exact_tree.check(shards, **args)
     assert "\n" not in str(caught.value)
 
 
@@ -199,7 +199,7 @@ def test_one_process_and_ddp_x2_end_at_the_same_bits():
     assert _same(one["state"], two["state"]) == []
     assert one["accuracy"] == two["accuracy"] > 0.8
     assert one["train_loss"] == pytest.approx(two["train_loss"], rel=1e-12)
-    assert one["threads"] == two["threads"] == exact.threads_for(2)
+    assert one["threads"] == two["threads"] == exact_tree.threads_for(2)
 
 
 @pytest.mark.timeout(240)

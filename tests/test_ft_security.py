@@ -160,7 +160,9 @@ def _signing(state: dict) -> http.server.ThreadingHTTPServer:
         def do_GET(self):  # noqa: N802
             nonce = self.headers["X-Ddpkit-Auth"].partition(":")[0]
             url = f"http://127.0.0.1:{self.server.server_address[1]}{self.path}"
-            mac = ft_heal._mac(SECRET, b"STATE", url.encode(), nonce.encode(), hashlib.sha256(body).hexdigest().encode())
+            mac = ft_heal._mac(
+                SECRET, b"STATE", url.encode(), nonce.encode(), hashlib.sha256(body).hexdigest().encode()
+            )
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("X-Ddpkit-Mac", mac)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.checkpoint import resume
+from ddpkit.checkpoint import restore, resume
 from ddpkit.errors import UsageError
 from ddpkit.loop import build, steps
 from ddpkit.parallel.options import SetupOptions, check_strategy
@@ -65,7 +65,7 @@ def test_save_and_load_are_functions_of_the_run_state_without_a_process_group(tm
 
     again, model2, opt2 = _run(weights=99)  # another process: other weights, fresh loop
     loader2 = _loader(again)
-    resume.load(again, resume.Peers(), saved, {"model": model2, "opt": opt2})
+    restore.load(again, resume.Peers(), saved, {"model": model2, "opt": opt2})
     assert again.loop.step == 3
     rest = iter(loader2)  # continues the saved pass: two batches are left
     _train(again, model2, opt2, rest, 2)
@@ -81,7 +81,7 @@ def test_resume_auto_without_a_checkpoint_is_none_and_a_bad_source_a_clear_error
     assert resume.resume(run, resume.Peers(), "auto", tmp_path, {"model": model}) is None
     assert resume.resume(run, resume.Peers(), None, None, {"model": model}) is None
     with pytest.raises(Exception, match="no complete checkpoint"):
-        resume.load(run, resume.Peers(), tmp_path, {"model": model})
+        restore.load(run, resume.Peers(), tmp_path, {"model": model})
 
 
 def test_setup_options_refuse_in_one_place():

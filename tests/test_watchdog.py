@@ -128,7 +128,11 @@ def test_a_bad_hang_timeout_is_a_usage_error(bad):
 
 def test_runtime_heartbeats_reach_the_watchdog():
     rt = ddpkit.init(hang_timeout=3600)
-    assert rt._settings.hang_timeout == 3600 and rt._reporter.watchdog is not None and rt._reporter.watchdog._thread.is_alive()
+    assert (
+        rt._settings.hang_timeout == 3600
+        and rt._reporter.watchdog is not None
+        and rt._reporter.watchdog._thread.is_alive()
+    )
     rt.global_step = 4
     rt.heartbeat("eval")
     assert rt._reporter.watchdog._last[:2] == (4, "eval")

@@ -17,7 +17,8 @@ from ddpkit._version import __version__
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.distributed.launch import LaunchError, launch
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.loop.evaluate import evaluate, predict, predict_to_file
+from ddpkit.loop.evaluate import evaluate, predict
+from ddpkit.loop.predict_file import predict_to_file
 from ddpkit.loop.streams import ShardError, Shards, read_tar
 from ddpkit.parallel.lazy_buffers import settle as sync_buffers
 from ddpkit.rng import sample_rng

@@ -178,7 +178,7 @@ def _sync_reason(sync: str, compression: str, sync_bn: bool, precision: str) -> 
     """Why an infrequent ``sync`` row cannot run (what ``rt.setup`` refuses), or None."""
     if sync == "every-step":
         return None
-    from ddpkit.parallel.periodic import check
+    from ddpkit.parallel.periodic_parts import check
 
     try:
         check(
@@ -388,7 +388,7 @@ def _check_micro_shards(
     hosts: Sequence[int],
 ) -> None:
     """What ``--micro-shards`` does not combine with, in one line (``rt.setup`` refuses the same)."""
-    from ddpkit.parallel.exact import check
+    from ddpkit.parallel.exact_tree import check
 
     refused = [
         ("--modes dp or fsdp", set(modes) & {"dp", "fsdp"}),
@@ -471,7 +471,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
             "--sync-fragments and --sync-delay stream the exchange of local-sgd or diloco; add --sync every-step,diloco"
         )
     if opts.sync_every is not None:
-        from ddpkit.parallel.periodic import check as check_sync
+        from ddpkit.parallel.periodic_parts import check as check_sync
 
         check_sync(
             "diloco",

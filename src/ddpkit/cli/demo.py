@@ -371,7 +371,7 @@ def _closest(rows: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any
 
 def exact_threads(rows: list[dict[str, Any]], nproc: int) -> int:
     """Intra-op threads of each micro-shard on this machine (what ``--micro-shards nproc`` sets)."""
-    from ddpkit.parallel.exact import threads_for
+    from ddpkit.parallel.exact_tree import threads_for
 
     return threads_for(nproc, rows[0]["step"]["cores"])
 

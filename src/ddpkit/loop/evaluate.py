@@ -14,16 +14,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from ddpkit._files import atomic_path
 from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
@@ -338,88 +335,6 @@ def predict(
     if not torch.equal(where[order], torch.arange(len(where))):
         raise DdpkitError(f"internal: predict read stream indices {where.tolist()[:20]}..., not each once")
     return _map(lambda t: t[order], gathered)
-
-
-def predict_to_file(
-    model: torch.nn.Module, dataset: Any, path: str | os.PathLike, *, batch_size: int = 256, num_workers: int = 0
-) -> Path | None:
-    """Stream predictions larger than memory into one ``.npy`` file, in dataset order.
-
-    Each rank appends its shard's outputs to its own part file as it goes; rank 0 then
-    copies the parts, in rank order, into ``path`` chunk by chunk. Only a model returning a
-    single tensor is supported here. Returns the path on rank 0, None elsewhere.
-
-    Args:
-        model: the model as ``rt.setup`` returned it, or a plain one; it must return one tensor.
-        dataset: a map-style dataset (a stream goes to :func:`predict`); a sample's first item is the
-            input when it is a tuple or list, else the sample is.
-        path: the ``.npy`` file rank 0 writes; the part files ``.NAME.rankN.part`` lie beside it meanwhile.
-        batch_size: samples per forward on each rank.
-        num_workers: DataLoader workers per rank (0: the main process reads).
-    """
-    import numpy as np
-    from torch.utils.data import IterableDataset
-
-    if isinstance(dataset, IterableDataset):
-        raise UsageError(
-            "predict_to_file needs a map-style dataset; for a stream use ddpkit.predict, "
-            "which returns the outputs in stream order"
-        )
-    path = Path(path)
-    rank, world = collectives.rank(), collectives.world_size()
-    part = path.with_name(f".{path.name}.rank{rank}.part")
-    lazy_buffers.settle(model)
-    module = unwrap(model)
-    rows, tail, dtype = 0, None, None
-    with open(part, "wb") as handle:
-        for out in _run_shard(module, dataset, batch_size, num_workers):
-            if not isinstance(out, torch.Tensor):
-                raise UsageError("predict_to_file needs a model that returns one tensor")
-            array = out.numpy()
-            rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
-            handle.write(np.ascontiguousarray(array).tobytes())
-    if tail is None:
-        probe = _empty_output(module, dataset).numpy()
-        tail, dtype = probe.shape[1:], probe.dtype
-    counts = collectives.all_gather_object(rows)  # also: every part file is complete
-    if rank == 0:
-        _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)], counts, tail, dtype)
-    collectives.barrier()
-    part.unlink(missing_ok=True)
-    return path if rank == 0 else None
-
-
-def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:
-    import numpy as np
-
-    with atomic_path(path) as tmp:
-        _copy_parts(
-            np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(sum(counts), *tail)),
-            parts,
-            counts,
-            tail,
-            dtype,
-        )
-
-
-def _copy_parts(merged: Any, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:
-    """Copy each rank's rows into ``merged`` (a memory-mapped ``.npy``) in rank order, 64 MiB at a time."""
-    import numpy as np
-
-    row_bytes = int(np.prod(tail, dtype=np.int64)) * np.dtype(dtype).itemsize
-    start = 0
-    for part, count in zip(parts, counts):
-        chunk_rows = max(1, (64 << 20) // max(1, row_bytes))
-        with open(part, "rb") as handle:
-            done = 0
-            while done < count:
-                take = min(chunk_rows, count - done)
-                data = np.frombuffer(handle.read(take * row_bytes), dtype=dtype).reshape(take, *tail)
-                merged[start + done : start + done + take] = data
-                done += take
-        start += count
-    merged.flush()
-    del merged
 
 
 def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:

@@ -46,95 +46,25 @@ Example (one process; the same lines under ``ddpkit run -n 2`` end at the same b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel.exact_tree import (
+    _add_grads,
+    _pack,
+    _take,
+    _unpack,
+    broadcast_from_rank0,
+    check,
+    threads_for,
+    tree_sum,
+)
 
 __all__ = ["Exact", "check", "tree_sum", "threads_for"]
-
-
-def check(
-    micro_shards: int | None,
-    *,
-    world_size: int,
-    sync_batchnorm: bool,
-    grad_compression: str | None,
-    strategy: str,
-    sync: str,
-    compile: Any,
-    ddp_kwargs: dict[str, Any],
-    fault_tolerant: bool = False,
-) -> None:
-    """Refuse, in one line, ``micro_shards`` that cannot be exact here (nothing when it is None).
-
-    Args:
-        micro_shards: M, the shards of every global batch (None: not asked for).
-        world_size: processes of the job.
-        sync_batchnorm, grad_compression, strategy, sync, compile, ddp_kwargs: ``rt.setup``'s other
-            options, each refused where it is not its default.
-        fault_tolerant: whether this is a replica of a ``--fault-tolerant`` job.
-
-    Raises:
-        UsageError: M below 1; a world size that is not a power of two dividing M; or an option
-            the fixed tree cannot take (SyncBatchNorm, compression, fsdp, an infrequent sync,
-            ``compile``, DDP arguments, a fault-tolerant job).
-    """
-    if micro_shards is None:
-        return
-    if isinstance(micro_shards, bool) or not isinstance(micro_shards, int) or micro_shards < 1:
-        raise UsageError(f"micro_shards must be a whole number of at least 1, got {micro_shards!r}")
-    if world_size & (world_size - 1) or micro_shards % world_size:
-        raise UsageError(
-            f"micro_shards={micro_shards} is exact on a power-of-two number of processes that "
-            f"divides it (1, 2, 4, ...); this run has {world_size}: change the number of processes, "
-            f"or micro_shards to a multiple of {world_size}"
-        )
-    refused = [
-        ("sync_batchnorm=True", sync_batchnorm, "each shard keeps its own BatchNorm statistics"),
-        (f"grad_compression={grad_compression!r}", grad_compression is not None, "the sums must be exact"),
-        (f"strategy={strategy!r}", strategy != "ddp", "the model is replicated"),
-        (f"sync={sync!r}", sync != "every-step", "every step is summed"),
-        ("compile", bool(compile), "its hooks keep BatchNorm's statistics per shard"),
-        (f"DDP arguments {sorted(ddp_kwargs)}", bool(ddp_kwargs), "no DDP wrapper is used"),
-        ("--fault-tolerant", fault_tolerant, "replicas come and go"),
-    ]
-    for name, bad, why in refused:
-        if bad:
-            raise UsageError(f"micro_shards does not combine with {name} ({why}); drop one of the two")
-
-
-def threads_for(micro_shards: int, cores: int | None = None) -> int:
-    """Intra-op threads of every shard: ``cores // micro_shards`` (at least one), whatever the world size."""
-    from ddpkit.distributed.host import usable_cores
-
-    return max(1, (usable_cores() if cores is None else cores) // micro_shards)
-
-
-def tree_sum(items: Sequence[Any], add: Any = None) -> Any:
-    """``tree(items[0::2]) + tree(items[1::2])``, None for an empty list; None items count as nothing.
-
-    >>> tree_sum([1.0, 2.0, 3.0, 4.0])      # (1 + 3) + (2 + 4)
-    10.0
-    >>> tree_sum([None, 5.0]), tree_sum([])
-    (5.0, None)
-    """
-    add = add or (lambda a, b: a + b)
-    if not items:
-        return None
-    if len(items) == 1:
-        return items[0]
-    left, right = tree_sum(items[0::2], add), tree_sum(items[1::2], add)
-    if left is None or right is None:
-        return right if left is None else left
-    return add(left, right)
-
-
-def _add_grads(a: list[Any], b: list[Any]) -> list[Any]:
-    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
 
 
 class Exact:
@@ -409,53 +339,6 @@ class Exact:
             module.num_batches_tracked.copy_(tracked)
 
         return post_hook
-
-
-def _take(item: Any, j: int, every: int) -> Any:
-    """Local shard ``j`` of one batch element: rows ``j, j + every, ...`` of each tensor inside it,
-    contiguous whatever ``every`` is (a model that ``.view()``s its inputs runs on any world size)."""
-    if isinstance(item, torch.Tensor):
-        return item[j::every].contiguous()
-    if isinstance(item, (list, tuple)):
-        return type(item)(_take(x, j, every) for x in item)
-    if isinstance(item, dict):
-        return {k: _take(v, j, every) for k, v in item.items()}
-    return item
-
-
-def _pack(stats: dict[int, tuple[torch.Tensor, torch.Tensor]], norms: list[_BatchNorm]) -> torch.Tensor:
-    """One shard's statistics as a float64 row: per layer, 1 (ran) or 0, its mean and its variance."""
-    parts = []
-    for index, norm in enumerate(norms):
-        if index in stats:
-            mean, var = stats[index]
-            parts += [torch.ones(1, dtype=torch.float64), mean.double().cpu(), var.double().cpu()]
-        else:
-            parts.append(torch.zeros(1 + 2 * norm.num_features, dtype=torch.float64))
-    return torch.cat(parts)
-
-
-def _unpack(row: torch.Tensor, norms: list[_BatchNorm]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """What :func:`_pack` wrote: the layers that ran, with their mean and variance."""
-    out, offset = {}, 0
-    for index, norm in enumerate(norms):
-        c = norm.num_features
-        if row[offset] > 0:
-            out[index] = (row[offset + 1 : offset + 1 + c], row[offset + 1 + c : offset + 1 + 2 * c])
-        offset += 1 + 2 * c
-    return out
-
-
-def broadcast_from_rank0(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (what DDP's constructor does; a collective)."""
-    import torch.distributed as dist
-
-    from ddpkit.parallel import lazy_buffers
-
-    with torch.no_grad():
-        for parameter in model.parameters():
-            dist.broadcast(parameter.data, src=0)
-    lazy_buffers.broadcast_from_rank0(model)  # the buffers, as DDP's own copy of them does
 
 
 def setup(

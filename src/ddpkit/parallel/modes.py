@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UsageError
-from ddpkit.parallel import exact
+from ddpkit.parallel import exact_tree
 from ddpkit.parallel.fsdp import no_gradient_sync
 
 
@@ -228,7 +228,7 @@ def check_combination(
                 "(micro_shards is built for one model a run)"
             )
         return
-    exact.check(
+    exact_tree.check(
         micro_shards,
         world_size=world_size,
         sync_batchnorm=options.sync_batchnorm,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel import periodic_parts
 from ddpkit.parallel.modes import Mode, Replicated
 
 STRATEGIES = ("ddp", "fsdp")
@@ -114,9 +115,7 @@ class SetupOptions:
                 device cannot run.
         """
         check_strategy(self.strategy, self.cpu_offload)
-        from ddpkit.parallel import periodic
-
-        periodic.check(
+        periodic_parts.check(
             self.sync,
             every=self.sync_every,
             sync_dtype=self.sync_dtype,

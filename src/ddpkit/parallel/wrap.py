@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ddpkit.parallel import periodic, periodic_parts
 from ddpkit.parallel.modes import Periodic, Sharded
 from ddpkit.parallel.options import SetupOptions, Wrapped
 
@@ -77,8 +78,6 @@ def _train_apart(
     is_main: bool,
 ) -> Wrapped:
     """Infrequent sync: the model on its device, no DDP, a :class:`~ddpkit.parallel.periodic.PeriodicSync`."""
-    from ddpkit.parallel import periodic
-
     model = model.to(device)
     syncer = periodic.PeriodicSync(
         model,
@@ -91,7 +90,7 @@ def _train_apart(
         fragments=options.sync_fragments,
         delay=options.sync_delay,
     )
-    periodic.announce(options.sync, syncer.every, is_main)
+    periodic_parts.announce(options.sync, syncer.every, is_main)
     if options.compile:
         model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
     return Wrapped(model, mode=Periodic(syncer))
@@ -110,6 +109,4 @@ def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch
         return fsdp.full_state_dict(model)
     if not is_main:
         return None
-    from ddpkit.parallel import periodic
-
     return periodic.exported(model, {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()})

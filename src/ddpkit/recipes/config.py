@@ -346,7 +346,7 @@ def _check_compression(config: TrainConfig) -> None:
 
 def _check_sync(config: TrainConfig) -> None:
     """What ``rt.setup(sync=...)`` refuses, named by the flags, before any process starts."""
-    from ddpkit.parallel.periodic import check as check_sync
+    from ddpkit.parallel.periodic_parts import check as check_sync
 
     if config.sync == "every-step":
         if config.sync_every is not None:
@@ -372,7 +372,7 @@ def _check_sync(config: TrainConfig) -> None:
 
 def _check_micro_shards(config: TrainConfig) -> None:
     """What ``rt.setup(micro_shards=...)`` refuses, named by the flags, before any process starts."""
-    from ddpkit.parallel.exact import check as check_exact
+    from ddpkit.parallel.exact_tree import check as check_exact
 
     if config.micro_shards is None:
         return

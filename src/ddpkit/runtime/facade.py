@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ddpkit import rng
+from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, process_group, store_sync
 from ddpkit.distributed.environment import Environment
@@ -232,7 +233,7 @@ class Runtime:
             is_main=self.is_main,
             timeout_s=self._settings.timeout,
         )
-        resuming.restore_pending(self._run, index, is_main=self.is_main)
+        restore.restore_pending(self._run, index, is_main=self.is_main)
         self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
         if self._run.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.

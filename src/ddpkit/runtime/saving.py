@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import preemption
 from ddpkit.errors import UsageError
@@ -74,7 +75,7 @@ def load(
     """
     if isinstance(state, torch.nn.Module):
         return weights.load(Path(path), state)
-    return resuming.load(self._run, self._peers, path, state, strict=strict)
+    return restore.load(self._run, self._peers, path, state, strict=strict)
 
 
 def checkpoint(self: Runtime, state: Mapping[str, Any]) -> Path:
@@ -93,7 +94,7 @@ def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = Tru
     """
     if self._run.world.defer_resume(state, strict):
         return None
-    return resuming.resume(self._run, self._peers, self._settings.resume, self._checkpoint_dir, state, strict=strict)
+    return restore.resume(self._run, self._peers, self._settings.resume, self._checkpoint_dir, state, strict=strict)
 
 
 __all__ = ["checkpoint", "exit_preempted", "load", "resume", "save"]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ddpkit import rng
+from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, entry, ft, preemption, process_group, store_sync
 from ddpkit.distributed.environment import Environment, detect
@@ -231,7 +232,7 @@ def _replica(run: RunState, peers: resuming.Peers, settings: Settings, device: t
         """Resume from a file unless a peer's state healed this replica."""
         waiting, mode.waiting_resume = mode.waiting_resume, None
         if waiting is not None and not healed:
-            resuming.resume(run, peers, settings.resume, directory, waiting[0], strict=waiting[1])
+            restore.resume(run, peers, settings.resume, directory, waiting[0], strict=waiting[1])
 
     def before_stop() -> Any:
         """No quorum formed: the replica ranked first in the last one saves what it holds (the state of
