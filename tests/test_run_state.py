@@ -78,8 +78,8 @@ def test_save_and_load_are_functions_of_the_run_state_without_a_process_group(tm
 
 def test_resume_auto_without_a_checkpoint_is_none_and_a_bad_source_a_clear_error(tmp_path):
     run, model, _ = _run()
-    assert resume.resume(run, resume.Peers(), "auto", tmp_path, {"model": model}) is None
-    assert resume.resume(run, resume.Peers(), None, None, {"model": model}) is None
+    assert restore.resume(run, resume.Peers(), "auto", tmp_path, {"model": model}) is None
+    assert restore.resume(run, resume.Peers(), None, None, {"model": model}) is None
     with pytest.raises(Exception, match="no complete checkpoint"):
         restore.load(run, resume.Peers(), tmp_path, {"model": model})
 
