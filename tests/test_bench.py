@@ -23,7 +23,7 @@ import torch
 
 from ddpkit import cli
 from ddpkit.bench.diagnose import diagnose
-from ddpkit.bench.plan import Configuration, Settings, plan
+from ddpkit.bench.plan import BenchSettings, Configuration, plan
 from ddpkit.bench.stopwatch import PHASES
 from ddpkit.bench.summary import summarize
 from ddpkit.errors import UsageError
@@ -286,7 +286,7 @@ def test_a_fix_measured_more_than_30_percent_off_its_prediction_is_a_diagnosis_e
 
 
 def test_plan_crosses_hosts_processes_and_compressions():
-    settings = Settings(
+    settings = BenchSettings(
         modes=("single", "ddp", "ddp-amp"),
         nproc=(1,),
         hosts=(1, 2),
@@ -317,7 +317,7 @@ def test_plan_crosses_hosts_processes_and_compressions():
 
 
 def test_plan_crosses_data_formats_and_a_shards_row_runs(tmp_path):
-    settings = Settings(modes=("single", "ddp"), nproc=(2,), data_format=("map", "shards"))
+    settings = BenchSettings(modes=("single", "ddp"), nproc=(2,), data_format=("map", "shards"))
     assert [c.label for c in plan(settings, gpus=0)] == [
         "single x1 fp32",
         "single x1 fp32 shards",
@@ -384,7 +384,7 @@ def test_fsdp_holds_half_the_state_of_ddp_per_rank(tmp_path):
 
 def test_plan_crosses_sync_bn_for_ddp_rows_only():
     configs = plan(
-        Settings(model="convnet", modes=("single", "ddp", "fsdp"), nproc=(2,), sync_bn=(False, True)), gpus=0
+        BenchSettings(model="convnet", modes=("single", "ddp", "fsdp"), nproc=(2,), sync_bn=(False, True)), gpus=0
     )
     assert [c.label for c in configs] == [
         "single x1 fp32",
@@ -398,14 +398,14 @@ def test_plan_crosses_sync_bn_for_ddp_rows_only():
 
 
 def test_plan_refuses_compression_under_fsdp():
-    configs = plan(Settings(model="mlp", modes=("fsdp",), nproc=(2,), grad_compression=("none", "fp16")), gpus=0)
+    configs = plan(BenchSettings(model="mlp", modes=("fsdp",), nproc=(2,), grad_compression=("none", "fp16")), gpus=0)
     assert [c.label for c in configs] == ["fsdp x2 fp32", "fsdp x2 fp32 fp16"]
     assert configs[0].reason is None and "DDP hook" in configs[1].reason
-    assert "BatchNorm" in plan(Settings(model="convnet", modes=("fsdp",)), gpus=0)[0].reason
+    assert "BatchNorm" in plan(BenchSettings(model="convnet", modes=("fsdp",)), gpus=0)[0].reason
 
 
 def test_plan_runs_dp_only_with_two_gpus():
-    settings = Settings(modes=("single", "dp", "ddp", "ddp-amp"), nproc=(1, 2))
+    settings = BenchSettings(modes=("single", "dp", "ddp", "ddp-amp"), nproc=(1, 2))
     on_cpu = plan(settings, gpus=0)
     assert [c.label for c in on_cpu] == [
         "single x1 fp32",
@@ -655,22 +655,22 @@ def test_diagnose_verify_measures_the_best_fix_once_and_flags_a_prediction_far_o
         return {"samples_per_second": 100.0}
 
     monkeypatch.setattr(bench_run, "measure", measure)
-    outcome = bench_run.verify(row, [row], Settings(batch=64), tmp_path)
+    outcome = bench_run.verify(row, [row], BenchSettings(batch=64), tmp_path)
     assert ran == [("powersgd", 64, "verify-ddp-x2-fp32-powersgd.json")]  # the best fix, run once
     assert outcome["measured_samples_per_second"] == 100.0 and outcome["diagnosis_error"] is True  # 250 predicted
     printed = capsys.readouterr().out
     assert "grad_compression='powersgd': predicted 250 samples/s, measured 100 (-60%)" in printed
     assert "DIAGNOSIS ERROR: the prediction is more than 30% off" in printed
     already = {**row, "grad_compression": "powersgd", "samples_per_second": 240.0, "payload_bytes_per_step": 100_000.0}
-    assert bench_run.verify(row, [row, already], Settings(batch=64), tmp_path)["diagnosis_error"] is False
+    assert bench_run.verify(row, [row, already], BenchSettings(batch=64), tmp_path)["diagnosis_error"] is False
     assert len(ran) == 1  # a fix the table already ran is not run again
     quiet = summarize(Configuration("ddp", 2, "fp32"), _result([[1.0], [1.0]], [[[0, 0.4, 0.5, 0.1]]] * 2, 0.001))
-    assert bench_run.verify(quiet, [quiet], Settings(batch=64), tmp_path) is None  # nothing recommended
+    assert bench_run.verify(quiet, [quiet], BenchSettings(batch=64), tmp_path) is None  # nothing recommended
     from ddpkit.bench.outputs import _markdown
 
     markdown = _markdown(
         {
-            "settings": dataclasses.asdict(Settings()),
+            "settings": dataclasses.asdict(BenchSettings()),
             "torch": "x",
             "device": "cpu",
             "gpus": 0,
@@ -699,7 +699,7 @@ def test_syncbatchnorm_s_collectives_bound_a_row_where_they_take_a_quarter_of_it
 
 
 def test_several_link_speeds_run_every_hosts_row_on_each():
-    from ddpkit.bench.plan import parse_settings
+    from ddpkit.bench.flags import parse_settings
 
     settings = parse_settings(
         [

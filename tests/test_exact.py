@@ -293,7 +293,7 @@ def test_ddpkit_train_with_micro_shards_turns_sync_bn_off_and_records_it(tmp_pat
     ],
 )
 def test_bench_refuses_what_micro_shards_does_not_combine_with(flags, line):
-    from ddpkit.bench.plan import parse_settings
+    from ddpkit.bench.flags import parse_settings
 
     with pytest.raises(UsageError) as caught:
         parse_settings([*flags, "--micro-shards", "2"])
@@ -304,7 +304,8 @@ def test_bench_rows_carry_micro_shards_and_a_link_bound_one_is_never_told_to_com
     """Every planned row trains with the micro-shards; where the link bounds such a row, the diagnosis
     names only what combines with exactness (a bigger batch), never compression or an infrequent sync."""
     from ddpkit.bench.diagnose import diagnose, recommendations
-    from ddpkit.bench.plan import Configuration, parse_settings, plan
+    from ddpkit.bench.flags import parse_settings
+    from ddpkit.bench.plan import Configuration, plan
 
     settings = parse_settings(["--modes", "single,ddp,ddp-amp", "--nproc", "1,2", "--micro-shards", "2"])
     rows = plan(settings, gpus=0)
@@ -324,10 +325,10 @@ def test_bench_rows_carry_micro_shards_and_a_link_bound_one_is_never_told_to_com
 @pytest.mark.timeout(240)
 def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_path):
     """The worker's marks put the ranks' all_gather where DDP's allreduce sits, and the diagnosis reads it."""
-    from ddpkit.bench.plan import Configuration, Settings
+    from ddpkit.bench.plan import BenchSettings, Configuration
     from ddpkit.bench.run import measure
 
-    settings = Settings(model="convnet", data="digits", batch=16, steps=4, warmup=1, out=str(tmp_path))
+    settings = BenchSettings(model="convnet", data="digits", batch=16, steps=4, warmup=1, out=str(tmp_path))
     row = measure(Configuration("ddp", 2, "fp32", micro_shards=2), settings, tmp_path / "row.json")
     assert row["micro_shards"] == 2 and row["samples_per_second"] > 0
     assert row["comm"]["calls_per_step"] == 2  # statistics and presence, then the gradients

@@ -340,7 +340,7 @@ _BENCH_REFUSED = [
 
 @pytest.mark.parametrize("args, says", _BENCH_REFUSED)
 def test_each_refusal_of_the_fault_tolerant_bench_says_what_to_give(args, says):
-    from ddpkit.bench.plan import parse_settings
+    from ddpkit.bench.flags import parse_settings
     from ddpkit.errors import UsageError
 
     with pytest.raises(UsageError) as refused:

@@ -35,7 +35,7 @@ from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
 
-from ddpkit.distributed import ft, ft_control, ft_heal  # noqa: E402
+from ddpkit.distributed import ft, ft_control, ft_heal, ft_proxies  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ft_train.py")
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -283,7 +283,7 @@ def test_a_secret_file_others_can_read_or_too_short_is_one_line(tmp_path, mode, 
 
 
 def test_a_quorum_naming_a_store_that_is_not_the_jobs_is_refused(tmp_path):
-    store, client = ft_control.file_stores(str(tmp_path))
+    store, client = ft_proxies.file_stores(str(tmp_path))
     ours = client(f"{ft_control.STORE_HOST}:3/torchft/7/0", timedelta(seconds=5))
     ours.set("k", "v")
     assert (tmp_path / "replica-store-3").is_file()

@@ -395,7 +395,7 @@ def test_bound_words_and_precision_notes():
 
 
 def test_the_verdict_names_the_bound_of_the_ddp_row():
-    from ddpkit.cli.demo import verdict
+    from ddpkit.cli.demo_verdict import verdict
 
     rows = [
         {"mode": "single", "processes": 1, "precision": "fp32", "speedup": 1.0, "diagnosis": "bound by compute"},

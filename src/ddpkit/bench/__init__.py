@@ -11,7 +11,7 @@ plans, launches and reports::
 
 The modules, in the order a bench runs through them:
 
-- :mod:`~ddpkit.bench.plan`: :class:`~ddpkit.bench.plan.Settings` from the command line, and
+- :mod:`~ddpkit.bench.plan`: :class:`~ddpkit.bench.plan.BenchSettings` from the command line, and
   the rows (:class:`~ddpkit.bench.plan.Configuration`) they plan.
 - :mod:`~ddpkit.bench.run`: each row in fresh processes, on this machine or on simulated hosts
   (:mod:`~ddpkit.bench.netsim`, over :mod:`~ddpkit.bench.netns`); ``--compare-raw``.

@@ -20,7 +20,7 @@ from typing import Any
 
 from ddpkit.bench.diagnose import diagnose
 from ddpkit.bench.outputs import row_label, verified_line
-from ddpkit.bench.plan import Configuration, Settings, plan
+from ddpkit.bench.plan import BenchSettings, Configuration, plan
 from ddpkit.bench.summary import not_applicable, summarize, with_speedup
 from ddpkit.errors import DdpkitError, UsageError
 
@@ -29,7 +29,9 @@ RAW_LOOP = "ddpkit.bench.raw_ddp"
 DDPKIT_LOOP = "ddpkit.bench.worker"
 
 
-def run_loop(config: Configuration, settings: Settings, result: Path, *, target: str = DDPKIT_LOOP) -> dict[str, Any]:
+def run_loop(
+    config: Configuration, settings: BenchSettings, result: Path, *, target: str = DDPKIT_LOOP
+) -> dict[str, Any]:
     """Run the loop module ``target`` as ``config`` in fresh processes; return what its rank 0 wrote.
 
     Args:
@@ -110,12 +112,12 @@ def run_loop(config: Configuration, settings: Settings, result: Path, *, target:
     return json.loads(result.read_text())
 
 
-def measure(config: Configuration, settings: Settings, result: Path) -> dict[str, Any]:
+def measure(config: Configuration, settings: BenchSettings, result: Path) -> dict[str, Any]:
     """One bench row for ``config``: run it in fresh processes and summarise (no speed-up yet)."""
     return summarize(config, run_loop(config, settings, result))
 
 
-def _run_on_hosts(config: Configuration, settings: Settings, target: str, args: list[str]) -> int:
+def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, args: list[str]) -> int:
     """``ddpkit run`` of ``target`` on each simulated host; the first failure's exit code, else 0.
 
     Each host is one node of a multi-node job whose rendezvous is host 0. When a host fails the
@@ -181,7 +183,7 @@ def _gpus_of_host(host: int, nproc: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])}
 
 
-def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[str, Any]:
+def compare_raw(settings: BenchSettings, config: Configuration, runs: Path) -> dict[str, Any]:
     """Raw and ddpkit ``config`` interleaved ``settings.repeats`` times; ratios are ddpkit/raw."""
     pairs = []
     for i in range(1, settings.repeats + 1):
@@ -222,7 +224,9 @@ def compare_raw(settings: Settings, config: Configuration, runs: Path) -> dict[s
     }
 
 
-def verify(row: dict[str, Any], rows: list[dict[str, Any]], settings: Settings, runs: Path) -> dict[str, Any] | None:
+def verify(
+    row: dict[str, Any], rows: list[dict[str, Any]], settings: BenchSettings, runs: Path
+) -> dict[str, Any] | None:
     """Measure the fix ``row``'s diagnosis predicts the most of; its prediction against the measurement.
 
     A fix another row already ran (a compression in the table) is not run again. None where the
@@ -278,7 +282,7 @@ def _median_or_none(values: Any) -> float | None:
     return None if None in values or not values else statistics.median(values)
 
 
-def run_bench(settings: Settings) -> dict[str, Any]:
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Run every configuration, then the raw comparison; returns what ``bench.json`` holds."""
     import torch
 
@@ -332,7 +336,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     return report
 
 
-def _check_machine(settings: Settings, gpus: int) -> None:
+def _check_machine(settings: BenchSettings, gpus: int) -> None:
     """Refuse what would only fail inside the workers, before any process starts."""
     from ddpkit.bench.workload import bench_dataset
 

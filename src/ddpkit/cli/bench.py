@@ -1,6 +1,6 @@
 """``ddpkit bench``: measure each mode in fresh processes, print the table, write the files.
 
-The flags are :func:`ddpkit.bench.plan.parse_settings`'s; the work is :mod:`ddpkit.bench`'s.
+The flags are :func:`ddpkit.bench.flags.parse_settings`'s; the work is :mod:`ddpkit.bench`'s.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
-    """The parser of ``ddpkit bench`` (:func:`ddpkit.bench.plan.parser`)."""
-    from ddpkit.bench.plan import parser as bench_parser
+    """The parser of ``ddpkit bench`` (:func:`ddpkit.bench.flags.parser`)."""
+    from ddpkit.bench.flags import parser as bench_parser
 
     return bench_parser()
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
     """``ddpkit bench``: run, print the table, write bench.json, bench.md and scaling.png."""
+    from ddpkit.bench.flags import parse_settings
     from ddpkit.bench.outputs import write_outputs
-    from ddpkit.bench.plan import parse_settings
     from ddpkit.bench.run import run_bench
 
     settings = parse_settings(argv)

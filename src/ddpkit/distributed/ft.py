@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ddpkit import _torch
-from ddpkit.distributed import ft_control, stores
+from ddpkit.distributed import ft_control, ft_proxies, stores
 from ddpkit.distributed.ft_heal import REFUSALS_BEFORE_STOP, SECRET_ENV, HealRefused, read_secret, transport
 from ddpkit.distributed.host import host_port
 from ddpkit.errors import DdpkitError, UsageError, warn
@@ -188,7 +188,7 @@ class Replica:
             )
         private = environ.get(ft_control.CONTROL_ENV)
         if private:  # one machine: torchft's servers in the control plane, the stores in files
-            ft_control.install(private)
+            ft_proxies.install(private)
             store_addr, store_port = ft_control.STORE_HOST, self.index + 1
         else:  # across hosts: on this node's address only, not torchft's [::]
             _torch.patch_torchft(ManagerServer=_bound_server(host))

@@ -28,25 +28,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.distributed import ft, ft_control, ft_heal
+from ddpkit.distributed.ft_watch import NODE_JOIN_S, end_lighthouse, stop_replicas, wait_for_nodes, watch
 from ddpkit.distributed.host import host_port
 from ddpkit.errors import UsageError
 
 HOST = "127.0.0.1"
-FINISH_GRACE_S = 120.0
-"""How long the other replicas get to finish once one has (they end at the same step; this is their
-last evaluation and saving) before they are stopped."""
-STOP_GRACE_S = 10.0
-"""How long replicas get to end after SIGTERM before they are killed."""
-NODE_SILENT_S = 15.0
-"""Node 0 takes another node for gone when its last beat into the job's store is this old."""
-NODE_JOIN_S = 120.0
-"""How long node 0 waits for another node's first beat, and another node for node 0's store."""
 
 _LIGHTHOUSE = """
 import sys, time
@@ -275,7 +266,7 @@ def run(spec: FaultTolerantSpec) -> int:
             try:
                 server = stores.serve(master_host, master_port + 1, timeout_s=NODE_JOIN_S)
             except BaseException:
-                _end_lighthouse(lighthouse)
+                end_lighthouse(lighthouse)
                 raise
         else:
             from ddpkit.distributed.host import local_address
@@ -290,7 +281,7 @@ def run(spec: FaultTolerantSpec) -> int:
         store = ft.job_store(job, timeout_s=NODE_JOIN_S)  # other nodes: waits for node 0's
     except (RuntimeError, OSError) as exc:
         if lighthouse is not None:
-            _end_lighthouse(lighthouse)
+            end_lighthouse(lighthouse)
         raise UsageError(
             f"ddpkit run: cannot reach the fault-tolerant job's store at {job[4:]} on node 0 "
             f"({ft._first_line(exc)}); start node 0 first, with the same --master"
@@ -316,21 +307,21 @@ def run(spec: FaultTolerantSpec) -> int:
             )
             for index in range(spec.replicas)
         ]
-        failure = _watch(spec, replicas, lighthouse, store)
+        failure = watch(spec, replicas, lighthouse, store)
         if failure is not None:
             return failure  # the replicas are stopped below
         if spec.nnodes > 1 and spec.node_rank != 0:
             with contextlib.suppress(RuntimeError, OSError):  # node 0 ended first: nobody is left to tell
                 store.set(f"ddpkit/ft/exit/{spec.node_rank}", "1")
         if server is not None:
-            _wait_for_nodes(spec, store, lighthouse)
+            wait_for_nodes(spec, store, lighthouse)
     finally:
         for number, old in previous.items():
             signal.signal(number, old)
-        _stop(replicas)
+        stop_replicas(replicas)
         shutil.rmtree(work, ignore_errors=True)
         if lighthouse is not None:
-            _end_lighthouse(lighthouse)
+            end_lighthouse(lighthouse)
     codes = [child.returncode for child in replicas]
     failed = [(first + index, code) for index, code in enumerate(codes) if code != 0]
     for index, code in failed:
@@ -338,96 +329,6 @@ def run(spec: FaultTolerantSpec) -> int:
     if stopping and failed:
         return failed[0][1]
     return 0 if len(failed) < len(codes) else failed[0][1]
-
-
-def _watch(
-    spec: FaultTolerantSpec, replicas: Sequence[subprocess.Popen], lighthouse: subprocess.Popen | None, store: Any
-) -> int | None:
-    """Wait for this node's replicas; an exit code when the job must stop (its lighthouse or node 0 is gone)."""
-    finished_at: float | None = None
-    beat = 0.0
-    while any(child.poll() is None for child in replicas):
-        now = time.monotonic()
-        if lighthouse is not None and lighthouse.poll() is not None:
-            sys.stderr.write(
-                f"ddpkit run: the fault-tolerant lighthouse exited (code {lighthouse.returncode}); "
-                "stopping every replica so that none trains apart from the others\n"
-            )
-            return 1
-        try:
-            if finished_at is None and (any(child.poll() == 0 for child in replicas) or ft.is_done(store)):
-                ft.mark_done(store)  # a replica restarted from now on ends at once
-                finished_at = now
-            if lighthouse is None and spec.nnodes > 1 and now - beat >= 1.0:
-                store.set(f"ddpkit/ft/beat/{spec.node_rank}", str(time.time()))
-                beat = now
-        except (RuntimeError, OSError) as exc:  # only another node's client can lose the store
-            sys.stderr.write(
-                f"ddpkit run: lost node 0 of the fault-tolerant job, and its lighthouse, at "
-                f"{spec.master} ({ft._first_line(exc)}); stopping this node's replicas so "
-                "that none trains apart from the others\n"
-            )
-            return 1
-        if finished_at is not None and now - finished_at > FINISH_GRACE_S:
-            return None  # the rest are stopped by the caller
-        time.sleep(0.2)
-    return None
-
-
-def _wait_for_nodes(spec: FaultTolerantSpec, store: Any, lighthouse: subprocess.Popen | None) -> None:
-    """Node 0: keep the lighthouse up until every other node has ended or gone silent."""
-    started = time.monotonic()
-    waiting = set(range(1, spec.nnodes))
-    while waiting and (lighthouse is None or lighthouse.poll() is None):
-        for node in sorted(waiting):
-            if store.check([f"ddpkit/ft/exit/{node}"]):
-                waiting.discard(node)
-            elif store.check([f"ddpkit/ft/beat/{node}"]):
-                if time.time() - float(store.get(f"ddpkit/ft/beat/{node}").decode()) > NODE_SILENT_S:
-                    sys.stderr.write(f"ddpkit run: node {node} went silent; not waiting for it\n")
-                    waiting.discard(node)
-            elif time.monotonic() - started > NODE_JOIN_S:
-                sys.stderr.write(f"ddpkit run: node {node} never joined; not waiting for it\n")
-                waiting.discard(node)
-        time.sleep(0.5)
-
-
-def _end_lighthouse(lighthouse: subprocess.Popen) -> None:
-    if lighthouse.poll() is None:
-        lighthouse.terminate()
-        try:
-            lighthouse.wait(5)
-        except subprocess.TimeoutExpired:
-            lighthouse.kill()
-
-
-def _stop(children: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM each live replica (its agent stops its worker), SIGKILL what is left after the grace:
-    the agent and its worker, which torch starts in a session of its own."""
-    import psutil
-
-    live = [child for child in children if child.poll() is None]
-    family: list[Any] = []
-    for child in live:
-        try:
-            family += psutil.Process(child.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-        child.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for child in live:
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    for process in family:
-        try:
-            process.wait(max(0.1, deadline - time.monotonic()))
-        except psutil.TimeoutExpired:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 __all__ = ["FaultTolerantSpec", "replica_command", "replica_env", "run", "start_lighthouse", "validate"]

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.distributed import entry
-from ddpkit.distributed.torchrun import AGENT_ENV, _describe, _is_secondary, _root_failure, _thread_env, private_job
+from ddpkit.distributed.failures import describe, is_secondary, root_failure
+from ddpkit.distributed.torchrun import AGENT_ENV, _thread_env, private_job
 from ddpkit.errors import DdpkitError, UsageError
 
 
@@ -96,7 +97,7 @@ def launch(
             try:
                 returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
             except ChildFailedError as exc:
-                raise _earliest_error(error_dir) or _launch_error(*_root_failure(exc.failures)) from None
+                raise _earliest_error(error_dir) or _launch_error(*root_failure(exc.failures)) from None
     return {rank: pickle.loads(value) for rank, value in returned.items()}  # bytes: see entry._by_value
 
 
@@ -107,7 +108,7 @@ def _earliest_error(error_dir: str) -> LaunchError | None:
             records.append(json.loads(path.read_text()))
     if not records:
         return None
-    first = min(records, key=lambda r: (_is_secondary(r["message"]), r["time"], r["rank"]))
+    first = min(records, key=lambda r: (is_secondary(r["message"]), r["time"], r["rank"]))
     return LaunchError(first["rank"], first["message"], first["traceback"].strip())
 
 
@@ -128,4 +129,4 @@ def _launch_error(rank: int, failure: Any) -> LaunchError:
         traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).strip()
     else:
         text, traceback = str(message), ""
-    return LaunchError(rank, text or _describe(failure), traceback)
+    return LaunchError(rank, text or describe(failure), traceback)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.distributed.environment import Environment, detect
+from ddpkit.distributed.failures import describe, root_failure
 from ddpkit.distributed.host import LOOPBACK, default_nproc, is_loopback, local_address, threads_per_process
 from ddpkit.errors import UsageError
 
@@ -368,9 +369,9 @@ def run(spec: RunSpec) -> int:
                             f"exit code {preemption.EXIT_CODE} (a resume continues from it)\n"
                         )
                         return preemption.EXIT_CODE
-                    rank, failure = _root_failure(exc.failures)
+                    rank, failure = root_failure(exc.failures)
                     sys.stderr.write(
-                        f"ddpkit run: rank {rank} failed first ({_describe(failure)}); see its output above\n"
+                        f"ddpkit run: rank {rank} failed first ({describe(failure)}); see its output above\n"
                     )
                     # every rank that exited by itself refused its input (argparse, ddpkit's one-line
                     # usage errors): a usage error, exit 2 too
@@ -389,46 +390,3 @@ def run(spec: RunSpec) -> int:
             undo()
         shutil.rmtree(notes, ignore_errors=True)
     return 0
-
-
-# Errors a rank raises because a peer died first: never the root cause when another exists.
-_SECONDARY = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "remote worker crashing",
-    "sigterm",
-    "signal 15",
-)
-
-
-def _root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
-    """The failure that most likely caused the others: not a peer-loss error, earliest, lowest rank."""
-
-    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
-        rank, failure = item
-        return _is_secondary(_failure_text(failure)), int(getattr(failure, "timestamp", 0) or 0), rank
-
-    return min(failures.items(), key=key)
-
-
-def _is_secondary(text: str) -> bool:
-    return any(word in text.lower() for word in _SECONDARY)
-
-
-def _failure_text(failure: Any) -> str:
-    text = str(getattr(failure, "message", "") or "")
-    code = getattr(failure, "exitcode", None)
-    if code == -15:
-        text += " SIGTERM"
-    return text
-
-
-def _describe(failure: Any) -> str:
-    code = getattr(failure, "exitcode", None)
-    if code is not None and code < 0:
-        import signal
-
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"

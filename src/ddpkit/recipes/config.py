@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import UsageError
+from ddpkit.recipes.config_checks import check_compression, check_counts, check_micro_shards, check_out, check_sync
 
 
 @dataclass
@@ -243,12 +244,12 @@ def check(config: TrainConfig) -> None:
         raise UsageError(f"--data {config.data} needs --data-dir DIR with torchvision's files; nothing is downloaded")
     if config.precision not in PRECISIONS:
         raise UsageError(f"unknown precision {config.precision!r}; choose one of {', '.join(PRECISIONS)}")
-    _check_counts(config)
+    check_counts(config)
     if config.data_parallel and config.nproc != 1:
         raise UsageError(_DATA_PARALLEL)
-    _check_compression(config)
-    _check_sync(config)
-    _check_micro_shards(config)
+    check_compression(config)
+    check_sync(config)
+    check_micro_shards(config)
     check_strategy(config.strategy, config.cpu_offload, cli=True)
     if config.strategy == "fsdp" and config.data_parallel:
         raise UsageError("--strategy fsdp shards over processes; it does not combine with --data-parallel")
@@ -287,138 +288,10 @@ def probe(config: TrainConfig) -> None:
             ddp_kwargs={},
             model=build_model(config.model, num_classes=10, in_channels=3, image_size=32),
         )
-    _check_out(config)
+    check_out(config)
     if config.tracker is not None:  # what rank 0's init would refuse, before any process starts
         from ddpkit.observe.trackers import names, problem
 
         found = problem(names(config.tracker), config.out)
         if found:
             raise UsageError(found)
-
-
-def _check_counts(config: TrainConfig) -> None:
-    """Counts in range, one way of giving the batch, a global batch the world divides, the nodes."""
-    for name in ("nproc", "epochs", "eval_batch", "synthetic_size"):
-        if getattr(config, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name in ("workers", "checkpoint_every", "max_restarts", "log_every"):
-        if getattr(config, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(config, name)}")
-    if config.keep_checkpoints < 1:
-        raise UsageError(f"--keep-checkpoints must be at least 1, got {config.keep_checkpoints}")
-    if config.batch is not None and config.global_batch is not None:
-        raise UsageError("give --global-batch or --batch, not both")
-    if config.batch is not None and config.batch < 1:
-        raise UsageError(f"--batch must be at least 1, got {config.batch}")
-    if config.global_batch is not None and config.global_batch < 1:
-        raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
-    if config.nnodes < 1:  # before the world size divides anything
-        raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
-    if config.global_batch_size % config.world_size:
-        world = f"--nproc {config.nproc}" + (
-            f" x --nnodes {config.nnodes} = {config.world_size}" if config.nnodes > 1 else ""
-        )
-        raise UsageError(
-            f"global batch {config.global_batch_size} does not divide by {world}; "
-            f"use a multiple of {config.world_size} or --batch per process"
-        )
-    if config.nnodes > 1 and config.master is None:
-        raise UsageError("--nnodes > 1 needs --master HOST:PORT (the host of node 0) and --node-rank R")
-
-
-def _check_compression(config: TrainConfig) -> None:
-    """What ``grad_compression`` refuses (rt.setup says the same); bf16 on NCCL is checked at setup."""
-    import torch
-
-    from ddpkit.parallel.compression import check as check_compression
-
-    choice = None if config.grad_compression == "none" else config.grad_compression
-    check_compression(
-        choice,
-        rank=config.powersgd_rank,
-        start=None,
-        backend=None,
-        device=torch.device("cpu"),
-        precision=config.precision,
-        compile=False,
-    )
-
-
-def _check_sync(config: TrainConfig) -> None:
-    """What ``rt.setup(sync=...)`` refuses, named by the flags, before any process starts."""
-    from ddpkit.parallel.periodic_parts import check as check_sync
-
-    if config.sync == "every-step":
-        if config.sync_every is not None:
-            raise UsageError("--sync-every sets how often --sync local-sgd or diloco meets; add --sync diloco")
-        return
-    if config.sync_bn:
-        raise UsageError(f"--sync {config.sync} averages BatchNorm statistics at each sync; drop --sync-bn")
-    if config.data_parallel:
-        raise UsageError(f"--sync {config.sync} trains each process apart; it does not combine with --data-parallel")
-    try:
-        check_sync(
-            config.sync,
-            every=config.sync_every,
-            sync_dtype=None,
-            strategy=config.strategy,
-            grad_compression=config.grad_compression,
-            sync_batchnorm=False,
-            precision=config.precision,
-        )
-    except UsageError as exc:
-        raise UsageError(str(exc).replace("sync_every=H", "--sync-every H")) from None
-
-
-def _check_micro_shards(config: TrainConfig) -> None:
-    """What ``rt.setup(micro_shards=...)`` refuses, named by the flags, before any process starts."""
-    from ddpkit.parallel.exact_tree import check as check_exact
-
-    if config.micro_shards is None:
-        return
-    if config.data_parallel:
-        raise UsageError(
-            "--micro-shards computes each shard in a process of its own; it does not combine with --data-parallel"
-        )
-    if config.global_batch_size < config.micro_shards:
-        raise UsageError(
-            f"--micro-shards {config.micro_shards} cuts a global batch of {config.global_batch_size} "
-            "samples; give at least one sample per shard"
-        )
-    try:
-        check_exact(
-            config.micro_shards,
-            world_size=config.world_size,
-            sync_batchnorm=bool(config.sync_bn),
-            grad_compression=config.grad_compression,
-            strategy=config.strategy,
-            sync=config.sync,
-            compile=False,
-            ddp_kwargs={},
-        )
-    except UsageError as exc:
-        message = str(exc)
-        for api, flag in (
-            ("micro_shards=", "--micro-shards "),
-            ("micro_shards", "--micro-shards"),
-            ("sync_batchnorm=True", "--sync-bn"),
-            ("grad_compression=", "--grad-compression "),
-            ("strategy=", "--strategy "),
-            ("sync=", "--sync "),
-        ):
-            message = message.replace(api, flag)
-        raise UsageError(message.replace("'", "")) from None
-
-
-def _check_out(config: TrainConfig) -> None:
-    # Every node checks: the rendezvous decides which node holds global rank 0, the one that writes.
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    if config.resume not in (None, "auto") and not Path(config.resume).exists():
-        raise UsageError(f"--resume {config.resume} does not exist; give a checkpoint file or directory, or 'auto'")
-    holds_run = out.is_dir() and any((out / name).exists() for name in ("summary.json", "metrics.jsonl", "checkpoints"))
-    if holds_run and config.resume is None and not config.overwrite:
-        raise UsageError(
-            f"--out {out} already holds a run; use --resume auto to continue it, another --out, or --overwrite"
-        )
