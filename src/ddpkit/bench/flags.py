@@ -7,8 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpkit._argparse import Parser
-from ddpkit.bench.plan import COMPRESSIONS, DATA, MODELS, MODES, SYNCS, BenchSettings
+from ddpkit.bench.plan import COMPRESSIONS, DATA, MODELS, MODES, BenchSettings
 from ddpkit.errors import UsageError
+from ddpkit.parallel.exact_tree import check
+from ddpkit.parallel.periodic_parts import SYNCS
+from ddpkit.parallel.periodic_parts import check as check_sync
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -183,8 +186,6 @@ def _check_micro_shards(
     hosts: Sequence[int],
 ) -> None:
     """What ``--micro-shards`` does not combine with, in one line (``rt.setup`` refuses the same)."""
-    from ddpkit.parallel.exact_tree import check
-
     refused = [
         ("--modes dp or fsdp", set(modes) & {"dp", "fsdp"}),
         ("--compare-raw", opts.compare_raw),
@@ -266,8 +267,6 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
             "--sync-fragments and --sync-delay stream the exchange of local-sgd or diloco; add --sync every-step,diloco"
         )
     if opts.sync_every is not None:
-        from ddpkit.parallel.periodic_parts import check as check_sync
-
         check_sync(
             "diloco",
             every=opts.sync_every,

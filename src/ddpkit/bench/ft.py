@@ -33,7 +33,10 @@ from typing import Any
 import torch
 
 from ddpkit._files import write_text_atomic
+from ddpkit.bench import netsim
+from ddpkit.bench.run import HOST_PORT
 from ddpkit.distributed import ft_heal
+from ddpkit.distributed.host import usable_cores
 
 TIMED = {"wall_s": 0.0, "samples_per_s": 0.0, "weights_rel_diff": 0.0, "samples_per_s_lost": 0.0}
 """The keys :func:`run` adds to each run's :func:`measure` (docs/reference/outputs.md lists them all)."""
@@ -99,9 +102,6 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
 def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], hosts: int) -> float:
     """``command`` (``run ... -m ddpkit.bench.ft_worker ...``) as node I of ``hosts`` simulated hosts,
     each on a link of ``--link-mbit``; node 0's address is the master. Its wall time in seconds."""
-    from ddpkit.bench import netsim
-    from ddpkit.bench.run import HOST_PORT
-    from ddpkit.distributed.host import usable_cores
 
     env = {"PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
     if "OMP_NUM_THREADS" not in os.environ:  # the hosts share this machine's cores
@@ -198,8 +198,6 @@ def run(settings: Any) -> dict[str, Any]:
     out = Path(settings.out)
     hosts = settings.hosts[0] if settings.hosts else 1
     if settings.hosts:
-        from ddpkit.bench import netsim
-
         netsim.check_available()
         netsim.remove_leftovers()  # of a bench killed before it could clean up (SIGKILL)
     rows: dict[str, Any] = {}

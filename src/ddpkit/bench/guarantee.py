@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 
+from ddpkit import checkpoint
+from ddpkit._files import atomic_path
+from ddpkit.bench.raw_train import WEIGHTS
+
 SAME_WEIGHTS = 1e-5
 """Largest relative difference called "the same weights" (float32 runs)."""
 BF16_TOLERANCE = 0.5
@@ -46,15 +50,11 @@ def max_rel_diff(reference: Mapping[str, torch.Tensor], other: Mapping[str, torc
 
 def final_weights(run_summary: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The model state of a ``ddpkit train`` run's final checkpoint (its ``summary.json``)."""
-    from ddpkit import checkpoint
-
     return checkpoint.read(Path(run_summary["final_checkpoint"]))["user"]["model"]
 
 
 def hand_written_weights(out: Path) -> dict[str, Any]:
     """What :mod:`ddpkit.bench.raw_train` saved: ``{"model": state_dict, "test_loss": [...]}``."""
-    from ddpkit.bench.raw_train import WEIGHTS
-
     return torch.load(out / WEIGHTS, map_location="cpu", weights_only=True)
 
 
@@ -98,8 +98,6 @@ def write_summary(out: Path, rows: Sequence[Mapping[str, Any]], hand_written: fl
         hand_written: the hand-written loop's largest relative difference from one process.
         opening: :func:`opening_line`'s sentence.
     """
-    from ddpkit._files import atomic_path
-
     summary = {
         "max_rel_diff_vs_single": {row["run"]: row["max_rel_diff_vs_single"] for row in rows},
         "hand_written_max_rel_diff_vs_single": hand_written,
@@ -130,8 +128,6 @@ def plot_losses(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
-
-    from ddpkit._files import atomic_path
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
     base = curves[reference]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel import compression, fsdp, periodic_parts
+from ddpkit.recipes.models import build_model
 
 MODES = ("single", "dp", "ddp", "ddp-amp", "fsdp")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
@@ -154,11 +156,9 @@ def _fsdp_reason(model: str, compression: str, sync_bn: bool = False) -> str | N
         return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
     if sync_bn:
         return "fsdp shards no BatchNorm, synchronised or not (--sync-bn on is a DDP row)"
-    from ddpkit.parallel.fsdp import check
-    from ddpkit.recipes.models import build_model
 
     try:
-        check(
+        fsdp.check(
             grad_compression=None,
             compile=False,
             sync_batchnorm=False,
@@ -174,10 +174,9 @@ def _sync_reason(sync: str, compression: str, sync_bn: bool, precision: str) -> 
     """Why an infrequent ``sync`` row cannot run (what ``rt.setup`` refuses), or None."""
     if sync == "every-step":
         return None
-    from ddpkit.parallel.periodic_parts import check
 
     try:
-        check(
+        periodic_parts.check(
             sync,
             every=1,
             sync_dtype=None,
@@ -193,14 +192,12 @@ def _sync_reason(sync: str, compression: str, sync_bn: bool, precision: str) -> 
 
 def _compression_reason(choice: str, precision: str, world_size: int) -> str | None:
     """Why ``choice`` cannot run here (PowerSGD under fp16 loss scaling, one process), or None."""
-    from ddpkit.parallel.compression import check
-
     if choice == "none":
         return None
     if world_size == 1:
         return f"{choice} compresses what processes send each other; one process sends nothing"
     try:
-        check(choice, rank=2, start=None, backend=None, device=_cpu(), precision=precision, compile=False)
+        compression.check(choice, rank=2, start=None, backend=None, device=_cpu(), precision=precision, compile=False)
     except UsageError as exc:
         return str(exc)
     return None

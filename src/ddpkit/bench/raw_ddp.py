@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ddpkit.bench import wire
 from ddpkit.bench.stopwatch import backward_alone, mark, rank_stats, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.recipes.models import build_model
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,7 +144,6 @@ def train(opts: Any) -> None:
                 device,
             )
         # Not dist.all_gather_object: it unpickles what arrives, and between hosts that is a socket.
-        from ddpkit.distributed.collectives import all_gather_object
 
         gathered = all_gather_object(stats)
         if rank == 0:

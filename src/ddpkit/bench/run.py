@@ -18,10 +18,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.diagnose import diagnose
+from ddpkit.bench import netsim
+from ddpkit.bench.diagnose import checked, diagnose, recommendations
 from ddpkit.bench.outputs import row_label, verified_line
 from ddpkit.bench.plan import BenchSettings, Configuration, plan
 from ddpkit.bench.summary import not_applicable, summarize, with_speedup
+from ddpkit.bench.workload import bench_dataset
+from ddpkit.distributed.host import usable_cores
+from ddpkit.distributed.torchrun import RunSpec, run
 from ddpkit.errors import DdpkitError, UsageError
 
 HOST_PORT = 29500  # the rendezvous port on simulated host 0 (a fresh namespace: nothing else there)
@@ -46,8 +50,6 @@ def run_loop(
     Raises:
         DdpkitError: the loop failed or wrote no result.
     """
-    from ddpkit.distributed.torchrun import RunSpec, run
-
     args = [
         "--model",
         settings.model,
@@ -125,9 +127,6 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
     """
     import sys
     import time
-
-    from ddpkit.bench import netsim
-    from ddpkit.distributed.host import usable_cores
 
     with netsim.SimulatedHosts(config.hosts, float(config.link_mbit or settings.link_mbit or 0)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"
@@ -241,8 +240,6 @@ def verify(
     """
     import dataclasses
 
-    from ddpkit.bench.diagnose import checked, recommendations
-
     fixes = recommendations(row, rows) if row.get("applicable", True) else []
     if not fixes:
         return None
@@ -338,8 +335,6 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
 def _check_machine(settings: BenchSettings, gpus: int) -> None:
     """Refuse what would only fail inside the workers, before any process starts."""
-    from ddpkit.bench.workload import bench_dataset
-
     hosts = max(settings.hosts or (1,))
     if gpus and max(settings.nproc) * hosts > gpus:
         raise UsageError(
@@ -358,8 +353,6 @@ def _check_machine(settings: BenchSettings, gpus: int) -> None:
             "hand-written loop uses, refuses CPUs; compare none, fp16 or powersgd here"
         )
     if settings.hosts:
-        from ddpkit.bench import netsim
-
         netsim.check_available()
         netsim.remove_leftovers()  # of a bench killed before it could clean up (SIGKILL)
     if settings.data != "synthetic":

@@ -20,8 +20,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ddpkit._files import atomic_path
 from ddpkit._torch import unwrap
+from ddpkit.bench import wire
 from ddpkit.distributed.host import usable_cores
+from ddpkit.parallel.options import SetupOptions
+from ddpkit.parallel.powersgd import payload_elements
 
 PHASES = ("data_wait", "forward", "backward", "optimizer")
 """The four phases between a step's five :func:`mark` readings (start, data, forward, backward, optimizer)."""
@@ -61,9 +65,6 @@ def rank_stats(
             every gradient once, as DDP's own buckets do).
         comm_calls: collective calls per step (:func:`ddpkit.bench.wire.calls_per_step`).
     """
-    from ddpkit.bench import wire
-    from ddpkit.parallel.options import SetupOptions
-    from ddpkit.parallel.powersgd import payload_elements
 
     memory = _peak_memory(device, devices)
     timed = [list(m) for m in marks[warmup:]]
@@ -123,8 +124,6 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def write_result(path: str, gathered: list[dict[str, Any]], **meta: Any) -> None:
     """Rank 0: every rank's :func:`rank_stats` plus what was run, for the parent to read."""
-    from ddpkit._files import atomic_path
-
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps({**meta, "torch": torch.__version__, "ranks": gathered}) + "\n")
 

@@ -37,6 +37,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpkit._torch import PrivateApiChanged, ddp_bucket_count
 from ddpkit.distributed.probe import bus_bytes, timed_calls, typical
 
 LATENCY_REPEATS = 15
@@ -76,8 +77,6 @@ def calls_per_step(model: Any, grad_compression: str) -> int | None:
     """Collective calls a step of ``model`` makes for its gradients: DDP's buckets, twice under
     PowerSGD (``P``, then ``Q``). None for a model that is not DDP (fsdp, one process)."""
     import torch
-
-    from ddpkit._torch import PrivateApiChanged, ddp_bucket_count
 
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None

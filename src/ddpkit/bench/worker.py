@@ -22,10 +22,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import ddpkit
 from ddpkit.bench import wire
 from ddpkit.bench.stopwatch import backward_alone, compute_scaling, mark, rank_stats, state_bytes, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
 from ddpkit.parallel.modes import MicroShards
+from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 from ddpkit.recipes.models import build_model
 
 
@@ -81,8 +83,6 @@ def _micro_shard_step(
 
 def train(opts: argparse.Namespace) -> None:
     """Warm-up and timed steps of the ddpkit loop; rank 0 writes ``opts.result``."""
-    import ddpkit
-
     rt = ddpkit.init(seed=opts.seed, precision=opts.precision)
     devices = torch.cuda.device_count() if opts.data_parallel else 1
     info = bench_dataset(opts.data, opts.batch * devices * rt.world_size, opts.model)
@@ -129,7 +129,6 @@ def train(opts: argparse.Namespace) -> None:
     loader = rt.loader(data, batch_size=opts.batch * devices, shuffle=True)
     batches = _batches(rt, loader)
     device, marks, synced = rt.device, [], []
-    from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
     syncer = compressor if hasattr(compressor, "sync") else None  # sync="diloco" / "local-sgd"
     alone: list[float] = []  # micro-shards: each step's backward passes without the exchange

@@ -36,6 +36,7 @@ from ddpkit.checkpoint import steps
 from ddpkit.checkpoint.safe import reason, safe_load
 from ddpkit.distributed import collectives
 from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint
+from ddpkit.parallel.fsdp import is_sharded
 
 MANIFEST = "manifest.json"
 OWN = "ddpkit.pt"
@@ -178,7 +179,7 @@ def read_consolidated(path: Path, *, verified: bool = False) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ddpkit.checkpoint import dcp_reader
+    from ddpkit.checkpoint import dcp_reader  # torch.distributed.checkpoint: a second to import
 
     if not verified:
         verify(path)
@@ -221,7 +222,7 @@ def load(path: Path, state: MutableMapping[str, Any]) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from ddpkit.checkpoint import dcp_reader
+    from ddpkit.checkpoint import dcp_reader  # torch.distributed.checkpoint: a second to import
 
     template = sharded_state(state)
     try:
@@ -248,8 +249,6 @@ def _cause(exc: BaseException) -> str:
 def load_plain_into_sharded(state: MutableMapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
     """A ``.pt`` checkpoint of a replicated (DDP) run into sharded models; returns the keys it took."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    from ddpkit.parallel.fsdp import is_sharded
 
     models, optimizers = _entries(state)
     full = StateDictOptions(full_state_dict=True)

@@ -10,24 +10,23 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit.bench import ft
+from ddpkit.bench.flags import parse_settings
+from ddpkit.bench.flags import parser as bench_parser
+from ddpkit.bench.outputs import write_outputs
+from ddpkit.bench.run import run_bench
+
 
 def parser() -> argparse.ArgumentParser:
     """The parser of ``ddpkit bench`` (:func:`ddpkit.bench.flags.parser`)."""
-    from ddpkit.bench.flags import parser as bench_parser
-
     return bench_parser()
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
     """``ddpkit bench``: run, print the table, write bench.json, bench.md and scaling.png."""
-    from ddpkit.bench.flags import parse_settings
-    from ddpkit.bench.outputs import write_outputs
-    from ddpkit.bench.run import run_bench
 
     settings = parse_settings(argv)
     if settings.fault_tolerant:
-        from ddpkit.bench import ft
-
         found = ft.run(settings)
         found["command"] = shlex.join(["ddpkit", "bench", *argv])
         print(ft.table(found))

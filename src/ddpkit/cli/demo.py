@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit._argparse import Parser
+from ddpkit.bench import guarantee
+from ddpkit.bench.diagnose import bound_word, checked, diagnose, recommendations
 from ddpkit.bench.outputs import verified_line, write_report
+from ddpkit.bench.plan import BenchSettings, Configuration
+from ddpkit.bench.run import measure
 from ddpkit.bench.table import COLUMNS, add_speedup, markdown_table
 from ddpkit.cli.demo_verdict import closest, exact_threads, shares, verdict
 from ddpkit.distributed.torchrun import RunSpec, run
@@ -89,8 +93,6 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
     """Train and measure every mode, compare the weights, print the guarantee, the table, the
     diagnoses (each fix measured) and the verdict, and write the files."""
     import torch
-
-    from ddpkit.bench import guarantee
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows, weights = [], {}
@@ -205,8 +207,6 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
 
 def _hand_written(nproc: int, epochs: int, out: Path) -> dict[str, Any]:
     """The seeds' hand-written DDP loop on the same data: its final weights and test losses."""
-    from ddpkit.bench import guarantee
-
     print(f"== hand-written DDP x{nproc} (DistributedSampler, 64 samples per process)", flush=True)
     args = [
         "--model",
@@ -244,8 +244,6 @@ def _measure(
 ) -> dict[str, Any]:
     """A ``ddpkit bench`` row of this configuration: 64 samples a step and BatchNorm as the training
     used (times ``batch_factor``, with ``grad_compression``, where a diagnosis's fix is measured)."""
-    from ddpkit.bench.plan import BenchSettings, Configuration
-    from ddpkit.bench.run import measure
 
     nproc, devices = overrides["nproc"], (gpus if overrides.get("data_parallel") else 1)
     config = Configuration(
@@ -270,8 +268,6 @@ def _measure(
 
 def _diagnosed(row: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
     """``row`` with the bench diagnosis of its step, the step's shares and its threads per process."""
-    from ddpkit.bench.diagnose import bound_word, diagnose
-
     step = row["step"]
     diagnosis = diagnose(step, steps)
     return {
@@ -286,8 +282,6 @@ def _diagnosed(row: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, An
 
 def _verify(row: dict[str, Any], steps: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any] | None:
     """Measure the fix ``row``'s diagnosis predicts the most of (as ``ddpkit bench --diagnose-verify``)."""
-    from ddpkit.bench.diagnose import checked, recommendations
-
     fixes = recommendations(row["step"], steps)
     if not fixes:
         return None

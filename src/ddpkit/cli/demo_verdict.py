@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ddpkit.bench.plan import BenchSettings, Configuration
+from ddpkit.bench.run import measure
+from ddpkit.parallel.exact_tree import threads_for
+
 
 def shares(step: dict[str, Any]) -> dict[str, float]:
     """Shares of a mean step: compute, communication (the allreduce left exposed), waiting for the
@@ -34,8 +38,6 @@ def closest(rows: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any]
     compute per step) measured as one process and as DDP, each against its own single process.
     None where DDP already runs faster.
     """
-    from ddpkit.bench.plan import BenchSettings, Configuration
-    from ddpkit.bench.run import measure
 
     single = next(r for r in rows if r["mode"] == "single")["step"]["samples_per_second"]
     ddp = [r for r in rows if r["mode"] == "ddp"]
@@ -67,8 +69,6 @@ def closest(rows: list[dict[str, Any]], gpus: int, runs: Path) -> dict[str, Any]
 
 def exact_threads(rows: list[dict[str, Any]], nproc: int) -> int:
     """Intra-op threads of each micro-shard on this machine (what ``--micro-shards nproc`` sets)."""
-    from ddpkit.parallel.exact_tree import threads_for
-
     return threads_for(nproc, rows[0]["step"]["cores"])
 
 

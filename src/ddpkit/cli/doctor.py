@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit._argparse import Parser
-from ddpkit.distributed import host, process_group
+from ddpkit.distributed import ft_control, host, process_group, stores
 from ddpkit.distributed.environment import detect
 from ddpkit.errors import DdpkitError
 
@@ -118,7 +118,6 @@ def _fault_tolerant(report: Any) -> None:
     except ImportError:
         report.add("fault-tolerant listens on", "nothing: torchft is not installed (pip install 'ddpkit[ft]')")
         return
-    from ddpkit.distributed import ft_control
 
     refused = ft_control.namespace_refusal()
     if not refused:
@@ -158,8 +157,6 @@ def _listening(report: Any, env: Any) -> None:
     ``ddpkit run``, ``ddpkit.launch`` and ``ddpkit.init`` set it with, so a container whose host
     name resolves to its network address gets the real answer.
     """
-    from ddpkit.distributed import stores
-
     interface, address = stores.gloo_interface(env.num_nodes, env.master_addr, env.master_port)
     where = f"{address or '(no address)'} ({interface or 'the interface of the host name'})"
     report.add("gloo/NCCL listen on", where)

@@ -6,7 +6,9 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit import checkpoint
 from ddpkit._argparse import Parser
+from ddpkit._files import atomic_path
 from ddpkit.errors import UsageError
 
 
@@ -29,9 +31,6 @@ def parser() -> argparse.ArgumentParser:
 def cmd_export(argv: Sequence[str]) -> int:
     """``ddpkit export``: find the checkpoint, write its ``--key`` entry to ``--out``; 0 when written."""
     import torch
-
-    from ddpkit import checkpoint
-    from ddpkit._files import atomic_path
 
     opts = parser().parse_args(argv)
     source, out = Path(opts.checkpoint), Path(opts.out)

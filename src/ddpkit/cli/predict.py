@@ -6,7 +6,8 @@ import argparse
 from collections.abc import Sequence
 
 from ddpkit._argparse import Parser, add_fields
-from ddpkit.recipes.predict import PredictConfig
+from ddpkit.distributed.torchrun import RunSpec, run
+from ddpkit.recipes.predict import PredictConfig, prepare, to_json
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,8 +21,6 @@ def parser() -> argparse.ArgumentParser:
 
 def cmd_predict(argv: Sequence[str]) -> int:
     """``ddpkit predict``: check everything, then predict in N processes; the job's exit code."""
-    from ddpkit.distributed.torchrun import RunSpec, run
-    from ddpkit.recipes.predict import prepare, to_json
 
     config = PredictConfig(**vars(parser().parse_args(argv)))
     path = prepare(config)

@@ -20,8 +20,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpkit._argparse import Parser
+from ddpkit.distributed import ft_launch
+from ddpkit.distributed.environment import detect
+from ddpkit.distributed.ft_launch import FaultTolerantSpec
 from ddpkit.distributed.host import host_port
-from ddpkit.distributed.torchrun import RunSpec, run
+from ddpkit.distributed.torchrun import RunSpec, placement, run
 from ddpkit.errors import UsageError
 
 # (our spelling, torchrun's spelling) -> dest; each takes a value.
@@ -212,8 +215,6 @@ def cmd_run(argv: Sequence[str]) -> int:
     ours, rest = split(argv)
     opts = parser().parse_args(ours)
     if opts.fault_tolerant:
-        from ddpkit.distributed import ft_launch
-
         return ft_launch.run(fault_tolerant_spec(opts, rest))
     for flag, value in (
         ("--min-replicas", opts.min_replicas),
@@ -227,12 +228,8 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> Any:
     """The :class:`~ddpkit.distributed.ft_launch.FaultTolerantSpec` of ``ddpkit run --fault-tolerant``."""
-    from ddpkit.distributed.ft_launch import FaultTolerantSpec
-
     if opts.module is None and opts.script is None:
         raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
-    from ddpkit.distributed.environment import detect
-    from ddpkit.distributed.torchrun import placement
 
     nnodes = _nnodes(opts.nnodes)
     where = RunSpec(

@@ -11,7 +11,9 @@ import argparse
 from collections.abc import Sequence
 
 from ddpkit._argparse import Parser, add_fields
-from ddpkit.recipes.config import TrainConfig
+from ddpkit.distributed.torchrun import RunSpec, run
+from ddpkit.recipes.config import TrainConfig, read_config_file, validate
+from ddpkit.recipes.train import clear_previous_run, preflight
 
 NOT_FLAGS = ("data_parallel", "extra")
 """TrainConfig fields with no flag: DataParallel is a row of ``ddpkit demo``, ``extra`` is for code."""
@@ -32,8 +34,6 @@ def parser() -> argparse.ArgumentParser:
 
 def train_config(argv: Sequence[str]) -> TrainConfig:
     """The validated TrainConfig of ``ddpkit train`` arguments (file settings, then flags)."""
-    from ddpkit.recipes.config import read_config_file, validate
-
     given = vars(parser().parse_args(argv))
     settings = read_config_file(given.pop("config")) if "config" in given else {}
     settings.update(given)
@@ -44,8 +44,6 @@ def train_config(argv: Sequence[str]) -> TrainConfig:
 
 def cmd_train(argv: Sequence[str]) -> int:
     """``ddpkit train``: check the settings, clear an overwritten run, train; the job's exit code."""
-    from ddpkit.distributed.torchrun import RunSpec, run
-    from ddpkit.recipes.train import clear_previous_run, preflight
 
     config = train_config(argv)
     preflight(config)

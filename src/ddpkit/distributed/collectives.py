@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import UsageError
+from ddpkit.errors import DdpkitError, UsageError, refused_global
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -214,8 +214,6 @@ def _from_bytes(payload: torch.Tensor) -> Any:
         DdpkitError: the bytes ask for more than plain data (not what a peer's ``_to_bytes`` sends);
             nothing they name is called.
     """
-    from ddpkit.errors import DdpkitError
-
     try:
         return _load(payload.cpu().numpy().tobytes())
     except Exception as exc:  # noqa: BLE001 - torch's weights_only errors are several types
@@ -232,8 +230,6 @@ def _load(data: bytes) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    from ddpkit.errors import refused_global
-
     wanted = refused_global(exc)
     if wanted:
         return f"it needs {wanted}"

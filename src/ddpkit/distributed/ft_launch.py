@@ -32,9 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.distributed import ft, ft_control, ft_heal
+from ddpkit.distributed import ft, ft_control, ft_heal, stores
 from ddpkit.distributed.ft_watch import NODE_JOIN_S, end_lighthouse, stop_replicas, wait_for_nodes, watch
-from ddpkit.distributed.host import host_port
+from ddpkit.distributed.host import host_port, local_address
+from ddpkit.distributed.torchrun import parse_master
 from ddpkit.errors import UsageError
 
 HOST = "127.0.0.1"
@@ -118,8 +119,6 @@ def validate(spec: FaultTolerantSpec) -> None:
 
 
 def _split_master(master: str) -> tuple[str, int]:
-    from ddpkit.distributed.torchrun import parse_master
-
     host, port = parse_master(master)
     if port >= 65535:
         raise UsageError(f"--master {master}: give a port below 65535 (the job's store takes PORT + 1)")
@@ -243,8 +242,6 @@ def replica_env(
 
 def run(spec: FaultTolerantSpec) -> int:
     """Start the lighthouse (node 0) and this node's replicas, wait for them; this node's exit code."""
-    from ddpkit.distributed import stores
-
     validate(spec)
     work = stores.private_dir()  # mode 0700: the control plane's socket, the stores, the secret
     lighthouse: subprocess.Popen | None = None
@@ -269,8 +266,6 @@ def run(spec: FaultTolerantSpec) -> int:
                 end_lighthouse(lighthouse)
                 raise
         else:
-            from ddpkit.distributed.host import local_address
-
             host = local_address(master_host, master_port) or ""
             if not host:
                 raise UsageError(f"--master {spec.master}: no route from this host to node 0")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpkit.distributed import entry
+from ddpkit.distributed import entry, stores
 from ddpkit.distributed.failures import describe, is_secondary, root_failure
 from ddpkit.distributed.torchrun import AGENT_ENV, _thread_env, private_job
 from ddpkit.errors import DdpkitError, UsageError
@@ -73,8 +73,6 @@ def launch(
         raise UsageError(f"nprocs must be at least 1, got {nprocs}")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from ddpkit.distributed import stores
 
     with private_job() as (directory, worker_env):
         config = LaunchConfig(

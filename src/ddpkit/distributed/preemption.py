@@ -29,6 +29,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ddpkit._torch import elastic_signal_exception
+
 EXIT_CODE = 75
 """A run that saved a checkpoint because it was preempted exits with this (``EX_TEMPFAIL``: resume it)."""
 SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -149,8 +151,6 @@ def pass_on(notice: str) -> Any:
     """In ``ddpkit run``'s process: SIGTERM and SIGUSR1 write their name into ``notice``, then stop
     torch's agent the way its own handler does, asking it to send SIGUSR1 to every worker (which
     gives them its grace period to save). Returns an undo."""
-    from ddpkit._torch import elastic_signal_exception
-
     exception = elastic_signal_exception()
 
     def handler(signum: int, frame: Any) -> None:

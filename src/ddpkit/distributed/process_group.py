@@ -13,6 +13,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import host, stores
 from ddpkit.distributed.environment import Environment
 from ddpkit.errors import DdpkitError, UsageError, warn
 
@@ -94,7 +95,6 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
     if backend == "nccl":
         # Binds NCCL's communicator to this process's GPU (avoids a guess by rank).
         kwargs["device_id"] = device
-    from ddpkit.distributed import stores
 
     # Before the first group: every group of this process (PowerSGD's, fsdp's mesh) binds there too.
     os.environ.update(stores.socket_env(env.num_nodes, env.master_addr, env.master_port))
@@ -120,8 +120,6 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
     srun, mpirun, by hand) rank 0 hosts a store of its own.
     """
     if env.store_dir:  # one machine under ddpkit run / launch: a file only this user can open
-        from ddpkit.distributed import stores
-
         return dist.PrefixStore(f"ddpkit/{env.run_id or 'run'}/", stores.worker_store(env.store_dir, env.restart_count))
     host_store = not env.agent_store and env.rank == 0
     try:
@@ -159,8 +157,6 @@ def _serve(env: Environment, timeout_s: float) -> dist.Store:
     often maps a machine's own name to 127.0.1.1) while the other nodes resolve it to this
     node's network address.
     """
-    from ddpkit.distributed import host, stores
-
     if env.num_nodes > 1 and host.is_loopback(env.master_addr):
         return _tcp_store(env, timeout_s, is_master=True)
     try:

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
 
+from ddpkit._torch import default_store
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
 
@@ -50,7 +51,6 @@ def all_arrive(what: str, timeout_s: float) -> str:
     world, me = collectives.world_size(), collectives.rank()
     if world == 1:
         return prefix
-    from ddpkit._torch import default_store
 
     store = default_store()
     store.set(f"{prefix}/rank{me}", "1")
@@ -77,7 +77,6 @@ def share_outcome(prefix: str, error: str | None, timeout_s: float) -> None:
     """
     if collectives.world_size() == 1:
         return
-    from ddpkit._torch import default_store
 
     store = default_store()
     key = f"{prefix}/outcome"
@@ -97,8 +96,6 @@ def local_main_first(node_rank: int, is_local_main: bool, count: int) -> Iterato
     ``count`` numbers this block among the script's calls (the same on every rank of the node).
     Local rank 0 marks the block done also when it fails, so the others go on to fail on their own.
     """
-    from ddpkit._torch import default_store
-
     key = f"ddpkit/local_main_first/node{node_rank}/{count}"
     store = default_store()
     if is_local_main:

@@ -28,7 +28,7 @@ from typing import Any
 from ddpkit.distributed.environment import STORE_DIR_ENV as STORE_DIR_ENV  # for the launchers
 from ddpkit.distributed.environment import detect
 from ddpkit.distributed.host import LOOPBACK, address_of, interface_of, local_address, loopback_interface
-from ddpkit.errors import UsageError
+from ddpkit.errors import DdpkitError, UsageError
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -106,7 +106,6 @@ def private_dir() -> str:
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)
-        from ddpkit.errors import DdpkitError
 
         raise DdpkitError(
             f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}), so it cannot "

@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit._torch import elastic_signal_exception
+from ddpkit.distributed import preemption, stores
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.distributed.failures import describe, root_failure
-from ddpkit.distributed.host import LOOPBACK, default_nproc, is_loopback, local_address, threads_per_process
+from ddpkit.distributed.host import LOOPBACK, default_nproc, host_port, is_loopback, local_address, threads_per_process
+from ddpkit.distributed.stores import rendezvous_file
 from ddpkit.errors import UsageError
 
 
@@ -139,7 +142,6 @@ def torchrun_args(
     if master is None:
         if not store_dir:
             raise UsageError("a one-node job needs its private store directory (ddpkit.distributed.stores.private_dir)")
-        from ddpkit.distributed.stores import rendezvous_file
 
         # --local-addr: the node's name in the rendezvous; nothing listens there
         return args + [
@@ -152,7 +154,6 @@ def torchrun_args(
             *_target(spec),
         ]
     host, port = parse_master(master)
-    from ddpkit.distributed.host import host_port
 
     args += [
         f"--nnodes={nnodes}",
@@ -224,8 +225,6 @@ def rendezvous_store(spec: RunSpec, env: Environment | None = None) -> Any:
     published; otherwise torchrun's agent hosts it, on every interface. A one-node job has none
     (its stores are files: :func:`ddpkit.distributed.stores.private_dir`).
     """
-    from ddpkit.distributed import stores
-
     nnodes, node_rank, master, _ = placement(spec, detect() if env is None else env)
     if master is None or node_rank != 0:
         return None
@@ -254,8 +253,6 @@ def private_job(nnodes: int = 1, master: str | None = None) -> Iterator[tuple[st
     the route to the master (the user's ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` stay).
     """
     import shutil
-
-    from ddpkit.distributed import stores
 
     if master is not None:
         host, port = parse_master(master)
@@ -336,9 +333,6 @@ def run(spec: RunSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torch_run
-
-    from ddpkit._torch import elastic_signal_exception
-    from ddpkit.distributed import preemption
 
     nnodes, _, master, _ = placement(spec, detect())
     store = rendezvous_store(spec)  # kept alive (and listening) until the run ends

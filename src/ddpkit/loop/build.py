@@ -13,6 +13,7 @@ import torch
 from ddpkit.errors import UsageError
 from ddpkit.loop.loader import QuorumLoader, ShardedLoader
 from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
+from ddpkit.loop.streams.loader import StreamLoader
 from ddpkit.state.run import RunState
 
 
@@ -108,7 +109,6 @@ def build_loader(
                 "weights= and num_samples= need a map-style dataset (they draw indices); "
                 "a stream is read in its own order"
             )
-        from ddpkit.loop.streams.loader import StreamLoader
 
         made: Any = StreamLoader(
             dataset,

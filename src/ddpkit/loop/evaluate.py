@@ -26,8 +26,10 @@ from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import shard_range
+from ddpkit.loop.streams.evaluation import StreamShard, first_sample
 from ddpkit.observe import heartbeats
 from ddpkit.parallel import lazy_buffers, periodic
+from ddpkit.parallel.fsdp import is_sharded
 from ddpkit.rng import private_generator
 
 
@@ -63,8 +65,6 @@ def _shard_batches(
 def _lockstep(batches: Iterator[Any], module: torch.nn.Module, dataset: Any) -> Iterator[Any]:
     """Under ``strategy="fsdp"`` every forward all-gathers parameters, a collective: ranks agree
     before each batch whether any still has one, and a rank that ran out forwards zero rows."""
-    from ddpkit.parallel.fsdp import is_sharded
-
     if not is_sharded(module) or collectives.world_size() == 1:
         yield from batches
         return
@@ -87,8 +87,6 @@ _END = object()
 
 def _first_sample(dataset: Any) -> Any:
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        from ddpkit.loop.streams.evaluation import first_sample
-
         return first_sample(dataset)
     return dataset[0]
 
@@ -99,7 +97,6 @@ def _stream_shard(dataset: Any, batch_size: int, num_workers: int) -> Any:
 
     if not isinstance(dataset, IterableDataset):
         return None
-    from ddpkit.loop.streams.evaluation import StreamShard
 
     return StreamShard(dataset, batch_size=batch_size, num_workers=num_workers)
 

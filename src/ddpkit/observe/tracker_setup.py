@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddpkit._version import __version__
 from ddpkit.errors import UsageError, one_line
 
 NAMES = ("tensorboard", "wandb", "mlflow")
@@ -119,8 +120,6 @@ def run_config(settings: Mapping[str, Any], config: Mapping[str, Any] | None, wo
     """What a tracker records as the run's params: ``init``'s settings, ``config=``, the world size,
     ddpkit's and torch's versions and the git commit of the working directory, if any."""
     import torch
-
-    from ddpkit._version import __version__
 
     found: dict[str, Any] = {f"ddpkit.{k}": v for k, v in settings.items() if k != "config"}
     found.update({"world_size": world_size, "ddpkit_version": __version__, "torch_version": torch.__version__})

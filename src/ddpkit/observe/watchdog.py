@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ddpkit._torch import default_store
 from ddpkit.errors import UsageError
 from ddpkit.observe.heartbeats import CLOSED, EXIT_HANG, Heartbeat, Verdict, culprit, format_report, seconds_until_hung
 
@@ -292,7 +293,6 @@ def group_store() -> Any | None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from ddpkit._torch import default_store
 
     try:
         shared = default_store()  # a changed private API raises PrivateApiChanged: loud

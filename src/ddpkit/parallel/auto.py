@@ -25,7 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._torch import PrivateApiChanged, ddp_bucket_count
+from ddpkit.distributed.probe import bus_bytes, link
+from ddpkit.errors import warn
 from ddpkit.parallel.compression import Compressor
+from ddpkit.parallel.powersgd import payload_elements
 
 MEASURE_STEPS = 5
 """Uncompressed steps timed before the choice (the first is set-up and not counted)."""
@@ -50,8 +54,6 @@ class AutoCompressor(Compressor):
     name = "auto"
 
     def __init__(self, model: Any, device: torch.device, *, rank: int, start: int | None, make: Any) -> None:
-        from ddpkit.distributed.probe import link
-        from ddpkit.parallel.powersgd import payload_elements
 
         super().__init__()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -87,8 +89,6 @@ class AutoCompressor(Compressor):
             self._decide()
 
     def _decide(self) -> None:
-        from ddpkit.distributed.probe import bus_bytes
-        from ddpkit.errors import warn
 
         steps = [b - a for a, b in zip(self.step_ends[1:], self.step_ends[2:])]  # the first is set-up
         slowest = torch.tensor([statistics.median(steps)], dtype=torch.float64)
@@ -153,8 +153,6 @@ class AutoCompressor(Compressor):
 
 
 def _buckets(model: Any) -> int:
-    from ddpkit._torch import PrivateApiChanged, ddp_bucket_count
-
     try:
         return ddp_bucket_count(model)
     except PrivateApiChanged:

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import UsageError, warn
+from ddpkit.parallel.powersgd import FORMAT, PowerSGD
+from ddpkit.rng import numpy_state, numpy_state_tuple
 
 CHOICES = ("fp16", "bf16", "powersgd", "auto")
 POWERSGD_START = 10
@@ -159,8 +161,6 @@ class PowerSGDCompressor(Compressor):
     name = "powersgd"
 
     def __init__(self, rank: int, start: int, device: torch.device) -> None:
-        from ddpkit.parallel.powersgd import PowerSGD
-
         super().__init__()
         self.buckets_settled = True  # per-bucket state can be restored into the same buckets
         self.state = PowerSGD(rank, start, device)
@@ -182,8 +182,6 @@ class PowerSGDCompressor(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         """Iteration, this rank's error feedback, the warm-start factors and the RNG, as plain data."""
-        from ddpkit.parallel.powersgd import FORMAT
-        from ddpkit.rng import numpy_state
 
         s = self.state
         held = {**{k: (v.error, v.q) for k, v in s.buckets.items()}, **s.saved}
@@ -205,8 +203,6 @@ class PowerSGDCompressor(Compressor):
         rank: neither carries over to another world size or ``powersgd_rank``, so they start
         afresh there (with a warning) while the plain warm-up is not repeated.
         """
-        from ddpkit.parallel.powersgd import FORMAT
-        from ddpkit.rng import numpy_state_tuple
 
         _check_name(self.name, saved, source)
         if saved.get("name") != self.name:

@@ -12,9 +12,15 @@ from typing import Any
 
 import torch
 
+from ddpkit import _torch
+from ddpkit._torch import ready_order_ddp
 from ddpkit.errors import warn
+from ddpkit.parallel import lazy_buffers
+from ddpkit.parallel.auto import AutoCompressor
+from ddpkit.parallel.compression import attach
 from ddpkit.parallel.modes import Replicated
 from ddpkit.parallel.options import SetupOptions, Wrapped
+from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
 
 def _buffer_sync_arg() -> str:
@@ -54,8 +60,6 @@ def replicate(
     model = model.to(device)
     wrapped = Wrapped(model)
     if options.sync_batchnorm and world_size > 1:
-        from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
-
         model = convert_sync_batchnorm(model, device, _statistics_group(device, timeout_s))
     if world_size > 1:
         model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
@@ -87,8 +91,6 @@ def _buffer_policy(model: torch.nn.Module, options: SetupOptions, ddp_kwargs: di
     BatchNorm statistics are averaged lazily (when read or saved) instead of broadcast from rank 0
     every forward. A compiled model, or the user's own buffer setting, keeps DDP's broadcast.
     """
-    from ddpkit.parallel import lazy_buffers
-
     if ddp_kwargs.keys() & {"broadcast_buffers", "forward_sync_buffers"}:
         return None
     if options.sync_batchnorm:
@@ -114,8 +116,6 @@ def _distributed(
     """Wrap ``model`` in DDP (buckets settled, buffers policy, compression); fills ``wrapped``'s extras."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddpkit.parallel import lazy_buffers
-
     ddp_kwargs = dict(options.ddp_kwargs)
     # Gradients as views into DDP's buckets save a gradient-sized copy of memory, which a GPU
     # wants; on a CPU they cost backward time (ResNet-18: 8 ms a step, BENCHMARKS.md), and
@@ -127,8 +127,6 @@ def _distributed(
     # first layout, last layers first, stays); ddpkit settles that layout at once instead.
     settle = not ddp_kwargs.get("find_unused_parameters") or ddp_kwargs.get("static_graph")
     if settle:
-        from ddpkit._torch import ready_order_ddp
-
         model = ready_order_ddp(model, device_ids=device_ids, **ddp_kwargs)
     else:
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
@@ -140,9 +138,6 @@ def _distributed(
     if settle:
         wrapped.not_bitwise = settle_buckets(model, is_main=is_main)
     if options.grad_compression is not None:
-        from ddpkit.parallel.auto import AutoCompressor
-        from ddpkit.parallel.compression import attach
-
         wrapped.mode = Replicated(
             attach(
                 model,
@@ -175,8 +170,6 @@ def settle_buckets(model: Any, *, is_main: bool) -> str | None:
         None, or why resume is not bitwise: without the private APIs (another torch) DDP's
         default stays, with a warning (rank 0, once), and checkpoints record it.
     """
-    from ddpkit import _torch
-
     try:
         _torch.settle_ddp_buckets(model)  # a collective: every rank calls setup
     except _torch.PrivateApiChanged as exc:

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddpkit.distributed.host import usable_cores
 from ddpkit.errors import UsageError
+from ddpkit.parallel import lazy_buffers
 
 
 def check(
@@ -68,8 +70,6 @@ def check(
 
 def threads_for(micro_shards: int, cores: int | None = None) -> int:
     """Intra-op threads of every shard: ``cores // micro_shards`` (at least one), whatever the world size."""
-    from ddpkit.distributed.host import usable_cores
-
     return max(1, (usable_cores() if cores is None else cores) // micro_shards)
 
 
@@ -134,8 +134,6 @@ def _unpack(row: torch.Tensor, norms: list[_BatchNorm]) -> dict[int, tuple[torch
 def broadcast_from_rank0(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank (what DDP's constructor does; a collective)."""
     import torch.distributed as dist
-
-    from ddpkit.parallel import lazy_buffers
 
     with torch.no_grad():
         for parameter in model.parameters():

@@ -29,6 +29,9 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddpkit._torch import unwrap
+from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
+
 _SYNCERS: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
 
 _STATS = ("running_mean", "running_var")  # num_batches_tracked counts forwards: equal on every rank
@@ -40,8 +43,6 @@ def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
     Synchronised BatchNorm (torch's or ddpkit's) keeps equal statistics already: its buffers
     count as others, so such a model keeps DDP's behaviour.
     """
-    from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
-
     layers = [
         (name, m)
         for name, m in module.named_modules()
@@ -160,8 +161,6 @@ def install(ddp_model: torch.nn.Module, layers: list[tuple[str, _BatchNorm]]) ->
 
 def of(model: Any) -> LazyBuffers | None:
     """The syncer of ``model`` (DDP, compiled or plain), or None."""
-    from ddpkit._torch import unwrap
-
     inner = unwrap(model)
     return _SYNCERS.get(inner) if isinstance(inner, torch.nn.Module) else None
 

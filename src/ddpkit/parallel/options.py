@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UsageError
-from ddpkit.parallel import periodic_parts
+from ddpkit.parallel import compression, fsdp, periodic_parts
 from ddpkit.parallel.modes import Mode, Replicated
 
 STRATEGIES = ("ddp", "fsdp")
@@ -127,8 +127,6 @@ class SetupOptions:
             delay=self.sync_delay,
         )
         if self.strategy == "fsdp":
-            from ddpkit.parallel import fsdp
-
             fsdp.check(
                 grad_compression=self.grad_compression,
                 compile=self.compile,
@@ -137,7 +135,6 @@ class SetupOptions:
                 ddp_kwargs=self.ddp_kwargs,
             )
             return
-        from ddpkit.parallel import compression
 
         compression.check(
             self.grad_compression,

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._torch import unwrap
 from ddpkit.errors import UsageError, warn
 from ddpkit.parallel.periodic_parts import _DTYPES, _fragments
 
@@ -345,8 +346,6 @@ def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
 
 def of(model: Any) -> PeriodicSync | None:
     """The :class:`PeriodicSync` of a set-up model (wrapped or compiled), or None."""
-    from ddpkit._torch import unwrap
-
     for candidate in (model, unwrap(model)):
         found = getattr(candidate, "__dict__", {}).get("_ddpkit_periodic")
         if found is not None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ddpkit.parallel import periodic, periodic_parts
+from ddpkit._torch import unwrap
+from ddpkit.parallel import fsdp, periodic, periodic_parts
+from ddpkit.parallel.ddp import replicate
 from ddpkit.parallel.modes import Periodic, Sharded
 from ddpkit.parallel.options import SetupOptions, Wrapped
 
@@ -49,8 +51,6 @@ def wrap(
         The :class:`Wrapped` model.
     """
     if options.strategy == "fsdp":
-        from ddpkit.parallel import fsdp
-
         units = [options.fsdp_units] if isinstance(options.fsdp_units, type) else options.fsdp_units
         sharded = fsdp.shard(
             model,
@@ -64,7 +64,6 @@ def wrap(
         return Wrapped(sharded, sharded=True, mode=Sharded())
     if options.sync != "every-step":
         return _train_apart(model, optimizer, options, device=device, is_main=is_main)
-    from ddpkit.parallel.ddp import replicate
 
     return replicate(model, options, device=device, world_size=world_size, is_main=is_main, timeout_s=timeout_s)
 
@@ -102,8 +101,6 @@ def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch
     Every rank must call it: a sharded model gathers its shards; a replicated one is rank 0's copy;
     one that syncs infrequently gives its synced weights.
     """
-    from ddpkit._torch import unwrap
-    from ddpkit.parallel import fsdp
 
     if fsdp.is_sharded(model):
         return fsdp.full_state_dict(model)

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import UsageError
+from ddpkit.observe.trackers import names, problem
+from ddpkit.observe.watchdog import check_timeout
+from ddpkit.parallel.fsdp import check as check_fsdp
+from ddpkit.parallel.options import check_strategy
 from ddpkit.recipes.config_checks import check_compression, check_counts, check_micro_shards, check_out, check_sync
+from ddpkit.recipes.datasets import DATASETS
+from ddpkit.recipes.models import MODELS, build_model
+from ddpkit.state.precision import PRECISIONS
 
 
 @dataclass
@@ -225,11 +232,6 @@ def check(config: TrainConfig) -> None:
     Raises:
         UsageError: the first setting that is wrong, in one line.
     """
-    from ddpkit.observe.watchdog import check_timeout
-    from ddpkit.parallel.options import check_strategy
-    from ddpkit.recipes.datasets import DATASETS
-    from ddpkit.recipes.models import MODELS
-    from ddpkit.state.precision import PRECISIONS
 
     if config.model not in MODELS:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
@@ -257,8 +259,6 @@ def check(config: TrainConfig) -> None:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     check_timeout(config.hang_timeout, flag="--hang-timeout")
     if config.tracker is not None:
-        from ddpkit.observe.trackers import names
-
         names(config.tracker)
 
 
@@ -277,9 +277,6 @@ def probe(config: TrainConfig) -> None:
         if torch.cuda.device_count() < 2:
             raise UsageError(_DATA_PARALLEL)
     if config.strategy == "fsdp":
-        from ddpkit.parallel.fsdp import check as check_fsdp
-        from ddpkit.recipes.models import build_model
-
         # what rt.setup refuses, before any process starts
         check_fsdp(
             grad_compression=config.grad_compression,
@@ -290,8 +287,6 @@ def probe(config: TrainConfig) -> None:
         )
     check_out(config)
     if config.tracker is not None:  # what rank 0's init would refuse, before any process starts
-        from ddpkit.observe.trackers import names, problem
-
         found = problem(names(config.tracker), config.out)
         if found:
             raise UsageError(found)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel import compression, exact_tree, periodic_parts
 
 if TYPE_CHECKING:
     from ddpkit.recipes.config import TrainConfig
@@ -45,10 +46,8 @@ def check_compression(config: TrainConfig) -> None:
     """What ``grad_compression`` refuses (rt.setup says the same); bf16 on NCCL is checked at setup."""
     import torch
 
-    from ddpkit.parallel.compression import check as check_compression
-
     choice = None if config.grad_compression == "none" else config.grad_compression
-    check_compression(
+    compression.check(
         choice,
         rank=config.powersgd_rank,
         start=None,
@@ -61,8 +60,6 @@ def check_compression(config: TrainConfig) -> None:
 
 def check_sync(config: TrainConfig) -> None:
     """What ``rt.setup(sync=...)`` refuses, named by the flags, before any process starts."""
-    from ddpkit.parallel.periodic_parts import check as check_sync
-
     if config.sync == "every-step":
         if config.sync_every is not None:
             raise UsageError("--sync-every sets how often --sync local-sgd or diloco meets; add --sync diloco")
@@ -72,7 +69,7 @@ def check_sync(config: TrainConfig) -> None:
     if config.data_parallel:
         raise UsageError(f"--sync {config.sync} trains each process apart; it does not combine with --data-parallel")
     try:
-        check_sync(
+        periodic_parts.check(
             config.sync,
             every=config.sync_every,
             sync_dtype=None,
@@ -87,8 +84,6 @@ def check_sync(config: TrainConfig) -> None:
 
 def check_micro_shards(config: TrainConfig) -> None:
     """What ``rt.setup(micro_shards=...)`` refuses, named by the flags, before any process starts."""
-    from ddpkit.parallel.exact_tree import check as check_exact
-
     if config.micro_shards is None:
         return
     if config.data_parallel:
@@ -101,7 +96,7 @@ def check_micro_shards(config: TrainConfig) -> None:
             "samples; give at least one sample per shard"
         )
     try:
-        check_exact(
+        exact_tree.check(
             config.micro_shards,
             world_size=config.world_size,
             sync_batchnorm=bool(config.sync_bn),

@@ -15,8 +15,12 @@ from typing import Any
 
 import torch
 
+import ddpkit
 from ddpkit import checkpoint
+from ddpkit._files import atomic_path
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.recipes.datasets import DATASETS, SPLITS, load_dataset
+from ddpkit.recipes.models import build_model
 
 SUFFIXES = (".csv", ".npy", ".pt")
 
@@ -58,8 +62,6 @@ def prepare(config: PredictConfig) -> Path:
 
 
 def _prepare(config: PredictConfig) -> Path:
-    from ddpkit.recipes.datasets import DATASETS, SPLITS
-
     out = Path(config.out)
     if out.suffix not in SUFFIXES:
         raise UsageError(f"--out {out}: unknown suffix {out.suffix or '(none)'!r}; use .csv, .npy or .pt")
@@ -94,8 +96,6 @@ def _prepare(config: PredictConfig) -> Path:
 
 
 def _model_from(payload: dict[str, Any], path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
-    from ddpkit.recipes.models import build_model
-
     recipe = payload["user"].get("recipe")
     if not isinstance(recipe, dict) or "model" not in payload["user"]:
         raise DdpkitError(f"checkpoint {path} has no recipe: predict reads checkpoints written by ddpkit train")
@@ -109,15 +109,11 @@ def _model_from(payload: dict[str, Any], path: Path) -> tuple[torch.nn.Module, d
 
 
 def _dataset(config: PredictConfig) -> Any:
-    from ddpkit.recipes.datasets import load_dataset
-
     return load_dataset(config.data, config.split, config.data_dir)
 
 
 def run_worker(config: PredictConfig, path: Path) -> None:
     """Predict in this process (one of the world); rank 0 writes ``config.out``."""
-    import ddpkit
-
     payload = checkpoint.read(path)
     model, recipe = _model_from(payload, path)
     rt = ddpkit.init(precision=recipe.get("precision", "fp32"))  # the forward as it was trained
@@ -131,8 +127,6 @@ def run_worker(config: PredictConfig, path: Path) -> None:
 
 def write_predictions(out: Path, logits: torch.Tensor) -> None:
     """Write one row per input, atomically, in the format the suffix names."""
-    from ddpkit._files import atomic_path
-
     probabilities = torch.softmax(logits, dim=1)
     prediction = probabilities.argmax(dim=1)
     with atomic_path(out) as tmp:

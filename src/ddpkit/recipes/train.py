@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import ddpkit
 from ddpkit import checkpoint
 from ddpkit._files import atomic_path
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.evaluate import evaluate
 from ddpkit.observe.progress import Progress
 from ddpkit.recipes.config import TrainConfig
@@ -274,8 +274,6 @@ def preflight(config: TrainConfig) -> None:
         UsageError: missing or corrupt data files; an unreadable, corrupt or unsafe
             checkpoint, or one of another model or precision.
     """
-    from ddpkit.errors import UsageError
-
     try:
         train, _ = datasets_of(config)
         _check_resume(config, train)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ddpkit._torch import scaler_found_inf
 from ddpkit.errors import DdpkitError, UsageError
 
 __all__ = ["PRECISIONS", "Precision"]
@@ -122,8 +123,6 @@ class Precision:
             optimizer.step()
             stepped = True
         else:
-            from ddpkit._torch import scaler_found_inf
-
             with _quiet_sharded_found_inf():
                 self.scaler.step(optimizer)
             stepped = not scaler_found_inf(self.scaler, optimizer)

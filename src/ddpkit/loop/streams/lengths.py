@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from torch.utils.data import DataLoader, Dataset
 
+from ddpkit.distributed import collectives
 from ddpkit.errors import warn
 from ddpkit.loop.streams.shards import ShardError, Shards, count_shard, shard_name
 
@@ -46,7 +47,6 @@ def ensure_lengths(
     """
     if shards.lengths is not None:
         return
-    from ddpkit.distributed import collectives
 
     cached = shards.load_cached() if rank == 0 else None
     if world_size > 1:

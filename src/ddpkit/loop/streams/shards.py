@@ -31,6 +31,7 @@ from ddpkit import rng
 from ddpkit._files import atomic_path
 from ddpkit._torch import worker_info_hidden
 from ddpkit.errors import DdpkitError, UsageError, warn
+from ddpkit.loop.sampler import shard_range
 from ddpkit.loop.streams.order import EpochOrder
 
 DEFAULT_WINDOW = 256
@@ -99,8 +100,6 @@ class Shards(IterableDataset):
     def from_dataset(cls, dataset: Any, *, shards: int = 16, **kwargs: Any) -> Shards:
         """A map-style ``dataset`` as a stream of ``shards`` contiguous shards (to compare, or to
         read an indexable set in stream order)."""
-        from ddpkit.loop.sampler import shard_range
-
         parts = [shard_range(len(dataset), i, shards) for i in range(shards)]
         return cls(parts, _DatasetShard(dataset), lengths=[len(p) for p in parts], **kwargs)
 
