@@ -427,7 +427,7 @@ def test_plan_runs_dp_only_with_two_gpus():
         (["--nproc", "0"], "--nproc values must be at least 1"),
         (["--nproc", "two"], "--nproc takes comma-separated integers"),
         (["--steps", "0"], "--steps must be at least 1"),
-        (["--batch", "0"], "--batch must be at least 1"),
+        (["--batch", "0"], "--batch-size must be at least 1"),
         (["--model", "resnet50"], "invalid choice: 'resnet50'"),
         (["--compare-raw", "--modes", "single"], "add ddp or ddp-amp to --modes"),
         (["--compare-raw", "--nproc", "1"], "2 or more processes"),
@@ -438,7 +438,7 @@ def test_plan_runs_dp_only_with_two_gpus():
         (["--hosts", "0", "--link-mbit", "10"], "--hosts values must be at least 1"),
         (["--hosts", "2", "--link-mbit", "10", "--modes", "single"], "add ddp or ddp-amp to --modes"),
         (["--data-format", "map,tar"], "unknown data format 'tar' in --data-format"),
-        (["--sync-bn", "yes"], "--sync-bn takes off, on or off,on, got 'yes'"),
+        (["--sync-bn", "yes"], "--sync-batchnorm takes off, on or off,on, got 'yes'"),
     ],
     ids=[
         "mode",
@@ -460,7 +460,7 @@ def test_plan_runs_dp_only_with_two_gpus():
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
-    code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])
+    code = cli.main(["bench", *argv, "--out-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("ddpkit bench: error: "), err

@@ -235,3 +235,27 @@ def test_prune_sweeps_what_killed_saves_left(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         [f".ckpt-step00000009.pt.tmp-{os.getpid()}", "ckpt-step00000001.pt", "ckpt-step00000001.pt.sha256"]
     )
+
+
+def test_a_usage_error_of_a_loaded_object_stays_itself():
+    """UsageError is a ValueError: restoring does not rewrap an object's own one-line refusal."""
+    from ddpkit.checkpoint.state import restore_user_state
+    from ddpkit.errors import UsageError
+
+    class Refuses:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            raise UsageError("this loader was saved with another global batch size; give 64")
+
+    with pytest.raises(UsageError, match="^this loader was saved"):
+        restore_user_state({"loader": Refuses()}, {"loader": {}}, "ckpt.pt")
+
+    class Broken(Refuses):
+        def load_state_dict(self, state):
+            raise ValueError("bad")
+
+    with pytest.raises(DdpkitError, match="cannot load 'loader': bad") as caught:
+        restore_user_state({"loader": Broken()}, {"loader": {}}, "ckpt.pt")
+    assert not isinstance(caught.value, UsageError)

@@ -62,9 +62,24 @@ TRAIN_FLAGS = {
     "--log-every",
     "--micro-shards",
 }
+NEW_TRAIN_FLAGS = {
+    "--global-batch-size",
+    "--batch-size",
+    "--sync-batchnorm",
+    "--no-sync-batchnorm",
+    "--num-workers",
+    "--out-dir",
+    "--trackers",
+    "--eval-batch-size",
+}
+"""The API's names (issue 42): the flags above stay as their aliases."""
 PREDICT_FLAGS = {"--batch", "--checkpoint", "--data", "--data-dir", "--nproc", "--out", "--overwrite", "--split"}
+NEW_FLAGS = {"train": NEW_TRAIN_FLAGS, "predict": {"--batch-size"}}
 SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr"}, "predict": {"--overwrite"}}
-PAIRS = {"train": {"--sync-bn", "--no-sync-bn"}, "predict": set()}  # bool | None: decided later when not given
+PAIRS = {
+    "train": {"--sync-bn", "--no-sync-bn", "--sync-batchnorm", "--no-sync-batchnorm"},
+    "predict": set(),
+}  # bool | None: decided later when not given
 
 
 def _help(command: str, capsys, monkeypatch) -> str:
@@ -104,7 +119,7 @@ def test_every_field_docstring_is_the_help_of_its_flag(command, config, skip, ca
 @pytest.mark.parametrize("command, before", [("train", TRAIN_FLAGS), ("predict", PREDICT_FLAGS)])
 def test_the_flags_are_the_ones_before(command, before):
     flags = _flags(getattr(cli, command).parser())
-    assert set(flags) == before
+    assert set(flags) == before | NEW_FLAGS[command]
     assert {flag for flag, action in flags.items() if isinstance(action, argparse._StoreTrueAction)} == SWITCHES[
         command
     ]
@@ -115,10 +130,11 @@ def test_the_flags_are_the_ones_before(command, before):
 
 def test_sync_bn_is_decided_by_the_model_unless_given():
     parser = cli.train.parser()
-    assert "sync_bn" not in vars(parser.parse_args([]))
-    assert vars(parser.parse_args(["--no-sync-bn"])) == {"sync_bn": False}
-    assert vars(parser.parse_args(["--sync-bn"])) == {"sync_bn": True}
-    assert TrainConfig().sync_bn is None
+    assert "sync_batchnorm" not in vars(parser.parse_args([]))
+    for off, on in (("--no-sync-batchnorm", "--sync-batchnorm"), ("--no-sync-bn", "--sync-bn")):
+        assert vars(parser.parse_args([off])) == {"sync_batchnorm": False}
+        assert vars(parser.parse_args([on])) == {"sync_batchnorm": True}
+    assert TrainConfig().sync_batchnorm is None
 
 
 def test_train_flags_not_given_leave_the_config_and_its_file_alone():
@@ -126,9 +142,37 @@ def test_train_flags_not_given_leave_the_config_and_its_file_alone():
     assert vars(parser.parse_args([])) == {}
     assert vars(parser.parse_args(["--hang-timeout", "2.5", "--sync-bn", "--global-batch", "32"])) == {
         "hang_timeout": 2.5,
-        "sync_bn": True,
-        "global_batch": 32,
+        "sync_batchnorm": True,
+        "global_batch_size": 32,
     }
+
+
+@pytest.mark.parametrize("old, new", sorted(TrainConfig.ALIASES.items()))
+def test_an_earlier_flag_is_its_api_name_and_the_help_names_it_once(old, new, capsys, monkeypatch):
+    parser = cli.train.parser()
+    value = "1"
+    flag, earlier = "--" + new.replace("_", "-"), "--" + old.replace("_", "-")
+    action = _flags(parser)[flag]
+    argv = [] if isinstance(action, argparse.BooleanOptionalAction) else [value]
+    assert vars(parser.parse_args([earlier, *argv])) == vars(parser.parse_args([flag, *argv]))
+    assert vars(parser.parse_args([flag, *argv])).keys() == {new}
+    text = _help("train", capsys, monkeypatch)
+    assert text.count(f"{earlier} ") == 0 and f"(also {earlier}" in _squashed(text).replace("(also", "(also ")
+
+
+def test_a_config_file_takes_the_earlier_names_and_refuses_both(tmp_path):
+    from ddpkit.recipes.config import read_config_file
+
+    (tmp_path / "old.yaml").write_text("global-batch: 32\nsync_bn: false\nout: somewhere\nworkers: 2\n")
+    assert read_config_file(str(tmp_path / "old.yaml")) == {
+        "global_batch_size": 32,
+        "sync_batchnorm": False,
+        "out_dir": "somewhere",
+        "num_workers": 2,
+    }
+    (tmp_path / "both.yaml").write_text("out: a\nout-dir: b\n")
+    with pytest.raises(UsageError, match="out is the earlier name of out_dir; give one of them"):
+        read_config_file(str(tmp_path / "both.yaml"))
 
 
 def test_predict_flags_carry_their_defaults_and_require_the_rest():
@@ -182,7 +226,7 @@ def test_a_field_without_docstring_or_flag_type_is_refused():
 
 
 def test_check_is_pure_and_validate_adds_the_probes(tmp_path):
-    config = TrainConfig(data="mnist", data_dir=str(tmp_path / "missing"), out=str(tmp_path / "run"))
+    config = TrainConfig(data="mnist", data_dir=str(tmp_path / "missing"), out_dir=str(tmp_path / "run"))
     check(config)  # the settings alone are fine: nothing looks at the disk
     with pytest.raises(UsageError, match="is not a directory"):
         validate(config)

@@ -240,7 +240,7 @@ def test_four_processes_and_a_resume_on_another_world_size_end_at_the_same_bits(
         ),
         (
             ["--micro-shards", "2", "--nproc", "2", "--sync-bn"],
-            "--micro-shards does not combine with --sync-bn (each shard keeps its own BatchNorm statistics); drop one of the two",
+            "--micro-shards does not combine with --sync-batchnorm (each shard keeps its own BatchNorm statistics); drop one of the two",
         ),
         (
             ["--micro-shards", "2", "--grad-compression", "fp16"],
@@ -286,7 +286,7 @@ def test_ddpkit_train_with_micro_shards_turns_sync_bn_off_and_records_it(tmp_pat
             ["--modes", "ddp", "--grad-compression", "powersgd"],
             "--micro-shards does not combine with --grad-compression",
         ),
-        (["--modes", "ddp", "--sync-bn", "on"], "--micro-shards does not combine with --sync-bn on"),
+        (["--modes", "ddp", "--sync-bn", "on"], "--micro-shards does not combine with --sync-batchnorm on"),
         (["--modes", "ddp", "--compare-raw"], "--micro-shards does not combine with --compare-raw"),
         (["--modes", "ddp", "--data-format", "shards"], "--micro-shards does not combine with --data-format shards"),
         (["--modes", "ddp", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync"),

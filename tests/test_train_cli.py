@@ -135,7 +135,7 @@ BAD = [
     "settings, message",
     [
         ({"sync_every": 5}, "--sync-every sets how often --sync local-sgd or diloco meets"),
-        ({"sync": "diloco", "sync_every": 5, "sync_bn": True}, "drop --sync-bn"),
+        ({"sync": "diloco", "sync_every": 5, "sync_batchnorm": True}, "drop --sync-batchnorm"),
         ({"sync": "local-sgd", "sync_every": 5, "strategy": "fsdp", "model": "mlp"}, "strategy='fsdp' shards"),
         (
             {"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"},
@@ -241,7 +241,7 @@ def test_config_files_and_flag_precedence(tmp_path):
     (tmp_path / "c.toml").write_text('model = "mlp"\nepochs = 2\nlr = 0.2\n')
     out = str(tmp_path / "o")
     config = train_config(["--config", str(tmp_path / "c.yaml"), "--epochs", "3", "--out", out])
-    assert (config.model, config.epochs, config.global_batch_size, config.sync_bn) == ("mlp", 3, 32, True)
+    assert (config.model, config.epochs, config.samples_per_step, config.sync_batchnorm) == ("mlp", 3, 32, True)
     config = train_config(["--config", str(tmp_path / "c.toml"), "--out", out])
     assert (config.model, config.epochs, config.lr) == ("mlp", 2, 0.2)
     (tmp_path / "bad.yaml").write_text("modle: mlp\n")
@@ -267,7 +267,7 @@ def test_sync_bn_is_on_by_default_only_where_ddp_trains_batchnorm_on_several_pro
 
 def test_scale_lr_and_per_process_batch(tmp_path):
     config = train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05", "--out", str(tmp_path / "o")])
-    assert config.global_batch_size == 32 and config.effective_lr == pytest.approx(0.1)
+    assert config.samples_per_step == 32 and config.effective_lr == pytest.approx(0.1)
 
 
 @pytest.mark.slow  # 61 s: make test-slow (CI runs it)
@@ -360,7 +360,7 @@ def test_data_parallel_needs_two_gpus(tmp_path):
     with pytest.raises(UsageError, match="at least 2 visible GPUs"):
         from ddpkit.recipes.config import TrainConfig, validate
 
-        validate(TrainConfig(data_parallel=True, out=str(tmp_path / "o")))
+        validate(TrainConfig(data_parallel=True, out_dir=str(tmp_path / "o")))
 
 
 class _Tty(io.StringIO):

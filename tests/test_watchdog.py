@@ -174,7 +174,7 @@ def test_train_flag_reaches_ddpkit_init(monkeypatch, tmp_path):
     assert config.hang_timeout == 2.5
     assert TrainConfig.from_json(config.to_json()).hang_timeout == 2.5
     with pytest.raises(ddpkit.UsageError, match="--hang-timeout must be a positive"):
-        validate(TrainConfig(hang_timeout=0.0, out=str(tmp_path / "run")))
+        validate(TrainConfig(hang_timeout=0.0, out_dir=str(tmp_path / "run")))
 
     seen = {}
 

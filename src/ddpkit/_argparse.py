@@ -26,7 +26,7 @@ import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 from ddpkit.errors import UsageError
@@ -66,7 +66,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_fields(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = ()) -> None:
+def add_fields(
+    parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = (), aliases: Mapping[str, str] | None = None
+) -> None:
     """Add one flag per field of dataclass ``cls`` to ``parser``, in the fields' order.
 
     ``--name-with-dashes`` stores into ``name``, converted to the field's type (``X | None``:
@@ -75,6 +77,8 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str
     flag. The help is the field's docstring, followed by ``(default X)`` where the default says
     something. A parser made with ``argument_default=argparse.SUPPRESS`` leaves a flag that was
     not given out of the namespace, so the dataclass (or a config file) keeps its value.
+    ``aliases`` maps earlier names to fields: each is a flag too (``--no-`` pair included), left
+    out of the help, whose line names it.
 
     Raises:
         TypeError: a field has no docstring, a type with no flag (a container), or is a bool
@@ -106,7 +110,16 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str
             options["required"] = True
         elif keep and kind is not bool:
             options["default"] = field.default
-        parser.add_argument("--" + field.name.replace("_", "-"), **options)
+        earlier = [old for old, name in (aliases or {}).items() if name == field.name]
+        if earlier:
+            options["help"] += " (also " + ", ".join(_flag(old) for old in earlier) + ")"
+        parser.add_argument(_flag(field.name), **options)
+        for old in earlier:
+            parser.add_argument(_flag(old), **{**options, "help": argparse.SUPPRESS, "required": False})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _flag_type(hint: Any, name: str) -> type:

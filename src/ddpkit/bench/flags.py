@@ -49,13 +49,20 @@ def parser() -> argparse.ArgumentParser:
     add("--data", choices=DATA, default=d.data, help=f"data set (default {d.data})")
     add("--modes", default=",".join(d.modes), help=f"comma-separated {'|'.join(MODES)} (default all)")
     add("--nproc", default="2", help="comma-separated process counts of ddp and ddp-amp (default 2)")
-    add("--batch", type=int, default=d.batch, help=f"samples per process per step (default {d.batch})")
+    add(
+        "--batch-size",
+        "--batch",
+        dest="batch",
+        type=int,
+        default=d.batch,
+        help=f"samples per process per step (default {d.batch})",
+    )
     add("--steps", type=int, default=d.steps, help=f"timed steps (default {d.steps})")
     add("--warmup", type=int, default=d.warmup, help=f"untimed steps before them (default {d.warmup})")
     add("--seed", type=int, default=d.seed, help=f"seed of weights and data order (default {d.seed})")
     add("--lr", type=float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
     add("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
-    add("--out", default=d.out, help=f"output directory (default {d.out})")
+    add("--out-dir", "--out", dest="out", default=d.out, help=f"output directory (default {d.out})")
     add(
         "--compare-raw",
         action="store_true",
@@ -89,7 +96,9 @@ def parser() -> argparse.ArgumentParser:
         "adamw holds 2 state tensors per parameter, what sharding (fsdp) divides",
     )
     add(
+        "--sync-batchnorm",
         "--sync-bn",
+        dest="sync_bn",
         default="off",
         help="comma-separated off|on: ddp and ddp-amp rows with BatchNorm "
         "statistics over every process (SyncBatchNorm, ddpkit train's default), one row each (default off)",
@@ -192,7 +201,7 @@ def _check_micro_shards(
         ("--fault-tolerant", opts.fault_tolerant),
         ("--data-format shards", "shards" in formats),
         ("--grad-compression", set(compressions) - {"none"}),
-        ("--sync-bn on", "on" in syncs),
+        ("--sync-batchnorm on", "on" in syncs),
         ("--sync local-sgd or diloco", set(syncs_of_rows) - {"every-step"}),
     ]
     for flag, bad in refused:
@@ -228,7 +237,7 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
     if unknown:
         raise UsageError(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
     for flag, value, low in (
-        ("--batch", opts.batch, 1),
+        ("--batch-size", opts.batch, 1),
         ("--steps", opts.steps, 1),
         ("--warmup", opts.warmup, 0),
         ("--repeats", opts.repeats, 1),
@@ -249,7 +258,7 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
         )
     syncs = tuple(dict.fromkeys(v.strip() for v in opts.sync_bn.split(",")))
     if set(syncs) - {"off", "on"}:
-        raise UsageError(f"--sync-bn takes off, on or off,on, got {opts.sync_bn!r}")
+        raise UsageError(f"--sync-batchnorm takes off, on or off,on, got {opts.sync_bn!r}")
     if opts.model == "tiny-lm" and opts.data != "synthetic":
         raise UsageError(f"--model tiny-lm trains on synthetic token sequences; drop --data {opts.data}")
     syncs_of_rows = tuple(dict.fromkeys(v.strip() for v in opts.sync.split(",")))

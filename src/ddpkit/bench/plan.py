@@ -155,7 +155,7 @@ def _fsdp_reason(model: str, compression: str, sync_bn: bool = False) -> str | N
     if compression != "none":
         return "grad_compression is a DDP hook; fsdp reduce-scatters instead"
     if sync_bn:
-        return "fsdp shards no BatchNorm, synchronised or not (--sync-bn on is a DDP row)"
+        return "fsdp shards no BatchNorm, synchronised or not (--sync-batchnorm on is a DDP row)"
 
     try:
         fsdp.check(

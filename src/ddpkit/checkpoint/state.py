@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ddpkit._torch import unwrap
-from ddpkit.errors import DdpkitError, one_line
+from ddpkit.errors import DdpkitError, UsageError, one_line
 
 
 def user_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -31,6 +31,8 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
                 check_model_state(obj, saved[key], f"checkpoint {path} ({key!r})")
             try:
                 obj.load_state_dict(saved[key])
+            except UsageError:  # a ValueError too: ddpkit's own objects say what is wrong
+                raise
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {one_line(str(exc), 200)}") from None
         else:

@@ -49,12 +49,14 @@ def parser() -> argparse.ArgumentParser:
     parser = Parser(prog="ddpkit demo", description="Run the built-in end-to-end demonstration.")
     parser.add_argument("--nproc", type=int, default=2, help="processes for the distributed runs (default 2)")
     parser.add_argument("--epochs", type=int, default=5, help="epochs of every run (default 5)")
-    parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    parser.add_argument(
+        "--out-dir", "--out", dest="out", default="runs/demo", help="output directory (default runs/demo)"
+    )
     return parser
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
-    """``ddpkit demo``: parse ``--nproc``, ``--epochs`` and ``--out``, then run :func:`main`."""
+    """``ddpkit demo``: parse ``--nproc``, ``--epochs`` and ``--out-dir``, then run :func:`main`."""
     opts = parser().parse_args(argv)
     if opts.nproc < 1 or opts.epochs < 1:
         raise UsageError("--nproc and --epochs must be at least 1")
@@ -85,8 +87,8 @@ def _train(config: TrainConfig) -> dict[str, Any]:
         RunSpec("ddpkit.recipes.train", ["--config-json", config.to_json()], module=True, nproc_per_node=config.nproc)
     )
     if code != 0:
-        raise DdpkitError(f"demo run into {config.out} failed (exit code {code}); see the output above")
-    return json.loads((Path(config.out) / "summary.json").read_text())
+        raise DdpkitError(f"demo run into {config.out_dir} failed (exit code {code}); see the output above")
+    return json.loads((Path(config.out_dir) / "summary.json").read_text())
 
 
 def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
@@ -101,7 +103,7 @@ def main(nproc: int = 2, out: str = "runs/demo", epochs: int = 5) -> int:
         name = f"{mode}-x{overrides['nproc']}-{overrides['precision']}" + (f"-ms{shards}" if shards else "")
         print(f"== {name}", flush=True)
         config = TrainConfig(
-            model="convnet", data="digits", epochs=epochs, out=f"{out}/{name}", overwrite=True, **overrides
+            model="convnet", data="digits", epochs=epochs, out_dir=f"{out}/{name}", overwrite=True, **overrides
         )
         summary = _train(config)
         weights[name] = guarantee.final_weights(summary)

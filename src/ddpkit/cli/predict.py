@@ -15,7 +15,7 @@ def parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ddpkit predict", description="Predict with a ddpkit train checkpoint; one row per input, in input order."
     )
-    add_fields(parser, PredictConfig)
+    add_fields(parser, PredictConfig, aliases=PredictConfig.ALIASES)
     return parser
 
 

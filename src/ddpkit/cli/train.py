@@ -1,7 +1,8 @@
 """``ddpkit train``: a built-in recipe in N processes; its flags are the fields of ``TrainConfig``.
 
-Each field of :class:`~ddpkit.recipes.config.TrainConfig` is one flag (``--global-batch`` for
-``global_batch``), its help the field's docstring. A flag that is not given stays out of the
+Each field of :class:`~ddpkit.recipes.config.TrainConfig` is one flag (``--global-batch-size`` for
+``global_batch_size``), its help the field's docstring; the flags' earlier names (``--global-batch``,
+``--sync-bn``, ``--out``, ...) stay as aliases, from ``TrainConfig.ALIASES``. A flag that is not given stays out of the
 namespace, so a ``--config`` file's value, then the dataclass default, applies.
 """
 
@@ -25,9 +26,9 @@ def parser() -> argparse.ArgumentParser:
         prog="ddpkit train",
         argument_default=argparse.SUPPRESS,
         description="Train a built-in recipe in N processes; writes metrics, plots, "
-        "checkpoints and summary.json into --out.",
+        "checkpoints and summary.json into --out-dir.",
     )
-    add_fields(parser, TrainConfig, skip=NOT_FLAGS)
+    add_fields(parser, TrainConfig, skip=NOT_FLAGS, aliases=TrainConfig.ALIASES)
     parser.add_argument("--config", help="YAML or TOML file of these settings; flags override it")
     return parser
 
@@ -61,5 +62,5 @@ def cmd_train(argv: Sequence[str]) -> int:
     )
     code = run(spec)
     if code == 0:
-        print(f"ddpkit train: wrote {config.out}/summary.json")
+        print(f"ddpkit train: wrote {config.out_dir}/summary.json")
     return code

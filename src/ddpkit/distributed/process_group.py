@@ -124,6 +124,8 @@ def _store(env: Environment, timeout_s: float) -> dist.Store:
     host_store = not env.agent_store and env.rank == 0
     try:
         store = _serve(env, timeout_s) if host_store else _tcp_store(env, timeout_s, is_master=False)
+    except UsageError:  # a ValueError too: the port taken, said as it is
+        raise
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         if "address already in use" in str(exc).lower():
             if env.launcher == "torchelastic":  # the agent picked the port free, then let it go

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ddpkit.errors import UsageError
 from ddpkit.observe.trackers import names, problem
@@ -23,6 +23,17 @@ from ddpkit.state.precision import PRECISIONS
 @dataclass
 class TrainConfig:
     """One training run of a built-in recipe."""
+
+    # Earlier names of settings (flags and config-file keys) that still work: old name -> field.
+    ALIASES: ClassVar[dict[str, str]] = {
+        "global_batch": "global_batch_size",
+        "batch": "batch_size",
+        "sync_bn": "sync_batchnorm",
+        "workers": "num_workers",
+        "out": "out_dir",
+        "tracker": "trackers",
+        "eval_batch": "eval_batch_size",
+    }
 
     model: str = "convnet"
     """Model recipe: convnet, mlp, resnet18 or resnet50."""
@@ -42,26 +53,26 @@ class TrainConfig:
     """fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
     epochs: int = 5
     """Passes over the training set."""
-    global_batch: int | None = None
+    global_batch_size: int | None = None
     """Samples per optimizer step across all processes (the default: 64)."""
-    batch: int | None = None
-    """Samples per step per process, instead of --global-batch; the global batch then grows with the
+    batch_size: int | None = None
+    """Samples per step per process, instead of --global-batch-size; the global batch then grows with the
     world size."""
     lr: float = 0.05
     """Learning rate of SGD with momentum."""
     momentum: float = 0.9
     """SGD momentum."""
     scale_lr: bool = False
-    """Linear scaling rule: multiply lr by the world size when --batch is per process."""
-    sync_bn: bool | None = None
+    """Linear scaling rule: multiply lr by the world size when --batch-size is per process."""
+    sync_batchnorm: bool | None = None
     """BatchNorm statistics over the global batch, across processes, so that the result does not
     depend on the number of processes (SyncBatchNorm). The default: on wherever the model has
-    BatchNorm and more than one process trains it with ddp; --no-sync-bn normalises each process's
+    BatchNorm and more than one process trains it with ddp; --no-sync-batchnorm normalises each process's
     batch on its own, as plain DDP does."""
     micro_shards: int | None = None
     """Bitwise the same run on any power-of-two number of processes that divides M: each global
     batch in M micro-shards, each with its own BatchNorm statistics (ghost batch norm, instead of
-    --sync-bn), computed on cores // M threads, their gradients summed along one fixed tree (see
+    --sync-batchnorm), computed on cores // M threads, their gradients summed along one fixed tree (see
     ddpkit.parallel.exact). ddpkit demo's rows use it."""
     grad_compression: str | None = None
     """Gradients on the wire: none (the default), fp16, bf16, powersgd, or auto (time the link and
@@ -83,18 +94,18 @@ class TrainConfig:
     ddpkit.parallel.fsdp; its checkpoints are directories of shards that resume on any world size)."""
     cpu_offload: bool = False
     """With --strategy fsdp: keep the shards and the optimizer state in CPU memory."""
-    workers: int = 0
+    num_workers: int = 0
     """DataLoader worker processes per training process."""
     seed: int = 0
     """Seed of weights, data order and augmentation."""
-    out: str = "runs/train"
+    out_dir: str = "runs/train"
     """Output directory: metrics, TensorBoard events, loss.png, checkpoints, summary.json."""
     resume: str | None = None
-    """A checkpoint file or directory to resume from, or 'auto' for the newest in OUT/checkpoints."""
+    """A checkpoint file or directory to resume from, or 'auto' for the newest in OUT_DIR/checkpoints."""
     checkpoint_every: int = 0
     """Also save every this many optimizer steps (0: only at the end of each epoch)."""
     keep_checkpoints: int = 3
-    """Newest checkpoints kept in OUT/checkpoints."""
+    """Newest checkpoints kept in OUT_DIR/checkpoints."""
     max_restarts: int = 0
     """Restart the whole group up to this many times when a worker fails (resume with --resume auto)."""
     hang_timeout: float | None = None
@@ -102,24 +113,24 @@ class TrainConfig:
     each rank is and the stuck rank's stack, and exits (code 124) instead of waiting for the
     collective timeout. Must exceed the longest step, evaluation or save. None (the default): no
     watchdog."""
-    tracker: str | None = None
+    trackers: str | None = None
     """Experiment trackers, comma-separated: tensorboard, wandb, mlflow (default: tensorboard).
     W&B and MLflow continue the same run on every restart, requeue and --resume, each step once;
     they get a step's row once a checkpoint covers it. MLflow's store: MLFLOW_TRACKING_URI, else
-    OUT/mlflow.db; W&B offline with WANDB_MODE=offline."""
+    OUT_DIR/mlflow.db; W&B offline with WANDB_MODE=offline."""
     run_name: str | None = None
     """The run's name in W&B and MLflow."""
     log_every: int = 0
     """Also log train_loss_step (the batch's loss, averaged over ranks) every this many optimizer
     steps (0: only the epoch's train_loss)."""
-    eval_batch: int = 256
+    eval_batch_size: int = 256
     """Batch size of the per-epoch evaluation."""
     synthetic_size: int = 2048
     """Training samples of --data synthetic."""
     data_parallel: bool = False
     """One process driving all visible GPUs with torch.nn.DataParallel (for comparison only)."""
     overwrite: bool = False
-    """Replace the run an --out already holds (its checkpoints, metrics and summary; other files
+    """Replace the run an --out-dir already holds (its checkpoints, metrics and summary; other files
     stay)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings a test or a later feature passes through unchanged."""
@@ -130,16 +141,16 @@ class TrainConfig:
         return self.nproc * self.nnodes
 
     @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step across all processes: ``batch`` x world, ``global_batch``, or 64."""
-        if self.batch is not None:
-            return self.batch * self.world_size
-        return self.global_batch if self.global_batch is not None else 64
+    def samples_per_step(self) -> int:
+        """Samples per optimizer step across all processes: ``batch_size`` x world, ``global_batch_size``, or 64."""
+        if self.batch_size is not None:
+            return self.batch_size * self.world_size
+        return self.global_batch_size if self.global_batch_size is not None else 64
 
     @property
     def effective_lr(self) -> float:
-        """``lr``, times the world size under ``scale_lr`` with a per-process ``batch``."""
-        return self.lr * self.world_size if (self.scale_lr and self.batch is not None) else self.lr
+        """``lr``, times the world size under ``scale_lr`` with a per-process ``batch_size``."""
+        return self.lr * self.world_size if (self.scale_lr and self.batch_size is not None) else self.lr
 
     def to_json(self) -> str:
         """The settings as JSON, for the workers' ``--config-json``."""
@@ -149,6 +160,22 @@ class TrainConfig:
     def from_json(cls, text: str) -> TrainConfig:
         """The settings :meth:`to_json` wrote."""
         return cls(**json.loads(text))
+
+    @classmethod
+    def renamed(cls, settings: dict[str, Any], *, source: str = "settings") -> dict[str, Any]:
+        """``settings`` with earlier names (:attr:`ALIASES`) replaced by the fields' names.
+
+        Raises:
+            UsageError: a setting is given under both its names.
+        """
+        named: dict[str, Any] = {}
+        for key, value in settings.items():
+            name = cls.ALIASES.get(key, key)
+            if name in named:
+                old = next(o for o, n in cls.ALIASES.items() if n == name)
+                raise UsageError(f"{source}: {old} is the earlier name of {name}; give one of them")
+            named[name] = value
+        return named
 
 
 FIELD_NAMES = {f.name for f in fields(TrainConfig)}
@@ -179,9 +206,10 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"config file {path} must hold a mapping of settings")
     settings = {str(key).replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(settings) - FIELD_NAMES)
+    unknown = sorted(set(settings) - FIELD_NAMES - set(TrainConfig.ALIASES))
     if unknown:
         raise UsageError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    settings = TrainConfig.renamed(settings, source=f"config file {path}")
     for name, value in settings.items():
         _check_type(path, name, value)
     return settings
@@ -258,12 +286,12 @@ def check(config: TrainConfig) -> None:
     if config.lr <= 0:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     check_timeout(config.hang_timeout, flag="--hang-timeout")
-    if config.tracker is not None:
-        names(config.tracker)
+    if config.trackers is not None:
+        names(config.trackers)
 
 
 def probe(config: TrainConfig) -> None:
-    """Check ``config`` against this machine: ``--data-dir`` and ``--out`` on disk, the GPUs that
+    """Check ``config`` against this machine: ``--data-dir`` and ``--out-dir`` on disk, the GPUs that
     DataParallel needs, and (under fsdp) the model that would be sharded.
 
     Raises:
@@ -281,12 +309,12 @@ def probe(config: TrainConfig) -> None:
         check_fsdp(
             grad_compression=config.grad_compression,
             compile=False,
-            sync_batchnorm=config.sync_bn,
+            sync_batchnorm=config.sync_batchnorm,
             ddp_kwargs={},
             model=build_model(config.model, num_classes=10, in_channels=3, image_size=32),
         )
     check_out(config)
-    if config.tracker is not None:  # what rank 0's init would refuse, before any process starts
-        found = problem(names(config.tracker), config.out)
+    if config.trackers is not None:  # what rank 0's init would refuse, before any process starts
+        found = problem(names(config.trackers), config.out_dir)
         if found:
             raise UsageError(found)

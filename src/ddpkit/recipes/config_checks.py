@@ -14,29 +14,29 @@ if TYPE_CHECKING:
 
 def check_counts(config: TrainConfig) -> None:
     """Counts in range, one way of giving the batch, a global batch the world divides, the nodes."""
-    for name in ("nproc", "epochs", "eval_batch", "synthetic_size"):
+    for name in ("nproc", "epochs", "eval_batch_size", "synthetic_size"):
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name in ("workers", "checkpoint_every", "max_restarts", "log_every"):
+    for name in ("num_workers", "checkpoint_every", "max_restarts", "log_every"):
         if getattr(config, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(config, name)}")
     if config.keep_checkpoints < 1:
         raise UsageError(f"--keep-checkpoints must be at least 1, got {config.keep_checkpoints}")
-    if config.batch is not None and config.global_batch is not None:
-        raise UsageError("give --global-batch or --batch, not both")
-    if config.batch is not None and config.batch < 1:
-        raise UsageError(f"--batch must be at least 1, got {config.batch}")
-    if config.global_batch is not None and config.global_batch < 1:
-        raise UsageError(f"--global-batch must be at least 1, got {config.global_batch}")
+    if config.batch_size is not None and config.global_batch_size is not None:
+        raise UsageError("give --global-batch-size or --batch-size, not both")
+    if config.batch_size is not None and config.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {config.batch_size}")
+    if config.global_batch_size is not None and config.global_batch_size < 1:
+        raise UsageError(f"--global-batch-size must be at least 1, got {config.global_batch_size}")
     if config.nnodes < 1:  # before the world size divides anything
         raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
-    if config.global_batch_size % config.world_size:
+    if config.samples_per_step % config.world_size:
         world = f"--nproc {config.nproc}" + (
             f" x --nnodes {config.nnodes} = {config.world_size}" if config.nnodes > 1 else ""
         )
         raise UsageError(
-            f"global batch {config.global_batch_size} does not divide by {world}; "
-            f"use a multiple of {config.world_size} or --batch per process"
+            f"global batch {config.samples_per_step} does not divide by {world}; "
+            f"use a multiple of {config.world_size} or --batch-size per process"
         )
     if config.nnodes > 1 and config.master is None:
         raise UsageError("--nnodes > 1 needs --master HOST:PORT (the host of node 0) and --node-rank R")
@@ -64,8 +64,8 @@ def check_sync(config: TrainConfig) -> None:
         if config.sync_every is not None:
             raise UsageError("--sync-every sets how often --sync local-sgd or diloco meets; add --sync diloco")
         return
-    if config.sync_bn:
-        raise UsageError(f"--sync {config.sync} averages BatchNorm statistics at each sync; drop --sync-bn")
+    if config.sync_batchnorm:
+        raise UsageError(f"--sync {config.sync} averages BatchNorm statistics at each sync; drop --sync-batchnorm")
     if config.data_parallel:
         raise UsageError(f"--sync {config.sync} trains each process apart; it does not combine with --data-parallel")
     try:
@@ -90,16 +90,16 @@ def check_micro_shards(config: TrainConfig) -> None:
         raise UsageError(
             "--micro-shards computes each shard in a process of its own; it does not combine with --data-parallel"
         )
-    if config.global_batch_size < config.micro_shards:
+    if config.samples_per_step < config.micro_shards:
         raise UsageError(
-            f"--micro-shards {config.micro_shards} cuts a global batch of {config.global_batch_size} "
+            f"--micro-shards {config.micro_shards} cuts a global batch of {config.samples_per_step} "
             "samples; give at least one sample per shard"
         )
     try:
         exact_tree.check(
             config.micro_shards,
             world_size=config.world_size,
-            sync_batchnorm=bool(config.sync_bn),
+            sync_batchnorm=bool(config.sync_batchnorm),
             grad_compression=config.grad_compression,
             strategy=config.strategy,
             sync=config.sync,
@@ -111,7 +111,7 @@ def check_micro_shards(config: TrainConfig) -> None:
         for api, flag in (
             ("micro_shards=", "--micro-shards "),
             ("micro_shards", "--micro-shards"),
-            ("sync_batchnorm=True", "--sync-bn"),
+            ("sync_batchnorm=True", "--sync-batchnorm"),
             ("grad_compression=", "--grad-compression "),
             ("strategy=", "--strategy "),
             ("sync=", "--sync "),
@@ -122,15 +122,15 @@ def check_micro_shards(config: TrainConfig) -> None:
 
 def check_out(config: TrainConfig) -> None:
     # Every node checks: the rendezvous decides which node holds global rank 0, the one that writes.
-    out = Path(config.out)
+    out = Path(config.out_dir)
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
+        raise UsageError(f"--out-dir {out} exists and is not a directory")
     if config.resume not in (None, "auto") and not Path(config.resume).exists():
         raise UsageError(f"--resume {config.resume} does not exist; give a checkpoint file or directory, or 'auto'")
     holds_run = out.is_dir() and any((out / name).exists() for name in ("summary.json", "metrics.jsonl", "checkpoints"))
     if holds_run and config.resume is None and not config.overwrite:
         raise UsageError(
-            f"--out {out} already holds a run; use --resume auto to continue it, another --out, or --overwrite"
+            f"--out-dir {out} already holds a run; use --resume auto to continue it, another --out-dir, or --overwrite"
         )
 
 

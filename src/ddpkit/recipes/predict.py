@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +29,9 @@ SUFFIXES = (".csv", ".npy", ".pt")
 class PredictConfig:
     """One ``ddpkit predict`` run."""
 
+    # Earlier names of flags that still work: old name -> field.
+    ALIASES: ClassVar[dict[str, str]] = {"batch": "batch_size"}
+
     checkpoint: str
     """A checkpoint written by ddpkit train (a file, or a directory: its newest)."""
     out: str
@@ -41,7 +44,7 @@ class PredictConfig:
     """Which split of the data set: train or test."""
     nproc: int = 1
     """Processes on this machine."""
-    batch: int = 256
+    batch_size: int = 256
     """Batch size per process."""
     overwrite: bool = False
     """Replace an existing output file."""
@@ -73,7 +76,7 @@ def _prepare(config: PredictConfig) -> Path:
         raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
     if config.split not in SPLITS:
         raise UsageError(f"--split {config.split!r}: use train or test")
-    if config.nproc < 1 or config.batch < 1:
+    if config.nproc < 1 or config.batch_size < 1:
         raise UsageError("--nproc and --batch must be at least 1")
     source = Path(config.checkpoint)
     if not source.exists():
@@ -119,7 +122,9 @@ def run_worker(config: PredictConfig, path: Path) -> None:
     rt = ddpkit.init(precision=recipe.get("precision", "fp32"))  # the forward as it was trained
     model.load_state_dict(payload["user"]["model"])
     model = model.to(rt.device)
-    logits = ddpkit.predict(model, _dataset(config).dataset, batch_size=config.batch, to="main", autocast=rt.autocast)
+    logits = ddpkit.predict(
+        model, _dataset(config).dataset, batch_size=config.batch_size, to="main", autocast=rt.autocast
+    )
     if rt.is_main:
         write_predictions(Path(config.out), logits.float())
     rt.barrier()

@@ -36,7 +36,7 @@ def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
         "in_channels": info.in_channels,
         "image_size": info.image_size,
         "precision": config.precision,
-        "sync_bn": bool(config.sync_bn),
+        "sync_bn": bool(config.sync_batchnorm),
         "micro_shards": config.micro_shards,
     }
 
@@ -56,8 +56,8 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
         config.model, num_classes=train.num_classes, in_channels=train.in_channels, image_size=train.image_size
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=config.effective_lr, momentum=config.momentum)
-    if config.sync_bn is None:  # the default: world-size invariant wherever there is BatchNorm
-        config = dataclasses.replace(config, sync_bn=sync_bn_default(config, model, rt.world_size))
+    if config.sync_batchnorm is None:  # the default: world-size invariant wherever there is BatchNorm
+        config = dataclasses.replace(config, sync_batchnorm=sync_bn_default(config, model, rt.world_size))
     if config.micro_shards is not None:  # bitwise invariant: ghost BatchNorm, one summation tree
         model, optimizer = rt.setup(model, optimizer, micro_shards=config.micro_shards)
     elif config.strategy == "fsdp":
@@ -76,7 +76,7 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
         model, optimizer = rt.setup(
             model,
             optimizer,
-            sync_batchnorm=config.sync_bn,
+            sync_batchnorm=config.sync_batchnorm,
             grad_compression=config.grad_compression,
             powersgd_rank=config.powersgd_rank,
             **periodic,
@@ -84,9 +84,11 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
     if config.data_parallel:  # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
     sizes = (
-        {"batch_size": config.batch} if config.batch is not None else {"global_batch_size": config.global_batch_size}
+        {"batch_size": config.batch_size}
+        if config.batch_size is not None
+        else {"global_batch_size": config.samples_per_step}
     )
-    loader = rt.loader(train.dataset, shuffle=True, num_workers=config.workers, **sizes)
+    loader = rt.loader(train.dataset, shuffle=True, num_workers=config.num_workers, **sizes)
     return train, test, model, optimizer, loader, config
 
 
@@ -96,7 +98,7 @@ def tracked_config(config: TrainConfig) -> dict[str, Any]:
 
 
 def sync_bn_default(config: TrainConfig, model: torch.nn.Module, world_size: int) -> bool:
-    """``--sync-bn`` when not given: on where DDP trains a model with BatchNorm on several processes.
+    """``--sync-batchnorm`` when not given: on where DDP trains a model with BatchNorm on several processes.
 
     Statistics of the global batch make every BatchNorm layer normalise as one process would on
     the same batch, so the run does not depend on the number of processes. DataParallel has its
@@ -120,12 +122,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
     rt = ddpkit.init(
         seed=config.seed,
         precision=config.precision,
-        out_dir=config.out,
+        out_dir=config.out_dir,
         keep_checkpoints=config.keep_checkpoints,
         hang_timeout=config.hang_timeout,
-        checkpoint_dir=Path(config.out) / "checkpoints",
+        checkpoint_dir=Path(config.out_dir) / "checkpoints",
         resume=config.resume,
-        trackers=config.tracker,
+        trackers=config.trackers,
         run_name=config.run_name,
         config=tracked_config(config),
     )
@@ -194,7 +196,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "seed": config.seed,
         "steps": rt.global_step,
         "lr": config.effective_lr,
-        "sync_bn": config.sync_bn,
+        "sync_bn": config.sync_batchnorm,
         "micro_shards": config.micro_shards,
         "grad_compression": config.grad_compression or "none",
         "strategy": config.strategy,
@@ -218,7 +220,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     }
     rt.heartbeat("save")
     if rt.is_main:
-        _write_outputs(rt, summary, Path(config.out))
+        _write_outputs(rt, summary, Path(config.out_dir))
     rt.barrier()
     return summary
 
@@ -226,7 +228,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
 def _evaluate(rt: ddpkit.Runtime, model: Any, info: DatasetInfo, config: TrainConfig) -> dict[str, Any]:
     """Evaluate on every rank (each batch tells the hang watchdog we are evaluating)."""
     return evaluate(
-        model, info.dataset, num_classes=info.num_classes, batch_size=config.eval_batch, autocast=rt.autocast
+        model, info.dataset, num_classes=info.num_classes, batch_size=config.eval_batch_size, autocast=rt.autocast
     )
 
 
@@ -241,11 +243,11 @@ RUN_OUTPUTS = ("summary.json", "metrics.jsonl", "metrics.csv", "loss.png", "chec
 
 
 def clear_previous_run(config: TrainConfig) -> list[Path]:
-    """With ``--overwrite`` (and no ``--resume``), remove the earlier run's outputs in ``--out``.
+    """With ``--overwrite`` (and no ``--resume``), remove the earlier run's outputs in ``--out-dir``.
 
     Left in place, its checkpoints would outrank the new run's (rotation keeps the highest
     steps, so the new ones would be pruned) and a later ``--resume auto`` would pick them.
-    Only the files a run writes are removed; anything else in ``--out`` stays.
+    Only the files a run writes are removed; anything else in ``--out-dir`` stays.
     """
     if not config.overwrite or config.resume is not None:
         return []
@@ -253,9 +255,9 @@ def clear_previous_run(config: TrainConfig) -> list[Path]:
 
     removed = []
     for name in RUN_OUTPUTS:
-        path = Path(config.out) / name
+        path = Path(config.out_dir) / name
         if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)  # another node sharing --out may race us
+            shutil.rmtree(path, ignore_errors=True)  # another node sharing --out-dir may race us
         elif path.exists():
             path.unlink(missing_ok=True)
         else:
