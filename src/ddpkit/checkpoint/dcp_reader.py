@@ -28,12 +28,12 @@ import math
 import os
 import pickle
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
 from ddpkit import _bounds, _torch
 from ddpkit.checkpoint.safe import safe_load
@@ -118,7 +118,7 @@ class Reader(FileSystemReader):
         super().__init__(path, *args, **kwargs)
         self._ddpkit_metadata: Metadata | None = None
 
-    def reset(self, checkpoint_id: str | Path | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """As ``FileSystemReader.reset`` (a new load id, perhaps another checkpoint): read again."""
         super().reset(checkpoint_id)
         self._ddpkit_metadata = None
@@ -133,10 +133,12 @@ class Reader(FileSystemReader):
             return self._ddpkit_metadata
         path = _torch.dcp_metadata_path(self, rank)
         with self.fs.create_stream(path, "rb") as handle:
-            metadata = load_metadata(handle, path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+            # torch types the stream as io.IOBase; opened "rb", it is a binary file
+            metadata = load_metadata(handle, path)  # type: ignore[arg-type]
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         if rank is None:
             self._ddpkit_metadata = metadata
         return metadata
@@ -170,7 +172,8 @@ class Planner(_PlainValues, DefaultLoadPlanner):
 
 @functools.cache
 def _rebuilding_planner() -> type:
-    class RebuildingPlanner(_PlainValues, _torch.dcp_rebuilding_planner()):
+    # subclassing a class a function returns (torch's private planner, looked up at run time)
+    class RebuildingPlanner(_PlainValues, _torch.dcp_rebuilding_planner()):  # type: ignore[misc]
         """DCP's planner that rebuilds the whole state dict from the metadata, reading values safely."""
 
     return RebuildingPlanner
@@ -246,13 +249,15 @@ def check_sizes(path: Path, metadata: Metadata) -> None:
                 info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
                 if info is None:
                     raise refuse(f"tensor {fqn} has a chunk with no item")
-                declared = math.prod(chunk.sizes) * item.properties.dtype.itemsize
+                tensor = cast(TensorStorageMetadata, item)  # it has chunks: a tensor's (bytes have none)
+                declared = math.prod(chunk.sizes) * tensor.properties.dtype.itemsize
                 if declared > info.length:
                     raise refuse(f"tensor {fqn} declares {declared} bytes in an item of {info.length}")
                 name = str(info.relative_path)
                 handle = handles.get(name) or handles.setdefault(name, open(root / name, "rb"))
                 try:
-                    _bounds.check(_Slice(handle, info.offset, info.length), fqn)
+                    # a readable, seekable file: what check needs of an IO[bytes]
+                    _bounds.check(cast(IO[bytes], _Slice(handle, info.offset, info.length)), fqn)
                 except _bounds.Disproportionate as exc:
                     raise refuse(f"tensor {exc}") from None
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -51,6 +51,20 @@ class LoaderOptions:
     """Run in each worker after ddpkit seeds it."""
 
 
+class _CommonOptions(TypedDict):
+    """The keyword arguments that every kind of loader takes alike."""
+
+    device: torch.device
+    num_workers: int
+    collate_fn: Callable[[list[Any]], Any] | None
+    seed: int
+    on_batch: Callable[[Any], None]
+    pin_memory: bool | None
+    prefetch_factor: int | None
+    persistent_workers: bool | None
+    worker_init_fn: Callable[[int], None] | None
+
+
 def loader_options(given: dict[str, Any]) -> LoaderOptions:
     """``rt.loader``'s keyword arguments as :class:`LoaderOptions`; an unknown name is a TypeError."""
     known = {f.name for f in fields(LoaderOptions)}
@@ -87,7 +101,7 @@ def build_loader(
     """
     total = check_batch_sizes(world_size, options.batch_size, options.global_batch_size)
     seed = run.seed or 0
-    common = dict(
+    common = _CommonOptions(
         device=device,
         num_workers=options.num_workers,
         collate_fn=options.collate_fn,

@@ -328,6 +328,7 @@ def predict(
     where = collect(torch.tensor([i for part in positions for i in part], dtype=torch.long))
     if to == "main" and collectives.rank() != 0:
         return None
+    assert where is not None  # gathered on every rank with to="all", on rank 0 with to="main"
     order = torch.argsort(where)
     if not torch.equal(where[order], torch.arange(len(where))):
         raise DdpkitError(f"internal: predict read stream indices {where.tolist()[:20]}..., not each once")

@@ -129,6 +129,7 @@ def check_batch_sizes(world_size: int, batch_size: int | None, global_batch_size
         if batch_size < 1:
             raise UsageError(f"batch_size must be at least 1, got {batch_size}")
         return batch_size * world_size
+    assert global_batch_size is not None  # exactly one of the two was given, and not batch_size
     if global_batch_size < 1:
         raise UsageError(f"global_batch_size must be at least 1, got {global_batch_size}")
     if global_batch_size % world_size:

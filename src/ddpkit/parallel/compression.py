@@ -184,6 +184,9 @@ class PowerSGDCompressor(Compressor):
         """Iteration, this rank's error feedback, the warm-start factors and the RNG, as plain data."""
 
         s = self.state
+        # legacy=True, the default: MT19937's state as a tuple (numpy's stubs pick the dict overload)
+        rng_state = s.rng.get_state(legacy=True)
+        assert isinstance(rng_state, tuple)
         held = {**{k: (v.error, v.q) for k, v in s.buckets.items()}, **s.saved}
         return {
             "name": self.name,
@@ -193,7 +196,7 @@ class PowerSGDCompressor(Compressor):
             "iter": s.iter,
             "error": {k: e.detach().cpu().clone() for k, (e, _) in held.items()},
             "q": {k: q.detach().cpu().clone() for k, (_, q) in held.items()},
-            "rng": numpy_state(s.rng.get_state()),
+            "rng": numpy_state(rng_state),
         }
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:

@@ -66,7 +66,9 @@ def replicate(
     elif options.grad_compression is not None and is_main:
         warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no gradients are sent")
     if options.compile:
-        model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
+        kwargs = options.compile if isinstance(options.compile, dict) else {}
+        # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
+        model = torch.compile(model, **kwargs)  # type: ignore[assignment]
     wrapped.model = model
     return wrapped
 

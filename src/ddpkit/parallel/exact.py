@@ -165,7 +165,9 @@ class Exact:
 
     def after_backward(self) -> None:
         """Keep the shard's gradients as a leaf of the tree and clear them for the next shard."""
-        self.leaves[self.current[0]] = [p.grad for p in self.params]
+        current = self.current
+        assert current is not None  # rt.backward's weight() came first and refused one outside a shard
+        self.leaves[current[0]] = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
 
@@ -238,7 +240,7 @@ class Exact:
                 flats = [torch.empty_like(flat) for _ in range(self.world_size)]
                 dist.all_gather(flats, flat)
             self.exchange_calls += 1
-            partials = [[None] * len(idx) for _ in flats]
+            partials: list[list[torch.Tensor | None]] = [[None] * len(idx) for _ in flats]
             for r, other in enumerate(flats):
                 offset = 0
                 for k, i in enumerate(idx):
@@ -248,14 +250,17 @@ class Exact:
                     offset += size
             for i, grad in zip(idx, tree_sum(partials, _add_grads)):
                 total[i] = grad
-        total = None if all(g is None for g in total) else total
         gathered = []
         for r in range(self.world_size):
             rows = heads[r][n + self.local_shards :].view(self.local_shards, -1) if stat_width else None
+            # without BatchNorm layers (rows None) no shard has statistics: every flag is 0
             gathered.append(
-                [None if heads[r][n + j] == 0 else _unpack(rows[j], self.norms) for j in range(self.local_shards)]
+                [
+                    None if heads[r][n + j] == 0 or rows is None else _unpack(rows[j], self.norms)
+                    for j in range(self.local_shards)
+                ]
             )
-        return total, gathered
+        return (None if all(g is None for g in total) else total), gathered
 
     def _update_running(self, gathered: list[list[Any]]) -> None:
         """Each shard's statistics, in shard order, as one process's forwards would have applied them."""
@@ -270,10 +275,12 @@ class Exact:
                     if index not in shard or not norm.track_running_stats:
                         continue
                     mean, var = shard[index]
-                    norm.num_batches_tracked.add_(1)
-                    alpha = 1.0 / float(norm.num_batches_tracked) if norm.momentum is None else norm.momentum
-                    norm.running_mean.mul_(1 - alpha).add_(mean.to(norm.running_mean), alpha=alpha)
-                    norm.running_var.mul_(1 - alpha).add_(var.to(norm.running_var), alpha=alpha)
+                    tracked, running_mean, running_var = norm.num_batches_tracked, norm.running_mean, norm.running_var
+                    assert tracked is not None and running_mean is not None and running_var is not None  # tracked stats
+                    tracked.add_(1)
+                    alpha = 1.0 / float(tracked) if norm.momentum is None else norm.momentum
+                    running_mean.mul_(1 - alpha).add_(mean.to(running_mean), alpha=alpha)
+                    running_var.mul_(1 - alpha).add_(var.to(running_var), alpha=alpha)
 
     threads_before: int | None = None
     """The process's intra-op thread count before :func:`setup` fixed the shards' (``rt.close`` restores it)."""
@@ -313,15 +320,17 @@ class Exact:
                     f"micro_shards: BatchNorm layer {type(module).__name__} ran twice in one shard's "
                     "forward; micro_shards keeps one set of statistics per layer and shard"
                 )
+            running_mean, running_var, tracked = module.running_mean, module.running_var, module.num_batches_tracked
+            assert running_mean is not None and running_var is not None and tracked is not None  # tracked stats
             self._saved[index] = (
-                module.running_mean,
-                module.running_var,
-                module.num_batches_tracked.clone(),
+                running_mean,
+                running_var,
+                tracked.clone(),
                 module.momentum,
             )
             # momentum 1 on zeroed buffers: the kernel leaves exactly this shard's mean and unbiased variance
-            module.running_mean = torch.zeros_like(module.running_mean)
-            module.running_var = torch.zeros_like(module.running_var)
+            module.running_mean = torch.zeros_like(running_mean)
+            module.running_var = torch.zeros_like(running_var)
             module.momentum = 1.0
 
         return pre_hook
@@ -331,12 +340,17 @@ class Exact:
             if index not in self._saved:
                 return
             mean, var, tracked, momentum = self._saved.pop(index)
-            self.stats.setdefault(self.current[0], {})[index] = (
-                module.running_mean.detach(),
-                module.running_var.detach(),
+            current, running_mean, running_var = self.current, module.running_mean, module.running_var
+            num_batches_tracked = module.num_batches_tracked
+            # the pre-hook saved this layer: inside a shard, with its statistics tracked
+            assert current is not None and running_mean is not None and running_var is not None
+            assert num_batches_tracked is not None
+            self.stats.setdefault(current[0], {})[index] = (
+                running_mean.detach(),
+                running_var.detach(),
             )
             module.running_mean, module.running_var, module.momentum = mean, var, momentum
-            module.num_batches_tracked.copy_(tracked)
+            num_batches_tracked.copy_(tracked)
 
         return post_hook
 

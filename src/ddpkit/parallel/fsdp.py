@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ddpkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 MIN_UNIT_PARAMS = 100_000
 
@@ -158,11 +161,12 @@ def _mesh(device: torch.device) -> Any:
 @contextlib.contextmanager
 def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
     """FSDP2's counterpart of DDP's ``no_sync``: keep unsharded gradients, reduce-scatter later."""
-    model.set_requires_gradient_sync(False)
+    sharded = cast("FSDPModule", model)  # sharded by fully_shard, which makes its class an FSDPModule
+    sharded.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        sharded.set_requires_gradient_sync(True)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -170,5 +174,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # full and offloaded to the CPU, every value is a plain tensor (torch types them as any state value)
+    state = cast(
+        "dict[str, torch.Tensor]",
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+    )
     return state if not dist.is_initialized() or dist.get_rank() == 0 else None

@@ -22,7 +22,7 @@ touched. Models with any other buffer keep DDP's broadcast (their forward may re
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit._torch import unwrap
 from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 _SYNCERS: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
 
@@ -148,7 +151,7 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
         dist.broadcast(buffer, 0)
 
 
-def install(ddp_model: torch.nn.Module, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
+def install(ddp_model: DistributedDataParallel, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
     """Track ``layers`` of the DDP model (built with buffer broadcasting off)."""
     syncer = LazyBuffers(layers)
     for index, (_, layer) in enumerate(layers):

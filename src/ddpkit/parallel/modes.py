@@ -36,10 +36,17 @@ class Mode:
 
     name = "replicated"
     """How the mode is named in messages and checkpoints."""
-    replica: int | None = None
-    """Which replica of a fault-tolerant job this process is (None: not one)."""
-    replicas: int = 1
-    """Replicas of the job (1: not a fault-tolerant job)."""
+
+    @property
+    def replica(self) -> int | None:
+        """Which replica of a fault-tolerant job this process is (None: not one)."""
+        return None
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the job (1: not a fault-tolerant job)."""
+        return 1
+
     quorum: Any = None
     """What splits each step's global batch over the replicas in it (a fault-tolerant job's
     :class:`~ddpkit.distributed.ft.Replica`); None: the ranks share every batch by rank."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -201,6 +201,7 @@ class PeriodicSync:
                 _copy(self.buffers, self.synced_buffers)
         else:  # sent ``delay`` steps ago: keep what this rank trained since
             own = exchange["own"]
+            assert before is not None  # taken above whenever "own" is kept
             for p, new, old, mine in zip(local, synced, before, own):
                 p.add_(new - old + mine)
             if with_buffers:
@@ -231,8 +232,8 @@ class PeriodicSync:
         synced = {names[id(p)]: s for p, s in zip(self.params, self.synced) if id(p) in names}
         synced.update({names[id(b)]: s for b, s in zip(self.buffers, self.synced_buffers) if id(b) in names})
         out = type(saved)({k: synced[k].detach().cpu().clone() if k in synced else v for k, v in saved.items()})
-        if hasattr(saved, "_metadata"):
-            out._metadata = saved._metadata
+        if hasattr(saved, "_metadata"):  # torch's state dicts carry their version metadata as an attribute
+            out._metadata = saved._metadata  # type: ignore[attr-defined]  # set dynamically, as torch does
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -338,7 +339,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _copy(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+def _copy(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
     """``target.copy_(value)`` for each pair: the tensors keep their identity (optimizers hold them)."""
     for target, value in zip(targets, values):
         target.copy_(value)

@@ -117,7 +117,7 @@ class PowerSGD:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # loaded, not yet adopted
         self.payload_elements = 0
         self.group: Any = None  # the process group for Q (P's is the default one)
-        self._queue = torch.futures.Future()  # done once the last bucket's Q is issued
+        self._queue: torch.futures.Future[Any] = torch.futures.Future()  # done once the last bucket's Q is issued
         self._queue.set_result(None)
 
     # -- the hook -------------------------------------------------------------------------------

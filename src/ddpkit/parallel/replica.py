@@ -10,7 +10,7 @@ refused in one line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -29,19 +29,19 @@ class FaultTolerant(Mode):
         self.manager = manager
         """torchft's manager and what ddpkit asks of it (:class:`~ddpkit.distributed.ft.Replica`)."""
         self.quorum = manager
-        self.state: Mapping[str, Any] | None = None
+        self.state: MutableMapping[str, Any] | None = None
         """The mapping given to ``rt.resume`` or a save: what a healing peer gets (None: the set-up
         models and optimizers)."""
         self.waiting_resume: tuple[Any, bool] | None = None
         """``rt.resume``'s (state, strict), done at the first quorum unless a peer's state heals this replica."""
         self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
 
-    @property  # type: ignore[override]
+    @property
     def replica(self) -> int:
         """Which replica this is, 0 to :attr:`replicas` - 1 (kept across its restarts)."""
         return int(self.manager.index)
 
-    @property  # type: ignore[override]
+    @property
     def replicas(self) -> int:
         """Replicas the job started."""
         return int(self.manager.replicas)

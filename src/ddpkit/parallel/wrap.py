@@ -91,7 +91,9 @@ def _train_apart(
     )
     periodic_parts.announce(options.sync, syncer.every, is_main)
     if options.compile:
-        model = torch.compile(model, **(options.compile if isinstance(options.compile, dict) else {}))
+        kwargs = options.compile if isinstance(options.compile, dict) else {}
+        # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
+        model = torch.compile(model, **kwargs)  # type: ignore[assignment]
     return Wrapped(model, mode=Periodic(syncer))
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ class Runtime:
             run.tracking.outcome = lambda: self._outcome or ("FAILED" if self._failed else "FINISHED")
         previous = sys.excepthook
 
-        def note_failure(kind, value, traceback):  # type: ignore[no-untyped-def]
+        def note_failure(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
             if not issubclass(kind, SystemExit):
                 self._failed = True  # close at exit ends the tracker runs as failed
             previous(kind, value, traceback)

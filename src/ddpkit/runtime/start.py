@@ -70,11 +70,11 @@ class Settings:
                 without an ``out_dir``.
         """
         Precision(self.precision, torch.device("cpu"))
-        remote = [name for name in self.trackers or () if name in trackers_mod.REMOTE]
+        trackers = tuple(self.trackers or ())
+        remote = [name for name in trackers if name in trackers_mod.REMOTE]
         if remote and self.out_dir is None:
             raise UsageError(
-                f"trackers={tuple(self.trackers)!r} need ddpkit.init(out_dir=...): "
-                "their files and ddpkit's metrics go there"
+                f"trackers={trackers!r} need ddpkit.init(out_dir=...): their files and ddpkit's metrics go there"
             )
         if self.config is not None and not isinstance(self.config, Mapping):
             raise UsageError(f"config must be a mapping of names to values, got {type(self.config).__name__}")

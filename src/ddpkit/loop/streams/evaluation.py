@@ -47,6 +47,7 @@ class StreamShard:
             ensure_lengths(
                 dataset, num_workers=num_workers, rank=self.rank, world_size=self.world_size, progress=self.pieces.tick
             )
+            assert dataset.lengths is not None  # ensure_lengths set them
             self.seen = sum(dataset.lengths)
         elif self.rank == 0:
             warn_plain_stream(dataset, self.world_size, num_workers, "to evaluate its share")
@@ -58,7 +59,12 @@ class StreamShard:
 
     def batches(self) -> Iterator[tuple[list[int], Any]]:
         """(stream indices, batch) of this rank's chunks; a plain stream's end is noted for :meth:`total`."""
-        loader = DataLoader(self.pieces, batch_size=None, collate_fn=as_is, num_workers=self.num_workers)
+        loader = DataLoader(
+            self.pieces,
+            batch_size=None,
+            collate_fn=as_is,  # type: ignore[arg-type]  # batch_size=None: each piece, not a list (torch's stub)
+            num_workers=self.num_workers,
+        )
         for piece in loader:
             if piece["error"] is not None:
                 raise ShardError(piece["error"])
@@ -87,6 +93,7 @@ class StreamShard:
 def first_sample(dataset: Any) -> Any:
     """The stream's first sample (for the output shape on a rank that had none)."""
     if isinstance(dataset, Shards):
+        assert dataset.lengths is not None  # the StreamShard that evaluated it learned them (ensure_lengths)
         order = EpochOrder(dataset.lengths, shuffle=False, seed=0, epoch=0)
         for _, sample in read_range(dataset, order, 0, 1, seed=0):
             return sample

@@ -133,7 +133,7 @@ class StreamLoader(LoaderPosition):
         self._loader = DataLoader(
             self._pieces,
             batch_size=None,
-            collate_fn=as_is,
+            collate_fn=as_is,  # type: ignore[arg-type]  # batch_size=None: each piece, not a list (torch's stub)
             num_workers=num_workers,
             pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,

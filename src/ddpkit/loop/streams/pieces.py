@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -136,7 +136,9 @@ class Pieces(IterableDataset):
             for reader in readers.values():
                 reader.close()
 
-    def _column(self, order: EpochOrder, layout: Layout, column: int, row: int) -> Iterator[tuple[int, Any]]:
+    def _column(
+        self, order: EpochOrder, layout: Layout, column: int, row: int
+    ) -> Generator[tuple[int, Any], None, None]:
         """Rows ``row, row+1, ...`` of ``column``: its stretch read once, in order, and with
         ``shuffle`` permuted within windows of ``shuffle_window`` rows."""
         first, rows = layout.column_start(column), layout.column_length(column)

@@ -21,7 +21,7 @@ import hashlib
 import inspect
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +122,12 @@ class Shards(IterableDataset):
     # -- lengths --------------------------------------------------------------------------
     def cache_file(self) -> Path | None:
         """Where learned lengths are kept: keyed by the shards (with file sizes and times) and read's code."""
-        if self.cache is False:
+        cache = self.cache
+        if cache is False:
             return None
         root = (
-            Path(self.cache)
-            if self.cache not in (None, True)
+            Path(cache)
+            if cache is not None and cache is not True
             else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddpkit"
         )
         key = hashlib.sha256(
@@ -207,9 +208,11 @@ def _check_end(shards: Shards, shard: int, it: Iterator[Any]) -> None:
         return
     except Exception:
         return  # an error past the last counted sample: not one of ours to read
+    lengths = shards.lengths
+    assert lengths is not None  # a shard is read by an EpochOrder built from the known lengths
     raise ShardError(
         f"shard {shard_name(shards, shard)} yields more than its length "
-        f"{shards.lengths[shard]}; it changed since its length was counted (pass "
+        f"{lengths[shard]}; it changed since its length was counted (pass "
         f"lengths= or delete {shards.cache_file() or 'the cached lengths'})"
     )
 
@@ -273,7 +276,7 @@ def _warn_skip(shards: Shards, shard: int, count: int) -> None:
 
 def read_range(
     shards: Shards, order: EpochOrder, first: int, stop: int, *, seed: int, progress: Callable[[], None] | None = None
-) -> Iterator[tuple[int, Any]]:
+) -> Generator[tuple[int, Any], None, None]:
     """(stream index, sample) for positions ``[first, stop)`` of the epoch's order, lazily.
 
     Args:
