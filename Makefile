@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum 
 
 DOCS_STAMP := $(VENV)/.docs-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-slow test-gpu install clean docs docs-serve
+.PHONY: demo lint test test-slow test-gpu install clean docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ddpkit demo
 
-test: $(STAMP)
+# The linters first (seconds): ruff's rules and format over src and tests, mypy over the packages
+# [tool.mypy] names; then every test not marked slow.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 # The long multi-process runs (repeated exit checks beside a busy core, restarts, default timeouts).
