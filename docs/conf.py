@@ -32,7 +32,7 @@ autodoc_member_order = "bysource"
 # intersphinx inventories), and references from the public docstrings into ddpkit's internal
 # modules, which the manual does not document one by one (the architecture page describes them).
 nitpicky = True
-# docs/architecture.md draws its layers in Mermaid, which GitHub renders; here it stays as text.
+# A code block no highlighter can lex (a diagram, a listing of layers) stays as text.
 suppress_warnings = ["misc.highlighting_failure"]
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|os|pathlib|collections|contextlib|typing|types|argparse|datetime|io|enum|abc)(\..*)?"),
