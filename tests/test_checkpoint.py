@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -259,3 +263,20 @@ def test_a_usage_error_of_a_loaded_object_stays_itself():
     with pytest.raises(DdpkitError, match="cannot load 'loader': bad") as caught:
         restore_user_state({"loader": Broken()}, {"loader": {}}, "ckpt.pt")
     assert not isinstance(caught.value, UsageError)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_an_earlier_ddpkit_resumes_to_the_same_bits(tmp_path):
+    """Written by ddpkit at 040cd72 (before issue 42 moved the house), resumed by today's code:
+    the same 4 steps end on the weights the earlier code's own resume ended on."""
+    fixture = Path(__file__).parent / "data"
+    shutil.copytree(fixture / "v040cd72", tmp_path / "v040cd72")
+    done = subprocess.run(
+        [sys.executable, str(fixture / "earlier_checkpoint.py"), "--resume", str(tmp_path / "v040cd72")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = json.loads((fixture / "v040cd72" / "expected.json").read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"digest": expected["digest"], "step": 7}
