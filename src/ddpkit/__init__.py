@@ -20,7 +20,7 @@ from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.evaluate import evaluate, predict
 from ddpkit.loop.predict_file import predict_to_file
 from ddpkit.loop.streams import ShardError, Shards, read_tar
-from ddpkit.parallel.lazy_buffers import settle as sync_buffers
+from ddpkit.parallel.lazy_buffers import sync_buffers
 from ddpkit.rng import sample_rng
 from ddpkit.runtime import Runtime, current, init
 from ddpkit.runtime.collectives import all_gather, all_gather_object, all_reduce, broadcast_object

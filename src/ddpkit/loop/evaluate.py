@@ -168,7 +168,7 @@ def evaluate(
             f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
             "(B, C, T)) or -1 ((B, T, C)); give 1 or -1"
         )
-    lazy_buffers.settle(model)  # BatchNorm statistics trained apart are averaged first
+    lazy_buffers.sync_buffers(model)  # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -314,7 +314,7 @@ def predict(
     stream = _stream_shard(dataset, batch_size, num_workers)
     if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:
         raise UsageError("predict: the dataset is empty")
-    lazy_buffers.settle(model)
+    lazy_buffers.sync_buffers(model)
     module = unwrap(model)
     positions: list[list[int]] = []
     outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions))

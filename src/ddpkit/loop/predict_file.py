@@ -44,7 +44,7 @@ def predict_to_file(
     path = Path(path)
     rank, world = collectives.rank(), collectives.world_size()
     part = path.with_name(f".{path.name}.rank{rank}.part")
-    lazy_buffers.settle(model)
+    lazy_buffers.sync_buffers(model)
     module = unwrap(model)
     rows, tail, dtype = 0, None, None
     with open(part, "wb") as handle:

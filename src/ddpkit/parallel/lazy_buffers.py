@@ -168,7 +168,7 @@ def of(model: Any) -> LazyBuffers | None:
     return _SYNCERS.get(inner) if isinstance(inner, torch.nn.Module) else None
 
 
-def settle(model: Any) -> None:
+def sync_buffers(model: Any) -> None:
     """Average ``model``'s BatchNorm statistics across ranks where they were trained apart.
 
     ``ddpkit.sync_buffers(model)``: call it on every rank before an evaluation of your own that
