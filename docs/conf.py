@@ -32,12 +32,16 @@ autodoc_member_order = "bysource"
 # intersphinx inventories), and references from the public docstrings into ddpkit's internal
 # modules, which the manual does not document one by one (the architecture page describes them).
 nitpicky = True
+# Flags stay as typed: no smart dashes (--workers is not an en dash and 'workers'), no curly quotes.
+smartquotes = False
 # A code block no highlighter can lex (a diagram, a listing of layers) stays as text.
 suppress_warnings = ["misc.highlighting_failure"]
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|os|pathlib|collections|contextlib|typing|types|argparse|datetime|io|enum|abc)(\..*)?"),
     (r"py:.*", r"(Path|Any|Callable|Iterator|Iterable|Mapping|MutableMapping|Sequence|ContextManager|IO)"),
     (r"py:.*", r"ddpkit\.(_torch|distributed|state|loop|parallel|observe|checkpoint|runtime|recipes|bench|cli)\..*"),
+    # internal types a public signature names through an import made for annotations only
+    (r"py:class", r"(RunState|resuming\.Peers|Reporter)"),
 ]
 
 

@@ -112,7 +112,11 @@ def add_fields(
             options["default"] = field.default
         earlier = [old for old, name in (aliases or {}).items() if name == field.name]
         if earlier:
-            options["help"] += " (also " + ", ".join(_flag(old) for old in earlier) + ")"
+            pairs = options.get("action") is argparse.BooleanOptionalAction
+            names = [
+                name for old in earlier for name in ([_flag(old), "--no-" + _flag(old)[2:]] if pairs else [_flag(old)])
+            ]
+            options["help"] += " (also " + ", ".join(names) + ")"
         parser.add_argument(_flag(field.name), **options)
         for old in earlier:
             parser.add_argument(_flag(old), **{**options, "help": argparse.SUPPRESS, "required": False})

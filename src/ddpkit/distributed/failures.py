@@ -28,10 +28,12 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
 
 
 def is_secondary(text: str) -> bool:
+    """Whether a failure's text says it followed a peer's (a lost connection, a timed-out collective)."""
     return any(word in text.lower() for word in _SECONDARY)
 
 
 def failure_text(failure: Any) -> str:
+    """A worker failure's message, with SIGTERM named where the agent stopped it."""
     text = str(getattr(failure, "message", "") or "")
     code = getattr(failure, "exitcode", None)
     if code == -15:
@@ -40,6 +42,7 @@ def failure_text(failure: Any) -> str:
 
 
 def describe(failure: Any) -> str:
+    """How a worker ended, in words: ``killed by SIGKILL`` or ``exit code 3``."""
     code = getattr(failure, "exitcode", None)
     if code is not None and code < 0:
         import signal

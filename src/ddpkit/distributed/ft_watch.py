@@ -28,7 +28,18 @@ NODE_JOIN_S = 120.0
 def watch(
     spec: FaultTolerantSpec, replicas: Sequence[subprocess.Popen], lighthouse: subprocess.Popen | None, store: Any
 ) -> int | None:
-    """Wait for this node's replicas; an exit code when the job must stop (its lighthouse or node 0 is gone)."""
+    """Wait for this node's replicas; an exit code when the job must stop (its lighthouse or node 0 is gone).
+
+    Args:
+        spec: the job (its nodes, replicas and timeouts).
+        replicas: this node's replica processes.
+        lighthouse: the lighthouse this node started (node 0), or None.
+        store: the job's store: where a finished job is marked, and where the other nodes beat for node 0.
+
+    Returns:
+        None once every replica has exited or the job has finished; 1 when the lighthouse or node 0
+        is gone (the caller stops the replicas).
+    """
     finished_at: float | None = None
     beat = 0.0
     while any(child.poll() is None for child in replicas):
@@ -78,6 +89,7 @@ def wait_for_nodes(spec: FaultTolerantSpec, store: Any, lighthouse: subprocess.P
 
 
 def end_lighthouse(lighthouse: subprocess.Popen) -> None:
+    """Stop the job's lighthouse: SIGTERM, then SIGKILL after 5 seconds."""
     if lighthouse.poll() is None:
         lighthouse.terminate()
         try:

@@ -33,6 +33,12 @@ class Reporter:
 
         Rows after the step a run resumed from belong to work a crash undid; a fresh run (nothing
         loaded) starts its files anew.
+
+        Args:
+            values: the metrics by name.
+            step: the optimizer step they belong to.
+            resumed: the loop state's (checkpoint, step) of a resume, or (None, None).
+            tracking: the run's trackers (W&B, MLflow), which get the row too, or None.
         """
         if self.out_dir is None:
             return

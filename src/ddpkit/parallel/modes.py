@@ -127,13 +127,16 @@ class Replicated(Mode):
         """The hook's state (PowerSGD's error feedback, ...), or None."""
 
     def after_step(self) -> None:
+        """The compressor counts the step (PowerSGD starts compressing after its warm-up)."""
         if self.compressor is not None:
             self.compressor.after_step()
 
     def state_dict(self) -> dict[str, Any] | None:
+        """The compressor's state (PowerSGD's error feedback and factors), or None."""
         return None if self.compressor is None else self.compressor.state_dict()
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
+        """The compressor's state from a checkpoint."""
         if self.compressor is not None:
             self.compressor.load_state_dict(saved, same_world=same_world, source=source)
 
@@ -144,6 +147,7 @@ class Sharded(Mode):
     name = "sharded"
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """FSDP's own: gradients kept unsharded and unreduced until the last micro-step."""
         return no_gradient_sync(model)
 
 
@@ -156,12 +160,15 @@ class Periodic(Mode):
         self.name = syncer.name
 
     def after_step(self) -> None:
+        """The sync counts the step, and the ranks meet every H."""
         self.syncer.after_step()  # counts the step, and meets every H
 
     def state_dict(self) -> dict[str, Any] | None:
+        """The sync's state: the last synced weights, the outer optimizer, the step in the period."""
         return self.syncer.state_dict()
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
+        """The sync's state from a checkpoint (on another world size: from the synced weights)."""
         self.syncer.load_state_dict(saved, same_world=same_world, source=source)
 
 
@@ -175,6 +182,7 @@ class MicroShards(Mode):
         """The run's :class:`~ddpkit.parallel.exact.Exact`."""
 
     def refuse(self, call: str) -> None:
+        """``rt.accumulate``: the micro-shards are already the step's micro-steps."""
         if call == "rt.accumulate":
             raise UsageError(
                 "rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
@@ -182,19 +190,24 @@ class MicroShards(Mode):
             )
 
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
+        """This rank's micro-shards of the batch, each with its threads, random stream and BatchNorm."""
         return self.exact.shards(active, step, batch)
 
     def loss_weight(self, weight: float) -> float:
+        """The micro-shard's share of the global batch (the tree sums the shards)."""
         return self.exact.weight()  # a micro-shard: its share of the global batch, summed by the tree
 
     def after_backward(self) -> None:
+        """The shard's gradients are kept apart, for the fixed tree."""
         self.exact.after_backward()
 
     def complete(self) -> None:
+        """Sum the shards' gradients along the fixed tree, across the ranks, if not done yet."""
         if self.exact.cut:  # not yet reduced (by rt.clip_grad_norm_)
             self.exact.reduce()
 
     def close(self, *, finished: bool) -> None:
+        """Give the process its own thread count back."""
         self.exact.restore_threads()  # the process's own thread count, for what follows
 
     @contextlib.contextmanager

@@ -61,6 +61,7 @@ class FaultTolerant(Mode):
         return convert_over(model, self.manager)
 
     def refuse(self, call: str) -> None:
+        """``rt.accumulate``, and the script's own collectives over ranks (a replica's quorum changes)."""
         if call == "rt.accumulate":
             raise UsageError(
                 "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
@@ -123,6 +124,7 @@ class FaultTolerant(Mode):
         return True
 
     def close(self, *, finished: bool) -> None:
+        """Tell the quorum this replica is done (when it finished) and shut its manager down."""
         if finished and not self.manager.in_quorum():
             self.manager.finished()  # a replica still behind has nothing left to do
         self.manager.shutdown()

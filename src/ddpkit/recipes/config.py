@@ -163,7 +163,7 @@ class TrainConfig:
 
     @classmethod
     def renamed(cls, settings: dict[str, Any], *, source: str = "settings") -> dict[str, Any]:
-        """``settings`` with earlier names (:attr:`ALIASES`) replaced by the fields' names.
+        """``settings`` with earlier names (``ALIASES``) replaced by the fields' names.
 
         Raises:
             UsageError: a setting is given under both its names.

@@ -121,6 +121,7 @@ def check_micro_shards(config: TrainConfig) -> None:
 
 
 def check_out(config: TrainConfig) -> None:
+    """``--out-dir`` is a directory that holds no run, unless ``--resume`` or ``--overwrite`` says what to do with it."""
     # Every node checks: the rendezvous decides which node holds global rank 0, the one that writes.
     out = Path(config.out_dir)
     if out.exists() and not out.is_dir():
