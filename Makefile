@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum 
 
 DOCS_STAMP := $(VENV)/.docs-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo lint test test-slow test-gpu install clean docs docs-serve
+.PHONY: demo lint test test-slow test-gpu gpu-check install clean docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ test-gpu: $(STAMP)
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
 		'make test-gpu: torch ' + torch.__version__ + ' sees no CUDA GPU (CPU wheel, or no driver)')"
 	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
+
+# The prepared GPU check (benchmarks/gpu_check.py): the gpu tests, micro-shards bitwise on one GPU,
+# the DDP and DDP+AMP bench rows, in at most 8 minutes. No venv and no install: the machine's own
+# python3 with CUDA torch and pytest, ddpkit from src. Writes $$OUT/gpu-check.md (else runs/gpu-check).
+gpu-check:
+	PYTHONPATH=src python3 benchmarks/gpu_check.py
 
 $(DOCS_STAMP): $(STAMP)
 	$(PIP) install -q -c constraints.txt -e '.[docs]'

@@ -241,9 +241,9 @@ def main() -> None:
     if opts.worker:
         worker(opts)
         return
-    from ddpkit.bench.ft import rel_diff
-
     import torch
+
+    from ddpkit.bench.ft import rel_diff
 
     out = Path(opts.out)
     if opts.loop == "diloco":

@@ -116,3 +116,39 @@ def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> di
         "same_after_load": same,
         "scaler": type(rt.precision.scaler).__name__ if rt.precision.scaler else None,
     }
+
+
+def gpu_micro_shards(steps: int = 6) -> dict:
+    """``micro_shards=2`` on CUDA GPU 0, over gloo (so two processes can share one GPU): a conv net
+    with BatchNorm and dropout on fixed random data; returns rank 0's final state on the CPU and
+    whether torch's deterministic algorithms were on during the run."""
+    import torch
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=5, backend="gloo", device="cuda:0")
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(96, 3, 16, 16, generator=g), torch.randint(0, 10, (96,), generator=g)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 16 * 16, 10),
+    )
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), micro_shards=2)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    for x, y in rt.loader(data, global_batch_size=32):
+        for xs, ys in rt.shards(x, y):
+            rt.backward(F.cross_entropy(model(xs), ys))
+        rt.step(optimizer)
+        if rt.global_step == steps:
+            break
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    out = {"state": state, "deterministic": deterministic, "device": str(next(model.parameters()).device)}
+    rt.close()
+    out["deterministic_after_close"] = torch.are_deterministic_algorithms_enabled()
+    return out

@@ -781,3 +781,21 @@ def test_the_2x_batch_prediction_grows_the_compute_by_what_was_measured_on_twice
     assert {f["change"]: f["predicted_samples_per_second"] for f in recommendations(doubled, [doubled])}[
         change
     ] == pytest.approx(assumed[change])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+def test_make_gpu_check_says_in_one_line_that_torch_sees_no_gpu(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root / "src")}
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("make gpu-check: torch ") and done.stderr.strip().endswith(
+        "sees no CUDA GPU (CPU wheel, or no driver)"
+    )
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ddpkit
 import workers
 from ddpkit.errors import UsageError
-from ddpkit.parallel import exact_tree
+from ddpkit.parallel import exact_exchange, exact_tree
 
 
 def _same(a: dict, b: dict) -> list[str]:
@@ -206,9 +206,11 @@ def test_one_process_and_ddp_x2_end_at_the_same_bits():
 def test_a_rank_whose_shards_are_empty_still_steps_and_clipping_sees_the_summed_gradients():
     """97 samples in global batches of 48: the last batch's one sample is rank 0's; rank 1 has no
     shard, yet takes part in the exchange (else rank 0 would wait forever) and counts the step.
+    The exchange's buckets are small, so most are sent while the last shard's backward runs.
     rt.clip_grad_norm_ clips the tree's sum (a run without clipping ends elsewhere)."""
     one = ddpkit.launch(workers.exact_run, nprocs=1, args=(2, 2, None, None, "fp32", 97, 0.05))[0]
-    two = ddpkit.launch(workers.exact_run, nprocs=2, args=(2, 2, None, None, "fp32", 97, 0.05))[0]
+    # buckets of 256 bytes: rank 0 hands them over during its backward, rank 1 all at rt.step
+    two = ddpkit.launch(workers.exact_run, nprocs=2, args=(2, 2, None, None, "fp32", 97, 0.05, 256))[0]
     assert one["steps"] == two["steps"] == 2 * 3
     assert _same(one["state"], two["state"]) == []
     unclipped = workers.exact_run(2, 2, None, None, "fp32", 97, None)  # one process: this one
@@ -220,7 +222,7 @@ def test_a_rank_whose_shards_are_empty_still_steps_and_clipping_sees_the_summed_
 def test_four_processes_and_a_resume_on_another_world_size_end_at_the_same_bits(tmp_path):
     """M=4 on 1, 2 and 4 processes; and stopped mid-epoch on 2 processes, resumed on 1."""
     one = ddpkit.launch(workers.exact_run, nprocs=1, args=(4, 2))[0]
-    four = ddpkit.launch(workers.exact_run, nprocs=4, args=(4, 2))[0]
+    four = ddpkit.launch(workers.exact_run, nprocs=4, args=(4, 2, None, None, "fp32", None, None, 4096))[0]
     assert _same(one["state"], four["state"]) == []
     ckpt = str(tmp_path / "ckpt")
     stopped = ddpkit.launch(workers.exact_run, nprocs=2, args=(4, 2, 37, ckpt))[0]
@@ -240,7 +242,8 @@ def test_four_processes_and_a_resume_on_another_world_size_end_at_the_same_bits(
         ),
         (
             ["--micro-shards", "2", "--nproc", "2", "--sync-bn"],
-            "--micro-shards does not combine with --sync-batchnorm (each shard keeps its own BatchNorm statistics); drop one of the two",
+            "--micro-shards does not combine with --sync-batchnorm (SyncBatchNorm mixes the statistics of every rank, "
+            "so they change with the world size); drop sync_batchnorm",
         ),
         (
             ["--micro-shards", "2", "--grad-compression", "fp16"],
@@ -324,14 +327,20 @@ def test_bench_rows_carry_micro_shards_and_a_link_bound_one_is_never_told_to_com
 
 @pytest.mark.timeout(240)
 def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_path):
-    """The worker's marks put the ranks' all_gather where DDP's allreduce sits, and the diagnosis reads it."""
+    """The worker's marks put the exchange's wait where DDP's allreduce sits, and the diagnosis reads it."""
     from ddpkit.bench.plan import BenchSettings, Configuration
     from ddpkit.bench.run import measure
+    from ddpkit.recipes.models import build_model
 
     settings = BenchSettings(model="convnet", data="digits", batch=16, steps=4, warmup=1, out=str(tmp_path))
     row = measure(Configuration("ddp", 2, "fp32", micro_shards=2), settings, tmp_path / "row.json")
     assert row["micro_shards"] == 2 and row["samples_per_second"] > 0
-    assert row["comm"]["calls_per_step"] == 2  # statistics and presence, then the gradients
+    # BatchNorm statistics (one all_gather), then per bucket halving and doubling: 2 rounds at 2 processes
+    convnet = build_model("convnet", num_classes=10, in_channels=1, image_size=8)  # digits' shapes
+    buckets = len(exact_exchange.plan_buckets(list(convnet.parameters())))
+    assert buckets >= 1
+    assert row["comm"]["calls_per_step"] == 1 + 2 * buckets
+    assert row["comm_overlap"] is not None
     assert row["comm"]["transfer_s"] > 0 and row["breakdown"]["backward"] > 0
     assert 0.5 < row["compute_scaling_2x"] < 4.0  # a shard's compute on twice the shard, probed
 
@@ -372,3 +381,85 @@ def test_rt_shards_refuses_a_stream_batch():
             rt.shards(x, y)
     finally:
         rt.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,local_shards", [(4, 2), (2, 1)])
+def test_the_exchange_sums_along_the_one_process_tree_bit_for_bit(world, local_shards):
+    """Recursive halving then doubling, in buckets handed over out of order: the same bits as one
+    process's tree, a parameter no shard reached stays None, one reached on one rank only is that
+    rank's sum, and ``-0.0`` survives (an absent gradient is never added as a zero)."""
+    out = ddpkit.launch(workers.tree_exchange_bits, nprocs=world, args=(local_shards,))
+    for rank in range(world):
+        got, want = out[rank]["sums"], out[rank]["one_process"]
+        assert [g is None for g in got] == [w is None for w in want] == [False, False, True, False, False]
+        assert all(torch.equal(g, w) for g, w in zip(got, want) if w is not None), rank
+    assert out[0]["buckets"] > 2
+    assert out[0]["rounds"] == 2 * (world.bit_length() - 1) * out[0]["buckets"]
+    sign_bit = torch.tensor(-(2**31), dtype=torch.int32)
+    assert any(bool((w == sign_bit).any()) for w in out[0]["one_process"] if w is not None)  # -0.0 is there
+
+
+TORCH_SAYS_NO_KERNEL = """
+import ddpkit
+from ddpkit.errors import translate_uncaught
+from ddpkit.parallel.exact import no_deterministic_kernel
+
+rt = ddpkit.init()
+translate_uncaught(no_deterministic_kernel)  # what rt.setup(micro_shards=...) registers on CUDA
+raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
+                   "'torch.use_deterministic_algorithms(True)'. You can turn off ...")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torchs_no_deterministic_kernel_error_becomes_one_line_and_exit_2(tmp_path):
+    """The CUDA error itself needs a GPU (tests/test_gpu.py raises it for real); its report does not."""
+    from helpers import ddpkit as ddpkit_cli
+
+    script = tmp_path / "no_kernel.py"
+    script.write_text(TORCH_SAYS_NO_KERNEL)
+    result = ddpkit_cli("run", "-n", "1", str(script), timeout=100)
+    assert result.returncode == 2, result.stderr
+    assert (
+        "ddpkit: error: micro_shards runs deterministic CUDA kernels only, and index_add_cuda_ has none"
+        in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    from ddpkit.parallel.exact import no_deterministic_kernel
+
+    assert no_deterministic_kernel(RuntimeError("CUDA out of memory")) is None  # other errors keep their traceback
+    assert no_deterministic_kernel(ValueError("x does not have a deterministic implementation")) is None
+
+
+def test_bench_compare_exact_puts_a_micro_shard_twin_beside_each_plain_ddp_row():
+    from ddpkit.bench.flags import parse_settings
+    from ddpkit.bench.plan import plan
+    from ddpkit.bench.run import exact_ratio
+
+    settings = parse_settings(["--modes", "single,ddp,ddp-amp", "--nproc", "2,3,4", "--compare-exact"])
+    rows = [(c.mode, c.nproc, c.micro_shards, c.reason is None) for c in plan(settings, gpus=0)]
+    assert rows == [
+        ("single", 1, None, True),
+        ("ddp", 2, None, True),
+        ("ddp", 2, 2, True),
+        ("ddp", 3, None, True),
+        ("ddp", 3, 3, False),  # not a power of two: shown as not applicable
+        ("ddp", 4, None, True),
+        ("ddp", 4, 4, True),
+        ("ddp-amp", 2, None, True),
+        ("ddp-amp", 3, None, True),
+        ("ddp-amp", 4, None, True),
+    ]
+    plain = {"mode": "ddp", "nproc": 2, "precision": "fp32", "hosts": None, "samples_per_second": 100.0}
+    assert exact_ratio(plain, {**plain, "micro_shards": 2, "samples_per_second": 97.0}) == 0.97
+    assert exact_ratio(plain, {**plain, "nproc": 4, "micro_shards": 4, "samples_per_second": 97.0}) is None
+    for flags, line in [
+        (
+            ["--compare-exact", "--modes", "ddp", "--micro-shards", "2"],
+            "--compare-exact adds micro-shard rows beside plain ones",
+        ),
+        (["--compare-exact", "--modes", "single"], "--compare-exact compares ddp rows"),
+    ]:
+        with pytest.raises(UsageError, match=line):
+            parse_settings(flags)

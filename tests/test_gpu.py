@@ -179,3 +179,36 @@ def test_bench_data_parallel_drives_every_gpu(bench):
     dp = next(r for r in report["configurations"] if r["mode"] == "dp")
     assert dp["applicable"] is True and dp["devices"] == GPUS and dp["nproc"] == 1
     assert dp["samples_per_second"] > 0 and dp["peak_cuda_mb"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_micro_shards_on_one_gpu_end_at_the_same_bits_on_one_process_and_two_sharing_it():
+    """Deterministic CUDA kernels (cuDNN, cuBLAS's workspace, torch's switch): one process and two
+    processes sharing GPU 0 over gloo end at the same bits; close turns the switch back off."""
+    one = ddpkit.launch(gpu_workers.gpu_micro_shards, nprocs=1)[0]
+    two = ddpkit.launch(gpu_workers.gpu_micro_shards, nprocs=2)[0]
+    assert one["device"] == two["device"] == "cuda:0"
+    assert one["deterministic"] and two["deterministic"]
+    assert not one["deterministic_after_close"]
+    differ = [k for k in one["state"] if not torch.equal(one["state"][k], two["state"][k])]
+    assert differ == []
+
+
+NO_DETERMINISTIC_KERNEL = """
+import torch, ddpkit
+rt = ddpkit.init(seed=0)
+model = torch.nn.Linear(4, 2)
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
+x = torch.randn(8, 4, device=rt.device)
+torch.histc(model(x), bins=4)  # no deterministic CUDA kernel
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_op_without_a_deterministic_cuda_kernel_is_one_line_under_micro_shards(tmp_path):
+    script = tmp_path / "histc.py"
+    script.write_text(NO_DETERMINISTIC_KERNEL)
+    result = ddpkit_cli("run", "-n", "1", str(script), timeout=100)
+    assert result.returncode == 2, result.stderr
+    assert "micro_shards runs deterministic CUDA kernels only, and histc" in result.stderr
+    assert "Traceback" not in result.stderr

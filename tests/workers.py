@@ -512,15 +512,21 @@ def exact_run(
     precision: str = "fp32",
     samples: int | None = None,
     clip: float | None = None,
+    bucket_bytes: int | None = None,
 ) -> dict:
     """A BatchNorm + dropout ConvNet on digits with ``rt.setup(micro_shards=...)`` (global batch 48,
     so the last batch's shards are uneven). Stops after ``stop_after`` steps with a checkpoint, or
     resumes from ``checkpoint_dir``'s newest; returns rank 0's final state, the steps, the
-    mean train loss of the last epoch and the test accuracy."""
+    mean train loss of the last epoch and the test accuracy. ``bucket_bytes``: the exchange's
+    buckets, small enough to be handed over one by one during the last shard's backward."""
     import torch
     import torch.nn.functional as F
 
+    from ddpkit.parallel import exact_exchange
     from ddpkit.recipes.datasets import load_dataset
+
+    if bucket_bytes is not None:
+        exact_exchange.BUCKET_BYTES = exact_exchange.FIRST_BUCKET_BYTES = bucket_bytes
 
     rt = ddpkit.init(
         seed=3,
@@ -576,6 +582,46 @@ def exact_run(
         "train_loss": float(rt.all_reduce(loss_sum)),
         "accuracy": metrics["accuracy"],
         "threads": torch.get_num_threads(),
+    }
+    rt.close()
+    return out
+
+
+def tree_exchange_bits(local_shards: int) -> dict:
+    """Each rank's shard gradients for five parameters (one never reached, one on rank 1 only, some
+    ``-0.0``), summed by :class:`~ddpkit.parallel.exact_exchange.TreeExchange` in tiny buckets;
+    returns the sums as raw bits and what one process's tree makes of the same leaves."""
+    import torch
+
+    from ddpkit.parallel.exact_exchange import TreeExchange
+    from ddpkit.parallel.exact_tree import tree_sum
+
+    rt = ddpkit.init()
+    shapes = [(7,), (3, 5), (1,), (64,), (32,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    world, shards = rt.world_size, local_shards * rt.world_size
+
+    def leaf(s: int, i: int):
+        if i == 2 or (i == 4 and s != 1):  # 2: never reached; 4: shard 1 only (rank 1's)
+            return None
+        g = torch.Generator().manual_seed(100 * s + i)
+        value = torch.randn(shapes[i], generator=g) * 10.0 ** torch.randint(-4, 5, shapes[i], generator=g)
+        return torch.where(value.abs() < 1e-3, torch.full_like(value, -0.0), value)
+
+    exchange = TreeExchange(
+        params, world_size=world, rank=rt.rank, device=torch.device("cpu"), bucket_bytes=64, first_bucket_bytes=16
+    )
+    for b, members in reversed(list(enumerate(exchange.buckets))):  # handed over out of order
+        exchange.submit(b, [[leaf(rt.rank + j * world, i) for j in range(local_shards)] for i in members])
+    total = exchange.wait()
+    exchange.close()
+    whole = [tree_sum([leaf(s, i) for s in range(shards)]) for i in range(len(shapes))]
+    bits = lambda t: None if t is None else t.contiguous().view(torch.int32).clone()  # noqa: E731
+    out = {
+        "sums": [bits(t) for t in total],
+        "one_process": [bits(t) for t in whole],
+        "buckets": len(exchange.buckets),
+        "rounds": exchange.calls_per_step,
     }
     rt.close()
     return out

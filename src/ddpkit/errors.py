@@ -107,3 +107,26 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PASSED):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+_TRANSLATORS: list = []
+
+
+def translate_uncaught(translator: object) -> None:
+    """Have an uncaught exception that ``translator`` recognises reported as the :class:`DdpkitError` it returns.
+
+    ``translator(exc)`` returns a :class:`DdpkitError` for an exception it knows (torch's own, raised
+    in the user's code because of a setting ddpkit made), else None. ddpkit's excepthook asks
+    each translator once; registering one twice keeps one.
+    """
+    if translator not in _TRANSLATORS:
+        _TRANSLATORS.append(translator)
+
+
+def translated(exc: BaseException) -> DdpkitError | None:
+    """What a translator registered by :func:`translate_uncaught` makes of ``exc`` (None: nothing)."""
+    for translator in _TRANSLATORS:
+        found = translator(exc)  # type: ignore[operator]
+        if found is not None:
+            return found
+    return None

@@ -180,7 +180,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="M",
         help="every row trains with rt.setup(micro_shards=M): "
         "each global batch in M shards summed along one fixed tree, the same bits on any power-of-two --nproc "
-        "dividing M (ddpkit.parallel.exact); the exchange is one all_gather after the backward passes",
+        "dividing M (ddpkit.parallel.exact); the exchange is recursive halving then doubling, started in the "
+        "last shard's backward",
+    )
+    add(
+        "--compare-exact",
+        action="store_true",
+        help="beside each plain fp32 ddp row, the same row with rt.setup(micro_shards=W), W its processes: "
+        "what the same bits on any world size cost in samples/s",
     )
     return parser
 
@@ -313,6 +320,12 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
         raise UsageError("--min-step-s lengthens the steps of --fault-tolerant's comparison; add --fault-tolerant")
     if opts.micro_shards is not None:
         _check_micro_shards(opts, modes, compressions, formats, syncs, syncs_of_rows, hosts)
+    if opts.compare_exact and opts.micro_shards is not None:
+        raise UsageError("--compare-exact adds micro-shard rows beside plain ones; drop --micro-shards")
+    if opts.compare_exact and "ddp" not in modes:
+        raise UsageError("--compare-exact compares ddp rows with their micro-shard twins; add ddp to --modes")
+    if opts.compare_exact and opts.fault_tolerant:
+        raise UsageError("--compare-exact does not combine with --fault-tolerant; run them apart")
     settings = BenchSettings(
         model=opts.model,
         data=opts.data,
@@ -346,6 +359,7 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
         checkpoint_every=opts.checkpoint_every,
         min_step_s=opts.min_step_s,
         micro_shards=opts.micro_shards,
+        compare_exact=opts.compare_exact,
     )
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")

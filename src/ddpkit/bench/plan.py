@@ -58,6 +58,7 @@ class BenchSettings:
     checkpoint_every: int = 8  # restart-all's checkpoints, in steps
     min_step_s: float = 0.0  # each fault-tolerant bench step lasts at least this long
     micro_shards: int | None = None  # single and DDP rows with rt.setup(micro_shards=M)
+    compare_exact: bool = False  # beside each DDP row, the same row with micro_shards = its world size
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,28 @@ def plan(settings: BenchSettings, gpus: int) -> list[Configuration]:
     found = [dataclasses.replace(c, data_format=f) for c in found for f in settings.data_format]
     if settings.micro_shards:
         found = [dataclasses.replace(c, micro_shards=settings.micro_shards) for c in found]
+    if settings.compare_exact:  # each plain fp32 DDP row, then the same row with micro_shards=W
+        found = [x for c in found for x in ([c, _exact_twin(c)] if _has_exact_twin(c) else [c])]
     return found
+
+
+def _has_exact_twin(config: Configuration) -> bool:
+    return (
+        config.mode == "ddp"
+        and config.grad_compression == "none"
+        and config.sync == "every-step"
+        and not config.sync_bn
+        and config.data_format == "map"
+    )
+
+
+def _exact_twin(config: Configuration) -> Configuration:
+    """``config`` with ``micro_shards`` = its world size (a reason where that world size cannot be exact)."""
+    world = config.world_size
+    reason = config.reason
+    if reason is None and world & (world - 1):
+        reason = f"micro_shards needs a power-of-two world size, this row has {world}"
+    return dataclasses.replace(config, micro_shards=world, reason=reason)
 
 
 def _fsdp_reason(model: str, compression: str, sync_bn: bool = False) -> str | None:

@@ -274,6 +274,18 @@ def verify(
     return outcome
 
 
+def exact_ratio(plain: dict[str, Any], exact: dict[str, Any]) -> float | None:
+    """Samples/s of a micro-shard row over its plain twin's (None: not twins, or either did not run)."""
+    twins = (
+        exact.get("micro_shards")
+        and not plain.get("micro_shards")
+        and all(plain.get(k) == exact.get(k) for k in ("mode", "nproc", "precision", "hosts", "link_mbit"))
+    )
+    if not twins or not plain.get("samples_per_second") or not exact.get("samples_per_second"):
+        return None
+    return exact["samples_per_second"] / plain["samples_per_second"]
+
+
 def _median_or_none(values: Any) -> float | None:
     values = list(values)
     return None if None in values or not values else statistics.median(values)
@@ -298,6 +310,16 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         print(f" {rows[-1]['samples_per_second']:.1f} samples/s", flush=True)
     rows = with_speedup(rows)
     rows = [{**row, "diagnosis": diagnose(row, rows)} for row in rows]
+    if settings.compare_exact:
+        for plain, exact in zip(rows, rows[1:]):
+            ratio = exact_ratio(plain, exact)
+            if ratio is not None:
+                exact["exact_vs_plain"] = ratio
+                print(
+                    f"bench: micro-shards {exact['micro_shards']} on {exact['nproc']} process(es): "
+                    f"{ratio:.2f}x plain DDP's samples/s",
+                    flush=True,
+                )
     if settings.diagnose_verify:
         rows = [{**row, "verify": verify(row, rows, settings, out / "runs")} for row in rows]
     report: dict[str, Any] = {

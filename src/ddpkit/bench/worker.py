@@ -58,7 +58,8 @@ def _micro_shard_step(
     rt: Any, model: Any, optimizer: Any, inputs: Any, targets: Any, start: float, fetched: float, alone: list[float]
 ) -> tuple[float, ...]:
     """One step of ``rt.setup(micro_shards=M)``: each shard's forward and backward, then ``rt.step``,
-    whose exchange (the ranks' all_gather) counts as backward time, where DDP's allreduce counts.
+    whose wait for the exchange (started in the last shard's backward) counts as backward time, where
+    DDP's wait for its last bucket counts.
 
     Returns the step's five marks as the plain loop takes them: the forwards' and backwards' own
     seconds laid end to end after ``fetched``; the exchange follows the backwards. ``alone`` gets
@@ -162,9 +163,8 @@ def train(opts: argparse.Namespace) -> None:
     calls = wire.calls_per_step(model, opts.grad_compression)
     if opts.micro_shards and rt.world_size > 1:
         calls = exact.exchange_calls
-        # an all_gather of the gradients receives (W - 1) x their bytes: the bus bytes of an
-        # allreduce of W / 2 x them, which is what the diagnosis's arithmetic takes
-        payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) * rt.world_size / 2
+        # recursive halving then doubling moves what a ring allreduce of the gradients moves
+        payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     stats = rank_stats(marks, opts.warmup, model, device, rt.world_size, devices, payload, calls)
     stats["sync_batchnorm_seconds"] = (SyncBatchNorm.collective_seconds - synced_before) / opts.steps
     if syncer is not None:

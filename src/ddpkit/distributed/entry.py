@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 
 from ddpkit import _torch
 from ddpkit.distributed import stores
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, translated
 
 _USAGE = "usage: python -m ddpkit.entry SCRIPT [ARGS...] | -m MODULE [ARGS...]\n"
 
@@ -182,6 +182,8 @@ def install_excepthook() -> None:
         return
 
     def hook(kind, value, traceback):  # type: ignore[no-untyped-def]
+        if not isinstance(value, DdpkitError):
+            value = translated(value) or value  # torch's error for a setting ddpkit made: its line
         if not isinstance(value, DdpkitError):
             previous(kind, value, traceback)
             return

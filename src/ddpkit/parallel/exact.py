@@ -46,13 +46,16 @@ Example (one process; the same lines under ``ddpkit run -n 2`` end at the same b
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, translate_uncaught
+from ddpkit.parallel.exact_exchange import TreeExchange
 from ddpkit.parallel.exact_tree import (
     _add_grads,
     _pack,
@@ -96,8 +99,15 @@ class Exact:
         self.cut = False  # a batch was cut and its exchange is due
         self.batch_count = 0  # samples of the global batch in hand
         self._saved: dict[int, tuple[Any, ...]] = {}
-        self.exchange_seconds = 0.0  # spent in the ranks' all_gathers (ddpkit bench reads it)
+        self.exchange_seconds = 0.0  # the step waited for the ranks' exchange (ddpkit bench reads it)
         self.exchange_calls = 0  # collectives of the last step's exchange
+        self.exchange: TreeExchange | None = None
+        self._overlap = False  # in the last shard's backward: buckets go to the exchange as they fill
+        self._ready: dict[int, int] = {}  # bucket -> its gradients finished in this backward
+        if world_size > 1:
+            self.exchange = TreeExchange(self.params, world_size=world_size, rank=rank, device=device)
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(self._make_ready_hook(i))
         for index, norm in enumerate(self.norms):
             norm.register_forward_pre_hook(self._make_pre_hook(index))
             norm.register_forward_hook(self._make_post_hook(index))
@@ -161,6 +171,9 @@ class Exact:
             )
         if self.current[0] in self.leaves:
             raise UsageError("rt.backward ran twice on one shard; micro_shards takes one backward per shard")
+        # the last shard of the rank's batch: its backward hands finished buckets to the exchange
+        self._overlap = self.exchange is not None and self.current[0] == self.expected[-1] and not self._probing
+        self._ready = {}
         return self.current[2] / self.batch_count
 
     def after_backward(self) -> None:
@@ -170,6 +183,44 @@ class Exact:
         self.leaves[current[0]] = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        if self._overlap:  # buckets whose gradients the backward never reached go now
+            self._overlap = False
+            self._submit_rest()
+
+    def _make_ready_hook(self, index: int) -> Any:
+        def ready(param: torch.Tensor) -> None:
+            if not self._overlap or self.current is None:
+                return
+            exchange = self.exchange
+            assert exchange is not None  # _overlap is only set with an exchange
+            bucket = exchange.bucket_of[index]
+            self._ready[bucket] = self._ready.get(bucket, 0) + 1
+            if self._ready[bucket] == len(exchange.buckets[bucket]):
+                exchange.submit(bucket, self._shard_grads(exchange.buckets[bucket], self.current[0]))
+
+        return ready
+
+    def _shard_grads(self, members: list[int], current: int | None) -> list[list[Any]]:
+        """For each parameter of a bucket, its gradient in each local shard (the shard in hand: ``.grad``)."""
+        rows = []
+        for i in members:
+            row = []
+            for j in range(self.local_shards):
+                if j == current:
+                    row.append(self.params[i].grad)
+                else:
+                    leaf = self.leaves.get(j)
+                    row.append(None if leaf is None else leaf[i])
+            rows.append(row)
+        return rows
+
+    def _submit_rest(self) -> None:
+        """Hand the exchange every bucket the backward pass did not (all of them on a rank without samples)."""
+        exchange = self.exchange
+        assert exchange is not None
+        for bucket, members in enumerate(exchange.buckets):
+            if not exchange.submitted(bucket):
+                exchange.submit(bucket, self._shard_grads(members, None))
 
     # -- the step --------------------------------------------------------------------------------
     def reduce(self) -> None:
@@ -180,87 +231,44 @@ class Exact:
                 "rt.step came before every shard of the batch ran rt.backward; finish the "
                 "`for shard in rt.shards(...)` loop first"
             )
-        local = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
         stats = [self.stats.get(j) for j in range(self.local_shards)]
-        self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
-        if self.world_size == 1:
-            total = local
+        if self.exchange is None:  # one process: the whole tree is here
+            total = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
+            self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
             gathered_stats = [stats]
         else:
             import time
 
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self._submit_rest()  # a rank whose shards were all empty hands over absent gradients
+            self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
             start = time.perf_counter()
-            total, gathered_stats = self._across_ranks(local, stats)
+            gathered_stats = self._gather_stats(stats)
+            total = self.exchange.wait()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.exchange_seconds += time.perf_counter() - start
+            self.exchange_calls = self.exchange.calls_per_step + (1 if self.norms else 0)
         for p, grad in zip(self.params, total if total is not None else [None] * len(self.params)):
             p.grad = grad
         self._update_running(gathered_stats)
 
-    def _across_ranks(self, local: list[Any] | None, stats: list[Any]) -> tuple[list[Any] | None, list[Any]]:
-        """Every rank's partial sum and shard statistics, gathered; the top of the tree summed here.
-
-        With two processes that both hold a partial sum the top of the tree is one addition,
-        which an allreduce makes on both ranks (its ``a + b`` is ``b + a``): no gathered copies."""
+    def _gather_stats(self, stats: list[Any]) -> list[Any]:
+        """Every rank's shard statistics (one all_gather of float64 rows; nothing without BatchNorm)."""
         import torch.distributed as dist
 
-        present = torch.tensor(
-            [0.0 if local is None or g is None else 1.0 for g in (local or [None] * len(self.params))]
-            + [0.0 if s is None else 1.0 for s in stats],
-            dtype=torch.float64,
-        )
+        if not self.norms:
+            return []
         stat_width = sum(1 + 2 * n.num_features for n in self.norms)
-        stat_rows = [
-            _pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64) for s in stats
-        ]
-        head = torch.cat([present, *stat_rows]).to(self.device)
+        rows = [_pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64) for s in stats]
+        flags = torch.tensor([0.0 if s is None else 1.0 for s in stats], dtype=torch.float64)
+        head = torch.cat([flags, *rows]).to(self.device)
         heads = [torch.empty_like(head) for _ in range(self.world_size)]
         dist.all_gather(heads, head)
-        self.exchange_calls = 1
-        heads = [h.cpu() for h in heads]  # (a float64 row: presence flags, then statistics)
-        n = len(self.params)
-        total: list[Any] = [None] * n
-        for dtype in sorted({p.dtype for p in self.params}, key=str):
-            idx = [i for i, p in enumerate(self.params) if p.dtype == dtype]
-            flat = torch.cat(
-                [
-                    (
-                        local[i] if local is not None and local[i] is not None else torch.zeros_like(self.params[i])
-                    ).reshape(-1)
-                    for i in idx
-                ]
-            )
-            if self.world_size == 2 and all(heads[r][i] > 0 for r in range(2) for i in idx):
-                dist.all_reduce(flat)  # a + b, the top of the tree (b + a on the other rank: equal bits)
-                flats = [flat]
-            else:  # the ranks' partial sums, the top of the tree summed here
-                flats = [torch.empty_like(flat) for _ in range(self.world_size)]
-                dist.all_gather(flats, flat)
-            self.exchange_calls += 1
-            partials: list[list[torch.Tensor | None]] = [[None] * len(idx) for _ in flats]
-            for r, other in enumerate(flats):
-                offset = 0
-                for k, i in enumerate(idx):
-                    size = self.params[i].numel()
-                    if len(flats) == 1 or heads[r][i] > 0:
-                        partials[r][k] = other[offset : offset + size].view_as(self.params[i])
-                    offset += size
-            for i, grad in zip(idx, tree_sum(partials, _add_grads)):
-                total[i] = grad
         gathered = []
-        for r in range(self.world_size):
-            rows = heads[r][n + self.local_shards :].view(self.local_shards, -1) if stat_width else None
-            # without BatchNorm layers (rows None) no shard has statistics: every flag is 0
-            gathered.append(
-                [
-                    None if heads[r][n + j] == 0 or rows is None else _unpack(rows[j], self.norms)
-                    for j in range(self.local_shards)
-                ]
-            )
-        return (None if all(g is None for g in total) else total), gathered
+        for h in (h.cpu() for h in heads):
+            table = h[self.local_shards :].view(self.local_shards, -1)
+            gathered.append([None if h[j] == 0 else _unpack(table[j], self.norms) for j in range(self.local_shards)])
+        return gathered
 
     def _update_running(self, gathered: list[list[Any]]) -> None:
         """Each shard's statistics, in shard order, as one process's forwards would have applied them."""
@@ -285,8 +293,16 @@ class Exact:
     threads_before: int | None = None
     """The process's intra-op thread count before :func:`setup` fixed the shards' (``rt.close`` restores it)."""
 
+    deterministic_before: bool | None = None
+    """Whether torch's deterministic algorithms were on before :func:`setup` turned them on for CUDA (None: not CUDA)."""
+
     def restore_threads(self) -> None:
-        """Give the process back the thread count it had before the run fixed it."""
+        """Give the process back the thread count and deterministic setting it had before the run, and stop the exchange's thread."""
+        if self.exchange is not None:
+            self.exchange.close()
+        if self.deterministic_before is not None:
+            torch.use_deterministic_algorithms(self.deterministic_before)
+            self.deterministic_before = None
         if self.threads_before is not None:
             torch.set_num_threads(self.threads_before)
             self.threads_before = None
@@ -379,13 +395,44 @@ def setup(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads_for(micro_shards))
     model.to(device)
+    deterministic_before = None
     if device.type == "cuda":
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+        deterministic_before = torch.are_deterministic_algorithms_enabled()
+        deterministic_cuda()
     if world_size > 1:
         broadcast_from_rank0(model)
     exact = Exact(
         model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed, device=device
     )
-    exact.threads_before = previous
+    exact.threads_before, exact.deterministic_before = previous, deterministic_before
     return exact
+
+
+def deterministic_cuda() -> None:
+    """CUDA kernels that give the same bits every run: cuDNN's deterministic algorithms, no autotuning,
+    ``torch.use_deterministic_algorithms`` with cuBLAS's fixed workspace, and an op that has no
+    deterministic kernel reported in one line (exit 2) rather than torch's traceback."""
+    # cuBLAS reads it when it creates its handle (the first matrix product on the device)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+    translate_uncaught(no_deterministic_kernel)
+
+
+_NO_KERNEL = re.compile(r"^(\S+) does not have a deterministic implementation")
+
+
+def no_deterministic_kernel(exc: BaseException) -> UsageError | None:
+    """torch's error for an op without a deterministic CUDA kernel, as one line that says what to do.
+
+    >>> no_deterministic_kernel(RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set ..."))
+    UsageError('micro_shards runs deterministic CUDA kernels only, and index_add_cuda_ has none; train this model with micro_shards on the CPU, replace that op, or drop micro_shards')
+    """
+    found = _NO_KERNEL.match(str(exc)) if isinstance(exc, RuntimeError) else None
+    if found is None:
+        return None
+    return UsageError(
+        f"micro_shards runs deterministic CUDA kernels only, and {found.group(1)} has none; train this model "
+        "with micro_shards on the CPU, replace that op, or drop micro_shards"
+    )

@@ -55,17 +55,52 @@ def check(
             f"or micro_shards to a multiple of {world_size}"
         )
     refused = [
-        ("sync_batchnorm=True", sync_batchnorm, "each shard keeps its own BatchNorm statistics"),
-        (f"grad_compression={grad_compression!r}", grad_compression is not None, "the sums must be exact"),
-        (f"strategy={strategy!r}", strategy != "ddp", "the model is replicated"),
-        (f"sync={sync!r}", sync != "every-step", "every step is summed"),
-        ("compile", bool(compile), "its hooks keep BatchNorm's statistics per shard"),
-        (f"DDP arguments {sorted(ddp_kwargs)}", bool(ddp_kwargs), "no DDP wrapper is used"),
-        ("--fault-tolerant", fault_tolerant, "replicas come and go"),
+        (
+            "sync_batchnorm=True",
+            sync_batchnorm,
+            "SyncBatchNorm mixes the statistics of every rank, so they change with the world size",
+            "drop sync_batchnorm: each shard keeps its own BatchNorm statistics, the same on any world size",
+        ),
+        (
+            f"grad_compression={grad_compression!r}",
+            grad_compression is not None,
+            "a compressed gradient depends on how the batch is split over the ranks",
+            "drop grad_compression: the exact exchange moves no more bytes than an allreduce",
+        ),
+        (
+            f"strategy={strategy!r}",
+            strategy != "ddp",
+            "fsdp reduce-scatters each gradient in an order of its own, which changes with the world size",
+            "use strategy='ddp'",
+        ),
+        (
+            f"sync={sync!r}",
+            sync != "every-step",
+            "a periodic sync depends on how many replicas train apart between syncs",
+            "use sync='every-step'",
+        ),
+        (
+            "compile",
+            bool(compile),
+            "the hooks that keep BatchNorm statistics per shard are not compiled",
+            "drop compile",
+        ),
+        (
+            f"DDP arguments {sorted(ddp_kwargs)}",
+            bool(ddp_kwargs),
+            "no DDP wrapper is used",
+            "drop them: the exchange buckets the gradients itself",
+        ),
+        (
+            "--fault-tolerant",
+            fault_tolerant,
+            "the shards of a lost replica would be split again over the survivors",
+            "run without it: a job restarted on another world size still ends at the same bits",
+        ),
     ]
-    for name, bad, why in refused:
+    for name, bad, why, instead in refused:
         if bad:
-            raise UsageError(f"micro_shards does not combine with {name} ({why}); drop one of the two")
+            raise UsageError(f"micro_shards does not combine with {name} ({why}); {instead}")
 
 
 def threads_for(micro_shards: int, cores: int | None = None) -> int:

@@ -1,0 +1,261 @@
+"""The ranks' exchange of micro-shard gradients: the fixed tree's top, as recursive halving then doubling, in the background.
+
+Rank ``r`` holds the partial sum ``P[r]`` of its own shards. The fixed tree sums the ranks' partial
+sums as ``tree(P) = tree(P[0::2]) + tree(P[1::2])``, so its innermost additions pair ranks
+``W / 2`` apart and its last one pairs neighbours. Recursive halving walks that tree bottom-up:
+
+- **Halving (a reduce-scatter).** At distance ``d = W/2, W/4, ..., 1`` rank ``r`` swaps half of the
+  range it still holds with rank ``r ^ d`` (the lower half stays with the rank whose bit ``d`` is
+  clear), and adds what it receives to what it keeps. After ``log2 W`` rounds each rank holds
+  ``1/W`` of the gradients, summed by exactly the additions one process makes (``a + b`` is
+  ``b + a`` bit for bit; only the grouping matters, and it is the tree's).
+- **Doubling (an all-gather).** The same pairs in reverse order swap what they hold, until every
+  rank holds every sum.
+
+Each rank sends and receives ``N (W - 1) / W`` elements in each phase: ``2 N (W - 1) / W`` in all,
+what a ring allreduce moves, over ``2 log2 W`` rounds of ``torch.distributed``'s own ``isend`` and
+``irecv`` (a process group of the exchange's own, so it runs beside the step's other collectives).
+
+**Buckets, in the background.** Parameters are grouped into buckets in reverse order (the order a
+backward pass finishes their gradients, as DDP's buckets). During the last micro-shard's backward
+each bucket whose gradients are all there is handed to a thread that sums the rank's shards and
+exchanges it, while the backward pass goes on; buckets go through the exchange in one fixed order on
+every rank. A parameter a rank's shards never reached is "absent" (not zero) and travels as a flag:
+the tree skips it as it skips an empty shard, so no ``-0.0 + 0.0`` can change a bit.
+
+Example (one process: the bucket plan only):
+    >>> import torch
+    >>> params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 2)]
+    >>> plan_buckets(params, bucket_bytes=32, first_bucket_bytes=8)
+    [[2], [1], [0]]
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddpkit.parallel.exact_tree import tree_sum
+
+__all__ = ["TreeExchange", "plan_buckets"]
+
+BUCKET_BYTES = 25 * 2**20
+"""A bucket's size once the first is sent: DDP's ``bucket_cap_mb`` default."""
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket's size (DDP's first bucket is 1 MiB too): the exchange starts early in the backward pass."""
+
+
+def plan_buckets(
+    params: Sequence[torch.Tensor], *, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES
+) -> list[list[int]]:
+    """Parameter indices in buckets: reverse order, one dtype and device a bucket, each closed once it holds ``bucket_bytes``.
+
+    Args:
+        params: the parameters whose gradients are summed, in the model's order.
+        bucket_bytes: a bucket's size after the first.
+        first_bucket_bytes: the first bucket's size.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, limit, kind = 0, first_bucket_bytes, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if current and ((p.dtype, p.device) != kind or size >= limit):
+            buckets.append(current)
+            current, size, limit = [], 0, bucket_bytes
+        current.append(i)
+        size += p.numel() * p.element_size()
+        kind = (p.dtype, p.device)
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class TreeExchange:
+    """The background exchange of one run's micro-shard gradients (world size ≥ 2, a power of two).
+
+    Args:
+        params: the parameters whose gradients are summed.
+        world_size: processes of the job.
+        rank: this process's rank.
+        device: where the gradients live.
+        bucket_bytes, first_bucket_bytes: the buckets' sizes (:func:`plan_buckets`; None: the module's).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        bucket_bytes: int | None = None,
+        first_bucket_bytes: int | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.params, self.world_size, self.rank, self.device = list(params), world_size, rank, device
+        self.buckets = plan_buckets(
+            self.params,
+            bucket_bytes=BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+            first_bucket_bytes=FIRST_BUCKET_BYTES if first_bucket_bytes is None else first_bucket_bytes,
+        )
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        # the exchange's own group (every rank creates it, in setup): its sends run beside the
+        # step's other collectives (BatchNorm statistics, metrics) without being ordered with them
+        backend = dist.get_backend()
+        self.group = dist.new_group(backend=backend)
+        # gloo sends and receives CPU tensors only: CUDA gradients (processes sharing a GPU) go through the host
+        self._through_host = device.type == "cuda" and backend == "gloo"
+        self.rounds = world_size.bit_length() - 1  # log2 W
+        self.calls_per_step = 2 * self.rounds * len(self.buckets)
+        """Point-to-point rounds of one step's exchange (``ddpkit bench`` reads it)."""
+        self.busy_seconds = 0.0
+        """The thread's time exchanging, hidden or not (``ddpkit bench`` reads it)."""
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._done: queue.Queue[Any] = queue.Queue()
+        self._submitted: set[int] = set()
+        self._thread = threading.Thread(target=self._serve, name="ddpkit-micro-shard-exchange", daemon=True)
+        self._thread.start()
+
+    # -- the main thread's side -------------------------------------------------------------------
+    def submit(self, bucket: int, grads: list[list[torch.Tensor | None]]) -> None:
+        """Hand over one bucket: for each of its parameters, this rank's shard gradients in local shard order."""
+        self._submitted.add(bucket)
+        self._inbox.put((bucket, grads))
+
+    def submitted(self, bucket: int) -> bool:
+        """Whether ``bucket`` was handed over this step."""
+        return bucket in self._submitted
+
+    def wait(self) -> list[torch.Tensor | None]:
+        """Every parameter's sum over all ranks' shards (None where no shard of any rank reached it).
+
+        Raises:
+            RuntimeError: what the exchange thread raised (a peer gone, for example).
+        """
+        if len(self._submitted) != len(self.buckets):
+            raise AssertionError("TreeExchange.wait before every bucket was submitted")  # a bug of ddpkit
+        self._submitted = set()
+        outcome = self._done.get()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        """Stop the thread (between steps)."""
+        if self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join(timeout=10)
+
+    # -- the thread's side ------------------------------------------------------------------------
+    def _serve(self) -> None:
+        early: dict[int, Any] = {}
+        while True:
+            total: list[torch.Tensor | None] = [None] * len(self.params)
+            try:
+                for b, members in enumerate(self.buckets):
+                    while b not in early:
+                        item = self._inbox.get()
+                        if item is None:
+                            return
+                        early[item[0]] = item[1]
+                    grads = early.pop(b)
+                    start = time.perf_counter()
+                    for i, grad in zip(members, self._bucket(members, grads)):
+                        total[i] = grad
+                    self.busy_seconds += time.perf_counter() - start
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+                early.clear()
+                self._done.put(exc)
+                continue
+            self._done.put(total)
+
+    def _bucket(self, members: list[int], grads: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+        """One bucket: the local tree over shards, then halving and doubling across the ranks."""
+        params = [self.params[i] for i in members]
+        local = [tree_sum(shards) for shards in grads]
+        sizes = [p.numel() for p in params]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=self.device)
+        present = torch.zeros(len(params), dtype=torch.bool)
+        for k, grad in enumerate(local):
+            if grad is not None:
+                flat[offsets[k] : offsets[k + 1]].copy_(grad.reshape(-1))
+                present[k] = True
+        present = self._halve_then_double(flat, present, offsets)
+        return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
+
+    def _swap(self, send: torch.Tensor, recv: torch.Tensor, partner: int) -> None:
+        """Send ``send`` to ``partner`` while receiving its message into ``recv``."""
+        import torch.distributed as dist
+
+        into = torch.empty(recv.shape, dtype=recv.dtype) if self._through_host else recv
+        requests = [
+            dist.isend(send.cpu() if self._through_host else send, partner, group=self.group),
+            dist.irecv(into, partner, group=self.group),
+        ]
+        for request in requests:
+            assert request is not None  # None only for a rank outside the group; every rank is in it
+            request.wait()
+        if into is not recv:
+            recv.copy_(into)
+
+    def _halve_then_double(self, flat: torch.Tensor, present: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+        """Sum ``flat`` over the ranks along the tree, in place; returns the parameters any rank had."""
+        lo, hi = 0, flat.numel()
+        rounds = []
+        distance = self.world_size // 2
+        width = len(present)
+        while distance >= 1:
+            partner = self.rank ^ distance
+            mid = lo + (hi - lo) // 2
+            keep, give = ((lo, mid), (mid, hi)) if not self.rank & distance else ((mid, hi), (lo, mid))
+            send = torch.cat([present.to(flat.dtype).to(flat.device), flat[give[0] : give[1]]])
+            recv = torch.empty(width + keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
+            self._swap(send, recv, partner)
+            theirs_present = recv[:width].cpu() > 0
+            theirs = recv[width:]
+            self._combine(flat, keep, theirs, present, theirs_present, offsets)
+            present = present | theirs_present
+            rounds.append((partner, keep, give))
+            lo, hi = keep
+            distance //= 2
+        for partner, keep, give in reversed(rounds):
+            received = torch.empty(give[1] - give[0], dtype=flat.dtype, device=flat.device)
+            self._swap(flat[keep[0] : keep[1]].contiguous(), received, partner)
+            flat[give[0] : give[1]].copy_(received)
+        return present
+
+    @staticmethod
+    def _combine(
+        flat: torch.Tensor,
+        keep: tuple[int, int],
+        theirs: torch.Tensor,
+        mine_present: torch.Tensor,
+        theirs_present: torch.Tensor,
+        offsets: list[int],
+    ) -> None:
+        """``flat[keep] = mine + theirs`` where both subtrees reached a parameter, the one that did elsewhere."""
+        lo, hi = keep
+        if hi <= lo:
+            return
+        if bool(mine_present.all()) and bool(theirs_present.all()):
+            flat[lo:hi].add_(theirs)
+            return
+        for k in range(len(offsets) - 1):
+            start, end = max(offsets[k], lo), min(offsets[k + 1], hi)
+            if start >= end:
+                continue
+            mine_part, their_part = flat[start:end], theirs[start - lo : end - lo]
+            if mine_present[k] and theirs_present[k]:
+                mine_part.add_(their_part)
+            elif theirs_present[k]:
+                mine_part.copy_(their_part)
