@@ -96,9 +96,7 @@ def test_one_process_step_is_the_batch_mean_gradient_and_the_shards_running_stat
 def _drop_batch(rt) -> None:
     """Forget a refused batch's shards (what a script cannot do: its run ends at the error)."""
     exact = next(m for m in rt._run.modes if m.name == "micro-shards").exact
-    exact.leaves.clear()
-    exact.stats.clear()
-    exact.cut = False
+    exact._forget_step()
 
 
 def test_loops_that_would_break_exactness_are_refused_in_one_line():
@@ -132,9 +130,14 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
             with pytest.raises(UsageError, match="twice on one shard"):
                 rt.backward(F.cross_entropy(net[3](torch.relu(net[0](xs).detach())), ys))
         assert rt.step(opt)
-        with pytest.raises(UsageError, match="rt.accumulate does not combine with micro_shards"):
-            with rt.accumulate(net, 2):
-                pass
+        with rt.accumulate(net, 2):  # a group's first batch, whose second shard never runs
+            shards = rt.shards(x, y)
+            xs, ys = next(shards)
+            rt.backward(F.cross_entropy(net(xs), ys))
+            shards.close()
+        with rt.accumulate(net, 2), pytest.raises(UsageError, match="before every shard of the previous one"):
+            rt.shards(x, y)
+        _drop_batch(rt)
         with pytest.raises(UsageError, match="built for one model"):
             rt.setup(_bn_net(), micro_shards=2)
         net.eval()
@@ -463,3 +466,31 @@ def test_bench_compare_exact_puts_a_micro_shard_twin_beside_each_plain_ddp_row()
     ]:
         with pytest.raises(UsageError, match=line):
             parse_settings(flags)
+
+
+@pytest.mark.timeout(300)
+def test_accumulation_over_three_batches_ends_at_the_same_bits_on_one_and_two_processes():
+    """rt.accumulate(model, 3) with micro_shards=2: each shard's gradient adds up over the group's
+    batches before the tree; BatchNorm statistics follow batch by batch; an uneven last group."""
+    one = ddpkit.launch(workers.exact_run, nprocs=1, args=(2, 1, None, None, "fp32", None, None, None, 3))[0]
+    two = ddpkit.launch(workers.exact_run, nprocs=2, args=(2, 1, None, None, "fp32", None, None, 256, 3))[0]
+    assert one["steps"] == two["steps"] == 10  # 30 batches of an epoch, 3 a step
+    assert _same(one["state"], two["state"]) == []
+    assert one["accuracy"] == two["accuracy"] > 0.5
+
+
+def test_a_checkpoint_inside_an_accumulation_group_with_micro_shards_is_one_line(tmp_path):
+    rt = ddpkit.init(seed=0, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        net = torch.nn.Linear(6, 3)
+        net, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+        for x, y in rt.loader(_data(), global_batch_size=8):
+            with rt.accumulate(net, 2):
+                for xs, ys in rt.shards(x, y):
+                    rt.backward(F.cross_entropy(net(xs), ys))
+                with pytest.raises(UsageError, match="checkpoint after the rt.step of the group's last batch"):
+                    rt.checkpoint({"model": net, "optimizer": opt})
+                break
+    finally:
+        rt.close()
+    assert not any((tmp_path / "ckpt").glob("*")) if (tmp_path / "ckpt").exists() else True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import ddpkit
@@ -513,12 +515,14 @@ def exact_run(
     samples: int | None = None,
     clip: float | None = None,
     bucket_bytes: int | None = None,
+    accumulate: int | None = None,
 ) -> dict:
     """A BatchNorm + dropout ConvNet on digits with ``rt.setup(micro_shards=...)`` (global batch 48,
     so the last batch's shards are uneven). Stops after ``stop_after`` steps with a checkpoint, or
     resumes from ``checkpoint_dir``'s newest; returns rank 0's final state, the steps, the
     mean train loss of the last epoch and the test accuracy. ``bucket_bytes``: the exchange's
-    buckets, small enough to be handed over one by one during the last shard's backward."""
+    buckets, small enough to be handed over one by one during the last shard's backward.
+    ``accumulate``: steps every that many batches, inside ``rt.accumulate``."""
     import torch
     import torch.nn.functional as F
 
@@ -562,14 +566,16 @@ def exact_run(
     for _ in rt.epochs(epochs):
         loss_sum.zero_()
         for images, labels in loader:
-            for x, y in rt.shards(images, labels):
-                with rt.autocast():
-                    loss = F.cross_entropy(model(x), y)
-                rt.backward(loss)
-                loss_sum += loss.detach().double() * len(y)
-            if clip is not None:
-                rt.clip_grad_norm_(model, clip)
-            rt.step(optimizer)
+            group = rt.accumulate(model, accumulate) if accumulate else contextlib.nullcontext(True)
+            with group as last:
+                for x, y in rt.shards(images, labels):
+                    with rt.autocast():
+                        loss = F.cross_entropy(model(x), y)
+                    rt.backward(loss)
+                    loss_sum += loss.detach().double() * len(y)
+                if clip is not None and last:
+                    rt.clip_grad_norm_(model, clip)
+                rt.step(optimizer)
             if stop_after is not None and rt.global_step == stop_after:
                 rt.checkpoint(state)
                 rt.close()

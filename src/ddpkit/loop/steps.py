@@ -235,12 +235,18 @@ def accumulate(run: RunState, model: torch.nn.Module, steps: int) -> Iterator[bo
         loop.micro_step = 0
     run.accumulation = (divisor, last)
     mode = next((entry.mode for entry in run.entries if entry.model is model), Mode())
+    sampler = getattr(run.active, "sampler", None)
+    samples = round(divisor * sampler.global_batch_size) if sampler is not None else None
+    for each in run.modes:  # micro-shards weigh each shard by the group's samples
+        each.accumulating(None if samples is None else (samples, last))
     sync_off = mode.no_sync(model) if not last else contextlib.nullcontext()
     try:
         with sync_off:
             yield last
     finally:
         run.accumulation = None
+        for each in run.modes:
+            each.accumulating(None)
 
 
 def group_weight(loader: Any, steps: int) -> tuple[int, float]:

@@ -24,9 +24,15 @@ weights up to float rounding:
 
 The price: one process computes its M shards one after another on ``cores // M`` threads each,
 and BatchNorm normalises over ``B // M`` samples rather than the global batch (the usual choice at
-scale, Hoffer et al., 2017). Refused with it, in one line each: SyncBatchNorm, gradient
-compression, fsdp, infrequent syncs, ``torch.compile``, DDP arguments, ``rt.accumulate``, a
-fault-tolerant job, a world size that is not a power of two dividing M, and streams.
+scale, Hoffer et al., 2017). ``rt.accumulate`` (k batches a step) adds each shard's gradients over
+the group's batches in order before the tree, and weighs each shard by the group's samples.
+Refused with it, in one line each that says why and what instead: SyncBatchNorm, gradient
+compression, fsdp, infrequent syncs, ``torch.compile``, DDP arguments, a fault-tolerant job, a
+world size that is not a power of two dividing M, and streams.
+
+**The exchange** (:mod:`ddpkit.parallel.exact_exchange`): recursive halving then doubling along the
+tree's top, which moves what a ring allreduce moves, in buckets sent while the last shard's
+backward runs. On CUDA, deterministic kernels (:func:`deterministic_cuda`).
 
 Example (one process; the same lines under ``ddpkit run -n 2`` end at the same bits):
     >>> import torch, ddpkit, torch.nn.functional as F
@@ -96,8 +102,12 @@ class Exact:
         self.leaves: dict[int, list[Any]] = {}  # local index -> gradients per parameter
         self.stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # j -> norm -> (mean, var)
         self.expected: list[int] = []  # local shards of the batch in hand with samples
+        self.done: set[int] = set()  # local shards of the batch in hand that ran rt.backward
         self.cut = False  # a batch was cut and its exchange is due
         self.batch_count = 0  # samples of the global batch in hand
+        self.group: tuple[int, bool] | None = None  # rt.accumulate: (samples of the group, its last batch)
+        self.batches = 0  # batches cut since the last step (several in an accumulation group)
+        self.group_stats: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []  # earlier batches'
         self._saved: dict[int, tuple[Any, ...]] = {}
         self.exchange_seconds = 0.0  # the step waited for the ranks' exchange (ddpkit bench reads it)
         self.exchange_calls = 0  # collectives of the last step's exchange
@@ -126,41 +136,53 @@ class Exact:
             )
         if active.sampler.world_size != self.world_size:
             raise UsageError("rt.shards: this loader splits batches over another world size than the run's")
-        if self.cut:
+        if self.cut and self.group is None:
             raise UsageError(
                 "rt.shards: the shards of the previous batch were not stepped; call rt.step "
-                "after the last shard's rt.backward"
+                "after the last shard's rt.backward (or step every k batches inside rt.accumulate)"
             )
+        if self.cut and self.done != set(self.expected):
+            raise UsageError(
+                "rt.shards: a batch came before every shard of the previous one ran rt.backward; "
+                "finish the `for shard in rt.shards(...)` loop first"
+            )
+        if self.cut:  # the next batch of an accumulation group: its statistics follow the last one's
+            self.group_stats.append(self.stats)
+            self.stats = {}
         total = active.global_count
         sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
         mine = [j for j in range(self.local_shards) if sizes[self.rank + j * self.world_size]]
-        self.expected, self.batch_count, self.cut = mine, total, True
-        return self._each(mine, sizes, step, batch)
+        self.expected, self.done, self.batch_count, self.cut = mine, set(), total, True
+        self.batches += 1
+        return self._each(mine, sizes, step, self.batches - 1, batch)
 
-    def _each(self, mine: list[int], sizes: list[int], step: int, batch: tuple[Any, ...]) -> Iterator[Any]:
+    def _each(
+        self, mine: list[int], sizes: list[int], step: int, in_group: int, batch: tuple[Any, ...]
+    ) -> Iterator[Any]:
         for j in mine:
             s = self.rank + j * self.world_size
             parts = tuple(_take(item, j, self.local_shards) for item in batch)
             self.current = (j, s, sizes[s])
             try:
-                with self._random_stream(step, s):
+                with self._random_stream(step, s, in_group):
                     yield parts[0] if len(parts) == 1 else parts
             finally:
                 self.current = None
-            if j not in self.leaves:
+            if j not in self.done:
                 raise UsageError(
                     "rt.shards: a shard went by without rt.backward; call rt.backward(loss) "
                     "once for every shard it hands out"
                 )
 
     @contextlib.contextmanager
-    def _random_stream(self, step: int, shard: int) -> Iterator[None]:
+    def _random_stream(self, step: int, shard: int, in_group: int = 0) -> Iterator[None]:
+        """The shard's random stream: the run's seed, the step, the batch's place in an accumulation group, the shard."""
         if self.seed is None:  # unseeded: nothing to make equal
             yield
             return
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed((self.seed * 1_000_003 + step * 65_537 + shard) % (2**63))
+            torch.manual_seed((self.seed * 1_000_003 + step * 65_537 + shard + in_group * 1_000_000_007) % (2**63))
             yield
 
     def weight(self) -> float:
@@ -169,18 +191,29 @@ class Exact:
             raise UsageError(
                 "with micro_shards, call rt.backward inside `for shard in rt.shards(*batch)`, once per shard"
             )
-        if self.current[0] in self.leaves:
+        if self.current[0] in self.done:
             raise UsageError("rt.backward ran twice on one shard; micro_shards takes one backward per shard")
-        # the last shard of the rank's batch: its backward hands finished buckets to the exchange
-        self._overlap = self.exchange is not None and self.current[0] == self.expected[-1] and not self._probing
+        last_batch = self.group is None or self.group[1]
+        # the last shard of the rank's (last) batch: its backward hands finished buckets to the exchange
+        self._overlap = (
+            self.exchange is not None and last_batch and self.current[0] == self.expected[-1] and not self._probing
+        )
         self._ready = {}
-        return self.current[2] / self.batch_count
+        # a share of the step's samples: the batch's, or (rt.accumulate) the whole group's
+        return self.current[2] / (self.batch_count if self.group is None else self.group[0])
+
+    def accumulating(self, group: tuple[int, bool] | None) -> None:
+        """``rt.accumulate`` opens a micro-step: (samples of its group, whether it is the group's last); None after it."""
+        self.group = group
 
     def after_backward(self) -> None:
         """Keep the shard's gradients as a leaf of the tree and clear them for the next shard."""
         current = self.current
         assert current is not None  # rt.backward's weight() came first and refused one outside a shard
-        self.leaves[current[0]] = [p.grad for p in self.params]
+        grads = [p.grad for p in self.params]
+        earlier = self.leaves.get(current[0])  # the shard's gradient from the group's earlier batches
+        self.leaves[current[0]] = grads if earlier is None else _add_grads(earlier, grads)
+        self.done.add(current[0])
         for p in self.params:
             p.grad = None
         if self._overlap:  # buckets whose gradients the backward never reached go now
@@ -206,11 +239,13 @@ class Exact:
         for i in members:
             row = []
             for j in range(self.local_shards):
-                if j == current:
-                    row.append(self.params[i].grad)
+                leaf = self.leaves.get(j)
+                earlier = None if leaf is None else leaf[i]
+                if j == current:  # the shard in hand, after its earlier batches' (as after_backward adds them)
+                    grad = self.params[i].grad
+                    row.append(grad if earlier is None else earlier if grad is None else earlier + grad)
                 else:
-                    leaf = self.leaves.get(j)
-                    row.append(None if leaf is None else leaf[i])
+                    row.append(earlier)
             rows.append(row)
         return rows
 
@@ -226,21 +261,22 @@ class Exact:
     def reduce(self) -> None:
         """Before the optimizer steps (or the gradients are clipped): the tree's sum of every shard's gradients into ``.grad`` and
         every shard's BatchNorm statistics into the running ones, in shard order (a collective)."""
-        if self.current is not None or set(self.leaves) != set(self.expected):
+        if self.current is not None or self.done != set(self.expected):
             raise UsageError(
                 "rt.step came before every shard of the batch ran rt.backward; finish the "
                 "`for shard in rt.shards(...)` loop first"
             )
-        stats = [self.stats.get(j) for j in range(self.local_shards)]
+        # each batch's shard statistics, in the order the batches came
+        stats = [[batch.get(j) for j in range(self.local_shards)] for batch in [*self.group_stats, self.stats]]
         if self.exchange is None:  # one process: the whole tree is here
             total = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
-            self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
+            self._forget_step()
             gathered_stats = [stats]
         else:
             import time
 
             self._submit_rest()  # a rank whose shards were all empty hands over absent gradients
-            self.leaves, self.stats, self.expected, self.cut = {}, {}, [], False
+            self._forget_step()
             start = time.perf_counter()
             gathered_stats = self._gather_stats(stats)
             total = self.exchange.wait()
@@ -252,31 +288,38 @@ class Exact:
             p.grad = grad
         self._update_running(gathered_stats)
 
-    def _gather_stats(self, stats: list[Any]) -> list[Any]:
-        """Every rank's shard statistics (one all_gather of float64 rows; nothing without BatchNorm)."""
+    def _forget_step(self) -> None:
+        self.leaves, self.stats, self.group_stats, self.expected, self.done = {}, {}, [], [], set()
+        self.cut, self.batches = False, 0
+
+    def _gather_stats(self, stats: list[list[Any]]) -> list[Any]:
+        """Every rank's shard statistics, per batch (one all_gather of float64 rows; nothing without BatchNorm)."""
         import torch.distributed as dist
 
         if not self.norms:
             return []
         stat_width = sum(1 + 2 * n.num_features for n in self.norms)
-        rows = [_pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64) for s in stats]
-        flags = torch.tensor([0.0 if s is None else 1.0 for s in stats], dtype=torch.float64)
+        flat = [s for batch in stats for s in batch]
+        rows = [_pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64) for s in flat]
+        flags = torch.tensor([0.0 if s is None else 1.0 for s in flat], dtype=torch.float64)
         head = torch.cat([flags, *rows]).to(self.device)
         heads = [torch.empty_like(head) for _ in range(self.world_size)]
         dist.all_gather(heads, head)
         gathered = []
         for h in (h.cpu() for h in heads):
-            table = h[self.local_shards :].view(self.local_shards, -1)
-            gathered.append([None if h[j] == 0 else _unpack(table[j], self.norms) for j in range(self.local_shards)])
+            table = h[len(flat) :].view(len(flat), -1)
+            unpacked = [None if h[k] == 0 else _unpack(table[k], self.norms) for k in range(len(flat))]
+            gathered.append([unpacked[b * self.local_shards : (b + 1) * self.local_shards] for b in range(len(stats))])
         return gathered
 
     def _update_running(self, gathered: list[list[Any]]) -> None:
         """Each shard's statistics, in shard order, as one process's forwards would have applied them."""
         if not self.norms:
             return
+        batches = len(gathered[0]) if gathered else 0
         with torch.no_grad():
-            for s in range(self.micro_shards):
-                shard = gathered[s % self.world_size][s // self.world_size]
+            for b, s in ((b, s) for b in range(batches) for s in range(self.micro_shards)):
+                shard = gathered[s % self.world_size][b][s // self.world_size]
                 if shard is None:
                     continue
                 for index, norm in enumerate(self.norms):

@@ -76,6 +76,9 @@ class Mode:
     def complete(self) -> None:
         """Make the gradients whole before they are clipped or stepped (a reduction that waited)."""
 
+    def accumulating(self, group: tuple[int, bool] | None) -> None:
+        """``rt.accumulate`` opens a micro-step: (samples of its group, whether it is the last); None when it ends."""
+
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """A micro-step of ``rt.accumulate`` that keeps its gradients local (DDP's ``no_sync``)."""
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -181,13 +184,22 @@ class MicroShards(Mode):
         self.exact = exact
         """The run's :class:`~ddpkit.parallel.exact.Exact`."""
 
-    def refuse(self, call: str) -> None:
-        """``rt.accumulate``: the micro-shards are already the step's micro-steps."""
-        if call == "rt.accumulate":
+    def accumulating(self, group: tuple[int, bool] | None) -> None:
+        """Each shard's gradient adds up over the group's batches; its loss weighs by the group's samples."""
+        self.exact.accumulating(group)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Nothing: a checkpoint falls between steps, where no shard gradient is held.
+
+        Raises:
+            UsageError: a save inside an accumulation group, whose shard gradients a checkpoint cannot hold yet.
+        """
+        if self.exact.cut:
             raise UsageError(
-                "rt.accumulate does not combine with micro_shards (the shards are its micro-steps); "
-                "raise global_batch_size, or micro_shards, instead"
+                "rt.checkpoint inside an rt.accumulate group with micro_shards: the shards' gradients so far "
+                "are not saved; checkpoint after the rt.step of the group's last batch"
             )
+        return None
 
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
         """This rank's micro-shards of the batch, each with its threads, random stream and BatchNorm."""
