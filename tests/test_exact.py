@@ -369,21 +369,33 @@ def test_fp16_scaler_clipping_and_loader_workers_combine_with_micro_shards():
         rt.close()
 
 
-def test_rt_shards_refuses_a_stream_batch():
-    class Counting(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            g = torch.Generator().manual_seed(0)
-            for _ in range(20):
-                yield torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
-
+def test_rt_shards_refuses_a_batch_rt_loader_did_not_cut_and_an_uneven_shards_stream():
     rt = ddpkit.init(seed=0)
     try:
-        net, opt = rt.setup(_bn_net(), torch.optim.SGD(_bn_net().parameters(), lr=0.1), micro_shards=2)
-        x, y = next(iter(rt.loader(Counting(), global_batch_size=10)))
-        with pytest.raises(UsageError, match="streams are not built for it"):
+        net, opt = rt.setup(_bn_net(), torch.optim.SGD(_bn_net().parameters(), lr=0.1), micro_shards=4)
+        x, y = next(iter(torch.utils.data.DataLoader(_data(), batch_size=8)))
+        with pytest.raises(UsageError, match="needs a batch from rt.loader"):
+            rt.shards(x, y)
+        stream = ddpkit.Shards.from_dataset(_data(), shards=4)
+        x, y = next(iter(rt.loader(stream, global_batch_size=10)))
+        with pytest.raises(UsageError, match="make global_batch_size a multiple of 4"):
             rt.shards(x, y)
     finally:
         rt.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["plain", "shards"])
+def test_streams_end_at_the_same_bits_on_one_and_two_processes(kind):
+    """A plain IterableDataset (every rank reads it whole, keeps every W-th sample) and a
+    ddpkit.Shards stream (each rank reads its own columns: shards lie end to end, so the tree pairs
+    neighbours first); micro_shards=4, so each rank sums two shards before the exchange; BatchNorm,
+    dropout, a short last batch that leaves a rank without samples."""
+    one = ddpkit.launch(workers.exact_stream_run, nprocs=1, args=(kind, 4))[0]
+    two = ddpkit.launch(workers.exact_stream_run, nprocs=2, args=(kind, 4))[0]
+    assert one["steps"] == two["steps"] == 2 * 7  # 100 samples in batches of 16: 7 a pass
+    assert _same(one["state"], two["state"]) == []
+    assert one["samples"] == two["samples"] == 200
 
 
 @pytest.mark.timeout(240)

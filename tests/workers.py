@@ -631,3 +631,54 @@ def tree_exchange_bits(local_shards: int) -> dict:
     }
     rt.close()
     return out
+
+
+class _NumberedStream(torch.utils.data.IterableDataset):
+    """100 fixed samples of 6 features and 3 classes, in order (every rank reads them all)."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(7)
+        for _ in range(100):
+            yield torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
+
+
+def exact_stream_run(kind: str, micro_shards: int = 2, bucket_bytes: int = 256) -> dict:
+    """``micro_shards`` over a stream through ``rt.loader`` (``kind``: "plain", an IterableDataset, or
+    "shards", the same samples as a ddpkit.Shards of 4 shards), 2 epochs in global batches of 16;
+    returns rank 0's final state, the steps and the samples trained."""
+    import torch.nn.functional as F
+
+    from ddpkit.parallel import exact_exchange
+
+    exact_exchange.BUCKET_BYTES = exact_exchange.FIRST_BUCKET_BYTES = bucket_bytes
+    rt = ddpkit.init(seed=4)
+    samples = list(_NumberedStream())
+    if kind == "plain":
+        data = _NumberedStream()
+    else:
+        data = ddpkit.Shards.from_dataset(
+            torch.utils.data.TensorDataset(torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])),
+            shards=4,
+        )
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3)
+    )
+    model, optimizer = rt.setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), micro_shards=micro_shards
+    )
+    loader = rt.loader(data, global_batch_size=16)
+    seen = 0
+    for _ in rt.epochs(2):
+        for x, y in loader:
+            for xs, ys in rt.shards(x, y):
+                rt.backward(F.cross_entropy(model(xs), ys))
+            rt.step(optimizer)
+            seen += loader.global_count
+    out = {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "steps": rt.global_step,
+        "samples": seen,
+    }
+    rt.close()
+    return out

@@ -71,6 +71,7 @@ from ddpkit.parallel.exact_tree import (
     check,
     threads_for,
     tree_sum,
+    tree_sum_halves,
 )
 
 __all__ = ["Exact", "check", "tree_sum", "threads_for"]
@@ -107,6 +108,7 @@ class Exact:
         self.batch_count = 0  # samples of the global batch in hand
         self.group: tuple[int, bool] | None = None  # rt.accumulate: (samples of the group, its last batch)
         self.batches = 0  # batches cut since the last step (several in an accumulation group)
+        self.halves = False  # the step's shards lie end to end (a ddpkit.Shards stream), not interleaved
         self.group_stats: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []  # earlier batches'
         self._saved: dict[int, tuple[Any, ...]] = {}
         self.exchange_seconds = 0.0  # the step waited for the ranks' exchange (ddpkit bench reads it)
@@ -131,8 +133,8 @@ class Exact:
         part in the exchange."""
         if not getattr(active, "cuts_global_batches", False):
             raise UsageError(
-                "rt.shards needs a batch from rt.loader over a map-style dataset (micro_shards "
-                "splits its global batches; streams are not built for it)"
+                "rt.shards needs a batch from rt.loader (micro_shards cuts its global batches, "
+                "which a plain DataLoader does not have)"
             )
         if active.sampler.world_size != self.world_size:
             raise UsageError("rt.shards: this loader splits batches over another world size than the run's")
@@ -149,19 +151,43 @@ class Exact:
         if self.cut:  # the next batch of an accumulation group: its statistics follow the last one's
             self.group_stats.append(self.stats)
             self.stats = {}
-        total = active.global_count
-        sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
-        mine = [j for j in range(self.local_shards) if sizes[self.rank + j * self.world_size]]
+        total, halves = active.global_count, bool(getattr(active, "contiguous_split", False))
+        if self.cut and halves != self.halves:
+            raise UsageError("rt.accumulate with micro_shards: one group's batches come from one loader")
+        self.halves = halves
+        rows = None
+        if halves:  # a Shards stream: rank r reads contiguous columns, so shards lie end to end
+            full = active.sampler.global_batch_size
+            if full % self.micro_shards:
+                raise UsageError(
+                    f"micro_shards={self.micro_shards} cuts a ddpkit.Shards stream's global batch of {full} "
+                    f"samples into equal runs; make global_batch_size a multiple of {self.micro_shards}"
+                )
+            rows = full // self.micro_shards
+            sizes = [max(0, min(total, (s + 1) * rows) - s * rows) for s in range(self.micro_shards)]
+        else:
+            sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
+        mine = [j for j in range(self.local_shards) if sizes[self._global(j)]]
         self.expected, self.done, self.batch_count, self.cut = mine, set(), total, True
         self.batches += 1
-        return self._each(mine, sizes, step, self.batches - 1, batch)
+        return self._each(mine, sizes, step, self.batches - 1, batch, rows)
+
+    def _global(self, j: int) -> int:
+        """The global shard of this rank's local shard ``j``."""
+        return self.rank * self.local_shards + j if self.halves else self.rank + j * self.world_size
 
     def _each(
-        self, mine: list[int], sizes: list[int], step: int, in_group: int, batch: tuple[Any, ...]
+        self,
+        mine: list[int],
+        sizes: list[int],
+        step: int,
+        in_group: int,
+        batch: tuple[Any, ...],
+        rows: int | None,
     ) -> Iterator[Any]:
         for j in mine:
-            s = self.rank + j * self.world_size
-            parts = tuple(_take(item, j, self.local_shards) for item in batch)
+            s = self._global(j)
+            parts = tuple(_take(item, j, self.local_shards, rows) for item in batch)
             self.current = (j, s, sizes[s])
             try:
                 with self._random_stream(step, s, in_group):
@@ -229,7 +255,7 @@ class Exact:
             bucket = exchange.bucket_of[index]
             self._ready[bucket] = self._ready.get(bucket, 0) + 1
             if self._ready[bucket] == len(exchange.buckets[bucket]):
-                exchange.submit(bucket, self._shard_grads(exchange.buckets[bucket], self.current[0]))
+                exchange.submit(bucket, self._shard_grads(exchange.buckets[bucket], self.current[0]), self.halves)
 
         return ready
 
@@ -255,7 +281,7 @@ class Exact:
         assert exchange is not None
         for bucket, members in enumerate(exchange.buckets):
             if not exchange.submitted(bucket):
-                exchange.submit(bucket, self._shard_grads(members, None))
+                exchange.submit(bucket, self._shard_grads(members, None), self.halves)
 
     # -- the step --------------------------------------------------------------------------------
     def reduce(self) -> None:
@@ -269,7 +295,8 @@ class Exact:
         # each batch's shard statistics, in the order the batches came
         stats = [[batch.get(j) for j in range(self.local_shards)] for batch in [*self.group_stats, self.stats]]
         if self.exchange is None:  # one process: the whole tree is here
-            total = tree_sum([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
+            tree = tree_sum_halves if self.halves else tree_sum
+            total = tree([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
             self._forget_step()
             gathered_stats = [stats]
         else:
@@ -319,7 +346,8 @@ class Exact:
         batches = len(gathered[0]) if gathered else 0
         with torch.no_grad():
             for b, s in ((b, s) for b in range(batches) for s in range(self.micro_shards)):
-                shard = gathered[s % self.world_size][b][s // self.world_size]
+                rank, j = divmod(s, self.local_shards) if self.halves else (s % self.world_size, s // self.world_size)
+                shard = gathered[rank][b][j]
                 if shard is None:
                     continue
                 for index, norm in enumerate(self.norms):

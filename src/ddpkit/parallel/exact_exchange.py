@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.parallel.exact_tree import tree_sum
+from ddpkit.parallel.exact_tree import tree_sum, tree_sum_halves
 
 __all__ = ["TreeExchange", "plan_buckets"]
 
@@ -124,10 +124,13 @@ class TreeExchange:
         self._thread.start()
 
     # -- the main thread's side -------------------------------------------------------------------
-    def submit(self, bucket: int, grads: list[list[torch.Tensor | None]]) -> None:
-        """Hand over one bucket: for each of its parameters, this rank's shard gradients in local shard order."""
+    def submit(self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool = False) -> None:
+        """Hand over one bucket: for each of its parameters, this rank's shard gradients in local shard order.
+
+        ``halves``: the shards lie end to end (:func:`~ddpkit.parallel.exact_tree.tree_sum_halves`, ranks
+        holding contiguous runs), not interleaved."""
         self._submitted.add(bucket)
-        self._inbox.put((bucket, grads))
+        self._inbox.put((bucket, (grads, halves)))
 
     def submitted(self, bucket: int) -> bool:
         """Whether ``bucket`` was handed over this step."""
@@ -165,9 +168,9 @@ class TreeExchange:
                         if item is None:
                             return
                         early[item[0]] = item[1]
-                    grads = early.pop(b)
+                    grads, halves = early.pop(b)
                     start = time.perf_counter()
-                    for i, grad in zip(members, self._bucket(members, grads)):
+                    for i, grad in zip(members, self._bucket(members, grads, halves)):
                         total[i] = grad
                     self.busy_seconds += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
@@ -176,10 +179,12 @@ class TreeExchange:
                 continue
             self._done.put(total)
 
-    def _bucket(self, members: list[int], grads: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    def _bucket(
+        self, members: list[int], grads: list[list[torch.Tensor | None]], halves: bool
+    ) -> list[torch.Tensor | None]:
         """One bucket: the local tree over shards, then halving and doubling across the ranks."""
         params = [self.params[i] for i in members]
-        local = [tree_sum(shards) for shards in grads]
+        local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
         sizes = [p.numel() for p in params]
         offsets = [0]
         for n in sizes:
@@ -190,7 +195,7 @@ class TreeExchange:
             if grad is not None:
                 flat[offsets[k] : offsets[k + 1]].copy_(grad.reshape(-1))
                 present[k] = True
-        present = self._halve_then_double(flat, present, offsets)
+        present = self._halve_then_double(flat, present, offsets, halves)
         return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
 
     def _swap(self, send: torch.Tensor, recv: torch.Tensor, partner: int) -> None:
@@ -208,13 +213,18 @@ class TreeExchange:
         if into is not recv:
             recv.copy_(into)
 
-    def _halve_then_double(self, flat: torch.Tensor, present: torch.Tensor, offsets: list[int]) -> torch.Tensor:
-        """Sum ``flat`` over the ranks along the tree, in place; returns the parameters any rank had."""
+    def _halve_then_double(
+        self, flat: torch.Tensor, present: torch.Tensor, offsets: list[int], halves: bool = False
+    ) -> torch.Tensor:
+        """Sum ``flat`` over the ranks along the tree, in place; returns the parameters any rank had.
+
+        Interleaved shards pair ranks ``W/2`` apart first and neighbours last; shards laid end to end
+        (``halves``) pair neighbours first and ranks ``W/2`` apart last: the tree's innermost additions first."""
         lo, hi = 0, flat.numel()
         rounds = []
-        distance = self.world_size // 2
         width = len(present)
-        while distance >= 1:
+        distances = [self.world_size >> k for k in range(1, self.rounds + 1)]
+        for distance in reversed(distances) if halves else distances:
             partner = self.rank ^ distance
             mid = lo + (hi - lo) // 2
             keep, give = ((lo, mid), (mid, hi)) if not self.rank & distance else ((mid, hi), (lo, mid))
@@ -227,7 +237,6 @@ class TreeExchange:
             present = present | theirs_present
             rounds.append((partner, keep, give))
             lo, hi = keep
-            distance //= 2
         for partner, keep, give in reversed(rounds):
             received = torch.empty(give[1] - give[0], dtype=flat.dtype, device=flat.device)
             self._swap(flat[keep[0] : keep[1]].contiguous(), received, partner)

@@ -127,19 +127,39 @@ def tree_sum(items: Sequence[Any], add: Any = None) -> Any:
     return add(left, right)
 
 
+def tree_sum_halves(items: Sequence[Any], add: Any = None) -> Any:
+    """``tree(items[:n // 2]) + tree(items[n // 2:])``: the tree of shards laid end to end (streams of
+    :class:`ddpkit.Shards`, whose ranks read contiguous columns); None items count as nothing.
+
+    >>> tree_sum_halves([1.0, 2.0, 3.0, 4.0])      # (1 + 2) + (3 + 4)
+    10.0
+    """
+    add = add or (lambda a, b: a + b)
+    if not items:
+        return None
+    if len(items) == 1:
+        return items[0]
+    half = len(items) // 2
+    left, right = tree_sum_halves(items[:half], add), tree_sum_halves(items[half:], add)
+    if left is None or right is None:
+        return right if left is None else left
+    return add(left, right)
+
+
 def _add_grads(a: list[Any], b: list[Any]) -> list[Any]:
     return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
 
 
-def _take(item: Any, j: int, every: int) -> Any:
-    """Local shard ``j`` of one batch element: rows ``j, j + every, ...`` of each tensor inside it,
-    contiguous whatever ``every`` is (a model that ``.view()``s its inputs runs on any world size)."""
+def _take(item: Any, j: int, every: int, rows: int | None = None) -> Any:
+    """Local shard ``j`` of one batch element: rows ``j, j + every, ...`` of each tensor inside it
+    (``rows`` given: rows ``j * rows`` to ``(j + 1) * rows``, shards laid end to end), contiguous
+    whatever ``every`` is (a model that ``.view()``s its inputs runs on any world size)."""
     if isinstance(item, torch.Tensor):
-        return item[j::every].contiguous()
+        return (item[j::every] if rows is None else item[j * rows : (j + 1) * rows]).contiguous()
     if isinstance(item, (list, tuple)):
-        return type(item)(_take(x, j, every) for x in item)
+        return type(item)(_take(x, j, every, rows) for x in item)
     if isinstance(item, dict):
-        return {k: _take(v, j, every) for k, v in item.items()}
+        return {k: _take(v, j, every, rows) for k, v in item.items()}
     return item
 
 

@@ -57,6 +57,9 @@ class StreamPlan:
 class StreamLoader(LoaderPosition):
     """Batches of this rank's share of each global batch of a stream, on the device."""
 
+    cuts_global_batches = True
+    """Its batches are this rank's share of fixed global batches: micro-shards can cut them."""
+
     def __init__(
         self,
         dataset: Any,
@@ -141,6 +144,11 @@ class StreamLoader(LoaderPosition):
             worker_init_fn=self._pieces.seed_worker if workers else None,
             generator=rng.private_generator(seed),
         )
+
+    @property
+    def contiguous_split(self) -> bool:
+        """Whether a rank's share is a contiguous run of the global batch (ddpkit.Shards' columns), not every W-th sample."""
+        return self.is_shards
 
     @property
     def length_known(self) -> bool:  # type: ignore[override]
