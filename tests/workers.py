@@ -634,11 +634,11 @@ def tree_exchange_bits(local_shards: int) -> dict:
 
 
 class _NumberedStream(torch.utils.data.IterableDataset):
-    """100 fixed samples of 6 features and 3 classes, in order (every rank reads them all)."""
+    """104 fixed samples of 6 features and 3 classes, in order (every rank reads them all)."""
 
     def __iter__(self):
         g = torch.Generator().manual_seed(7)
-        for _ in range(100):
+        for _ in range(104):
             yield torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
 
 
