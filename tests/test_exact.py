@@ -294,7 +294,10 @@ def test_ddpkit_train_with_micro_shards_turns_sync_bn_off_and_records_it(tmp_pat
         ),
         (["--modes", "ddp", "--sync-bn", "on"], "--micro-shards does not combine with --sync-batchnorm on"),
         (["--modes", "ddp", "--compare-raw"], "--micro-shards does not combine with --compare-raw"),
-        (["--modes", "ddp", "--data-format", "shards"], "--micro-shards does not combine with --data-format shards"),
+        (
+            ["--modes", "ddp", "--data-format", "shards", "--batch-size", "3", "--nproc", "1"],
+            "--micro-shards 2 cuts a --data-format shards global batch of 3",
+        ),
         (["--modes", "ddp", "--sync", "diloco", "--sync-every", "4"], "--micro-shards does not combine with --sync"),
     ],
 )

@@ -206,7 +206,6 @@ def _check_micro_shards(
         ("--modes dp or fsdp", set(modes) & {"dp", "fsdp"}),
         ("--compare-raw", opts.compare_raw),
         ("--fault-tolerant", opts.fault_tolerant),
-        ("--data-format shards", "shards" in formats),
         ("--grad-compression", set(compressions) - {"none"}),
         ("--sync-batchnorm on", "on" in syncs),
         ("--sync local-sgd or diloco", set(syncs_of_rows) - {"every-step"}),
@@ -214,6 +213,13 @@ def _check_micro_shards(
     for flag, bad in refused:
         if bad:
             raise UsageError(f"--micro-shards does not combine with {flag}; drop one of the two")
+    if "shards" in formats:  # a Shards stream's micro-shards are equal runs of the global batch
+        for n in _int_list(opts.nproc, "--nproc"):
+            if (opts.batch * n) % opts.micro_shards:
+                raise UsageError(
+                    f"--micro-shards {opts.micro_shards} cuts a --data-format shards global batch of "
+                    f"{opts.batch * n} (--batch-size x --nproc {n}) into equal runs; choose sizes it divides"
+                )
     for n in _int_list(opts.nproc, "--nproc"):
         try:
             check(
