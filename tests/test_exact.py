@@ -155,7 +155,6 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
         ({"grad_compression": "powersgd"}, "grad_compression='powersgd'"),
         ({"strategy": "fsdp"}, "strategy='fsdp'"),
         ({"sync": "diloco"}, "sync='diloco'"),
-        ({"compile": True}, "compile"),
         ({"ddp_kwargs": {"find_unused_parameters": True}}, "DDP arguments"),
         ({"fault_tolerant": True}, "--fault-tolerant"),
         ({"micro_shards": 0}, "at least 1"),
@@ -169,7 +168,6 @@ def test_what_micro_shards_does_not_combine_with_is_one_line(options, match):
         "grad_compression": None,
         "strategy": "ddp",
         "sync": "every-step",
-        "compile": False,
         "ddp_kwargs": {},
         **options,
     }
@@ -509,3 +507,26 @@ def test_a_checkpoint_inside_an_accumulation_group_with_micro_shards_is_one_line
     finally:
         rt.close()
     assert not any((tmp_path / "ckpt").glob("*")) if (tmp_path / "ckpt").exists() else True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_compiled_model_ends_at_the_same_bits_on_one_and_two_processes():
+    """rt.setup(..., micro_shards=4, compile=True): torch.compile traces the shards' BatchNorm hooks
+    (no graph break); one and two processes run the same compiled kernels on the same threads."""
+    one = ddpkit.launch(workers.exact_stream_run, nprocs=1, args=("plain", 4, 256, True))[0]
+    two = ddpkit.launch(workers.exact_stream_run, nprocs=2, args=("plain", 4, 256, True))[0]
+    assert one["compiled"] and two["compiled"]
+    assert _same(one["state"], two["state"]) == []
+    eager = ddpkit.launch(workers.exact_stream_run, nprocs=1, args=("plain", 4, 256, False))[0]
+    assert _same(one["state"], eager["state"]) != []  # compiled kernels (and dropout) are not eager's
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_shards_stream_with_accumulation_ends_at_the_same_bits_on_one_two_and_four_processes():
+    """micro_shards=4 over a ddpkit.Shards stream, two batches a step: one shard a rank on 4
+    processes, two on 2, four on 1; the exchange pairs neighbours first."""
+    runs = [ddpkit.launch(workers.exact_stream_run, nprocs=n, args=("shards", 4, 256, False, 2))[0] for n in (1, 2, 4)]
+    assert [r["steps"] for r in runs] == [2 * 4] * 3  # 7 batches a pass, in groups of 2, 2, 2, 1
+    assert _same(runs[0]["state"], runs[1]["state"]) == [] and _same(runs[0]["state"], runs[2]["state"]) == []

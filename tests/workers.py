@@ -642,10 +642,17 @@ class _NumberedStream(torch.utils.data.IterableDataset):
             yield torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
 
 
-def exact_stream_run(kind: str, micro_shards: int = 2, bucket_bytes: int = 256) -> dict:
+def exact_stream_run(
+    kind: str,
+    micro_shards: int = 2,
+    bucket_bytes: int = 256,
+    compile_model: bool = False,
+    accumulate: int | None = None,
+) -> dict:
     """``micro_shards`` over a stream through ``rt.loader`` (``kind``: "plain", an IterableDataset, or
     "shards", the same samples as a ddpkit.Shards of 4 shards), 2 epochs in global batches of 16;
-    returns rank 0's final state, the steps and the samples trained."""
+    returns rank 0's final state, the steps and the samples trained. ``compile_model``:
+    ``rt.setup(..., compile=True)``. ``accumulate``: a step every that many batches (rt.accumulate)."""
     import torch.nn.functional as F
 
     from ddpkit.parallel import exact_exchange
@@ -665,20 +672,25 @@ def exact_stream_run(kind: str, micro_shards: int = 2, bucket_bytes: int = 256) 
         torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3)
     )
     model, optimizer = rt.setup(
-        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), micro_shards=micro_shards
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        micro_shards=micro_shards,
+        compile=compile_model,
     )
     loader = rt.loader(data, global_batch_size=16)
     seen = 0
     for _ in rt.epochs(2):
         for x, y in loader:
-            for xs, ys in rt.shards(x, y):
-                rt.backward(F.cross_entropy(model(xs), ys))
-            rt.step(optimizer)
+            with rt.accumulate(model, accumulate) if accumulate else contextlib.nullcontext():
+                for xs, ys in rt.shards(x, y):
+                    rt.backward(F.cross_entropy(model(xs), ys))
+                rt.step(optimizer)
             seen += loader.global_count
     out = {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": {k.removeprefix("_orig_mod."): v.detach().clone() for k, v in model.state_dict().items()},
         "steps": rt.global_step,
         "samples": seen,
+        "compiled": hasattr(model, "_orig_mod"),
     }
     rt.close()
     return out

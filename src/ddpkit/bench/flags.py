@@ -229,7 +229,6 @@ def _check_micro_shards(
                 grad_compression=None,
                 strategy="ddp",
                 sync="every-step",
-                compile=False,
                 ddp_kwargs={},
             )
         except UsageError as exc:

@@ -26,7 +26,6 @@ def check(
     grad_compression: str | None,
     strategy: str,
     sync: str,
-    compile: Any,
     ddp_kwargs: dict[str, Any],
     fault_tolerant: bool = False,
 ) -> None:
@@ -35,14 +34,14 @@ def check(
     Args:
         micro_shards: M, the shards of every global batch (None: not asked for).
         world_size: processes of the job.
-        sync_batchnorm, grad_compression, strategy, sync, compile, ddp_kwargs: ``rt.setup``'s other
-            options, each refused where it is not its default.
+        sync_batchnorm, grad_compression, strategy, sync, ddp_kwargs: ``rt.setup``'s other
+            options, each refused where it is not its default (``compile`` and ``rt.accumulate`` combine).
         fault_tolerant: whether this is a replica of a ``--fault-tolerant`` job.
 
     Raises:
         UsageError: M below 1; a world size that is not a power of two dividing M; or an option
             the fixed tree cannot take (SyncBatchNorm, compression, fsdp, an infrequent sync,
-            ``compile``, DDP arguments, a fault-tolerant job).
+            DDP arguments, a fault-tolerant job).
     """
     if micro_shards is None:
         return
@@ -78,12 +77,6 @@ def check(
             sync != "every-step",
             "a periodic sync depends on how many replicas train apart between syncs",
             "use sync='every-step'",
-        ),
-        (
-            "compile",
-            bool(compile),
-            "the hooks that keep BatchNorm statistics per shard are not compiled",
-            "drop compile",
         ),
         (
             f"DDP arguments {sorted(ddp_kwargs)}",

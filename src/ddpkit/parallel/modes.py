@@ -267,7 +267,6 @@ def check_combination(
         grad_compression=options.grad_compression,
         strategy=options.strategy,
         sync=options.sync,
-        compile=options.compile or hasattr(model, "_orig_mod"),
         ddp_kwargs=options.ddp_kwargs,
         fault_tolerant=fault_tolerant,
     )

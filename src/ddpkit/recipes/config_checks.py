@@ -103,7 +103,6 @@ def check_micro_shards(config: TrainConfig) -> None:
             grad_compression=config.grad_compression,
             strategy=config.strategy,
             sync=config.sync,
-            compile=False,
             ddp_kwargs={},
         )
     except UsageError as exc:
