@@ -101,3 +101,14 @@ def ddpkit(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 def python(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, *args], **kwargs)
+
+
+def wait_for(condition, *, timeout: float, what: str, every: float = 0.1) -> None:
+    """Poll ``condition()`` until it holds; fail the test naming ``what`` after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not there after {timeout:.0f} s")
+        time.sleep(every)

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 
 import ddpkit
+from helpers import clean_env, kill_tree, python
 from helpers import ddpkit as ddpkit_cli
-from helpers import kill_tree, python
 
 # What the script under test does at the end, by its first argument.
 _ENDINGS = """
@@ -252,3 +252,100 @@ def test_twenty_finished_ddp_jobs_exit_0_beside_a_busy_core(tmp_path, busy_core)
 @pytest.mark.timeout(1800)
 def test_six_finished_bench_runs_exit_0_beside_a_busy_core(tmp_path, busy_core):
     _repeat_bench_runs(tmp_path, runs=6)
+
+
+# -- no orphans: a launcher killed by any signal takes its workers with it ------------------------
+
+STUCK = """
+import os, sys, time
+import torch, ddpkit
+
+rt = ddpkit.init()
+open(os.path.join(sys.argv[1], f"rank{rt.rank}.pid"), "w").write(str(os.getpid()))
+if rt.rank == 0:
+    rt.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
+time.sleep(3600)
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (its code no longer runs)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return True
+
+
+def _kill_launcher_and_watch(launcher: subprocess.Popen, pid_dir, ranks: int) -> tuple[list[int], float]:
+    import os
+    import signal
+    import time
+
+    from helpers import wait_for
+
+    try:
+        wait_for(lambda: len(list(pid_dir.glob("rank*.pid"))) == ranks, timeout=180, what="the workers' pid files")
+        time.sleep(1)  # rank 0 inside its all_reduce, rank 1 in its sleep
+        pids = [int(p.read_text()) for p in sorted(pid_dir.glob("rank*.pid"))]
+        os.kill(launcher.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 30
+        while time.monotonic() < deadline and not all(_ended(p) for p in pids):
+            time.sleep(0.1)
+        return [p for p in pids if not _ended(p)], time.monotonic() - killed
+    finally:
+        for p in pid_dir.glob("rank*.pid"):
+            kill_tree(int(p.read_text()))
+        kill_tree(launcher.pid)
+        launcher.wait(timeout=30)
+
+
+@pytest.mark.timeout(240)
+def test_workers_of_a_sigkilled_ddpkit_run_end_within_seconds(tmp_path):
+    """ddpkit run SIGKILLed (the OOM killer, a scheduler): its workers, one blocked in a collective,
+    one in its own code, end within seconds rather than staying orphaned."""
+    from helpers import BIN
+
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    launcher = subprocess.Popen(
+        [str(BIN / "ddpkit"), "run", "-n", "2", str(script), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=clean_env(),
+        start_new_session=True,
+    )
+    left, seconds = _kill_launcher_and_watch(launcher, tmp_path, 2)
+    assert left == [], f"workers {left} still ran {seconds:.0f} s after ddpkit run was killed"
+
+
+LAUNCH_PARENT = """
+import os, sys, time
+import torch, ddpkit
+
+def stuck(directory):
+    rt = ddpkit.init()
+    open(os.path.join(directory, f"rank{rt.rank}.pid"), "w").write(str(os.getpid()))
+    if rt.rank == 0:
+        rt.all_reduce(torch.ones(1))
+    time.sleep(3600)
+
+if __name__ == "__main__":
+    ddpkit.launch(stuck, nprocs=2, args=(sys.argv[1],))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(LAUNCH_PARENT)
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=clean_env(),
+        start_new_session=True,
+    )
+    left, seconds = _kill_launcher_and_watch(launcher, tmp_path, 2)
+    assert left == [], f"children {left} still ran {seconds:.0f} s after the ddpkit.launch parent was killed"

@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from ddpkit import _torch
 from ddpkit.distributed import stores
+from ddpkit.distributed.parent import die_with_launcher
 from ddpkit.errors import DdpkitError, translated
 
 _USAGE = "usage: python -m ddpkit.entry SCRIPT [ARGS...] | -m MODULE [ARGS...]\n"
@@ -217,6 +218,7 @@ def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *
         start_method: how the child was started; ``"fork"`` clears the exit handlers copied from the parent.
         *args: positional arguments of ``fn``.
     """
+    die_with_launcher()  # the launcher killed (any signal): this child ends too
     if start_method == "fork":
         atexit._clear()  # the parent's handlers, copied by fork: never this child's to run
     private_rendezvous()
@@ -277,5 +279,6 @@ def _leave_after_handoff(start_method: str, code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """``python -m ddpkit.entry SCRIPT ARGS...``: run the script, then :func:`finish`."""
+    die_with_launcher()  # ddpkit run killed (any signal, SIGKILL too): this worker ends with it
     install_excepthook()
     finish(run_target(sys.argv[1:] if argv is None else argv))

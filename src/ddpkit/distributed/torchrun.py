@@ -24,6 +24,7 @@ from ddpkit.distributed import preemption, stores
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.distributed.failures import describe, root_failure
 from ddpkit.distributed.host import LOOPBACK, default_nproc, host_port, is_loopback, local_address, threads_per_process
+from ddpkit.distributed.parent import launcher_env
 from ddpkit.distributed.stores import rendezvous_file
 from ddpkit.errors import UsageError
 
@@ -283,8 +284,8 @@ def validate(spec: RunSpec) -> None:
 
 @contextlib.contextmanager
 def _thread_env(nproc_per_node: int, extra: Mapping[str, str] = {}) -> Iterator[None]:
-    """Set OMP_NUM_THREADS (unless the user did) and ``extra`` for the children, then restore."""
-    updates = dict(extra)
+    """Set OMP_NUM_THREADS (unless the user did), this launcher's pid and ``extra`` for the children, then restore."""
+    updates = {**launcher_env(), **extra}  # workers end when this process dies (ddpkit.distributed.parent)
     if "OMP_NUM_THREADS" not in os.environ:
         updates["OMP_NUM_THREADS"] = str(threads_per_process(nproc_per_node))
     saved = {key: os.environ.get(key) for key in updates}
