@@ -325,6 +325,8 @@ import os, sys, time
 import torch, ddpkit
 
 def stuck(directory):
+    import signal
+    signal.signal(signal.SIGINT, lambda *_: None)  # a script that handles Ctrl-C itself
     rt = ddpkit.init()
     open(os.path.join(directory, f"rank{rt.rank}.pid"), "w").write(str(os.getpid()))
     if rt.rank == 0:
@@ -338,6 +340,8 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(240)
 def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path):
+    """torch's spawn sends its children SIGINT when the parent dies, which a script handling Ctrl-C
+    ignores; ddpkit's children get SIGKILL."""
     script = tmp_path / "parent.py"
     script.write_text(LAUNCH_PARENT)
     launcher = subprocess.Popen(
