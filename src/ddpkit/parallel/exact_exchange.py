@@ -154,7 +154,7 @@ class TreeExchange:
         """Stop the thread (between steps)."""
         if self._thread.is_alive():
             self._inbox.put(None)
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=2)
 
     # -- the thread's side ------------------------------------------------------------------------
     def _serve(self) -> None:
