@@ -5,8 +5,9 @@ workers with :data:`LAUNCHER_PID_ENV` naming themselves. A worker of ddpkit's en
 Linux for the parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``): when the launcher dies
 (the OOM killer, a scheduler's SIGKILL after SIGTERM, a closed terminal), the kernel kills the
 worker, which would otherwise stay blocked in a collective with no one left to wait for it. A
-launcher that died before the worker asked (the race between fork and ``prctl``) shows as another
-parent pid, and the worker leaves at once. Elsewhere than Linux nothing changes.
+launcher that died while the worker asked (the race around ``prctl``) shows as another parent pid,
+and the worker leaves at once. A worker whose parent is not the launcher named (a wrapper process
+in between) asks nothing, and nothing changes elsewhere than Linux.
 
 Example:
     >>> import os
@@ -42,11 +43,11 @@ def die_with_launcher() -> None:
         OSError: prctl refused the request (it never does on Linux for a valid signal).
     """
     parent = os.environ.get(LAUNCHER_PID_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
+    if not parent or not sys.platform.startswith("linux") or os.getppid() != int(parent):
+        return  # not a ddpkit launcher's own child (a wrapper in between started it): nothing to ask
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-    if os.getppid() != int(parent):  # the launcher is gone already: nobody will collect this worker
+    if os.getppid() != int(parent):  # the launcher died between the check and prctl: leave as if killed
         os._exit(128 + int(signal.SIGKILL))
