@@ -158,6 +158,7 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
         ({"ddp_kwargs": {"find_unused_parameters": True}}, "DDP arguments"),
         ({"fault_tolerant": True}, "--fault-tolerant"),
         ({"micro_shards": 0}, "at least 1"),
+        ({"micro_shards": 6}, "must be a power of two .* got 6; use 4 or 8"),
     ],
 )
 def test_what_micro_shards_does_not_combine_with_is_one_line(options, match):
@@ -256,6 +257,7 @@ def test_four_processes_and_a_resume_on_another_world_size_end_at_the_same_bits(
         ),
         (["--micro-shards", "2", "--strategy", "fsdp"], "--micro-shards does not combine with --strategy fsdp"),
         (["--micro-shards", "128"], "--micro-shards 128 cuts a global batch of 64 samples"),
+        (["--micro-shards", "6"], "--micro-shards must be a power of two (1, 2, 4, 8, ...)"),
     ],
 )
 def test_ddpkit_train_refuses_micro_shards_it_cannot_make_exact_naming_the_flags(tmp_path, flags, line):
@@ -377,6 +379,8 @@ def test_rt_shards_refuses_a_batch_rt_loader_did_not_cut_and_an_uneven_shards_st
         x, y = next(iter(torch.utils.data.DataLoader(_data(), batch_size=8)))
         with pytest.raises(UsageError, match="needs a batch from rt.loader"):
             rt.shards(x, y)
+        with pytest.raises(UsageError, match="shards of less than one sample; raise global_batch_size to at least 4"):
+            rt.shards(*next(iter(rt.loader(_data(), global_batch_size=3))))
         stream = ddpkit.Shards.from_dataset(_data(), shards=4)
         x, y = next(iter(rt.loader(stream, global_batch_size=10)))
         with pytest.raises(UsageError, match="make global_batch_size a multiple of 4"):

@@ -151,13 +151,18 @@ class Exact:
         if self.cut:  # the next batch of an accumulation group: its statistics follow the last one's
             self.group_stats.append(self.stats)
             self.stats = {}
+        full = active.sampler.global_batch_size
+        if full < self.micro_shards:
+            raise UsageError(
+                f"micro_shards={self.micro_shards} cuts a global batch of {full} samples into shards of less than "
+                f"one sample; raise global_batch_size to at least {self.micro_shards}, or lower micro_shards"
+            )
         total, halves = active.global_count, bool(getattr(active, "contiguous_split", False))
         if self.cut and halves != self.halves:
             raise UsageError("rt.accumulate with micro_shards: one group's batches come from one loader")
         self.halves = halves
         rows = None
         if halves:  # a Shards stream: rank r reads contiguous columns, so shards lie end to end
-            full = active.sampler.global_batch_size
             if full % self.micro_shards:
                 raise UsageError(
                     f"micro_shards={self.micro_shards} cuts a ddpkit.Shards stream's global batch of {full} "

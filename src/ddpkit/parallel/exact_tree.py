@@ -39,7 +39,7 @@ def check(
         fault_tolerant: whether this is a replica of a ``--fault-tolerant`` job.
 
     Raises:
-        UsageError: M below 1; a world size that is not a power of two dividing M; or an option
+        UsageError: M below 1 or not a power of two; a world size that is not a power of two dividing M; or an option
             the fixed tree cannot take (SyncBatchNorm, compression, fsdp, an infrequent sync,
             DDP arguments, a fault-tolerant job).
     """
@@ -47,6 +47,12 @@ def check(
         return
     if isinstance(micro_shards, bool) or not isinstance(micro_shards, int) or micro_shards < 1:
         raise UsageError(f"micro_shards must be a whole number of at least 1, got {micro_shards!r}")
+    if micro_shards & (micro_shards - 1):
+        below = 1 << (micro_shards.bit_length() - 1)
+        raise UsageError(
+            f"micro_shards must be a power of two (1, 2, 4, 8, ...) so that every power-of-two world size "
+            f"up to it gives the same bits, got {micro_shards}; use {below} or {below * 2}"
+        )
     if world_size & (world_size - 1) or micro_shards % world_size:
         raise UsageError(
             f"micro_shards={micro_shards} is exact on a power-of-two number of processes that "
