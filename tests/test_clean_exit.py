@@ -244,14 +244,15 @@ def _repeat_bench_runs(tmp_path, runs: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_twenty_finished_ddp_jobs_exit_0_beside_a_busy_core(tmp_path, busy_core):
-    _repeat_ddp_runs(tmp_path, runs=20)
+def test_twelve_finished_ddp_jobs_exit_0_beside_a_busy_core(tmp_path, busy_core):
+    """Issue 10 saw 3 aborts in 20 such runs; 12 clean runs leave such a rate a chance under 15%."""
+    _repeat_ddp_runs(tmp_path, runs=12)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_six_finished_bench_runs_exit_0_beside_a_busy_core(tmp_path, busy_core):
-    _repeat_bench_runs(tmp_path, runs=6)
+def test_four_finished_bench_runs_exit_0_beside_a_busy_core(tmp_path, busy_core):
+    _repeat_bench_runs(tmp_path, runs=4)
 
 
 # -- no orphans: a launcher killed by any signal takes its workers with it ------------------------

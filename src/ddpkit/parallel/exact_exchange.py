@@ -185,33 +185,37 @@ class TreeExchange:
         """One bucket: the local tree over shards, then halving and doubling across the ranks."""
         params = [self.params[i] for i in members]
         local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
-        sizes = [p.numel() for p in params]
         offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
-        flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=self.device)
-        present = torch.zeros(len(params), dtype=torch.bool)
-        for k, grad in enumerate(local):
-            if grad is not None:
-                flat[offsets[k] : offsets[k + 1]].copy_(grad.reshape(-1))
-                present[k] = True
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        present = torch.tensor([g is not None for g in local], dtype=torch.bool)
+        # one copy into the bucket's flat buffer (an absent gradient's place holds zeros nobody adds)
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, local)])
         present = self._halve_then_double(flat, present, offsets, halves)
         return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
 
-    def _swap(self, send: torch.Tensor, recv: torch.Tensor, partner: int) -> None:
-        """Send ``send`` to ``partner`` while receiving its message into ``recv``."""
+    def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int) -> None:
+        """For each ``(send, recv)``: send ``send`` to ``partner`` while receiving its message into ``recv``
+        (in order, one tag each; ``recv`` may be a slice of a larger tensor)."""
         import torch.distributed as dist
 
-        into = torch.empty(recv.shape, dtype=recv.dtype) if self._through_host else recv
-        requests = [
-            dist.isend(send.cpu() if self._through_host else send, partner, group=self.group),
-            dist.irecv(into, partner, group=self.group),
-        ]
+        requests, landed = [], []
+        for tag, (send, recv) in enumerate(pairs):
+            # an empty half is empty on both sides (the partner's recv is this send's size): nothing travels
+            if send.numel():
+                requests.append(
+                    dist.isend(send.cpu() if self._through_host else send, partner, group=self.group, tag=tag)
+                )
+            if recv.numel():
+                into = torch.empty(recv.shape, dtype=recv.dtype) if self._through_host else recv
+                requests.append(dist.irecv(into, partner, group=self.group, tag=tag))
+                landed.append((into, recv))
         for request in requests:
             assert request is not None  # None only for a rank outside the group; every rank is in it
             request.wait()
-        if into is not recv:
-            recv.copy_(into)
+        for into, recv in landed:
+            if into is not recv:
+                recv.copy_(into)
 
     def _halve_then_double(
         self, flat: torch.Tensor, present: torch.Tensor, offsets: list[int], halves: bool = False
@@ -222,25 +226,24 @@ class TreeExchange:
         (``halves``) pair neighbours first and ranks ``W/2`` apart last: the tree's innermost additions first."""
         lo, hi = 0, flat.numel()
         rounds = []
-        width = len(present)
         distances = [self.world_size >> k for k in range(1, self.rounds + 1)]
         for distance in reversed(distances) if halves else distances:
             partner = self.rank ^ distance
             mid = lo + (hi - lo) // 2
             keep, give = ((lo, mid), (mid, hi)) if not self.rank & distance else ((mid, hi), (lo, mid))
-            send = torch.cat([present.to(flat.dtype).to(flat.device), flat[give[0] : give[1]]])
-            recv = torch.empty(width + keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
-            self._swap(send, recv, partner)
-            theirs_present = recv[:width].cpu() > 0
-            theirs = recv[width:]
-            self._combine(flat, keep, theirs, present, theirs_present, offsets)
-            present = present | theirs_present
+            theirs = torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
+            theirs_present = torch.empty(len(present), dtype=torch.uint8)
+            mine_present = present.to(torch.uint8)
+            if flat.device.type == "cuda" and not self._through_host:  # nccl sends device tensors only
+                mine_present, theirs_present = mine_present.to(flat.device), theirs_present.to(flat.device)
+            self._swap([(mine_present, theirs_present), (flat[give[0] : give[1]], theirs)], partner)
+            they_had = theirs_present.cpu() > 0
+            self._combine(flat, keep, theirs, present, they_had, offsets)
+            present = present | they_had
             rounds.append((partner, keep, give))
             lo, hi = keep
-        for partner, keep, give in reversed(rounds):
-            received = torch.empty(give[1] - give[0], dtype=flat.dtype, device=flat.device)
-            self._swap(flat[keep[0] : keep[1]].contiguous(), received, partner)
-            flat[give[0] : give[1]].copy_(received)
+        for partner, keep, give in reversed(rounds):  # doubling: received straight into place
+            self._swap([(flat[keep[0] : keep[1]], flat[give[0] : give[1]])], partner)
         return present
 
     @staticmethod
