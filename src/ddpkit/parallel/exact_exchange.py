@@ -224,6 +224,13 @@ class TreeExchange:
 
         Interleaved shards pair ranks ``W/2`` apart first and neighbours last; shards laid end to end
         (``halves``) pair neighbours first and ranks ``W/2`` apart last: the tree's innermost additions first."""
+        if self.world_size == 2 and self._both_have_all(present, flat.device):
+            # two ranks, every gradient on both: the tree's top is one addition, a + b, which any
+            # allreduce makes on both ranks alike (b + a is a + b to the bit): torch's own, in place
+            import torch.distributed as dist
+
+            dist.all_reduce(flat, group=self.group)
+            return present
         lo, hi = 0, flat.numel()
         rounds = []
         distances = [self.world_size >> k for k in range(1, self.rounds + 1)]
@@ -245,6 +252,15 @@ class TreeExchange:
         for partner, keep, give in reversed(rounds):  # doubling: received straight into place
             self._swap([(flat[keep[0] : keep[1]], flat[give[0] : give[1]])], partner)
         return present
+
+    def _both_have_all(self, present: torch.Tensor, device: torch.device) -> bool:
+        """Two ranks: whether both hold every gradient of the bucket (one byte each way)."""
+        mine = torch.tensor([int(bool(present.all()))], dtype=torch.uint8)
+        theirs = torch.empty(1, dtype=torch.uint8)
+        if device.type == "cuda" and not self._through_host:  # nccl sends device tensors only
+            mine, theirs = mine.to(device), theirs.to(device)
+        self._swap([(mine, theirs)], self.rank ^ 1)
+        return bool(mine.item()) and bool(theirs.item())
 
     @staticmethod
     def _combine(
