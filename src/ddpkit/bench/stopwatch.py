@@ -191,9 +191,10 @@ def backward_alone(
     autocast: Callable[[], Any],
     device: torch.device,
     repeats: int = 2,
+    quiet: Callable[[], Any] | None = None,
 ) -> float | None:
     """Seconds of one backward pass with no gradient sync (DDP's ``no_sync``): the compute the
-    allreduce can hide behind. None for a model without ``no_sync`` (fsdp, one process).
+    allreduce can hide behind. None for a model without ``no_sync`` (fsdp, one process) and no ``quiet``.
 
     Runs after the timed steps and after the weights' digest: its forwards move BatchNorm
     statistics, and its gradients are dropped.
@@ -205,12 +206,13 @@ def backward_alone(
         autocast: the loop's autocast, a callable returning a context manager.
         device: this rank's device, for :func:`mark`.
         repeats: backward passes timed; the fastest counts.
+        quiet: what keeps the passes out of the run instead of ``no_sync`` (micro-shards' probing).
     """
-    if not hasattr(model, "no_sync"):
+    if quiet is None and not hasattr(model, "no_sync"):
         return None
     times = []
     for _ in range(repeats):
-        with model.no_sync():
+        with quiet() if quiet is not None else model.no_sync():
             with autocast():
                 loss = F.cross_entropy(model(inputs), targets)
             start = mark(device)
