@@ -225,6 +225,7 @@ def test_the_output_keys_page_lists_every_key_of_bench_json_and_the_demo_report(
         *_returned_keys(bench / "summary.py", "not_applicable"),
         "diagnosis",
         "verify",
+        "exact_vs_plain",  # set by run_bench on --compare-exact's micro-shard rows
     }
     assert set(_documented_keys("## A `bench.json` row")) == row
     comm = [
