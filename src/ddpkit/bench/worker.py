@@ -55,15 +55,14 @@ def _periodic_costs(syncer: Any) -> dict[str, Any]:
 
 
 def _micro_shard_step(
-    rt: Any, model: Any, optimizer: Any, inputs: Any, targets: Any, start: float, fetched: float, alone: list[float]
+    rt: Any, model: Any, optimizer: Any, inputs: Any, targets: Any, start: float, fetched: float
 ) -> tuple[float, ...]:
     """One step of ``rt.setup(micro_shards=M)``: each shard's forward and backward, then ``rt.step``,
     whose wait for the exchange (started in the last shard's backward) counts as backward time, where
     DDP's wait for its last bucket counts.
 
     Returns the step's five marks as the plain loop takes them: the forwards' and backwards' own
-    seconds laid end to end after ``fetched``; the exchange follows the backwards. ``alone`` gets
-    the step's backward seconds without the exchange (the diagnosis's backward without sync)."""
+    seconds laid end to end after ``fetched``; the exchange's wait follows the backwards."""
     device = rt.device
     exact = next(mode.exact for mode in rt._run.modes if isinstance(mode, MicroShards))
     forward = backward = 0.0
@@ -78,7 +77,6 @@ def _micro_shard_step(
     rt.step(optimizer)
     end = mark(device)
     exchange = exact.exchange_seconds - exchanged
-    alone.append(backward)
     return (start, fetched, fetched + forward, fetched + forward + backward + exchange, end)
 
 
@@ -132,7 +130,6 @@ def train(opts: argparse.Namespace) -> None:
     device, marks, synced = rt.device, [], []
 
     syncer = compressor if hasattr(compressor, "sync") else None  # sync="diloco" / "local-sgd"
-    alone: list[float] = []  # micro-shards: each step's backward passes without the exchange
     for step in range(opts.warmup + opts.steps):
         if step == opts.warmup:
             synced_before = SyncBatchNorm.collective_seconds
@@ -144,7 +141,7 @@ def train(opts: argparse.Namespace) -> None:
         inputs, targets = next(batches)
         fetched = mark(device)
         if opts.micro_shards:
-            marks.append(_micro_shard_step(rt, model, optimizer, inputs, targets, start, fetched, alone))
+            marks.append(_micro_shard_step(rt, model, optimizer, inputs, targets, start, fetched))
             continue
         with rt.autocast():
             loss = F.cross_entropy(model(inputs), targets)
@@ -170,16 +167,16 @@ def train(opts: argparse.Namespace) -> None:
     if syncer is not None:
         stats["periodic"] = {**periodic, "synced_steps": synced[opts.warmup :]}
     stats["grad_compression_auto"] = getattr(compressor, "decision", None)
+    every = opts.micro_shards // rt.world_size if opts.micro_shards else 1  # a rank's shards a step
     if opts.micro_shards and rt.world_size > 1:
-        # the shards' backward passes with no exchange running beside them (the step's own, in
-        # `alone`, now hold the part of the exchange that overlaps them)
-        every = opts.micro_shards // rt.world_size
+        # the shards' backward passes with no exchange beside them (a step's own hold the part of
+        # the exchange that overlaps them)
         one = backward_alone(model, inputs[0::every], targets[0::every], rt.autocast, device, quiet=exact.probing)
-        stats["backward_alone_seconds"] = every * one if one is not None else min(alone[opts.warmup :])
+        assert one is not None  # measured whenever `quiet` is given
+        stats["backward_alone_seconds"] = every * one
     elif rt.world_size > 1 and not opts.data_parallel:
         stats["backward_alone_seconds"] = backward_alone(model, inputs, targets, rt.autocast, device)
     if opts.micro_shards:  # what one forward takes: a shard
-        every = opts.micro_shards // rt.world_size
         stats["compute_scaling_2x"] = compute_scaling(
             model, inputs[0::every], targets[0::every], rt.autocast, device, quiet=exact.probing
         )
