@@ -26,9 +26,12 @@ The price: one process computes its M shards one after another on ``cores // M``
 and BatchNorm normalises over ``B // M`` samples rather than the global batch (the usual choice at
 scale, Hoffer et al., 2017). ``rt.accumulate`` (k batches a step) adds each shard's gradients over
 the group's batches in order before the tree, and weighs each shard by the group's samples.
-Refused with it, in one line each that says why and what instead: SyncBatchNorm, gradient
-compression, fsdp, infrequent syncs, ``torch.compile``, DDP arguments, a fault-tolerant job, a
-world size that is not a power of two dividing M, and streams.
+``compile=True`` compiles the model after the shards' hooks are on, and streams through
+``rt.loader`` are cut like map-style batches (a ``ddpkit.Shards`` stream's ranks read contiguous
+columns, so its shards lie end to end and sum along :func:`tree_sum_halves`). Refused with it, in
+one line each that says why and what instead: SyncBatchNorm, gradient compression, fsdp,
+infrequent syncs, DDP arguments, a fault-tolerant job, and a world size that is not a power of two
+dividing M.
 
 **The exchange** (:mod:`ddpkit.parallel.exact_exchange`): recursive halving then doubling along the
 tree's top, which moves what a ring allreduce moves, in buckets sent while the last shard's
@@ -181,6 +184,10 @@ class Exact:
         """The global shard of this rank's local shard ``j``."""
         return self.rank * self.local_shards + j if self.halves else self.rank + j * self.world_size
 
+    def _owner(self, s: int) -> tuple[int, int]:
+        """(rank, local shard) of global shard ``s``: the inverse of :meth:`_global`."""
+        return divmod(s, self.local_shards) if self.halves else (s % self.world_size, s // self.world_size)
+
     def _each(
         self,
         mine: list[int],
@@ -241,15 +248,16 @@ class Exact:
         """Keep the shard's gradients as a leaf of the tree and clear them for the next shard."""
         current = self.current
         assert current is not None  # rt.backward's weight() came first and refused one outside a shard
-        grads = [p.grad for p in self.params]
-        earlier = self.leaves.get(current[0])  # the shard's gradient from the group's earlier batches
-        self.leaves[current[0]] = grads if earlier is None else _add_grads(earlier, grads)
+        if self._overlap:  # the step's last shard: the buckets the backward never reached go now
+            self._overlap = False  # (the exchange sums this shard's gradients; no leaf is kept)
+            self._submit_rest(current[0])
+        else:
+            grads = [p.grad for p in self.params]
+            earlier = self.leaves.get(current[0])  # the shard's gradient from the group's earlier batches
+            self.leaves[current[0]] = grads if earlier is None else _add_grads(earlier, grads)
         self.done.add(current[0])
         for p in self.params:
             p.grad = None
-        if self._overlap:  # buckets whose gradients the backward never reached go now
-            self._overlap = False
-            self._submit_rest()
 
     def _make_ready_hook(self, index: int) -> Any:
         def ready(param: torch.Tensor) -> None:
@@ -280,13 +288,14 @@ class Exact:
             rows.append(row)
         return rows
 
-    def _submit_rest(self) -> None:
-        """Hand the exchange every bucket the backward pass did not (all of them on a rank without samples)."""
+    def _submit_rest(self, current: int | None = None) -> None:
+        """Hand the exchange every bucket the backward pass did not (all of them on a rank without samples);
+        ``current``: the shard whose gradients are still in ``.grad``."""
         exchange = self.exchange
         assert exchange is not None
         for bucket, members in enumerate(exchange.buckets):
             if not exchange.submitted(bucket):
-                exchange.submit(bucket, self._shard_grads(members, None), self.halves)
+                exchange.submit(bucket, self._shard_grads(members, current), self.halves)
 
     # -- the step --------------------------------------------------------------------------------
     def reduce(self) -> None:
@@ -351,7 +360,7 @@ class Exact:
         batches = len(gathered[0]) if gathered else 0
         with torch.no_grad():
             for b, s in ((b, s) for b in range(batches) for s in range(self.micro_shards)):
-                rank, j = divmod(s, self.local_shards) if self.halves else (s % self.world_size, s // self.world_size)
+                rank, j = self._owner(s)
                 shard = gathered[rank][b][j]
                 if shard is None:
                     continue
