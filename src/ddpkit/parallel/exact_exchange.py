@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,8 +114,6 @@ class TreeExchange:
         self.rounds = world_size.bit_length() - 1  # log2 W
         self.calls_per_step = 2 * self.rounds * len(self.buckets)
         """Point-to-point rounds of one step's exchange (``ddpkit bench`` reads it)."""
-        self.busy_seconds = 0.0
-        """The thread's time exchanging, hidden or not (``ddpkit bench`` reads it)."""
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[Any] = queue.Queue()
         self._submitted: set[int] = set()
@@ -169,10 +166,8 @@ class TreeExchange:
                             return
                         early[item[0]] = item[1]
                     grads, halves = early.pop(b)
-                    start = time.perf_counter()
                     for i, grad in zip(members, self._bucket(members, grads, halves)):
                         total[i] = grad
-                    self.busy_seconds += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
                 early.clear()
                 self._done.put(exc)
