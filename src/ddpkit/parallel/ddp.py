@@ -65,11 +65,7 @@ def replicate(
         model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
     elif options.grad_compression is not None and is_main:
         warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no gradients are sent")
-    if options.compile:
-        kwargs = options.compile if isinstance(options.compile, dict) else {}
-        # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
-        model = torch.compile(model, **kwargs)  # type: ignore[assignment]
-    wrapped.model = model
+    wrapped.model = options.compiled(model)
     return wrapped
 
 

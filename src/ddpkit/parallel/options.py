@@ -99,6 +99,14 @@ class SetupOptions:
             ddp_kwargs={k: v for k, v in keywords.items() if k not in names},
         )
 
+    def compiled(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` through ``torch.compile`` when :attr:`compile` asks for it (a dict: its arguments), else itself."""
+        if not self.compile:
+            return model
+        kwargs = self.compile if isinstance(self.compile, dict) else {}
+        # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
+        return torch.compile(model, **kwargs)  # type: ignore[return-value]
+
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).
 

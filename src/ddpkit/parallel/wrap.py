@@ -90,11 +90,7 @@ def _train_apart(
         delay=options.sync_delay,
     )
     periodic_parts.announce(options.sync, syncer.every, is_main)
-    if options.compile:
-        kwargs = options.compile if isinstance(options.compile, dict) else {}
-        # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
-        model = torch.compile(model, **kwargs)  # type: ignore[assignment]
-    return Wrapped(model, mode=Periodic(syncer))
+    return Wrapped(options.compiled(model), mode=Periodic(syncer))
 
 
 def full_state_dict(model: torch.nn.Module, *, is_main: bool) -> dict[str, torch.Tensor] | None:

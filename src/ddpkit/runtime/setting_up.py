@@ -62,9 +62,7 @@ def adopt(
                 seed=run.seed,
             )
         )
-        if options.compile:  # after the shards' hooks are on its BatchNorm layers, which it traces
-            kwargs = options.compile if isinstance(options.compile, dict) else {}
-            model = torch.compile(model, **kwargs)  # type: ignore[assignment]
+        model = options.compiled(model)  # after the shards' hooks are on its BatchNorm layers, which it traces
         index = run.adopt(model, optimizer, mode=mode)
     else:
         model = run.world.prepare(model.to(device), options)
