@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PASSED = (_PACKAGE, os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
@@ -109,10 +110,10 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
-_TRANSLATORS: list = []
+_TRANSLATORS: list[Callable[[BaseException], DdpkitError | None]] = []
 
 
-def translate_uncaught(translator: object) -> None:
+def translate_uncaught(translator: Callable[[BaseException], DdpkitError | None]) -> None:
     """Have an uncaught exception that ``translator`` recognises reported as the :class:`DdpkitError` it returns.
 
     ``translator(exc)`` returns a :class:`DdpkitError` for an exception it knows (torch's own, raised
@@ -126,7 +127,7 @@ def translate_uncaught(translator: object) -> None:
 def translated(exc: BaseException) -> DdpkitError | None:
     """What a translator registered by :func:`translate_uncaught` makes of ``exc`` (None: nothing)."""
     for translator in _TRANSLATORS:
-        found = translator(exc)  # type: ignore[operator]
+        found = translator(exc)
         if found is not None:
             return found
     return None
