@@ -278,6 +278,13 @@ def _ended(pid: int) -> bool:
         return True
 
 
+def _start(cmd: list[str]) -> subprocess.Popen:
+    """A launcher in a session of its own, its output dropped (it is killed, not read)."""
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), start_new_session=True
+    )
+
+
 def _kill_launcher_and_watch(launcher: subprocess.Popen, pid_dir, ranks: int) -> tuple[list[int], float]:
     import os
     import signal
@@ -310,13 +317,7 @@ def test_workers_of_a_sigkilled_ddpkit_run_end_within_seconds(tmp_path):
 
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
-    launcher = subprocess.Popen(
-        [str(BIN / "ddpkit"), "run", "-n", "2", str(script), str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=clean_env(),
-        start_new_session=True,
-    )
+    launcher = _start([str(BIN / "ddpkit"), "run", "-n", "2", str(script), str(tmp_path)])
     left, seconds = _kill_launcher_and_watch(launcher, tmp_path, 2)
     assert left == [], f"workers {left} still ran {seconds:.0f} s after ddpkit run was killed"
 
@@ -345,12 +346,6 @@ def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path):
     ignores; ddpkit's children get SIGKILL."""
     script = tmp_path / "parent.py"
     script.write_text(LAUNCH_PARENT)
-    launcher = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=clean_env(),
-        start_new_session=True,
-    )
+    launcher = _start([sys.executable, str(script), str(tmp_path)])
     left, seconds = _kill_launcher_and_watch(launcher, tmp_path, 2)
     assert left == [], f"children {left} still ran {seconds:.0f} s after the ddpkit.launch parent was killed"
