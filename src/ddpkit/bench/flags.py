@@ -233,10 +233,7 @@ def _check_micro_shards(
             )
         except UsageError as exc:
             raise UsageError(
-                str(exc)
-                .replace("micro_shards=", "--micro-shards ")
-                .replace("micro_shards to", "--micro-shards to")
-                .replace("micro_shards must", "--micro-shards must")
+                str(exc).replace("micro_shards=", "--micro-shards ").replace("micro_shards", "--micro-shards")
             ) from None
 
 
