@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +57,7 @@ def _run(title: str, command: list[str], limit: int, out: Path, report: list[str
         "```",
         "",
     ]
-    (out / f"{title.split()[0].lower()}.log").write_text(text)
+    (out / (re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") + ".log")).write_text(text)
     return code == 0
 
 
@@ -64,6 +66,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
+    # bench folders hold many files; the device tool brings back at most 8 from $OUT, so they go beside it
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-")) if os.environ.get("OUT") else out
     report = ["## GPU check", ""]
     if not torch.cuda.is_available():
         print(f"make gpu-check: torch {torch.__version__} sees no CUDA GPU (CPU wheel, or no driver)", file=sys.stderr)
@@ -91,7 +95,7 @@ def main() -> int:
     results.append(
         _run(
             "Bench DDP and DDP+AMP",
-            [*bench, "--modes", "ddp,ddp-amp", "--out-dir", str(out / "bench")],
+            [*bench, "--modes", "ddp,ddp-amp", "--out-dir", str(work / "bench")],
             90,
             out,
             report,
@@ -100,7 +104,7 @@ def main() -> int:
     results.append(
         _run(
             "Bench micro-shards",
-            [*bench, "--modes", "ddp", "--micro-shards", "1", "--out-dir", str(out / "bench-ms")],
+            [*bench, "--modes", "ddp", "--micro-shards", "1", "--out-dir", str(work / "bench-ms")],
             60,
             out,
             report,
