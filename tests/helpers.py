@@ -95,8 +95,14 @@ def kill_tree(pid: int) -> None:
 
 
 def ddpkit(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """Run the ``ddpkit`` console script of this environment."""
-    return run([str(BIN / "ddpkit"), *args], **kwargs)
+    """Run the ``ddpkit`` console script of this environment.
+
+    Where ddpkit is not installed (``make gpu-check`` imports it from ``src`` on an image that only
+    has torch), ``python -m ddpkit`` runs the same entry point.
+    """
+    script = BIN / "ddpkit"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "ddpkit"]
+    return run([*command, *args], **kwargs)
 
 
 def python(*args: str, **kwargs) -> subprocess.CompletedProcess:
