@@ -450,6 +450,14 @@ def test_torchs_no_deterministic_kernel_error_becomes_one_line_and_exit_2(tmp_pa
 
     assert no_deterministic_kernel(RuntimeError("CUDA out of memory")) is None  # other errors keep their traceback
     assert no_deterministic_kernel(ValueError("x does not have a deterministic implementation")) is None
+    # torch 2.11's words on an H200, where the op comes with its input (the first GPU check missed them)
+    said = no_deterministic_kernel(
+        RuntimeError(
+            "_histc_cuda with floating point input does not have a deterministic implementation, but you set "
+            "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation"
+        )
+    )
+    assert said is not None and "and _histc_cuda with floating point input has none;" in str(said)
 
 
 def test_bench_compare_exact_puts_a_micro_shard_twin_beside_each_plain_ddp_row():

@@ -210,5 +210,5 @@ def test_an_op_without_a_deterministic_cuda_kernel_is_one_line_under_micro_shard
     script.write_text(NO_DETERMINISTIC_KERNEL)
     result = ddpkit_cli("run", "-n", "1", str(script), timeout=100)
     assert result.returncode == 2, result.stderr
-    assert "micro_shards runs deterministic CUDA kernels only, and histc" in result.stderr
+    assert "ddpkit: error: micro_shards runs deterministic CUDA kernels only, and _histc_cuda" in result.stderr
     assert "Traceback" not in result.stderr

@@ -505,7 +505,8 @@ def deterministic_cuda() -> None:
     translate_uncaught(no_deterministic_kernel)
 
 
-_NO_KERNEL = re.compile(r"^(\S+) does not have a deterministic implementation")
+# torch names the op, sometimes with its input: "_histc_cuda with floating point input does not ..."
+_NO_KERNEL = re.compile(r"^(\S+(?: [^,.']+?)?) does not have a deterministic implementation")
 
 
 def no_deterministic_kernel(exc: BaseException) -> UsageError | None:
