@@ -335,3 +335,16 @@ def test_torchft_managers_built_through_the_seam_listen_on_the_address_given_onl
     finally:
         server.shutdown()
         lighthouse.shutdown()
+
+
+def test_the_collective_functions_live_in_distributed_c10d_with_group_and_tensor_parameters():
+    from ddpkit.observe.collectives import OTHERS, SHAPED
+
+    for op in SHAPED + OTHERS:
+        found = _torch.distributed_functions(op)  # raises PrivateApiChanged if c10d lost it
+        assert {module.__name__ for module, _ in found} == {"torch.distributed", "torch.distributed.distributed_c10d"}
+        group, tensor = _torch.collective_parameters(found[0][1])
+        assert group is not None, op  # every one takes a group: the log counts the default group's only
+        if op in SHAPED:
+            assert tensor is not None, op  # and those whose tensor must agree name it
+    assert _torch.is_default_group(None)

@@ -284,3 +284,41 @@ def patch_torchft(**replacements: Any) -> dict[str, Any]:
         previous[key] = getattr(module, name)
         setattr(module, name, replacement)
     return previous
+
+
+def distributed_functions(op: str) -> list[tuple[Any, Any]]:
+    """``(module, function)`` for each of ``torch.distributed`` and its ``distributed_c10d`` that defines ``op``.
+
+    The collective functions are public; they live in the private module ``distributed_c10d``, whose
+    own functions call each other there (``all_gather_object`` calls ``all_gather``), so a wrapper
+    that must see every call replaces the name in both modules.
+    """
+    import torch.distributed as dist
+
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is None or not callable(getattr(c10d, op, None)):
+        raise PrivateApiChanged(f"torch.distributed.distributed_c10d.{op}")
+    return [(module, getattr(module, op)) for module in (dist, c10d) if callable(getattr(module, op, None))]
+
+
+def collective_parameters(fn: Any) -> tuple[int | None, tuple[int, str] | None]:
+    """Where a collective takes its ``group`` and its tensor: (position of ``group``, (position, name) of the tensor).
+
+    The tensor is the one every rank passes with the same shape: ``tensor``, ``input_tensor`` or
+    ``input``; None where there is none.
+    """
+    import inspect
+
+    names = list(inspect.signature(inspect.unwrap(fn)).parameters)
+    group = names.index("group") if "group" in names else None
+    tensor = next(((i, n) for i, n in enumerate(names) if n in ("tensor", "input_tensor", "input")), None)
+    return group, tensor
+
+
+def is_default_group(group: Any) -> bool:
+    """True for None or the default group (``torch.distributed.group.WORLD``)."""
+    if group is None:
+        return True
+    import torch.distributed as dist
+
+    return group is dist.group.WORLD

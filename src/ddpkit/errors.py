@@ -12,6 +12,12 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PASSED = (_PACKAGE, os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
 
 
+EXIT_MISMATCH = 123
+"""Exit code of every rank of a job whose ranks called different collectives (a collective mismatch)."""
+EXIT_HANG = 124
+"""Exit code of every rank of a job the hang watchdog found hung (as ``timeout(1)``)."""
+
+
 class DdpkitError(Exception):
     """A problem the user can fix; the CLI prints its message alone and exits with ``exit_code``."""
 

@@ -26,7 +26,7 @@ from ddpkit.distributed.failures import describe, root_failure
 from ddpkit.distributed.host import LOOPBACK, default_nproc, host_port, is_loopback, local_address, threads_per_process
 from ddpkit.distributed.parent import launcher_env
 from ddpkit.distributed.stores import rendezvous_file
-from ddpkit.errors import UsageError
+from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH, UsageError
 
 
 @dataclass(frozen=True)
@@ -371,6 +371,8 @@ def run(spec: RunSpec) -> int:
                     # every rank that exited by itself refused its input (argparse, ddpkit's one-line
                     # usage errors): a usage error, exit 2 too
                     own = {f.exitcode for f in exc.failures.values() if (getattr(f, "exitcode", None) or 0) > 0}
+                    if getattr(failure, "exitcode", None) in (EXIT_MISMATCH, EXIT_HANG):
+                        return failure.exitcode  # the watchdog's verdict: a collective mismatch, a hang
                     return 2 if own == {2} else 1
                 except elastic_signal_exception() as exc:
                     return preemption.stopped(exc.sigval, os.path.exists(marker), notice)

@@ -13,8 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-EXIT_HANG = 124
-"""Exit code of every rank of a job the watchdog found hung (as ``timeout(1)``)."""
+from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH
 
 # Within one value of ``global_step`` (it grows at the end of ``step()``), the order in which
 # a training loop crosses these boundaries: evaluation and saving come after the previous
@@ -40,6 +39,17 @@ class Heartbeat:
     host: str = ""
     pid: int = 0
     where: str = ""
+    calls: int = 0  # collectives this rank started on the default group (ddpkit.observe.collectives)
+    call: str = ""  # the signature of the one it waits in ("" none), its number is ``calls``
+    call_where: str = ""  # the user's line that called it
+    waited: float = 0.0  # seconds it had waited in it when published
+    mark: tuple[int, int] | None = None  # (call number, fingerprint of the calls up to it)
+    recent: tuple[tuple[int, str, str], ...] = ()  # its last few calls: (number, signature, user line)
+    failed: bool = False  # closed by an exception, not a finished script
+
+    def waited_at(self, now: float) -> float:
+        """Seconds in the collective it waits in at wall time ``now`` (0 when in none)."""
+        return self.waited + max(0.0, now - self.time) if self.call else 0.0
 
     def idle_at(self, now: float) -> float:
         """Seconds without progress at wall time ``now`` (grows on if publishing stopped)."""
@@ -52,7 +62,11 @@ class Heartbeat:
     @classmethod
     def from_json(cls, text: str | bytes) -> Heartbeat:
         """The heartbeat that :meth:`to_json` wrote."""
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        if fields.get("mark") is not None:
+            fields["mark"] = tuple(fields["mark"])
+        fields["recent"] = tuple(tuple(call) for call in fields.get("recent", ()))
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class Verdict:
     reporter: int
     peers: int = 0  # live peers the culprit waits for (reported and quiet) before its stack
     silent: bool = False  # the culprit's watchdog is not running: no stack will come
+    mismatch: str = ""  # a collective mismatch, in the reporter's words ("": a hang)
 
     def to_json(self) -> str:
         """This verdict as a JSON object, as it is proposed in the store."""
@@ -164,6 +179,137 @@ def format_report(
     return "\n".join(lines)
 
 
+def find_mismatch(
+    heartbeats: Mapping[int, Heartbeat | None],
+    now: float,
+    *,
+    grace: float,
+    silent_after: float,
+    marks: Mapping[int, int] | None = None,
+    me: int = 0,
+    failing: bool = False,
+) -> str | None:
+    """Why the ranks can never meet in one collective, in words, or None where nothing shows it.
+
+    A rank counts as waiting once it has waited ``grace`` seconds in a collective (at once for rank
+    ``me`` when ``failing``: its collective just raised). The ranks cannot meet when:
+
+    * two ranks' last calls (``recent``) hold the same number with different signatures;
+    * a rank waits in its collective number n, and a rank that finished its script (closed, not
+      failed) called fewer than n;
+    * two ranks wait at the same moment, in collectives of different numbers or signatures;
+    * rank ``me``'s fingerprint of its first n calls (``marks``) differs from a peer's published
+      one: their collectives differed earlier, though the backend paired them up.
+
+    Args:
+        heartbeats: each rank's last heartbeat by rank (None: it sent none).
+        now: wall time (``time.time()``).
+        grace: seconds in one collective after which a rank counts as waiting in it.
+        silent_after: seconds since publication after which a heartbeat is too old to use.
+        marks: rank ``me``'s fingerprints by call number (:class:`~ddpkit.observe.collectives.CollectiveLog`).
+        me: the rank that asks.
+        failing: rank ``me``'s collective just failed.
+    """
+    seen: dict[int, tuple[int, str]] = {}
+    for rank, beat in sorted(heartbeats.items()):
+        for number, signature, _ in beat.recent if beat is not None else ():
+            first = seen.setdefault(number, (rank, signature))
+            if first[1] != signature:
+                return f"ranks {first[0]} and {rank} called different collectives as their #{number}"
+    fresh = {
+        r: b for r, b in heartbeats.items() if b is not None and b.phase != CLOSED and now - b.time <= silent_after
+    }
+    finished = {r: b for r, b in heartbeats.items() if b is not None and b.phase == CLOSED and not b.failed}
+    waiting = {
+        r: b for r, b in sorted(fresh.items()) if b.call and (b.waited_at(now) >= grace or (failing and r == me))
+    }
+    for rank, beat in waiting.items():
+        for done_rank, done in sorted(finished.items()):
+            if done.calls < beat.calls:
+                return (
+                    f"rank {rank} waits in its collective #{beat.calls}, which rank {done_rank} never calls: "
+                    f"it finished after {done.calls}"
+                )
+        for peer, other in waiting.items():
+            if peer <= rank or (other.calls == beat.calls and other.call == beat.call):
+                continue
+            together = min(beat.time, other.time) - max(beat.time - beat.waited, other.time - other.waited)
+            if together >= 0.0 or failing:
+                what = "signatures" if other.calls == beat.calls else "numbers"
+                return f"ranks {rank} and {peer} wait in collectives of different {what}"
+    for peer, other in sorted(heartbeats.items()):
+        if peer == me or other is None or other.mark is None or not marks:
+            continue
+        number, fingerprint = other.mark
+        if number in marks and marks[number] != fingerprint:
+            return (
+                f"ranks {me} and {peer} called different collectives before their #{number}, "
+                "and the backend paired them up"
+            )
+    return None
+
+
+def format_mismatch(
+    heartbeats: Mapping[int, Heartbeat | None], now: float, reason: str, *, world_size: int, silent_after: float
+) -> str:
+    """The report of a collective mismatch: one line with ``reason``, then one line per rank.
+
+    Each rank's line says which collective it is in, as its n-th, with operation, shape and dtype,
+    and the line of the user's script that called it; or that it finished, or where it is instead.
+    Where the ranks' last calls differ, the first number at which they differ is shown for each.
+    """
+    first = _first_difference(heartbeats)
+    lines = [
+        f"ddpkit: collective mismatch: {reason}; every rank exits with code {EXIT_MISMATCH}. Each rank:",
+    ]
+    for rank in range(world_size):
+        beat = heartbeats.get(rank)
+        lines.append(f"ddpkit:   rank {rank}: {_mismatch_row(beat, now, silent_after, first)}")
+    lines.append(
+        "ddpkit: every rank must call the same collectives in the same order with the same shapes and dtypes; "
+        "a collective under `if rank == 0` (or rt.is_main) is the usual cause"
+    )
+    return "\n".join(lines)
+
+
+def _collectives(count: int) -> str:
+    return f"{count} collective{'' if count == 1 else 's'}"
+
+
+def _first_difference(heartbeats: Mapping[int, Heartbeat | None]) -> int | None:
+    """The lowest call number whose signature differs between two ranks' recent calls, if any is seen."""
+    by_number: dict[int, set[str]] = {}
+    for beat in heartbeats.values():
+        for number, signature, _ in beat.recent if beat is not None else ():
+            by_number.setdefault(number, set()).add(signature)
+    differing = [number for number, signatures in by_number.items() if len(signatures) > 1]
+    return min(differing) if differing else None
+
+
+def _mismatch_row(beat: Heartbeat | None, now: float, silent_after: float, first: int | None) -> str:
+    if beat is None:
+        return "no heartbeat (unknown)"
+    calls = {number: (signature, where) for number, signature, where in beat.recent}
+    if beat.phase == CLOSED:
+        text = f"{'failed' if beat.failed else 'finished'} after {_collectives(beat.calls)}"
+        if beat.calls in calls:
+            signature, where = calls[beat.calls]
+            text += f"; its last, #{beat.calls}: {signature} at {where or '?'}"
+    elif beat.call:
+        text = f"in its collective #{beat.calls}: {beat.call} at {beat.call_where or '?'}, waiting {beat.waited_at(now):.1f}s"
+    else:
+        text = f"in no collective: step {beat.step} (phase {beat.phase})"
+        text += f" in {beat.where}" if beat.where else ""
+        text += f", after {_collectives(beat.calls)}"
+        if now - beat.time > silent_after:
+            text += f"; its heartbeat stopped {now - beat.time:.1f}s ago"
+    shown_last = beat.phase == CLOSED or bool(beat.call)
+    if first is not None and first in calls and not (shown_last and first == beat.calls):
+        signature, where = calls[first]
+        text += f"; its #{first} was {signature} at {where or '?'}"
+    return text
+
+
 def _row(rank: int, beat: Heartbeat | None, now: float, silent_after: float) -> str:
     if beat is None:
         return f"rank {rank}: no heartbeat"
@@ -172,6 +318,9 @@ def _row(rank: int, beat: Heartbeat | None, now: float, silent_after: float) -> 
     )
     if now - beat.time > silent_after:
         text += f", heartbeat silent for {now - beat.time:.1f}s"
+    if beat.call:
+        text += f", waiting in its collective #{beat.calls} {beat.call} at {beat.call_where or '?'}"
+        return text
     return text + (f", in {beat.where}" if beat.where else "")
 
 

@@ -68,10 +68,10 @@ class Reporter:
         """Draw ``out_dir``/loss.png from the logged losses (None where nothing was logged)."""
         return self.logger.plot_loss() if self.logger is not None else None
 
-    def close(self) -> None:
-        """Stop the watchdog and flush the metrics files."""
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the watchdog and flush the metrics files; ``failed``: the script raised."""
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.stop(failed=failed)
             self.watchdog = None
         if self.logger is not None:
             self.logger.close()

@@ -1,8 +1,24 @@
-"""Hang watchdog: name the stuck rank, show its Python stack, and fail fast.
+"""Hang watchdog: name a collective mismatch or the stuck rank, show its Python stack, and fail fast.
 
 When one rank stalls, its peers stall too, blocked in the next collective until the
-collective timeout (minutes) or forever. With ``ddpkit.init(hang_timeout=S)`` (``ddpkit
-train --hang-timeout S``) each rank records a heartbeat at phase boundaries (``data`` when
+collective timeout (minutes) or forever; when ranks call different collectives, they wait for
+each other, fail with the backend's words, or go on with garbage. The watchdog runs by default
+in every job of more than one process:
+
+* **A collective mismatch** (a collective on some ranks only; different operations, shapes or
+  dtypes; a different order) is named within seconds of the moment the ranks that will ever
+  arrive have arrived: one line per rank with its n-th collective, operation, shape, dtype and
+  the line of the user's script that called it (:mod:`ddpkit.observe.collectives`), then every
+  rank exits with :data:`EXIT_MISMATCH` (123).
+* **By default** (``hang_timeout=None``) a job is hung when a rank has waited in one collective
+  longer than an adaptive timeout (``max(floor, 4 x`` the longest a collective has waited so far
+  ``)``, the floor 300 s, or ``DDPKIT_HANG_FLOOR`` seconds) while a peer in its own code made
+  no progress all that time. Every rank busy in its own code is never a hang.
+* With ``ddpkit.init(hang_timeout=S)`` (``ddpkit train --hang-timeout S``) it is hung when no
+  rank made progress for ``S`` seconds, whatever the ranks are doing. ``hang_timeout=0`` turns
+  the watchdog off.
+
+Each rank records a heartbeat at phase boundaries (``data`` when
 the loader hands out a batch, ``backward``, ``optimizer``, ``save``, ``eval`` and any
 :meth:`Runtime.heartbeat`), and a daemon thread publishes it through the process group's
 store every ``S / 10`` seconds (0.1 to 2). When no rank has made progress for ``S`` seconds:
@@ -39,21 +55,55 @@ from typing import Any
 
 from ddpkit._torch import default_store
 from ddpkit.errors import UsageError
-from ddpkit.observe.heartbeats import CLOSED, EXIT_HANG, Heartbeat, Verdict, culprit, format_report, seconds_until_hung
+from ddpkit.observe import collectives
+from ddpkit.observe.heartbeats import (
+    CLOSED,
+    EXIT_HANG,
+    EXIT_MISMATCH,
+    Heartbeat,
+    Verdict,
+    culprit,
+    find_mismatch,
+    format_mismatch,
+    format_report,
+    seconds_until_hung,
+)
 
 _PREFIX = "ddpkit/watchdog/"
 _VERDICT, _READY, _DUMPED = _PREFIX + "verdict", _PREFIX + "ready", _PREFIX + "dumped"
 _LINGER_S = 2.0  # peers of the stuck rank exit this much later, so the launcher names it
 _STORE_TIMEOUT_S = 10.0
+FLOOR_S = 300.0
+"""The default (adaptive) hang timeout's floor in seconds; ``DDPKIT_HANG_FLOOR`` sets another."""
+_ADAPTIVE_INTERVAL_S = 1.0
+_GRACE_S = 3.0  # seconds in one collective before a rank's peers are asked where they are
+_FINGERPRINT_EVERY_S = 5.0
+_CLOSE_WAIT_S = 3.0  # how long a closing rank waits for its peers' last fingerprints
 
 
 def check_timeout(hang_timeout: float | None, *, flag: str = "hang_timeout") -> None:
-    """Raise :class:`UsageError` unless ``hang_timeout`` is None or a positive number of seconds.
+    """Raise :class:`UsageError` unless ``hang_timeout`` is None (adaptive), 0 (off) or a positive number of seconds.
 
     ``flag`` names the setting in the message (``--hang-timeout`` for ``ddpkit train``).
     """
-    if hang_timeout is not None and not (isinstance(hang_timeout, (int, float)) and hang_timeout > 0):
-        raise UsageError(f"{flag} must be a positive number of seconds, got {hang_timeout!r}")
+    number = isinstance(hang_timeout, (int, float)) and not isinstance(hang_timeout, bool)
+    if hang_timeout is not None and not (number and hang_timeout >= 0 and hang_timeout == hang_timeout):
+        raise UsageError(
+            f"{flag} must be a number of seconds >= 0 (0 turns the hang watchdog off; leave it unset for the "
+            f"adaptive default), got {hang_timeout!r}"
+        )
+
+
+def floor_seconds() -> float:
+    """The adaptive hang timeout's floor: ``DDPKIT_HANG_FLOOR`` seconds, else :data:`FLOOR_S`."""
+    raw = os.environ.get("DDPKIT_HANG_FLOOR", "")
+    try:
+        value = float(raw) if raw else FLOOR_S
+    except ValueError:
+        raise UsageError(f"DDPKIT_HANG_FLOOR must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise UsageError(f"DDPKIT_HANG_FLOOR must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 class Watchdog:
@@ -64,27 +114,42 @@ class Watchdog:
 
     def __init__(
         self,
-        hang_timeout: float,
+        hang_timeout: float | None,
         *,
         rank: int = 0,
         world_size: int = 1,
         store: Any = None,
         interval: float | None = None,
+        log: collectives.CollectiveLog | None = None,
     ):
         check_timeout(hang_timeout)
-        self.hang_timeout = float(hang_timeout)
+        self.adaptive = hang_timeout is None
+        self.floor = floor_seconds() if self.adaptive else 0.0
+        self.hang_timeout = self.floor if hang_timeout is None else float(hang_timeout)
         self.rank, self.world_size = rank, world_size
-        self.interval = interval if interval is not None else min(2.0, max(0.1, self.hang_timeout / 10))
+        default = _ADAPTIVE_INTERVAL_S if self.adaptive else min(2.0, max(0.1, self.hang_timeout / 10))
+        self.interval = interval if interval is not None else default
         self.silent_after = 3 * self.interval + 2.0
+        self.log = log
         self._store = store
         self._store_error = ""
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._last: tuple[int, str, float] = (0, "start", time.monotonic())
         self._watched = threading.get_ident()
         self._next_look = 0.0  # monotonic time before which peers cannot all be stalled
+        self._next_fingerprint = 0.0
+        self._failed = False
+        self._acting = threading.Lock()
         self._stop = threading.Event()
         self._probes: list[list[Any]] = []  # [probe, last value]: reads in DataLoader workers
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
+
+    def limit(self) -> float:
+        """Seconds a rank may wait in one collective (adaptive) or all may go without progress (explicit)."""
+        if not self.adaptive:
+            return self.hang_timeout
+        longest = self.log.longest_wait if self.log is not None else 0.0
+        return max(self.floor, 4.0 * longest)
 
     def beat(self, step: int, phase: str) -> None:
         """Record progress: now at ``step`` in ``phase``. One tuple store, no I/O."""
@@ -102,17 +167,60 @@ class Watchdog:
                 self._last = (self._last[0], "data", time.monotonic())
 
     def start(self, step: int = 0) -> Watchdog:
-        """Watch the calling thread from ``step`` (phase ``start``) on a daemon thread; returns self."""
+        """Watch the calling thread from ``step`` (phase ``start``) on a daemon thread; returns self.
+
+        With a collective log, the thread's ``torch.distributed`` collectives are counted in it.
+        """
         self._watched = threading.get_ident()
         self.beat(step, "start")
+        if self.log is not None:
+            self.log.thread = self._watched
+            self.log.on_failure = self._collective_failed
+            collectives.install(self.log)
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching and publish this rank as closed, so peers never blame a finished rank."""
+    def stop(self, *, failed: bool = False) -> None:
+        """Stop watching and publish this rank as closed, so peers never blame a finished rank.
+
+        ``failed``: the script ended by an exception, so collectives it never called are no mismatch.
+        """
+        self._failed = failed
+        if self.log is not None:
+            collectives.uninstall()
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + _STORE_TIMEOUT_S)
+        if self.log is not None and self._store is not None and not failed:
+            self._compare_at_close()
+
+    def _compare_at_close(self) -> None:
+        """Before this rank leaves: compare its whole fingerprint with the peers' as they close.
+
+        Collectives that the backend paired up wrongly (the same bytes, another order or shape)
+        end without an error; the ranks' fingerprints of every call still differ. Waits a few
+        seconds at most for peers still running; one waiting in a collective this rank never
+        called is named too.
+        """
+        step, _, since = self._last
+        mine = self._heartbeat(step, CLOSED, time.monotonic() - since)
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        try:
+            while True:
+                beats = self._heartbeats(mine)
+                reason = find_mismatch(
+                    beats, time.time(), grace=1.0, silent_after=self.silent_after, marks=self.log.marks, me=self.rank
+                )
+                if reason is None:
+                    reason = _finished_apart(beats, self.rank)
+                if reason is not None:
+                    self._act(self._propose(Verdict(self.rank, self.rank, mismatch=reason)), beats)
+                others = [b for r, b in beats.items() if r != self.rank]
+                if all(b is not None and b.phase == CLOSED for b in others) or time.monotonic() > deadline:
+                    return
+                time.sleep(0.1)
+        except (RuntimeError, OSError):
+            return  # the peers' store is gone: they left
 
     # -- the watchdog thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -128,7 +236,28 @@ class Watchdog:
                 self._store.set(_beat_key(self.rank), self._heartbeat(step, CLOSED, 0.0).to_json())
 
     def _heartbeat(self, step: int, phase: str, idle: float) -> Heartbeat:
-        return Heartbeat(self.rank, step, phase, idle, time.time(), self._host, self._pid, self._where())
+        log = self.log
+        if log is None:
+            return Heartbeat(self.rank, step, phase, idle, time.time(), self._host, self._pid, self._where())
+        current = log.current
+        mark = (log.calls, log.chain) if phase == CLOSED else max(log.marks.items()) if log.marks else None
+        return Heartbeat(
+            self.rank,
+            step,
+            phase,
+            idle,
+            time.time(),
+            self._host,
+            self._pid,
+            self._where(),
+            calls=log.calls,
+            call=current[1] if current is not None and phase != CLOSED else "",
+            call_where=current[2] if current is not None else "",
+            waited=time.monotonic() - current[3] if current is not None else 0.0,
+            mark=mark,
+            recent=tuple(log.recent),
+            failed=self._failed,
+        )
 
     def _tick(self) -> None:
         self._read_probes()
@@ -136,32 +265,147 @@ class Watchdog:
         mine = self._heartbeat(step, phase, time.monotonic() - since)
         if self._store is not None:
             self._store.set(_beat_key(self.rank), mine.to_json())
-        if mine.idle < self.hang_timeout:
-            return
         verdict, beats = self._read_verdict(), None
         if verdict is None:
-            if time.monotonic() < self._next_look:
+            found = self._look_for_mismatch(mine)
+            if found is None:
+                found = self._look_for_hang(mine) if not self.adaptive else self._look_for_stuck(mine)
+            if found is None:
                 return
-            beats = self._heartbeats(mine)
-            now = time.time()
-            wait = seconds_until_hung(beats, now, self.hang_timeout)
-            if wait > 0.0:  # a peer is still making progress: look again when it could be hung
-                self._next_look = time.monotonic() + max(self.interval, min(wait, self.hang_timeout))
-                return
-            stuck = culprit(beats, now, silent_after=self.silent_after)
-            live = [
-                r for r, b in beats.items() if b is not None and b.phase != CLOSED and now - b.time <= self.silent_after
-            ]
-            verdict = self._propose(Verdict(stuck, self.rank, peers=len(set(live) - {stuck}), silent=stuck not in live))
+            verdict, beats = found
         self._act(verdict, beats)
+
+    def _look_for_mismatch(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
+        """A collective mismatch the heartbeats show, proposed as the verdict; None if none shows."""
+        if self.log is None or self._store is None:
+            return None
+        waiting = bool(mine.call) and mine.waited >= _GRACE_S
+        if not waiting and time.monotonic() < self._next_fingerprint:
+            return None
+        self._next_fingerprint = time.monotonic() + _FINGERPRINT_EVERY_S
+        beats = self._heartbeats(mine)
+        reason = find_mismatch(
+            beats, time.time(), grace=_GRACE_S, silent_after=self.silent_after, marks=self.log.marks, me=self.rank
+        )
+        if reason is None:
+            return None
+        return self._propose(Verdict(self.rank, self.rank, mismatch=reason)), beats
+
+    def _look_for_hang(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
+        """With ``hang_timeout=S``: no rank made progress for S seconds."""
+        if mine.idle < self.hang_timeout or time.monotonic() < self._next_look:
+            return None
+        beats = self._heartbeats(mine)
+        now = time.time()
+        wait = seconds_until_hung(beats, now, self.hang_timeout)
+        if wait > 0.0:  # a peer is still making progress: look again when it could be hung
+            self._next_look = time.monotonic() + max(self.interval, min(wait, self.hang_timeout))
+            return None
+        stuck = culprit(beats, now, silent_after=self.silent_after)
+        return self._blame(stuck, beats, now), beats
+
+    def _look_for_stuck(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
+        """By default: this rank waited :meth:`limit` seconds in one collective, and a peer in its own
+        code made no progress all that time (or its heartbeat stopped)."""
+        limit = self.limit()
+        if not mine.call or mine.waited < limit or time.monotonic() < self._next_look:
+            return None
+        self._next_look = time.monotonic() + self.interval
+        beats = self._heartbeats(mine)
+        now = time.time()
+        suspects = {
+            r: b
+            for r, b in beats.items()
+            if r != self.rank
+            and (
+                b is None
+                or (
+                    b.phase != CLOSED
+                    and (
+                        now - b.time > self.silent_after
+                        or (not b.call and b.idle_at(now) >= mine.waited - 2 * self.interval)
+                    )
+                )
+            )
+        }
+        if not suspects:
+            return None  # every rank waits in a collective, or a peer progresses: no rank to blame
+        stuck = culprit(suspects, now, silent_after=self.silent_after)
+        _say(
+            f"ddpkit watchdog: rank {self.rank} has waited {mine.waited:.0f}s in its collective #{mine.calls} "
+            f"({mine.call} at {mine.call_where or '?'}), longer than the adaptive hang timeout ({limit:.0f}s)"
+        )
+        return self._blame(stuck, beats, now), beats
+
+    def _blame(self, stuck: int, beats: Mapping[int, Heartbeat | None], now: float) -> Verdict:
+        live = [
+            r for r, b in beats.items() if b is not None and b.phase != CLOSED and now - b.time <= self.silent_after
+        ]
+        return self._propose(Verdict(stuck, self.rank, peers=len(set(live) - {stuck}), silent=stuck not in live))
+
+    def _collective_failed(self) -> None:
+        """On the main thread, when a collective raised: end the job with the mismatch report if the
+        peers' heartbeats show one within a few seconds, else return (the error goes on up)."""
+        try:
+            store = self._store.clone() if self._store is not None else None
+        except (AttributeError, RuntimeError):
+            store = self._store
+        if store is None or self.log is None:
+            return
+        with contextlib.suppress(RuntimeError, OSError):
+            store.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+        deadline = time.monotonic() + max(4.0, 2 * self.interval + 2.0)
+        try:
+            step, phase, since = self._last
+            mine = self._heartbeat(step, phase, time.monotonic() - since)
+            store.set(_beat_key(self.rank), mine.to_json())
+            while time.monotonic() < deadline:
+                verdict = self._read_verdict(store)
+                beats = self._heartbeats(mine, store)
+                if verdict is None:
+                    reason = find_mismatch(
+                        beats,
+                        time.time(),
+                        grace=_GRACE_S,
+                        silent_after=self.silent_after,
+                        marks=self.log.marks,
+                        me=self.rank,
+                        failing=True,
+                    )
+                    if reason is not None:
+                        verdict = self._propose(Verdict(self.rank, self.rank, mismatch=reason), store)
+                if verdict is not None and verdict.mismatch:
+                    self._act(verdict, beats)
+                time.sleep(0.2)
+        except (RuntimeError, OSError):
+            return  # the store is gone with the peers: nothing more to learn
 
     def _act(self, verdict: Verdict, beats: Mapping[int, Heartbeat | None] | None) -> None:
         """Report, dump the stuck rank's stack, and exit: never returns.
 
         Peers report, go quiet and say so; then the stuck rank dumps its stack and exits first,
         so the launcher names it. Quiet, because once it is gone their collectives fail with
-        "connection closed by peer": a consequence, not news.
+        "connection closed by peer": a consequence, not news. A mismatch: the reporter prints it
+        and exits first; the others go quiet and follow.
         """
+        if not self._acting.acquire(blocking=False):
+            while True:  # the other thread of this rank acts already and ends the process
+                time.sleep(1.0)
+        if verdict.mismatch:
+            if verdict.reporter == self.rank and beats is not None:
+                _say(
+                    format_mismatch(
+                        beats,
+                        time.time(),
+                        verdict.mismatch,
+                        world_size=self.world_size,
+                        silent_after=self.silent_after,
+                    )
+                )
+            else:
+                _silence()
+                time.sleep(_LINGER_S)
+            _exit(EXIT_MISMATCH)
         if verdict.reporter == self.rank and beats is not None:
             _say(
                 format_report(
@@ -183,7 +427,7 @@ class Watchdog:
             if not verdict.silent:
                 self._await(lambda: self._store.check([_DUMPED]))
             time.sleep(_LINGER_S)
-        _exit()
+        _exit(EXIT_HANG)
 
     def _dump_stack(self) -> None:
         step, phase, since = self._last
@@ -204,28 +448,31 @@ class Watchdog:
         return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
 
     # -- the store ----------------------------------------------------------------------
-    def _heartbeats(self, mine: Heartbeat) -> dict[int, Heartbeat | None]:
-        if self._store is None:
+    def _heartbeats(self, mine: Heartbeat, store: Any = None) -> dict[int, Heartbeat | None]:
+        store = store if store is not None else self._store
+        if store is None:
             return {self.rank: mine}
         keys = [_beat_key(rank) for rank in range(self.world_size)]
-        if self._store.check(keys):
-            raw = self._store.multi_get(keys)
+        if store.check(keys):
+            raw = store.multi_get(keys)
         else:
-            raw = [self._store.get(key) if self._store.check([key]) else None for key in keys]
+            raw = [store.get(key) if store.check([key]) else None for key in keys]
         beats = {rank: None if value is None else Heartbeat.from_json(value) for rank, value in enumerate(raw)}
         beats[self.rank] = mine
         return beats
 
-    def _read_verdict(self) -> Verdict | None:
-        if self._store is None or not self._store.check([_VERDICT]):
+    def _read_verdict(self, store: Any = None) -> Verdict | None:
+        store = store if store is not None else self._store
+        if store is None or not store.check([_VERDICT]):
             return None
-        return Verdict.from_json(self._store.get(_VERDICT))
+        return Verdict.from_json(store.get(_VERDICT))
 
-    def _propose(self, verdict: Verdict) -> Verdict:
+    def _propose(self, verdict: Verdict, store: Any = None) -> Verdict:
         """Our verdict, unless another rank's came first (then theirs)."""
-        if self._store is None:
+        store = store if store is not None else self._store
+        if store is None:
             return verdict
-        return Verdict.from_json(self._store.compare_set(_VERDICT, "", verdict.to_json()))
+        return Verdict.from_json(store.compare_set(_VERDICT, "", verdict.to_json()))
 
     def _tell(self, send: Callable[[Any], Any]) -> None:
         """One store write; it may fail once the others have left."""
@@ -244,6 +491,24 @@ class Watchdog:
                 time.sleep(0.05)
         except (RuntimeError, OSError):
             pass  # the others already left
+
+
+def _finished_apart(beats: Mapping[int, Heartbeat | None], me: int) -> str | None:
+    """Two ranks that finished (not failed) after different collectives, or None."""
+    mine = beats.get(me)
+    if mine is None or mine.mark is None:
+        return None
+    for peer, other in sorted(beats.items()):
+        if peer == me or other is None or other.phase != CLOSED or other.failed or other.mark is None:
+            continue
+        if other.calls != mine.calls:
+            return f"rank {me} finished after {mine.calls} collectives, rank {peer} after {other.calls}"
+        if other.mark != mine.mark:
+            return (
+                f"ranks {me} and {peer} both finished after {mine.calls} collectives, but not the same ones: "
+                "the backend paired up different collectives"
+            )
+    return None
 
 
 def _beat_key(rank: int) -> str:
@@ -265,7 +530,7 @@ def _silence() -> None:
     os.dup2(devnull, 2)
 
 
-def _exit() -> None:
+def _exit(code: int) -> None:
     """Leave now: the main thread is blocked, so ``sys.exit`` from here would never happen.
 
     Our own children (DataLoader workers) go first: a worker blocked writing a batch, or still
@@ -280,7 +545,7 @@ def _exit() -> None:
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
-    os._exit(EXIT_HANG)
+    os._exit(code)
 
 
 def group_store() -> Any | None:
@@ -306,13 +571,20 @@ def group_store() -> Any | None:
     return store
 
 
-def watch(hang_timeout: float, *, rank: int, world_size: int, step: int = 0) -> Watchdog:
+def watch(hang_timeout: float | None, *, rank: int, world_size: int, step: int = 0) -> Watchdog | None:
     """Start a :class:`Watchdog` over the calling thread, through the group's store if any.
 
     Args:
-        hang_timeout: seconds without progress on every rank after which the job is hung.
+        hang_timeout: seconds without progress on every rank after which the job is hung; None:
+            the adaptive default (a job of one process has no collective to wait in: no watchdog);
+            0: no watchdog.
         rank: this process's global rank.
         world_size: processes of the job.
         step: the optimizer step the watch starts at.
     """
-    return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=group_store()).start(step)
+    check_timeout(hang_timeout)
+    if hang_timeout == 0 or (hang_timeout is None and world_size < 2):
+        return None
+    store = group_store()
+    log = collectives.CollectiveLog() if store is not None and world_size > 1 else None
+    return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=store, log=log).start(step)

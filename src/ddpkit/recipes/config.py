@@ -111,8 +111,9 @@ class TrainConfig:
     hang_timeout: float | None = None
     """Seconds in which no rank makes progress before the job counts as hung: ddpkit prints where
     each rank is and the stuck rank's stack, and exits (code 124) instead of waiting for the
-    collective timeout. Must exceed the longest step, evaluation or save. None (the default): no
-    watchdog."""
+    collective timeout. Must exceed the longest step, evaluation or save. Unset (the default):
+    adaptive, a rank waiting minutes in a collective while a peer makes no progress; 0: off.
+    A collective mismatch is named (exit 123) unless 0."""
     trackers: str | None = None
     """Experiment trackers, comma-separated: tensorboard, wandb, mlflow (default: tensorboard).
     W&B and MLflow continue the same run on every restart, requeue and --resume, each step once;

@@ -190,7 +190,8 @@ class Runtime:
         """Tell the hang watchdog this rank made progress and is now in ``phase``.
 
         ddpkit beats at ``start``, ``data``, ``backward``, ``optimizer``, ``save`` and ``eval``; call
-        it in long stretches of your own (a slow export). No I/O; nothing without ``hang_timeout``.
+        it in long stretches of your own (a slow export), so that peers waiting for this rank in a
+        collective do not count it as stuck. No I/O; nothing with ``hang_timeout=0`` or one process.
         """
         self._reporter.beat(self.global_step, phase)
 
@@ -369,7 +370,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        self._reporter.close()
+        self._reporter.close(failed=self._failed)
         if self._run.tracking is not None:
             self._run.tracking.close(self._outcome or ("FAILED" if self._failed else "FINISHED"))
         if self._run.preemption is not None:

@@ -66,7 +66,7 @@ class Settings:
 
         Raises:
             UsageError: an unknown precision, ``resume="auto"`` without a ``checkpoint_dir``, a
-                ``hang_timeout`` that is not a positive number of seconds, or W&B or MLflow
+                ``hang_timeout`` that is not a number of seconds >= 0, or W&B or MLflow
                 without an ``out_dir``.
         """
         Precision(self.precision, torch.device("cpu"))
@@ -119,7 +119,11 @@ def init(
             a run restarted by ``ddpkit run --max-restarts`` needs), a checkpoint path, or None.
         hang_timeout: seconds in which no rank makes progress before the job counts as hung:
             ddpkit prints where each rank is and the stuck rank's Python stack, then every
-            rank exits with code 124 (see :mod:`ddpkit.observe.watchdog`). None: no watchdog.
+            rank exits with code 124 (see :mod:`ddpkit.observe.watchdog`). None (the default):
+            adaptive, a rank that waited in one collective for minutes while a peer made no
+            progress in its own code; every rank busy in its own code is never a hang. 0: off.
+            In every job of several processes, unless 0, a collective mismatch (ranks in
+            different collectives) is named with each rank's line, and every rank exits with 123.
         save_timeout: seconds ``rt.save`` and ``rt.load`` wait for every rank to arrive before
             failing with one line that names the missing ranks (e.g. a save under ``if rt.is_main``).
         trackers: where :meth:`Runtime.log` also writes, from rank 0: any of ``"tensorboard"``
@@ -179,7 +183,7 @@ def init(
             config=trackers_mod.run_config(asdict(settings), settings.config, env.world_size),
             deferred=settings.checkpoint_dir is not None,
         )
-    dog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size) if hang_timeout is not None else None
+    dog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
     out_dir = Path(settings.out_dir) if settings.out_dir is not None else None
     reporter = Reporter(out_dir, settings.trackers, dog)
     runtime = Runtime(

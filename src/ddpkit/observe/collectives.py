@@ -1,0 +1,180 @@
+"""Which collective this rank is in: its n-th call on the default group, the operation, shape, dtype, the user's line.
+
+The hang watchdog (:mod:`ddpkit.observe.watchdog`) compares what every rank publishes of this log
+to name a collective mismatch: a collective called on some ranks only, ranks in different
+operations, shapes or dtypes, or the same collectives in a different order. Nothing here sends a
+message: the main thread counts its calls, keeps a few of them and a running fingerprint, and the
+watchdog thread publishes them through the store every second.
+
+What is counted: the ``torch.distributed`` collectives called on the default group from the thread
+that started the watchdog, through the module's functions (``dist.all_reduce(...)``), which is how
+the user's script and ddpkit (``rt.all_reduce``, ``ddpkit.evaluate``, checkpoints) call them. A call
+made inside another (``all_gather_object`` gathers sizes first) counts once, as the outer call.
+Point-to-point sends, other groups and other threads are not counted. DDP's gradient exchange runs
+in C++ and is not a call here: a rank in it is "in backward" in its heartbeat.
+
+Example:
+    >>> log = CollectiveLog()
+    >>> log.signature("all_reduce", torch.zeros(3))
+    'all_reduce(float32[3])'
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddpkit import _torch
+
+# Operations whose tensor has the same shape and dtype on every rank of a correct program; the
+# others (all_gather's list, all_to_all's splits, gather and scatter, objects) may differ by rank.
+SHAPED = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+OTHERS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+)
+MARK_EVERY = 8  # a fingerprint is kept every MARK_EVERY calls
+_MARKS_KEPT = 512
+_RECENT = 16
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ddpkit package
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIPPED = (_HERE, _TORCH, os.path.dirname(os.__file__))  # ddpkit, torch, the standard library (runpy)
+
+
+def user_line() -> str:
+    """``path:line`` of the innermost frame outside ddpkit, torch and the standard library ("" if none)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_SKIPPED) and not name.startswith("<"):
+            try:
+                shown = os.path.relpath(name)
+            except ValueError:
+                shown = name
+            return f"{name if shown.startswith('..') else shown}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
+class CollectiveLog:
+    """The collectives one thread called on the default group; read by the watchdog thread.
+
+    Attributes:
+        calls: collectives started so far; the one in flight is number ``calls``.
+        current: ``(number, signature, user line, monotonic start)`` of the call waited in, or None.
+        recent: the last few ``(number, signature, user line)``.
+        marks: the running fingerprint after every :data:`MARK_EVERY`-th call, by call number.
+        longest_wait: the longest a finished call waited, in seconds.
+        chain: the running fingerprint of every call so far.
+    """
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.calls = 0
+        self.current: tuple[int, str, str, float] | None = None
+        self.recent: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=_RECENT)
+        self.marks: dict[int, int] = {}
+        self.longest_wait = 0.0
+        self.on_failure: Callable[[], None] | None = None
+        self.chain = 0
+        self._depth = 0
+
+    @staticmethod
+    def signature(op: str, tensor: Any = None) -> str:
+        """``op(dtype[shape])`` for the operations whose tensor must agree across ranks, else ``op()``."""
+        if op in SHAPED and isinstance(tensor, torch.Tensor):
+            return f"{op}({str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)})"
+        return f"{op}()"
+
+    def enter(self, signature: str, where: str, *, waits: bool) -> None:
+        """A call starts: number it, fingerprint it, and (unless asynchronous) mark it as waited in."""
+        self.calls += 1
+        self.chain = zlib.crc32(signature.encode(), self.chain)
+        if self.calls % MARK_EVERY == 0:
+            self.marks[self.calls] = self.chain
+            if len(self.marks) > _MARKS_KEPT:
+                del self.marks[min(self.marks)]
+        self.recent.append((self.calls, signature, where))
+        if waits:
+            self.current = (self.calls, signature, where, time.monotonic())
+
+    def leave(self) -> None:
+        """The call waited in returned."""
+        if self.current is not None:
+            self.longest_wait = max(self.longest_wait, time.monotonic() - self.current[3])
+        self.current = None
+
+    def wrap(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (``torch.distributed.<op>``), counting each call this log's thread makes on the default group."""
+        group_at, tensor_at = _torch.collective_parameters(fn)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth or threading.get_ident() != self.thread:
+                return fn(*args, **kwargs)
+            group = args[group_at] if group_at is not None and len(args) > group_at else kwargs.get("group")
+            if not _torch.is_default_group(group):
+                return fn(*args, **kwargs)
+            tensor = None
+            if tensor_at is not None:
+                tensor = args[tensor_at[0]] if len(args) > tensor_at[0] else kwargs.get(tensor_at[1])
+            self.enter(self.signature(op, tensor), user_line(), waits=not kwargs.get("async_op", False))
+            self._depth += 1
+            try:
+                result = fn(*args, **kwargs)
+            except Exception:
+                if self.on_failure is not None:
+                    self.on_failure()  # a mismatch the peers' logs show ends the process here
+                self.current = None
+                raise
+            finally:
+                self._depth -= 1
+            self.leave()
+            return result
+
+        counted.__wrapped__ = fn  # type: ignore[attr-defined]
+        counted.__name__ = getattr(fn, "__name__", op)
+        counted.__doc__ = fn.__doc__
+        return counted
+
+
+_installed: list[tuple[Any, str, Any]] = []
+_lock = threading.Lock()
+
+
+def install(log: CollectiveLog) -> None:
+    """Count the collectives of ``torch.distributed``'s module functions in ``log`` until :func:`uninstall`."""
+    with _lock:
+        uninstall()
+        for op in SHAPED + OTHERS:
+            for module, original in _torch.distributed_functions(op):
+                setattr(module, op, log.wrap(op, original))
+                _installed.append((module, op, original))
+
+
+def uninstall() -> None:
+    """Put ``torch.distributed``'s own functions back."""
+    while _installed:
+        module, op, original = _installed.pop()
+        setattr(module, op, original)
+
+
+__all__ = ["CollectiveLog", "install", "uninstall", "user_line", "SHAPED", "OTHERS", "MARK_EVERY"]

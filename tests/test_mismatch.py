@@ -1,0 +1,385 @@
+"""Issue 44: a collective mismatch is named, by default, with each rank's n-th collective and line.
+
+Pure logic first (the rules and the report as plain data), then the collective log on a one-process
+group, then real 2-process jobs with default settings under ``ddpkit run``, ``torchrun`` and
+``ddpkit.launch``: a collective on some ranks only, different shapes, different operations, a
+different order; the adaptive timeout naming a rank stuck in its own code; a long phase on every
+rank that is never a hang; ``hang_timeout=0`` and bad values.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH, UsageError
+from ddpkit.observe import collectives
+from ddpkit.observe.heartbeats import CLOSED, Heartbeat, find_mismatch, format_mismatch
+from ddpkit.observe.watchdog import check_timeout, floor_seconds
+from helpers import BIN, clean_env, python, run
+from helpers import ddpkit as ddpkit_cli
+
+NOW = 1_000_000.0
+
+
+def beat(rank, calls, call="", *, waited=0.0, phase="data", age=0.5, recent=(), mark=None, failed=False):
+    return Heartbeat(
+        rank,
+        3,
+        phase,
+        1.0,
+        NOW - age,
+        "node",
+        100 + rank,
+        f"f (x.py:{rank})",
+        calls=calls,
+        call=call,
+        call_where=f"train.py:{10 + rank}" if call else "",
+        waited=waited,
+        mark=mark,
+        recent=tuple(recent),
+        failed=failed,
+    )
+
+
+# -- the rules, as plain data --------------------------------------------------------------
+
+
+def test_a_rank_waiting_in_a_collective_a_finished_rank_never_called_is_a_mismatch():
+    beats = {
+        0: beat(0, 4, "all_reduce(float32[1])", waited=4.0),
+        1: beat(1, 3, phase=CLOSED, recent=[(3, "all_reduce(float32[2])", "train.py:5")]),
+    }
+    reason = find_mismatch(beats, NOW, grace=3.0, silent_after=5.0)
+    assert reason == "rank 0 waits in its collective #4, which rank 1 never calls: it finished after 3"
+    # a peer that failed (an exception of its own) is not a mismatch: its error is the news
+    beats[1] = beat(1, 3, phase=CLOSED, failed=True)
+    assert find_mismatch(beats, NOW, grace=3.0, silent_after=5.0) is None
+    # not yet waiting for the grace period: nothing yet
+    beats[1] = beat(1, 3, phase=CLOSED)
+    beats[0] = beat(0, 4, "all_reduce(float32[1])", waited=1.0)
+    assert find_mismatch(beats, NOW, grace=3.0, silent_after=5.0) is None
+
+
+def test_ranks_waiting_at_once_in_different_collectives_are_a_mismatch_the_same_one_is_not():
+    same = {0: beat(0, 7, "all_reduce(float32[3])", waited=5.0), 1: beat(1, 7, "all_reduce(float32[3])", waited=4.0)}
+    assert find_mismatch(same, NOW, grace=3.0, silent_after=5.0) is None  # slow, not mismatched
+    shapes = {0: beat(0, 7, "all_reduce(float32[3])", waited=5.0), 1: beat(1, 7, "all_reduce(float32[4])", waited=4.0)}
+    assert find_mismatch(shapes, NOW, grace=3.0, silent_after=5.0) == (
+        "ranks 0 and 1 wait in collectives of different signatures"
+    )
+    numbers = {0: beat(0, 8, "barrier()", waited=5.0), 1: beat(1, 7, "barrier()", waited=4.0)}
+    assert "different numbers" in find_mismatch(numbers, NOW, grace=3.0, silent_after=5.0)
+    # a heartbeat too old to trust says nothing
+    stale = {0: beat(0, 8, "barrier()", waited=5.0), 1: beat(1, 7, "barrier()", waited=4.0, age=30.0)}
+    assert find_mismatch(stale, NOW, grace=3.0, silent_after=5.0) is None
+
+
+def test_the_same_number_with_another_signature_in_recent_calls_or_fingerprints_is_a_mismatch():
+    beats = {
+        0: beat(0, 2, recent=[(1, "all_reduce(float32[4])", "t.py:5"), (2, "barrier()", "t.py:8")]),
+        1: beat(1, 2, recent=[(1, "all_reduce(float32[2, 2])", "t.py:7"), (2, "barrier()", "t.py:8")]),
+    }
+    assert find_mismatch(beats, NOW, grace=3.0, silent_after=5.0) == (
+        "ranks 0 and 1 called different collectives as their #1"
+    )
+    # beyond the recent calls: rank 0's fingerprint of its first 16 calls against rank 1's
+    far = {0: beat(0, 40), 1: beat(1, 40, mark=(16, 1234))}
+    assert find_mismatch(far, NOW, grace=3.0, silent_after=5.0, marks={8: 1, 16: 999}, me=0) == (
+        "ranks 0 and 1 called different collectives before their #16, and the backend paired them up"
+    )
+    assert find_mismatch(far, NOW, grace=3.0, silent_after=5.0, marks={8: 1, 16: 1234}, me=0) is None
+
+
+def test_the_report_has_one_line_per_rank_with_its_nth_collective_signature_and_line():
+    beats = {
+        0: beat(0, 4, "all_reduce(float32[1])", waited=4.0, recent=[(4, "all_reduce(float32[1])", "train.py:10")]),
+        1: beat(1, 3, phase=CLOSED, recent=[(3, "all_reduce(float32[2])", "train.py:5")]),
+        2: beat(2, 3, recent=[(3, "all_reduce(float32[2])", "train.py:5")]),
+    }
+    text = format_mismatch(beats, NOW, "why", world_size=4, silent_after=5.0)
+    lines = text.splitlines()
+    assert lines[0] == f"ddpkit: collective mismatch: why; every rank exits with code {EXIT_MISMATCH}. Each rank:"
+    assert lines[1] == "ddpkit:   rank 0: in its collective #4: all_reduce(float32[1]) at train.py:10, waiting 4.5s"
+    assert (
+        lines[2] == "ddpkit:   rank 1: finished after 3 collectives; its last, #3: all_reduce(float32[2]) at train.py:5"
+    )
+    assert lines[3].startswith("ddpkit:   rank 2: in no collective: step 3 (phase data) in f (x.py:2), after 3")
+    assert lines[4] == "ddpkit:   rank 3: no heartbeat (unknown)"
+
+
+def test_heartbeats_with_collectives_survive_the_store():
+    one = beat(0, 9, "broadcast(int64[2])", waited=2.0, mark=(8, 77), recent=[(9, "broadcast(int64[2])", "a.py:1")])
+    assert Heartbeat.from_json(one.to_json()) == one
+
+
+def test_bad_hang_timeouts_are_refused_in_one_line_and_zero_is_off(monkeypatch):
+    for good in (None, 0, 0.5, 300):
+        check_timeout(good)
+    for bad in (-1, -0.5, float("nan"), "10", True):
+        with pytest.raises(UsageError, match="hang_timeout must be a number of seconds >= 0"):
+            check_timeout(bad)
+    monkeypatch.setenv("DDPKIT_HANG_FLOOR", "7.5")
+    assert floor_seconds() == 7.5
+    monkeypatch.setenv("DDPKIT_HANG_FLOOR", "soon")
+    with pytest.raises(UsageError, match="DDPKIT_HANG_FLOOR must be a number of seconds"):
+        floor_seconds()
+
+
+def test_ddpkit_train_refuses_a_negative_or_non_numeric_hang_timeout():
+    for value in ("-5", "soon"):
+        result = ddpkit_cli("train", "--model", "mlp", "--data", "synthetic", "--hang-timeout", value, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "--hang-timeout" in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
+
+
+# -- the log of one process's collectives ----------------------------------------------------
+
+
+def test_the_log_counts_default_group_calls_of_its_thread_once_each(tmp_path):
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    log = collectives.CollectiveLog()
+    collectives.install(log)
+    try:
+        dist.all_reduce(torch.zeros(3))
+        dist.all_gather_object([None], {"a": 1})  # gathers sizes inside: counted once, as itself
+        dist.broadcast(torch.zeros(2, dtype=torch.int64), src=0)
+        other = dist.new_group([0])
+        dist.all_reduce(torch.zeros(5), group=other)  # another group: not counted
+        threading.Thread(target=lambda: dist.barrier()).start()  # another thread: not counted
+        time.sleep(0.5)
+        assert log.calls == 3
+        assert [signature for _, signature, _ in log.recent] == [
+            "all_reduce(float32[3])",
+            "all_gather_object()",
+            "broadcast(int64[2])",
+        ]
+        assert all(
+            where.endswith(".py:" + where.rsplit(":", 1)[1]) and "test_mismatch.py" in where for *_, where in log.recent
+        )
+        assert log.current is None and log.longest_wait >= 0.0
+    finally:
+        collectives.uninstall()
+        dist.destroy_process_group()
+    assert dist.all_reduce is collectives._torch.distributed_functions("all_reduce")[0][1]  # put back
+    assert not hasattr(dist.all_reduce, "__wrapped__") or "counted" not in dist.all_reduce.__qualname__
+
+
+def test_fingerprints_depend_on_order_and_shape_not_on_lines():
+    def chain(calls):
+        log = collectives.CollectiveLog()
+        for signature, where in calls:
+            log.enter(signature, where, waits=False)
+        return log.chain
+
+    a = ("all_reduce(float32[4])", "x.py:1")
+    b = ("all_reduce(float32[2, 2])", "x.py:2")
+    assert chain([a, b]) != chain([b, a])
+    assert chain([a, b]) == chain([(a[0], "y.py:9"), (b[0], "y.py:10")])
+
+
+# -- real jobs, default settings ------------------------------------------------------------
+
+ONLY_MAIN = """
+import torch, torch.distributed as dist, ddpkit
+rt = ddpkit.init(seed=0)
+for _ in range(3):
+    rt.all_reduce(torch.ones(2))
+metric = torch.tensor([1.0])
+if rt.is_main:
+    dist.all_reduce(metric)  # the metric, on the main process only
+print("finished", rt.rank, flush=True)
+"""
+
+SHAPES = """
+import torch, torch.distributed as dist, ddpkit
+rt = ddpkit.init(seed=0)
+count = torch.zeros(3 + rt.rank)  # a per-rank count
+dist.all_reduce(count)
+"""
+
+OPERATIONS = """
+import torch, torch.distributed as dist, ddpkit
+rt = ddpkit.init(seed=0)
+t = torch.zeros(4)
+if rt.rank == 0:
+    dist.all_reduce(t)
+else:
+    dist.broadcast(t, src=0)
+"""
+
+ORDER = """
+import torch, torch.distributed as dist, ddpkit
+rt = ddpkit.init(seed=0)
+a, b = torch.zeros(4), torch.zeros(2, 2)
+if rt.rank == 0:
+    dist.all_reduce(a); dist.all_reduce(b)
+else:
+    dist.all_reduce(b); dist.all_reduce(a)
+dist.barrier()
+"""
+
+CASES = {
+    # script, the reason's words, a line each rank's row must hold
+    "only_main": (
+        ONLY_MAIN,
+        "rank 0 waits in its collective #4, which rank 1 never calls: it finished after 3",
+        [
+            r"rank 0: in its collective #4: all_reduce\(float32\[1\]\) at .*only_main\.py:8",
+            r"rank 1: finished after 3 collectives; its last, #3: all_reduce\(float32\[2\]\)",
+        ],
+    ),
+    "shapes": (
+        SHAPES,
+        "",
+        [r"all_reduce\(float32\[3\]\) at .*shapes\.py:5", r"all_reduce\(float32\[4\]\) at .*shapes\.py:5"],
+    ),
+    "operations": (
+        OPERATIONS,
+        "",
+        [
+            r"rank 0: in its collective #1: all_reduce\(float32\[4\]\) at .*operations\.py:6",
+            r"rank 1: in its collective #1: broadcast\(float32\[4\]\) at .*operations\.py:8",
+        ],
+    ),
+    "order": (
+        ORDER,
+        "",
+        [
+            r"rank 0: .*its #1 was all_reduce\(float32\[4\]\) at .*order\.py:6",
+            r"rank 1: .*its #1 was all_reduce\(float32\[2, 2\]\) at .*order\.py:8",
+        ],
+    ),
+}
+
+
+def _check_report(stderr: str, reason: str, rows: list[str]) -> None:
+    assert "ddpkit: collective mismatch: " in stderr, stderr[-3000:]
+    assert f"every rank exits with code {EXIT_MISMATCH}" in stderr
+    if reason:
+        assert reason in stderr
+    for row in rows:
+        assert re.search(row, stderr), (row, stderr[-3000:])
+    assert stderr.count("ddpkit: collective mismatch: ") == 1, stderr[-3000:]  # one report, not one per rank
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
+    script, reason, rows = CASES[case]
+    path = tmp_path / f"{case}.py"
+    path.write_text(textwrap.dedent(script))
+    start = time.monotonic()
+    result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
+    _check_report(result.stderr, reason, rows)
+    assert took < 60, f"named after {took:.0f}s (start-up included); the issue asks for 30 s after the ranks arrive"
+
+
+@pytest.mark.timeout(150)
+def test_a_collective_mismatch_is_named_under_torchrun(tmp_path):
+    script, reason, rows = CASES["only_main"]
+    path = tmp_path / "only_main.py"
+    path.write_text(textwrap.dedent(script))
+    result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], timeout=120)
+    assert result.returncode != 0
+    _check_report(result.stderr, reason, rows)
+    assert f"exitcode: {EXIT_MISMATCH}" in result.stderr  # torchrun's own words for each worker's code
+
+
+LAUNCHED = """
+import torch, torch.distributed as dist, ddpkit
+
+def train():
+    rt = ddpkit.init(seed=0)
+    dist.all_reduce(torch.zeros(3 + rt.rank))
+
+if __name__ == "__main__":
+    ddpkit.launch(train, nprocs=2)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path):
+    path = tmp_path / "launched.py"
+    path.write_text(textwrap.dedent(LAUNCHED))
+    result = python(str(path), timeout=120)
+    assert result.returncode != 0
+    _check_report(result.stderr, "", [r"all_reduce\(float32\[3\]\) at .*launched\.py:6", r"all_reduce\(float32\[4\]\)"])
+
+
+STUCK = """
+import time, torch, ddpkit
+rt = ddpkit.init(seed=0)
+rt.all_reduce(torch.ones(1))
+def my_own_loop():
+    while True:
+        time.sleep(0.2)
+if rt.rank == 1:
+    my_own_loop()  # stuck in its own code
+rt.barrier()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_by_default_a_rank_stuck_in_its_own_code_while_others_wait_is_named_with_its_stack(tmp_path):
+    path = tmp_path / "stuck.py"
+    path.write_text(textwrap.dedent(STUCK))
+    start = time.monotonic()
+    # the floor lowered from 300 s so that the test is short; everything else is the default
+    result = ddpkit_cli("run", "-n", "2", str(path), env=clean_env(DDPKIT_HANG_FLOOR="6"), timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == EXIT_HANG, result.stderr[-3000:]
+    assert "longer than the adaptive hang timeout (6s)" in result.stderr
+    assert "rank 1 made no progress for" in result.stderr
+    assert re.search(r'File ".*stuck\.py", line \d+ in my_own_loop', result.stderr), result.stderr[-3000:]
+    assert took < 90
+
+
+EVERY_RANK_BUSY = """
+import time, torch, ddpkit
+rt = ddpkit.init(seed=0)
+rt.all_reduce(torch.ones(1))
+def evaluate_on_my_own(seconds):
+    end = time.monotonic() + seconds
+    x = torch.randn(64, 64)
+    while time.monotonic() < end:
+        x = torch.tanh(x @ x.T / 64)  # every rank busy, no ddpkit call, no collective
+    return float(x.sum())
+evaluate_on_my_own(14)
+if rt.is_main:  # rank 0 alone, telling ddpkit it is busy; rank 1 waits in the barrier meanwhile
+    for _ in range(12):
+        time.sleep(1.0)
+        rt.heartbeat("eval")
+rt.barrier()
+print("finished", rt.rank, flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_long_phase_on_every_rank_is_never_a_hang(tmp_path):
+    path = tmp_path / "busy.py"
+    path.write_text(textwrap.dedent(EVERY_RANK_BUSY))
+    result = ddpkit_cli("run", "-n", "2", str(path), env=clean_env(DDPKIT_HANG_FLOOR="4"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(re.findall(r"finished \d", result.stdout)) == ["finished 0", "finished 1"]
+    assert "ddpkit watchdog" not in result.stderr and "collective mismatch" not in result.stderr
+
+
+@pytest.mark.timeout(150)
+def test_hang_timeout_zero_turns_the_watchdog_off(tmp_path):
+    path = tmp_path / "off.py"
+    path.write_text(textwrap.dedent(ONLY_MAIN).replace("ddpkit.init(seed=0)", "ddpkit.init(seed=0, hang_timeout=0)"))
+    result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]  # gloo's own failure, as before the watchdog
+    assert "collective mismatch" not in result.stderr
