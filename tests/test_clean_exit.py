@@ -349,3 +349,48 @@ def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path):
     launcher = _start([sys.executable, str(script), str(tmp_path)])
     left, seconds = _kill_launcher_and_watch(launcher, tmp_path, 2)
     assert left == [], f"children {left} still ran {seconds:.0f} s after the ddpkit.launch parent was killed"
+
+
+FT_REPLICA = """
+import os, sys, time
+import ddpkit
+
+rt = ddpkit.init()
+open(os.path.join(sys.argv[1], f"rank{os.environ['DDPKIT_FT_REPLICA']}.pid"), "w").write(str(os.getpid()))
+time.sleep(3600)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_everything_a_sigkilled_fault_tolerant_launcher_started_ends_within_seconds(tmp_path):
+    """ddpkit run --fault-tolerant SIGKILLed: its control plane (torchft's lighthouse), each replica's
+    own ddpkit run and their workers all end, found as the launcher's descendants before the kill."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from helpers import BIN, wait_for
+
+    pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
+    script = tmp_path / "replica.py"
+    script.write_text(FT_REPLICA)
+    launcher = _start([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", str(script), str(tmp_path)])
+    started: list[int] = []
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("rank*.pid"))) == 2, timeout=180, what="the replicas' pid files")
+        started = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+        workers = {int(p.read_text()) for p in tmp_path.glob("rank*.pid")}
+        assert workers <= set(started) and len(started) >= 5, started  # plane, 2 x (ddpkit run, worker)
+        os.kill(launcher.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_ended(p) for p in started):
+            time.sleep(0.1)
+        left = [p for p in started if not _ended(p)]
+        assert left == [], f"processes {left} still ran 30 s after the fault-tolerant launcher was killed"
+    finally:
+        for pid in started:
+            kill_tree(pid)
+        kill_tree(launcher.pid)
+        launcher.wait(timeout=30)

@@ -24,6 +24,7 @@ from ddpkit.distributed import ft_launch
 from ddpkit.distributed.environment import detect
 from ddpkit.distributed.ft_launch import FaultTolerantSpec
 from ddpkit.distributed.host import host_port
+from ddpkit.distributed.parent import die_with_launcher
 from ddpkit.distributed.torchrun import RunSpec, placement, run
 from ddpkit.errors import UsageError
 
@@ -212,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``ddpkit run``: start the script under torch's elastic agent; the job's exit code."""
+    die_with_launcher()  # a fault-tolerant replica's own ddpkit run: it ends when that launcher dies
     ours, rest = split(argv)
     opts = parser().parse_args(ours)
     if opts.fault_tolerant:

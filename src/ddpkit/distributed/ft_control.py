@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.distributed.parent import launcher_env
+
 CONTROL_ENV = "DDPKIT_FT_CONTROL"
 """The job's private directory (one machine): the control plane's socket, the stores, the secret."""
 SOCKET = "control.sock"
@@ -66,6 +68,8 @@ _BOOT = (
     _ISOLATE
     + r"""
 refused = isolate() if sys.argv[1] == "isolate" else "not asked"
+from ddpkit.distributed.parent import die_with_launcher
+die_with_launcher()  # after unshare, which may clear it: the launcher killed, the control plane ends too
 from ddpkit.distributed.ft_control import serve
 
 serve(sys.argv[2:], refused)
@@ -129,7 +133,7 @@ def start(
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **launcher_env()},
         )
         assert child.stdout is not None
         line = child.stdout.readline().split()

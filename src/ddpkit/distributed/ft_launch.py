@@ -35,6 +35,7 @@ from typing import Any
 from ddpkit.distributed import ft, ft_control, ft_heal, stores
 from ddpkit.distributed.ft_watch import NODE_JOIN_S, end_lighthouse, stop_replicas, wait_for_nodes, watch
 from ddpkit.distributed.host import host_port, local_address
+from ddpkit.distributed.parent import launcher_env
 from ddpkit.distributed.torchrun import parse_master
 from ddpkit.errors import UsageError
 
@@ -42,6 +43,8 @@ HOST = "127.0.0.1"
 
 _LIGHTHOUSE = """
 import sys, time
+from ddpkit.distributed.parent import die_with_launcher
+die_with_launcher()  # the launcher killed (SIGKILL too): the lighthouse ends with it
 from torchft._torchft import LighthouseServer
 bind, min_replicas, join, tick, heartbeat = sys.argv[1:6]
 server = LighthouseServer(bind=bind, min_replicas=int(min_replicas), join_timeout_ms=int(join),
@@ -142,7 +145,7 @@ def start_lighthouse(min_replicas: int, host: str = HOST, port: int = 0) -> tupl
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **launcher_env()},
     )
     assert child.stdout is not None
     port = child.stdout.readline().strip()
@@ -237,6 +240,7 @@ def replica_env(
         env[ft_control.CONTROL_ENV] = private
     env.update(sockets if sockets is not None else {"GLOO_SOCKET_IFNAME": "lo"})
     env.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    env.update(launcher_env())  # the replica's own ddpkit run ends when this launcher dies, SIGKILL too
     return env
 
 
