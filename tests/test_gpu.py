@@ -212,3 +212,27 @@ def test_an_op_without_a_deterministic_cuda_kernel_is_one_line_under_micro_shard
     assert result.returncode == 2, result.stderr
     assert "ddpkit: error: micro_shards runs deterministic CUDA kernels only, and _histc_cuda" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+NCCL_MISMATCH = """
+import torch, torch.distributed as dist, ddpkit
+rt = ddpkit.init(seed=0)
+t = torch.zeros(4, device=rt.device)
+if rt.rank == 0:
+    dist.all_reduce(t)
+else:
+    dist.broadcast(t, src=0)
+"""
+
+
+@two_gpus
+@pytest.mark.timeout(180)
+def test_a_collective_mismatch_on_nccl_is_named_with_nccls_flight_recorder(tmp_path):
+    from ddpkit.errors import EXIT_MISMATCH
+
+    script = tmp_path / "nccl_mismatch.py"
+    script.write_text(NCCL_MISMATCH)
+    result = ddpkit_cli("run", "-n", "2", str(script), timeout=150)
+    assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
+    assert "ddpkit: collective mismatch: " in result.stderr
+    assert "; flight recorder: in flight #" in result.stderr and "nccl:" in result.stderr, result.stderr[-3000:]

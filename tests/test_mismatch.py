@@ -283,6 +283,8 @@ def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
     took = time.monotonic() - start
     assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
     _check_report(result.stderr, reason, rows)
+    if case == "operations":  # both ranks waited: the reporter's own row quotes torch's flight recorder
+        assert re.search(r"; flight recorder: in flight #\d+ gloo:(all_reduce|broadcast) \[\[4\]\]", result.stderr)
     assert took < 60, f"named after {took:.0f}s (start-up included); the issue asks for 30 s after the ranks arrive"
 
 
@@ -383,3 +385,71 @@ def test_hang_timeout_zero_turns_the_watchdog_off(tmp_path):
     result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]  # gloo's own failure, as before the watchdog
     assert "collective mismatch" not in result.stderr
+
+
+# -- torch's flight recorder --------------------------------------------------------------------
+
+
+def test_the_flight_recorder_line_names_the_collective_in_flight_or_the_last(monkeypatch):
+    entries = [
+        {
+            "collective_seq_id": 7,
+            "profiling_name": "nccl:all_reduce",
+            "input_sizes": [[3]],
+            "input_dtypes": ["Float"],
+            "state": "completed",
+            "retired": True,
+            "pg_id": 0,
+            "is_p2p": False,
+        },
+        {
+            "collective_seq_id": 8,
+            "profiling_name": "nccl:broadcast",
+            "input_sizes": [[2, 2]],
+            "input_dtypes": ["Float"],
+            "state": "started",
+            "retired": False,
+            "pg_id": 0,
+            "is_p2p": False,
+        },
+    ]
+    monkeypatch.setattr(collectives._torch, "flight_recorder_dump", lambda: {"entries": entries})
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    assert collectives.flight_line() == ""  # off: nothing read
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    assert collectives.flight_line() == "in flight #8 nccl:broadcast [[2, 2]] Float of group 0 (started)"
+    entries[1]["retired"] = True
+    assert collectives.flight_line() == "none in flight; the last #8 nccl:broadcast [[2, 2]] Float of group 0 done"
+
+
+FLIGHT_ENV = """
+import json, os, sys
+import ddpkit
+rt = ddpkit.init()
+names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
+if rt.is_main:
+    dump = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")
+    mode = oct(os.stat(os.path.dirname(dump)).st_mode & 0o777) if dump else ""
+    print(json.dumps({**{n: os.environ.get(n) for n in names}, "mode": mode}), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_ddpkit_run_turns_the_flight_recorder_on_unless_the_user_set_it(tmp_path):
+    import json
+
+    from ddpkit import _torch
+
+    path = tmp_path / "env.py"
+    path.write_text(textwrap.dedent(FLIGHT_ENV))
+    result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen[_torch.flight_recorder_buffer_variable()] == "2000"
+    assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert seen["TORCH_FR_DUMP_TEMP_FILE"].endswith("flight-recorder-rank-") and seen["mode"] == "0o700"
+    assert "/tmp/nccl_trace_rank_" not in result.stdout  # not torch's default name, which any user can take
+    result = ddpkit_cli("run", "-n", "2", str(path), env=clean_env(TORCH_FR_BUFFER_SIZE="0"), timeout=120)
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["TORCH_FR_BUFFER_SIZE"] == "0" and seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] is None  # the user's choice

@@ -348,3 +348,18 @@ def test_the_collective_functions_live_in_distributed_c10d_with_group_and_tensor
         if op in SHAPED:
             assert tensor is not None, op  # and those whose tensor must agree name it
     assert _torch.is_default_group(None)
+
+
+def test_the_flight_recorder_dump_lists_this_processs_collectives(tmp_path, monkeypatch):
+    name = _torch.flight_recorder_buffer_variable()  # raises PrivateApiChanged if torch lost both names
+    assert name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    monkeypatch.setenv(name, "50")  # read when the group is made
+    dist = _one_process_group(tmp_path)
+    dist.all_reduce(torch.zeros(3))
+    dump = _torch.flight_recorder_dump()
+    entries = dump["entries"]
+    if not entries:
+        pytest.skip(f"torch {torch.__version__} records NCCL's collectives only (this is gloo)")
+    last = entries[-1]
+    assert last["profiling_name"].endswith("all_reduce") and last["input_sizes"] == [[3]]
+    assert {"collective_seq_id", "state", "input_dtypes", "pg_id"} <= set(last)

@@ -322,3 +322,36 @@ def is_default_group(group: Any) -> bool:
     import torch.distributed as dist
 
     return group is dist.group.WORLD
+
+
+def flight_recorder_dump() -> dict[str, Any]:
+    """torch's flight recorder of this process's collectives, unpickled: ``entries`` and ``pg_status``.
+
+    Each entry has ``collective_seq_id``, ``profiling_name`` (``"nccl:all_reduce"``), ``input_sizes``,
+    ``input_dtypes``, ``state`` and ``retired`` (its work is done). The recorder runs where
+    ``TORCH_FR_BUFFER_SIZE`` (or ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0: NCCL on every torch
+    ddpkit supports, gloo on recent ones. Its dump function is private and was renamed
+    (``_dump_nccl_trace`` until torch 2.6 or so, then ``_dump_fr_trace``).
+    """
+    import pickle
+
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace")
+    raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+    found = pickle.loads(raw)  # noqa: S301 - bytes torch made in this process, not read from anywhere
+    if not isinstance(found, dict) or "entries" not in found and "pg_status" not in found:
+        raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace", "no entries in its dump")
+    return found
+
+
+def flight_recorder_buffer_variable() -> str:
+    """The variable that sizes torch's flight recorder: ``TORCH_FR_BUFFER_SIZE`` where torch has the
+    renamed recorder (``_dump_fr_trace``), else ``TORCH_NCCL_TRACE_BUFFER_SIZE``."""
+    c10d = torch._C._distributed_c10d
+    if hasattr(c10d, "_dump_fr_trace"):
+        return "TORCH_FR_BUFFER_SIZE"
+    if hasattr(c10d, "_dump_nccl_trace"):
+        return "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit import _torch
 from ddpkit._torch import elastic_signal_exception
 from ddpkit.distributed import preemption, stores
 from ddpkit.distributed.environment import Environment, detect
@@ -208,6 +209,35 @@ def _target(spec: RunSpec) -> list[str]:
 
 _STORE_TIMEOUT_S = 900.0  # how long the rendezvous store ddpkit serves waits on a client
 
+
+def flight_recorder_env() -> dict[str, str]:
+    """torch's flight recorder, on in every ``ddpkit run`` unless the user set its variables.
+
+    The last 2000 collectives of each process (NCCL; gloo too on recent torch), which the hang
+    watchdog's reports quote, and NCCL's own dump when its watchdog times out
+    (``TORCH_NCCL_DUMP_ON_TIMEOUT``). The buffer's variable is ``TORCH_FR_BUFFER_SIZE`` on a torch
+    that has it, ``TORCH_NCCL_TRACE_BUFFER_SIZE`` before (now deprecated, with a warning per process).
+    ``TORCH_FR_DUMP_TEMP_FILE`` names where NCCL dumps: ``ddpkit run`` points it into the job's
+    private directory (mode 0700) and keeps a dump there, saying where, when the job ends
+    (:func:`_keep_flight_dumps`).
+    """
+    return {_torch.flight_recorder_buffer_variable(): "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def _keep_flight_dumps(notes: str) -> None:
+    """Move NCCL's flight-recorder dumps out of the job's directory before it is removed, and say where."""
+    import glob
+    import tempfile
+
+    dumps = sorted(glob.glob(os.path.join(notes, "flight-recorder-rank-*")))
+    if not dumps:
+        return
+    kept = tempfile.mkdtemp(prefix="ddpkit-flight-recorder-")  # 0700, the user's own
+    for path in dumps:
+        os.replace(path, os.path.join(kept, os.path.basename(path)))
+    sys.stderr.write(f"ddpkit run: NCCL's flight recorder dumped {len(dumps)} file(s) into {kept}\n")
+
+
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """Variables for the elastic agent of every job, on top of ``spec.extra_env``.
 
@@ -286,6 +316,9 @@ def validate(spec: RunSpec) -> None:
 def _thread_env(nproc_per_node: int, extra: Mapping[str, str] = {}) -> Iterator[None]:
     """Set OMP_NUM_THREADS (unless the user did), this launcher's pid and ``extra`` for the children, then restore."""
     updates = {**launcher_env(), **extra}  # workers end when this process dies (ddpkit.distributed.parent)
+    taken = set(os.environ) | set(extra)
+    if not taken & {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}:
+        updates.update({k: v for k, v in flight_recorder_env().items() if k not in taken})
     if "OMP_NUM_THREADS" not in os.environ:
         updates["OMP_NUM_THREADS"] = str(threads_per_process(nproc_per_node))
     saved = {key: os.environ.get(key) for key in updates}
@@ -342,6 +375,9 @@ def run(spec: RunSpec) -> int:
     marker = os.path.join(notes, "preempted-save-done")
     notice = os.path.join(notes, "preemption-signal")
     notes_env = {preemption.MARKER_ENV: marker}
+    if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in spec.extra_env:
+        # NCCL's dump on timeout, in this private directory rather than at a name any user can take in /tmp
+        notes_env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(notes, "flight-recorder-rank-")
     undo = None
     if _own_signals() and threading.current_thread() is threading.main_thread():
         undo = preemption.pass_on(notice)
@@ -385,5 +421,6 @@ def run(spec: RunSpec) -> int:
     finally:
         if undo is not None:
             undo()
+        _keep_flight_dumps(notes)
         shutil.rmtree(notes, ignore_errors=True)
     return 0

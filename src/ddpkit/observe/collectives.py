@@ -156,6 +156,38 @@ class CollectiveLog:
         return counted
 
 
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""torch's flight recorder records this many collectives per process where either is above 0."""
+
+
+def flight_recorder_on() -> bool:
+    """Whether torch's flight recorder runs in this process (``ddpkit run`` turns it on)."""
+    import os
+
+    return any(os.environ.get(name, "0").strip() not in ("", "0") for name in FLIGHT_RECORDER_ENV)
+
+
+def flight_line() -> str:
+    """This process's flight recorder in a line: the collective in flight (or the last one) and its state.
+
+    It sees what the log cannot: DDP's gradient exchange and every group's calls, from C++.
+    "" where the recorder is off or recorded nothing.
+    """
+    if not flight_recorder_on():
+        return ""
+    entries = [e for e in _torch.flight_recorder_dump().get("entries", []) if not e.get("is_p2p")]
+    if not entries:
+        return ""
+    pending = [e for e in entries if not e.get("retired", False)]
+    entry = pending[0] if pending else entries[-1]
+    dtypes = ",".join(str(d) for d in entry.get("input_dtypes") or [])
+    what = (
+        f"#{entry.get('collective_seq_id')} {entry.get('profiling_name')} {entry.get('input_sizes')} {dtypes} "
+        f"of group {entry.get('pg_id')}"
+    )
+    return f"in flight {what} ({entry.get('state')})" if pending else f"none in flight; the last {what} done"
+
+
 _installed: list[tuple[Any, str, Any]] = []
 _lock = threading.Lock()
 
@@ -177,4 +209,15 @@ def uninstall() -> None:
         setattr(module, op, original)
 
 
-__all__ = ["CollectiveLog", "install", "uninstall", "user_line", "SHAPED", "OTHERS", "MARK_EVERY"]
+__all__ = [
+    "CollectiveLog",
+    "FLIGHT_RECORDER_ENV",
+    "MARK_EVERY",
+    "OTHERS",
+    "SHAPED",
+    "flight_line",
+    "flight_recorder_on",
+    "install",
+    "uninstall",
+    "user_line",
+]

@@ -46,6 +46,7 @@ class Heartbeat:
     mark: tuple[int, int] | None = None  # (call number, fingerprint of the calls up to it)
     recent: tuple[tuple[int, str, str], ...] = ()  # its last few calls: (number, signature, user line)
     failed: bool = False  # closed by an exception, not a finished script
+    flight: str = ""  # torch's flight recorder in a line, when the rank waits or makes no progress
 
     def waited_at(self, now: float) -> float:
         """Seconds in the collective it waits in at wall time ``now`` (0 when in none)."""
@@ -303,6 +304,8 @@ def _mismatch_row(beat: Heartbeat | None, now: float, silent_after: float, first
         text += f", after {_collectives(beat.calls)}"
         if now - beat.time > silent_after:
             text += f"; its heartbeat stopped {now - beat.time:.1f}s ago"
+    if beat.flight:
+        text += f"; flight recorder: {beat.flight}"
     shown_last = beat.phase == CLOSED or bool(beat.call)
     if first is not None and first in calls and not (shown_last and first == beat.calls):
         signature, where = calls[first]
@@ -320,8 +323,9 @@ def _row(rank: int, beat: Heartbeat | None, now: float, silent_after: float) -> 
         text += f", heartbeat silent for {now - beat.time:.1f}s"
     if beat.call:
         text += f", waiting in its collective #{beat.calls} {beat.call} at {beat.call_where or '?'}"
-        return text
-    return text + (f", in {beat.where}" if beat.where else "")
+    elif beat.where:
+        text += f", in {beat.where}"
+    return text + (f"; flight recorder: {beat.flight}" if beat.flight else "")
 
 
 def _groups(heartbeats: Mapping[int, Heartbeat | None]) -> list[str]:

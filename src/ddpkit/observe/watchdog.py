@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpkit._torch import default_store
+from ddpkit._torch import PrivateApiChanged, default_store
 from ddpkit.errors import UsageError
 from ddpkit.observe import collectives
 from ddpkit.observe.heartbeats import (
@@ -138,6 +138,7 @@ class Watchdog:
         self._watched = threading.get_ident()
         self._next_look = 0.0  # monotonic time before which peers cannot all be stalled
         self._next_fingerprint = 0.0
+        self._flight_read: tuple[float, str] = (0.0, "")
         self._failed = False
         self._acting = threading.Lock()
         self._stop = threading.Event()
@@ -241,6 +242,10 @@ class Watchdog:
             return Heartbeat(self.rank, step, phase, idle, time.time(), self._host, self._pid, self._where())
         current = log.current
         mark = (log.calls, log.chain) if phase == CLOSED else max(log.marks.items()) if log.marks else None
+        waited = time.monotonic() - current[3] if current is not None else 0.0
+        flight = ""
+        if phase != CLOSED and (waited >= _GRACE_S or idle >= _GRACE_S):
+            flight = self._flight()
         return Heartbeat(
             self.rank,
             step,
@@ -253,11 +258,22 @@ class Watchdog:
             calls=log.calls,
             call=current[1] if current is not None and phase != CLOSED else "",
             call_where=current[2] if current is not None else "",
-            waited=time.monotonic() - current[3] if current is not None else 0.0,
+            waited=waited,
             mark=mark,
             recent=tuple(log.recent),
             failed=self._failed,
+            flight=flight,
         )
+
+    def _flight(self) -> str:
+        """The flight recorder's line, read at most once a second (a dump copies its ring)."""
+        now = time.monotonic()
+        if now - self._flight_read[0] >= 1.0:
+            try:
+                self._flight_read = (now, collectives.flight_line())
+            except PrivateApiChanged as exc:  # said once, in the report's place: loud, not fatal to the job
+                self._flight_read = (float("inf"), str(exc))
+        return self._flight_read[1]
 
     def _tick(self) -> None:
         self._read_probes()
