@@ -95,6 +95,7 @@ class CollectiveLog:
         self.marks: dict[int, int] = {}
         self.longest_wait = 0.0
         self.on_failure: Callable[[], None] | None = None
+        self._lock = threading.Lock()
         self.chain = 0
         self._depth = 0
 
@@ -109,13 +110,19 @@ class CollectiveLog:
         """A call starts: number it, fingerprint it, and (unless asynchronous) mark it as waited in."""
         self.calls += 1
         self.chain = zlib.crc32(signature.encode(), self.chain)
-        if self.calls % MARK_EVERY == 0:
-            self.marks[self.calls] = self.chain
-            if len(self.marks) > _MARKS_KEPT:
-                del self.marks[min(self.marks)]
-        self.recent.append((self.calls, signature, where))
+        with self._lock:  # the watchdog thread copies them (iterating while they change would raise)
+            if self.calls % MARK_EVERY == 0:
+                self.marks[self.calls] = self.chain
+                if len(self.marks) > _MARKS_KEPT:
+                    del self.marks[min(self.marks)]
+            self.recent.append((self.calls, signature, where))
         if waits:
             self.current = (self.calls, signature, where, time.monotonic())
+
+    def snapshot(self) -> tuple[dict[int, int], tuple[tuple[int, str, str], ...]]:
+        """Copies of :attr:`marks` and :attr:`recent`, safe to read from another thread."""
+        with self._lock:
+            return dict(self.marks), tuple(self.recent)
 
     def leave(self) -> None:
         """The call waited in returned."""

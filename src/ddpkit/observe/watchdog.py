@@ -138,6 +138,7 @@ class Watchdog:
         self._watched = threading.get_ident()
         self._next_look = 0.0  # monotonic time before which peers cannot all be stalled
         self._next_fingerprint = 0.0
+        self._next_all = 0.0
         self._flight_read: tuple[float, str] = (0.0, "")
         self._failed = False
         self._acting = threading.Lock()
@@ -210,7 +211,12 @@ class Watchdog:
             while True:
                 beats = self._heartbeats(mine)
                 reason = find_mismatch(
-                    beats, time.time(), grace=1.0, silent_after=self.silent_after, marks=self.log.marks, me=self.rank
+                    beats,
+                    time.time(),
+                    grace=1.0,
+                    silent_after=self.silent_after,
+                    marks=self.log.snapshot()[0],
+                    me=self.rank,
                 )
                 if reason is None:
                     reason = _finished_apart(beats, self.rank)
@@ -241,7 +247,8 @@ class Watchdog:
         if log is None:
             return Heartbeat(self.rank, step, phase, idle, time.time(), self._host, self._pid, self._where())
         current = log.current
-        mark = (log.calls, log.chain) if phase == CLOSED else max(log.marks.items()) if log.marks else None
+        marks, recent = log.snapshot()
+        mark = (log.calls, log.chain) if phase == CLOSED else max(marks.items()) if marks else None
         waited = time.monotonic() - current[3] if current is not None else 0.0
         flight = ""
         if phase != CLOSED and (waited >= _GRACE_S or idle >= _GRACE_S):
@@ -260,7 +267,7 @@ class Watchdog:
             call_where=current[2] if current is not None else "",
             waited=waited,
             mark=mark,
-            recent=tuple(log.recent),
+            recent=recent,
             failed=self._failed,
             flight=flight,
         )
@@ -295,16 +302,28 @@ class Watchdog:
         """A collective mismatch the heartbeats show, proposed as the verdict; None if none shows."""
         if self.log is None or self._store is None:
             return None
-        waiting = bool(mine.call) and mine.waited >= _GRACE_S
-        if not waiting and time.monotonic() < self._next_fingerprint:
+        now = time.monotonic()
+        waiting = bool(mine.call) and mine.waited >= _GRACE_S and now >= self._next_all
+        if waiting:  # every rank's heartbeat, at most W/64 times a second: the store serves all ranks
+            self._next_all = now + max(self.interval, self.world_size / 64)
+            beats = self._heartbeats(mine)
+        elif now >= self._next_fingerprint:  # the next rank's fingerprint: a ring of comparisons covers all
+            self._next_fingerprint = now + _FINGERPRINT_EVERY_S
+            beats = self._heartbeats(mine, ranks=[self.rank, (self.rank + 1) % self.world_size])
+        else:
             return None
-        self._next_fingerprint = time.monotonic() + _FINGERPRINT_EVERY_S
-        beats = self._heartbeats(mine)
         reason = find_mismatch(
-            beats, time.time(), grace=_GRACE_S, silent_after=self.silent_after, marks=self.log.marks, me=self.rank
+            beats,
+            time.time(),
+            grace=_GRACE_S,
+            silent_after=self.silent_after,
+            marks=self.log.snapshot()[0],
+            me=self.rank,
         )
         if reason is None:
             return None
+        if len(beats) < self.world_size:
+            beats = self._heartbeats(mine)  # the report has a row for every rank
         return self._propose(Verdict(self.rank, self.rank, mismatch=reason)), beats
 
     def _look_for_hang(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
@@ -384,7 +403,7 @@ class Watchdog:
                         time.time(),
                         grace=_GRACE_S,
                         silent_after=self.silent_after,
-                        marks=self.log.marks,
+                        marks=self.log.snapshot()[0],
                         me=self.rank,
                         failing=True,
                     )
@@ -464,16 +483,20 @@ class Watchdog:
         return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
 
     # -- the store ----------------------------------------------------------------------
-    def _heartbeats(self, mine: Heartbeat, store: Any = None) -> dict[int, Heartbeat | None]:
+    def _heartbeats(
+        self, mine: Heartbeat, store: Any = None, ranks: list[int] | None = None
+    ) -> dict[int, Heartbeat | None]:
+        """Every rank's last heartbeat (or those of ``ranks``), this rank's being ``mine``."""
         store = store if store is not None else self._store
         if store is None:
             return {self.rank: mine}
-        keys = [_beat_key(rank) for rank in range(self.world_size)]
+        ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
+        keys = [_beat_key(rank) for rank in ranks]
         if store.check(keys):
             raw = store.multi_get(keys)
         else:
             raw = [store.get(key) if store.check([key]) else None for key in keys]
-        beats = {rank: None if value is None else Heartbeat.from_json(value) for rank, value in enumerate(raw)}
+        beats = {rank: None if value is None else Heartbeat.from_json(value) for rank, value in zip(ranks, raw)}
         beats[self.rank] = mine
         return beats
 
