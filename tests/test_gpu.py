@@ -236,3 +236,25 @@ def test_a_collective_mismatch_on_nccl_is_named_with_nccls_flight_recorder(tmp_p
     assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
     assert "ddpkit: collective mismatch: " in result.stderr
     assert "; flight recorder: in flight #" in result.stderr and "nccl:" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_the_flight_recorder_records_nccl_collectives_on_one_gpu(tmp_path, monkeypatch):
+    """What the hang and mismatch reports quote on NCCL: torch's flight recorder, read in-process."""
+    import torch.distributed as dist
+
+    from ddpkit import _torch
+    from ddpkit.observe import collectives
+
+    monkeypatch.setenv(_torch.flight_recorder_buffer_variable(), "100")  # read when the group is made
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
+    try:
+        dist.all_reduce(torch.ones(3, device="cuda"))
+        torch.cuda.synchronize()
+        entries = _torch.flight_recorder_dump()["entries"]
+        assert any(e["profiling_name"] == "nccl:all_reduce" and e["input_sizes"] == [[3]] for e in entries), entries
+        assert "nccl:all_reduce [[3]]" in collectives.flight_line()
+    finally:
+        dist.destroy_process_group()
