@@ -262,6 +262,11 @@ CASES = {
 }
 
 
+def _cpu(**extra: str) -> dict[str, str]:
+    """The scripts' processes on the CPU (gloo), also on a machine with one GPU for two of them."""
+    return clean_env(CUDA_VISIBLE_DEVICES="", **extra)
+
+
 def _check_report(stderr: str, reason: str, rows: list[str]) -> None:
     assert "ddpkit: collective mismatch: " in stderr, stderr[-3000:]
     assert f"every rank exits with code {EXIT_MISMATCH}" in stderr
@@ -279,7 +284,7 @@ def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
     path = tmp_path / f"{case}.py"
     path.write_text(textwrap.dedent(script))
     start = time.monotonic()
-    result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
     took = time.monotonic() - start
     assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
     _check_report(result.stderr, reason, rows)
@@ -293,7 +298,7 @@ def test_a_collective_mismatch_is_named_under_torchrun(tmp_path):
     script, reason, rows = CASES["only_main"]
     path = tmp_path / "only_main.py"
     path.write_text(textwrap.dedent(script))
-    result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], timeout=120)
+    result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], env=_cpu(), timeout=120)
     assert result.returncode != 0
     _check_report(result.stderr, reason, rows)
     assert f"exitcode: {EXIT_MISMATCH}" in result.stderr  # torchrun's own words for each worker's code
@@ -315,7 +320,7 @@ if __name__ == "__main__":
 def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path):
     path = tmp_path / "launched.py"
     path.write_text(textwrap.dedent(LAUNCHED))
-    result = python(str(path), timeout=120)
+    result = python(str(path), env=_cpu(), timeout=120)
     assert result.returncode != 0
     _check_report(result.stderr, "", [r"all_reduce\(float32\[3\]\) at .*launched\.py:6", r"all_reduce\(float32\[4\]\)"])
 
@@ -339,7 +344,7 @@ def test_by_default_a_rank_stuck_in_its_own_code_while_others_wait_is_named_with
     path.write_text(textwrap.dedent(STUCK))
     start = time.monotonic()
     # the floor lowered from 300 s so that the test is short; everything else is the default
-    result = ddpkit_cli("run", "-n", "2", str(path), env=clean_env(DDPKIT_HANG_FLOOR="6"), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="6"), timeout=120)
     took = time.monotonic() - start
     assert result.returncode == EXIT_HANG, result.stderr[-3000:]
     assert "longer than the adaptive hang timeout (6s)" in result.stderr
@@ -372,7 +377,7 @@ print("finished", rt.rank, flush=True)
 def test_a_long_phase_on_every_rank_is_never_a_hang(tmp_path):
     path = tmp_path / "busy.py"
     path.write_text(textwrap.dedent(EVERY_RANK_BUSY))
-    result = ddpkit_cli("run", "-n", "2", str(path), env=clean_env(DDPKIT_HANG_FLOOR="4"), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="4"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(re.findall(r"finished \d", result.stdout)) == ["finished 0", "finished 1"]
     assert "ddpkit watchdog" not in result.stderr and "collective mismatch" not in result.stderr
@@ -382,7 +387,7 @@ def test_a_long_phase_on_every_rank_is_never_a_hang(tmp_path):
 def test_hang_timeout_zero_turns_the_watchdog_off(tmp_path):
     path = tmp_path / "off.py"
     path.write_text(textwrap.dedent(ONLY_MAIN).replace("ddpkit.init(seed=0)", "ddpkit.init(seed=0, hang_timeout=0)"))
-    result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]  # gloo's own failure, as before the watchdog
     assert "collective mismatch" not in result.stderr
 
@@ -443,13 +448,13 @@ def test_ddpkit_run_turns_the_flight_recorder_on_unless_the_user_set_it(tmp_path
 
     path = tmp_path / "env.py"
     path.write_text(textwrap.dedent(FLIGHT_ENV))
-    result = ddpkit_cli("run", "-n", "2", str(path), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen[_torch.flight_recorder_buffer_variable()] == "2000"
     assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert seen["TORCH_FR_DUMP_TEMP_FILE"].endswith("flight-recorder-rank-") and seen["mode"] == "0o700"
     assert "/tmp/nccl_trace_rank_" not in result.stdout  # not torch's default name, which any user can take
-    result = ddpkit_cli("run", "-n", "2", str(path), env=clean_env(TORCH_FR_BUFFER_SIZE="0"), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(TORCH_FR_BUFFER_SIZE="0"), timeout=120)
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["TORCH_FR_BUFFER_SIZE"] == "0" and seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] is None  # the user's choice

@@ -325,25 +325,32 @@ def is_default_group(group: Any) -> bool:
 
 
 def flight_recorder_dump() -> dict[str, Any]:
-    """torch's flight recorder of this process's collectives, unpickled: ``entries`` and ``pg_status``.
+    """torch's flight recorders of this process's collectives, unpickled: ``entries`` and ``pg_status``.
 
     Each entry has ``collective_seq_id``, ``profiling_name`` (``"nccl:all_reduce"``), ``input_sizes``,
-    ``input_dtypes``, ``state`` and ``retired`` (its work is done). The recorder runs where
-    ``TORCH_FR_BUFFER_SIZE`` (or ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0: NCCL on every torch
-    ddpkit supports, gloo on recent ones. Its dump function is private and was renamed
-    (``_dump_nccl_trace`` until torch 2.6 or so, then ``_dump_fr_trace``).
+    ``input_dtypes``, ``state`` and ``retired`` (its work is done). The recorders run where
+    ``TORCH_FR_BUFFER_SIZE`` (or ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0. There are two: NCCL's,
+    dumped by ``_dump_nccl_trace`` on a CUDA build, and on recent torch a general one (gloo),
+    dumped by ``_dump_fr_trace``; both are private. This reads each that exists, NCCL's entries first.
     """
     import pickle
 
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    if dump is None:
+    dumps = [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)]
+    if not dumps:
         raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace")
-    raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-    found = pickle.loads(raw)  # noqa: S301 - bytes torch made in this process, not read from anywhere
-    if not isinstance(found, dict) or "entries" not in found and "pg_status" not in found:
-        raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace", "no entries in its dump")
-    return found
+    merged: dict[str, Any] = {"entries": [], "pg_status": {}}
+    for dump in dumps:
+        try:
+            raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        except RuntimeError:  # NCCL's recorder in a process that never made an NCCL group
+            continue
+        found = pickle.loads(raw)  # noqa: S301 - bytes torch made in this process, not read from anywhere
+        if not isinstance(found, dict):
+            raise PrivateApiChanged(f"torch._C._distributed_c10d.{dump.__name__}", "its dump is not a dict")
+        merged["entries"] += list(found.get("entries", []))
+        merged["pg_status"].update(found.get("pg_status", {}))
+    return merged
 
 
 def flight_recorder_buffer_variable() -> str:
