@@ -189,14 +189,15 @@ def test_fingerprints_depend_on_order_and_shape_not_on_lines():
 
 # -- real jobs, default settings ------------------------------------------------------------
 
-ONLY_MAIN = """
-import torch, torch.distributed as dist, ddpkit
+# docs/guides/hangs.md shows this script and its report, line numbers included
+ONLY_MAIN = """import torch, torch.distributed as dist, ddpkit
 rt = ddpkit.init(seed=0)
+x = torch.ones(2)
 for _ in range(3):
-    rt.all_reduce(torch.ones(2))
-metric = torch.tensor([1.0])
+    rt.all_reduce(x)
+metric = torch.tensor([float(rt.rank)])
 if rt.is_main:
-    dist.all_reduce(metric)  # the metric, on the main process only
+    dist.all_reduce(metric)   # line 8: the metric, on the main process only
 print("finished", rt.rank, flush=True)
 """
 
@@ -235,7 +236,7 @@ CASES = {
         "rank 0 waits in its collective #4, which rank 1 never calls: it finished after 3",
         [
             r"rank 0: in its collective #4: all_reduce\(float32\[1\]\) at .*only_main\.py:8",
-            r"rank 1: finished after 3 collectives; its last, #3: all_reduce\(float32\[2\]\)",
+            r"rank 1: finished after 3 collectives; its last, #3: all_reduce\(float32\[2\]\) at .*only_main\.py:5",
         ],
     ),
     "shapes": (

@@ -258,6 +258,13 @@ def format_mismatch(
     Each rank's line says which collective it is in, as its n-th, with operation, shape and dtype,
     and the line of the user's script that called it; or that it finished, or where it is instead.
     Where the ranks' last calls differ, the first number at which they differ is shown for each.
+
+    Args:
+        heartbeats: each rank's last heartbeat by rank (None or missing: unknown).
+        now: wall time (``time.time()``) waits are measured at.
+        reason: why the ranks cannot meet (:func:`find_mismatch`).
+        world_size: ranks of the job, one line each.
+        silent_after: seconds since publication after which a heartbeat counts as stopped.
     """
     first = _first_difference(heartbeats)
     lines = [
