@@ -295,9 +295,10 @@ def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
 
 
 @pytest.mark.timeout(150)
-def test_a_collective_mismatch_is_named_under_torchrun(tmp_path):
-    script, reason, rows = CASES["only_main"]
-    path = tmp_path / "only_main.py"
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_collective_mismatch_is_named_under_torchrun(tmp_path, case):
+    script, reason, rows = CASES[case]
+    path = tmp_path / f"{case}.py"
     path.write_text(textwrap.dedent(script))
     result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], env=_cpu(), timeout=120)
     assert result.returncode != 0
@@ -305,25 +306,26 @@ def test_a_collective_mismatch_is_named_under_torchrun(tmp_path):
     assert f"exitcode: {EXIT_MISMATCH}" in result.stderr  # torchrun's own words for each worker's code
 
 
-LAUNCHED = """
-import torch, torch.distributed as dist, ddpkit
-
-def train():
-    rt = ddpkit.init(seed=0)
-    dist.all_reduce(torch.zeros(3 + rt.rank))
+LAUNCHER = """
+import runpy, sys
+import ddpkit
 
 if __name__ == "__main__":
-    ddpkit.launch(train, nprocs=2)
+    ddpkit.launch(runpy.run_path, nprocs=2, args=(sys.argv[1],))  # each child runs the case's script
 """
 
 
 @pytest.mark.timeout(150)
-def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path):
-    path = tmp_path / "launched.py"
-    path.write_text(textwrap.dedent(LAUNCHED))
-    result = python(str(path), env=_cpu(), timeout=120)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
+    script, reason, rows = CASES[case]
+    path = tmp_path / f"{case}.py"
+    path.write_text(textwrap.dedent(script))
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(textwrap.dedent(LAUNCHER))
+    result = python(str(launcher), str(path), env=_cpu(), timeout=120)
     assert result.returncode != 0
-    _check_report(result.stderr, "", [r"all_reduce\(float32\[3\]\) at .*launched\.py:6", r"all_reduce\(float32\[4\]\)"])
+    _check_report(result.stderr, reason, rows)
 
 
 STUCK = """
