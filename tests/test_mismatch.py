@@ -268,6 +268,14 @@ def _cpu(**extra: str) -> dict[str, str]:
     return clean_env(CUDA_VISIBLE_DEVICES="", **extra)
 
 
+def _case(tmp_path, case: str):
+    """The case's script written as ``CASE.py``; (its path, the reason's words, the rows' patterns)."""
+    script, reason, rows = CASES[case]
+    path = tmp_path / f"{case}.py"
+    path.write_text(textwrap.dedent(script))
+    return path, reason, rows
+
+
 def _check_report(stderr: str, reason: str, rows: list[str]) -> None:
     assert "ddpkit: collective mismatch: " in stderr, stderr[-3000:]
     assert f"every rank exits with code {EXIT_MISMATCH}" in stderr
@@ -281,9 +289,7 @@ def _check_report(stderr: str, reason: str, rows: list[str]) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
-    script, reason, rows = CASES[case]
-    path = tmp_path / f"{case}.py"
-    path.write_text(textwrap.dedent(script))
+    path, reason, rows = _case(tmp_path, case)
     start = time.monotonic()
     result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
     took = time.monotonic() - start
@@ -297,9 +303,7 @@ def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_collective_mismatch_is_named_under_torchrun(tmp_path, case):
-    script, reason, rows = CASES[case]
-    path = tmp_path / f"{case}.py"
-    path.write_text(textwrap.dedent(script))
+    path, reason, rows = _case(tmp_path, case)
     result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], env=_cpu(), timeout=120)
     assert result.returncode != 0
     _check_report(result.stderr, reason, rows)
@@ -318,9 +322,7 @@ if __name__ == "__main__":
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
-    script, reason, rows = CASES[case]
-    path = tmp_path / f"{case}.py"
-    path.write_text(textwrap.dedent(script))
+    path, reason, rows = _case(tmp_path, case)
     launcher = tmp_path / "launcher.py"
     launcher.write_text(textwrap.dedent(LAUNCHER))
     result = python(str(launcher), str(path), env=_cpu(), timeout=120)

@@ -217,14 +217,7 @@ class Watchdog:
         try:
             while True:
                 beats = self._heartbeats(mine, ranks=near)
-                reason = find_mismatch(
-                    beats,
-                    time.time(),
-                    grace=1.0,
-                    silent_after=self.silent_after,
-                    marks=self.log.snapshot()[0],
-                    me=self.rank,
-                )
+                reason = self._mismatch(beats, grace=1.0)
                 if reason is None:
                     reason = _finished_apart(beats, self.rank)
                 if reason is not None:
@@ -307,6 +300,16 @@ class Watchdog:
             verdict, beats = found
         self._act(verdict, beats)
 
+    def _mismatch(
+        self, beats: Mapping[int, Heartbeat | None], *, grace: float = _GRACE_S, failing: bool = False
+    ) -> str | None:
+        """:func:`find_mismatch` over ``beats`` now, from this rank's place and fingerprints."""
+        assert self.log is not None
+        marks = self.log.snapshot()[0]
+        return find_mismatch(
+            beats, time.time(), grace=grace, silent_after=self.silent_after, marks=marks, me=self.rank, failing=failing
+        )
+
     def _look_for_mismatch(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
         """A collective mismatch the heartbeats show, proposed as the verdict; None if none shows."""
         if self.log is None or self._store is None:
@@ -321,14 +324,7 @@ class Watchdog:
             beats = self._heartbeats(mine, ranks=[self.rank, (self.rank + 1) % self.world_size])
         else:
             return None
-        reason = find_mismatch(
-            beats,
-            time.time(),
-            grace=_GRACE_S,
-            silent_after=self.silent_after,
-            marks=self.log.snapshot()[0],
-            me=self.rank,
-        )
+        reason = self._mismatch(beats)
         if reason is None:
             return None
         if len(beats) < self.world_size:
@@ -390,14 +386,9 @@ class Watchdog:
     def _collective_failed(self) -> None:
         """On the main thread, when a collective raised: end the job with the mismatch report if the
         peers' heartbeats show one within a few seconds, else return (the error goes on up)."""
-        try:
-            store = self._store.clone() if self._store is not None else None
-        except (AttributeError, RuntimeError):
-            store = self._store
+        store = _own_connection(self._store) if self._store is not None else None
         if store is None or self.log is None:
             return
-        with contextlib.suppress(RuntimeError, OSError):
-            store.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
         deadline = time.monotonic() + max(4.0, 2 * self.interval + 2.0)
         try:
             step, phase, since = self._last
@@ -407,15 +398,7 @@ class Watchdog:
                 verdict = self._read_verdict(store)
                 beats = self._heartbeats(mine, store)
                 if verdict is None:
-                    reason = find_mismatch(
-                        beats,
-                        time.time(),
-                        grace=_GRACE_S,
-                        silent_after=self.silent_after,
-                        marks=self.log.snapshot()[0],
-                        me=self.rank,
-                        failing=True,
-                    )
+                    reason = self._mismatch(beats, failing=True)
                     if reason is not None:
                         verdict = self._propose(Verdict(self.rank, self.rank, mismatch=reason), store)
                 if verdict is not None and verdict.mismatch:
@@ -611,12 +594,18 @@ def group_store() -> Any | None:
         shared = default_store()  # a changed private API raises PrivateApiChanged: loud
     except (ValueError, RuntimeError):
         return None
+    return _own_connection(shared)
+
+
+def _own_connection(store: Any) -> Any:
+    """A clone of ``store`` with the watchdog's timeout: a connection no other thread blocks
+    (``store`` itself where it cannot be cloned)."""
     try:
-        store = shared.clone()
+        own = store.clone()
     except (AttributeError, RuntimeError):
-        return shared
-    store.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
-    return store
+        return store
+    own.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    return own
 
 
 def watch(hang_timeout: float | None, *, rank: int, world_size: int, step: int = 0) -> Watchdog | None:
