@@ -463,3 +463,23 @@ def test_ddpkit_run_turns_the_flight_recorder_on_unless_the_user_set_it(tmp_path
     result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(TORCH_FR_BUFFER_SIZE="0"), timeout=120)
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["TORCH_FR_BUFFER_SIZE"] == "0" and seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] is None  # the user's choice
+
+
+def test_only_a_flight_recorder_dump_with_something_in_it_is_kept(tmp_path, monkeypatch, capsys):
+    # torchft makes an empty folder "flight-recorder-rank-_quorum_N" per quorum: kept, every
+    # fault-tolerant job left a folder in /tmp
+    from ddpkit.distributed import torchrun
+
+    notes, kept_root = tmp_path / "notes", tmp_path / "tmp"
+    notes.mkdir()
+    kept_root.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(kept_root))
+    (notes / "flight-recorder-rank-_quorum_2").mkdir()
+    (notes / "flight-recorder-rank-1").write_bytes(b"")
+    torchrun._keep_flight_dumps(str(notes))
+    assert list(kept_root.iterdir()) == [] and capsys.readouterr().err == ""
+    (notes / "flight-recorder-rank-0").write_bytes(b"pickled trace")
+    torchrun._keep_flight_dumps(str(notes))
+    (kept,) = kept_root.iterdir()
+    assert [p.name for p in kept.iterdir()] == ["flight-recorder-rank-0"]
+    assert str(kept) in capsys.readouterr().err

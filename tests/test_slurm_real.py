@@ -263,10 +263,17 @@ def test_requeue_job_signalled_mid_epoch_saves_is_requeued_and_ends_bitwise(slur
                 break
             if not released and state.get("JobState") == "PENDING" and state.get("Restarts") != "0":
                 # SLURM holds a requeued job ~2 minutes (its BeginTime); an administrator's
-                # "start it now" ends the wait, and nothing of ddpkit's part changes
-                update = ["scontrol", "update", f"JobId={job}", "StartTime=now"]
-                subprocess.run(update, capture_output=True, env=env, timeout=30)
-                released = True
+                # "start it now" ends the wait, and nothing of ddpkit's part changes. Only once
+                # the node is idle again (slurmd revoked the killed attempt's credential and ran
+                # its epilog) and a whole second later: a launch whose credential is stamped in
+                # the revocation's second is refused ("Job 1 already killed, do not launch batch
+                # job") and the job fails with exit 1 in 0 s (CI, stop 49)
+                node = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=env)
+                if node.stdout.strip() == "idle":
+                    time.sleep(2)
+                    update = ["scontrol", "update", f"JobId={job}", "StartTime=now"]
+                    subprocess.run(update, capture_output=True, env=env, timeout=30)
+                    released = True
             time.sleep(1)
         else:
             pytest.fail(f"the job did not finish after its requeue: {_job_state(job, env)}\n{log()[-3000:]}")

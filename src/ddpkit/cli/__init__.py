@@ -48,11 +48,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main(list(sys.argv[1:] if argv is None else argv))
         finally:
             sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
+            if argv is None:  # the console script, which exits next
+                _quick_exit()
     except BrokenPipeError:
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE, as a shell reports
+
+
+def _quick_exit() -> None:
+    """Spare the interpreter's last garbage collection over torch's objects (0.7 s of CPU here).
+
+    With torch imported, exiting spends most of a second in the collection at shutdown. The
+    command's own work is done and closed by now (files, trackers, the launcher's workers); what
+    an ``atexit`` handler does still runs, and objects still free by reference counting. Only
+    ``main()`` as the console script does this, never a caller that goes on running.
+    """
+    import gc
+
+    gc.collect()  # finalizers of garbage already unreachable still run, now
+    gc.freeze()
 
 
 def _main(argv: list[str]) -> int:

@@ -229,7 +229,13 @@ def _keep_flight_dumps(notes: str) -> None:
     import glob
     import tempfile
 
-    dumps = sorted(glob.glob(os.path.join(notes, "flight-recorder-rank-*")))
+    # torchft makes an empty directory of that name for each quorum's process group: only a
+    # dump with something in it is kept (else every fault-tolerant job left a folder in /tmp)
+    dumps = [
+        path
+        for path in sorted(glob.glob(os.path.join(notes, "flight-recorder-rank-*")))
+        if (os.listdir(path) if os.path.isdir(path) else os.path.getsize(path))
+    ]
     if not dumps:
         return
     kept = tempfile.mkdtemp(prefix="ddpkit-flight-recorder-")  # 0700, the user's own
