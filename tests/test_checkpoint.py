@@ -56,7 +56,8 @@ def test_directory_saves_rotate_and_leave_no_temp_files(tmp_path):
     state = _state()
     for _ in range(4):
         _train_one_step(rt, state)
-        rt.save(tmp_path, state)
+        rt.save(tmp_path, state)  # in the background: each waits for the one before
+    rt.close()  # and this for the last
     names = sorted(os.listdir(tmp_path))
     assert names == [
         "ckpt-step00000003.pt",
@@ -72,7 +73,7 @@ def test_corrupt_and_truncated_files_are_detected(tmp_path):
     state = _state()
     for _ in range(2):
         _train_one_step(rt, state)
-        rt.save(tmp_path, state)
+        rt.save(tmp_path, state, blocking=True)  # read right after
     newest = tmp_path / "ckpt-step00000002.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -88,7 +89,7 @@ def test_corrupt_and_truncated_files_are_detected(tmp_path):
 
 def test_checkpoint_of_another_model_names_keys_and_shapes(tmp_path):
     rt = ddpkit.init()
-    path = rt.save(tmp_path / "a.pt", _state(_model(4)))
+    path = rt.save(tmp_path / "a.pt", _state(_model(4)), blocking=True)
     with pytest.raises(DdpkitError, match=r"another model: shape mismatches .*0.weight \(4, 3\) vs \(8, 3\)"):
         rt.load(path, _state(_model(8)))
     longer = torch.nn.Sequential(*_model(4), torch.nn.Linear(2, 2))
@@ -141,7 +142,7 @@ def test_fp16_scaler_state_survives_a_checkpoint(tmp_path):
     rt.precision.flush()  # the update owed by the last step (save applies it too)
     saved_scale = rt.precision.scaler.get_scale()
     saved_tracker = rt.precision.scaler.state_dict()["_growth_tracker"]
-    path = rt.save(tmp_path / "fp16.pt", state)
+    path = rt.save(tmp_path / "fp16.pt", state, blocking=True)
     rt.precision.scaler.update(1.0)
     rt.load(path, _state())
     assert rt.precision.scaler.get_scale() == saved_scale == 65536.0
@@ -206,7 +207,7 @@ def test_accumulation_steps_once_per_group():
 def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_path, monkeypatch):
     rt = ddpkit.init()
     state = _state()
-    path = rt.save(tmp_path / "same.pt", state)
+    path = rt.save(tmp_path / "same.pt", state, blocking=True)
     before = path.read_bytes()
     _train_one_step(rt, state)
 
@@ -217,12 +218,12 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
         checkpoint.pt.os, "replace", lambda src, dst: die() if str(dst) == str(path) else os.rename(src, dst)
     )
     with pytest.raises(KeyboardInterrupt):
-        rt.save(path, state)
+        rt.save(path, state, blocking=True)
     monkeypatch.undo()
     assert path.read_bytes() == before
     checkpoint.verify(path)  # the old file still verifies
     rt.load(path, _state())
-    path2 = rt.save(path, state)  # and a later save to the same path works
+    path2 = rt.save(path, state, blocking=True)  # and a later save to the same path works
     checkpoint.verify(path2)
     assert "previous" not in __import__("json").loads((tmp_path / "same.pt.sha256").read_text())
 
@@ -236,6 +237,7 @@ def test_prune_sweeps_what_killed_saves_left(tmp_path):
     (tmp_path / f".ckpt-step00000009.pt.tmp-{os.getpid()}").write_bytes(b"mine")  # a live writer's: kept
     _train_one_step(rt, state)
     rt.save(tmp_path, state)
+    rt.close()  # the background write done
     assert sorted(os.listdir(tmp_path)) == sorted(
         [f".ckpt-step00000009.pt.tmp-{os.getpid()}", "ckpt-step00000001.pt", "ckpt-step00000001.pt.sha256"]
     )

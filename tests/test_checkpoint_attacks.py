@@ -69,7 +69,7 @@ def _write_sharded(directory: Path, lr: object = 0.05) -> Path:
     rt.backward(state["model"](torch.randn(4, 8)).sum())
     rt.step(state["opt"])
     state["opt"].param_groups[0]["lr"] = lr
-    path = rt.save(directory, state)
+    path = rt.save(directory, state, blocking=True)
     rt.close()
     return path
 
@@ -255,7 +255,7 @@ def load_each(paths: list[str]) -> list[str | None]:
 def test_an_attacked_single_file_checkpoint_is_refused_on_every_path(tmp_path):
     rt = ddpkit.init(seed=0)
     model = torch.nn.Linear(3, 2)
-    path = rt.save(tmp_path / "ckpts", {"model": model, "note": "plain"})
+    path = rt.save(tmp_path / "ckpts", {"model": model, "note": "plain"}, blocking=True)
     payload = torch.load(path, weights_only=True)
     marker = tmp_path / "MARKER"
     payload["user"]["note"] = Exec(marker)
@@ -366,7 +366,7 @@ def _whole_sentences_of(part: str, whole: str) -> bool:
 
 def test_a_truncated_checkpoint_is_one_line_cut_only_between_sentences(tmp_path):
     rt = ddpkit.init(seed=0)
-    path = rt.save(tmp_path / "c.pt", {"model": torch.nn.Linear(30, 30)})
+    path = rt.save(tmp_path / "c.pt", {"model": torch.nn.Linear(30, 30)}, blocking=True)
     rt.close()
     data = path.read_bytes()
     path.with_name(path.name + ".sha256").unlink()  # as a file saved by hand: torch.load finds it

@@ -121,7 +121,7 @@ def _one_line_exit_2(result, command: str, says: str) -> None:
 def test_an_inflating_single_file_checkpoint_is_refused_on_every_path(tmp_path, monkeypatch, kind):
     rt = ddpkit.init(seed=0)
     model = torch.nn.Linear(3, 2)
-    path = rt.save(tmp_path / "ckpts", {"model": model})
+    path = rt.save(tmp_path / "ckpts", {"model": model}, blocking=True)
     payload = torch.load(path, weights_only=True)
     payload["user"]["model"]["weight"] = torch.zeros(4)
     records, prefix = _archive(payload)

@@ -81,7 +81,7 @@ def test_missing_bucket_api_warns_and_marks_checkpoints_not_bitwise(tmp_path, mo
     rt = ddpkit.init()
     with pytest.warns(UserWarning, match="rounding"):
         rt._run.loop.not_bitwise = settle_buckets(object(), is_main=True)
-    path = rt.save(tmp_path / "c.pt", {})
+    path = rt.save(tmp_path / "c.pt", {}, blocking=True)
     assert "_rebuild_buckets" in ddpkit.checkpoint.read(path)["ddpkit"]["loop"]["not_bitwise"]
     with pytest.warns(UserWarning, match="not bitwise"):
         rt.load(path, {})

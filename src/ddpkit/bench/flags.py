@@ -157,7 +157,15 @@ def parser() -> argparse.ArgumentParser:
         "--checkpoint-every",
         type=int,
         default=8,
-        help="with --fault-tolerant: restart-all's checkpoint interval in steps (default 8)",
+        help="with --fault-tolerant: restart-all's checkpoint interval in steps; with --checkpoints: the "
+        "interval of the saves timed (default 8)",
+    )
+    add(
+        "--checkpoints",
+        action="store_true",
+        help="instead of the table: what a checkpoint costs the loop, written in the background "
+        "(rt.save's default), with blocking=True, and as rank 0's plain torch.save; --model (try mlp-large, "
+        "150 MB with AdamW's state), --nproc processes, --steps per stretch",
     )
     add(
         "--min-step-s",
@@ -331,6 +339,26 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
         raise UsageError("--compare-exact compares ddp rows with their micro-shard twins; add ddp to --modes")
     if opts.compare_exact and opts.fault_tolerant:
         raise UsageError("--compare-exact does not combine with --fault-tolerant; run them apart")
+    if opts.checkpoints:
+        others = [
+            flag
+            for flag, given in (
+                ("--fault-tolerant", opts.fault_tolerant),
+                ("--compare-raw", opts.compare_raw),
+                ("--compare-exact", opts.compare_exact),
+                ("--hosts", opts.hosts is not None),
+                ("--micro-shards", opts.micro_shards is not None),
+            )
+            if given
+        ]
+        if others:
+            raise UsageError(f"--checkpoints times saves in a run of its own; drop {', '.join(others)}")
+        if len(_int_list(opts.nproc, "--nproc")) != 1:
+            raise UsageError("--checkpoints runs one --nproc; give one number of processes")
+        if not 1 <= opts.checkpoint_every <= opts.steps:
+            raise UsageError(
+                f"--checkpoint-every must be between 1 and --steps ({opts.steps}), got {opts.checkpoint_every}"
+            )
     settings = BenchSettings(
         model=opts.model,
         data=opts.data,
@@ -365,6 +393,7 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
         min_step_s=opts.min_step_s,
         micro_shards=opts.micro_shards,
         compare_exact=opts.compare_exact,
+        checkpoints=opts.checkpoints,
     )
     if settings.compare_raw and not {"ddp", "ddp-amp"} & set(modes):
         raise UsageError("--compare-raw compares a DDP run; add ddp or ddp-amp to --modes")

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
                 if attempt == 0 and me == opts.kill_who and opts.kill_at is not None and rt.global_step >= opts.kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if opts.checkpoint_every and rt.global_step % opts.checkpoint_every == 0:
-                    rt.checkpoint(state)
+                    # on disk before the next step: restart-all's steps trained twice count from it
+                    rt.checkpoint(state, blocking=True)
                 if rt.global_step >= opts.steps:
                     break
     event(kind="end", step=rt.global_step)

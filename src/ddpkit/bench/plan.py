@@ -59,6 +59,7 @@ class BenchSettings:
     min_step_s: float = 0.0  # each fault-tolerant bench step lasts at least this long
     micro_shards: int | None = None  # single and DDP rows with rt.setup(micro_shards=M)
     compare_exact: bool = False  # beside each DDP row, the same row with micro_shards = its world size
+    checkpoints: bool = False  # what a save costs the loop instead of the table (ddpkit.bench.ckpt)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Any
 
 from ddpkit import checkpoint, rng
 from ddpkit._version import __version__
-from ddpkit.checkpoint import dcp
+from ddpkit.checkpoint import background, dcp
 from ddpkit.distributed import collectives, store_sync
-from ddpkit.errors import UsageError
+from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.observe.heartbeats import beat
 from ddpkit.parallel import lazy_buffers, periodic
 from ddpkit.state.run import RunState
@@ -53,7 +53,15 @@ _HEADER = frozenset({"format", "version", "ddpkit_version", "user", "ddpkit"})
 """ddpkit's keys at the top of a ``.pt`` checkpoint; a user entry of one of these names is in ``user`` only."""
 
 
-def save(run: RunState, peers: Peers, path: str | os.PathLike, state: Mapping[str, Any], *, keep: int = 3) -> Path:
+def save(
+    run: RunState,
+    peers: Peers,
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    keep: int = 3,
+    blocking: bool = True,
+) -> Path:
     """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
 
     Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
@@ -67,13 +75,17 @@ def save(run: RunState, peers: Peers, path: str | os.PathLike, state: Mapping[st
         path: a ``.pt`` file, or a checkpoint directory (a DCP step directory under fsdp).
         state: the user's objects by name (modules, optimizers, schedulers, plain values).
         keep: newest checkpoints kept in a directory.
+        blocking: write before returning; else rank 0 returns once its snapshot is taken and
+            writes in the background (:mod:`ddpkit.checkpoint.background`). Either way a save
+            first waits for the write in flight, and a failed one raises here on every rank.
 
     Returns:
-        The checkpoint written.
+        The checkpoint written (or being written).
     """
     beat("save")
     if run.sharded():
         return _save_sharded(run, peers, Path(path), state, keep)
+    failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
     path = Path(path)
     target = target_of(path, run.loop.step)
@@ -93,6 +105,8 @@ def save(run: RunState, peers: Peers, path: str | os.PathLike, state: Mapping[st
         compression = collectives.all_gather_object(states)
     if not peers.is_main:
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
+        if failed is not None:
+            raise DdpkitError(failed)
         return target
     own = _own_state(run, peers, rngs)
     if grads is not None:
@@ -112,16 +126,45 @@ def save(run: RunState, peers: Peers, path: str | os.PathLike, state: Mapping[st
         "user": user,
         "ddpkit": own,
     }
-    try:
-        checkpoint.write(target, payload)
+    if failed is not None:  # the previous save's bytes never got there: every rank stops here
+        store_sync.share_outcome(meeting_point, failed, peers.timeout_s)
+        raise DdpkitError(failed)
+
+    def write(data: Mapping[str, Any]) -> None:
+        checkpoint.write(target, data)
         if rotate:
-            checkpoint.prune(path, keep)
+            checkpoint.prune(path, keep)  # after the new one is durable: the previous one stays till then
+
+    if not blocking:
+        try:
+            copied = background.snapshot(payload, background.WRITER.spare)
+        except Exception as exc:
+            store_sync.share_outcome(meeting_point, f"could not copy checkpoint {target}: {exc}", peers.timeout_s)
+            raise
+        store_sync.share_outcome(meeting_point, None, peers.timeout_s)
+        background.WRITER.submit(
+            str(target), lambda: write(copied), step=run.loop.step, held_bytes=background.nbytes(copied), data=copied
+        )
+        return target
+    try:
+        write(payload)
     except Exception as exc:
-        store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {exc}", peers.timeout_s)
+        why = background.why(exc, target)
+        store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {why}", peers.timeout_s)
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
-    _saved_tracking(run)
+    _saved_tracking(run, run.loop.step)
     return target
+
+
+def settle(run: RunState) -> str | None:
+    """Wait for the background write in flight: release the tracker rows it covers, or return its error."""
+    done = background.WRITER.wait()
+    if done is None:
+        return None
+    if done.error is None and done.step is not None:
+        _saved_tracking(run, done.step)
+    return done.error
 
 
 def target_of(path: str | os.PathLike, step: int) -> Path:
@@ -131,11 +174,11 @@ def target_of(path: str | os.PathLike, step: int) -> Path:
     return checkpoint.step_path(path, step) if path.is_dir() or path.suffix == "" else path
 
 
-def _saved_tracking(run: RunState) -> None:
-    """The checkpoint is on disk: the trackers get the rows it covers (rank 0)."""
+def _saved_tracking(run: RunState, step: int) -> None:
+    """The checkpoint of ``step`` is on disk: the trackers get the rows it covers (rank 0)."""
     tracking = run.tracking
     if tracking is not None:
-        tracking.saved(run.loop.step)
+        tracking.saved(step)
 
 
 def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
@@ -215,5 +258,5 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
         )
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
-    _saved_tracking(run)
+    _saved_tracking(run, run.loop.step)
     return target

@@ -10,7 +10,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddpkit.bench import ft
+from ddpkit.bench import ckpt, ft
 from ddpkit.bench.flags import parse_settings
 from ddpkit.bench.flags import parser as bench_parser
 from ddpkit.bench.outputs import write_outputs
@@ -26,6 +26,12 @@ def cmd_bench(argv: Sequence[str]) -> int:
     """``ddpkit bench``: run, print the table, write bench.json, bench.md and scaling.png."""
 
     settings = parse_settings(argv)
+    if settings.checkpoints:
+        found = ckpt.run(settings)
+        found["command"] = shlex.join(["ddpkit", "bench", *argv])
+        print(ckpt.table(found))
+        print(f"bench: wrote {', '.join(str(p) for p in ckpt.write(found, Path(settings.out)))}")
+        return 0
     if settings.fault_tolerant:
         found = ft.run(settings)
         found["command"] = shlex.join(["ddpkit", "bench", *argv])

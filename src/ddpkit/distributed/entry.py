@@ -107,10 +107,10 @@ def run_exit_steps(*, flush_files: bool = True) -> None:
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize calls first
     atexit._run_exitfuncs()
     if flush_files:
-        _flush_open_files()
+        flush_open_files()
 
 
-def _flush_open_files() -> None:
+def flush_open_files() -> None:
     """Flush every open, writable file object, so what the script wrote reaches the OS.
 
     Wrappers push into the files they wrap (text into its buffer, a GzipFile into its file),

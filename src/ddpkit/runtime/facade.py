@@ -22,7 +22,7 @@ from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, process_group, store_sync
 from ddpkit.distributed.environment import Environment
-from ddpkit.errors import called_from_user_code, warn
+from ddpkit.errors import DdpkitError, called_from_user_code, warn
 from ddpkit.loop import build
 from ddpkit.loop import steps as loop_steps
 from ddpkit.observe import heartbeats, progress
@@ -366,10 +366,34 @@ class Runtime:
     _exit_preempted = saving.exit_preempted
 
     def close(self) -> None:
-        """Flush logs and destroy the process group. Runs at exit too, also when the script raised."""
+        """Wait for the checkpoint being written, flush logs and destroy the process group.
+
+        Runs at exit too, also when the script raised. A checkpoint written in the background
+        that failed raises here, in one line (at exit: printed, and the process exits with 1).
+        """
         if self._closed:
             return
         self._closed = True
+        failed = resuming.settle(self._run)  # None where nothing was written
+        self._failed = self._failed or failed is not None
+        try:
+            self._close()
+        finally:
+            if failed is not None:
+                raise DdpkitError(failed)
+
+    def _close_at_exit(self) -> None:
+        """:meth:`close` at interpreter exit: a failed background write ends the process with 1."""
+        try:
+            self.close()
+        except DdpkitError as exc:
+            from ddpkit.distributed import entry
+
+            sys.stderr.write(f"ddpkit: error: {exc}\n")
+            entry.flush_open_files()
+            entry.leave(1)  # an atexit handler cannot set the exit status otherwise
+
+    def _close(self) -> None:
         self._reporter.close(failed=self._failed)
         if self._run.tracking is not None:
             self._run.tracking.close(self._outcome or ("FAILED" if self._failed else "FINISHED"))

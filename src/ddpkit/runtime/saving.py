@@ -15,31 +15,44 @@ import torch
 from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import preemption
-from ddpkit.errors import UsageError
+from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.runtime import weights
 
 if TYPE_CHECKING:
     from ddpkit.runtime.facade import Runtime
 
 
-def save(self: Runtime, path: str | os.PathLike, state: Mapping[str, Any] | torch.nn.Module) -> Path:
+def save(
+    self: Runtime, path: str | os.PathLike, state: Mapping[str, Any] | torch.nn.Module, *, blocking: bool = False
+) -> Path:
     """Save ``state`` plus ddpkit's own (loop state, every rank's RNGs, scaler).
 
     Every rank must call it (it gathers each rank's random state); called on rank 0 alone it
     fails within ``save_timeout`` seconds, naming the ranks that did not come. Global rank 0
-    writes atomically; if the write fails, every rank raises. A directory ``path`` gets
-    ``ckpt-stepNNNNNNNN.pt`` and keeps the newest ``keep_checkpoints``. Each entry of ``state``
-    is also at the top of a ``.pt`` file, so ``torch.load(path)["model"]`` reads it back.
+    writes atomically. A directory ``path`` gets ``ckpt-stepNNNNNNNN.pt`` and keeps the newest
+    ``keep_checkpoints``. Each entry of ``state`` is also at the top of a ``.pt`` file, so
+    ``torch.load(path)["model"]`` reads it back.
+
+    It returns once a consistent copy of the state is taken; rank 0 writes the copy in the
+    background while training goes on (:mod:`ddpkit.checkpoint.background`). The next save,
+    :meth:`close` and the end of the script wait for that write; a write that failed raises
+    there on every rank, in one line, and the previous checkpoint stays. ``resume="auto"`` and
+    ``ddpkit predict`` only ever take a checkpoint whose bytes are all written and checked.
+    ``blocking=True`` writes before returning, for a script that reads the file next; a save
+    made because the job is preempted always does. A sharded (``strategy="fsdp"``)
+    checkpoint is written before returning.
 
     ``rt.save("model.pt", model)`` (a model, not a mapping) writes the model's weights alone,
     with plain names, as ``torch.save(model.state_dict(), path)`` does: what
     ``model.load_state_dict(torch.load(path))`` reads, and :meth:`load` with a model too.
+    It writes before returning.
     """
     if isinstance(state, torch.nn.Module):
         return weights.save(Path(path), self.full_state_dict(state), is_main=self.is_main)
     if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
         return resuming.target_of(path, self._run.loop.step)
-    saved = resuming.save(self._run, self._peers, path, state, keep=self._settings.keep_checkpoints)
+    blocking = blocking or self.preempted  # the exit with 75 says "saved": it must be on disk
+    saved = resuming.save(self._run, self._peers, path, state, keep=self._settings.keep_checkpoints, blocking=blocking)
     if self.preempted:
         self._exit_preempted(saved)
     return saved
@@ -73,16 +86,27 @@ def load(
     (``rt.save(path, model)``, ``torch.save(model.state_dict(), path)``) or a checkpoint's
     ``"model"`` entry; the loop and random states are left as they are.
     """
+    _written(self)
     if isinstance(state, torch.nn.Module):
         return weights.load(Path(path), state)
     return restore.load(self._run, self._peers, path, state, strict=strict)
 
 
-def checkpoint(self: Runtime, state: Mapping[str, Any]) -> Path:
-    """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few."""
+def _written(self: Runtime) -> None:
+    """A load reads what this process saved: the write in flight ends first (a failed one raises)."""
+    failed = resuming.settle(self._run)
+    if failed is not None:
+        raise DdpkitError(failed)
+
+
+def checkpoint(self: Runtime, state: Mapping[str, Any], *, blocking: bool = False) -> Path:
+    """Save ``state`` into ``checkpoint_dir`` (given to :func:`ddpkit.init`), keeping the newest few.
+
+    Written in the background unless ``blocking``, as :meth:`save` says.
+    """
     if self._checkpoint_dir is None:
         raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
-    return self.save(self._checkpoint_dir, state)
+    return self.save(self._checkpoint_dir, state, blocking=blocking)
 
 
 def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
@@ -92,6 +116,7 @@ def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = Tru
     nothing when there is none yet, so one script serves the first start and every
     restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
     """
+    _written(self)
     if self._run.world.defer_resume(state, strict):
         return None
     return restore.resume(self._run, self._peers, self._settings.resume, self._checkpoint_dir, state, strict=strict)

@@ -192,7 +192,7 @@ def init(
     if dog is not None:
         heartbeats.set_target(runtime)
     _current = runtime
-    atexit.register(runtime.close)
+    atexit.register(runtime._close_at_exit)
     return runtime
 
 

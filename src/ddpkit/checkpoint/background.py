@@ -1,0 +1,203 @@
+"""Checkpoint writes in the background: a save returns once its snapshot is taken.
+
+``rt.save`` and ``rt.checkpoint`` gather what a checkpoint holds on every rank as before; rank 0
+then copies it (:func:`snapshot`: tensors into fresh host memory, so the next steps may change
+the model and optimizer in place) and hands the copy to :data:`WRITER`, whose thread serialises,
+fsyncs, checksums and renames it into place (:func:`ddpkit.checkpoint.pt.write`, unchanged, so
+a checkpoint's name never points at bytes not yet all there).
+
+At most one write is in flight in a process: a save waits for the previous one before it takes
+its snapshot, so the extra host memory is one state's. What needs the bytes on disk waits for
+them: the next save, :meth:`Runtime.close <ddpkit.Runtime.close>` (at the end of the script
+too: the thread is not a daemon), a preemption's save (written before the exit with 75), and
+the trackers' rows, released only once a durable checkpoint covers them. A write that failed
+(a full disk) is reported in one line by the next save on every rank, or by ``close``; the
+previous checkpoint stays, as the failed one never got its name.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def snapshot(payload: Mapping[str, Any], spare: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``payload`` that later steps cannot change: every tensor copied to host memory.
+
+    Plain containers and values are deep-copied; tensors sharing storage still share it in the
+    copy (``copy.deepcopy``'s own bookkeeping), except device tensors, which are copied to the
+    host one by one (no second copy of the state in device memory). ``spare``, an earlier
+    snapshot of the same structure whose write is done, lends its tensors: copied into, not
+    allocated again (a fresh 150 MB costs its page faults on every save).
+    """
+    tensors = _tensors(payload)
+    lent = _tensors(spare) if spare is not None else []
+    memo: dict[int, Any] = {}
+    storages = {t.untyped_storage().data_ptr() for t in lent}
+    if (
+        len(lent) == len(tensors)
+        and len(storages) == len(lent)  # no two of them share memory: each copy lands apart
+        and all(_fits(t, s) for t, s in zip(tensors, lent))
+    ):
+        for tensor, into in zip(tensors, lent):
+            if id(tensor) not in memo:
+                memo[id(tensor)] = into.copy_(tensor.detach())
+    else:
+        for tensor in tensors:
+            if id(tensor) not in memo and (tensor.device.type != "cpu" or tensor.requires_grad):
+                memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
+    return copy.deepcopy(dict(payload), memo)
+
+
+def _tensors(payload: Any) -> list[torch.Tensor]:
+    """The tensors of ``payload``, depth first in the containers' order (each object once)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                found.append(obj)
+        elif isinstance(obj, Mapping):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value)
+
+    visit(payload)
+    return found
+
+
+def _fits(tensor: torch.Tensor, into: torch.Tensor) -> bool:
+    """``into`` (a host tensor of an earlier snapshot) can take ``tensor``'s values as they are."""
+    return (
+        into.device.type == "cpu"
+        and into.shape == tensor.shape
+        and into.dtype == tensor.dtype
+        and into.stride() == tensor.stride()
+        and into.storage_offset() == 0
+        and into.untyped_storage().nbytes() == into.numel() * into.element_size()
+    )
+
+
+def nbytes(payload: Any) -> int:
+    """Bytes of tensor data in ``payload`` (each storage once): the host memory a snapshot holds."""
+    seen: dict[int, int] = {}
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, Mapping):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value)
+
+    visit(payload)
+    return sum(seen.values())
+
+
+def why(exc: BaseException, path: str | os.PathLike) -> str:
+    """One line on why writing ``path`` failed; a full disk said as such.
+
+    torch's zip writer reports a full disk as ``[enforce fail at inline_container.cc:...]
+    unexpected pos``, which names neither the disk nor the space.
+    """
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        free = os.statvfs(directory)
+        left = free.f_bavail * free.f_frsize
+    except OSError:
+        return detail
+    full = getattr(exc, "errno", None) == errno.ENOSPC or left < 1 << 20
+    if not full:
+        return detail
+    return f"no space left on the device of {directory} ({left / 2**20:.1f} MiB free): {detail}"
+
+
+@dataclass
+class Done:
+    """What the last write came to, once it ended."""
+
+    step: int | None = None
+    """The loop step the checkpoint covers, when it is durable; None when it failed."""
+    error: str | None = None
+    """One line: what went wrong, and which checkpoint did not get written."""
+    write_s: float = 0.0
+    """Seconds the write took in the background."""
+    held_bytes: int = 0
+    """Host memory its snapshot held until then."""
+
+
+class Writer:
+    """At most one checkpoint write in flight, on a thread of its own."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._done: Done | None = None
+        self._data: Mapping[str, Any] | None = None
+        self.spare: Mapping[str, Any] | None = None
+        """The last snapshot, once written: the next one copies into its tensors."""
+        self.finished: list[Done] = []
+        """Every write waited for, in order (what ``ddpkit bench --checkpoints`` reports)."""
+
+    def busy(self) -> bool:
+        """True while a write runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(
+        self, name: str, write: Callable[[], object], *, step: int, held_bytes: int, data: Mapping[str, Any]
+    ) -> None:
+        """Run ``write()`` in the background after the write in flight; its outcome is :meth:`wait`'s.
+
+        The outcome of a previous write nobody waited for is dropped here only if it succeeded:
+        call :meth:`wait` first (``save`` does) so a failure is reported.
+        """
+        if self._thread is not None:
+            raise RuntimeError("a checkpoint write is already in flight; wait() for it first")
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                write()
+            except BaseException as exc:  # noqa: BLE001 - reported by wait(), on the training thread
+                self._done = Done(None, f"could not write checkpoint {name} in the background: {why(exc, name)}")
+            else:
+                self._done = Done(step, None)
+            self._done.write_s = time.perf_counter() - start
+            self._done.held_bytes = held_bytes
+
+        self._done, self._data, self.spare = None, data, None
+        self._thread = threading.Thread(target=run, name="ddpkit-checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> Done | None:
+        """Wait for the write in flight; its outcome (None when there was none since the last wait)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return None
+        thread.join()
+        done, self._done = self._done, None
+        self.spare, self._data = self._data, None
+        if done is not None:
+            self.finished = [*self.finished[-99:], done]
+        return done
+
+
+WRITER = Writer()
+"""This process's writer (rank 0 writes; a process has one run at a time)."""
+
+__all__ = ["WRITER", "Done", "Writer", "nbytes", "snapshot"]
