@@ -3,6 +3,7 @@ what needs the bytes waits for them, and a failed write is never taken for a sav
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -304,3 +305,58 @@ def test_sigkill_at_twenty_random_instants_resumes_from_the_newest_complete_chec
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(expected[key], got[key]), (seed, key, starts)
+
+
+# -- ddpkit bench --checkpoints ------------------------------------------------------------------
+
+_BENCH_REFUSED = [
+    (("--checkpoints", "--fault-tolerant", "--kill-at", "3"), "--checkpoints times saves in a run of its own; drop"),
+    (("--checkpoints", "--nproc", "1,2"), "--checkpoints runs one --nproc"),
+    (("--checkpoints", "--steps", "4", "--checkpoint-every", "5"), "--checkpoint-every must be between 1 and"),
+]
+
+
+@pytest.mark.parametrize("args, says", _BENCH_REFUSED)
+def test_each_refusal_of_the_checkpoint_bench_is_one_line(args, says):
+    from ddpkit.bench.flags import parse_settings
+    from ddpkit.errors import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        parse_settings([*args, "--out", "unused"])
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.timeout(300)
+def test_the_checkpoint_bench_times_plain_blocking_and_background_saves(tmp_path):
+    out = tmp_path / "bench"
+    done = ddpkit_cli(
+        "bench",
+        "--checkpoints",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--nproc",
+        "2",
+        "--batch",
+        "8",
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--out",
+        str(out),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "checkpoints.json").read_text())
+    assert report["world_size"] == 2 and report["command"].startswith("ddpkit bench --checkpoints")
+    rows = report["stretches"]
+    assert set(rows) == {"plain", "blocking", "background"}
+    assert all(row["saves"] == 3 and row["loop_wait_s"] > 0 and row["failed"] == [] for row in rows.values())
+    assert rows["plain"]["wait_vs_plain"] == 1.0
+    assert rows["background"]["background_write_s"] > 0 and rows["blocking"]["background_write_s"] is None
+    # the snapshot held: the weights and AdamW's two moments, in MB (float32)
+    weights_mb = report["model_mb"]
+    assert 3 * weights_mb <= rows["background"]["held_mb"] < 3 * weights_mb + 1
+    assert "| rt.save |" in (out / "checkpoints.md").read_text() and "| rt.save |" in done.stdout
