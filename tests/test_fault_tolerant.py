@@ -357,6 +357,11 @@ def test_the_fault_tolerant_bench_refuses_what_it_cannot_measure(args, says, tmp
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.skipif(
+    os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None,
+    reason="where simulated hosts run, test_the_fault_tolerant_bench_runs_on_simulated_hosts measures the "
+    "same across a network (one bench of 2-3 minutes in CI's budget, not two)",
+)
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_fault_tolerant_bench_measures_recovery_heal_and_the_weights(tmp_path):
@@ -552,7 +557,11 @@ def test_the_fault_tolerant_bench_runs_on_simulated_hosts(tmp_path):
         assert runs[kind]["recovery_s"] > 0 and runs[kind]["heal_s"] > 0, runs
         assert runs[kind]["weights_rel_diff"] <= 1e-2, runs
     assert runs["fault-tolerant"]["steps_trained_twice"] == 0, runs
+    assert report["min_step_s"] == 0.3
+    # restart-all resumes from the newest checkpoint before the kill (one every 4 steps)
+    assert runs["restart-all"]["steps_trained_twice"] == (runs["restart-all"]["killed_after_step"] - 1) % 4 + 1, runs
     assert all(row["samples"] >= 40 * 60 for row in runs.values())
+    assert "| fault-tolerant |" in (out / "ft.md").read_text() and "| restart-all |" in done.stdout
     # every host logged its node's launcher
     assert sorted(p.name for p in (out / "fault-tolerant").glob("node*.log")) == ["node0.log", "node1.log", "node2.log"]
 
