@@ -148,12 +148,15 @@ def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
     return result
 
 
-def failed_write(checkpoint_dir: str) -> dict:
-    """Rank 0 cannot write (a file stands where a directory should): every rank must raise."""
+def failed_write(checkpoint_dir: str, blocking: bool = True) -> dict:
+    """Rank 0 cannot write (a file stands where a directory should): every rank must raise, at
+    this save (``blocking``) or, written in the background, at the next one."""
     rt = ddpkit.init(seed=0)
     model = rt.setup(torch.nn.Linear(2, 1))
     try:
-        rt.save(checkpoint_dir, {"model": model})
+        rt.save(checkpoint_dir, {"model": model}, blocking=blocking)
+        if not blocking:
+            rt.save(checkpoint_dir, {"model": model}, blocking=True)
     except ddpkit.DdpkitError as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     except OSError as exc:

@@ -360,3 +360,27 @@ def test_the_checkpoint_bench_times_plain_blocking_and_background_saves(tmp_path
     weights_mb = report["model_mb"]
     assert 3 * weights_mb <= rows["background"]["held_mb"] < 3 * weights_mb + 1
     assert "| rt.save |" in (out / "checkpoints.md").read_text() and "| rt.save |" in done.stdout
+
+
+def test_the_rows_a_background_checkpoint_covers_reach_the_tracker_once_it_is_written(tmp_path, monkeypatch):
+    """Not at the next save: a kill between the two would lose rows the checkpoint does not hold."""
+    from tracker_stores import mlflow_runs
+
+    gated = _Gated(monkeypatch)
+    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path / "ckpts", out_dir=tmp_path, trackers=("mlflow",))
+    state = _state()
+    for _ in range(3):
+        _train_one_step(rt, state)
+        rt.log({"loss": float(rt.global_step)})
+    rt.checkpoint(state)  # of step 3
+    _train_one_step(rt, state)
+    rt.log({"loss": 4.0})  # after the save: waits for a checkpoint of its step, in flight or not
+    assert mlflow_runs(tmp_path)[0]["history"].get("loss", []) == []  # the write is held: nothing sent
+    gated.gate.set()
+    deadline = time.monotonic() + 60
+    while background.WRITER.busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sent = [step for step, _ in mlflow_runs(tmp_path)[0]["history"]["loss"]]
+    assert sent == [1, 2]  # step 3's rows wait in the checkpoint (the next one sends them), step 4's too
+    rt.close()
+    assert [step for step, _ in mlflow_runs(tmp_path)[0]["history"]["loss"]] == [1, 2, 3, 4]

@@ -130,7 +130,9 @@ def test_what_rt_save_writes_reads_back_with_torch_load(tmp_path):
     rt = ddpkit.init(seed=0)
     model = torch.nn.Linear(3, 2)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    path = rt.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "epoch": 4, "user": "mine"})
+    path = rt.save(  # read right after: written before it returns
+        tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "epoch": 4, "user": "mine"}, blocking=True
+    )
     loaded = torch.load(path, weights_only=True)  # imagenet's --resume, nanoGPT's sample.py
     fresh = torch.nn.Linear(3, 2)
     fresh.load_state_dict(loaded["model"])

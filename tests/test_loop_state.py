@@ -245,13 +245,17 @@ def test_save_inside_an_accumulation_group_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path):
+@pytest.mark.parametrize("blocking", [True, False])
+def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path, blocking):
     blocker = tmp_path / "a-file"
     blocker.write_text("occupied")  # rank 0 cannot write beneath a file
-    results = ddpkit.launch(loop_workers.failed_write, nprocs=2, args=(str(blocker / "c.pt"),))
+    results = ddpkit.launch(loop_workers.failed_write, nprocs=2, args=(str(blocker / "c.pt"), blocking))
     assert results[0]["raised"] is not None
     assert results[1]["raised"] == "DdpkitError" and "rank 0 failed" in results[1]["message"]
     assert "could not write checkpoint" in results[1]["message"]
+    if not blocking:  # raised at the next save, on every rank, naming the write that failed
+        assert results[0]["raised"] == "DdpkitError" and "in the background" in results[0]["message"]
+        assert "in the background" in results[1]["message"] and "c.pt" in results[1]["message"]
     assert blocker.read_text() == "occupied"  # nothing lost
 
 
@@ -313,7 +317,7 @@ def test_model_compiled_before_setup_checkpoints_plain_names(tmp_path):
     model, opt = rt.setup(model, opt)
     rt.backward(model(torch.randn(3, 4)).sum())
     rt.step(opt)
-    path = rt.save(tmp_path / "c.pt", {"model": model})
+    path = rt.save(tmp_path / "c.pt", {"model": model}, blocking=True)  # read right after
     assert sorted(ddpkit.checkpoint.read(path)["user"]["model"]) == ["0.bias", "0.weight"]
     rt.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(4, 2))})  # loads into a plain model
 

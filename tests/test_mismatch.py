@@ -384,7 +384,9 @@ def test_a_long_phase_on_every_rank_is_never_a_hang(tmp_path):
     path.write_text(textwrap.dedent(EVERY_RANK_BUSY))
     result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="4"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(re.findall(r"finished \d", result.stdout)) == ["finished 0", "finished 1"]
+    assert sorted(re.findall(r"finished \d", result.stdout)) == ["finished 0", "finished 1"], (
+        result.stdout[-2000:] + "\n--- stderr ---\n" + result.stderr[-3000:]
+    )
     assert "ddpkit watchdog" not in result.stderr and "collective mismatch" not in result.stderr
 
 

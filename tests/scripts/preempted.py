@@ -48,7 +48,8 @@ def main() -> None:
         real_replace = os.replace
 
         def replace(src, dst):  # the preempted save's file is written, not yet renamed
-            if rt.preempted and str(dst).endswith(".pt"):
+            # (not the save before it, which may still be written in the background)
+            if rt.preempted and str(dst).endswith(f"step{rt.global_step:08d}.pt"):
                 os.kill(os.getpid(), signal.SIGKILL if args.kill_in_save else signal.SIGTERM)
             return real_replace(src, dst)
 

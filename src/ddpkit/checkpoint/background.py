@@ -161,10 +161,17 @@ class Writer:
     def submit(
         self, name: str, write: Callable[[], object], *, step: int, held_bytes: int, data: Mapping[str, Any]
     ) -> None:
-        """Run ``write()`` in the background after the write in flight; its outcome is :meth:`wait`'s.
+        """Run ``write()`` on the writer's thread; its outcome is :meth:`wait`'s.
 
-        The outcome of a previous write nobody waited for is dropped here only if it succeeded:
-        call :meth:`wait` first (``save`` does) so a failure is reported.
+        Args:
+            name: the checkpoint written, for the error line.
+            write: does the writing (and what follows it: pruning, the trackers' rows).
+            step: the loop step the checkpoint covers.
+            held_bytes: host memory ``data`` holds until the write ends.
+            data: the snapshot written: once the write is done, the next snapshot's spare.
+
+        Raises:
+            RuntimeError: a write is still in flight (:meth:`wait` for it first, as ``save`` does).
         """
         if self._thread is not None:
             raise RuntimeError("a checkpoint write is already in flight; wait() for it first")

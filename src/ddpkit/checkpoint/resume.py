@@ -130,12 +130,17 @@ def save(
         store_sync.share_outcome(meeting_point, failed, peers.timeout_s)
         raise DdpkitError(failed)
 
+    step = run.loop.step
+
     def write(data: Mapping[str, Any]) -> None:
         checkpoint.write(target, data)
         if rotate:
             checkpoint.prune(path, keep)  # after the new one is durable: the previous one stays till then
+        _saved_tracking(run, step)  # right after the rename, on whichever thread wrote
 
     if not blocking:
+        if run.tracking is not None:
+            run.tracking.saving()  # rows logged from now on wait for a checkpoint, as after a blocking save
         try:
             copied = background.snapshot(payload, background.WRITER.spare)
         except Exception as exc:
@@ -153,18 +158,14 @@ def save(
         store_sync.share_outcome(meeting_point, f"could not write checkpoint {target}: {why}", peers.timeout_s)
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
-    _saved_tracking(run, run.loop.step)
     return target
 
 
 def settle(run: RunState) -> str | None:
-    """Wait for the background write in flight: release the tracker rows it covers, or return its error."""
+    """Wait for the background write in flight; its error, if it failed (its tracker rows went out
+    on the writer's thread as soon as it was in place)."""
     done = background.WRITER.wait()
-    if done is None:
-        return None
-    if done.error is None and done.step is not None:
-        _saved_tracking(run, done.step)
-    return done.error
+    return None if done is None else done.error
 
 
 def target_of(path: str | os.PathLike, step: int) -> Path:

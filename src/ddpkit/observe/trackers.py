@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -79,6 +80,7 @@ class Remote:
         self.ids: dict[str, str] = {}  # tracker -> its run id, once known
         self.resumed = False
         self._pending: list[dict[str, Any]] = []
+        self._lock = threading.RLock()  # the checkpoint writer's thread sends rows too (saved)
         self._open: dict[str, Any] = {}  # tracker -> its run (W&B) or client (MLflow)
         self._failed: set[str] = set()
         self._closed = False
@@ -97,19 +99,28 @@ class Remote:
         """Queue ``row`` (``step`` and metrics); sent now unless the run defers to its checkpoints."""
         if not self.active:
             return
-        self._pending.append(dict(row))
-        if not self.deferred:
-            self._send(lambda row: True)
+        with self._lock:
+            self._pending.append(dict(row))
+            if not self.deferred:
+                self._send(lambda row: True)
+
+    def saving(self) -> None:
+        """A checkpoint is being written in the background: rows wait for checkpoints from now on."""
+        with self._lock:
+            self.deferred = True
 
     def saved(self, step: int) -> None:
         """A checkpoint of ``step`` is on disk: send every row before it, and defer from now on.
 
         The rows of ``step`` itself wait (the checkpoint holds them, :meth:`state_dict`): a row
-        logged after the save in the same step still joins them, and each step goes out whole."""
+        logged after the save in the same step still joins them, and each step goes out whole.
+        Called on the checkpoint writer's thread for a background save, as soon as the file is in
+        place, so a kill after that loses no row the checkpoint does not hold."""
         if not self.active:
             return
-        self.deferred = True
-        self._send(lambda row: row["step"] < step)
+        with self._lock:
+            self.deferred = True
+            self._send(lambda row: row["step"] < step)
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint of ``step`` keeps: the run ids (opening the runs whose id only the
@@ -117,10 +128,11 @@ class Remote:
         trackers get only after the save (:meth:`saved`)."""
         if not self.active:
             return {}
-        for name in self.chosen:
-            if name not in self._failed:
-                self._opened(name)
-        return {**self.ids, "rows": [dict(row) for row in self._pending if row["step"] == step]}
+        with self._lock:
+            for name in self.chosen:
+                if name not in self._failed:
+                    self._opened(name)
+            return {**self.ids, "rows": [dict(row) for row in self._pending if row["step"] == step]}
 
     def load_state_dict(self, state: Mapping[str, Any] | None, step: int) -> None:
         """Continue the runs of a loaded checkpoint at ``step``: later queued rows belong to undone
@@ -129,9 +141,10 @@ class Remote:
         self.resumed = True
         state = dict(state or {})
         held = state.pop("rows", None) or []
-        self._pending = [row for row in self._pending if row["step"] <= step]
-        if not any(row["step"] == step for row in self._pending):
-            self._pending += [dict(row) for row in held if row.get("step") == step]
+        with self._lock:
+            self._pending = [row for row in self._pending if row["step"] <= step]
+            if not any(row["step"] == step for row in self._pending):
+                self._pending += [dict(row) for row in held if row.get("step") == step]
         for name, run_id in state.items():
             if name not in self.chosen:
                 continue
@@ -154,8 +167,9 @@ class Remote:
         if not self.active or self._closed:
             return
         self._closed = True
-        if outcome == "FINISHED" or not self.deferred:
-            self._send(lambda row: True)
+        with self._lock:
+            if outcome == "FINISHED" or not self.deferred:
+                self._send(lambda row: True)
         for name in list(self._open):
             self._call(name, self._finish, name, outcome)
         self._open.clear()
