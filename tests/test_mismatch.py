@@ -359,7 +359,7 @@ def test_by_default_a_rank_stuck_in_its_own_code_while_others_wait_is_named_with
 
 
 EVERY_RANK_BUSY = """
-import time, torch, ddpkit
+import sys, time, torch, ddpkit
 rt = ddpkit.init(seed=0)
 rt.all_reduce(torch.ones(1))
 def evaluate_on_my_own(seconds):
@@ -374,7 +374,7 @@ if rt.is_main:  # rank 0 alone, telling ddpkit it is busy; rank 1 waits in the b
         time.sleep(1.0)
         rt.heartbeat("eval")
 rt.barrier()
-print("finished", rt.rank, flush=True)
+sys.stdout.write(f"finished {rt.rank}\\n")  # one write: print's pieces from two ranks interleave under -u
 """
 
 
