@@ -228,7 +228,7 @@ def test_compiled_model_checkpoints_plain_names(tmp_path):
     for _ in range(2):
         rt.backward(model(torch.randn(8, 4)).pow(2).mean())
         rt.step(opt)
-    path = rt.save(tmp_path / "c.pt", {"model": model})
+    path = rt.save(tmp_path / "c.pt", {"model": model}, blocking=True)  # read right after
     saved = ddpkit.checkpoint.read(path)["user"]["model"]
     assert sorted(saved) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
