@@ -92,21 +92,8 @@ def _fits(tensor: torch.Tensor, into: torch.Tensor) -> bool:
 
 def nbytes(payload: Any) -> int:
     """Bytes of tensor data in ``payload`` (each storage once): the host memory a snapshot holds."""
-    seen: dict[int, int] = {}
-
-    def visit(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, Mapping):
-            for value in obj.values():
-                visit(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                visit(value)
-
-    visit(payload)
-    return sum(seen.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(payload)}
+    return sum(storages.values())
 
 
 def why(exc: BaseException, path: str | os.PathLike) -> str:
@@ -132,8 +119,6 @@ def why(exc: BaseException, path: str | os.PathLike) -> str:
 class Done:
     """What the last write came to, once it ended."""
 
-    step: int | None = None
-    """The loop step the checkpoint covers, when it is durable; None when it failed."""
     error: str | None = None
     """One line: what went wrong, and which checkpoint did not get written."""
     write_s: float = 0.0
@@ -158,15 +143,12 @@ class Writer:
         """True while a write runs."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(
-        self, name: str, write: Callable[[], object], *, step: int, held_bytes: int, data: Mapping[str, Any]
-    ) -> None:
+    def submit(self, name: str, write: Callable[[], object], *, held_bytes: int, data: Mapping[str, Any]) -> None:
         """Run ``write()`` on the writer's thread; its outcome is :meth:`wait`'s.
 
         Args:
             name: the checkpoint written, for the error line.
             write: does the writing (and what follows it: pruning, the trackers' rows).
-            step: the loop step the checkpoint covers.
             held_bytes: host memory ``data`` holds until the write ends.
             data: the snapshot written: once the write is done, the next snapshot's spare.
 
@@ -181,9 +163,9 @@ class Writer:
             try:
                 write()
             except BaseException as exc:  # noqa: BLE001 - reported by wait(), on the training thread
-                self._done = Done(None, f"could not write checkpoint {name} in the background: {why(exc, name)}")
+                self._done = Done(f"could not write checkpoint {name} in the background: {why(exc, name)}")
             else:
-                self._done = Done(step, None)
+                self._done = Done()
             self._done.write_s = time.perf_counter() - start
             self._done.held_bytes = held_bytes
 

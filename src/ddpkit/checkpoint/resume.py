@@ -147,9 +147,7 @@ def save(
             store_sync.share_outcome(meeting_point, f"could not copy checkpoint {target}: {exc}", peers.timeout_s)
             raise
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
-        background.WRITER.submit(
-            str(target), lambda: write(copied), step=run.loop.step, held_bytes=background.nbytes(copied), data=copied
-        )
+        background.WRITER.submit(str(target), lambda: write(copied), held_bytes=background.nbytes(copied), data=copied)
         return target
     try:
         write(payload)
