@@ -384,3 +384,53 @@ def test_the_rows_a_background_checkpoint_covers_reach_the_tracker_once_it_is_wr
     assert sent == [1, 2]  # step 3's rows wait in the checkpoint (the next one sends them), step 4's too
     rt.close()
     assert [step for step, _ in mlflow_runs(tmp_path)[0]["history"]["loss"]] == [1, 2, 3, 4]
+
+
+# -- torch's agent stopping the survivors of a failed peer mid-write -------------------------------
+
+PEER_DIES = """
+import os, sys, time, torch, ddpkit
+from ddpkit import checkpoint
+
+real_write = checkpoint.write
+def slow_write(path, payload):  # a write that takes a while: the agent's SIGTERM comes in the middle
+    print("write starts", flush=True)
+    time.sleep(4)
+    real_write(path, payload)
+checkpoint.write = slow_write
+
+rt = ddpkit.init(seed=0, checkpoint_dir=sys.argv[1])
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = rt.setup(model, optimizer)
+rt.backward(model(torch.randn(3, 4)).sum())
+rt.step(optimizer)
+path = rt.checkpoint({"model": model, "optimizer": optimizer})
+if rt.rank == 1:
+    os._exit(3)  # a peer dies with rank 0's write in flight
+rt.barrier()  # rank 0 blocks in a collective on the dead peer till the agent stops it
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_dying_mid_write_stops_rank_0_only_once_its_checkpoint_is_written(tmp_path):
+    script = tmp_path / "peer_dies.py"
+    script.write_text(PEER_DIES)
+    ckpts = tmp_path / "ckpts"
+    result = ddpkit_cli("run", "-n", "2", "--max-restarts", "0", str(script), str(ckpts), timeout=100)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "write starts" in result.stdout, result.stderr[-3000:]
+    written = checkpoint.latest(ckpts)
+    assert written is not None and written.name == "ckpt-step00000001.pt", (sorted(os.listdir(ckpts)), result.stderr)
+    assert checkpoint.read(written)["ddpkit"]["step"] == 1  # whole: its checksum holds
+
+
+def test_sigterm_is_held_only_under_an_agent_and_only_where_it_has_no_handler(monkeypatch):
+    assert not background.hold_term({})  # python or srun: SIGTERM is a preemption notice there
+    import signal as signals
+
+    previous = signals.signal(signals.SIGTERM, lambda *_: None)
+    try:
+        assert not background.hold_term({"TORCHELASTIC_RUN_ID": "x"})  # the script's own handler stays
+    finally:
+        signals.signal(signals.SIGTERM, previous)

@@ -13,13 +13,21 @@ too: the thread is not a daemon), a preemption's save (written before the exit w
 the trackers' rows, released only once a durable checkpoint covers them. A write that failed
 (a full disk) is reported in one line by the next save on every rank, or by ``close``; the
 previous checkpoint stays, as the failed one never got its name.
+
+Under an elastic agent SIGTERM means "stop now" (a peer failed, and torch's agent stops the
+survivors, killing them 30 s later if still there). :func:`hold_term` makes that SIGTERM wait for
+the write in flight, then end the process as the signal would, so a peer's death mid-write costs
+no checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import errno
 import os
+import select
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -173,6 +181,14 @@ class Writer:
         self._thread = threading.Thread(target=run, name="ddpkit-checkpoint-writer", daemon=False)
         self._thread.start()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the write in flight without taking its outcome (any thread);
+        True once none is running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return not self.busy()
+
     def wait(self) -> Done | None:
         """Wait for the write in flight; its outcome (None when there was none since the last wait)."""
         thread, self._thread = self._thread, None
@@ -189,4 +205,71 @@ class Writer:
 WRITER = Writer()
 """This process's writer (rank 0 writes; a process has one run at a time)."""
 
-__all__ = ["WRITER", "Done", "Writer", "nbytes", "snapshot"]
+TERM_GRACE_S = 20.0
+"""How long a "stop now" SIGTERM waits for the write in flight: within the 30 s torch's agent
+gives its workers before it kills them."""
+
+_held: list[int] = []
+
+
+def hold_term(environ: Mapping[str, str] | None = None) -> bool:
+    """Under an elastic agent, make SIGTERM wait for :data:`WRITER`'s write in flight (at most
+    :data:`TERM_GRACE_S`), then end this process by SIGTERM as before. True where it is held.
+
+    Called on the main thread by a background save, once per process. The main thread may be
+    blocked in a collective on a dead peer, where a Python handler would never run, so a thread of
+    its own reads the signal from Python's wakeup fd and acts. Left alone: a process not under an
+    agent (there SIGTERM is a preemption notice, handled by ``ddpkit.distributed.preemption``),
+    one whose SIGTERM has a handler already, or one that set a wakeup fd of its own (asyncio).
+    """
+    environ = os.environ if environ is None else environ
+    if _held:
+        return True
+    if "TORCHELASTIC_RUN_ID" not in environ or threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return False
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's: give it back
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return False
+    signal.signal(signal.SIGTERM, _noted)
+    _held.extend((read_fd, write_fd))
+    threading.Thread(target=_watch_term, args=(read_fd,), name="ddpkit-sigterm-after-write", daemon=True).start()
+    return True
+
+
+def _noted(signum: int, frame: Any) -> None:
+    """SIGTERM's Python handler: nothing here; :func:`_watch_term` acts on any thread's behalf."""
+
+
+def _watch_term(read_fd: int) -> None:
+    """Read the signals Python's handler noted; on SIGTERM wait for the write, then die by it."""
+    while True:
+        select.select([read_fd], [], [])
+        try:
+            numbers = os.read(read_fd, 64)
+        except BlockingIOError:
+            continue
+        if int(signal.SIGTERM) in numbers and signal.getsignal(signal.SIGTERM) is _noted:  # else the script's own
+            WRITER.join(TERM_GRACE_S)
+            _die_by(signal.SIGTERM)
+
+
+def _die_by(signum: int) -> None:
+    """End this process by ``signum``'s default action (from any thread: ``signal.signal`` is the
+    main thread's only, the C library's ``signal`` is not)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(int(signum), None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(5)
+    os._exit(128 + int(signum))  # the signal was blocked on this thread's mask: end as it would
+
+
+__all__ = ["TERM_GRACE_S", "WRITER", "Done", "Writer", "hold_term", "nbytes", "snapshot"]

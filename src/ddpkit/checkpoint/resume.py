@@ -147,6 +147,7 @@ def save(
             store_sync.share_outcome(meeting_point, f"could not copy checkpoint {target}: {exc}", peers.timeout_s)
             raise
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
+        background.hold_term()  # a peer's death now waits for this write before the agent's SIGTERM ends us
         background.WRITER.submit(str(target), lambda: write(copied), held_bytes=background.nbytes(copied), data=copied)
         return target
     try:
