@@ -328,3 +328,28 @@ def test_fsdp_resumed_on_the_same_world_size_is_bitwise(tmp_path):
     assert stopped["stopped"] == 17 and resumed["steps"] == full["steps"] == 27
     for key in full["weights"]:
         assert torch.equal(resumed["weights"][key], full["weights"][key]), key
+
+
+@pytest.mark.timeout(180)
+def test_a_background_fsdp_save_returns_before_its_seal_and_holds_the_state_of_its_step(tmp_path):
+    from ddpkit.checkpoint import dcp
+    from helpers import ddpkit as ddpkit_cli
+
+    script = str(Path(__file__).parent / "scripts" / "fsdp_background_save.py")
+    result = ddpkit_cli("run", "-n", "2", script, str(tmp_path), timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("returned before the seal: True") == 2, result.stdout  # DCP's async_save
+    blocking = dcp.read_consolidated(tmp_path / "blocking" / "ckpt-step00000002")
+    background = dcp.read_consolidated(tmp_path / "background" / "ckpt-step00000002")
+    assert background["ddpkit"]["step"] == 2
+    for entry in ("model", "opt"):
+        flat_b, flat_g = _flat(blocking["user"][entry]), _flat(background["user"][entry])
+        assert flat_b.keys() == flat_g.keys() and flat_b
+        for key, value in flat_b.items():  # the step's state, though three steps ran during the write
+            assert torch.equal(value, flat_g[key]) if isinstance(value, torch.Tensor) else value == flat_g[key], key
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}/").items()}
+    return {prefix: tree}

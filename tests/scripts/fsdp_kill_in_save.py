@@ -1,7 +1,7 @@
 """Train under strategy='fsdp', saving every step; killed inside the save of step ``argv[2]``
 (argv[1]: the checkpoint directory). In a world of one, just before the step directory is renamed
-into place; under ``ddpkit run -n N``, the last rank dies right after writing its shards, while
-rank 0 waits to commit. It resumes from checkpoint_dir (resume='auto') and prints the step it resumed at."""
+into place (by the writer thread: saves are in the background); under ``ddpkit run -n N``, with
+blocking saves, the last rank dies right after writing its shards, while rank 0 waits to commit. It resumes from checkpoint_dir (resume='auto') and prints the step it resumed at."""
 
 import os
 import signal
@@ -44,4 +44,4 @@ for _ in range(4):
     loss = model(torch.randn(8, 4)).pow(2).mean()
     rt.backward(loss)
     rt.step(opt)
-    rt.save(directory, state)
+    rt.save(directory, state, blocking=rt.world_size > 1)

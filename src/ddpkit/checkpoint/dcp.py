@@ -24,7 +24,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -89,35 +89,111 @@ def save(target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, 
     """
     import torch.distributed.checkpoint as dcp
 
+    tmp = _begin(target, token)
+    dcp.save(sharded_state(state), checkpoint_id=str(tmp))
+    collectives.barrier()
+    if collectives.rank() == 0:
+        _seal(tmp, target, own)
+
+
+def save_in_background(
+    target: Path, state: Mapping[str, Any], own: Mapping[str, Any] | None, token: str
+) -> tuple[Callable[[], None], int]:
+    """:func:`save` with DCP's own ``async_save``: every rank returns once DCP has staged its
+    shards in host memory; the writing is done by the returned function, which rank 0's ends by
+    sealing the step directory (``ddpkit.pt``, the manifest, the rename).
+
+    DCP's collectives in the background run on a gloo group of their own (:func:`_group`), never
+    on the default group the training loop uses. Rank 0's future ends only once every rank's
+    shards are written and DCP's metadata with them, so the seal needs no further meeting.
+
+    Returns:
+        The function that finishes the write (for a background thread), and the bytes of the
+        staged copy it holds until then.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    tmp = _begin(target, token)
+    sharded = sharded_state(state)
+    held = sum(_local(t).numel() * _local(t).element_size() for t in _leaves(sharded))
+    saving = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=_group())
+    future: Any = getattr(saving, "upload_completion", saving)  # an AsyncSaveResponse where staging is async
+    main = collectives.rank() == 0
+
+    def finish() -> None:
+        future.result()
+        if main:
+            _seal(tmp, target, own)
+
+    return finish, held
+
+
+_GROUPS: dict[int, Any] = {}
+
+
+def _group() -> Any:
+    """The gloo group DCP's background collectives run on (one per default group, made on first use:
+    every rank makes it at the same save)."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS.clear()
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) state dict."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for value in obj.values() for t in _leaves(value)]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in _leaves(value)]
+    return []
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _begin(target: Path, token: str) -> Path:
+    """The temporary step directory, made by rank 0 before any rank writes into it."""
     tmp = temp_path(target, token)
     if collectives.rank() == 0:
         tmp.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
-    dcp.save(sharded_state(state), checkpoint_id=str(tmp))
-    collectives.barrier()
-    if collectives.rank() == 0:
-        with open(tmp / OWN, "wb") as handle:
-            torch.save(dict(own or {}), handle)
-        files = {}
-        for path in sorted(tmp.iterdir()):
-            fsync_file(path)
-            sha, size = digest(path)
-            files[path.name] = {"size": size, "sha256": sha}
-        manifest = {
-            "format": FORMAT,
-            "torch": torch.__version__,
-            "world_size": collectives.world_size(),
-            "files": files,
-        }
-        with open(tmp / MANIFEST, "w") as handle:
-            json.dump(manifest, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        fsync_dir(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
+    return tmp
+
+
+def _seal(tmp: Path, target: Path, own: Mapping[str, Any] | None) -> None:
+    """Rank 0, once every rank's shards are in ``tmp``: ``ddpkit.pt``, the manifest of every file's
+    size and SHA-256, fsyncs, and the rename of ``tmp`` to ``target`` (the checkpoint exists from here)."""
+    with open(tmp / OWN, "wb") as handle:
+        torch.save(dict(own or {}), handle)
+    files = {}
+    for path in sorted(tmp.iterdir()):
+        fsync_file(path)
+        sha, size = digest(path)
+        files[path.name] = {"size": size, "sha256": sha}
+    manifest = {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "world_size": collectives.world_size(),
+        "files": files,
+    }
+    with open(tmp / MANIFEST, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
 
 
 def prune(directory: Path, keep: int, token: str) -> None:

@@ -84,7 +84,7 @@ def save(
     """
     beat("save")
     if run.sharded():
-        return _save_sharded(run, peers, Path(path), state, keep)
+        return _save_sharded(run, peers, Path(path), state, keep, blocking)
     failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
     path = Path(path)
@@ -221,8 +221,9 @@ def _own_state(run: RunState, peers: Peers, rngs: list[Any]) -> dict[str, Any]:
     }
 
 
-def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, Any], keep: int) -> Path:
-    """A DCP checkpoint in a fresh step directory of ``path`` (see :mod:`ddpkit.checkpoint.dcp`)."""
+def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, Any], keep: int, blocking: bool) -> Path:
+    """A DCP checkpoint in a fresh step directory of ``path`` (see :mod:`ddpkit.checkpoint.dcp`);
+    not ``blocking``: DCP's ``async_save`` on every rank, sealed by rank 0's writer thread."""
     import uuid
 
     if path.suffix == ".pt":
@@ -235,10 +236,15 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
             "rt.save inside an accumulation group under strategy='fsdp' is not supported; "
             "save at the step that ends a group"
         )
+    failed = settle(run)  # every rank's shards of the previous save, and rank 0's seal
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
     target = checkpoint.step_dir(path, run.loop.step)
     rngs = collectives.all_gather_object(rng.rng_state())
-    token = collectives.broadcast_object(uuid.uuid4().hex[:12] if peers.is_main else None)
+    token, failed_on_0 = collectives.broadcast_object((uuid.uuid4().hex[:12], failed) if peers.is_main else None)
+    if failed_on_0 is not None or failed is not None:  # DCP raised the same on every rank; the seal is 0's
+        if peers.is_main:
+            store_sync.share_outcome(meeting_point, failed_on_0, peers.timeout_s)
+        raise DdpkitError(failed_on_0 or failed)
     own = None
     if peers.is_main:
         plain = {key: state[key] for key in dcp.plain_entries(state)}
@@ -248,15 +254,35 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
             "ddpkit_version": __version__,
             "strategy": "fsdp",
         }
-    try:
-        dcp.save(target, state, own, token)
+    step = run.loop.step
+
+    def seal_and_prune() -> None:
         if peers.is_main:
             dcp.prune(path, keep, token)
+        _saved_tracking(run, step)
+
+    try:
+        if blocking:
+            dcp.save(target, state, own, token)
+            seal_and_prune()
+        else:
+            if run.tracking is not None:
+                run.tracking.saving()
+            finish, held = dcp.save_in_background(
+                target, state, None if own is None else background.snapshot(own), token
+            )
     except Exception as exc:
         store_sync.share_outcome(
             meeting_point, f"could not write checkpoint {target}: {exc}" if peers.is_main else None, peers.timeout_s
         )
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
-    _saved_tracking(run, run.loop.step)
+    if not blocking:
+
+        def write() -> None:
+            finish()
+            seal_and_prune()
+
+        background.hold_term()
+        background.WRITER.submit(str(target), write, held_bytes=held, data={})
     return target
