@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import textwrap
 import threading
@@ -434,3 +435,33 @@ def test_sigterm_is_held_only_under_an_agent_and_only_where_it_has_no_handler(mo
         assert not background.hold_term({"TORCHELASTIC_RUN_ID": "x"})  # the script's own handler stays
     finally:
         signals.signal(signals.SIGTERM, previous)
+
+
+FORKED = """
+import os, signal, sys, time
+os.environ["TORCHELASTIC_RUN_ID"] = "test"
+from ddpkit.checkpoint import background
+assert background.hold_term()
+pid = os.fork()
+if pid == 0:  # the child: SIGTERM back to its default, the parent's pipe gone
+    ok = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+    os.write(1, b"child clean\\n" if ok else b"child held\\n")
+    time.sleep(30)
+    os._exit(0)
+time.sleep(1)
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+time.sleep(0.5)  # were the child's SIGTERM taken for the parent's, the watcher would end us here
+print("child ended by", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exit", "parent alive", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_does_not_inherit_the_hold_on_sigterm(tmp_path):
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    from helpers import python
+
+    result = python(str(script), timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert "child clean" in result.stdout and f"child ended by {int(signal.SIGTERM)} parent alive" in result.stdout

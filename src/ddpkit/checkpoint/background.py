@@ -22,6 +22,7 @@ no checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import errno
@@ -178,8 +179,9 @@ class Writer:
             self._done.held_bytes = held_bytes
 
         self._done, self._data, self.spare = None, data, None
-        self._thread = threading.Thread(target=run, name="ddpkit-checkpoint-writer", daemon=False)
-        self._thread.start()
+        thread = threading.Thread(target=run, name="ddpkit-checkpoint-writer", daemon=False)
+        thread.start()
+        self._thread = thread  # started first: join() from another thread never meets an unstarted one
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the write in flight without taking its outcome (any thread);
@@ -191,10 +193,11 @@ class Writer:
 
     def wait(self) -> Done | None:
         """Wait for the write in flight; its outcome (None when there was none since the last wait)."""
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is None:
             return None
         thread.join()
+        self._thread = None  # after the join: a SIGTERM meanwhile still sees the write in flight
         done, self._done = self._done, None
         self.spare, self._data = self._data, None
         if done is not None:
@@ -239,25 +242,56 @@ def hold_term(environ: Mapping[str, str] | None = None) -> bool:
         return False
     signal.signal(signal.SIGTERM, _noted)
     _held.extend((read_fd, write_fd))
+    if not _at_fork:
+        os.register_at_fork(after_in_child=_release_in_child)
+        _at_fork.append(True)
     threading.Thread(target=_watch_term, args=(read_fd,), name="ddpkit-sigterm-after-write", daemon=True).start()
     return True
 
 
+_at_fork: list[bool] = []
+
+
 def _noted(signum: int, frame: Any) -> None:
-    """SIGTERM's Python handler: nothing here; :func:`_watch_term` acts on any thread's behalf."""
+    """SIGTERM's Python handler, where the main thread runs Python: tells :func:`_watch_term` as the
+    wakeup fd does (in case something replaced that fd since)."""
+    if _held:
+        with contextlib.suppress(OSError):
+            os.write(_held[1], bytes([int(signal.SIGTERM)]))
 
 
 def _watch_term(read_fd: int) -> None:
-    """Read the signals Python's handler noted; on SIGTERM wait for the write, then die by it."""
-    while True:
-        select.select([read_fd], [], [])
-        try:
-            numbers = os.read(read_fd, 64)
-        except BlockingIOError:
-            continue
-        if int(signal.SIGTERM) in numbers and signal.getsignal(signal.SIGTERM) is _noted:  # else the script's own
-            WRITER.join(TERM_GRACE_S)
-            _die_by(signal.SIGTERM)
+    """Read the signals Python's handler noted; on SIGTERM wait for the write, then die by it.
+    Whatever goes wrong here ends the process as SIGTERM would, never leaves it deaf to SIGTERM."""
+    try:
+        while True:
+            select.select([read_fd], [], [])
+            try:
+                numbers = os.read(read_fd, 64)
+            except BlockingIOError:
+                continue
+            if int(signal.SIGTERM) in numbers and signal.getsignal(signal.SIGTERM) is _noted:  # else the script's own
+                WRITER.join(TERM_GRACE_S)
+                break
+    finally:
+        _die_by(signal.SIGTERM)
+
+
+def _release_in_child() -> None:
+    """After a fork: the child has the handler and the pipe but not the watcher; SIGTERM goes back
+    to its default there, and a SIGTERM to the child never reaches the parent's watcher."""
+    if not _held:
+        return
+    read_fd, write_fd = _held
+    _held.clear()
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+            if signal.getsignal(signal.SIGTERM) is _noted:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for fd in (read_fd, write_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _die_by(signum: int) -> None:

@@ -128,7 +128,8 @@ def save_in_background(
     return finish, held
 
 
-_GROUPS: dict[int, Any] = {}
+_GROUP: list[Any] = []
+"""The default group and the gloo group made for it."""
 
 
 def _group() -> Any:
@@ -136,11 +137,10 @@ def _group() -> Any:
     every rank makes it at the same save)."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
-    if key not in _GROUPS:
-        _GROUPS.clear()
-        _GROUPS[key] = dist.new_group(backend="gloo")
-    return _GROUPS[key]
+    world = dist.group.WORLD
+    if not _GROUP or _GROUP[0] is not world:  # a new default group (destroyed and made again)
+        _GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _GROUP[1]
 
 
 def _leaves(obj: Any) -> list[torch.Tensor]:

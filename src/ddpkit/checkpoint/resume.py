@@ -85,8 +85,9 @@ def save(
     beat("save")
     if run.sharded():
         return _save_sharded(run, peers, Path(path), state, keep, blocking)
-    failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
+    # after the meeting: a long write in flight on rank 0 is never taken for a rank that did not come
+    failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
     path = Path(path)
     target = target_of(path, run.loop.step)
     rotate = target != path
@@ -236,15 +237,16 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
             "rt.save inside an accumulation group under strategy='fsdp' is not supported; "
             "save at the step that ends a group"
         )
-    failed = settle(run)  # every rank's shards of the previous save, and rank 0's seal
     meeting_point = store_sync.all_arrive("save", peers.save_timeout)
+    failed = settle(run)  # every rank's shards of the previous save, and rank 0's seal (after the meeting)
     target = checkpoint.step_dir(path, run.loop.step)
     rngs = collectives.all_gather_object(rng.rng_state())
-    token, failed_on_0 = collectives.broadcast_object((uuid.uuid4().hex[:12], failed) if peers.is_main else None)
-    if failed_on_0 is not None or failed is not None:  # DCP raised the same on every rank; the seal is 0's
+    token = collectives.broadcast_object(uuid.uuid4().hex[:12] if peers.is_main else None)
+    failures = [f for f in collectives.all_gather_object(failed) if f is not None]
+    if failures:  # every rank stops here, whichever rank's write failed
         if peers.is_main:
-            store_sync.share_outcome(meeting_point, failed_on_0, peers.timeout_s)
-        raise DdpkitError(failed_on_0 or failed)
+            store_sync.share_outcome(meeting_point, failures[0], peers.timeout_s)
+        raise DdpkitError(failures[0])
     own = None
     if peers.is_main:
         plain = {key: state[key] for key in dcp.plain_entries(state)}
@@ -268,6 +270,7 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
         else:
             if run.tracking is not None:
                 run.tracking.saving()
+            background.hold_term()  # from here a peer's death waits for this write
             finish, held = dcp.save_in_background(
                 target, state, None if own is None else background.snapshot(own), token
             )
@@ -283,6 +286,5 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
             finish()
             seal_and_prune()
 
-        background.hold_term()
         background.WRITER.submit(str(target), write, held_bytes=held, data={})
     return target

@@ -40,7 +40,7 @@ def save(
     ``ddpkit predict`` only ever take a checkpoint whose bytes are all written and checked.
     ``blocking=True`` writes before returning, for a script that reads the file next; a save
     made because the job is preempted always does. A sharded (``strategy="fsdp"``)
-    checkpoint is written before returning.
+    checkpoint is written in the background too, by DCP's ``async_save`` on every rank.
 
     ``rt.save("model.pt", model)`` (a model, not a mapping) writes the model's weights alone,
     with plain names, as ``torch.save(model.state_dict(), path)`` does: what
