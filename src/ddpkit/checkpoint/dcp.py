@@ -107,6 +107,12 @@ def save_in_background(
     on the default group the training loop uses. Rank 0's future ends only once every rank's
     shards are written and DCP's metadata with them, so the seal needs no further meeting.
 
+    Args:
+        target: the step directory to write; one already there is replaced at the seal.
+        state: the user's objects by name; models and their optimizers go to DCP, sharded.
+        own: what ``ddpkit.pt`` holds, on rank 0 (a copy the loop no longer changes); None elsewhere.
+        token: the same on every rank: names the temporary directory ``.NAME.tmp-TOKEN``.
+
     Returns:
         The function that finishes the write (for a background thread), and the bytes of the
         staged copy it holds until then.
