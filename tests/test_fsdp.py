@@ -353,3 +353,35 @@ def _flat(tree, prefix=""):
     if isinstance(tree, dict):
         return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}/").items()}
     return {prefix: tree}
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_background_fsdp_write_fails_the_next_save_and_keeps_the_checkpoint_before(tmp_path, monkeypatch):
+    from ddpkit.checkpoint import background, dcp
+
+    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path)
+    net = fw.Net()
+    model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy="fsdp")
+    state = {"model": model, "opt": opt}
+
+    def step():
+        rt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        rt.step(opt)
+
+    step()
+    rt.checkpoint(state)  # step 1: written
+    step()
+    assert background.WRITER.join(60)  # step 1's seal is done before the disk "fills"
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "_seal", full)
+    rt.checkpoint(state)  # step 2: returns; its seal fails in the background
+    step()
+    with pytest.raises(
+        ddpkit.errors.DdpkitError, match=r"could not write checkpoint .*ckpt-step00000002 in the background"
+    ):
+        rt.checkpoint(state)
+    assert ddpkit.checkpoint.latest(tmp_path).name == "ckpt-step00000001"
+    rt.close()
