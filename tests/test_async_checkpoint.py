@@ -361,6 +361,8 @@ def test_the_checkpoint_bench_times_plain_blocking_and_background_saves(tmp_path
     weights_mb = report["model_mb"]
     assert 3 * weights_mb <= rows["background"]["held_mb"] < 3 * weights_mb + 1
     assert "| rt.save |" in (out / "checkpoints.md").read_text() and "| rt.save |" in done.stdout
+    background = next(line for line in done.stdout.splitlines() if line.startswith("| rt.save |"))
+    assert background.rstrip(" |").endswith(f"{rows['background']['wall_s']:.2f}")  # the whole cost shown too
 
 
 def test_the_rows_a_background_checkpoint_covers_reach_the_tracker_once_it_is_written(tmp_path, monkeypatch):
