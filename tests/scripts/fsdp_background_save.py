@@ -35,8 +35,7 @@ def step():
 
 step()
 step()
-full = rt.full_state_dict(model)
-blocking = rt.save(os.path.join(directory, "blocking"), state, blocking=True)
+rt.save(os.path.join(directory, "blocking"), state, blocking=True)
 path = rt.save(os.path.join(directory, "background"), state)
 print("returned before the seal:", not path.exists(), flush=True)
 for _ in range(3):

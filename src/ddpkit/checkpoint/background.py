@@ -47,26 +47,26 @@ def snapshot(payload: Mapping[str, Any], spare: Mapping[str, Any] | None = None)
     snapshot of the same structure whose write is done, lends its tensors: copied into, not
     allocated again (a fresh 150 MB costs its page faults on every save).
     """
-    tensors = _tensors(payload)
-    lent = _tensors(spare) if spare is not None else []
+    found = tensors(payload)
+    lent = tensors(spare) if spare is not None else []
     memo: dict[int, Any] = {}
     storages = {t.untyped_storage().data_ptr() for t in lent}
     if (
-        len(lent) == len(tensors)
+        len(lent) == len(found)
         and len(storages) == len(lent)  # no two of them share memory: each copy lands apart
-        and all(_fits(t, s) for t, s in zip(tensors, lent))
+        and all(_fits(t, s) for t, s in zip(found, lent))
     ):
-        for tensor, into in zip(tensors, lent):
+        for tensor, into in zip(found, lent):
             if id(tensor) not in memo:
                 memo[id(tensor)] = into.copy_(tensor.detach())
     else:
-        for tensor in tensors:
+        for tensor in found:
             if id(tensor) not in memo and (tensor.device.type != "cpu" or tensor.requires_grad):
                 memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
     return copy.deepcopy(dict(payload), memo)
 
 
-def _tensors(payload: Any) -> list[torch.Tensor]:
+def tensors(payload: Any) -> list[torch.Tensor]:
     """The tensors of ``payload``, depth first in the containers' order (each object once)."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
@@ -101,7 +101,7 @@ def _fits(tensor: torch.Tensor, into: torch.Tensor) -> bool:
 
 def nbytes(payload: Any) -> int:
     """Bytes of tensor data in ``payload`` (each storage once): the host memory a snapshot holds."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(payload)}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors(payload)}
     return sum(storages.values())
 
 
@@ -213,6 +213,9 @@ TERM_GRACE_S = 20.0
 gives its workers before it kills them."""
 
 _held: list[int] = []
+"""The read and write ends of the pipe SIGTERM is noted in, once :func:`hold_term` held it."""
+_at_fork: list[bool] = []
+"""Whether :func:`_release_in_child` is registered to run after a fork."""
 
 
 def hold_term(environ: Mapping[str, str] | None = None) -> bool:
@@ -247,9 +250,6 @@ def hold_term(environ: Mapping[str, str] | None = None) -> bool:
         _at_fork.append(True)
     threading.Thread(target=_watch_term, args=(read_fd,), name="ddpkit-sigterm-after-write", daemon=True).start()
     return True
-
-
-_at_fork: list[bool] = []
 
 
 def _noted(signum: int, frame: Any) -> None:
@@ -306,4 +306,4 @@ def _die_by(signum: int) -> None:
     os._exit(128 + int(signum))  # the signal was blocked on this thread's mask: end as it would
 
 
-__all__ = ["TERM_GRACE_S", "WRITER", "Done", "Writer", "hold_term", "nbytes", "snapshot"]
+__all__ = ["TERM_GRACE_S", "WRITER", "Done", "Writer", "hold_term", "nbytes", "snapshot", "tensors"]

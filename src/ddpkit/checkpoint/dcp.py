@@ -32,7 +32,7 @@ import torch
 
 from ddpkit._files import digest, fsync_dir, fsync_file, temp_path
 from ddpkit._torch import unwrap
-from ddpkit.checkpoint import steps
+from ddpkit.checkpoint import background, steps
 from ddpkit.checkpoint.safe import reason, safe_load
 from ddpkit.distributed import collectives
 from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint
@@ -121,7 +121,7 @@ def save_in_background(
 
     tmp = _begin(target, token)
     sharded = sharded_state(state)
-    held = sum(_local(t).numel() * _local(t).element_size() for t in _leaves(sharded))
+    held = sum(_local(t).numel() * _local(t).element_size() for t in background.tensors(sharded))
     saving = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=_group())
     future: Any = getattr(saving, "upload_completion", saving)  # an AsyncSaveResponse where staging is async
     main = collectives.rank() == 0
@@ -147,17 +147,6 @@ def _group() -> Any:
     if not _GROUP or _GROUP[0] is not world:  # a new default group (destroyed and made again)
         _GROUP[:] = [world, dist.new_group(backend="gloo")]
     return _GROUP[1]
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors of a (nested) state dict."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for value in obj.values() for t in _leaves(value)]
-    if isinstance(obj, (list, tuple)):
-        return [t for value in obj for t in _leaves(value)]
-    return []
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
