@@ -156,7 +156,6 @@ def test_loops_that_would_break_exactness_are_refused_in_one_line():
         ({"strategy": "fsdp"}, "strategy='fsdp'"),
         ({"sync": "diloco"}, "sync='diloco'"),
         ({"ddp_kwargs": {"find_unused_parameters": True}}, "DDP arguments"),
-        ({"fault_tolerant": True}, "--fault-tolerant"),
         ({"micro_shards": 0}, "at least 1"),
         ({"micro_shards": 6}, "must be a power of two .* got 6; use 4 or 8"),
     ],
@@ -542,3 +541,55 @@ def test_a_shards_stream_with_accumulation_ends_at_the_same_bits_on_one_two_and_
     runs = [ddpkit.launch(workers.exact_stream_run, nprocs=n, args=("shards", 4, 256, False, 2))[0] for n in (1, 2, 4)]
     assert [r["steps"] for r in runs] == [2 * 4] * 3  # 7 batches a pass, in groups of 2, 2, 2, 1
     assert _same(runs[0]["state"], runs[1]["state"]) == [] and _same(runs[0]["state"], runs[2]["state"]) == []
+
+
+def test_a_subtree_travels_as_raw_bits_that_a_sum_with_other_replicas_zero_rows_keeps():
+    from ddpkit.parallel.exact import _Layout
+
+    params = [torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(())]
+    layout = _Layout(params)
+    cpu = torch.device("cpu")
+    grads = [torch.tensor([-0.0, float("nan"), 1e-40]), None, torch.tensor(-2.5)]
+    summed = layout.pack(grads, cpu) + layout.pack(None, cpu) + layout.pack([None, None, None], cpu)
+    back = layout.unpack(summed)
+    assert back is not None and back[1] is None
+    for got, want in ((back[0], grads[0]), (back[2], grads[2])):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))  # -0.0 and NaN too
+    half = [None, torch.tensor([1.5, -0.0, 3.0], dtype=torch.bfloat16), None]  # 6 bytes in an 8-byte slot
+    assert torch.equal(layout.unpack(layout.pack(half, cpu))[1].view(torch.int16), half[1].view(torch.int16))
+    assert layout.unpack(layout.pack(None, cpu)) is None
+
+
+@pytest.mark.parametrize("micro_shards", [1, 4, 8])
+def test_each_quorum_size_computes_every_shard_once_in_whole_subtrees_of_the_one_process_tree(micro_shards):
+    from types import SimpleNamespace
+
+    from ddpkit.parallel.exact import Exact
+
+    net = torch.nn.Linear(2, 2)
+    for participants in range(1, 7):
+        quorum = SimpleNamespace(rank=0, participants=participants)
+        exact = Exact(
+            net,
+            None,
+            micro_shards=micro_shards,
+            world_size=1,
+            rank=0,
+            seed=0,
+            device=torch.device("cpu"),
+            quorum=quorum,
+        )
+        subtrees = exact._subtrees()
+        assert subtrees & (subtrees - 1) == 0 and micro_shards % subtrees == 0
+        assert subtrees >= min(participants, micro_shards)  # every replica has work while there is some
+        owners = {}
+        for rank in range(participants):
+            quorum.rank = rank
+            for s in range(micro_shards):
+                if exact._computes(s):
+                    assert s not in owners
+                    owners[s] = rank
+        assert sorted(owners) == list(range(micro_shards))
+        for k in range(subtrees):  # a subtree (shards k, k + K, ...) is one replica's
+            assert len({owners[s] for s in range(k, micro_shards, subtrees)}) == 1

@@ -185,6 +185,51 @@ def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
     assert all(abs(row["correct"] - one[row["epoch"]]) <= 1 for row in evals)
 
 
+@pytest.fixture(scope="module")
+def reference_shards(tmp_path_factory) -> Path:
+    """One epoch with ``micro_shards=4`` in one plain process: the bits a fault-tolerant run with them ends at."""
+    out = tmp_path_factory.mktemp("single-shards")
+    _train(out, str(BIN / "python"), epochs=1, extra=("--micro-shards", "4"))
+    return out
+
+
+def _same_bits(a: Path, b: Path) -> list[str]:
+    """The tensors of two runs' ``weights.pt`` that differ in any bit (running statistics included)."""
+    left, right = _weights(a), _weights(b)
+    assert left.keys() == right.keys()
+    return [
+        k
+        for k in left
+        if left[k].dtype != right[k].dtype
+        or not torch.equal(left[k].view(-1).view(torch.uint8), right[k].view(-1).view(torch.uint8))
+    ]
+
+
+def _each_shard_once(events: list[dict]) -> collections.Counter:
+    """Every committed step's 4 shards were computed once over the replicas in it; how many replicas each step had."""
+    shards: collections.Counter = collections.Counter()
+    replicas: collections.Counter = collections.Counter()
+    for row in events:
+        if row["kind"] == "step":
+            shards[row["step"]] += row["shards"]
+            replicas[row["step"]] += 1
+    assert set(shards.values()) == {4}, shards
+    return collections.Counter(replicas.values())
+
+
+@pytest.mark.timeout(300)
+def test_replicas_with_micro_shards_end_at_one_processs_bits_through_a_redone_step(reference_shards, tmp_path):
+    """3 replicas share 4 shards (a quorum of 3 cuts the tree into 4 subtrees; one replica computes
+    two), step 5 is redone, and the run ends bit for bit where one process with micro_shards=4 does."""
+    out = tmp_path / "three"
+    _replicas(out, 3, epochs=1, extra=("--micro-shards", "4", "--fail-once", "5"))
+    assert _same_bits(reference_shards, out) == []
+    events = _events(out)
+    assert any(row["kind"] == "redo" for row in events)
+    quorums = _each_shard_once(events)
+    assert quorums[3] > 0, quorums  # steps the three shared
+
+
 def _kill_run(reference: Path, out: Path, kills: dict[int, int], note: str) -> list[dict]:
     args = [item for replica, step in kills.items() for item in ("--kill", f"{replica}:{step}")]
     # steps of 0.3 s more: a restarted replica (5-10 s on a busy machine) comes back before the end
@@ -229,6 +274,28 @@ def test_a_replica_killed_mid_epoch_heals_and_the_run_ends_as_if_it_had_not(refe
     two = tmp_path / "two"
     _replicas(two, 2)
     assert _rel_diff(_weights(two), _weights(tmp_path / "killed")) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_replica_killed_mid_epoch_with_micro_shards_the_survivors_compute_its_shards_at_the_same_bits(
+    reference_shards, tmp_path, request
+):
+    seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    draw = random.Random(seed)
+    replica, step = draw.randrange(3), draw.randrange(2, 8)  # early: it comes back (5-10 s) before the end
+    note = f"{request.node.name}: replica {replica} killed after step {step}; replay with DDPKIT_TEST_SEED={seed}"
+    print(note)
+    out = tmp_path / "killed"
+    extra = ("--micro-shards", "4", "--kill", f"{replica}:{step}", "--step-sleep", "0.3")
+    _replicas(out, 3, epochs=1, extra=extra, restarts=1, timeout=300)
+    assert _same_bits(reference_shards, out) == [], note
+    events = _events(out)
+    quorums = _each_shard_once(events)
+    # it came back and healed from a peer; before that, the two survivors computed its shards
+    back = [row for row in events if row["replica"] == replica and row["attempt"] == 1]
+    assert back and back[0]["kind"] == "start" and back[0]["healed"], note
+    assert quorums[2] > 0 and quorums[3] > 0, (quorums, note)
 
 
 @pytest.mark.slow

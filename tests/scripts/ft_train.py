@@ -3,6 +3,7 @@
     ddpkit run --fault-tolerant -n 3 --max-restarts 1 tests/scripts/ft_train.py --out DIR \
         [--kill 2:17] [--kill 0:30]
 
+``--micro-shards M``: the run of ``rt.setup(micro_shards=M)``, which ends at one process's bits.
 ``--kill R:S``: replica R SIGKILLs itself right after committing step S (or the first it commits
 after S, when it joined later), in its first attempt.
 Every replica appends to ``DIR/events-R.jsonl`` one line per committed step (its attempt, the
@@ -41,6 +42,7 @@ def main() -> None:
         default=None,
         help="every replica reports an error to torchft in step S, once: the step is redone",
     )
+    parser.add_argument("--micro-shards", type=int, default=None, help="rt.setup(micro_shards=M): the same bits")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a longer run)")
     args = parser.parse_args()
     kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
@@ -57,7 +59,7 @@ def main() -> None:
         "convnet", num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer = rt.setup(model, optimizer)
+    model, optimizer = rt.setup(model, optimizer, micro_shards=args.micro_shards)
     loader = rt.loader(info.dataset, global_batch_size=args.batch, shuffle=True)
     state = {"model": model, "optimizer": optimizer}
     rt.resume(state)
@@ -75,15 +77,27 @@ def main() -> None:
                 healed = rt._run.world.quorum is not None and rt._run.world.quorum.healed
                 event(kind="start", step=rt.global_step, healed=healed, source=rt._run.loop.resumed_from)
             time.sleep(args.step_sleep)
-            loss = F.cross_entropy(model(images), labels)
-            rt.backward(loss)
+            shards = 0
+            if args.micro_shards:  # the shards this replica computes in this step's quorum
+                for shard_images, shard_labels in rt.shards(images, labels):
+                    rt.backward(F.cross_entropy(model(shard_images), shard_labels))
+                    shards += 1
+            else:
+                rt.backward(F.cross_entropy(model(images), labels))
             if args.fail_once is not None and rt.global_step + 1 == args.fail_once and not failed:
                 failed = True  # as if a collective of this step had failed
                 rt._run.world.quorum.manager.report_error(RuntimeError("injected by ft_train.py"))
             if not rt.step(optimizer):
                 event(kind="redo", step=rt.global_step)
                 continue
-            event(kind="step", step=rt.global_step, epoch=rt.epoch, local=loader.local_count, total=loader.global_count)
+            event(
+                kind="step",
+                step=rt.global_step,
+                epoch=rt.epoch,
+                local=loader.local_count,
+                total=loader.global_count,
+                shards=shards,
+            )
             if attempt == 0 and replica in kills and rt.global_step >= kills[replica]:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.checkpoint_every and rt.global_step % args.checkpoint_every == 0:

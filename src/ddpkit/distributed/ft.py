@@ -239,6 +239,9 @@ class Replica:
         """Called once, after the first quorum, with whether a peer's state healed this replica."""
         self.rank: int = 0
         self.participants: int = 1
+        self.whole_batches = False
+        """Each replica reads the step's whole global batch (micro-shards, shared out by the quorum),
+        rather than its part of it."""
         self._in_quorum = False
 
     @property

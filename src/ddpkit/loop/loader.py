@@ -255,6 +255,8 @@ class QuorumLoader(ShardedLoader):
                 if self.position >= len(self):
                     break
                 batch = self._global_batch(self.position)
+                if self.replica.whole_batches:  # micro-shards: the quorum shares the shards, not the samples
+                    rank, world = 0, 1
                 self.sampler.rank, self.sampler.world_size = rank, world
                 local = batch[rank::world]
                 samples = self._collate([self._keyed[(self.epoch, index)] for index in (local or batch[:1])])

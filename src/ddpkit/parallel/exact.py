@@ -30,8 +30,11 @@ the group's batches in order before the tree, and weighs each shard by the group
 ``rt.loader`` are cut like map-style batches (a ``ddpkit.Shards`` stream's ranks read contiguous
 columns, so its shards lie end to end and sum along :func:`tree_sum_halves`). Refused with it, in
 one line each that says why and what instead: SyncBatchNorm, gradient compression, fsdp,
-infrequent syncs, DDP arguments, a fault-tolerant job, and a world size that is not a power of two
-dividing M.
+infrequent syncs, DDP arguments, and a world size that is not a power of two dividing M.
+
+**A fault-tolerant job** (``ddpkit run --fault-tolerant``, each replica one process): each step's
+quorum shares the shards out by subtrees of the one-process tree (:meth:`Exact._share`), so the
+survivors compute a dead replica's shards and a healed one takes its share back, at the same bits.
 
 **The exchange** (:mod:`ddpkit.parallel.exact_exchange`): recursive halving then doubling along the
 tree's top, which moves what a ring allreduce moves, in buckets sent while the last shard's
@@ -57,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,8 +96,12 @@ class Exact:
         rank: int,
         seed: int | None,
         device: torch.device,
+        quorum: Any = None,
     ) -> None:
         self.micro_shards, self.world_size, self.rank = micro_shards, world_size, rank
+        self.quorum = quorum
+        """A fault-tolerant replica's :class:`~ddpkit.distributed.ft.Replica` (None: the shards are the
+        process group's): each step's quorum shares the shards (:meth:`_share`)."""
         self.local_shards = micro_shards // world_size
         self.seed, self.device = seed, device
         params = list(model.parameters())
@@ -175,10 +182,23 @@ class Exact:
             sizes = [max(0, min(total, (s + 1) * rows) - s * rows) for s in range(self.micro_shards)]
         else:
             sizes = [len(range(s, total, self.micro_shards)) for s in range(self.micro_shards)]
-        mine = [j for j in range(self.local_shards) if sizes[self._global(j)]]
+        mine = [j for j in range(self.local_shards) if sizes[self._global(j)] and self._computes(self._global(j))]
         self.expected, self.done, self.batch_count, self.cut = mine, set(), total, True
         self.batches += 1
         return self._each(mine, sizes, step, self.batches - 1, batch, rows)
+
+    def _subtrees(self) -> int:
+        """How many subtrees a fault-tolerant step's quorum shares out: the least power of two that gives every
+        replica in it one (at most M), so each is a node of the one-process tree."""
+        participants = self.quorum.participants if self.quorum is not None else 1
+        return min(self.micro_shards, 1 << (max(1, participants) - 1).bit_length())
+
+    def _computes(self, s: int) -> bool:
+        """Whether this process computes global shard ``s`` (a fault-tolerant replica: the shards of its
+        subtrees in this step's quorum, those of a dead replica included; otherwise: its own)."""
+        if self.quorum is None:
+            return True
+        return (s % self._subtrees()) % max(1, self.quorum.participants) == self.quorum.rank
 
     def _global(self, j: int) -> int:
         """The global shard of this rank's local shard ``j``."""
@@ -308,7 +328,10 @@ class Exact:
             )
         # each batch's shard statistics, in the order the batches came
         stats = [[batch.get(j) for j in range(self.local_shards)] for batch in [*self.group_stats, self.stats]]
-        if self.exchange is None:  # one process: the whole tree is here
+        if self.quorum is not None:  # a fault-tolerant replica: the quorum's subtrees, summed at its top
+            total, gathered_stats = self._share(stats)
+            self._forget_step()
+        elif self.exchange is None:  # one process: the whole tree is here
             tree = tree_sum_halves if self.halves else tree_sum
             total = tree([self.leaves.get(j) for j in range(self.local_shards)], _add_grads)
             self._forget_step()
@@ -332,6 +355,56 @@ class Exact:
     def _forget_step(self) -> None:
         self.leaves, self.stats, self.group_stats, self.expected, self.done = {}, {}, [], [], set()
         self.cut, self.batches = False, 0
+
+    def _share(self, stats: list[list[Any]]) -> tuple[list[Any] | None, list[Any]]:
+        """A fault-tolerant step: each subtree's sum and each shard's statistics from the replica that
+        computed them, bit for bit, then the tree's top here: (the gradients, the statistics by shard).
+
+        The quorum changes from step to step and need not be a power of two (3 replicas of 4, one
+        dead), so its subtrees travel whole: each replica writes the raw bits of the subtrees it
+        computed into its rows of one int64 table, zero elsewhere, and the quorum sums the table.
+        Exactly one replica writes each row, so the sum is that replica's bits (``x + 0`` in integers
+        loses nothing, where ``-0.0 + 0.0`` in floats would). A failed sum shows at commit, which
+        drops the step."""
+        assert self.quorum is not None
+        subtrees, rank, participants = self._subtrees(), self.quorum.rank, max(1, self.quorum.participants)
+        layout = _Layout(self.params)
+        rows = []
+        for k in range(subtrees):
+            mine = k % participants == rank
+            part = (
+                tree_sum([self.leaves.get(s) for s in range(k, self.micro_shards, subtrees)], _add_grads)
+                if mine
+                else None
+            )
+            rows.append(layout.pack(part, self.device))
+        shard_stats = [stats[-1][s] if self._computes(s) else None for s in range(self.micro_shards)]
+        stat_rows = self._stat_bits(shard_stats)
+        table = torch.cat([*rows, stat_rows])
+        self.quorum.all_reduce_sum(table)
+        self.exchange_calls = 1
+        width = layout.width
+        parts = [layout.unpack(table[k * width : (k + 1) * width]) for k in range(subtrees)]
+        total = tree_sum(parts, _add_grads)
+        return total, self._stats_from_bits(table[subtrees * width :])
+
+    def _stat_bits(self, shard_stats: list[Any]) -> torch.Tensor:
+        """The shards' BatchNorm statistics as int64 bits: a flag and a float64 row a shard (nothing without BatchNorm)."""
+        if not self.norms:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        width = sum(1 + 2 * n.num_features for n in self.norms)
+        flags = torch.tensor([0.0 if s is None else 1.0 for s in shard_stats], dtype=torch.float64)
+        rows = [_pack(s, self.norms) if s is not None else torch.zeros(width, dtype=torch.float64) for s in shard_stats]
+        return torch.cat([flags, *rows]).view(torch.int64).to(self.device)
+
+    def _stats_from_bits(self, bits: torch.Tensor) -> list[Any]:
+        """What :meth:`_stat_bits` wrote, summed over the quorum: one process's view (rank 0, one batch)."""
+        if not self.norms:
+            return []
+        values = bits.cpu().view(torch.float64)
+        table = values[self.micro_shards :].view(self.micro_shards, -1)
+        shards = [None if values[s] == 0 else _unpack(table[s], self.norms) for s in range(self.micro_shards)]
+        return [[shards]]
 
     def _gather_stats(self, stats: list[list[Any]]) -> list[Any]:
         """Every rank's shard statistics, per batch (one all_gather of float64 rows; nothing without BatchNorm)."""
@@ -465,6 +538,7 @@ def setup(
     world_size: int,
     rank: int,
     seed: int | None,
+    quorum: Any = None,
 ) -> Exact:
     """Put ``model`` on ``device`` with rank 0's weights, fix the threads and cuDNN, and return its :class:`Exact`.
 
@@ -476,6 +550,7 @@ def setup(
         world_size: processes of the job (a power of two dividing M, checked by :func:`check`).
         rank: this process's rank.
         seed: the run's seed, which keys each shard's random stream (None: unseeded).
+        quorum: a fault-tolerant replica's :class:`~ddpkit.distributed.ft.Replica` (None: not one).
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads_for(micro_shards))
@@ -487,7 +562,14 @@ def setup(
     if world_size > 1:
         broadcast_from_rank0(model)
     exact = Exact(
-        model, optimizer, micro_shards=micro_shards, world_size=world_size, rank=rank, seed=seed, device=device
+        model,
+        optimizer,
+        micro_shards=micro_shards,
+        world_size=world_size,
+        rank=rank,
+        seed=seed,
+        device=device,
+        quorum=quorum,
     )
     exact.threads_before, exact.deterministic_before = previous, deterministic_before
     return exact
@@ -522,3 +604,36 @@ def no_deterministic_kernel(exc: BaseException) -> UsageError | None:
         f"micro_shards runs deterministic CUDA kernels only, and {found.group(1)} has none; train this model "
         "with micro_shards on the CPU, replace that op, or drop micro_shards"
     )
+
+
+class _Layout:
+    """The parameters' gradients as one int64 row of raw bits: a present flag a parameter, then each
+    gradient's bytes in 8-byte slots (any dtype travels unchanged, and a sum with zeros keeps it)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params
+        self.slots = [-(-(p.numel() * p.element_size()) // 8) for p in params]
+        self.starts = [len(params) + sum(self.slots[:i]) for i in range(len(params))]
+        self.width = len(params) + sum(self.slots)
+
+    def pack(self, grads: list[Any] | None, device: torch.device) -> torch.Tensor:
+        """``grads`` (one a parameter, None where absent; None: nothing) as a row."""
+        row = torch.zeros(self.width, dtype=torch.int64, device=device)
+        for i, grad in enumerate(grads or []):
+            if grad is None:
+                continue
+            row[i] = 1
+            raw = grad.detach().contiguous().reshape(-1).view(torch.uint8)
+            row[self.starts[i] : self.starts[i] + self.slots[i]].view(torch.uint8)[: raw.numel()] = raw
+        return row
+
+    def unpack(self, row: torch.Tensor) -> list[Any] | None:
+        """What :meth:`pack` wrote (None where every parameter is absent)."""
+        grads: list[Any] = []
+        for i, p in enumerate(self.params):
+            if int(row[i]) == 0:
+                grads.append(None)
+                continue
+            raw = row[self.starts[i] : self.starts[i] + self.slots[i]].view(torch.uint8)[: p.numel() * p.element_size()]
+            grads.append(raw.view(p.dtype).view(p.shape).clone())
+        return grads if any(g is not None for g in grads) else None

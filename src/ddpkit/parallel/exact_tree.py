@@ -27,7 +27,6 @@ def check(
     strategy: str,
     sync: str,
     ddp_kwargs: dict[str, Any],
-    fault_tolerant: bool = False,
 ) -> None:
     """Refuse, in one line, ``micro_shards`` that cannot be exact here (nothing when it is None).
 
@@ -36,12 +35,11 @@ def check(
         world_size: processes of the job.
         sync_batchnorm, grad_compression, strategy, sync, ddp_kwargs: ``rt.setup``'s other
             options, each refused where it is not its default (``compile`` and ``rt.accumulate`` combine).
-        fault_tolerant: whether this is a replica of a ``--fault-tolerant`` job.
 
     Raises:
         UsageError: M below 1 or not a power of two; a world size that is not a power of two dividing M; or an option
             the fixed tree cannot take (SyncBatchNorm, compression, fsdp, an infrequent sync,
-            DDP arguments, a fault-tolerant job).
+            DDP arguments). A fault-tolerant job combines: its quorum shares the shards (:mod:`ddpkit.parallel.exact`).
     """
     if micro_shards is None:
         return
@@ -89,12 +87,6 @@ def check(
             bool(ddp_kwargs),
             "no DDP wrapper is used",
             "drop them: the exchange buckets the gradients itself",
-        ),
-        (
-            "--fault-tolerant",
-            fault_tolerant,
-            "the shards of a lost replica would be split again over the survivors",
-            "run without it: a job restarted on another world size still ends at the same bits",
         ),
     ]
     for name, bad, why, instead in refused:

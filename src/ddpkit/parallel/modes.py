@@ -55,6 +55,10 @@ class Mode:
         """Another model being set up under this mode: refuse what it does not take, adapt the model."""
         return model
 
+    def take_micro_shards(self) -> None:
+        """The run's model trains with ``micro_shards``, whose fixed tree sums the gradients: a mode
+        that meets the processes hands that exchange over (a fault-tolerant job's quorum shares the shards)."""
+
     def refuse(self, call: str) -> None:
         """Raise a one-line :class:`UsageError` if ``call`` (``"rt.accumulate"``, ``"rt.all_reduce"``,
         ``"ddpkit.all_gather_object"``, ...) cannot run under this mode."""
@@ -232,7 +236,6 @@ class MicroShards(Mode):
 def check_combination(
     *,
     micro_shards: int | None,
-    fault_tolerant: bool,
     options: Any,
     world_size: int,
     model: torch.nn.Module,
@@ -243,7 +246,6 @@ def check_combination(
 
     Args:
         micro_shards: ``rt.setup``'s ``micro_shards`` (None: not asked).
-        fault_tolerant: the run is a replica of ``ddpkit run --fault-tolerant``.
         options: the other ``rt.setup`` options (:class:`~ddpkit.parallel.options.SetupOptions`).
         world_size: processes of the job.
         model: the model being set up (maybe compiled already).
@@ -268,7 +270,6 @@ def check_combination(
         strategy=options.strategy,
         sync=options.sync,
         ddp_kwargs=options.ddp_kwargs,
-        fault_tolerant=fault_tolerant,
     )
     if models_set_up:
         raise UsageError("rt.setup(micro_shards=...) is built for one model a run; this run set one up already")

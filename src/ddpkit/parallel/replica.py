@@ -35,6 +35,8 @@ class FaultTolerant(Mode):
         self.waiting_resume: tuple[Any, bool] | None = None
         """``rt.resume``'s (state, strict), done at the first quorum unless a peer's state heals this replica."""
         self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+        self.micro_shards = False
+        """The model trains with ``micro_shards``: its tree sums the gradients over the quorum, not :meth:`commit`."""
 
     @property
     def replica(self) -> int:
@@ -59,6 +61,12 @@ class FaultTolerant(Mode):
                     f"leave {name} at its default ({default!r})"
                 )
         return convert_over(model, self.manager)
+
+    def take_micro_shards(self) -> None:
+        """Each replica reads the step's whole global batch and computes the micro-shards the quorum
+        gives it (a dead replica's too); their fixed tree, not an average, makes the gradients."""
+        self.micro_shards = True
+        self.manager.whole_batches = True
 
     def refuse(self, call: str) -> None:
         """``rt.accumulate``, and the script's own collectives over ranks (a replica's quorum changes)."""
@@ -87,14 +95,8 @@ class FaultTolerant(Mode):
         over the next quorum."""
         if not self.manager.in_quorum():
             return True
-        for dtype in sorted({p.dtype for p in params}, key=str):
-            same = [p for p in params if p.dtype == dtype]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
-            self.manager.average(flat)
-            offset = 0
-            for p in same:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+        if not self.micro_shards:  # (micro-shards: their tree summed them over the quorum already)
+            self._average(params)
         if self.manager.should_commit():
             return True
         for p in params:
@@ -108,6 +110,17 @@ class FaultTolerant(Mode):
         if active is not None:
             active.step_back()
         return False
+
+    def _average(self, params: Sequence[torch.Tensor]) -> None:
+        """The gradients averaged over the quorum, one flat allreduce a dtype."""
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            same = [p for p in params if p.dtype == dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+            self.manager.average(flat)
+            offset = 0
+            for p in same:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
 
     def is_main(self, rank: int) -> bool:
         """The replica ranked first in the latest step's quorum: exactly one live replica logs and saves."""

@@ -43,7 +43,6 @@ def adopt(
     options.check(model, device=device, backend=backend, precision=run.precision.name)
     modes.check_combination(
         micro_shards=micro_shards,
-        fault_tolerant=run.world.replica is not None,
         options=options,
         world_size=world_size,
         model=model,
@@ -60,8 +59,10 @@ def adopt(
                 world_size=world_size,
                 rank=rank,
                 seed=run.seed,
+                quorum=run.world.quorum,
             )
         )
+        run.world.take_micro_shards()
         model = options.compiled(model)  # after the shards' hooks are on its BatchNorm layers, which it traces
         index = run.adopt(model, optimizer, mode=mode)
     else:
