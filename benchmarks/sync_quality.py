@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"))
     parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
-    parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--outer-lr", type=float, default=None, help="default: 0.7 with --sync-every, 1.0 without")
+    parser.add_argument("--outer-momentum", type=float, default=None, help="default: 0.9 with --sync-every, 0 without")
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args(argv)
 
@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             break
     from ddpkit.parallel import periodic
 
-    if periodic.of(model) is not None:
-        periodic.of(model).flush()      # Streaming: what is still in flight joins the synced weights
+    syncer = periodic.of(model)
+    if syncer is not None:
+        syncer.finish()     # the loop left rt.epochs by break: the final exchange, what is in flight included
     if lm:
         logits = ddpkit.predict(model, torch.utils.data.TensorDataset(test.dataset.tokens[:, :-1]), to="all")
         result = {"val_loss": F.cross_entropy(logits, test.dataset.tokens[:, 1:]).item()}
@@ -83,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if rt.is_main:
         print(json.dumps({"model": opts.model, "world_size": rt.world_size, "steps": rt.global_step,
                           "samples": rt.global_step * opts.global_batch, "grad_compression": opts.grad_compression,
-                          "sync": opts.sync, "sync_every": opts.sync_every, "sync_dtype": opts.sync_dtype,
-                          "sync_fragments": opts.sync_fragments, "sync_delay": opts.sync_delay,
+                          "sync": opts.sync, "sync_every": syncer.every if syncer else None,
+                          "sync_decision": syncer.decision if syncer else None, "sync_dtype": opts.sync_dtype,
+                          "sync_fragments": opts.sync_fragments, "sync_delay": syncer.delay if syncer else 0,
                           "seed": opts.seed, **result}), flush=True)
     return 0
 

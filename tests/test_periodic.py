@@ -126,8 +126,8 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
     "kwargs, message",
     [
         ({"sync": "sometimes"}, "unknown sync 'sometimes'"),
-        ({"sync": "diloco"}, "sync='diloco' needs sync_every=H"),
-        ({"sync": "diloco", "sync_every": 0}, "sync='diloco' needs sync_every=H"),
+        ({"sync": "diloco", "sync_fragments": 2}, "without sync_every chooses the period and the overlap"),
+        ({"sync": "diloco", "sync_every": 0}, "sync_every=H is a whole number of optimizer steps of at least 1"),
         ({"sync_every": 5}, "give sync='diloco' or 'local-sgd'"),
         ({"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int8"}, "sync_dtype='int8': choose 'fp32' or 'bf16'"),
         ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
@@ -204,3 +204,77 @@ def test_flush_applies_the_exchange_still_in_flight():
         assert all(not torch.equal(b, syncer.synced[i]) for b, i in zip(before, first))
     finally:
         rt.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "sync, fragments, delay",
+    [("diloco", 1, 0), pytest.param("local-sgd", 2, 1, marks=pytest.mark.slow)],
+)
+def test_a_period_that_does_not_divide_the_run_ends_with_a_final_exchange(sync, fragments, delay):
+    """10 steps, a sync every 3: the last epoch's training pass ends with the exchange of step 10's
+    drift, so what the epoch evaluates and what the script keeps after the loop is every rank's
+    common model, not its own."""
+    runs = ddpkit.launch(workers.final_exchange_run, nprocs=2, args=(sync, 3, fragments, delay))
+    for rank, run in runs.items():
+        assert run["step"] == 10 and run["steps_into_period"] == 0 and run["pending"] == 0, rank
+        assert run["private_after_epoch_0"], "mid-run, each rank trains on its own weights"
+        assert _equal(run["after_pass"], run["synced_after_pass"]), rank  # at the common model already
+        assert _equal(run["after_epochs"], run["after_pass"]), "rt.epochs' end made no second exchange"
+        assert abs(run["evaluated"] - run["own_loss"]) < 1e-5  # evaluate saw the model the script holds
+    assert _equal(runs[0]["after_epochs"], runs[1]["after_epochs"])
+    # F=1: syncs at steps 3, 6, 9 and the final one. F=2, delay 1: fragments sent at steps 1, 3, 4, 6, 7,
+    # 9, 10 land a step later (6 by step 10); the final exchange lands step 10's and sends both fragments
+    assert runs[0]["syncs"] == {1: 4, 2: 9}[fragments]
+
+
+def test_the_period_chosen_from_the_link_is_the_shortest_that_hides_the_exchange():
+    from ddpkit.parallel.periodic_parts import MIN_EVERY, choose_period
+
+    def chosen(mbit: float, step_s: float = 0.1, nbytes: int = 4_000_000, world: int = 2) -> dict:
+        return choose_period(
+            step_s=step_s, exchange_bytes=nbytes, world=world, link_bytes_per_s=mbit * 1e6 / 8, latency_s=0.002
+        )
+
+    slow, fast = chosen(10), chosen(100)
+    for c in (slow, fast):
+        assert c["delay"] == c["every"] - 1  # sent at the period's end, applied before the next is sent
+        assert c["delay"] * c["step_s"] * 0.8 >= c["exchange_s"] > (c["delay"] - 1) * c["step_s"] * 0.8  # the least
+    assert slow["every"] > fast["every"] > MIN_EVERY
+    assert chosen(10, step_s=0.2)["every"] < slow["every"]  # a longer step hides more of the exchange
+    assert chosen(10, world=4)["every"] > slow["every"]  # a ring of 4 sends 1.5x the bytes of a ring of 2
+    assert chosen(1e6)["every"] == MIN_EVERY
+
+
+@pytest.mark.timeout(300)
+def test_without_sync_every_the_period_is_chosen_once_from_the_link_and_a_resume_keeps_it(tmp_path, capfd):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stopped = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 20, 9, str(ckpt), None))
+    decision = stopped[0]["decision"]
+    assert decision is not None and decision == stopped[1]["decision"]  # one choice, the same on every rank
+    assert stopped[0]["every"] == decision["every"] >= 2 and stopped[0]["delay"] == decision["delay"] >= 1
+    assert decision["exchange_bytes"] == 2 * sum(t.numel() for t in stopped[0]["synced"]) + 2 * 2 * 32  # bf16
+    printed = capfd.readouterr().err
+    assert printed.count("sync='diloco' chose sync_every=") == 1, printed[-3000:]
+    resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 20, None, str(ckpt), None))
+    for run in resumed.values():
+        assert run["step"] == 20 and run["decision"] == decision and run["every"] == decision["every"]
+        assert run["syncs"] > 0
+    assert "chose sync_every=" not in capfd.readouterr().err  # the resumed run decided nothing again
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--sync", "diloco"], "--sync diloco without --sync-every chooses its period in its first 6 steps"),
+        (["--sync", "diloco", "--sync-every", "0"], "--sync-every 0: give the optimizer steps between syncs"),
+        (["--sync", "diloco", "--warmup", "6", "--sync-delay", "2"], "give sync_every=H too"),
+    ],
+)
+def test_the_bench_refuses_a_period_it_could_not_time_in_one_line(flags, says):
+    from ddpkit.bench.flags import parse_settings
+
+    with pytest.raises(UsageError, match=says):
+        parse_settings(["--modes", "ddp", *flags])
+    assert parse_settings(["--modes", "ddp", "--sync", "diloco", "--warmup", "6"]).sync_every is None  # chosen

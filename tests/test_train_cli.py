@@ -127,7 +127,7 @@ BAD = [
     (["--grad-compression", "int8"], "unknown grad_compression 'int8'; choose none, fp16, bf16, powersgd"),
     (["--grad-compression", "powersgd", "--precision", "fp16"], "use precision='bf16'"),
     (["--model", "tiny-lm"], "ddpkit bench's language-model workload"),
-    (["--sync", "diloco"], "sync='diloco' needs --sync-every H"),
+    (["--sync", "diloco", "--sync-every", "0"], "--sync-every H is a whole number of optimizer steps of at least 1"),
 ]
 
 
@@ -155,7 +155,8 @@ def test_infrequent_sync_flags_are_checked_before_anything_runs(settings, messag
 
 @pytest.mark.slow  # 11 s: make test-slow; tests/test_periodic.py trains DiLoCo through rt.setup in make test
 @pytest.mark.timeout(120)
-def test_train_with_diloco_records_it_and_learns(tmp_path):
+@pytest.mark.parametrize("every", ["5", None])
+def test_train_with_diloco_records_it_and_learns(tmp_path, every):
     out = tmp_path / "run"
     result = ddpkit_cli(
         "train",
@@ -165,8 +166,7 @@ def test_train_with_diloco_records_it_and_learns(tmp_path):
         "2",
         "--sync",
         "diloco",
-        "--sync-every",
-        "5",
+        *(["--sync-every", every] if every else []),
         "--out",
         str(out),
         timeout=110,
@@ -174,12 +174,18 @@ def test_train_with_diloco_records_it_and_learns(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the result depends on the number of processes" in result.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["sync"], summary["sync_every"], summary["outer_lr"], summary["sync_bn"]) == (
+    decision = summary["sync_decision"]
+    chosen = decision["every"] if every is None else 5
+    # DiLoCo's outer step with the period given; an average at the short period a link chooses
+    outer = (0.7, 0.9) if every else (1.0, 0.0)
+    assert (summary["sync"], summary["sync_every"], summary["outer_lr"], summary["outer_momentum"]) == (
         "diloco",
-        5,
-        0.7,
-        False,
+        chosen,
+        *outer,
     )
+    assert summary["sync_bn"] is False
+    assert (decision is None) == (every is not None)
+    assert result.stderr.count("sync='diloco' chose sync_every=") == (every is None)  # said once, when chosen
     assert summary["test_accuracy"] >= 0.8  # it learns (chance: 0.1); how well, BENCHMARKS.md
 
 

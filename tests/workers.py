@@ -387,7 +387,7 @@ def periodic_run(
     total_steps: int,
     stop_at: int | None,
     checkpoint_dir: str,
-    every: int = 3,
+    every: int | None = 3,
     sync_dtype: str | None = None,
     accumulate: int = 1,
     fragments: int = 1,
@@ -436,6 +436,9 @@ def periodic_run(
                     "pending": len(periodic.of(model).pending),
                     "synced": [s.clone() for s in periodic.of(model).synced],
                     "local": [p.detach().clone() for p in model.parameters()],
+                    "every": periodic.of(model).every,
+                    "delay": periodic.of(model).delay,
+                    "decision": periodic.of(model).decision,
                 }
             if rt.global_step == total_steps:
                 done = True
@@ -459,6 +462,9 @@ def periodic_run(
         "sent_bytes": syncer.sent_bytes,
         "exported": rt.full_state_dict(model),
         "fragment0_elements": sum(syncer.params[i].numel() for i in syncer.fragments[0]),
+        "every": syncer.every,
+        "delay": syncer.delay,
+        "decision": syncer.decision,
     }
 
 
@@ -692,5 +698,48 @@ def exact_stream_run(
         "samples": seen,
         "compiled": hasattr(model, "_orig_mod"),
     }
+    rt.close()
+    return out
+
+
+def final_exchange_run(sync: str, every: int, fragments: int, delay: int) -> dict:
+    """Two epochs of 5 steps under an infrequent sync whose period does not divide them: this rank's
+    weights right after the last epoch's training pass (before anything else of the epoch) and after
+    ``rt.epochs``, the synced weights, the syncs made, and what ``ddpkit.evaluate`` saw."""
+    import torch
+    import torch.nn.functional as F
+
+    from ddpkit.parallel import periodic
+
+    rt = ddpkit.init(seed=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, optimizer = rt.setup(
+        model, optimizer, sync=sync, sync_every=every, sync_fragments=fragments, sync_delay=delay
+    )
+    loader = rt.loader(_NoisyToy(), global_batch_size=12, shuffle=True)
+    held_out = torch.Generator().manual_seed(7)  # the same on every rank
+    test = torch.utils.data.TensorDataset(
+        torch.randn(30, 64, generator=held_out), torch.randint(0, 10, (30,), generator=held_out)
+    )
+    syncer = periodic.of(model)
+    out: dict = {}
+    for epoch in rt.epochs(2):
+        for images, labels in loader:
+            rt.backward(F.cross_entropy(model(images), labels))
+            rt.step(optimizer)
+        if epoch == 0:
+            out["syncs_after_epoch_0"] = syncer.syncs
+            out["private_after_epoch_0"] = any(not torch.equal(p, s) for p, s in zip(model.parameters(), syncer.synced))
+        else:
+            out["after_pass"] = [p.detach().clone() for p in model.parameters()]
+            out["synced_after_pass"] = [s.clone() for s in syncer.synced]
+            out["evaluated"] = ddpkit.evaluate(model, test, num_classes=10)["loss"]
+            with torch.no_grad():
+                xs = torch.stack([x for x, _ in test])
+                out["own_loss"] = float(F.cross_entropy(model(xs), torch.stack([y for _, y in test])))
+    out["after_epochs"] = [p.detach().clone() for p in model.parameters()]
+    out["syncs"], out["steps_into_period"], out["pending"] = syncer.syncs, syncer.steps, len(syncer.pending)
+    out["step"] = rt.global_step
     rt.close()
     return out

@@ -10,7 +10,7 @@ from ddpkit._argparse import Parser
 from ddpkit.bench.plan import COMPRESSIONS, DATA, MODELS, MODES, BenchSettings
 from ddpkit.errors import UsageError
 from ddpkit.parallel.exact_tree import check
-from ddpkit.parallel.periodic_parts import SYNCS
+from ddpkit.parallel.periodic_parts import MEASURE_STEPS, SYNCS
 from ddpkit.parallel.periodic_parts import check as check_sync
 
 
@@ -110,7 +110,12 @@ def parser() -> argparse.ArgumentParser:
         "whose ranks meet every step, or train apart and meet every --sync-every steps, one row each "
         "(default every-step)",
     )
-    add("--sync-every", type=int, default=None, help="optimizer steps between the syncs of local-sgd and diloco")
+    add(
+        "--sync-every",
+        type=int,
+        default=None,
+        help="optimizer steps between the syncs of local-sgd and diloco (default: chosen from the link and the step)",
+    )
     add(
         "--sync-dtype",
         choices=("fp32", "bf16"),
@@ -285,9 +290,10 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
     unknown = [v for v in syncs_of_rows if v not in SYNCS]
     if unknown:
         raise UsageError(f"unknown sync {unknown[0]!r} in --sync; choose from {', '.join(SYNCS)}")
-    if set(syncs_of_rows) - {"every-step"} and (opts.sync_every is None or opts.sync_every < 1):
+    if opts.sync_every is not None and opts.sync_every < 1:
         raise UsageError(
-            "--sync local-sgd or diloco needs --sync-every H, the optimizer steps between syncs (1 or more)"
+            f"--sync-every {opts.sync_every}: give the optimizer steps between syncs (1 or more), or leave it "
+            "out to have the period chosen from the link"
         )
     if opts.sync_every is not None and not set(syncs_of_rows) - {"every-step"}:
         raise UsageError("--sync-every sets how often local-sgd or diloco meet; add --sync every-step,diloco")
@@ -295,7 +301,13 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
         raise UsageError(
             "--sync-fragments and --sync-delay stream the exchange of local-sgd or diloco; add --sync every-step,diloco"
         )
-    if opts.sync_every is not None:
+    if set(syncs_of_rows) - {"every-step"} and opts.sync_every is None and opts.warmup < MEASURE_STEPS + 1:
+        raise UsageError(
+            f"--sync {','.join(s for s in syncs_of_rows if s != 'every-step')} without --sync-every chooses its period "
+            f"in its first {MEASURE_STEPS + 1} steps; give --warmup {MEASURE_STEPS + 1} (or more) so the timed steps "
+            "run with it, or --sync-every H"
+        )
+    if set(syncs_of_rows) - {"every-step"}:
         check_sync(
             "diloco",
             every=opts.sync_every,

@@ -85,11 +85,10 @@ def run_loop(
     if config.sync_bn:
         args.append("--sync-bn")
     if config.sync != "every-step":
+        args += ["--sync-every", str(settings.sync_every)] if settings.sync_every is not None else []
         args += [
             "--sync",
             config.sync,
-            "--sync-every",
-            str(settings.sync_every),
             "--sync-fragments",
             str(settings.sync_fragments),
             "--sync-delay",

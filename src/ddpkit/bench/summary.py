@@ -70,6 +70,7 @@ def summarize(config: Configuration, result: Mapping[str, Any]) -> dict[str, Any
         "sync": result.get("sync", "every-step"),
         "grad_compression_auto": ranks[0].get("grad_compression_auto"),
         "sync_every": periodic["every"] if periodic else None,
+        "sync_decision": periodic.get("decision") if periodic else None,
         "sync_seconds": max(r["periodic"]["seconds_per_sync"] for r in ranks) if periodic else None,
         "step_seconds": median_step,
         "mean_step_seconds": statistics.fmean(world_steps),

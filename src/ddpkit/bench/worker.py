@@ -48,6 +48,7 @@ def _periodic_costs(syncer: Any) -> dict[str, Any]:
     whole = syncer.syncs / len(syncer.fragments)
     return {
         "every": syncer.every,
+        "decision": syncer.decision,  # how the period was chosen (None: --sync-every gave it)
         "syncs": syncer.syncs,
         "seconds_per_sync": syncer.sync_seconds / whole,
         "bytes_per_sync": syncer.sent_bytes / whole,

@@ -96,6 +96,10 @@ class Mode:
     def after_step(self) -> None:
         """An optimizer step was taken."""
 
+    def end_training(self) -> None:
+        """The run's training is over (its last epoch's training pass ran out, or ``rt.epochs`` ended):
+        leave the processes at one common model. Every process calls it at the same point."""
+
     def is_main(self, rank: int) -> bool:
         """Whether this process is the one that prints, logs and saves."""
         return rank == 0
@@ -169,6 +173,11 @@ class Periodic(Mode):
     def after_step(self) -> None:
         """The sync counts the step, and the ranks meet every H."""
         self.syncer.after_step()  # counts the step, and meets every H
+
+    def end_training(self) -> None:
+        """The final exchange: what every rank trained since its last sync, so the model after the
+        loop is the replicas' common one whatever step the run stopped at."""
+        self.syncer.finish()
 
     def state_dict(self) -> dict[str, Any] | None:
         """The sync's state: the last synced weights, the outer optimizer, the step in the period."""

@@ -72,11 +72,13 @@ class SetupOptions:
     ``sync_every`` optimizer steps (:mod:`ddpkit.parallel.periodic`; the result then depends on the
     world size)."""
     sync_every: int | None = None
-    """Optimizer steps between syncs (required by ``"local-sgd"`` and ``"diloco"``)."""
-    outer_lr: float = 0.7
-    """DiLoCo's outer learning rate."""
-    outer_momentum: float = 0.9
-    """DiLoCo's outer Nesterov momentum."""
+    """Optimizer steps between syncs of ``"local-sgd"`` and ``"diloco"`` (None: chosen from the link and the step)."""
+    outer_lr: float | None = None
+    """DiLoCo's outer learning rate (None: 0.7, DiLoCo's, with ``sync_every``; 1.0 where the period is
+    chosen from the link: at the short periods a link allows, DiLoCo's outer Nesterov step multiplies each
+    period's progress and diverges, where an average matches DDP)."""
+    outer_momentum: float | None = None
+    """DiLoCo's outer Nesterov momentum (None: 0.9 with ``sync_every``; 0 where the period is chosen from the link)."""
     sync_dtype: str | None = None
     """The infrequent sync's exchange of each rank's change: ``"bf16"`` (the default: half the bytes) or ``"fp32"``."""
     sync_fragments: int = 1

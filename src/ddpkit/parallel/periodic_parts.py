@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from ddpkit.errors import UsageError, warn
@@ -29,7 +32,7 @@ def check(
 
     Args:
         sync: ``"every-step"``, ``"local-sgd"`` or ``"diloco"``.
-        every: ``sync_every``, the optimizer steps between syncs.
+        every: ``sync_every``, the optimizer steps between syncs (None: chosen from the link, :func:`choose_period`).
         sync_dtype: the exchange's dtype (None or ``"fp32"``; ``"bf16"``).
         strategy: ``rt.setup``'s strategy: fsdp shards what each rank would train alone.
         grad_compression: per-step gradient compression: there is no per-step exchange to compress.
@@ -39,7 +42,7 @@ def check(
         delay: ``sync_delay``, the inner steps an exchange runs in the background.
 
     Raises:
-        UsageError: an unknown value, a missing or bad ``sync_every``, or a refused combination.
+        UsageError: an unknown value, a bad ``sync_every``, fragments or a delay without it, or a refused combination.
     """
     if sync not in SYNCS:
         raise UsageError(f"unknown sync {sync!r}; choose {', '.join(repr(s) for s in SYNCS)}")
@@ -50,13 +53,20 @@ def check(
                 "exchanges; give sync='diloco' or 'local-sgd'"
             )
         return
-    if every is None or isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise UsageError(
-            f"sync={sync!r} needs sync_every=H, a whole number of optimizer steps of at least 1 "
-            f"between syncs, got {every!r}"
+            f"sync={sync!r}: sync_every=H is a whole number of optimizer steps of at least 1 between syncs, "
+            f"got {every!r}; leave it out to have the period chosen from the link"
+        )
+    if every is None and (fragments != 1 or delay != 0):
+        raise UsageError(
+            f"sync={sync!r} without sync_every chooses the period and the overlap from the link; "
+            f"give sync_every=H too, or drop sync_fragments and sync_delay"
         )
     if sync_dtype not in _DTYPES:
         raise UsageError(f"sync_dtype={sync_dtype!r}: choose 'fp32' or 'bf16'")
+    if every is None:
+        every = 1 << 30  # chosen later: the checks below are of values given with it
     if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= every:
         raise UsageError(
             f"sync_fragments={fragments!r}: give a whole number from 1 to sync_every ({every}), the "
@@ -102,14 +112,68 @@ def _fragments(sizes: list[int], count: int) -> list[list[int]]:
     return out
 
 
-def announce(kind: str, every: int, is_main: bool) -> None:
+MEASURE_STEPS = 5
+"""Inner steps timed before the period is chosen (the first is set-up and not counted)."""
+MIN_EVERY = 2
+"""The shortest period chosen: a period of 1 is every-step DDP's exchange with an outer optimiser on top."""
+LINK_SHARE = 0.8
+"""The share of each period the exchange may keep the link busy: room for a step slower than measured."""
+
+
+def choose_period(
+    *, step_s: float, exchange_bytes: int, world: int, link_bytes_per_s: float | None, latency_s: float
+) -> dict[str, Any]:
+    """The shortest period whose exchange, run in the background, never holds up an inner step.
+
+    The exchange of a whole model's change (``exchange_bytes``, in the exchange's dtype) takes
+    ``bus bytes / link + latency`` seconds. It is sent at the period's end and applied ``delay``
+    inner steps later (Streaming DiLoCo's overlap), so ``delay`` is the exchange's time in steps and
+    the period one step more, the link busy at most :data:`LINK_SHARE` of it.
+
+    Args:
+        step_s: the slowest rank's inner step, in seconds.
+        exchange_bytes: one exchange of the whole model's change, in bytes.
+        world: processes of the job (a ring's bytes per rank grow with it).
+        link_bytes_per_s: what each rank sends per second (None: unmeasured, faster than the probe sees).
+        latency_s: one call's latency.
+
+    Returns:
+        ``every``, ``delay`` and ``fragments`` to train with, and the numbers behind them.
+
+    >>> choice = choose_period(step_s=0.1, exchange_bytes=2_000_000, world=2, link_bytes_per_s=1.25e6, latency_s=0.001)
+    >>> choice["every"], choice["delay"], choice["exchange_s"]
+    (22, 21, 1.601)
+    >>> choose_period(step_s=0.1, exchange_bytes=2_000_000, world=2, link_bytes_per_s=None, latency_s=0.0)["every"]
+    2
+    """
+    from ddpkit.distributed.probe import bus_bytes
+
+    moving = bus_bytes(exchange_bytes, world) / link_bytes_per_s if link_bytes_per_s else 0.0
+    exchange = moving + latency_s
+    steps = math.ceil(exchange / (LINK_SHARE * max(step_s, 1e-9))) if exchange > 0 else 0
+    delay = max(1, steps)
+    every = max(MIN_EVERY, delay + 1)
+    return {
+        "every": every,
+        "delay": delay,
+        "fragments": 1,
+        "exchange_s": round(exchange, 6),
+        "step_s": round(step_s, 6),
+        "exchange_bytes": int(exchange_bytes),
+        "link_bytes_per_s": link_bytes_per_s,
+        "latency_s": latency_s,
+    }
+
+
+def announce(kind: str, every: int | None, is_main: bool) -> None:
     """Say once that the run's result now depends on the world size."""
     if is_main:
+        period = f"every {every} steps" if every is not None else f"its period chosen after {MEASURE_STEPS + 1} steps"
         warn(
-            f"sync={kind!r} (every {every} steps): each rank takes its inner steps on its own share of the "
+            f"sync={kind!r} ({period}): each rank takes its inner steps on its own share of the "
             "global batch, so the result depends on the number of processes; evaluate, predict and "
             "checkpoints use the synced weights"
         )
 
 
-__all__ = ["SYNCS", "announce", "check"]
+__all__ = ["MEASURE_STEPS", "SYNCS", "announce", "check", "choose_period"]

@@ -82,14 +82,15 @@ def _train_apart(
         model,
         optimizer,
         kind=options.sync,
-        every=int(options.sync_every or 1),
+        every=options.sync_every,
         outer_lr=options.outer_lr,
         outer_momentum=options.outer_momentum,
         sync_dtype=options.sync_dtype,
         fragments=options.sync_fragments,
         delay=options.sync_delay,
     )
-    periodic_parts.announce(options.sync, syncer.every, is_main)
+    syncer.probe_link(device)  # sync_every left out: the link, timed now, chooses the period
+    periodic_parts.announce(options.sync, options.sync_every, is_main)
     return Wrapped(options.compiled(model), mode=Periodic(syncer))
 
 

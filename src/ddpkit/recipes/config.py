@@ -84,11 +84,13 @@ class TrainConfig:
     or diloco (an outer Nesterov step on the averaged change every --sync-every steps): for slow links;
     the result then depends on the number of processes (see ddpkit.parallel.periodic)."""
     sync_every: int | None = None
-    """Optimizer steps between syncs of --sync local-sgd or diloco (required by them)."""
-    outer_lr: float = 0.7
-    """DiLoCo's outer learning rate."""
-    outer_momentum: float = 0.9
-    """DiLoCo's outer Nesterov momentum."""
+    """Optimizer steps between syncs of --sync local-sgd or diloco (left out: chosen from the link and the step)."""
+    outer_lr: float | None = None
+    """DiLoCo's outer learning rate (None: 0.7, DiLoCo's, with ``sync_every``; 1.0 where the period is
+    chosen from the link: at the short periods a link allows, DiLoCo's outer Nesterov step multiplies each
+    period's progress and diverges, where an average matches DDP)."""
+    outer_momentum: float | None = None
+    """DiLoCo's outer Nesterov momentum (None: 0.9 with ``sync_every``; 0 where the period is chosen from the link)."""
     strategy: str = "ddp"
     """ddp (replicated) or fsdp (parameters, gradients and optimizer state sharded, see
     ddpkit.parallel.fsdp; its checkpoints are directories of shards that resume on any world size)."""

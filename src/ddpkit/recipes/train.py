@@ -22,6 +22,7 @@ from ddpkit._files import atomic_path
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.evaluate import evaluate
 from ddpkit.observe.progress import Progress
+from ddpkit.parallel import periodic as periodic_sync
 from ddpkit.recipes.config import TrainConfig
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 from ddpkit.recipes.models import build_model
@@ -186,6 +187,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     if not metrics:  # resumed after the last epoch: evaluate what was loaded
         metrics = _evaluate(rt, model, test_info, config)
+    syncer = periodic_sync.of(model)  # an infrequent sync: its period, chosen from the link where not given
+    outer = syncer.outer.param_groups[0] if syncer is not None and syncer.outer is not None else None
     summary = {
         "world_size": rt.world_size,
         "precision": config.precision,
@@ -201,9 +204,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "grad_compression": config.grad_compression or "none",
         "strategy": config.strategy,
         "sync": config.sync,
-        "sync_every": config.sync_every,
-        "outer_lr": config.outer_lr if config.sync == "diloco" else None,
-        "outer_momentum": config.outer_momentum if config.sync == "diloco" else None,
+        "sync_every": syncer.every if syncer is not None else config.sync_every,
+        "sync_decision": syncer.decision if syncer is not None else None,
+        "outer_lr": outer["lr"] if outer else None,
+        "outer_momentum": outer["momentum"] if outer else None,
         "cpu_offload": config.cpu_offload,
         "powersgd_rank": config.powersgd_rank if config.grad_compression in ("powersgd", "auto") else None,
         "grad_compression_auto": getattr(getattr(rt._run.entries[0].mode, "compressor", None), "decision", None)
