@@ -211,21 +211,27 @@ def test_flush_applies_the_exchange_still_in_flight():
     "sync, fragments, delay",
     [("diloco", 1, 0), pytest.param("local-sgd", 2, 1, marks=pytest.mark.slow)],
 )
-def test_a_period_that_does_not_divide_the_run_ends_with_a_final_exchange(sync, fragments, delay):
-    """10 steps, a sync every 3: the last epoch's training pass ends with the exchange of step 10's
-    drift, so what the epoch evaluates and what the script keeps after the loop is every rank's
-    common model, not its own."""
-    runs = ddpkit.launch(workers.final_exchange_run, nprocs=2, args=(sync, 3, fragments, delay))
+def test_a_period_that_does_not_divide_the_run_ends_with_a_final_exchange(tmp_path, sync, fragments, delay):
+    """10 steps, a sync every 3: the end of rt.epochs exchanges step 10's drift, so what the script
+    evaluates and keeps after the loop is every rank's common model, not its own; a run resumed from
+    a checkpoint saved after it makes no second exchange."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    runs = ddpkit.launch(workers.final_exchange_run, nprocs=2, args=(sync, 3, fragments, delay, str(ckpt)))
     for rank, run in runs.items():
         assert run["step"] == 10 and run["steps_into_period"] == 0 and run["pending"] == 0, rank
-        assert run["private_after_epoch_0"], "mid-run, each rank trains on its own weights"
-        assert _equal(run["after_pass"], run["synced_after_pass"]), rank  # at the common model already
-        assert _equal(run["after_epochs"], run["after_pass"]), "rt.epochs' end made no second exchange"
+        assert run["private_after_epoch_0"] and run["private_after_epoch_1"], "in the loop each rank has its own"
+        assert _equal(run["after_epochs"], run["synced"]), rank  # after it: the common model
         assert abs(run["evaluated"] - run["own_loss"]) < 1e-5  # evaluate saw the model the script holds
     assert _equal(runs[0]["after_epochs"], runs[1]["after_epochs"])
-    # F=1: syncs at steps 3, 6, 9 and the final one. F=2, delay 1: fragments sent at steps 1, 3, 4, 6, 7,
-    # 9, 10 land a step later (6 by step 10); the final exchange lands step 10's and sends both fragments
-    assert runs[0]["syncs"] == {1: 4, 2: 9}[fragments]
+    # F=1: syncs at steps 3, 6, 9 and the final one. F=2, delay 1: fragments sent at steps 1, 3, 4, 6,
+    # 7, 9, 10 land a step later (6 by step 10); the final exchange lands step 10's fragment 0 and sends
+    # fragment 1 (fragment 0 has not trained since step 10: no outer step on a zero change)
+    assert runs[0]["syncs"] == {1: 4, 2: 8}[fragments]
+    resumed = ddpkit.launch(workers.final_exchange_run, nprocs=2, args=(sync, 3, fragments, delay, str(ckpt)))
+    for rank, run in resumed.items():
+        assert run["syncs"] == run["syncs_at_start"] == runs[rank]["syncs"], rank  # nothing exchanged again
+        assert _equal(run["after_epochs"], runs[rank]["after_epochs"]), rank
 
 
 def test_the_period_chosen_from_the_link_is_the_shortest_that_hides_the_exchange():

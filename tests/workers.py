@@ -702,10 +702,13 @@ def exact_stream_run(
     return out
 
 
-def final_exchange_run(sync: str, every: int, fragments: int, delay: int) -> dict:
+def final_exchange_run(sync: str, every: int, fragments: int, delay: int, checkpoint_dir: str | None = None) -> dict:
     """Two epochs of 5 steps under an infrequent sync whose period does not divide them: this rank's
-    weights right after the last epoch's training pass (before anything else of the epoch) and after
-    ``rt.epochs``, the synced weights, the syncs made, and what ``ddpkit.evaluate`` saw."""
+    weights inside the last epoch after its training pass and after ``rt.epochs``, the synced
+    weights, the syncs made, and what ``ddpkit.evaluate`` saw after the loop. With ``checkpoint_dir``
+    the run saves after the loop; given one that holds a checkpoint, it resumes from it instead."""
+    import os
+
     import torch
     import torch.nn.functional as F
 
@@ -722,24 +725,28 @@ def final_exchange_run(sync: str, every: int, fragments: int, delay: int) -> dic
     test = torch.utils.data.TensorDataset(
         torch.randn(30, 64, generator=held_out), torch.randint(0, 10, (30,), generator=held_out)
     )
+    state = {"model": model, "optimizer": optimizer}
+    resuming = checkpoint_dir is not None and bool(os.listdir(checkpoint_dir))
+    if resuming:
+        rt.load(checkpoint_dir, state)
     syncer = periodic.of(model)
-    out: dict = {}
+    out: dict = {"syncs_at_start": syncer.syncs}
     for epoch in rt.epochs(2):
         for images, labels in loader:
             rt.backward(F.cross_entropy(model(images), labels))
             rt.step(optimizer)
-        if epoch == 0:
-            out["syncs_after_epoch_0"] = syncer.syncs
-            out["private_after_epoch_0"] = any(not torch.equal(p, s) for p, s in zip(model.parameters(), syncer.synced))
-        else:
-            out["after_pass"] = [p.detach().clone() for p in model.parameters()]
-            out["synced_after_pass"] = [s.clone() for s in syncer.synced]
-            out["evaluated"] = ddpkit.evaluate(model, test, num_classes=10)["loss"]
-            with torch.no_grad():
-                xs = torch.stack([x for x, _ in test])
-                out["own_loss"] = float(F.cross_entropy(model(xs), torch.stack([y for _, y in test])))
+        out[f"private_after_epoch_{epoch}"] = any(
+            not torch.equal(p, s) for p, s in zip(model.parameters(), syncer.synced)
+        )
     out["after_epochs"] = [p.detach().clone() for p in model.parameters()]
+    out["synced"] = [s.clone() for s in syncer.synced]
+    out["evaluated"] = ddpkit.evaluate(model, test, num_classes=10)["loss"]
+    with torch.no_grad():
+        xs = torch.stack([x for x, _ in test])
+        out["own_loss"] = float(F.cross_entropy(model(xs), torch.stack([y for _, y in test])))
     out["syncs"], out["steps_into_period"], out["pending"] = syncer.syncs, syncer.steps, len(syncer.pending)
     out["step"] = rt.global_step
+    if checkpoint_dir is not None and not resuming:
+        rt.save(checkpoint_dir, state)
     rt.close()
     return out

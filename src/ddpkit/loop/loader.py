@@ -97,9 +97,6 @@ class LoaderPosition:
         self._resume: int | None = None  # a saved position the next passes start from
         self._passes = 0  # passes started; an older iterator leaves no mark
         self._on_batch = on_batch
-        self.on_pass_end: Callable[[Any], None] | None = None
-        """Called when a pass runs out (not when it is left by ``break``): the run's final exchange
-        after its last epoch's training pass (set by ``rt.loader``)."""
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -122,11 +119,6 @@ class LoaderPosition:
                 "this iterator of a ddpkit loader was replaced by a newer "
                 "iter(loader); iterate one pass at a time, like a DataLoader"
             )
-
-    def _ran_out(self) -> None:
-        """The pass handed out its last batch and was asked for another."""
-        if self.on_pass_end is not None:
-            self.on_pass_end(self)
 
     def mark_trained(self) -> None:
         """A batch of the current pass fed a backward: a pending resume point is used up."""
@@ -219,7 +211,6 @@ class ShardedLoader(LoaderPosition):
                 if self._on_batch is not None:
                     self._on_batch(self)
                 yield to_device(batch, self.device)
-            self._ran_out()
         finally:
             # Run out, or left by ``break``: either way the script's next pass is a new one.
             if this_pass == self._passes:
@@ -278,7 +269,6 @@ class QuorumLoader(ShardedLoader):
                 yield to_device(samples, self.device)
                 if self.position >= len(self):
                     break
-            self._ran_out()
         finally:
             if this_pass == self._passes:
                 self.finished = True

@@ -40,21 +40,12 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
             f"rt.epochs({n}): the run resumed from {run.loop.resumed_from} had trained all {n} epochs, so the "
             "loop does not run; code after it must not use the loop's variables (or give a larger n)"
         )
-    run.loop.epochs = n
     while run.loop.epoch < n:
         for made in run.loop.loaders():
             made.set_epoch(run.loop.epoch)  # a no-op for a loader already there
         yield run.loop.epoch + start
         run.loop.epoch += 1
-    run.loop.epochs = None
-    end_training(run)
-
-
-def pass_ended(run: RunState, loader: Any) -> None:
-    """A loader's pass ran out: after the last epoch's training pass, the training is over (an
-    infrequent sync's final exchange, before the epoch's evaluation and saves)."""
-    if loader.trained and run.loop.epochs is not None and run.loop.epoch >= run.loop.epochs - 1:
-        end_training(run)
+    end_training(run)  # ran to its end (not left by break): the training is over
 
 
 def end_training(run: RunState) -> None:

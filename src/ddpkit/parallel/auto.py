@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._torch import PrivateApiChanged, ddp_bucket_count
+from ddpkit.distributed import collectives
 from ddpkit.distributed.probe import bus_bytes, link
 from ddpkit.errors import warn
 from ddpkit.parallel.compression import Compressor
@@ -91,9 +92,9 @@ class AutoCompressor(Compressor):
     def _decide(self) -> None:
 
         steps = [b - a for a, b in zip(self.step_ends[1:], self.step_ends[2:])]  # the first is set-up
-        slowest = torch.tensor([statistics.median(steps)], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # one number for every rank
-        step, world = float(slowest.item()), dist.get_world_size()
+        # one number for every rank (through the backend's own device: NCCL reduces no CPU tensor)
+        step = float(collectives.all_reduce(statistics.median(steps), op="max"))
+        world = dist.get_world_size()
         buckets = _buckets(self.model)
         link = self.link_bytes_per_s or float("inf")
 

@@ -630,8 +630,9 @@ class _Layout:
     def unpack(self, row: torch.Tensor) -> list[Any] | None:
         """What :meth:`pack` wrote (None where every parameter is absent)."""
         grads: list[Any] = []
+        present = row[: len(self.params)].tolist()  # one read of the flags (one device sync on CUDA)
         for i, p in enumerate(self.params):
-            if int(row[i]) == 0:
+            if present[i] == 0:
                 grads.append(None)
                 continue
             raw = row[self.starts[i] : self.starts[i] + self.slots[i]].view(torch.uint8)[: p.numel() * p.element_size()]

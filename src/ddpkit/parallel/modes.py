@@ -97,8 +97,8 @@ class Mode:
         """An optimizer step was taken."""
 
     def end_training(self) -> None:
-        """The run's training is over (its last epoch's training pass ran out, or ``rt.epochs`` ended):
-        leave the processes at one common model. Every process calls it at the same point."""
+        """The run's training is over (``rt.epochs`` ran to its end): leave the processes at one
+        common model. Every process calls it at the same point."""
 
     def is_main(self, rank: int) -> bool:
         """Whether this process is the one that prints, logs and saves."""

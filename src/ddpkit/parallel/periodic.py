@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._torch import unwrap
+from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
 from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_period
 
@@ -104,6 +105,7 @@ class PeriodicSync:
         self.sent_bytes = 0  # bytes handed to allreduce by syncs, in all
         self.sync_seconds = 0.0  # seconds spent in syncs, in all
         self.finished = False  # the final exchange was made, and no step was taken since
+        self.sent_at: list[int] = []  # each fragment's ``total`` when it was last sent
         self.params = [p for p in model.parameters()]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.synced = [p.detach().clone() for p in self.params]
@@ -123,6 +125,7 @@ class PeriodicSync:
         """The fragments, and the step of the period each is sent at: fragment f at (f + 1) * every / F
         (the last one holds the buffers)."""
         self.fragments = _fragments([p.numel() for p in self.params], fragments)
+        self.sent_at = [0] * len(self.fragments)
         self.offsets = [(f + 1) * self.every // len(self.fragments) for f in range(len(self.fragments))]
 
     # -- the period, chosen from the link --------------------------------------------------------
@@ -140,6 +143,8 @@ class PeriodicSync:
 
     def _time_step(self) -> None:
         """While choosing: time the inner steps; after :data:`MEASURE_STEPS` of them, choose."""
+        if self.params and self.params[0].is_cuda:
+            torch.cuda.synchronize(self.params[0].device)  # the step's kernels, not only their launch
         self._step_ends.append(time.perf_counter())
         if len(self._step_ends) > MEASURE_STEPS:
             self._choose()
@@ -148,12 +153,11 @@ class PeriodicSync:
         """Every rank takes the same period from the slowest rank's step and the link: the shortest
         whose exchange hides behind the inner steps (:func:`~ddpkit.parallel.periodic_parts.choose_period`)."""
         steps = [b - a for a, b in zip(self._step_ends[1:], self._step_ends[2:])]  # the first is set-up
-        slowest = torch.tensor([statistics.median(steps)], dtype=torch.float64)
-        if _world() > 1:
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # one number for every rank
+        # one number for every rank (through the backend's own device: NCCL reduces no CPU tensor)
+        slowest = float(collectives.all_reduce(statistics.median(steps), op="max"))
         latency, speed = self._link or (0.0, None)
         decision = choose_period(
-            step_s=float(slowest.item()),
+            step_s=slowest,
             exchange_bytes=self._exchange_bytes(),
             world=_world(),
             link_bytes_per_s=speed,
@@ -213,13 +217,21 @@ class PeriodicSync:
     @torch.no_grad()
     def finish(self) -> None:
         """The final exchange, once the last step is taken: every rank at the replicas' common model
-        (the synced weights). Nothing where they are there already: right after a whole period's sync
-        with nothing in flight and one fragment, or a second call."""
-        if self.finished or (not self.steps and not self.pending and len(self.fragments) == 1):
-            self.finished = True
+        (the synced weights). What is in flight lands, and each fragment trained since it was last
+        sent is sent once more (a fragment sent at the last step is not: an outer step on a zero
+        change would still move it by its momentum). Every rank calls it at the same point."""
+        if self.finished:
             return
-        self.sync()
-        self.finished = True
+        for exchange in list(self.pending):
+            self._land(exchange)
+        for fragment in range(len(self.fragments)):
+            if self.sent_at[fragment] != self.total:  # trained since it was last sent
+                self._send(fragment, 0)
+        # a delayed exchange sent at the last step landed as "synced plus what was trained since",
+        # nothing, which is the synced weights up to rounding: take them exactly
+        _copy(self.params, self.synced)
+        _copy(self.buffers, self.synced_buffers)
+        self.steps, self.finished = 0, True
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -237,6 +249,7 @@ class PeriodicSync:
         """Start ``fragment``'s exchange: each rank's change since the last sync, synced - local."""
         started = time.perf_counter()
         indices, with_buffers = self._parts(fragment)
+        self.sent_at[fragment] = self.total
         # small numbers travel, so bfloat16 rounds the changes, never the weights themselves
         own = [self.synced[i] - self.params[i] for i in indices]
         if with_buffers:
@@ -344,6 +357,8 @@ class PeriodicSync:
             "every": self.every,
             "decision": self.decision,
             "choosing": self.choosing,
+            "finished": self.finished,
+            "sent_at": list(self.sent_at),
             "steps": self.steps,
             "syncs": self.syncs,
             "sent_bytes": self.sent_bytes,
@@ -408,6 +423,9 @@ class PeriodicSync:
                 self.optimizer.load_state_dict(saved["optimizer"])
             self.steps = int(saved["steps"])
             self.total = int(saved.get("total", 0))
+            self.finished = bool(saved.get("finished", False))
+            if len(saved.get("sent_at", [])) == len(self.fragments):
+                self.sent_at = [int(t) for t in saved["sent_at"]]
             device = self.params[0].device if self.params else torch.device("cpu")
             self.pending = [
                 {

@@ -204,7 +204,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "grad_compression": config.grad_compression or "none",
         "strategy": config.strategy,
         "sync": config.sync,
-        "sync_every": syncer.every if syncer is not None else config.sync_every,
+        # the period chosen (None where the run was too short to choose one)
+        "sync_every": (None if syncer.choosing else syncer.every) if syncer is not None else config.sync_every,
         "sync_decision": syncer.decision if syncer is not None else None,
         "outer_lr": outer["lr"] if outer else None,
         "outer_momentum": outer["momentum"] if outer else None,

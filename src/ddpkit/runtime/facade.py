@@ -271,7 +271,7 @@ class Runtime:
             **options: the fields of :class:`ddpkit.loop.build.LoaderOptions`, each documented there
                 (``global_batch_size``, ``shuffle``, ``num_workers``, ``name``, ...).
         """
-        made = build.build_loader(
+        return build.build_loader(
             self._run,
             dataset,
             build.loader_options(options),
@@ -281,8 +281,6 @@ class Runtime:
             on_batch=lambda made: loop_steps.on_batch(self._run, made),
             watch=self._watch_progress,
         )
-        made.on_pass_end = lambda made: loop_steps.pass_ended(self._run, made)
-        return made
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """``n`` epochs, numbered from ``start``, from where a loaded checkpoint left off; sets every loader's epoch.

@@ -25,7 +25,6 @@ class LoopState:
     def __init__(self) -> None:
         self.epoch = 0  # the epoch being trained (or to be trained next)
         self.step = 0  # optimizer steps taken
-        self.epochs: int | None = None  # rt.epochs' n, while its loop runs (the last epoch ends training)
         self.micro_step = 0  # batches into the open accumulation group
         self.group: tuple[int, float] = (1, 1.0)  # (batches, divisor) of that group
         self.resumed_from: str | None = None

@@ -189,7 +189,6 @@ class StreamLoader(LoaderPosition):
                 self._agree(0, -1, 0)
             elif expected != len(self):
                 raise DdpkitError(f"internal: the stream pass ended after {expected} of {len(self)} batches")
-            self._ran_out()
         finally:
             if this_pass == self._passes:
                 self.finished = True
