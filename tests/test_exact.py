@@ -522,13 +522,14 @@ def test_a_checkpoint_inside_an_accumulation_group_with_micro_shards_is_one_line
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_compiled_model_ends_at_the_same_bits_on_one_and_two_processes():
+def test_a_compiled_model_ends_at_the_same_bits_on_one_two_and_four_processes():
     """rt.setup(..., micro_shards=4, compile=True): torch.compile traces the shards' BatchNorm hooks
-    (no graph break); one and two processes run the same compiled kernels on the same threads."""
+    (no graph break); one, two and four processes run the same compiled kernels on the same threads."""
     one = ddpkit.launch(workers.exact_stream_run, nprocs=1, args=("plain", 4, 256, True))[0]
     two = ddpkit.launch(workers.exact_stream_run, nprocs=2, args=("plain", 4, 256, True))[0]
-    assert one["compiled"] and two["compiled"]
-    assert _same(one["state"], two["state"]) == []
+    four = ddpkit.launch(workers.exact_stream_run, nprocs=4, args=("plain", 4, 256, True))[0]
+    assert one["compiled"] and two["compiled"] and four["compiled"]
+    assert _same(one["state"], two["state"]) == [] and _same(one["state"], four["state"]) == []
     eager = ddpkit.launch(workers.exact_stream_run, nprocs=1, args=("plain", 4, 256, False))[0]
     assert _same(one["state"], eager["state"]) != []  # compiled kernels (and dropout) are not eager's
 
