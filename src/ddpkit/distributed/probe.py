@@ -60,6 +60,15 @@ def typical(calls: Sequence[float]) -> float:
     return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
+def slowest_step(step_ends: list[float]) -> float:
+    """The slowest rank's median step, from each rank's step end times (the first step is set-up and
+    not counted): one number for every rank. A collective, through the backend's own device."""
+    from ddpkit.distributed import collectives
+
+    steps = [b - a for a, b in zip(step_ends[1:], step_ends[2:])]
+    return float(collectives.all_reduce(statistics.median(steps), op="max"))
+
+
 def link(nbytes: int, device: torch.device, *, repeats: int = 7) -> tuple[float, float | None]:
     """``(latency_s, bytes_per_s)`` of the default group: a one-element allreduce, and one of
     ``nbytes``, each the largest over ranks of their typical call (ranks agree on the answer).

@@ -18,7 +18,6 @@ checkpoint with the chosen compressor's own state, so a resumed run decides noth
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -26,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._torch import PrivateApiChanged, ddp_bucket_count
-from ddpkit.distributed import collectives
-from ddpkit.distributed.probe import bus_bytes, link
+from ddpkit.distributed.probe import bus_bytes, link, slowest_step
 from ddpkit.errors import warn
 from ddpkit.parallel.compression import Compressor
 from ddpkit.parallel.powersgd import payload_elements
@@ -91,9 +89,7 @@ class AutoCompressor(Compressor):
 
     def _decide(self) -> None:
 
-        steps = [b - a for a, b in zip(self.step_ends[1:], self.step_ends[2:])]  # the first is set-up
-        # one number for every rank (through the backend's own device: NCCL reduces no CPU tensor)
-        step = float(collectives.all_reduce(statistics.median(steps), op="max"))
+        step = slowest_step(self.step_ends)
         world = dist.get_world_size()
         buckets = _buckets(self.model)
         link = self.link_bytes_per_s or float("inf")

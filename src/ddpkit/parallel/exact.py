@@ -70,9 +70,9 @@ from ddpkit.errors import UsageError, translate_uncaught
 from ddpkit.parallel.exact_exchange import TreeExchange
 from ddpkit.parallel.exact_tree import (
     _add_grads,
-    _pack,
+    _pack_table,
     _take,
-    _unpack,
+    _unpack_table,
     broadcast_from_rank0,
     check,
     threads_for,
@@ -392,19 +392,13 @@ class Exact:
         """The shards' BatchNorm statistics as int64 bits: a flag and a float64 row a shard (nothing without BatchNorm)."""
         if not self.norms:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
-        width = sum(1 + 2 * n.num_features for n in self.norms)
-        flags = torch.tensor([0.0 if s is None else 1.0 for s in shard_stats], dtype=torch.float64)
-        rows = [_pack(s, self.norms) if s is not None else torch.zeros(width, dtype=torch.float64) for s in shard_stats]
-        return torch.cat([flags, *rows]).view(torch.int64).to(self.device)
+        return _pack_table(shard_stats, self.norms).view(torch.int64).to(self.device)
 
     def _stats_from_bits(self, bits: torch.Tensor) -> list[Any]:
         """What :meth:`_stat_bits` wrote, summed over the quorum: one process's view (rank 0, one batch)."""
         if not self.norms:
             return []
-        values = bits.cpu().view(torch.float64)
-        table = values[self.micro_shards :].view(self.micro_shards, -1)
-        shards = [None if values[s] == 0 else _unpack(table[s], self.norms) for s in range(self.micro_shards)]
-        return [[shards]]
+        return [[_unpack_table(bits.cpu().view(torch.float64), self.micro_shards, self.norms)]]
 
     def _gather_stats(self, stats: list[list[Any]]) -> list[Any]:
         """Every rank's shard statistics, per batch (one all_gather of float64 rows; nothing without BatchNorm)."""
@@ -412,17 +406,13 @@ class Exact:
 
         if not self.norms:
             return []
-        stat_width = sum(1 + 2 * n.num_features for n in self.norms)
         flat = [s for batch in stats for s in batch]
-        rows = [_pack(s, self.norms) if s is not None else torch.zeros(stat_width, dtype=torch.float64) for s in flat]
-        flags = torch.tensor([0.0 if s is None else 1.0 for s in flat], dtype=torch.float64)
-        head = torch.cat([flags, *rows]).to(self.device)
+        head = _pack_table(flat, self.norms).to(self.device)
         heads = [torch.empty_like(head) for _ in range(self.world_size)]
         dist.all_gather(heads, head)
         gathered = []
         for h in (h.cpu() for h in heads):
-            table = h[len(flat) :].view(len(flat), -1)
-            unpacked = [None if h[k] == 0 else _unpack(table[k], self.norms) for k in range(len(flat))]
+            unpacked = _unpack_table(h, len(flat), self.norms)
             gathered.append([unpacked[b * self.local_shards : (b + 1) * self.local_shards] for b in range(len(stats))])
         return gathered
 

@@ -177,6 +177,20 @@ def _unpack(row: torch.Tensor, norms: list[_BatchNorm]) -> dict[int, tuple[torch
     return out
 
 
+def _pack_table(shards: list[Any], norms: list[_BatchNorm]) -> torch.Tensor:
+    """Shards' statistics (None: a shard without any) as one float64 tensor: a flag a shard, then a row a shard."""
+    width = sum(1 + 2 * n.num_features for n in norms)
+    flags = torch.tensor([0.0 if s is None else 1.0 for s in shards], dtype=torch.float64)
+    rows = [_pack(s, norms) if s is not None else torch.zeros(width, dtype=torch.float64) for s in shards]
+    return torch.cat([flags, *rows])
+
+
+def _unpack_table(table: torch.Tensor, count: int, norms: list[_BatchNorm]) -> list[Any]:
+    """What :func:`_pack_table` wrote for ``count`` shards (a CPU float64 tensor)."""
+    rows = table[count:].view(count, -1)
+    return [None if table[k] == 0 else _unpack(rows[k], norms) for k in range(count)]
+
+
 def broadcast_from_rank0(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank (what DDP's constructor does; a collective)."""
     import torch.distributed as dist

@@ -35,7 +35,6 @@ share of each global batch); the run says so once.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -44,14 +43,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._torch import unwrap
-from ddpkit.distributed import collectives
+from ddpkit.distributed.probe import link, slowest_step
 from ddpkit.errors import UsageError, warn
 from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_period
 
 MEASURING = 1 << 30
 """The period while it is being chosen: no exchange before the choice."""
-PROBE_BYTES = 4 << 20
-"""The link is timed on the exchange's bytes, at most 4 MiB (at 10 Mbit/s that is 3.4 s a call)."""
 
 
 class PeriodicSync:
@@ -131,7 +128,7 @@ class PeriodicSync:
     # -- the period, chosen from the link --------------------------------------------------------
     def probe_link(self, device: torch.device) -> None:
         """Time the link the ranks share, at set-up (a collective: every rank calls it), for :meth:`_choose`."""
-        from ddpkit.distributed.probe import link
+        from ddpkit.parallel.auto import PROBE_BYTES  # the link timed as grad_compression="auto" times it
 
         if self.choosing and _world() > 1:
             self._link = link(min(self._exchange_bytes(), PROBE_BYTES), device)
@@ -152,9 +149,7 @@ class PeriodicSync:
     def _choose(self) -> None:
         """Every rank takes the same period from the slowest rank's step and the link: the shortest
         whose exchange hides behind the inner steps (:func:`~ddpkit.parallel.periodic_parts.choose_period`)."""
-        steps = [b - a for a, b in zip(self._step_ends[1:], self._step_ends[2:])]  # the first is set-up
-        # one number for every rank (through the backend's own device: NCCL reduces no CPU tensor)
-        slowest = float(collectives.all_reduce(statistics.median(steps), op="max"))
+        slowest = slowest_step(self._step_ends)
         latency, speed = self._link or (0.0, None)
         decision = choose_period(
             step_s=slowest,
