@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import pytest
+
+# ddpkit.launch's children start from a forkserver that imported torch once (a spawned child spends
+# ~3 s of CPU importing it again); each launch's children still get that launch's environment
+# (entry.take_launchers_environment). Tests that need spawn itself pass start_method="spawn".
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "ddpkit", "workers"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def launch_from_a_preloaded_forkserver():
+    import ddpkit.distributed.launch as launch
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    default = launch._start_method
+    launch._start_method = lambda fn: "forkserver" if default(fn) == "spawn" else default(fn)
+    yield
+    launch._start_method = default
+
 
 # Variables a launcher could have left in the environment of the test runner itself.
 _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "MPI_LOCAL")

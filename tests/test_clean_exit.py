@@ -338,17 +338,19 @@ def stuck(directory):
     time.sleep(3600)
 
 if __name__ == "__main__":
-    ddpkit.launch(stuck, nprocs=2, args=(sys.argv[1],))
+    ddpkit.launch(stuck, nprocs=2, args=(sys.argv[1],), start_method=sys.argv[2])
 """
 
 
 @pytest.mark.timeout(240)
-def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path):
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path, start_method):
     """torch's spawn sends its children SIGINT when the parent dies, which a script handling Ctrl-C
-    ignores; ddpkit's children get SIGKILL."""
+    ignores; ddpkit's children get SIGKILL. A forkserver's children are not the launcher's: they die
+    with the server, which ends when the launcher dies."""
     script = tmp_path / "parent.py"
     script.write_text(LAUNCH_PARENT)
-    launcher = _start([sys.executable, str(script), str(tmp_path)])
+    launcher = _start([sys.executable, str(script), str(tmp_path), start_method])
     left, seconds = _kill_launcher_and_watch(launcher, tmp_path, 2)
     assert left == [], f"children {left} still ran {seconds:.0f} s after the ddpkit.launch parent was killed"
 

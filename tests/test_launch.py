@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import ddpkit
@@ -171,6 +173,41 @@ def test_launch_raises_first_failure_with_rank_and_traceback():
     assert "ValueError: rank one refuses" in str(info.value)
     assert "fail_on_rank_one" in info.value.child_traceback
     assert 'raise ValueError("rank one refuses")' in info.value.child_traceback
+
+
+@pytest.mark.timeout(120)
+def test_forkserver_children_get_each_launchs_environment_and_streams_not_the_servers(monkeypatch, capfd):
+    """The server starts in the first launch; the second launch's children must not see its environment
+    or write where its stdout and stderr went (capfd gives each launch new ones)."""
+    import psutil
+
+    from ddpkit.distributed import stores
+
+    seen, nprocs = [], {"first": 2, "second": 1}  # OMP_NUM_THREADS: half the cores, then all
+    for mark in nprocs:
+        monkeypatch.setenv("DDPKIT_TEST_MARK", mark)
+        if mark == "second":
+            monkeypatch.delenv("DDPKIT_TEST_GONE")
+        else:
+            monkeypatch.setenv("DDPKIT_TEST_GONE", "1")
+        seen.append(ddpkit.launch(workers.environment, nprocs=nprocs[mark], start_method="forkserver"))
+        out, err = capfd.readouterr()
+        ranks = range(nprocs[mark])
+        assert sorted(out.splitlines()) == [f"stdout of rank {rank} in launch {mark}" for rank in ranks]
+        assert {f"stderr of rank {rank} in launch {mark}" for rank in ranks} <= set(err.splitlines())
+    for mark, results in zip(nprocs, seen):
+        for rank, child in results.items():
+            assert child["environ"]["DDPKIT_TEST_MARK"] == mark
+            assert child["environ"]["RANK"] == str(rank) and child["environ"]["WORLD_SIZE"] == str(nprocs[mark])
+            assert child["torch_threads"] == int(child["environ"]["OMP_NUM_THREADS"])
+            # a child of this process's forkserver, which outlives us while its children live: each
+            # child watches this process itself (tests/test_clean_exit.py kills a launcher)
+            server = psutil.Process(child["ppid"])
+            assert server.ppid() == os.getpid(), "not a child of this process's forkserver"
+            assert "ddpkit-launcher-watch" in child["threads"]
+    assert "DDPKIT_TEST_GONE" in seen[0][0]["environ"] and "DDPKIT_TEST_GONE" not in seen[1][0]["environ"]
+    first, second = (results[0]["environ"][stores.STORE_DIR_ENV] for results in seen)
+    assert first != second  # each job meets in its own private directory
 
 
 def test_launch_rejects_zero_processes():

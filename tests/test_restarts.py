@@ -152,7 +152,9 @@ def test_fp16_under_ddp_survives_a_restart_bitwise(tmp_path, kill):
         note=where,
     )
     assert "done after 1 restart(s)" in killed["stdout"], where
-    assert _resumed_at(killed["stdout"]) in ({step - 1}, {step}), where
+    # as in the fp32 test: one older when rank 0 (the writer) died with the step before's
+    # checkpoint still being written in the background
+    assert _resumed_at(killed["stdout"]) in ({step - 2}, {step - 1}, {step}), where
     newest = checkpoint.latest(killed["ckpt"])
     assert newest is not None and _holds_a_loss_scale(checkpoint.read(newest)), where
     _assert_bitwise(killed["weights"], clean["weights"], where)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -363,3 +364,21 @@ def test_the_flight_recorder_dump_lists_this_processs_collectives(tmp_path, monk
     last = entries[-1]
     assert last["profiling_name"].endswith("all_reduce") and last["input_sizes"] == [[3]]
     assert {"collective_seq_id", "state", "input_dtypes", "pg_id"} <= set(last)
+
+
+@pytest.mark.timeout(120)
+def test_every_variable_the_elastic_agent_sets_for_a_worker_is_one_set_by_elastic_agent_names():
+    """A forkserver child keeps only these of its own; one torch adds and ddpkit drops would fail here."""
+    from ddpkit.distributed import stores
+    from ddpkit.distributed.parent import launcher_env
+    from ddpkit.distributed.torchrun import AGENT_ENV, flight_recorder_env
+
+    ddpkits = {*launcher_env(), *AGENT_ENV, *stores.socket_env(1, "127.0.0.1", 0), *flight_recorder_env()}
+    ddpkits |= {stores.STORE_DIR_ENV, "OMP_NUM_THREADS"}
+    ddpkits |= {"COLUMNS", "LINES"}  # a terminal's size, in every spawned child of a pytest process
+    before = dict(os.environ)
+    child = ddpkit.launch(workers.environment, nprocs=2, start_method="spawn")[1]["environ"]
+    from_agent = {key for key, value in child.items() if before.get(key) != value and key not in ddpkits}
+    assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} <= from_agent
+    assert {key for key in from_agent if not _torch.set_by_elastic_agent(key)} == set()
+    assert not _torch.set_by_elastic_agent("DDPKIT_TEST_MARK") and not _torch.set_by_elastic_agent("PATH")

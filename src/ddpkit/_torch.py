@@ -362,3 +362,32 @@ def flight_recorder_buffer_variable() -> str:
     if hasattr(c10d, "_dump_nccl_trace"):
         return "TORCH_NCCL_TRACE_BUFFER_SIZE"
     raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace")
+
+
+ELASTIC_WORKER_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+"""What torch's ``LocalElasticAgent._start_workers`` sets for each worker, besides ``TORCHELASTIC_*``."""
+
+
+def set_by_elastic_agent(name: str) -> bool:
+    """Whether torch's elastic agent sets the variable ``name`` for each worker it starts.
+
+    The agent hands its workers their variables as a dict that torch's private ``_wrap`` copies
+    into ``os.environ`` in the child; no public API names them.
+    """
+    return name in ELASTIC_WORKER_ENV or name.startswith("TORCHELASTIC_")

@@ -204,7 +204,9 @@ def install_excepthook() -> None:
 # -- the children of ddpkit.launch ---------------------------------------------------------------
 
 
-def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *args: Any) -> Any:
+def call_and_record(
+    fn: Callable[..., Any], error_dir: str, start_method: str, launcher: FromLauncher | None, *args: Any
+) -> Any:
     """A child of :func:`ddpkit.launch`: run ``fn``; on an exception, note when and what.
 
     Peers of a failing rank fail too (their collectives lose a partner) and the agent may see
@@ -216,9 +218,12 @@ def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *
         fn: the user's function; its return value comes back pickled into bytes.
         error_dir: the parent's directory for ``rankN.json``, written only when ``fn`` fails.
         start_method: how the child was started; ``"fork"`` clears the exit handlers copied from the parent.
+        launcher: for a ``"forkserver"`` child, the launcher's environment, stdout and stderr.
         *args: positional arguments of ``fn``.
     """
-    die_with_launcher()  # the launcher killed (any signal): this child ends too
+    if launcher is not None:
+        launcher.take()
+    die_with_launcher(through_forkserver=start_method == "forkserver")  # the launcher killed: this child ends too
     if start_method == "fork":
         atexit._clear()  # the parent's handlers, copied by fork: never this child's to run
     private_rendezvous()
@@ -236,6 +241,62 @@ def call_and_record(fn: Callable[..., Any], error_dir: str, start_method: str, *
         raise
     _leave_after_handoff(start_method, 0)
     return result
+
+
+class FromLauncher:
+    """What a forkserver's child needs of its launcher and cannot inherit: its environment, stdout and stderr.
+
+    The child is a fork of the server, so it starts with the environment and the standard streams
+    the server had when it started, perhaps several launches ago (another job's private
+    directory, variables since changed or removed, a stdout since redirected), not the
+    launcher's of now as a spawned child would. Pickled for the child while multiprocessing
+    starts it, this object sends the launcher's environment and duplicates of its descriptors 1
+    and 2 along (``multiprocessing.reduction.DupFd``, the way multiprocessing sends a pipe);
+    :meth:`take` in the child makes them the child's own, and sets torch's threads from
+    ``OMP_NUM_THREADS``. Other variables torch reads only when imported keep the server's values.
+    """
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self.environ = dict(os.environ) if environ is None else environ
+        self.streams: list[Any] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        streams = [reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return (_received_from_launcher, (self.environ, streams))
+
+    def take(self) -> None:
+        """In the child: the launcher's streams as descriptors 1 and 2, its environment plus the agent's variables."""
+        for fd, stream in zip((1, 2), self.streams):
+            if stream is not None:
+                sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+                received = stream.detach()
+                os.dup2(received, fd)
+                os.close(received)
+        agent = {key: value for key, value in os.environ.items() if _torch.set_by_elastic_agent(key)}
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.environ.update(agent)
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # torch read the server's when the server imported it
+            import torch
+
+            torch.set_num_threads(int(threads))
+
+
+def _received_from_launcher(environ: dict[str, str], streams: list[Any]) -> FromLauncher:
+    received = FromLauncher(environ)
+    received.streams = streams
+    return received
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _record(error_dir: str, exc: BaseException) -> None:

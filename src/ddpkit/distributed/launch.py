@@ -55,6 +55,9 @@ def launch(
         max_restarts: times the elastic agent restarts every process after one fails.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``; None: ``"fork"`` for a function
             of an interactive ``__main__`` (a notebook, a REPL), which spawned children cannot import, else ``"spawn"``.
+            ``"forkserver"`` with ``multiprocessing.set_forkserver_preload(["torch", ...])`` starts
+            each process without importing torch again; every launch's children still get the
+            environment, stdout and stderr of that launch, not those the server started with.
 
     Returns:
         Each rank's return value, ``{rank: value}``.
@@ -93,7 +96,9 @@ def launch(
             _thread_env(nprocs, {**AGENT_ENV, **worker_env}),
         ):
             try:
-                returned = elastic_launch(config, entry.call_and_record)(fn, error_dir, config.start_method, *args)
+                launcher = entry.FromLauncher() if config.start_method == "forkserver" else None
+                call = elastic_launch(config, entry.call_and_record)
+                returned = call(fn, error_dir, config.start_method, launcher, *args)
             except ChildFailedError as exc:
                 raise _earliest_error(error_dir) or _launch_error(*root_failure(exc.failures)) from None
     return {rank: pickle.loads(value) for rank, value in returned.items()}  # bytes: see entry._by_value

@@ -21,6 +21,8 @@ import ctypes
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 __all__ = ["LAUNCHER_PID_ENV", "die_with_launcher", "launcher_env"]
 
@@ -35,19 +37,69 @@ def launcher_env() -> dict[str, str]:
     return {LAUNCHER_PID_ENV: str(os.getpid())}
 
 
-def die_with_launcher() -> None:
+def die_with_launcher(*, through_forkserver: bool = False) -> None:
     """Have the kernel SIGKILL this worker when the launcher that started it dies (Linux; a no-op elsewhere
     and where no ddpkit launcher started it).
+
+    Args:
+        through_forkserver: this worker is a child of the launcher's multiprocessing forkserver.
+            The server outlives the launcher while any of its children lives, so the worker
+            watches the launcher itself: a daemon thread waits on a pidfd of it, and SIGKILLs the
+            worker when it exits.
 
     Raises:
         OSError: prctl refused the request (it never does on Linux for a valid signal).
     """
-    parent = os.environ.get(LAUNCHER_PID_ENV)
-    if not parent or not sys.platform.startswith("linux") or os.getppid() != int(parent):
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    if through_forkserver and parent != int(launcher) and _parent_of(parent) == int(launcher):
+        _watch(int(launcher))
+        return
+    if parent != int(launcher):
         return  # not a ddpkit launcher's own child (a wrapper in between started it): nothing to ask
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-    if os.getppid() != int(parent):  # the launcher died between the check and prctl: leave as if killed
+    if os.getppid() != parent:  # the parent died between the check and prctl: leave as if killed
         os._exit(128 + int(signal.SIGKILL))
+
+
+def _watch(launcher: int) -> None:
+    """SIGKILL this process when ``launcher`` exits, from a daemon thread (a pidfd, else a 0.5 s poll)."""
+    import select
+    import threading
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:
+        die()  # gone already
+    except (AttributeError, OSError):  # no pidfd here (Python < 3.9, Linux < 5.3): poll
+
+        def poll() -> None:
+            while _parent_of(launcher) is not None:
+                time.sleep(0.5)
+            die()
+
+        threading.Thread(target=poll, name="ddpkit-launcher-watch", daemon=True).start()
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        die()
+
+    threading.Thread(target=wait, name="ddpkit-launcher-watch", daemon=True).start()
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from ``/proc`` (None where it cannot be read)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (comm) state": the parent pid
