@@ -300,8 +300,10 @@ def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
     assert took < 60, f"named after {took:.0f}s (start-up included); the issue asks for 30 s after the ranks arrive"
 
 
+# Every case under ddpkit run; one under each other launcher: the workers find and report a mismatch
+# the same way under any of them, and what differs is how the launcher passes the report on.
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ["operations"])
 def test_a_collective_mismatch_is_named_under_torchrun(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)
     result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], env=_cpu(), timeout=120)
@@ -320,7 +322,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ["operations"])
 def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)
     launcher = tmp_path / "launcher.py"
