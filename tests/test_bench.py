@@ -218,6 +218,25 @@ def test_diagnosis_names_what_bounds_a_run():
     assert diagnose(crowded).startswith("bound by CPU threads oversubscribed (2 process(es) x 2 threads")
 
 
+def test_an_exchange_behind_the_inner_steps_does_not_bound_a_periodic_row():
+    """sync='diloco' with sync_delay: the link takes half a step's time on the whole model's bytes,
+    but the steps wait only for what was left of each exchange when it landed."""
+
+    def periodic(seconds_per_sync: float) -> dict:
+        result = _result([[1.0] * 8, [1.0] * 8], [[[0, 0.2, 0.7, 0.1]] * 8] * 2, 0.5)
+        result["sync"] = "diloco"
+        for rank in result["ranks"]:
+            rank["periodic"] = {"every": 8, "synced_steps": [False] * 7 + [True], "seconds_per_sync": seconds_per_sync}
+        return summarize(Configuration("ddp", 2, "fp32"), result)
+
+    behind, blocking = periodic(0.008), periodic(4.0)  # 1 ms a step left when it landed; the whole 0.5 s
+    assert behind["comm"]["exposed_seconds"] == pytest.approx(0.001)
+    assert "bound by the link" not in diagnose(behind) and diagnose(behind).startswith("bound by compute")
+    assert "ms of it a step behind the inner steps" in diagnose(behind)
+    assert blocking["comm"]["exposed_seconds"] == pytest.approx(0.5)
+    assert diagnose(blocking).startswith("bound by the link") and "behind the inner steps" not in diagnose(blocking)
+
+
 def test_comm_overlap_is_the_exchange_the_backward_hid():
     # backward 0.7 s in the step, 0.4 s alone: 0.3 s of a 0.5 s exchange left exposed, 0.2 s hidden
     phases = [[[0, 0.2, 0.7, 0.1]]] * 2

@@ -282,6 +282,9 @@ def _parts(row: Mapping[str, Any], part: Mapping[str, Any]) -> str:
     overlap = row.get("comm_overlap")
     if overlap is not None:
         text += f", {overlap:.0%} of the exchange hidden behind the backward pass"
+    hidden = part["link"] + part["latency"] - (part["lost"] - part["wait"])
+    if row.get("sync", "every-step") != "every-step" and hidden > 0.005 * part["step"]:
+        text += f", {hidden * 1e3:.2f} ms of it a step behind the inner steps"
     return text
 
 

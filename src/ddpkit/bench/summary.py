@@ -115,7 +115,10 @@ def _comm(ranks: Sequence[Mapping[str, Any]], payload: float) -> dict[str, Any] 
         split["skew_s"] = 0.0
         sync_s = max(r["periodic"]["seconds_per_sync"] for r in ranks) / periodic["every"]
         wait = max(0.0, sync_s - split["transfer_s"] - split["latency_s"])
-        overlap = of_possible = exposed = None
+        # what the steps waited for the exchange, a step: an exchange behind the inner steps
+        # (sync_delay) costs only what was left of it when it landed, however slow the link
+        exposed = sync_s
+        overlap = of_possible = None
     elif 0 < payload < grad_bytes:
         # the backward under no_sync skips the hook, so what a compressed step's backward took
         # beyond it is the compressor's own work as well as the wait: no share of the wire's

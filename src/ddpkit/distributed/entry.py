@@ -268,9 +268,10 @@ class FromLauncher:
 
     def take(self) -> None:
         """In the child: the launcher's streams as descriptors 1 and 2, its environment plus the agent's variables."""
-        for fd, stream in zip((1, 2), self.streams):
+        for fd, stream, python_stream in zip((1, 2), self.streams, (sys.stdout, sys.stderr)):
             if stream is not None:
-                sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+                if python_stream is not None:
+                    python_stream.flush()
                 received = stream.detach()
                 os.dup2(received, fd)
                 os.close(received)
