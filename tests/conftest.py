@@ -8,8 +8,8 @@ import os
 import pytest
 
 # ddpkit.launch's children start from a forkserver that imported torch once (a spawned child spends
-# ~3 s of CPU importing it again); each launch's children still get that launch's environment
-# (entry.take_launchers_environment). Tests that need spawn itself pass start_method="spawn".
+# ~3 s of CPU importing it again); each launch's children still get that launch's environment and
+# streams (entry.FromLauncher). Tests that need spawn itself pass start_method="spawn".
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "ddpkit", "workers"]
 
 

@@ -18,23 +18,17 @@ def rank_sum() -> dict:
 
 
 def environment() -> dict:
-    """This process's environment, parent pid, parent-death signal and threads; prints a line to stdout and stderr."""
-    import ctypes
+    """This process's environment, parent pid, threads and torch's threads; prints a line to stdout and stderr."""
     import os
     import sys
+    import threading
 
     print(f"stdout of rank {os.environ['RANK']} in launch {os.environ.get('DDPKIT_TEST_MARK')}", flush=True)
     print(f"stderr of rank {os.environ['RANK']} in launch {os.environ.get('DDPKIT_TEST_MARK')}", file=sys.stderr)
-    signal_number = ctypes.c_int(0)
-    ctypes.CDLL(None).prctl(2, ctypes.byref(signal_number), 0, 0, 0)  # PR_GET_PDEATHSIG
-    import threading
-
-    threads = [thread.name for thread in threading.enumerate()]
     return {
         "environ": dict(os.environ),
         "ppid": os.getppid(),
-        "pdeathsig": signal_number.value,
-        "threads": threads,
+        "threads": [thread.name for thread in threading.enumerate()],
         "torch_threads": torch.get_num_threads(),
     }
 

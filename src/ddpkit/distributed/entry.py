@@ -256,15 +256,15 @@ class FromLauncher:
     ``OMP_NUM_THREADS``. Other variables torch reads only when imported keep the server's values.
     """
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, environ: dict[str, str] | None = None, streams: Sequence[Any] = ()) -> None:
         self.environ = dict(os.environ) if environ is None else environ
-        self.streams: list[Any] = []
+        self.streams = streams  # in the child: what DupFd sent for descriptors 1 and 2 (None: closed)
 
     def __reduce__(self) -> tuple[Any, ...]:
         from multiprocessing import reduction
 
         streams = [reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
-        return (_received_from_launcher, (self.environ, streams))
+        return (FromLauncher, (self.environ, streams))
 
     def take(self) -> None:
         """In the child: the launcher's streams as descriptors 1 and 2, its environment plus the agent's variables."""
@@ -284,12 +284,6 @@ class FromLauncher:
             import torch
 
             torch.set_num_threads(int(threads))
-
-
-def _received_from_launcher(environ: dict[str, str], streams: list[Any]) -> FromLauncher:
-    received = FromLauncher(environ)
-    received.streams = streams
-    return received
 
 
 def _is_open(fd: int) -> bool:

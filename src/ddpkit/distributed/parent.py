@@ -79,7 +79,7 @@ def _watch(launcher: int) -> None:
         pidfd = os.pidfd_open(launcher)
     except ProcessLookupError:
         die()  # gone already
-    except (AttributeError, OSError):  # no pidfd here (Python < 3.9, Linux < 5.3): poll
+    except OSError:  # no pidfd on this kernel (Linux < 5.3): poll
 
         def poll() -> None:
             while _parent_of(launcher) is not None:
