@@ -48,9 +48,9 @@ class _Gated:
             real_write(path, payload)
             self.events.append(("write ends", path.name))
 
-        def snapshot(payload, spare=None):
+        def snapshot(payload, spare=None, **kwargs):
             self.events.append(("snapshot", payload["ddpkit"]["step"]))
-            return real_snapshot(payload, spare)
+            return real_snapshot(payload, spare, **kwargs)
 
         monkeypatch.setattr(checkpoint, "write", write)
         monkeypatch.setattr(background, "snapshot", snapshot)
@@ -468,3 +468,89 @@ def test_a_forked_child_does_not_inherit_the_hold_on_sigterm(tmp_path):
     result = python(str(script), timeout=50)
     assert result.returncode == 0, result.stderr
     assert "child clean" in result.stdout and f"child ended by {int(signal.SIGTERM)} parent alive" in result.stdout
+
+
+# -- what a save takes off the loop's path: the copy of the optimizer's memory, the gathers --------
+
+
+def test_an_optimizers_memory_is_copied_behind_the_loop_and_its_next_step_waits_for_the_copy(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "ddpkit": {"step": 1}}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+    later = background.Later([optimizer])
+    copied = background.snapshot(payload, later=later)
+    # the weights and both moments (and AdamW's step counts) wait for the writer; nothing else
+    assert len(later.pending) == 2 + 2 * 3
+    started, release = threading.Event(), threading.Event()
+    real_copy = background.Later.copy
+
+    def slow_copy(self):
+        started.set()
+        release.wait(30)
+        real_copy(self)
+
+    monkeypatch.setattr(background.Later, "copy", slow_copy)
+    writer = background.Writer()
+    monkeypatch.setattr(background, "WRITER", writer)
+    writer.submit("x", lambda: None, held_bytes=0, data=copied, later=later)
+    assert started.wait(30)
+    model(torch.randn(2, 4)).sum().backward()  # the forward and backward run beside the copy
+    threading.Timer(0.3, release.set).start()
+    optimizer.step()  # waits for the copy: it reads the weights as they were at the save
+    done = writer.wait()
+    assert done is not None and done.error is None and done.step_wait_s > 0.1
+    for key, value in before.items():
+        assert torch.equal(copied["model"][key], value) and not torch.equal(model.state_dict()[key], value)
+    for key, value in moments.items():
+        assert torch.equal(copied["optimizer"]["state"][key]["exp_avg"], value)
+
+
+def test_a_change_in_place_before_the_copy_behind_the_loop_fails_the_save_not_tears_it():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    later = background.Later([optimizer])
+    background.snapshot({"model": model.state_dict()}, later=later)
+    with torch.no_grad():
+        model.weight.mul_(2)  # outside a step: what a loop must not do while a save copies
+    with pytest.raises(RuntimeError, match="changed in place between the save and the next optimizer step"):
+        later.copy()
+    untouched = background.Later([optimizer])
+    copy = background.snapshot({"model": model.state_dict()}, later=untouched)
+    untouched.copy()
+    assert torch.equal(copy["model"]["weight"], model.weight.detach())
+
+
+def test_a_tensor_no_optimizer_changes_is_copied_when_the_save_returns():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    frozen = torch.nn.Linear(4, 3)  # not an optimizer's: may change anywhere
+    later = background.Later([torch.optim.SGD(model.parameters(), lr=0.1)])
+    copied = background.snapshot({"model": model.state_dict(), "frozen": frozen.state_dict()}, later=later)
+    assert {source.data_ptr() for source, _, _ in later.pending} == {p.data_ptr() for p in model.parameters()}
+    model[1].running_mean.add_(1)  # a forward in training mode changes the statistics in place
+    frozen.weight.data.add_(1)
+    assert torch.equal(copied["model"]["1.running_mean"], torch.zeros(3))
+    assert not torch.equal(copied["frozen"]["weight"], frozen.weight.detach())
+
+
+@pytest.mark.timeout(120)
+def test_every_ranks_rng_and_statistics_reach_rank_0_through_the_store_and_leave_it(tmp_path):
+    from workers import save_parts
+
+    found = ddpkit.launch(save_parts, nprocs=2, args=(str(tmp_path),))
+    assert found[0]["left"] == [False, False]  # rank 1's parts were taken out of the store
+    for n, path in enumerate(sorted(tmp_path.glob("ckpt-step*.pt"))):
+        saved = checkpoint.read(path)
+        for rank in (0, 1):
+            assert torch.equal(saved["ddpkit"]["rng"][rank]["torch"], found[rank]["rng"][n])
+            own = saved["ddpkit"]["buffers"][rank][0]
+            assert own["dirty"] == [0] and all(
+                torch.equal(v, found[rank]["stats"][n][k]) for k, v in own["values"].items()
+            )
+        mean = (found[0]["stats"][n]["1.running_mean"] + found[1]["stats"][n]["1.running_mean"]) / 2
+        assert torch.equal(saved["user"]["model"]["1.running_mean"], mean)
+        assert not torch.equal(found[0]["stats"][n]["1.running_mean"], found[1]["stats"][n]["1.running_mean"])

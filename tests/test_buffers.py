@@ -78,3 +78,30 @@ def test_only_models_whose_buffers_are_all_plain_batchnorm_statistics_sync_lazil
     other.register_buffer("mask", torch.ones(2))
     assert lazy_buffers.candidates(other) is None
     assert lazy_buffers.candidates(torch.nn.Linear(2, 2)) is None
+
+
+def test_a_checkpoints_statistics_from_every_ranks_copies_are_what_agree_and_average_make():
+    from ddpkit.parallel import lazy_buffers
+
+    torch.manual_seed(0)
+    ranks = []
+    for rank in range(2):
+        model = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+        syncer = lazy_buffers.LazyBuffers(lazy_buffers.candidates(model))
+        for _, layer in syncer.layers:
+            layer.running_mean.normal_()
+            layer.running_var.uniform_(1, 2)
+        syncer.dirty = {0, 1} if rank == 0 else {1}  # layer 0 trained on rank 0 alone
+        ranks.append((syncer, [syncer.captured(), None]))
+    own, averages = lazy_buffers.saved([captured for _, captured in ranks])
+    for rank, (syncer, _) in enumerate(ranks):
+        syncer.dirty = {0, 1}  # what agree() makes of it: the union
+        assert own[rank][1] is None
+        assert own[rank][0]["dirty"] == [0, 1]
+        expected = syncer.state_dict()["values"]
+        assert own[rank][0]["values"].keys() == expected.keys()
+        assert all(torch.equal(own[rank][0]["values"][k], v) for k, v in expected.items())
+    zero, one = ranks[0][0].state_dict()["values"], ranks[1][0].state_dict()["values"]
+    assert averages[1] == {}
+    assert averages[0].keys() == zero.keys()
+    assert all(torch.equal(averages[0][k], (zero[k] + one[k]) / 2) for k in zero)

@@ -382,3 +382,21 @@ def test_every_variable_the_elastic_agent_sets_for_a_worker_is_one_set_by_elasti
     assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} <= from_agent
     assert {key for key in from_agent if not _torch.set_by_elastic_agent(key)} == set()
     assert not _torch.set_by_elastic_agent("DDPKIT_TEST_MARK") and not _torch.set_by_elastic_agent("PATH")
+
+
+def test_version_of_counts_changes_in_place_shared_with_detach_and_views():
+    weight = torch.nn.Parameter(torch.ones(3))
+    seen = _torch.version_of(weight.detach())
+    with torch.no_grad():
+        weight[1:].mul_(2)  # through a view, without autograd: counted all the same
+    assert _torch.version_of(weight.detach()) == _torch.version_of(weight) > seen
+    weight.data.add_(1)  # .data has a counter of its own (the case a save cannot see)
+    assert _torch.version_of(weight) == seen + 1
+
+
+def test_version_of_is_loud_when_the_counter_is_gone():
+    class NoCounter:
+        pass
+
+    with pytest.raises(_torch.PrivateApiChanged, match="torch.Tensor._version"):
+        _torch.version_of(NoCounter())  # type: ignore[arg-type]

@@ -766,3 +766,35 @@ def final_exchange_run(sync: str, every: int, fragments: int, delay: int, checkp
         rt.save(checkpoint_dir, state)
     rt.close()
     return out
+
+
+def save_parts(checkpoint_dir: str) -> dict:
+    """Two background saves of a BatchNorm model on every rank: each rank's RNG state at the save,
+    and (rank 0) whether the parts the ranks brought through the store are gone from it after."""
+    from ddpkit import _torch, rng
+
+    rt = ddpkit.init(seed=3, checkpoint_dir=checkpoint_dir)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    state = {"model": model, "optimizer": optimizer}
+    found: dict = {"rng": [], "stats": []}
+    for _ in range(2):
+        rt.backward(model(torch.randn(8, 4) + rt.rank).sum())
+        rt.step(optimizer)
+        found["rng"].append(rng.rng_state()["torch"].clone())
+        inner = _torch.unwrap(model)[1]
+        found["stats"].append(
+            {"1.running_mean": inner.running_mean.clone(), "1.running_var": inner.running_var.clone()}
+        )
+        rt.checkpoint(state)
+        torch.rand(3)  # the loop draws on: the saved state is the one at the save
+    rt.barrier()
+    if rt.is_main:
+        store = _torch.default_store()
+        from ddpkit.distributed import store_sync
+
+        prefix = f"ddpkit/meet/{store_sync._scope}/save"
+        found["left"] = [store.check([f"{prefix}/{n}/rank1"]) for n in (1, 2)]
+    rt.close()
+    return found

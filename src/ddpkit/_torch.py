@@ -391,3 +391,16 @@ def set_by_elastic_agent(name: str) -> bool:
     into ``os.environ`` in the child; no public API names them.
     """
     return name in ELASTIC_WORKER_ENV or name.startswith("TORCHELASTIC_")
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """How many times ``tensor``'s memory was changed in place through torch's ops (its version
+    counter, shared with its views and ``detach()``; ``.data`` gets a counter of its own).
+
+    A background save compares it before and after copying a tensor behind the loop, so a change
+    made meanwhile fails the save loudly instead of writing a torn copy.
+    """
+    version = getattr(tensor, "_version", None)
+    if not isinstance(version, int):
+        raise PrivateApiChanged("torch.Tensor._version")
+    return version

@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             background.WRITER.wait()  # the last write, so its time is counted
         wall = time.perf_counter() - began
         written = background.WRITER.finished[done:] if kind == "background" else []
+        if len(written) == len(waits):  # and what the next steps waited for each copy behind the loop
+            waits = [wait + d.step_wait_s for wait, d in zip(waits, written)]
         found[kind] = {
             "saves": len(waits),
             "loop_wait_s": statistics.median(waits),

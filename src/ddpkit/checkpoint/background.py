@@ -36,9 +36,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ddpkit import _torch
 
 
-def snapshot(payload: Mapping[str, Any], spare: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def snapshot(
+    payload: Mapping[str, Any],
+    spare: Mapping[str, Any] | None = None,
+    *,
+    later: Later | None = None,
+) -> dict[str, Any]:
     """A copy of ``payload`` that later steps cannot change: every tensor copied to host memory.
 
     Plain containers and values are deep-copied; tensors sharing storage still share it in the
@@ -46,6 +54,10 @@ def snapshot(payload: Mapping[str, Any], spare: Mapping[str, Any] | None = None)
     host one by one (no second copy of the state in device memory). ``spare``, an earlier
     snapshot of the same structure whose write is done, lends its tensors: copied into, not
     allocated again (a fresh 150 MB costs its page faults on every save).
+
+    ``later``: the tensors it :meth:`Later.takes` (memory only an optimizer's step changes) get
+    their place in the copy now and their values later, on the writer's thread
+    (:meth:`Writer.submit`), while the next forward and backward run.
     """
     found = tensors(payload)
     lent = tensors(spare) if spare is not None else []
@@ -58,12 +70,63 @@ def snapshot(payload: Mapping[str, Any], spare: Mapping[str, Any] | None = None)
     ):
         for tensor, into in zip(found, lent):
             if id(tensor) not in memo:
-                memo[id(tensor)] = into.copy_(tensor.detach())
+                if later is not None and later.takes(tensor, into):
+                    memo[id(tensor)] = into
+                else:
+                    memo[id(tensor)] = into.copy_(tensor.detach())
     else:
         for tensor in found:
-            if id(tensor) not in memo and (tensor.device.type != "cpu" or tensor.requires_grad):
+            if id(tensor) in memo:
+                continue
+            if later is not None and later.takes(tensor, None):
+                memo[id(tensor)] = later.pending[-1][1]
+            elif tensor.device.type != "cpu" or tensor.requires_grad:
                 memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
     return copy.deepcopy(dict(payload), memo)
+
+
+class Later:
+    """The tensors of a snapshot copied behind the loop: an optimizer's parameters and state.
+
+    Between a save and the next optimizer step nothing else of the training loop changes them
+    (the forward and backward only read the parameters), so their copy runs on the writer's
+    thread meanwhile, and every optimizer's step first waits for it (a global step pre-hook).
+    A change made in place meanwhile anyway (``p.mul_(...)`` outside a step) shows in the
+    tensor's version counter: the save then fails in one line rather than keeping a torn copy.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._memory: set[int] = set()
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                self._memory.update(p.untyped_storage().data_ptr() for p in group["params"])
+            for values in optimizer.state.values():
+                self._memory.update(
+                    v.untyped_storage().data_ptr() for v in values.values() if isinstance(v, torch.Tensor)
+                )
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        """(the live tensor, its place in the copy, its version when the save returned)."""
+
+    def takes(self, tensor: torch.Tensor, into: torch.Tensor | None) -> bool:
+        """Whether ``tensor`` is copied later (into ``into``, or a fresh host tensor); noted if so."""
+        if tensor.untyped_storage().data_ptr() not in self._memory or tensor.is_sparse:
+            return False
+        source = tensor.detach()
+        if into is None:
+            into = torch.empty_like(source, device="cpu")
+        self.pending.append((source, into, _torch.version_of(source)))
+        return True
+
+    def copy(self) -> None:
+        """Copy every pending tensor (the writer's thread); raise if one changed since the save."""
+        for source, into, version in self.pending:
+            into.copy_(source)
+            if _torch.version_of(source) != version:
+                raise RuntimeError(
+                    f"a tensor of shape {tuple(source.shape)} was changed in place between the save and "
+                    "the next optimizer step, outside the step, while it was being copied; save with "
+                    "blocking=True in a loop that changes parameters there"
+                )
 
 
 def tensors(payload: Any) -> list[torch.Tensor]:
@@ -134,6 +197,8 @@ class Done:
     """Seconds the write took in the background."""
     held_bytes: int = 0
     """Host memory its snapshot held until then."""
+    step_wait_s: float = 0.0
+    """Seconds an optimizer's step waited for the copy behind the loop (:class:`Later`)."""
 
 
 class Writer:
@@ -147,12 +212,22 @@ class Writer:
         """The last snapshot, once written: the next one copies into its tensors."""
         self.finished: list[Done] = []
         """Every write waited for, in order (what ``ddpkit bench --checkpoints`` reports)."""
+        self._copied: threading.Event | None = None
+        self._step_wait_s = 0.0
 
     def busy(self) -> bool:
         """True while a write runs."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, name: str, write: Callable[[], object], *, held_bytes: int, data: Mapping[str, Any]) -> None:
+    def submit(
+        self,
+        name: str,
+        write: Callable[[], object],
+        *,
+        held_bytes: int,
+        data: Mapping[str, Any],
+        later: Later | None = None,
+    ) -> None:
         """Run ``write()`` on the writer's thread; its outcome is :meth:`wait`'s.
 
         Args:
@@ -160,16 +235,28 @@ class Writer:
             write: does the writing (and what follows it: pruning, the trackers' rows).
             held_bytes: host memory ``data`` holds until the write ends.
             data: the snapshot written: once the write is done, the next snapshot's spare.
+            later: the snapshot's tensors still to copy, first (every optimizer's next step
+                waits for them).
 
         Raises:
             RuntimeError: a write is still in flight (:meth:`wait` for it first, as ``save`` does).
         """
         if self._thread is not None:
             raise RuntimeError("a checkpoint write is already in flight; wait() for it first")
+        copied = threading.Event()
+        if later is None or not later.pending:
+            copied.set()
+        elif not _step_hook:
+            _step_hook.append(register_optimizer_step_pre_hook(_before_step))
 
         def run() -> None:
             start = time.perf_counter()
             try:
+                try:
+                    if later is not None:
+                        later.copy()
+                finally:
+                    copied.set()  # a step never waits for a copy that failed
                 write()
             except BaseException as exc:  # noqa: BLE001 - reported by wait(), on the training thread
                 self._done = Done(f"could not write checkpoint {name} in the background: {why(exc, name)}")
@@ -179,9 +266,20 @@ class Writer:
             self._done.held_bytes = held_bytes
 
         self._done, self._data, self.spare = None, data, None
+        self._copied, self._step_wait_s = copied, 0.0
         thread = threading.Thread(target=run, name="ddpkit-checkpoint-writer", daemon=False)
         thread.start()
         self._thread = thread  # started first: join() from another thread never meets an unstarted one
+
+    def copied(self) -> None:
+        """Wait until the snapshot in flight is wholly copied (an optimizer's step, before it
+        changes what the copy reads); the time it waited counts in the write's :class:`Done`."""
+        event = self._copied
+        if event is None or event.is_set() or threading.current_thread() is self._thread:
+            return
+        start = time.perf_counter()
+        event.wait()
+        self._step_wait_s += time.perf_counter() - start
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the write in flight without taking its outcome (any thread);
@@ -201,12 +299,22 @@ class Writer:
         done, self._done = self._done, None
         self.spare, self._data = self._data, None
         if done is not None:
+            done.step_wait_s = self._step_wait_s
             self.finished = [*self.finished[-99:], done]
         return done
 
 
 WRITER = Writer()
 """This process's writer (rank 0 writes; a process has one run at a time)."""
+
+_step_hook: list[Any] = []
+"""The handle of :func:`_before_step`, once registered (for every optimizer of the process)."""
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every optimizer's step pre-hook: a step waits for the copy of the snapshot in flight."""
+    WRITER.copied()
+
 
 TERM_GRACE_S = 20.0
 """How long a "stop now" SIGTERM waits for the write in flight: within the 30 s torch's agent
@@ -306,4 +414,4 @@ def _die_by(signum: int) -> None:
     os._exit(128 + int(signum))  # the signal was blocked on this thread's mask: end as it would
 
 
-__all__ = ["TERM_GRACE_S", "WRITER", "Done", "Writer", "hold_term", "nbytes", "snapshot", "tensors"]
+__all__ = ["TERM_GRACE_S", "WRITER", "Done", "Later", "Writer", "hold_term", "nbytes", "snapshot", "tensors"]

@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddpkit import checkpoint, rng
+from ddpkit._torch import unwrap
 from ddpkit._version import __version__
 from ddpkit.checkpoint import background, dcp
 from ddpkit.distributed import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.observe.heartbeats import beat
 from ddpkit.parallel import lazy_buffers, periodic
+from ddpkit.parallel.modes import ProcessGroup
 from ddpkit.state.run import RunState
 
 
@@ -85,38 +89,26 @@ def save(
     beat("save")
     if run.sharded():
         return _save_sharded(run, peers, Path(path), state, keep, blocking)
-    meeting_point = store_sync.all_arrive("save", peers.save_timeout)
+    light = {"rng": rng.rng_state(), "buffers": [None if b is None else b.captured() for b in run.buffers]}
+    # each rank brings its RNG states and statistics to the meeting (the launcher's store keeps them
+    # when a rank dies right after), so rank 0 writes them behind the loop with no collective
+    meeting_point = store_sync.all_arrive(
+        "save", peers.save_timeout, b"1" if peers.is_main else collectives.object_bytes(light, checked=False)
+    )
     # after the meeting: a long write in flight on rank 0 is never taken for a rank that did not come
     failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
     path = Path(path)
     target = target_of(path, run.loop.step)
     rotate = target != path
-    rngs = collectives.all_gather_object(rng.rng_state())
-    grads = _open_group_grads(run)
-    own_stats, averages = None, {}
-    if any(b is not None for b in run.buffers):  # lazily averaged BatchNorm statistics
-        for syncer in run.buffers:
-            if syncer is not None:
-                syncer.agree()  # a layer trained on one rank only is saved as dirty on all
-        own_stats = collectives.all_gather_object([None if b is None else b.state_dict() for b in run.buffers])
-        averages = {b: b.averaged() for b in run.buffers if b is not None}  # out of place
-    compression = None
-    states = [entry.mode.state_dict() for entry in run.entries]
-    if any(state is not None for state in states):  # the same models on every rank
-        compression = collectives.all_gather_object(states)
+    heavy = _heavy(run)  # part-accumulated gradients, compression: gathered now, when there are any
     if not peers.is_main:
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
         if failed is not None:
             raise DdpkitError(failed)
         return target
-    own = _own_state(run, peers, rngs)
-    if grads is not None:
-        own["accumulated_grads"] = grads
-    if compression is not None:
-        own["compression"] = compression  # per rank, per model: the compressor's state
-    if own_stats is not None:
-        own["buffers"] = own_stats  # per rank, per model: its own statistics, for resume
-    user = _with_averages(checkpoint.user_state(state), state, averages)
+    others = store_sync.take_parts(meeting_point)
+    users = _users_of_buffers(run, state)
+    user = _with_exports(checkpoint.user_state(state), state)
     # each entry at the top level too (the same tensors, stored once): torch.load(path)["model"] reads
     # as a torch.save({"model": ...}) file would, for the scripts that read checkpoints themselves
     payload = {
@@ -125,7 +117,7 @@ def save(
         "version": checkpoint.VERSION,
         "ddpkit_version": __version__,
         "user": user,
-        "ddpkit": own,
+        "ddpkit": {**_own_state(run, peers, []), **heavy},
     }
     if failed is not None:  # the previous save's bytes never got there: every rank stops here
         store_sync.share_outcome(meeting_point, failed, peers.timeout_s)
@@ -134,6 +126,7 @@ def save(
     step = run.loop.step
 
     def write(data: Mapping[str, Any]) -> None:
+        data = _completed(data, [light, *map(collectives.object_from, others)], users)
         checkpoint.write(target, data)
         if rotate:
             checkpoint.prune(path, keep)  # after the new one is durable: the previous one stays till then
@@ -142,14 +135,17 @@ def save(
     if not blocking:
         if run.tracking is not None:
             run.tracking.saving()  # rows logged from now on wait for a checkpoint, as after a blocking save
+        later = background.Later(_optimizers(run, state))  # their memory is copied behind the loop
         try:
-            copied = background.snapshot(payload, background.WRITER.spare)
+            copied = background.snapshot(payload, background.WRITER.spare, later=later)
         except Exception as exc:
             store_sync.share_outcome(meeting_point, f"could not copy checkpoint {target}: {exc}", peers.timeout_s)
             raise
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
         background.hold_term()  # a peer's death now waits for this write before the agent's SIGTERM ends us
-        background.WRITER.submit(str(target), lambda: write(copied), held_bytes=background.nbytes(copied), data=copied)
+        held = background.nbytes(copied) + background.nbytes(light) + sum(map(len, others))
+        # the snapshot stays as taken (the next one's spare): what the write adds goes into new containers
+        background.WRITER.submit(str(target), lambda: write(copied), held_bytes=held, data=copied, later=later)
         return target
     try:
         write(payload)
@@ -159,6 +155,55 @@ def save(
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
     return target
+
+
+def _optimizers(run: RunState, state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers whose parameters and state a save may copy behind the loop: the run's and
+    the saved ones. Only where the processes are one plain group: a fault-tolerant replica's
+    parameters also change when it heals from a peer, outside any step."""
+    if not isinstance(run.world, ProcessGroup):
+        return []
+    found = list(run.optimizers)
+    found += [o for o in map(unwrap, state.values()) if isinstance(o, torch.optim.Optimizer) and o not in found]
+    return found
+
+
+def _heavy(run: RunState) -> dict[str, Any]:
+    """What a checkpoint keeps of every rank that may be large, gathered (every rank calls it): the
+    part-accumulated gradients inside an accumulation group, the models' compression and sync states."""
+    found: dict[str, Any] = {}
+    grads = _open_group_grads(run)
+    if grads is not None:
+        found["accumulated_grads"] = collectives.all_gather_object(grads)
+    states = [entry.mode.state_dict() for entry in run.entries]
+    if any(state is not None for state in states):  # the same models on every rank
+        found["compression"] = collectives.all_gather_object(states)  # per rank, per model
+    return found
+
+
+def _completed(payload: Mapping[str, Any], ranks: list[dict[str, Any]], users: Mapping[str, int]) -> dict[str, Any]:
+    """``payload`` with every rank's RNG states (``ranks``: each rank's, in rank order) and, where
+    BatchNorm statistics are averaged lazily, each rank's own (for resume) and their averages in
+    place of rank 0's in the model entries; new containers where it changes, so a snapshot stays as
+    taken (the next one's spare)."""
+    own = {**payload["ddpkit"], "rng": [r["rng"] for r in ranks]}
+    if any(c is not None for c in ranks[0]["buffers"]):
+        own_stats, averages = lazy_buffers.saved([r["buffers"] for r in ranks])
+        own["buffers"] = own_stats  # per rank, per model: its own statistics, for resume
+    else:
+        averages = [{} for _ in ranks[0]["buffers"]]
+    user = dict(payload["user"])
+    for key, index in users.items():
+        found = averages[index]
+        if found:
+            saved = user[key]
+            user[key] = type(saved)({k: found.get(k, v) for k, v in saved.items()})
+            if hasattr(saved, "_metadata"):  # torch's per-module versions, for load
+                user[key]._metadata = saved._metadata
+    out = dict(payload)
+    out.update({key: value for key, value in user.items() if key not in _HEADER})
+    out["user"], out["ddpkit"] = user, own
+    return out
 
 
 def settle(run: RunState) -> str | None:
@@ -182,29 +227,35 @@ def _saved_tracking(run: RunState, step: int) -> None:
         tracking.saved(step)
 
 
-def _with_averages(user: dict[str, Any], state: Mapping[str, Any], averages: Mapping[Any, Any]) -> dict[str, Any]:
-    """The saved model entries with BatchNorm statistics replaced by their cross-rank averages, and
-    the synced weights of a model that syncs infrequently in place of rank 0's local ones."""
+def _with_exports(user: dict[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved model entries with the synced weights of a model that syncs infrequently in place
+    of rank 0's local ones."""
     for key, value in state.items():
         if isinstance(user.get(key), dict) and periodic.of(value) is not None:
             user[key] = periodic.exported(value, user[key])
-        found = averages.get(lazy_buffers.of(value))  # by syncer; empty when nothing was dirty
-        if found:
-            saved = user[key]
-            user[key] = type(saved)({k: found.get(k, v) for k, v in saved.items()})
-            if hasattr(saved, "_metadata"):  # torch's per-module versions, for load
-                user[key]._metadata = saved._metadata
     return user
 
 
+def _users_of_buffers(run: RunState, state: Mapping[str, Any]) -> dict[str, int]:
+    """The entries of ``state`` whose model's BatchNorm statistics are averaged lazily: the index of
+    its syncer in ``run.buffers`` by key (its checkpoint entry gets the averages)."""
+    found = {}
+    for key, value in state.items():
+        syncer = lazy_buffers.of(value)
+        index = next((i for i, b in enumerate(run.buffers) if syncer is not None and b is syncer), None)
+        if index is not None:
+            found[key] = index
+    return found
+
+
 def _open_group_grads(run: RunState) -> list[Any] | None:
-    """Every rank's part-accumulated gradients when a save falls inside an accumulation group."""
+    """This rank's part-accumulated gradients (copies) when a save falls inside an accumulation group."""
     if run.loop.micro_step == 0:
         return None
-    mine = [
-        [None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()] for model in run.models
+    return [
+        [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+        for model in run.models
     ]
-    return collectives.all_gather_object(mine)
 
 
 def _own_state(run: RunState, peers: Peers, rngs: list[Any]) -> dict[str, Any]:

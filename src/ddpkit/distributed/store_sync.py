@@ -39,8 +39,11 @@ def _prefix(what: str) -> str:
     return f"ddpkit/meet/{_scope}/{what}/{number}"
 
 
-def all_arrive(what: str, timeout_s: float) -> str:
+def all_arrive(what: str, timeout_s: float, part: bytes = b"1") -> str:
     """Wait until every rank calls ``what`` (its n-th call), or raise naming the ranks that did not.
+
+    ``part``: what this rank brings to the meeting (a few kilobytes), for rank 0 to take with
+    :func:`take_parts`; it stays in the launcher's store when the rank dies right after.
 
     Returns the key prefix of this meeting, for :func:`share_outcome`.
 
@@ -53,7 +56,7 @@ def all_arrive(what: str, timeout_s: float) -> str:
         return prefix
 
     store = default_store()
-    store.set(f"{prefix}/rank{me}", "1")
+    store.set(f"{prefix}/rank{me}", part)
     if store.add(f"{prefix}/count", 1) == world:
         store.set(f"{prefix}/all", "1")
     try:
@@ -67,6 +70,20 @@ def all_arrive(what: str, timeout_s: float) -> str:
             "`if rt.is_main:`; ddpkit writes on rank 0 only"
         ) from None
     return prefix
+
+
+def take_parts(prefix: str) -> list[bytes]:
+    """Rank 0, after :func:`all_arrive`: every other rank's ``part`` of the meeting ``prefix``, in
+    rank order, removed from the store as they are read (a long run's meetings would pile up)."""
+    if collectives.world_size() == 1:
+        return []
+    store = default_store()
+    found = []
+    for rank in range(1, collectives.world_size()):
+        key = f"{prefix}/rank{rank}"
+        found.append(store.get(key))
+        store.delete_key(key)
+    return found
 
 
 def share_outcome(prefix: str, error: str | None, timeout_s: float) -> None:
