@@ -1,10 +1,13 @@
 """Checkpoint writes in the background: a save returns once its snapshot is taken.
 
-``rt.save`` and ``rt.checkpoint`` gather what a checkpoint holds on every rank as before; rank 0
-then copies it (:func:`snapshot`: tensors into fresh host memory, so the next steps may change
-the model and optimizer in place) and hands the copy to :data:`WRITER`, whose thread serialises,
-fsyncs, checksums and renames it into place (:func:`ddpkit.checkpoint.pt.write`, unchanged, so
-a checkpoint's name never points at bytes not yet all there).
+``rt.save`` and ``rt.checkpoint`` meet every rank through the launcher's store, each bringing its
+RNG states and BatchNorm statistics (:mod:`ddpkit.checkpoint.resume`); rank 0 then copies the
+state (:func:`snapshot`: tensors into host memory, so the next steps may change the model and
+optimizer in place) and hands the copy to :data:`WRITER`, whose thread serialises, fsyncs,
+checksums and renames it into place (:func:`ddpkit.checkpoint.pt.write`, unchanged, so a
+checkpoint's name never points at bytes not yet all there). The optimizer's memory is copied
+on that thread too, first (:class:`Later`), while the next forward and backward run; the next
+optimizer step waits for it.
 
 At most one write is in flight in a process: a save waits for the previous one before it takes
 its snapshot, so the extra host memory is one state's. What needs the bytes on disk waits for
@@ -109,7 +112,7 @@ class Later:
 
     def takes(self, tensor: torch.Tensor, into: torch.Tensor | None) -> bool:
         """Whether ``tensor`` is copied later (into ``into``, or a fresh host tensor); noted if so."""
-        if tensor.untyped_storage().data_ptr() not in self._memory or tensor.is_sparse:
+        if tensor.layout != torch.strided or tensor.untyped_storage().data_ptr() not in self._memory:
             return False
         source = tensor.detach()
         if into is None:

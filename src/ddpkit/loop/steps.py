@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.checkpoint import background
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
 from ddpkit.observe.heartbeats import beat
@@ -51,6 +52,7 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
 def end_training(run: RunState) -> None:
     """The last optimizer step is taken: every mode brings the processes to their common model
     (DiLoCo and local SGD exchange what they trained since their last sync; the others have nothing to do)."""
+    background.WRITER.copied()  # a save just before may still be copying the weights the exchange changes
     for mode in run.modes:
         mode.end_training()
 
@@ -101,6 +103,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
+    background.WRITER.copied()  # the modes below may change weights before the optimizers' own wait
     for mode in run.modes:
         mode.complete()
     params = _trained(run, optimizers)
