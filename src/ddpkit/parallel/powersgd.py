@@ -38,19 +38,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT = 3
-"""The layout of saved factors and feedback: 3 since matrices are compressed at :data:`MIN_COMPRESSION`
-8 with twice the rank under :data:`SMALL_MATRIX` (2 compressed more of them, all at one rank). Checkpoints of another format (or none: torch's hook's layout)
-resume with fresh feedback and a warning."""
+FORMAT = 4
+"""The layout of saved factors and feedback: 4 since matrices under :data:`SMALL_MATRIX` elements
+travel whole (3: compressed at twice the rank; 2: at one rank, where factors were at most half of
+a matrix). Checkpoints of another format (or none: torch's hook's layout) resume with fresh
+feedback and a warning."""
 MIN_COMPRESSION = 8
 """A matrix is compressed when its factors are at most an eighth of its size. torch's hook takes
 half: then the small matrices of small models are compressed too, where a low-rank gradient costs
 accuracy (the digits ConvNet lost 2.4 points at rank 2) for bytes that do not matter (its largest
 matrix is 51 KB)."""
 SMALL_MATRIX = 1 << 16
-"""Matrices under 64K elements (256 KB of fp32) get factors of twice ``powersgd_rank``: rank 2
-cost a small MLP 1.2 points where rank 4 cost 0.2, and such matrices are a small share of a big
-model's bytes (ResNet-18: 0.37 MB a step instead of 0.35; BENCHMARKS.md)."""
+"""Matrices under 64K elements (256 KB of fp32) travel whole. At twice ``powersgd_rank`` (the rule
+before) MLPs on digits it was not tuned on lost up to 1.85 points in 40 steps (3 seeds); whole,
+0.83 at most (BENCHMARKS.md). They are a small share of a big model's bytes: ResNet-18 sends
+1.11 MB a step instead of 0.37 (of 44.7), a tiny-lm 0.59 instead of 0.34 (of 22.4)."""
 
 
 @dataclass
@@ -84,12 +86,15 @@ class _Bucket:
 
 
 def matrix_rank(shape: torch.Size, rank: int) -> int:
-    """The rank of a matrix's factors: ``2 x rank`` under :data:`SMALL_MATRIX` elements, else ``rank``."""
-    return 2 * rank if shape.numel() < SMALL_MATRIX else rank
+    """The rank of a matrix's factors: ``rank`` (a matrix under :data:`SMALL_MATRIX` elements is
+    not compressed at all)."""
+    return rank
 
 
 def _is_matrix(shape: torch.Size, rank: int) -> bool:
-    if len(shape) < 2:
+    """Whether a gradient of ``shape`` is compressed: a matrix (a conv kernel as out x rest) of at
+    least :data:`SMALL_MATRIX` elements whose factors are at most 1/:data:`MIN_COMPRESSION` of it."""
+    if len(shape) < 2 or shape.numel() < SMALL_MATRIX:
         return False
     n, m = shape[0], shape.numel() // shape[0]
     return (n + m) * matrix_rank(shape, rank) * MIN_COMPRESSION < n * m
