@@ -122,6 +122,36 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
             assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
 
 
+@pytest.mark.timeout(240)
+def test_an_int8_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monkeypatch):
+    """int8 with error feedback, streamed: two fragments each landing 2 steps after it was sent;
+    stopped at step 7 with fragment 0's exchange in flight and both fragments' feedback kept."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "none").mkdir()
+    stream = (4, "int8", 1, 2, 2)  # every, sync_dtype, accumulate, fragments, delay
+    uninterrupted = ddpkit.launch(
+        workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(tmp_path / "none"), *stream)
+    )
+    params = sum(t.numel() for t in uninterrupted[0]["synced"])
+    # one byte an element: a quarter of fp32's (fragment 0 sent at 2, 6, 10, 14; fragment 1 at 4, 8, 12)
+    assert uninterrupted[0]["sent_bytes"] == 3 * (params + 2 * 32) + uninterrupted[0]["fragment0_elements"]
+    assert _equal(uninterrupted[0]["synced"], uninterrupted[1]["synced"])  # the ranks meet at one model
+    assert uninterrupted[0]["loss"] < 2.0
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stopped = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, 7, str(ckpt), *stream))
+    assert stopped[0]["pending"] == 1
+    saved = ddpkit.checkpoint.read(stopped[0]["saved"])["ddpkit"]["compression"]
+    feedback = [rank[0]["feedback"] for rank in saved]
+    assert sorted(feedback[0]) == [0, 1] and not torch.equal(feedback[0][0], feedback[1][0])  # each rank's own
+    assert saved[0][0]["pending"][0]["flat"].dtype == torch.int8 and saved[0][0]["pending"][0]["scale"] > 0
+    resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(ckpt), *stream))
+    for rank in (0, 1):
+        assert _equal(resumed[rank]["synced"], uninterrupted[rank]["synced"])
+        for name, value in uninterrupted[rank]["weights"].items():
+            assert torch.equal(resumed[rank]["weights"][name], value), (rank, name)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -129,7 +159,10 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
         ({"sync": "diloco", "sync_fragments": 2}, "without sync_every chooses the period and the overlap"),
         ({"sync": "diloco", "sync_every": 0}, "sync_every=H is a whole number of optimizer steps of at least 1"),
         ({"sync_every": 5}, "give sync='diloco' or 'local-sgd'"),
-        ({"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int8"}, "sync_dtype='int8': choose 'fp32' or 'bf16'"),
+        (
+            {"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int4"},
+            "sync_dtype='int4': choose 'fp32', 'bf16' or 'int8'",
+        ),
         ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
         (
             {"sync": "diloco", "sync_every": 5, "grad_compression": "powersgd"},
@@ -252,6 +285,28 @@ def test_the_period_chosen_from_the_link_is_the_shortest_that_hides_the_exchange
     assert chosen(1e6)["every"] == MIN_EVERY
 
 
+def test_where_the_link_sets_the_period_int8_is_chosen_to_shorten_it_unless_the_user_gave_a_dtype():
+    from ddpkit.parallel.periodic_parts import MIN_EVERY, choose_exchange
+
+    def chosen(mbit: float, dtype: str = "bf16", given: bool = False) -> dict:
+        return choose_exchange(
+            step_s=0.1,
+            elements=2_000_000,
+            dtype=dtype,
+            dtype_given=given,
+            world=2,
+            link_bytes_per_s=mbit * 1e6 / 8,
+            latency_s=0.002,
+        )
+
+    slow, kept = chosen(10), chosen(10, given=True)
+    assert slow["dtype"] == "int8" and kept["dtype"] == "bf16"
+    assert slow["exchange_bytes"] * 2 == kept["exchange_bytes"] and slow["every"] < kept["every"]
+    assert chosen(10, "fp32", given=True)["every"] > kept["every"]  # the user's fp32 stands, however slow
+    fast = chosen(1e6)
+    assert fast["dtype"] == "bf16" and fast["every"] == MIN_EVERY  # a link that sets nothing: no rounding to int8
+
+
 @pytest.mark.timeout(300)
 def test_without_sync_every_the_period_is_chosen_once_from_the_link_and_a_resume_keeps_it(tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
@@ -261,6 +316,7 @@ def test_without_sync_every_the_period_is_chosen_once_from_the_link_and_a_resume
     assert decision is not None and decision == stopped[1]["decision"]  # one choice, the same on every rank
     assert stopped[0]["every"] == decision["every"] >= 2 and stopped[0]["delay"] == decision["delay"] >= 1
     assert decision["exchange_bytes"] == 2 * sum(t.numel() for t in stopped[0]["synced"]) + 2 * 2 * 32  # bf16
+    assert decision["dtype"] == "bf16"  # loopback does not set the period: nothing to gain from int8
     printed = capfd.readouterr().err
     assert printed.count("sync='diloco' chose sync_every=") == 1, printed[-3000:]
     resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 20, None, str(ckpt), None))

@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add(
         "--sync-dtype",
-        choices=("fp32", "bf16"),
+        choices=("fp32", "bf16", "int8"),
         default=None,
         help="the exchange of local-sgd and diloco rows (default fp32)",
     )

@@ -19,7 +19,11 @@ resumes bitwise on the same world size; on another one it continues from the syn
 
 The exchange is one allreduce of each rank's change since the last sync, every parameter and
 floating buffer flattened: in bfloat16 by default (half the bytes; the changes, not the weights,
-are rounded to 8 bits of mantissa), or ``sync_dtype="fp32"``.
+are rounded to 8 bits of mantissa), or ``sync_dtype="fp32"``, or ``sync_dtype="int8"`` (a quarter of
+fp32's bytes): each rank's change plus its error feedback (what rounding kept back at the last
+exchange of the fragment) is divided by the ranks' largest magnitude (one small allreduce) and
+rounded to ``127 // world`` levels, so the sum of every rank's int8 values fits in int8 on the
+wire; what the rounding kept back is this rank's next feedback, kept in checkpoints.
 
 Streaming (Douillard et al., 2025, "Streaming DiLoCo"): ``sync_fragments=F`` splits the model into
 F fragments of consecutive parameters, each exchanged once a period at its own point of it (so the
@@ -45,8 +49,10 @@ import torch.distributed as dist
 from ddpkit._torch import unwrap
 from ddpkit.distributed.probe import link, slowest_step
 from ddpkit.errors import UsageError, warn
-from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_period
+from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_exchange
 
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
+"""The exchange's dtype by name, as ``sync_dtype`` says it."""
 MEASURING = 1 << 30
 """The period while it is being chosen: no exchange before the choice."""
 
@@ -64,7 +70,7 @@ class PeriodicSync:
         every: optimizer steps between syncs (None: chosen from the link and the step, :meth:`_choose`).
         outer_lr: DiLoCo's outer learning rate (None: 0.7 with ``every``; 1.0, an average, where the period is chosen).
         outer_momentum: DiLoCo's outer Nesterov momentum (0: plain SGD; None: 0.9 with ``every``, 0 where it is chosen).
-        sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default) or ``"fp32"``.
+        sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default), ``"fp32"`` or ``"int8"`` (error feedback).
         fragments: fragments of the model, each exchanged at its own point of the period.
         delay: inner steps a fragment's exchange runs in the background before it is applied.
     """
@@ -94,6 +100,8 @@ class PeriodicSync:
         self._step_ends: list[float] = []
         self.every = MEASURING if every is None else every
         self.dtype = _DTYPES[sync_dtype]
+        self.dtype_given = sync_dtype is not None
+        """The exchange's dtype was the user's: a period chosen from the link keeps it."""
         self.steps = 0  # optimizer steps into the period
         self.total = 0  # optimizer steps in all (when a delayed exchange lands)
         self.delay = delay
@@ -108,6 +116,8 @@ class PeriodicSync:
         self.synced = [p.detach().clone() for p in self.params]
         self.synced_buffers = [b.detach().clone() for b in self.buffers]
         self._layout(fragments)
+        self.feedback: dict[int, torch.Tensor] = {}
+        """int8 exchanges: by fragment, what rounding kept back of this rank's last change (fp32)."""
         self.outer = None
         if kind == "diloco":
             # DiLoCo's settings (tuned at H = 500) where the user gives the period; an average at the short
@@ -133,10 +143,11 @@ class PeriodicSync:
         if self.choosing and _world() > 1:
             self._link = link(min(self._exchange_bytes(), PROBE_BYTES), device)
 
-    def _exchange_bytes(self) -> int:
-        """Bytes of one whole exchange: every parameter's and floating buffer's change, in the exchange's dtype."""
+    def _exchange_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one whole exchange: every parameter's and floating buffer's change, in ``dtype``
+        (the exchange's own by default)."""
         elements = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
-        return elements * torch.empty(0, dtype=self.dtype).element_size()
+        return elements * torch.empty(0, dtype=dtype or self.dtype).element_size()
 
     def _time_step(self) -> None:
         """While choosing: time the inner steps; after :data:`MEASURE_STEPS` of them, choose."""
@@ -151,9 +162,12 @@ class PeriodicSync:
         whose exchange hides behind the inner steps (:func:`~ddpkit.parallel.periodic_parts.choose_period`)."""
         slowest = slowest_step(self._step_ends)
         latency, speed = self._link or (0.0, None)
-        decision = choose_period(
+
+        decision = choose_exchange(
             step_s=slowest,
-            exchange_bytes=self._exchange_bytes(),
+            elements=self._exchange_bytes(torch.int8),  # one byte an element: how many there are
+            dtype=_NAMES[self.dtype],
+            dtype_given=self.dtype_given,
             world=_world(),
             link_bytes_per_s=speed,
             latency_s=latency,
@@ -170,7 +184,8 @@ class PeriodicSync:
                 else f"{speed / 1e6:.2f} MB/s"
             )
             warn(
-                f"sync={self.name!r} chose sync_every={self.every}, sync_delay={self.delay}: link {shown}, "
+                f"sync={self.name!r} chose sync_every={self.every}, sync_delay={self.delay}, sync_dtype="
+                f"{decision['dtype']!r}: link {shown}, "
                 f"latency {latency * 1e3:.2f} ms, inner step {decision['step_s'] * 1e3:.1f} ms, one exchange of "
                 f"{decision['exchange_bytes'] / 1e6:.2f} MB takes {decision['exchange_s'] * 1e3:.1f} ms "
                 f"and runs behind the next {self.delay} step(s)"
@@ -179,6 +194,8 @@ class PeriodicSync:
     def _adopt(self, decision: dict[str, Any]) -> None:
         self.decision, self.choosing = decision, False
         self.every, self.delay = int(decision["every"]), int(decision["delay"])
+        if decision.get("dtype") in _DTYPES:  # chosen with the period (a checkpoint's choice stands)
+            self.dtype = _DTYPES[decision["dtype"]]
         self._layout(int(decision["fragments"]))
 
     # -- training --------------------------------------------------------------------------
@@ -249,9 +266,13 @@ class PeriodicSync:
         own = [self.synced[i] - self.params[i] for i in indices]
         if with_buffers:
             own += [s - b for s, b in zip(self.synced_buffers, self.buffers)]
-        flat = torch.cat([t.reshape(-1).to(self.dtype) for t in own]) if own else torch.zeros(0, dtype=self.dtype)
-        self.sent_bytes += flat.numel() * flat.element_size()
         world = _world()
+        scale = None
+        if self.dtype == torch.int8:
+            flat, scale = self._quantised(fragment, own, world)
+        else:
+            flat = torch.cat([t.reshape(-1).to(self.dtype) for t in own]) if own else torch.zeros(0, dtype=self.dtype)
+        self.sent_bytes += flat.numel() * flat.element_size()
         work = dist.all_reduce(flat, async_op=delay > 0) if world > 1 else None
         exchange = {
             "fragment": fragment,
@@ -260,12 +281,30 @@ class PeriodicSync:
             "apply_at": self.total + delay,
             "own": [t for t in own] if delay > 0 else None,
             "world": world,
+            "scale": scale,
         }
         self.sync_seconds += time.perf_counter() - started
         if delay > 0:
             self.pending.append(exchange)
         else:
             self._land(exchange)
+
+    def _quantised(self, fragment: int, own: list[torch.Tensor], world: int) -> tuple[torch.Tensor, float]:
+        """``own`` (this rank's change) plus the fragment's feedback as int8 levels of the ranks' common
+        scale, and that scale (a unit of the levels); what rounding kept back is the next feedback."""
+        device = own[0].device if own else torch.device("cpu")
+        change = torch.cat([t.reshape(-1).float() for t in own]) if own else torch.zeros(0, device=device)
+        kept = self.feedback.get(fragment)
+        if kept is not None and kept.numel() == change.numel():
+            change += kept.to(change.device)
+        largest = change.abs().max().reshape(1) if change.numel() else torch.zeros(1, device=device)
+        if world > 1:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one scale on every rank: the sum stays exact
+        levels = 127 // world
+        unit = float(largest.item()) / levels if float(largest.item()) > 0 else 1.0
+        quantised = torch.round(change / unit).clamp_(-levels, levels)
+        self.feedback[fragment] = change - quantised * unit
+        return quantised.to(torch.int8), unit
 
     @torch.no_grad()
     def _land(self, exchange: dict[str, Any]) -> None:
@@ -278,7 +317,10 @@ class PeriodicSync:
         self.pending = [e for e in self.pending if e is not exchange]  # by identity: dicts of tensors
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
-        flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32) / exchange["world"]
+        flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32)
+        if exchange.get("scale") is not None:  # int8: levels of the ranks' common unit
+            flat = flat * exchange["scale"]
+        flat = flat / exchange["world"]
         moved, at = [], 0
         for t in tensors:
             moved.append(flat[at : at + t.numel()].view_as(t).to(t.dtype))
@@ -367,9 +409,11 @@ class PeriodicSync:
                     "apply_at": e["apply_at"],
                     "world": e["world"],
                     "own": [t.detach().cpu().clone() for t in e["own"]],
+                    "scale": e.get("scale"),
                 }
                 for e in self.pending
             ],
+            "feedback": {f: t.detach().cpu().clone() for f, t in self.feedback.items()},
             "local": [p.detach().cpu().clone() for p in self.params],
             "local_buffers": [b.detach().cpu().clone() for b in self.buffers],
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
@@ -430,9 +474,11 @@ class PeriodicSync:
                     "apply_at": int(e["apply_at"]),
                     "world": int(e["world"]),
                     "own": [t.to(device) for t in e["own"]],
+                    "scale": e.get("scale"),
                 }
                 for e in saved.get("pending", [])
             ]
+            self.feedback = {int(f): t.to(device) for f, t in saved.get("feedback", {}).items()}
             return
         if same_world:
             warn(
@@ -442,7 +488,7 @@ class PeriodicSync:
             )
             _copy(self.params, self.synced)
             _copy(self.buffers, self.synced_buffers)
-            self.steps, self.pending = 0, []
+            self.steps, self.pending, self.feedback = 0, [], {}
             return
         warn(
             f"checkpoint {source} was saved {saved['steps']} step(s) into a sync period on another world size: "
@@ -450,7 +496,7 @@ class PeriodicSync:
         )
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
-        self.steps, self.pending = 0, []
+        self.steps, self.pending, self.feedback = 0, [], {}
 
 
 def _world() -> int:

@@ -11,9 +11,11 @@ from ddpkit.errors import UsageError, warn
 
 SYNCS = ("every-step", "local-sgd", "diloco")
 """``rt.setup``'s ``sync`` values: DDP's allreduce every step, or one of the two infrequent ones."""
-_DTYPES = {None: torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {None: torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 """The exchange's dtype; the default (None) is bfloat16: half the bytes, and on tiny-lm DiLoCo's
-validation loss moved by 0.1% (BENCHMARKS.md)."""
+validation loss moved by 0.1% (BENCHMARKS.md). ``"int8"`` sends a quarter of fp32's bytes: each
+rank's change plus what rounding kept back last time (error feedback), scaled by the ranks' largest
+magnitude and rounded to ``127 // world`` levels, so the ranks' sum fits in int8 on the wire."""
 
 
 def check(
@@ -64,7 +66,7 @@ def check(
             f"give sync_every=H too, or drop sync_fragments and sync_delay"
         )
     if sync_dtype not in _DTYPES:
-        raise UsageError(f"sync_dtype={sync_dtype!r}: choose 'fp32' or 'bf16'")
+        raise UsageError(f"sync_dtype={sync_dtype!r}: choose 'fp32', 'bf16' or 'int8'")
     if every is None:
         every = 1 << 30  # chosen later: the checks below are of values given with it
     if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= every:
@@ -165,6 +167,60 @@ def choose_period(
     }
 
 
+BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+"""Bytes an element of the exchange takes, by ``sync_dtype``."""
+
+
+def choose_exchange(
+    *,
+    step_s: float,
+    elements: int,
+    dtype: str,
+    dtype_given: bool,
+    world: int,
+    link_bytes_per_s: float | None,
+    latency_s: float,
+) -> dict[str, Any]:
+    """The period (:func:`choose_period`) and the exchange's dtype: ``dtype`` where the user gave it
+    or where the link does not set the period (it is :data:`MIN_EVERY` already); else int8 (with
+    error feedback) where its quarter of fp32's bytes makes the period shorter.
+
+    Args:
+        step_s: the slowest rank's inner step, in seconds.
+        elements: elements of one exchange of the whole model's change.
+        dtype: the exchange's dtype so far (``"bf16"`` by default).
+        dtype_given: the user gave ``sync_dtype``: it stands.
+        world, link_bytes_per_s, latency_s: as :func:`choose_period` takes them.
+
+    Returns:
+        :func:`choose_period`'s decision with ``dtype`` in it.
+
+    >>> slow = dict(step_s=0.1, elements=1_000_000, world=2, link_bytes_per_s=1.25e6, latency_s=0.001)
+    >>> [(c["dtype"], c["every"]) for c in (choose_exchange(dtype="bf16", dtype_given=False, **slow),
+    ...                                     choose_exchange(dtype="bf16", dtype_given=True, **slow))]
+    [('int8', 12), ('bf16', 22)]
+    """
+
+    def period(name: str) -> dict[str, Any]:
+        return {
+            **choose_period(
+                step_s=step_s,
+                exchange_bytes=elements * BYTES[name],
+                world=world,
+                link_bytes_per_s=link_bytes_per_s,
+                latency_s=latency_s,
+            ),
+            "dtype": name,
+        }
+
+    decision = period(dtype)
+    if not dtype_given and decision["every"] > MIN_EVERY:
+        narrow = period("int8")
+        if narrow["every"] < decision["every"]:
+            return narrow
+    return decision
+
+
 def announce(kind: str, every: int | None, is_main: bool) -> None:
     """Say once that the run's result now depends on the world size."""
     if is_main:
@@ -176,4 +232,4 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
         )
 
 
-__all__ = ["MEASURE_STEPS", "SYNCS", "announce", "check", "choose_period"]
+__all__ = ["BYTES", "MEASURE_STEPS", "SYNCS", "announce", "check", "choose_exchange", "choose_period"]
