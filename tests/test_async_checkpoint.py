@@ -554,3 +554,30 @@ def test_every_ranks_rng_and_statistics_reach_rank_0_through_the_store_and_leave
         mean = (found[0]["stats"][n]["1.running_mean"] + found[1]["stats"][n]["1.running_mean"]) / 2
         assert torch.equal(saved["user"]["model"]["1.running_mean"], mean)
         assert not torch.equal(found[0]["stats"][n]["1.running_mean"], found[1]["stats"][n]["1.running_mean"])
+
+
+class _RunsCode:
+    """What an attacker with the job's store would plant as a rank's part of a save."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ddpkit-part-ran",))
+
+
+def test_a_crafted_part_in_the_store_is_refused_and_runs_nothing(tmp_path):
+    """Rank 0 reads every other rank's part of a save (RNG states, statistics) with weights_only:
+    bytes that would build anything else fail the read; nothing they name is called."""
+    import io
+
+    from ddpkit.distributed import collectives
+
+    marker = "/tmp/ddpkit-part-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    crafted = io.BytesIO()
+    torch.save({"rng": _RunsCode(), "buffers": [None]}, crafted)
+    with pytest.raises(DdpkitError):
+        collectives.object_from(crafted.getvalue())
+    assert not os.path.exists(marker)
+    honest = {"rng": {"torch": torch.get_rng_state()}, "buffers": [None]}
+    back = collectives.object_from(collectives.object_bytes(honest, checked=False))
+    assert torch.equal(back["rng"]["torch"], honest["rng"]["torch"])
