@@ -58,7 +58,7 @@ def snapshot(
     snapshot of the same structure whose write is done, lends its tensors: copied into, not
     allocated again (a fresh 150 MB costs its page faults on every save).
 
-    ``later``: the tensors it :meth:`Later.takes` (memory only an optimizer's step changes) get
+    ``later``: the tensors :meth:`Later.take` keeps for later (memory only an optimizer's step changes) get
     their place in the copy now and their values later, on the writer's thread
     (:meth:`Writer.submit`), while the next forward and backward run.
     """
@@ -73,16 +73,15 @@ def snapshot(
     ):
         for tensor, into in zip(found, lent):
             if id(tensor) not in memo:
-                if later is not None and later.takes(tensor, into):
-                    memo[id(tensor)] = into
-                else:
-                    memo[id(tensor)] = into.copy_(tensor.detach())
+                place = later.take(tensor, into) if later is not None else None
+                memo[id(tensor)] = place if place is not None else into.copy_(tensor.detach())
     else:
         for tensor in found:
             if id(tensor) in memo:
                 continue
-            if later is not None and later.takes(tensor, None):
-                memo[id(tensor)] = later.pending[-1][1]
+            place = later.take(tensor, None) if later is not None else None
+            if place is not None:
+                memo[id(tensor)] = place
             elif tensor.device.type != "cpu" or tensor.requires_grad:
                 memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
     return copy.deepcopy(dict(payload), memo)
@@ -110,15 +109,15 @@ class Later:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         """(the live tensor, its place in the copy, its version when the save returned)."""
 
-    def takes(self, tensor: torch.Tensor, into: torch.Tensor | None) -> bool:
-        """Whether ``tensor`` is copied later (into ``into``, or a fresh host tensor); noted if so."""
+    def take(self, tensor: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor``'s place in the copy (``into``, or a fresh host tensor) where it is copied later,
+        noted as pending; None where it is not one of the optimizers' (copy it now)."""
         if tensor.layout != torch.strided or tensor.untyped_storage().data_ptr() not in self._memory:
-            return False
+            return None
         source = tensor.detach()
-        if into is None:
-            into = torch.empty_like(source, device="cpu")
-        self.pending.append((source, into, _torch.version_of(source)))
-        return True
+        place = torch.empty_like(source, device="cpu") if into is None else into
+        self.pending.append((source, place, _torch.version_of(source)))
+        return place
 
     def copy(self) -> None:
         """Copy every pending tensor (the writer's thread); raise if one changed since the save."""

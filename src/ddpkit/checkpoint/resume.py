@@ -93,7 +93,7 @@ def save(
     # each rank brings its RNG states and statistics to the meeting (the launcher's store keeps them
     # when a rank dies right after), so rank 0 writes them behind the loop with no collective
     meeting_point = store_sync.all_arrive(
-        "save", peers.save_timeout, b"1" if peers.is_main else collectives.object_bytes(light, checked=False)
+        "save", peers.save_timeout, b"1" if peers.is_main else collectives.object_bytes(light)
     )
     # after the meeting: a long write in flight on rank 0 is never taken for a rank that did not come
     failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)

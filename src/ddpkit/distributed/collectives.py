@@ -189,17 +189,10 @@ def all_gather_object(obj: Any) -> list[Any]:
     return [_from_bytes(chunk[:size]) for chunk, size in zip(chunks, sizes)]
 
 
-def object_bytes(obj: Any, *, checked: bool = True) -> bytes:
-    """``obj`` (as for :func:`broadcast_object`) as the bytes a peer reads with :func:`object_from`.
-
-    ``checked=False`` skips reading them back first, for ddpkit's own plain data (it takes three
-    times as long as writing them).
-
-    Raises:
-        TypeError: ``obj`` holds an object of another kind (``checked`` only).
-    """
-    if checked:
-        return _to_bytes(obj).numpy().tobytes()
+def object_bytes(obj: Any) -> bytes:
+    """ddpkit's own plain data (as for :func:`broadcast_object`) as the bytes a peer reads with
+    :func:`object_from`; not read back first, as :func:`_to_bytes` does for a user's object (that
+    takes three times as long as writing them)."""
     import io
 
     buffer = io.BytesIO()
@@ -208,21 +201,24 @@ def object_bytes(obj: Any, *, checked: bool = True) -> bytes:
 
 
 def object_from(data: bytes) -> Any:
-    """What :func:`object_bytes` made, read with ``weights_only=True`` (nothing it names is called).
+    """What :func:`object_bytes` (or :func:`_to_bytes`) made, read with ``weights_only=True``.
 
     Raises:
-        DdpkitError: the bytes ask for more than plain data.
+        DdpkitError: the bytes ask for more than plain data (not what a peer sends); nothing they
+            name is called.
     """
-    return _from_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    try:
+        return _load(data)
+    except Exception as exc:  # noqa: BLE001 - torch's weights_only errors are several types
+        raise DdpkitError(
+            "bytes received for an object collective are not plain data "
+            f"({_first_line(exc)}); ddpkit refuses to unpickle them"
+        ) from None
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
     """``obj`` as ``torch.save`` bytes in a uint8 tensor, refused here if the receiver could not read it."""
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getvalue()
+    data = object_bytes(obj)
     try:
         _load(data)
     except Exception as exc:  # noqa: BLE001 - torch's weights_only errors are several types
@@ -235,19 +231,8 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
 
 def _from_bytes(payload: torch.Tensor) -> Any:
-    """What :func:`_to_bytes` made, read back with ``weights_only=True``.
-
-    Raises:
-        DdpkitError: the bytes ask for more than plain data (not what a peer's ``_to_bytes`` sends);
-            nothing they name is called.
-    """
-    try:
-        return _load(payload.cpu().numpy().tobytes())
-    except Exception as exc:  # noqa: BLE001 - torch's weights_only errors are several types
-        raise DdpkitError(
-            "bytes received for an object collective are not plain data "
-            f"({_first_line(exc)}); ddpkit refuses to unpickle them"
-        ) from None
+    """What :func:`_to_bytes` made, received as a uint8 tensor (:func:`object_from`)."""
+    return object_from(payload.cpu().numpy().tobytes())
 
 
 def _load(data: bytes) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,11 @@ if TYPE_CHECKING:
 _SYNCERS: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
 
 _STATS = ("running_mean", "running_var")  # num_batches_tracked counts forwards: equal on every rank
+
+
+def _key(name: str, stat: str) -> str:
+    """A statistic's key in its model's state dict, from its layer's name."""
+    return f"{name}.{stat}" if name else stat
 
 
 def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
@@ -84,18 +90,22 @@ class LazyBuffers:
 
     def _dirty_stats(self) -> list[tuple[str, torch.Tensor]]:
         return [
-            (f"{name}.{stat}" if name else stat, getattr(layer, stat))
+            (_key(name, stat), getattr(layer, stat))
             for i, (name, layer) in enumerate(self.layers)
             if i in self.dirty
             for stat in _STATS
             if getattr(layer, stat) is not None
         ]
 
-    def agree(self) -> None:
-        """Make the dirty set the union over ranks (a small collective), so all average alike."""
+    def _mask(self) -> torch.Tensor:
+        """1 for each layer dirty on this rank, else 0 (int32, on the host)."""
         mask = torch.zeros(len(self.layers), dtype=torch.int32)
         mask[sorted(self.dirty)] = 1
-        device_mask = mask.to(_device_of(self.layers))
+        return mask
+
+    def agree(self) -> None:
+        """Make the dirty set the union over ranks (a small collective), so all average alike."""
+        device_mask = self._mask().to(_device_of(self.layers))
         dist.all_reduce(device_mask, op=dist.ReduceOp.MAX)
         self.dirty = {i for i, flag in enumerate(device_mask.tolist()) if flag}
 
@@ -107,18 +117,12 @@ class LazyBuffers:
         stats = self._dirty_stats()
         if not stats:
             return {}
-        world = dist.get_world_size()
-        found: dict[str, torch.Tensor] = {}
-        for dtype in dict.fromkeys(t.dtype for _, t in stats):  # one allreduce per dtype
-            group = [(k, t) for k, t in stats if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for _, t in group])
-            dist.all_reduce(flat)
-            flat.div_(world)
-            offset = 0
-            for key, tensor in group:
-                found[key] = flat[offset : offset + tensor.numel()].view_as(tensor).clone()
-                offset += tensor.numel()
-        return found
+
+        def summed(dtype: torch.dtype, flat: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(flat)  # one allreduce per dtype
+            return flat
+
+        return _mean_by_dtype(stats, summed, dist.get_world_size())
 
     def average(self) -> None:
         """Replace every statistic dirty on any rank by its cross-rank average, in place (collectives)."""
@@ -147,8 +151,6 @@ class LazyBuffers:
         thread, while training changes the statistics in place. The statistics travel as one flat
         tensor a dtype (forty small tensors take four times as long to serialise).
         """
-        mask = torch.zeros(len(self.layers), dtype=torch.int32)
-        mask[sorted(self.dirty)] = 1
         keys: list[list[tuple[str, str, list[int]]]] = []
         chunks: dict[str, list[torch.Tensor]] = {}
         for name, layer in self.layers:
@@ -157,11 +159,11 @@ class LazyBuffers:
                 tensor = getattr(layer, stat)
                 if tensor is not None:
                     dtype = str(tensor.dtype).removeprefix("torch.")
-                    entry.append((f"{name}.{stat}" if name else stat, dtype, list(tensor.shape)))
+                    entry.append((_key(name, stat), dtype, list(tensor.shape)))
                     chunks.setdefault(dtype, []).append(tensor.detach().reshape(-1))
             keys.append(entry)
         flat = {dtype: torch.cat(parts).to("cpu", copy=True) for dtype, parts in chunks.items()}
-        return {"mask": mask, "keys": keys, "flat": flat}
+        return {"mask": self._mask(), "keys": keys, "flat": flat}
 
 
 def _layers_of(capture: dict[str, Any]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -198,17 +200,31 @@ def saved(ranks: list[list[Any]]) -> tuple[list[list[Any]], list[dict[str, torch
         stats = [[pair for j in dirty for pair in layers[j]] for layers in (_layers_of(r[i]) for r in ranks)]
         for rank, pairs in enumerate(stats):
             own[rank][i] = {"dirty": dirty, "values": {k: t.clone() for k, t in pairs}}
-        for dtype in dict.fromkeys(t.dtype for _, t in stats[0]):  # as averaged(): one flat sum a dtype
-            flats = [torch.cat([t.reshape(-1) for _, t in pairs if t.dtype == dtype]) for pairs in stats]
-            flat = flats[0].clone()
-            for other in flats[1:]:
-                flat.add_(other)
-            flat.div_(world)
-            at = 0
-            for key, tensor in ((k, t) for k, t in stats[0] if t.dtype == dtype):
-                averages[i][key] = flat[at : at + tensor.numel()].view_as(tensor).clone()
-                at += tensor.numel()
+
+        def summed(dtype: torch.dtype, flat: torch.Tensor, stats: list[Any] = stats) -> torch.Tensor:
+            for pairs in stats[1:]:  # rank 0's flat, plus each other rank's in rank order
+                flat.add_(torch.cat([t.reshape(-1) for _, t in pairs if t.dtype == dtype]))
+            return flat
+
+        averages[i] = _mean_by_dtype(stats[0], summed, world)
     return own, averages
+
+
+def _mean_by_dtype(
+    stats: list[tuple[str, torch.Tensor]], summed: Callable[[torch.dtype, torch.Tensor], torch.Tensor], world: int
+) -> dict[str, torch.Tensor]:
+    """The cross-rank mean of each of this rank's ``(key, statistic)`` pairs, as new tensors: one flat
+    tensor a dtype, which ``summed(dtype, flat)`` makes the sum over ranks of (in place or new)."""
+    found: dict[str, torch.Tensor] = {}
+    for dtype in dict.fromkeys(t.dtype for _, t in stats):
+        group = [(k, t) for k, t in stats if t.dtype == dtype]
+        flat = summed(dtype, torch.cat([t.detach().reshape(-1) for _, t in group]))
+        flat.div_(world)
+        offset = 0
+        for key, tensor in group:
+            found[key] = flat[offset : offset + tensor.numel()].view_as(tensor).clone()
+            offset += tensor.numel()
+    return found
 
 
 def _device_of(layers: list[tuple[str, _BatchNorm]]) -> torch.device:

@@ -51,7 +51,7 @@ from ddpkit.distributed.probe import link, slowest_step
 from ddpkit.errors import UsageError, warn
 from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_exchange
 
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items() if name is not None}
 """The exchange's dtype by name, as ``sync_dtype`` says it."""
 MEASURING = 1 << 30
 """The period while it is being chosen: no exchange before the choice."""
@@ -143,11 +143,13 @@ class PeriodicSync:
         if self.choosing and _world() > 1:
             self._link = link(min(self._exchange_bytes(), PROBE_BYTES), device)
 
-    def _exchange_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one whole exchange: every parameter's and floating buffer's change, in ``dtype``
-        (the exchange's own by default)."""
-        elements = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
-        return elements * torch.empty(0, dtype=dtype or self.dtype).element_size()
+    def _exchange_elements(self) -> int:
+        """Elements of one whole exchange: every parameter's and floating buffer's change."""
+        return sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
+
+    def _exchange_bytes(self) -> int:
+        """Bytes of one whole exchange, in the exchange's dtype."""
+        return self._exchange_elements() * self.dtype.itemsize
 
     def _time_step(self) -> None:
         """While choosing: time the inner steps; after :data:`MEASURE_STEPS` of them, choose."""
@@ -162,10 +164,9 @@ class PeriodicSync:
         whose exchange hides behind the inner steps (:func:`~ddpkit.parallel.periodic_parts.choose_period`)."""
         slowest = slowest_step(self._step_ends)
         latency, speed = self._link or (0.0, None)
-
         decision = choose_exchange(
             step_s=slowest,
-            elements=self._exchange_bytes(torch.int8),  # one byte an element: how many there are
+            elements=self._exchange_elements(),
             dtype=_NAMES[self.dtype],
             dtype_given=self.dtype_given,
             world=_world(),

@@ -167,10 +167,6 @@ def choose_period(
     }
 
 
-BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
-"""Bytes an element of the exchange takes, by ``sync_dtype``."""
-
-
 def choose_exchange(
     *,
     step_s: float,
@@ -205,7 +201,7 @@ def choose_exchange(
         return {
             **choose_period(
                 step_s=step_s,
-                exchange_bytes=elements * BYTES[name],
+                exchange_bytes=elements * _DTYPES[name].itemsize,
                 world=world,
                 link_bytes_per_s=link_bytes_per_s,
                 latency_s=latency_s,
@@ -232,4 +228,4 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
         )
 
 
-__all__ = ["BYTES", "MEASURE_STEPS", "SYNCS", "announce", "check", "choose_exchange", "choose_period"]
+__all__ = ["MEASURE_STEPS", "SYNCS", "announce", "check", "choose_exchange", "choose_period"]
