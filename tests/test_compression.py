@@ -248,7 +248,10 @@ def test_auto_measures_then_chooses_none_on_loopback_the_same_on_every_rank(tmp_
     runs = ddpkit.launch(workers.auto_compression, nprocs=2, args=(8,))
     first, second = runs[0]["decision"], runs[1]["decision"]
     assert first == second and runs[0]["decided_at"] == 6  # 5 timed plain steps, then the choice
-    assert first["link_bytes_per_s"] > 0 and first["step_s"] > 0
+    # the probe may see no difference between a one-element call and the gradients' bytes on a fast
+    # loopback (None: the link counts as free, so only the calls' latency separates the choices)
+    assert first["link_bytes_per_s"] is None or first["link_bytes_per_s"] > 0
+    assert first["step_s"] > 0 and first["latency_s"] > 0
     assert set(first["predicted_step_s"]) == {"none", "bf16", "powersgd"}
     # the choice follows from its own measurements (which compression wins on loopback depends on
     # how busy the machine is: BENCHMARKS.md records what it chose on an idle one)
