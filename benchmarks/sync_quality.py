@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
+from ddpkit.parallel.periodic_parts import EXCHANGES
 from ddpkit.recipes.datasets import load_dataset
 from ddpkit.recipes.models import build_model
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-compression", default="none")
     parser.add_argument("--sync", default="every-step")
     parser.add_argument("--sync-every", type=int, default=None)
-    parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16", "int8"))
+    parser.add_argument("--sync-dtype", default=None, choices=EXCHANGES)
     parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
     parser.add_argument("--outer-lr", type=float, default=None, help="default: 0.7 with --sync-every, 1.0 without")

@@ -123,20 +123,31 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
 
 
 @pytest.mark.timeout(240)
-def test_an_int8_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monkeypatch):
-    """int8 with error feedback, streamed: two fragments each landing 2 steps after it was sent;
-    stopped at step 7 with fragment 0's exchange in flight and both fragments' feedback kept."""
+@pytest.mark.parametrize("exchange", ["int8", "sparse"])
+def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monkeypatch, exchange):
+    """int8 or sparse with error feedback, streamed: two fragments each landing 2 steps after it was
+    sent; stopped at step 7 with fragment 0's exchange in flight and both fragments' feedback kept."""
+    from ddpkit.parallel.periodic_parts import sparse_packet_bytes
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (tmp_path / "none").mkdir()
-    stream = (4, "int8", 1, 2, 2)  # every, sync_dtype, accumulate, fragments, delay
+    stream = (4, exchange, 1, 2, 2)  # every, sync_dtype, accumulate, fragments, delay
     uninterrupted = ddpkit.launch(
         workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(tmp_path / "none"), *stream)
     )
     params = sum(t.numel() for t in uninterrupted[0]["synced"])
-    # one byte an element: a quarter of fp32's (fragment 0 sent at 2, 6, 10, 14; fragment 1 at 4, 8, 12)
-    assert uninterrupted[0]["sent_bytes"] == 3 * (params + 2 * 32) + uninterrupted[0]["fragment0_elements"]
+    first = uninterrupted[0]["fragment0_elements"]
+    second = params + 2 * 32 - first
+    # fragment 0 sent at 2, 6, 10, 14; fragment 1 at 4, 8, 12
+    if exchange == "int8":  # one byte an element: a quarter of fp32's
+        assert uninterrupted[0]["sent_bytes"] == 4 * first + 3 * second
+    else:  # a packet of the largest 1/32: a scale, int32 positions, int8 values
+        assert uninterrupted[0]["sent_bytes"] == 4 * sparse_packet_bytes(first) + 3 * sparse_packet_bytes(second)
+        assert uninterrupted[0]["sent_bytes"] < (4 * first + 3 * second) / 5
     assert _equal(uninterrupted[0]["synced"], uninterrupted[1]["synced"])  # the ranks meet at one model
-    assert uninterrupted[0]["loss"] < 2.0
+    # it learns (chance is ln 10 = 2.30); sparse moves the synced model by 1/32 of each change a sync,
+    # the rest waiting in the feedback, so 3 syncs of 14 steps take it less far
+    assert uninterrupted[0]["loss"] < (2.0 if exchange == "int8" else 2.28)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     stopped = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, 7, str(ckpt), *stream))
@@ -144,7 +155,14 @@ def test_an_int8_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, 
     saved = ddpkit.checkpoint.read(stopped[0]["saved"])["ddpkit"]["compression"]
     feedback = [rank[0]["feedback"] for rank in saved]
     assert sorted(feedback[0]) == [0, 1] and not torch.equal(feedback[0][0], feedback[1][0])  # each rank's own
-    assert saved[0][0]["pending"][0]["flat"].dtype == torch.int8 and saved[0][0]["pending"][0]["scale"] > 0
+    pending = saved[0][0]["pending"][0]
+    if exchange == "int8":
+        assert pending["flat"].dtype == torch.int8 and pending["scale"] > 0
+    else:  # both ranks' packets, gathered
+        assert pending["flat"].dtype == torch.uint8 and pending["scale"] == "sparse"
+        assert pending["flat"].numel() == 2 * sparse_packet_bytes(first)
+        # most of each rank's change waits in its feedback: only the largest 1/32 was sent
+        assert (feedback[0][0] != 0).sum() > 0.9 * first
     resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 14, None, str(ckpt), *stream))
     for rank in (0, 1):
         assert _equal(resumed[rank]["synced"], uninterrupted[rank]["synced"])
@@ -161,7 +179,7 @@ def test_an_int8_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, 
         ({"sync_every": 5}, "give sync='diloco' or 'local-sgd'"),
         (
             {"sync": "local-sgd", "sync_every": 5, "sync_dtype": "int4"},
-            "sync_dtype='int4': choose 'fp32', 'bf16' or 'int8'",
+            "sync_dtype='int4': choose 'fp32', 'bf16', 'int8', 'sparse'",
         ),
         ({"sync": "diloco", "sync_every": 5, "strategy": "fsdp"}, "strategy='fsdp' shards the model"),
         (
@@ -285,26 +303,32 @@ def test_the_period_chosen_from_the_link_is_the_shortest_that_hides_the_exchange
     assert chosen(1e6)["every"] == MIN_EVERY
 
 
-def test_where_the_link_sets_the_period_int8_is_chosen_to_shorten_it_unless_the_user_gave_a_dtype():
-    from ddpkit.parallel.periodic_parts import MIN_EVERY, choose_exchange
+def test_where_the_link_sets_the_period_int8_then_sparse_shorten_it_unless_the_user_gave_a_dtype():
+    from ddpkit.parallel.periodic_parts import MIN_EVERY, choose_exchange, sparse_packet_bytes
 
-    def chosen(mbit: float, dtype: str = "bf16", given: bool = False) -> dict:
+    def chosen(mbit: float, dtype: str = "bf16", given: bool = False, world: int = 2) -> dict:
         return choose_exchange(
             step_s=0.1,
             elements=2_000_000,
             dtype=dtype,
             dtype_given=given,
-            world=2,
+            world=world,
             link_bytes_per_s=mbit * 1e6 / 8,
             latency_s=0.002,
         )
 
     slow, kept = chosen(10), chosen(10, given=True)
-    assert slow["dtype"] == "int8" and kept["dtype"] == "bf16"
-    assert slow["exchange_bytes"] * 2 == kept["exchange_bytes"] and slow["every"] < kept["every"]
+    assert slow["dtype"] == "sparse" and kept["dtype"] == "bf16"
+    assert slow["exchange_bytes"] == sparse_packet_bytes(2_000_000) < kept["exchange_bytes"] / 12
+    assert slow["every"] < chosen(10, "int8", given=True)["every"] < kept["every"]
     assert chosen(10, "fp32", given=True)["every"] > kept["every"]  # the user's fp32 stands, however slow
+    # an all-gather of 4 ranks' packets sends 3 of them: a longer period than on 2, still sparse
+    assert chosen(10, world=4)["dtype"] == "sparse" and chosen(10, world=4)["every"] >= slow["every"]
+    # int8 reaches the shortest period already: nothing more is thrown away
+    middle = chosen(300)
+    assert middle["dtype"] == "int8" and middle["every"] == MIN_EVERY < chosen(300, given=True)["every"]
     fast = chosen(1e6)
-    assert fast["dtype"] == "bf16" and fast["every"] == MIN_EVERY  # a link that sets nothing: no rounding to int8
+    assert fast["dtype"] == "bf16" and fast["every"] == MIN_EVERY  # a link that sets nothing: no rounding
 
 
 @pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ from ddpkit._argparse import Parser
 from ddpkit.bench.plan import COMPRESSIONS, DATA, MODELS, MODES, BenchSettings
 from ddpkit.errors import UsageError
 from ddpkit.parallel.exact_tree import check
-from ddpkit.parallel.periodic_parts import MEASURE_STEPS, SYNCS
+from ddpkit.parallel.periodic_parts import EXCHANGES, MEASURE_STEPS, SYNCS
 from ddpkit.parallel.periodic_parts import check as check_sync
 
 
@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add(
         "--sync-dtype",
-        choices=("fp32", "bf16", "int8"),
+        choices=EXCHANGES,
         default=None,
         help="the exchange of local-sgd and diloco rows (default bf16, or int8 where a period chosen from the link is shorter for it)",
     )

@@ -49,7 +49,7 @@ class BenchSettings:
     sync: tuple[str, ...] = ("every-step",)  # DDP rows synced every step, or infrequently (one row each)
     sync_every: int | None = None  # optimizer steps between infrequent syncs
     powersgd_rank: int | None = None  # PowerSGD rows' rank (None: rt.setup's default)
-    sync_dtype: str | None = None  # the infrequent sync's exchange: bf16 (None), fp32 or int8
+    sync_dtype: str | None = None  # the infrequent sync's exchange: bf16 (None), fp32, int8 or sparse
     sync_fragments: int = 1  # Streaming DiLoCo: fragments, each exchanged at its own step
     sync_delay: int = 0  # Streaming DiLoCo: steps an exchange runs in the background
     diagnose_verify: bool = False  # measure the fix each row's diagnosis recommends, against its prediction

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel.periodic_parts import EXCHANGES
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
 
 SYNTHETIC_POOL = 2048
@@ -41,7 +42,7 @@ def worker_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--sync", default="every-step", choices=("every-step", "local-sgd", "diloco"))
     parser.add_argument("--sync-every", type=int, default=None, help="optimizer steps between infrequent syncs")
     parser.add_argument("--powersgd-rank", type=int, default=None, help="PowerSGD's rank (default: rt.setup's)")
-    parser.add_argument("--sync-dtype", default=None, choices=("fp32", "bf16"), help="the infrequent sync's exchange")
+    parser.add_argument("--sync-dtype", default=None, choices=EXCHANGES, help="the infrequent sync's exchange")
     parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
     parser.add_argument(

@@ -80,8 +80,9 @@ class SetupOptions:
     outer_momentum: float | None = None
     """DiLoCo's outer Nesterov momentum (None: 0.9 with ``sync_every``; 0 where the period is chosen from the link)."""
     sync_dtype: str | None = None
-    """The infrequent sync's exchange of each rank's change: ``"bf16"`` (the default: half the bytes), ``"fp32"``, or
-    ``"int8"`` (a quarter of fp32's bytes, with error feedback: what rounding keeps back is sent the next time)."""
+    """The infrequent sync's exchange of each rank's change: ``"bf16"`` (the default: half the bytes), ``"fp32"``,
+    ``"int8"`` (a quarter of fp32's bytes, with error feedback: what rounding keeps back is sent the next time), or
+    ``"sparse"`` (the largest 1/32 of the change, positions and int8 values, with error feedback)."""
     sync_fragments: int = 1
     """Streaming DiLoCo: fragments of the model, each exchanged at its own step of the period."""
     sync_delay: int = 0

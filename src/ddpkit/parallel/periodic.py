@@ -23,7 +23,10 @@ are rounded to 8 bits of mantissa), or ``sync_dtype="fp32"``, or ``sync_dtype="i
 fp32's bytes): each rank's change plus its error feedback (what rounding kept back at the last
 exchange of the fragment) is divided by the ranks' largest magnitude (one small allreduce) and
 rounded to ``127 // world`` levels, so the sum of every rank's int8 values fits in int8 on the
-wire; what the rounding kept back is this rank's next feedback, kept in checkpoints.
+wire; what the rounding kept back is this rank's next feedback, kept in checkpoints. Or
+``sync_dtype="sparse"`` (SparseLoCo's top-k with error feedback): each rank sends the largest
+:data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY` of its change plus feedback (int32 positions,
+int8 values of its own scale) in one all-gather, and keeps the rest as its next feedback.
 
 Streaming (Douillard et al., 2025, "Streaming DiLoCo"): ``sync_fragments=F`` splits the model into
 F fragments of consecutive parameters, each exchanged once a period at its own point of it (so the
@@ -49,10 +52,8 @@ import torch.distributed as dist
 from ddpkit._torch import unwrap
 from ddpkit.distributed.probe import link, slowest_step
 from ddpkit.errors import UsageError, warn
-from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_exchange
+from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_exchange, sparse_count
 
-_NAMES = {dtype: name for name, dtype in _DTYPES.items() if name is not None}
-"""The exchange's dtype by name, as ``sync_dtype`` says it."""
 MEASURING = 1 << 30
 """The period while it is being chosen: no exchange before the choice."""
 
@@ -70,7 +71,8 @@ class PeriodicSync:
         every: optimizer steps between syncs (None: chosen from the link and the step, :meth:`_choose`).
         outer_lr: DiLoCo's outer learning rate (None: 0.7 with ``every``; 1.0, an average, where the period is chosen).
         outer_momentum: DiLoCo's outer Nesterov momentum (0: plain SGD; None: 0.9 with ``every``, 0 where it is chosen).
-        sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default), ``"fp32"`` or ``"int8"`` (error feedback).
+        sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default), ``"fp32"``, ``"int8"`` or
+            ``"sparse"`` (both with error feedback).
         fragments: fragments of the model, each exchanged at its own point of the period.
         delay: inner steps a fragment's exchange runs in the background before it is applied.
     """
@@ -99,7 +101,8 @@ class PeriodicSync:
         self._link: tuple[float, float | None] | None = None
         self._step_ends: list[float] = []
         self.every = MEASURING if every is None else every
-        self.dtype = _DTYPES[sync_dtype]
+        self.exchange = sync_dtype or "bf16"
+        """The exchange's kind by ``sync_dtype``'s name: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"sparse"``."""
         self.dtype_given = sync_dtype is not None
         """The exchange's dtype was the user's: a period chosen from the link keeps it."""
         self.steps = 0  # optimizer steps into the period
@@ -117,7 +120,7 @@ class PeriodicSync:
         self.synced_buffers = [b.detach().clone() for b in self.buffers]
         self._layout(fragments)
         self.feedback: dict[int, torch.Tensor] = {}
-        """int8 exchanges: by fragment, what rounding kept back of this rank's last change (fp32)."""
+        """int8 and sparse exchanges: by fragment, what this rank's last exchange kept back (fp32)."""
         self.outer = None
         if kind == "diloco":
             # DiLoCo's settings (tuned at H = 500) where the user gives the period; an average at the short
@@ -147,8 +150,13 @@ class PeriodicSync:
         """Elements of one whole exchange: every parameter's and floating buffer's change."""
         return sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The exchange's dtype on the wire (a sparse exchange's values are int8)."""
+        return _DTYPES[self.exchange]
+
     def _exchange_bytes(self) -> int:
-        """Bytes of one whole exchange, in the exchange's dtype."""
+        """Bytes of one whole dense exchange, in the exchange's dtype (what the link is timed on)."""
         return self._exchange_elements() * self.dtype.itemsize
 
     def _time_step(self) -> None:
@@ -167,7 +175,7 @@ class PeriodicSync:
         decision = choose_exchange(
             step_s=slowest,
             elements=self._exchange_elements(),
-            dtype=_NAMES[self.dtype],
+            dtype=self.exchange,
             dtype_given=self.dtype_given,
             world=_world(),
             link_bytes_per_s=speed,
@@ -196,7 +204,7 @@ class PeriodicSync:
         self.decision, self.choosing = decision, False
         self.every, self.delay = int(decision["every"]), int(decision["delay"])
         if decision.get("dtype") in _DTYPES:  # chosen with the period (a checkpoint's choice stands)
-            self.dtype = _DTYPES[decision["dtype"]]
+            self.exchange = decision["dtype"]
         self._layout(int(decision["fragments"]))
 
     # -- training --------------------------------------------------------------------------
@@ -268,13 +276,25 @@ class PeriodicSync:
         if with_buffers:
             own += [s - b for s, b in zip(self.synced_buffers, self.buffers)]
         world = _world()
-        scale = None
-        if self.dtype == torch.int8:
-            flat, scale = self._quantised(fragment, own, world)
+        scale: float | str | None = None  # int8: the levels' unit; "sparse": every rank's packet gathered
+        if self.exchange == "sparse":
+            packet = self._sparsified(fragment, own)
+            self.sent_bytes += packet.numel()
+            flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
+            # into views of one buffer: gathered as the pending exchange's one tensor (checkpoints keep it)
+            work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0) if world > 1 else None
+            if world == 1:
+                flat.copy_(packet)
+            scale = "sparse"
         else:
-            flat = torch.cat([t.reshape(-1).to(self.dtype) for t in own]) if own else torch.zeros(0, dtype=self.dtype)
-        self.sent_bytes += flat.numel() * flat.element_size()
-        work = dist.all_reduce(flat, async_op=delay > 0) if world > 1 else None
+            if self.exchange == "int8":
+                flat, scale = self._quantised(fragment, own, world)
+            else:
+                flat = (
+                    torch.cat([t.reshape(-1).to(self.dtype) for t in own]) if own else torch.zeros(0, dtype=self.dtype)
+                )
+            self.sent_bytes += flat.numel() * flat.element_size()
+            work = dist.all_reduce(flat, async_op=delay > 0) if world > 1 else None
         exchange = {
             "fragment": fragment,
             "flat": flat,
@@ -307,6 +327,42 @@ class PeriodicSync:
         self.feedback[fragment] = change - quantised * unit
         return quantised.to(torch.int8), unit
 
+    def _sparsified(self, fragment: int, own: list[torch.Tensor]) -> torch.Tensor:
+        """``own`` plus the fragment's feedback, its largest elements only, as one byte packet: a float32
+        scale, int32 positions and int8 values (of that scale); everything not sent is the next feedback."""
+        device = own[0].device if own else torch.device("cpu")
+        change = torch.cat([t.reshape(-1).float() for t in own]) if own else torch.zeros(0, device=device)
+        kept = self.feedback.get(fragment)
+        if kept is not None and kept.numel() == change.numel():
+            change += kept.to(change.device)
+        positions = _largest(change, sparse_count(change.numel()))
+        values = change[positions]
+        count = positions.numel()
+        largest = float(values.abs().max()) if count else 0.0
+        unit = largest / 127 if largest > 0 else 1.0
+        levels = torch.round(values / unit).clamp_(-127, 127)
+        change[positions] -= levels * unit  # what rounding kept back of the sent ones stays too
+        self.feedback[fragment] = change
+        return torch.cat(
+            [
+                torch.tensor([unit], dtype=torch.float32, device=device).view(torch.uint8),
+                positions.to(torch.int32).view(torch.uint8),
+                levels.to(torch.int8).view(torch.uint8),
+            ]
+        )
+
+    @staticmethod
+    def _densified(gathered: torch.Tensor, world: int, elements: int) -> torch.Tensor:
+        """The sum of every rank's sparse packet in ``gathered``, as a dense fp32 vector of ``elements``."""
+        dense = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
+        count = sparse_count(elements)
+        for packet in gathered.chunk(world):
+            unit = packet[:4].clone().view(torch.float32)
+            positions = packet[4 : 4 + 4 * count].clone().view(torch.int32).long()
+            levels = packet[4 + 4 * count :].clone().view(torch.int8)
+            dense.index_add_(0, positions, levels.float() * unit)
+        return dense
+
     @torch.no_grad()
     def _land(self, exchange: dict[str, Any]) -> None:
         """Apply a finished exchange: the outer step (or the average) on the fragment's synced weights,
@@ -318,8 +374,11 @@ class PeriodicSync:
         self.pending = [e for e in self.pending if e is not exchange]  # by identity: dicts of tensors
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
-        flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32)
-        if exchange.get("scale") is not None:  # int8: levels of the ranks' common unit
+        if exchange.get("scale") == "sparse":  # every rank's largest elements, summed
+            flat = self._densified(exchange["flat"], exchange["world"], sum(t.numel() for t in tensors))
+        else:
+            flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32)
+        if isinstance(exchange.get("scale"), float):  # int8: levels of the ranks' common unit
             flat = flat * exchange["scale"]
         flat = flat / exchange["world"]
         moved, at = [], 0
@@ -498,6 +557,25 @@ class PeriodicSync:
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
         self.steps, self.pending, self.feedback = 0, [], {}
+
+
+def _largest(values: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of the ``count`` largest magnitudes of ``values`` (a flat vector), in no order.
+
+    A full ``topk`` of a few million elements takes about 90 ms of a core, as long as half an inner step
+    of a small model; so the candidates are those above a threshold read off a strided sample (a tenth
+    more than ``count`` on average), and ``topk`` picks among them. Fewer candidates than ``count``
+    (a sample unlike the whole): the largest of all, the slow way."""
+    magnitude = values.abs()
+    if count == 0:
+        return torch.zeros(0, dtype=torch.long, device=values.device)
+    stride = max(1, magnitude.numel() // 65536)
+    share = min(1.0, 1.1 * count / magnitude.numel())
+    threshold = torch.quantile(magnitude[::stride], 1.0 - share)
+    candidates = (magnitude >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < count:
+        return torch.topk(magnitude, count, sorted=False).indices
+    return candidates[torch.topk(magnitude[candidates], count, sorted=False).indices]
 
 
 def _world() -> int:

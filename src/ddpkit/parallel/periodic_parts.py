@@ -11,11 +11,45 @@ from ddpkit.errors import UsageError, warn
 
 SYNCS = ("every-step", "local-sgd", "diloco")
 """``rt.setup``'s ``sync`` values: DDP's allreduce every step, or one of the two infrequent ones."""
-_DTYPES = {None: torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
-"""The exchange's dtype; the default (None) is bfloat16: half the bytes, and on tiny-lm DiLoCo's
-validation loss moved by 0.1% (BENCHMARKS.md). ``"int8"`` sends a quarter of fp32's bytes: each
-rank's change plus what rounding kept back last time (error feedback), scaled by the ranks' largest
-magnitude and rounded to ``127 // world`` levels, so the ranks' sum fits in int8 on the wire."""
+_DTYPES = {
+    None: torch.bfloat16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "sparse": torch.int8,
+}
+"""The exchange's dtype on the wire; the default (None) is bfloat16: half the bytes, and on tiny-lm
+DiLoCo's validation loss moved by 0.1% (BENCHMARKS.md). ``"int8"`` sends a quarter of fp32's bytes:
+each rank's change plus what rounding kept back last time (error feedback), scaled by the ranks'
+largest magnitude and rounded to ``127 // world`` levels, so the ranks' sum fits in int8 on the wire.
+``"sparse"`` sends only the largest :data:`SPARSE_DENSITY` of each rank's change plus its feedback
+(int32 positions, int8 values of the rank's own scale), gathered from every rank; what was not sent
+is the next feedback."""
+EXCHANGES = ("fp32", "bf16", "int8", "sparse")
+"""``sync_dtype``'s values, as ``rt.setup``, ``ddpkit bench --sync-dtype`` and the benchmarks take them."""
+SPARSE_DENSITY = 1 / 32
+"""The share of a fragment's elements a sparse exchange sends (SparseLoCo's top-k keeps 1-3%)."""
+
+
+def sparse_count(elements: int) -> int:
+    """Elements a sparse exchange of ``elements`` sends: :data:`SPARSE_DENSITY` of them, at least one."""
+    return 0 if elements == 0 else max(1, math.ceil(elements * SPARSE_DENSITY))
+
+
+def sparse_packet_bytes(elements: int) -> int:
+    """One rank's sparse packet: a float32 scale, int32 positions and int8 values."""
+    count = sparse_count(elements)
+    return 4 + 5 * count
+
+
+def wire_bytes(name: str, elements: int, world: int) -> float:
+    """What each rank sends for one exchange of ``elements``: a ring allreduce of the dense dtypes,
+    a ring all-gather of every rank's packet for ``"sparse"``."""
+    from ddpkit.distributed.probe import bus_bytes
+
+    if name == "sparse":
+        return float((world - 1) * sparse_packet_bytes(elements))
+    return float(bus_bytes(elements * _DTYPES[name].itemsize, world))
 
 
 def check(
@@ -35,7 +69,7 @@ def check(
     Args:
         sync: ``"every-step"``, ``"local-sgd"`` or ``"diloco"``.
         every: ``sync_every``, the optimizer steps between syncs (None: chosen from the link, :func:`choose_period`).
-        sync_dtype: the exchange's dtype (None or ``"fp32"``; ``"bf16"``).
+        sync_dtype: the exchange's dtype (None: bf16; one of :data:`EXCHANGES`).
         strategy: ``rt.setup``'s strategy: fsdp shards what each rank would train alone.
         grad_compression: per-step gradient compression: there is no per-step exchange to compress.
         sync_batchnorm: statistics synchronised every forward defeat training apart.
@@ -66,7 +100,7 @@ def check(
             f"give sync_every=H too, or drop sync_fragments and sync_delay"
         )
     if sync_dtype not in _DTYPES:
-        raise UsageError(f"sync_dtype={sync_dtype!r}: choose 'fp32', 'bf16' or 'int8'")
+        raise UsageError(f"sync_dtype={sync_dtype!r}: choose {', '.join(repr(e) for e in EXCHANGES)}")
     if every is None:
         every = 1 << 30  # chosen later: the checks below are of values given with it
     if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= every:
@@ -123,7 +157,13 @@ LINK_SHARE = 0.8
 
 
 def choose_period(
-    *, step_s: float, exchange_bytes: int, world: int, link_bytes_per_s: float | None, latency_s: float
+    *,
+    step_s: float,
+    exchange_bytes: int,
+    world: int,
+    link_bytes_per_s: float | None,
+    latency_s: float,
+    sent_bytes: float | None = None,
 ) -> dict[str, Any]:
     """The shortest period whose exchange, run in the background, never holds up an inner step.
 
@@ -138,6 +178,7 @@ def choose_period(
         world: processes of the job (a ring's bytes per rank grow with it).
         link_bytes_per_s: what each rank sends per second (None: unmeasured, faster than the probe sees).
         latency_s: one call's latency.
+        sent_bytes: what each rank sends for one exchange (None: a ring allreduce of ``exchange_bytes``).
 
     Returns:
         ``every``, ``delay`` and ``fragments`` to train with, and the numbers behind them.
@@ -150,7 +191,8 @@ def choose_period(
     """
     from ddpkit.distributed.probe import bus_bytes
 
-    moving = bus_bytes(exchange_bytes, world) / link_bytes_per_s if link_bytes_per_s else 0.0
+    sent = bus_bytes(exchange_bytes, world) if sent_bytes is None else sent_bytes
+    moving = sent / link_bytes_per_s if link_bytes_per_s else 0.0
     exchange = moving + latency_s
     steps = math.ceil(exchange / (LINK_SHARE * max(step_s, 1e-9))) if exchange > 0 else 0
     delay = max(1, steps)
@@ -179,7 +221,12 @@ def choose_exchange(
 ) -> dict[str, Any]:
     """The period (:func:`choose_period`) and the exchange's dtype: ``dtype`` where the user gave it
     or where the link does not set the period (it is :data:`MIN_EVERY` already); else int8 (with
-    error feedback) where its quarter of fp32's bytes makes the period shorter.
+    error feedback) where its quarter of fp32's bytes makes the period shorter, and then sparse
+    (the largest :data:`SPARSE_DENSITY`, with error feedback) where its packets make it shorter still.
+
+    On tiny-lm (2 processes, 600 steps, BENCHMARKS.md) the shorter period paid for the rounding:
+    sparse at H = 8 reached a validation loss 6.0% below every-step DDP's, int8 at H = 32 2.7%, bf16
+    at H = 64 3.0%.
 
     Args:
         step_s: the slowest rank's inner step, in seconds.
@@ -194,26 +241,33 @@ def choose_exchange(
     >>> slow = dict(step_s=0.1, elements=1_000_000, world=2, link_bytes_per_s=1.25e6, latency_s=0.001)
     >>> [(c["dtype"], c["every"]) for c in (choose_exchange(dtype="bf16", dtype_given=False, **slow),
     ...                                     choose_exchange(dtype="bf16", dtype_given=True, **slow))]
-    [('int8', 12), ('bf16', 22)]
+    [('sparse', 3), ('bf16', 22)]
+    >>> [choose_exchange(dtype="bf16", dtype_given=False, **{**slow, "link_bytes_per_s": s})["dtype"] for s in (15e6, 30e6)]
+    ['int8', 'bf16']
+
     """
 
     def period(name: str) -> dict[str, Any]:
+        packet = sparse_packet_bytes(elements) if name == "sparse" else elements * _DTYPES[name].itemsize
         return {
             **choose_period(
                 step_s=step_s,
-                exchange_bytes=elements * _DTYPES[name].itemsize,
+                exchange_bytes=packet,
                 world=world,
                 link_bytes_per_s=link_bytes_per_s,
                 latency_s=latency_s,
+                sent_bytes=wire_bytes(name, elements, world),
             ),
             "dtype": name,
         }
 
     decision = period(dtype)
-    if not dtype_given and decision["every"] > MIN_EVERY:
-        narrow = period("int8")
-        if narrow["every"] < decision["every"]:
-            return narrow
+    for narrower in ("int8", "sparse") if not dtype_given else ():
+        if decision["every"] <= MIN_EVERY:
+            break
+        candidate = period(narrower)
+        if candidate["every"] < decision["every"]:
+            decision = candidate
     return decision
 
 
@@ -228,4 +282,14 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
         )
 
 
-__all__ = ["MEASURE_STEPS", "SYNCS", "announce", "check", "choose_exchange", "choose_period"]
+__all__ = [
+    "EXCHANGES",
+    "MEASURE_STEPS",
+    "SPARSE_DENSITY",
+    "SYNCS",
+    "announce",
+    "check",
+    "choose_exchange",
+    "choose_period",
+    "wire_bytes",
+]
