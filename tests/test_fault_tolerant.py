@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+import ddpkit
 from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
@@ -140,6 +141,43 @@ def test_every_refusal_of_a_fault_tolerant_job_says_what_to_give(args, says):
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
+class _Quorum:
+    """A quorum of two replicas holding the same gradients: a sum doubles, an average keeps."""
+
+    def size(self) -> int:
+        return 2
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        tensor.mul_(2)
+
+    def average(self, tensor: torch.Tensor) -> None:
+        pass
+
+
+def test_a_replica_casts_the_gradients_it_sends_and_refuses_powersgd():
+    from ddpkit.parallel.options import SetupOptions
+    from ddpkit.parallel.replica import FaultTolerant
+
+    replica = FaultTolerant(_Quorum())
+    for choice in ("powersgd", "auto"):
+        with pytest.raises(ddpkit.UsageError, match=f"grad_compression={choice!r}.*use 'bf16' or 'fp16'"):
+            replica.prepare(torch.nn.Linear(2, 2), SetupOptions(grad_compression=choice))
+    replica.prepare(torch.nn.Linear(2, 2), SetupOptions(grad_compression="bf16"))
+    assert replica.cast == torch.bfloat16
+    assert replica.left_to_wrap(SetupOptions(grad_compression="bf16")).grad_compression is None  # no DDP hook
+    weight = torch.nn.Parameter(torch.zeros(3))
+    weight.grad = torch.tensor([1.0 + 2**-10, -3.0, 1e-3])  # 1 + 2^-10 needs 11 bits of mantissa
+    replica._average([weight])
+    assert weight.grad.dtype == torch.float32
+    assert torch.equal(weight.grad, weight.grad.new_tensor([1.0, -3.0, 1e-3]).bfloat16().float())
+    plain = FaultTolerant(_Quorum())
+    plain.prepare(torch.nn.Linear(2, 2), SetupOptions())
+    single = torch.nn.Parameter(torch.zeros(1))
+    single.grad = torch.tensor([1.0 + 2**-10])
+    plain._average([single])
+    assert plain.cast is None and single.grad.item() == 1.0 + 2**-10
+
+
 _REDUCES = """
 import torch, ddpkit
 rt = ddpkit.init(seed=0)
@@ -231,12 +269,14 @@ def test_replicas_with_micro_shards_end_at_one_processs_bits_through_a_redone_st
     assert set(quorums) == {3}, quorums  # every step shared by the three
 
 
-def _kill_run(reference: Path, out: Path, kills: dict[int, int], note: str) -> list[dict]:
+def _kill_run(
+    reference: Path, out: Path, kills: dict[int, int], note: str, extra: tuple[str, ...] = (), within: float = 1e-5
+) -> list[dict]:
     args = [item for replica, step in kills.items() for item in ("--kill", f"{replica}:{step}")]
     # steps of 0.3 s more: a restarted replica (5-10 s on a busy machine) comes back before the end
-    _replicas(out, 3, extra=(*args, "--step-sleep", "0.3"), restarts=1, timeout=400)
+    _replicas(out, 3, extra=(*args, "--step-sleep", "0.3", *extra), restarts=1, timeout=400)
     events = _events(out)
-    assert _rel_diff(_weights(reference), _weights(out)) <= 1e-5, note
+    assert _rel_diff(_weights(reference), _weights(out)) <= within, note
     assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES, 1: TRAIN_SAMPLES}, note
     assert all(row["count"] == TEST_SAMPLES for row in events if row["kind"] == "eval"), note
     for replica, step in kills.items():
@@ -275,6 +315,24 @@ def test_a_replica_killed_mid_epoch_heals_and_the_run_ends_as_if_it_had_not(refe
     two = tmp_path / "two"
     _replicas(two, 2)
     assert _rel_diff(_weights(two), _weights(tmp_path / "killed")) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bf16_gradients_between_replicas_heal_through_a_kill_and_end_within_bf16s_rounding(
+    reference, tmp_path, request
+):
+    """grad_compression="bf16" under --fault-tolerant: the quorum sums 16-bit gradients; a replica
+    killed mid-epoch heals from a peer, every sample is trained once, and the weights end within
+    bf16's rounding of one fp32 process (not bitwise: the rounding is the compression)."""
+    seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    draw = random.Random(seed)
+    kills = {draw.randrange(3): draw.randrange(3, STEPS_PER_EPOCH - 3)}
+    note = f"{request.node.name}: kills {kills}; replay with DDPKIT_TEST_SEED={seed}"
+    print(note)
+    out = tmp_path / "bf16"
+    _kill_run(reference, out, kills, note, extra=("--grad-compression", "bf16"), within=5e-2)
+    assert _rel_diff(_weights(reference), _weights(out)) > 1e-6, "the gradients travelled in bf16"
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ def main() -> None:
     )
     parser.add_argument("--micro-shards", type=int, default=None, help="rt.setup(micro_shards=M): the same bits")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a longer run)")
+    parser.add_argument("--grad-compression", default=None, help="rt.setup(grad_compression=...)")
     args = parser.parse_args()
     kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
 
@@ -59,7 +60,9 @@ def main() -> None:
         "convnet", num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer = rt.setup(model, optimizer, micro_shards=args.micro_shards)
+    model, optimizer = rt.setup(
+        model, optimizer, micro_shards=args.micro_shards, grad_compression=args.grad_compression
+    )
     loader = rt.loader(info.dataset, global_batch_size=args.batch, shuffle=True)
     state = {"model": model, "optimizer": optimizer}
     rt.resume(state)

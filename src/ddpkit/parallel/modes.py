@@ -55,6 +55,11 @@ class Mode:
         """Another model being set up under this mode: refuse what it does not take, adapt the model."""
         return model
 
+    def left_to_wrap(self, options: Any) -> Any:
+        """``rt.setup``'s options less what this mode does itself (a fault-tolerant replica casts the
+        gradients it averages over the quorum): what the model's wrapper is given."""
+        return options
+
     def take_micro_shards(self) -> None:
         """The run's model trains with ``micro_shards``, whose fixed tree sums the gradients: a mode
         that meets the processes hands that exchange over (a fault-tolerant job's quorum shares the shards)."""

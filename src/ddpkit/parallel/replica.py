@@ -5,11 +5,14 @@ Each replica is a one-process group; the replicas of a step are torchft's quorum
 the set-up see of it: BatchNorm over the quorum, gradients averaged over it and a step applied
 only where every participant finished it (otherwise what the forward changed is put back and the
 batch comes again), the replica ranked first in the quorum saving, and the calls it cannot run
-refused in one line.
+refused in one line. ``grad_compression="bf16"`` or ``"fp16"`` casts what the replica sends to the
+quorum (divided by the quorum's size first, as the DDP hook does); PowerSGD, whose error feedback is
+each replica's own, is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
@@ -37,6 +40,8 @@ class FaultTolerant(Mode):
         self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
         self.micro_shards = False
         """The model trains with ``micro_shards``: its tree sums the gradients over the quorum, not :meth:`commit`."""
+        self.cast: torch.dtype | None = None
+        """``grad_compression="bf16"``/``"fp16"``: the dtype the averaged gradients travel in (None: their own)."""
 
     @property
     def replica(self) -> int:
@@ -53,14 +58,24 @@ class FaultTolerant(Mode):
         for name, value, default in (
             ("strategy", options.strategy, "ddp"),
             ("sync", options.sync, "every-step"),
-            ("grad_compression", options.grad_compression, None),
         ):
             if value != default:
                 raise UsageError(
                     f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
                     f"leave {name} at its default ({default!r})"
                 )
+        if options.grad_compression in ("powersgd", "auto"):
+            raise UsageError(
+                f"--fault-tolerant does not take rt.setup(grad_compression={options.grad_compression!r}) yet "
+                "(PowerSGD's error feedback is each replica's own, and a healed replica has none); "
+                "use 'bf16' or 'fp16', or leave it out"
+            )
+        self.cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.grad_compression or "")
         return convert_over(model, self.manager)
+
+    def left_to_wrap(self, options: Any) -> Any:
+        """The replica casts the gradients it averages itself (:meth:`_average`): no DDP hook to register."""
+        return dataclasses.replace(options, grad_compression=None)
 
     def take_micro_shards(self) -> None:
         """Each replica reads the step's whole global batch and computes the micro-shards the quorum
@@ -112,11 +127,17 @@ class FaultTolerant(Mode):
         return False
 
     def _average(self, params: Sequence[torch.Tensor]) -> None:
-        """The gradients averaged over the quorum, one flat allreduce a dtype."""
+        """The gradients averaged over the quorum, one flat allreduce a dtype (in :attr:`cast` where set:
+        divided by the quorum's size, summed in 16 bits, cast back)."""
         for dtype in sorted({p.dtype for p in params}, key=str):
             same = [p for p in params if p.dtype == dtype]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
-            self.manager.average(flat)
+            if self.cast is not None and dtype.is_floating_point and dtype.itemsize > self.cast.itemsize:
+                sent = flat.to(self.cast).div_(self.manager.size())  # divide first: fp16 overflows later
+                self.manager.all_reduce_sum(sent)
+                flat = sent.to(dtype)
+            else:
+                self.manager.average(flat)
             offset = 0
             for p in same:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).clone()

@@ -70,7 +70,7 @@ def adopt(
         wrapped = wrap(
             model,
             optimizer,
-            options,
+            run.world.left_to_wrap(options),
             device=device,
             world_size=world_size,
             is_main=is_main,
