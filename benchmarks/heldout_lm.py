@@ -165,7 +165,10 @@ def _ddpkit(opts: argparse.Namespace) -> None:
     torch.manual_seed(opts.seed)
     model = CharGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
-    kwargs = {} if opts.worker == "every-step" else {"sync": "diloco"}
+    kwargs: dict[str, Any] = {} if opts.worker == "every-step" else {"sync": "diloco"}
+    if opts.sync_every and opts.worker == "ddpkit":  # a period given (the quality of another choice)
+        kwargs.update(sync_every=opts.sync_every, sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype,
+                      outer_lr=1.0, outer_momentum=0.0)
     model, optimizer = rt.setup(model, optimizer, **kwargs)
     batches = Batches(train, opts.batch, rt.rank, rt.world_size, opts.seed)
     started = time.perf_counter()
@@ -179,7 +182,8 @@ def _ddpkit(opts: argparse.Namespace) -> None:
     syncer = periodic.of(model)
     if rt.rank == 0:
         decision = None if syncer is None else syncer.decision
-        _report(opts, model, val, started, decision=decision)
+        _report(opts, model, val, started, decision=decision, sync_every=opts.sync_every or None,
+                sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype)
 
 
 def _accelerate(opts: argparse.Namespace) -> None:
@@ -271,6 +275,9 @@ def run_loop(opts: argparse.Namespace, loop: str, link_mbit: float, every: int |
     out.mkdir(parents=True)
     args = ["--worker", loop, "--out", str(out), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
             "--batch", str(opts.batch), "--lr", str(opts.lr), "--seed", str(opts.seed), "--every", str(every or 0)]
+    if opts.sync_every:
+        args += ["--sync-every", str(opts.sync_every), "--sync-delay", str(opts.sync_delay)]
+        args += ["--sync-dtype", opts.sync_dtype] if opts.sync_dtype else []
     env = {"OMP_NUM_THREADS": str(max(1, usable_cores() // opts.hosts)), "PYTHONUNBUFFERED": "1", "RUST_LOG": "warn"}
     started = time.perf_counter()
     with netsim.SimulatedHosts(opts.hosts, link_mbit) as sim:
@@ -318,6 +325,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         decision = row.get("decision")
         if decision:
             period = f"chose {decision['every']}, delay {decision['delay']}, {decision.get('dtype', 'bf16')}"
+        elif row.get("sync_every"):
+            period = f"given {row['sync_every']}, delay {row['sync_delay']}, {row.get('sync_dtype') or 'bf16'}"
         else:
             period = str(row.get("every") or "every step")
         speed = f"{row['samples_per_s'] / reference['samples_per_s']:.2f}" if reference else "—"
@@ -331,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/heldout_lm.py", description=__doc__.split("\n")[0])
     parser.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
     parser.add_argument("--every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-every", type=int, default=0, help="the ddpkit loop's period (default: chosen)")
+    parser.add_argument("--sync-delay", type=int, default=0, help="with --sync-every: its delay")
+    parser.add_argument("--sync-dtype", default=None, help="with --sync-every: its exchange")
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--link-mbit", type=float, default=10.0)
     parser.add_argument("--loops", default=",".join(LOOPS))

@@ -164,6 +164,8 @@ def test_a_replica_casts_the_gradients_it_sends_and_refuses_powersgd():
             replica.prepare(torch.nn.Linear(2, 2), SetupOptions(grad_compression=choice))
     replica.prepare(torch.nn.Linear(2, 2), SetupOptions(grad_compression="bf16"))
     assert replica.cast == torch.bfloat16
+    with pytest.raises(ddpkit.UsageError, match="differs from the first model's"):
+        replica.prepare(torch.nn.Linear(2, 2), SetupOptions())
     assert replica.left_to_wrap(SetupOptions(grad_compression="bf16")).grad_compression is None  # no DDP hook
     weight = torch.nn.Parameter(torch.zeros(3))
     weight.grad = torch.tensor([1.0 + 2**-10, -3.0, 1e-3])  # 1 + 2^-10 needs 11 bits of mantissa

@@ -142,7 +142,9 @@ def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monke
     if exchange == "int8":  # one byte an element: a quarter of fp32's
         assert uninterrupted[0]["sent_bytes"] == 4 * first + 3 * second
     else:  # a packet of the largest 1/32: a scale, int32 positions, int8 values
-        assert uninterrupted[0]["sent_bytes"] == 4 * sparse_packet_bytes(first) + 3 * sparse_packet_bytes(second)
+        # (fragment 1 holds BatchNorm's 2 x 32 statistics: sent whole, as float32)
+        sent = 4 * sparse_packet_bytes(first) + 3 * sparse_packet_bytes(second - 64, dense=64)
+        assert uninterrupted[0]["sent_bytes"] == sent
         assert uninterrupted[0]["sent_bytes"] < (4 * first + 3 * second) / 5
     assert _equal(uninterrupted[0]["synced"], uninterrupted[1]["synced"])  # the ranks meet at one model
     # it learns (chance is ln 10 = 2.30); sparse moves the synced model by 1/32 of each change a sync,
@@ -301,6 +303,34 @@ def test_the_period_chosen_from_the_link_is_the_shortest_that_hides_the_exchange
     assert chosen(10, step_s=0.2)["every"] < slow["every"]  # a longer step hides more of the exchange
     assert chosen(10, world=4)["every"] > slow["every"]  # a ring of 4 sends 1.5x the bytes of a ring of 2
     assert chosen(1e6)["every"] == MIN_EVERY
+
+
+def test_the_largest_positions_are_found_from_a_sample_or_in_full_where_the_sample_misleads():
+    from ddpkit.parallel.periodic import _largest
+
+    values = torch.randn(300_000, generator=torch.Generator().manual_seed(0))
+    want = set(torch.topk(values.abs(), 9_375).indices.tolist())
+    assert set(_largest(values, 9_375).tolist()) == want
+    # the sample (every 4th element) holds every nonzero one: its threshold lets 28 by, not 100
+    skewed = torch.zeros(300_000)
+    skewed[::4] = torch.arange(1, 75_001, dtype=torch.float32)
+    threshold = torch.quantile(skewed[::4], 1.0 - 1.1 * 100 / 300_000)
+    assert int((skewed >= threshold).sum()) < 100  # so the full topk runs
+    found = _largest(skewed, 100)
+    assert found.numel() == 100 and set(found.tolist()) == set(range(300_000 - 400, 300_000, 4))
+    assert _largest(torch.zeros(5), 0).numel() == 0 and sorted(_largest(torch.tensor([0.0, -2.0, 1.0]), 3).tolist()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("exchange", ["int8", "sparse"])
+def test_a_change_that_diverged_stops_the_exchange_in_one_line_instead_of_vanishing_in_the_rounding(exchange):
+    from ddpkit.parallel.periodic import PeriodicSync
+
+    model = torch.nn.Linear(4, 2)
+    syncer = PeriodicSync(model, None, kind="local-sgd", every=1, sync_dtype=exchange)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(ddpkit.DdpkitError, match="holds NaN or inf .* lower the learning rate"):
+        syncer.after_step()
 
 
 def test_where_the_link_sets_the_period_int8_then_sparse_shorten_it_unless_the_user_gave_a_dtype():

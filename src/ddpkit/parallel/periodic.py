@@ -42,6 +42,7 @@ share of each global batch); the run says so once.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,8 +52,15 @@ import torch.distributed as dist
 
 from ddpkit._torch import unwrap
 from ddpkit.distributed.probe import link, slowest_step
-from ddpkit.errors import UsageError, warn
-from ddpkit.parallel.periodic_parts import _DTYPES, MEASURE_STEPS, _fragments, choose_exchange, sparse_count
+from ddpkit.errors import DdpkitError, UsageError, warn
+from ddpkit.parallel.periodic_parts import (
+    _DTYPES,
+    MEASURE_STEPS,
+    _fragments,
+    choose_exchange,
+    position_dtype,
+    sparse_count,
+)
 
 MEASURING = 1 << 30
 """The period while it is being chosen: no exchange before the choice."""
@@ -261,6 +269,10 @@ class PeriodicSync:
         for exchange in list(self.pending):
             self._land(exchange)
 
+    def _dense(self, with_buffers: bool) -> int:
+        """Elements a sparse exchange sends whole: the BatchNorm statistics, in the fragment that has them."""
+        return sum(b.numel() for b in self.buffers) if with_buffers else 0
+
     def _parts(self, fragment: int) -> tuple[list[int], bool]:
         """The parameter indices of ``fragment`` and whether it carries the buffers (the last one does)."""
         return self.fragments[fragment], fragment == len(self.fragments) - 1
@@ -278,7 +290,7 @@ class PeriodicSync:
         world = _world()
         scale: float | str | None = None  # int8: the levels' unit; "sparse": every rank's packet gathered
         if self.exchange == "sparse":
-            packet = self._sparsified(fragment, own)
+            packet = self._sparsified(fragment, own, self._dense(with_buffers))
             self.sent_bytes += packet.numel()
             flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
             # into views of one buffer: gathered as the pending exchange's one tensor (checkpoints keep it)
@@ -319,49 +331,67 @@ class PeriodicSync:
         if kept is not None and kept.numel() == change.numel():
             change += kept.to(change.device)
         largest = change.abs().max().reshape(1) if change.numel() else torch.zeros(1, device=device)
+        if not bool(torch.isfinite(largest).all()):  # NaN: the ranks' largest becomes inf, on every rank
+            largest.fill_(math.inf)
         if world > 1:
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one scale on every rank: the sum stays exact
+        if not math.isfinite(float(largest.item())):
+            raise _diverged(f"sync={self.name!r} (int8)")
         levels = 127 // world
         unit = float(largest.item()) / levels if float(largest.item()) > 0 else 1.0
         quantised = torch.round(change / unit).clamp_(-levels, levels)
         self.feedback[fragment] = change - quantised * unit
         return quantised.to(torch.int8), unit
 
-    def _sparsified(self, fragment: int, own: list[torch.Tensor]) -> torch.Tensor:
-        """``own`` plus the fragment's feedback, its largest elements only, as one byte packet: a float32
-        scale, int32 positions and int8 values (of that scale); everything not sent is the next feedback."""
+    def _sparsified(self, fragment: int, own: list[torch.Tensor], dense: int) -> torch.Tensor:
+        """``own`` plus the fragment's feedback as one byte packet: a float32 scale, the positions and
+        int8 values (of that scale) of the largest elements, then the last ``dense`` elements (the
+        BatchNorm statistics' changes, averaged whole at each sync) as float32. Everything of the
+        others not sent is the next feedback."""
         device = own[0].device if own else torch.device("cpu")
         change = torch.cat([t.reshape(-1).float() for t in own]) if own else torch.zeros(0, device=device)
         kept = self.feedback.get(fragment)
         if kept is not None and kept.numel() == change.numel():
             change += kept.to(change.device)
-        positions = _largest(change, sparse_count(change.numel()))
+        finite = bool(torch.isfinite(change).all())
+        if not finite:  # sent with an infinite scale, which every rank sees where it lands
+            change = torch.zeros_like(change)
+        sparse = change.numel() - dense
+        positions = _largest(change[:sparse], sparse_count(sparse))
         values = change[positions]
-        count = positions.numel()
-        largest = float(values.abs().max()) if count else 0.0
-        unit = largest / 127 if largest > 0 else 1.0
+        largest = float(values.abs().max()) if positions.numel() else 0.0
+        unit = (largest / 127 if largest > 0 else 1.0) if finite else math.inf
         levels = torch.round(values / unit).clamp_(-127, 127)
+        whole = change[sparse:].clone()
         change[positions] -= levels * unit  # what rounding kept back of the sent ones stays too
+        change[sparse:] = 0.0
         self.feedback[fragment] = change
         return torch.cat(
             [
                 torch.tensor([unit], dtype=torch.float32, device=device).view(torch.uint8),
-                positions.to(torch.int32).view(torch.uint8),
+                positions.to(position_dtype(sparse)).view(torch.uint8),
                 levels.to(torch.int8).view(torch.uint8),
+                whole.view(torch.uint8),
             ]
         )
 
     @staticmethod
-    def _densified(gathered: torch.Tensor, world: int, elements: int) -> torch.Tensor:
-        """The sum of every rank's sparse packet in ``gathered``, as a dense fp32 vector of ``elements``."""
-        dense = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
-        count = sparse_count(elements)
+    def _densified(gathered: torch.Tensor, world: int, elements: int, dense: int) -> torch.Tensor:
+        """The sum of every rank's sparse packet in ``gathered`` (of ``elements``, the last ``dense``
+        of them sent whole), as a dense fp32 vector."""
+        total = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
+        sparse = elements - dense
+        count, kind = sparse_count(sparse), position_dtype(sparse)
+        ends = 4 + kind.itemsize * count
         for packet in gathered.chunk(world):
             unit = packet[:4].clone().view(torch.float32)
-            positions = packet[4 : 4 + 4 * count].clone().view(torch.int32).long()
-            levels = packet[4 + 4 * count :].clone().view(torch.int8)
-            dense.index_add_(0, positions, levels.float() * unit)
-        return dense
+            if not bool(torch.isfinite(unit).all()):
+                raise _diverged("a sparse exchange")
+            positions = packet[4:ends].clone().view(kind).long()
+            levels = packet[ends : ends + count].clone().view(torch.int8)
+            total.index_add_(0, positions, levels.float() * unit)
+            total[sparse:] += packet[ends + count :].clone().view(torch.float32)
+        return total
 
     @torch.no_grad()
     def _land(self, exchange: dict[str, Any]) -> None:
@@ -375,7 +405,8 @@ class PeriodicSync:
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
         if exchange.get("scale") == "sparse":  # every rank's largest elements, summed
-            flat = self._densified(exchange["flat"], exchange["world"], sum(t.numel() for t in tensors))
+            elements = sum(t.numel() for t in tensors)
+            flat = self._densified(exchange["flat"], exchange["world"], elements, self._dense(with_buffers))
         else:
             flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32)
         if isinstance(exchange.get("scale"), float):  # int8: levels of the ranks' common unit
@@ -557,6 +588,16 @@ class PeriodicSync:
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
         self.steps, self.pending, self.feedback = 0, [], {}
+
+
+def _diverged(kind: str) -> DdpkitError:
+    """What every rank raises where a rank's change held NaN or inf: rounded, it would be lost unseen.
+    The rank that found it tells the others through the exchange itself (an infinite scale), so they
+    all stop at the same point."""
+    return DdpkitError(
+        f"{kind}: a rank's change since the last sync holds NaN or inf (its inner steps diverged); "
+        "lower the learning rate, or clip the gradients"
+    )
 
 
 def _largest(values: torch.Tensor, count: int) -> torch.Tensor:

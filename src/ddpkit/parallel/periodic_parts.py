@@ -36,10 +36,16 @@ def sparse_count(elements: int) -> int:
     return 0 if elements == 0 else max(1, math.ceil(elements * SPARSE_DENSITY))
 
 
-def sparse_packet_bytes(elements: int) -> int:
-    """One rank's sparse packet: a float32 scale, int32 positions and int8 values."""
+def position_dtype(elements: int) -> torch.dtype:
+    """The positions' dtype in a sparse packet of ``elements``: int32, int64 past int32's range."""
+    return torch.int32 if elements <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def sparse_packet_bytes(elements: int, dense: int = 0) -> int:
+    """One rank's sparse packet: a float32 scale, the positions and int8 values of the largest of
+    ``elements``, and ``dense`` float32 values sent whole (the BatchNorm statistics' changes)."""
     count = sparse_count(elements)
-    return 4 + 5 * count
+    return 4 + (position_dtype(elements).itemsize + 1) * count + 4 * dense
 
 
 def wire_bytes(name: str, elements: int, world: int) -> float:

@@ -40,6 +40,8 @@ class FaultTolerant(Mode):
         self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
         self.micro_shards = False
         """The model trains with ``micro_shards``: its tree sums the gradients over the quorum, not :meth:`commit`."""
+        self.models = 0
+        """Models set up under this replica (their gradients share one cast)."""
         self.cast: torch.dtype | None = None
         """``grad_compression="bf16"``/``"fp16"``: the dtype the averaged gradients travel in (None: their own)."""
 
@@ -70,7 +72,13 @@ class FaultTolerant(Mode):
                 "(PowerSGD's error feedback is each replica's own, and a healed replica has none); "
                 "use 'bf16' or 'fp16', or leave it out"
             )
-        self.cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.grad_compression or "")
+        cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.grad_compression or "")
+        if self.models and cast != self.cast:  # one commit averages every model's gradients
+            raise UsageError(
+                f"--fault-tolerant: rt.setup(grad_compression={options.grad_compression!r}) differs from the "
+                "first model's; one step averages every model's gradients together, so give each the same"
+            )
+        self.cast, self.models = cast, self.models + 1
         return convert_over(model, self.manager)
 
     def left_to_wrap(self, options: Any) -> Any:
@@ -133,7 +141,7 @@ class FaultTolerant(Mode):
             same = [p for p in params if p.dtype == dtype]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
             if self.cast is not None and dtype.is_floating_point and dtype.itemsize > self.cast.itemsize:
-                sent = flat.to(self.cast).div_(self.manager.size())  # divide first: fp16 overflows later
+                sent = flat.div(self.manager.size()).to(self.cast)  # divide first: fp16 overflows later
                 self.manager.all_reduce_sum(sent)
                 flat = sent.to(dtype)
             else:
