@@ -160,6 +160,10 @@ def _ddpkit(opts: argparse.Namespace) -> None:
     import ddpkit
     from ddpkit.parallel import periodic
 
+    if opts.sparse_density:
+        from ddpkit.parallel import periodic_parts
+
+        periodic_parts.SPARSE_DENSITY = opts.sparse_density
     rt = ddpkit.init(seed=opts.seed)
     train, val = windows()
     torch.manual_seed(opts.seed)
@@ -183,7 +187,7 @@ def _ddpkit(opts: argparse.Namespace) -> None:
     if rt.rank == 0:
         decision = None if syncer is None else syncer.decision
         _report(opts, model, val, started, decision=decision, sync_every=opts.sync_every or None,
-                sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype)
+                sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype, sparse_density=opts.sparse_density)
 
 
 def _accelerate(opts: argparse.Namespace) -> None:
@@ -343,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", type=int, default=0, help="the ddpkit loop's period (default: chosen)")
     parser.add_argument("--sync-delay", type=int, default=0, help="with --sync-every: its delay")
     parser.add_argument("--sync-dtype", default=None, help="with --sync-every: its exchange")
+    parser.add_argument("--sparse-density", type=float, default=None,
+                        help="the share a sparse exchange sends (an experiment: default SPARSE_DENSITY)")
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--link-mbit", type=float, default=10.0)
     parser.add_argument("--loops", default=",".join(LOOPS))
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 if period is None:
                     parser.error("--peer-every chosen needs the ddpkit loop to run first (in --loops)")
                 rows.append(run_loop(opts, loop, opts.link_mbit, period, out / f"{loop}-{period}"))
+                print(json.dumps(rows[-1]), flush=True)
+            continue
         print(json.dumps(rows[-1]), flush=True)
     table = _table(rows)
     print(table)

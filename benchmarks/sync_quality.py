@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-lr", type=float, default=None, help="default: 0.7 with --sync-every, 1.0 without")
     parser.add_argument("--outer-momentum", type=float, default=None, help="default: 0.9 with --sync-every, 0 without")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sparse-density", type=float, default=None,
+                        help="the share a given sparse exchange sends (default: SPARSE_DENSITIES[0])")
     opts = parser.parse_args(argv)
+    if opts.sparse_density:
+        from ddpkit.parallel import periodic_parts
+
+        periodic_parts.SPARSE_DENSITY = opts.sparse_density
 
     rt = ddpkit.init(seed=opts.seed)
     lm = opts.model == "tiny-lm"

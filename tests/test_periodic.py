@@ -145,7 +145,7 @@ def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monke
         # (fragment 1 holds BatchNorm's 2 x 32 statistics: sent whole, as float32)
         sent = 4 * sparse_packet_bytes(first) + 3 * sparse_packet_bytes(second - 64, dense=64)
         assert uninterrupted[0]["sent_bytes"] == sent
-        assert uninterrupted[0]["sent_bytes"] < (4 * first + 3 * second) / 5
+        assert uninterrupted[0]["sent_bytes"] < (4 * first + 3 * second) / 4  # int8 sends one byte an element
     assert _equal(uninterrupted[0]["synced"], uninterrupted[1]["synced"])  # the ranks meet at one model
     # it learns (chance is ln 10 = 2.30); sparse moves the synced model by 1/32 of each change a sync,
     # the rest waiting in the feedback, so 3 syncs of 14 steps take it less far
@@ -318,7 +318,9 @@ def test_the_largest_positions_are_found_from_a_sample_or_in_full_where_the_samp
     assert int((skewed >= threshold).sum()) < 100  # so the full topk runs
     found = _largest(skewed, 100)
     assert found.numel() == 100 and set(found.tolist()) == set(range(300_000 - 400, 300_000, 4))
-    assert _largest(torch.zeros(5), 0).numel() == 0 and sorted(_largest(torch.tensor([0.0, -2.0, 1.0]), 3).tolist()) == [0, 1, 2]
+    assert _largest(torch.zeros(5), 0).numel() == 0 and sorted(
+        _largest(torch.tensor([0.0, -2.0, 1.0]), 3).tolist()
+    ) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("exchange", ["int8", "sparse"])
@@ -334,7 +336,7 @@ def test_a_change_that_diverged_stops_the_exchange_in_one_line_instead_of_vanish
 
 
 def test_where_the_link_sets_the_period_int8_then_sparse_shorten_it_unless_the_user_gave_a_dtype():
-    from ddpkit.parallel.periodic_parts import MIN_EVERY, choose_exchange, sparse_packet_bytes
+    from ddpkit.parallel.periodic_parts import MIN_EVERY, SPARSE_DENSITIES, choose_exchange, sparse_packet_bytes
 
     def chosen(mbit: float, dtype: str = "bf16", given: bool = False, world: int = 2) -> dict:
         return choose_exchange(
@@ -348,12 +350,18 @@ def test_where_the_link_sets_the_period_int8_then_sparse_shorten_it_unless_the_u
         )
 
     slow, kept = chosen(10), chosen(10, given=True)
-    assert slow["dtype"] == "sparse" and kept["dtype"] == "bf16"
-    assert slow["exchange_bytes"] == sparse_packet_bytes(2_000_000) < kept["exchange_bytes"] / 12
+    assert slow["dtype"] == "sparse" and kept["dtype"] == "bf16" and "density" not in kept
+    assert slow["exchange_bytes"] == sparse_packet_bytes(2_000_000, density=slow["density"])
     assert slow["every"] < chosen(10, "int8", given=True)["every"] < kept["every"]
     assert chosen(10, "fp32", given=True)["every"] > kept["every"]  # the user's fp32 stands, however slow
-    # an all-gather of 4 ranks' packets sends 3 of them: a longer period than on 2, still sparse
-    assert chosen(10, world=4)["dtype"] == "sparse" and chosen(10, world=4)["every"] >= slow["every"]
+    # the densest share that gives the shortest period: sparser only where it shortens the period
+    shares = {mbit: chosen(mbit)["density"] for mbit in (1, 10, 40)}
+    assert shares[1] == SPARSE_DENSITIES[-1] and shares[40] == SPARSE_DENSITIES[0], shares
+    assert chosen(40)["every"] < chosen(40, "int8", given=True)["every"]
+    assert chosen(1)["every"] > chosen(10)["every"] >= MIN_EVERY  # the sparsest share cannot hide everything
+    # a given sparse exchange chooses its share too; an all-gather of 4 ranks' packets sends 3 of them
+    assert chosen(10, "sparse", given=True)["density"] == slow["density"]
+    assert chosen(1, world=4)["every"] > chosen(1)["every"]
     # int8 reaches the shortest period already: nothing more is thrown away
     middle = chosen(300)
     assert middle["dtype"] == "int8" and middle["every"] == MIN_EVERY < chosen(300, given=True)["every"]

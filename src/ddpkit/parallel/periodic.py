@@ -110,6 +110,9 @@ class PeriodicSync:
         self._step_ends: list[float] = []
         self.every = MEASURING if every is None else every
         self.exchange = sync_dtype or "bf16"
+        self.density: float | None = None
+        """A sparse exchange's share of each fragment (None: :data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY`;
+        a period chosen from the link chooses it too)."""
         """The exchange's kind by ``sync_dtype``'s name: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"sparse"``."""
         self.dtype_given = sync_dtype is not None
         """The exchange's dtype was the user's: a period chosen from the link keeps it."""
@@ -202,7 +205,9 @@ class PeriodicSync:
             )
             warn(
                 f"sync={self.name!r} chose sync_every={self.every}, sync_delay={self.delay}, sync_dtype="
-                f"{decision['dtype']!r}: link {shown}, "
+                f"{decision['dtype']!r}"
+                + (f" (the largest 1/{round(1 / decision['density'])})" if decision.get("density") else "")
+                + f": link {shown}, "
                 f"latency {latency * 1e3:.2f} ms, inner step {decision['step_s'] * 1e3:.1f} ms, one exchange of "
                 f"{decision['exchange_bytes'] / 1e6:.2f} MB takes {decision['exchange_s'] * 1e3:.1f} ms "
                 f"and runs behind the next {self.delay} step(s)"
@@ -213,6 +218,7 @@ class PeriodicSync:
         self.every, self.delay = int(decision["every"]), int(decision["delay"])
         if decision.get("dtype") in _DTYPES:  # chosen with the period (a checkpoint's choice stands)
             self.exchange = decision["dtype"]
+            self.density = decision.get("density")
         self._layout(int(decision["fragments"]))
 
     # -- training --------------------------------------------------------------------------
@@ -357,7 +363,7 @@ class PeriodicSync:
         if not finite:  # sent with an infinite scale, which every rank sees where it lands
             change = torch.zeros_like(change)
         sparse = change.numel() - dense
-        positions = _largest(change[:sparse], sparse_count(sparse))
+        positions = _largest(change[:sparse], sparse_count(sparse, self.density))
         values = change[positions]
         largest = float(values.abs().max()) if positions.numel() else 0.0
         unit = (largest / 127 if largest > 0 else 1.0) if finite else math.inf
@@ -375,13 +381,12 @@ class PeriodicSync:
             ]
         )
 
-    @staticmethod
-    def _densified(gathered: torch.Tensor, world: int, elements: int, dense: int) -> torch.Tensor:
+    def _densified(self, gathered: torch.Tensor, world: int, elements: int, dense: int) -> torch.Tensor:
         """The sum of every rank's sparse packet in ``gathered`` (of ``elements``, the last ``dense``
         of them sent whole), as a dense fp32 vector."""
         total = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
         sparse = elements - dense
-        count, kind = sparse_count(sparse), position_dtype(sparse)
+        count, kind = sparse_count(sparse, self.density), position_dtype(sparse)
         ends = 4 + kind.itemsize * count
         for packet in gathered.chunk(world):
             unit = packet[:4].clone().view(torch.float32)

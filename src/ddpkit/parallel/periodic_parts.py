@@ -28,12 +28,20 @@ is the next feedback."""
 EXCHANGES = ("fp32", "bf16", "int8", "sparse")
 """``sync_dtype``'s values, as ``rt.setup``, ``ddpkit bench --sync-dtype`` and the benchmarks take them."""
 SPARSE_DENSITY = 1 / 32
-"""The share of a fragment's elements a sparse exchange sends (SparseLoCo's top-k keeps 1-3%)."""
+"""The share of a fragment's elements a sparse exchange sends where the user gave the period
+(SparseLoCo's top-k keeps 1-3%)."""
+SPARSE_DENSITIES = (1 / 32, 1 / 64, 1 / 128)
+"""The shares a period chosen from the link may send, densest first: the least that gives the
+shortest period is taken. On a held-out character transformer at 10 Mbit/s (BENCHMARKS.md) the
+shorter period paid for the sparser exchange: 1/16 at H = 8 ended 11.7% above every-step DDP's
+validation loss, 1/32 at H = 5 4.9%, 1/64 at H = 3 1.0%."""
 
 
-def sparse_count(elements: int) -> int:
-    """Elements a sparse exchange of ``elements`` sends: :data:`SPARSE_DENSITY` of them, at least one."""
-    return 0 if elements == 0 else max(1, math.ceil(elements * SPARSE_DENSITY))
+def sparse_count(elements: int, density: float | None = None) -> int:
+    """Elements a sparse exchange of ``elements`` sends: ``density`` of them (None:
+    :data:`SPARSE_DENSITY`), at least one."""
+    share = SPARSE_DENSITY if density is None else density
+    return 0 if elements == 0 else max(1, math.ceil(elements * share))
 
 
 def position_dtype(elements: int) -> torch.dtype:
@@ -41,20 +49,20 @@ def position_dtype(elements: int) -> torch.dtype:
     return torch.int32 if elements <= torch.iinfo(torch.int32).max else torch.int64
 
 
-def sparse_packet_bytes(elements: int, dense: int = 0) -> int:
-    """One rank's sparse packet: a float32 scale, the positions and int8 values of the largest of
-    ``elements``, and ``dense`` float32 values sent whole (the BatchNorm statistics' changes)."""
-    count = sparse_count(elements)
+def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = None) -> int:
+    """One rank's sparse packet: a float32 scale, the positions and int8 values of the largest
+    ``density`` of ``elements``, and ``dense`` float32 values sent whole (the BatchNorm statistics' changes)."""
+    count = sparse_count(elements, density)
     return 4 + (position_dtype(elements).itemsize + 1) * count + 4 * dense
 
 
-def wire_bytes(name: str, elements: int, world: int) -> float:
+def wire_bytes(name: str, elements: int, world: int, density: float | None = None) -> float:
     """What each rank sends for one exchange of ``elements``: a ring allreduce of the dense dtypes,
     a ring all-gather of every rank's packet for ``"sparse"``."""
     from ddpkit.distributed.probe import bus_bytes
 
     if name == "sparse":
-        return float((world - 1) * sparse_packet_bytes(elements))
+        return float((world - 1) * sparse_packet_bytes(elements, density=density))
     return float(bus_bytes(elements * _DTYPES[name].itemsize, world))
 
 
@@ -225,14 +233,16 @@ def choose_exchange(
     link_bytes_per_s: float | None,
     latency_s: float,
 ) -> dict[str, Any]:
-    """The period (:func:`choose_period`) and the exchange's dtype: ``dtype`` where the user gave it
-    or where the link does not set the period (it is :data:`MIN_EVERY` already); else int8 (with
-    error feedback) where its quarter of fp32's bytes makes the period shorter, and then sparse
-    (the largest :data:`SPARSE_DENSITY`, with error feedback) where its packets make it shorter still.
+    """The period (:func:`choose_period`) and the exchange: ``dtype`` where the user gave it or where
+    the link does not set the period (it is :data:`MIN_EVERY` already); else int8 (with error
+    feedback) where its quarter of fp32's bytes makes the period shorter, and then sparse (with
+    error feedback), each of :data:`SPARSE_DENSITIES` in turn, where its packets make the period
+    shorter still. A given ``"sparse"`` takes the density that gives the shortest period.
 
-    On tiny-lm (2 processes, 600 steps, BENCHMARKS.md) the shorter period paid for the rounding:
-    sparse at H = 8 reached a validation loss 6.0% below every-step DDP's, int8 at H = 32 2.7%, bf16
-    at H = 64 3.0%.
+    The shortest period won on both workloads measured (BENCHMARKS.md): tiny-lm (2 processes, 600
+    steps) ended 6.0% below every-step DDP's validation loss with sparse 1/32 at H = 8, 2.7% with
+    int8 at H = 32, 3.0% with bf16 at H = 64; a held-out character transformer at 10 Mbit/s 1.0%
+    above it with sparse 1/64 at H = 3, 4.9% with 1/32 at H = 5, 15.7% with int8 at H = 22.
 
     Args:
         step_s: the slowest rank's inner step, in seconds.
@@ -242,36 +252,46 @@ def choose_exchange(
         world, link_bytes_per_s, latency_s: as :func:`choose_period` takes them.
 
     Returns:
-        :func:`choose_period`'s decision with ``dtype`` in it.
+        :func:`choose_period`'s decision with ``dtype`` in it, and ``density`` for a sparse one.
 
     >>> slow = dict(step_s=0.1, elements=1_000_000, world=2, link_bytes_per_s=1.25e6, latency_s=0.001)
-    >>> [(c["dtype"], c["every"]) for c in (choose_exchange(dtype="bf16", dtype_given=False, **slow),
-    ...                                     choose_exchange(dtype="bf16", dtype_given=True, **slow))]
-    [('sparse', 3), ('bf16', 22)]
+    >>> [(c["dtype"], c.get("density"), c["every"]) for c in (choose_exchange(dtype="bf16", dtype_given=False, **slow),
+    ...                                                       choose_exchange(dtype="bf16", dtype_given=True, **slow))]
+    [('sparse', 0.015625, 2), ('bf16', None, 22)]
     >>> [choose_exchange(dtype="bf16", dtype_given=False, **{**slow, "link_bytes_per_s": s})["dtype"] for s in (15e6, 30e6)]
     ['int8', 'bf16']
-
     """
 
-    def period(name: str) -> dict[str, Any]:
-        packet = sparse_packet_bytes(elements) if name == "sparse" else elements * _DTYPES[name].itemsize
-        return {
+    def period(name: str, density: float | None = None) -> dict[str, Any]:
+        if name == "sparse":
+            packet = sparse_packet_bytes(elements, density=density)
+        else:
+            packet = elements * _DTYPES[name].itemsize
+        decision = {
             **choose_period(
                 step_s=step_s,
                 exchange_bytes=packet,
                 world=world,
                 link_bytes_per_s=link_bytes_per_s,
                 latency_s=latency_s,
-                sent_bytes=wire_bytes(name, elements, world),
+                sent_bytes=wire_bytes(name, elements, world, density),
             ),
             "dtype": name,
         }
+        if name == "sparse":
+            decision["density"] = density
+        return decision
 
-    decision = period(dtype)
-    for narrower in ("int8", "sparse") if not dtype_given else ():
+    if dtype == "sparse":
+        decision = period("sparse", SPARSE_DENSITIES[0])
+        candidates = [("sparse", d) for d in SPARSE_DENSITIES[1:]]
+    else:
+        decision = period(dtype)
+        candidates = [] if dtype_given else [("int8", None), *(("sparse", d) for d in SPARSE_DENSITIES)]
+    for name, density in candidates:
         if decision["every"] <= MIN_EVERY:
             break
-        candidate = period(narrower)
+        candidate = period(name, density)
         if candidate["every"] < decision["every"]:
             decision = candidate
     return decision
@@ -291,6 +311,7 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
 __all__ = [
     "EXCHANGES",
     "MEASURE_STEPS",
+    "SPARSE_DENSITIES",
     "SPARSE_DENSITY",
     "SYNCS",
     "announce",
