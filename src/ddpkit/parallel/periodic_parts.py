@@ -282,6 +282,7 @@ def choose_exchange(
             decision["density"] = density
         return decision
 
+    candidates: list[tuple[str, float | None]]
     if dtype == "sparse":
         decision = period("sparse", SPARSE_DENSITIES[0])
         candidates = [("sparse", d) for d in SPARSE_DENSITIES[1:]]
