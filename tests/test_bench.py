@@ -818,3 +818,20 @@ def test_make_gpu_check_says_in_one_line_that_torch_sees_no_gpu(tmp_path):
         "sees no CUDA GPU (CPU wheel, or no driver)"
     )
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_every_exchange_the_bench_takes_reaches_its_loops():
+    """``ddpkit bench --sync-dtype`` is handed on to the loop that trains (its own parser): each value
+    the bench accepts, the loop accepts too (int8 once reached the loop and stopped it)."""
+    from ddpkit.bench.flags import parse_settings
+    from ddpkit.bench.workload import worker_parser
+    from ddpkit.parallel.periodic_parts import EXCHANGES
+
+    required = ["--model", "tiny-lm", "--data", "synthetic", "--precision", "fp32", "--batch", "2", "--steps", "1"]
+    for exchange in EXCHANGES:
+        settings = parse_settings(["--sync", "diloco", "--sync-every", "4", "--sync-dtype", exchange])
+        assert settings.sync_dtype == exchange
+        loop = worker_parser("loop").parse_args(
+            [*required, "--warmup", "0", "--result", "r.json", "--sync-dtype", exchange]
+        )
+        assert loop.sync_dtype == exchange

@@ -29,7 +29,7 @@ from ddpkit.parallel.fsdp import no_gradient_sync
 class Mode:
     """What a mode does at each point of a run; the defaults do nothing (a plain DDP step).
 
-    Set-up: :meth:`prepare` and :meth:`refuse`. A step: :meth:`on_batch`, :meth:`loss_weight`,
+    Set-up: :meth:`prepare`, :meth:`left_to_wrap` and :meth:`refuse`. A step: :meth:`on_batch`, :meth:`loss_weight`,
     :meth:`shards`, :meth:`after_backward`, :meth:`complete`, :meth:`commit`, :meth:`after_step`.
     Saving: :meth:`is_main`, :meth:`state_dict`, :meth:`load_state_dict`. The end: :meth:`close`.
     """
