@@ -58,7 +58,14 @@ def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = N
 
 def wire_bytes(name: str, elements: int, world: int, density: float | None = None) -> float:
     """What each rank sends for one exchange of ``elements``: a ring allreduce of the dense dtypes,
-    a ring all-gather of every rank's packet for ``"sparse"``."""
+    a ring all-gather of every rank's packet for ``"sparse"``.
+
+    Args:
+        name: the exchange, one of :data:`EXCHANGES`.
+        elements: elements of the whole model's change.
+        world: processes of the job.
+        density: a sparse exchange's share (None: :data:`SPARSE_DENSITY`).
+    """
     from ddpkit.distributed.probe import bus_bytes
 
     if name == "sparse":
