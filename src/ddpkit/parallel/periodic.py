@@ -110,10 +110,10 @@ class PeriodicSync:
         self._step_ends: list[float] = []
         self.every = MEASURING if every is None else every
         self.exchange = sync_dtype or "bf16"
+        """The exchange's kind by ``sync_dtype``'s name: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"sparse"``."""
         self.density: float | None = None
         """A sparse exchange's share of each fragment (None: :data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY`;
         a period chosen from the link chooses it too)."""
-        """The exchange's kind by ``sync_dtype``'s name: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"sparse"``."""
         self.dtype_given = sync_dtype is not None
         """The exchange's dtype was the user's: a period chosen from the link keeps it."""
         self.steps = 0  # optimizer steps into the period
@@ -298,11 +298,10 @@ class PeriodicSync:
         if self.exchange == "sparse":
             packet = self._sparsified(fragment, own, self._dense(with_buffers))
             self.sent_bytes += packet.numel()
-            flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
-            # into views of one buffer: gathered as the pending exchange's one tensor (checkpoints keep it)
-            work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0) if world > 1 else None
-            if world == 1:
-                flat.copy_(packet)
+            flat, work = packet, None
+            if world > 1:  # into views of one buffer: the pending exchange's one tensor (checkpoints keep it)
+                flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
+                work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0)
             scale = "sparse"
         else:
             if self.exchange == "int8":
@@ -328,14 +327,20 @@ class PeriodicSync:
         else:
             self._land(exchange)
 
-    def _quantised(self, fragment: int, own: list[torch.Tensor], world: int) -> tuple[torch.Tensor, float]:
-        """``own`` (this rank's change) plus the fragment's feedback as int8 levels of the ranks' common
-        scale, and that scale (a unit of the levels); what rounding kept back is the next feedback."""
+    def _with_feedback(self, fragment: int, own: list[torch.Tensor]) -> torch.Tensor:
+        """``own`` (this rank's change) as one flat fp32 vector, plus what the fragment's last exchange kept back."""
         device = own[0].device if own else torch.device("cpu")
         change = torch.cat([t.reshape(-1).float() for t in own]) if own else torch.zeros(0, device=device)
         kept = self.feedback.get(fragment)
         if kept is not None and kept.numel() == change.numel():
             change += kept.to(change.device)
+        return change
+
+    def _quantised(self, fragment: int, own: list[torch.Tensor], world: int) -> tuple[torch.Tensor, float]:
+        """``own`` (this rank's change) plus the fragment's feedback as int8 levels of the ranks' common
+        scale, and that scale (a unit of the levels); what rounding kept back is the next feedback."""
+        change = self._with_feedback(fragment, own)
+        device = change.device
         largest = change.abs().max().reshape(1) if change.numel() else torch.zeros(1, device=device)
         if not bool(torch.isfinite(largest).all()):  # NaN: the ranks' largest becomes inf, on every rank
             largest.fill_(math.inf)
@@ -354,11 +359,8 @@ class PeriodicSync:
         int8 values (of that scale) of the largest elements, then the last ``dense`` elements (the
         BatchNorm statistics' changes, averaged whole at each sync) as float32. Everything of the
         others not sent is the next feedback."""
-        device = own[0].device if own else torch.device("cpu")
-        change = torch.cat([t.reshape(-1).float() for t in own]) if own else torch.zeros(0, device=device)
-        kept = self.feedback.get(fragment)
-        if kept is not None and kept.numel() == change.numel():
-            change += kept.to(change.device)
+        change = self._with_feedback(fragment, own)
+        device = change.device
         finite = bool(torch.isfinite(change).all())
         if not finite:  # sent with an infinite scale, which every rank sees where it lands
             change = torch.zeros_like(change)

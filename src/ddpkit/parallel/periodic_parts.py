@@ -56,6 +56,13 @@ def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = N
     return 4 + (position_dtype(elements).itemsize + 1) * count + 4 * dense
 
 
+def packet_bytes(name: str, elements: int, density: float | None = None) -> int:
+    """One rank's part of one exchange of ``elements``: its sparse packet, or the elements in the dtype."""
+    if name == "sparse":
+        return sparse_packet_bytes(elements, density=density)
+    return elements * _DTYPES[name].itemsize
+
+
 def wire_bytes(name: str, elements: int, world: int, density: float | None = None) -> float:
     """What each rank sends for one exchange of ``elements``: a ring allreduce of the dense dtypes,
     a ring all-gather of every rank's packet for ``"sparse"``.
@@ -68,9 +75,8 @@ def wire_bytes(name: str, elements: int, world: int, density: float | None = Non
     """
     from ddpkit.distributed.probe import bus_bytes
 
-    if name == "sparse":
-        return float((world - 1) * sparse_packet_bytes(elements, density=density))
-    return float(bus_bytes(elements * _DTYPES[name].itemsize, world))
+    part = packet_bytes(name, elements, density)
+    return float((world - 1) * part if name == "sparse" else bus_bytes(part, world))
 
 
 def check(
@@ -270,14 +276,10 @@ def choose_exchange(
     """
 
     def period(name: str, density: float | None = None) -> dict[str, Any]:
-        if name == "sparse":
-            packet = sparse_packet_bytes(elements, density=density)
-        else:
-            packet = elements * _DTYPES[name].itemsize
         decision = {
             **choose_period(
                 step_s=step_s,
-                exchange_bytes=packet,
+                exchange_bytes=packet_bytes(name, elements, density),
                 world=world,
                 link_bytes_per_s=link_bytes_per_s,
                 latency_s=latency_s,
