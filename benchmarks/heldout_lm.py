@@ -27,7 +27,14 @@ the loop. Needs root (network namespaces and ``tc``), Accelerate and torchft::
     sudo python benchmarks/heldout_lm.py --hosts 2 --link-mbit 10 --steps 800 --out runs/heldout
     sudo python benchmarks/heldout_lm.py --hosts 2 --link-mbit 1 --loops every-step,ddpkit --out runs/heldout-1
 
-Prints one table and writes ``heldout.json`` to ``--out``.
+Prints one table and writes ``heldout.json`` to ``--out``. ``--corpus torch-nn --width 192
+--layers 6`` is a third workload (torch's ``torch/nn`` sources, 2.7M parameters), to check on
+data and a model size nobody chose a default on what the held-out one was used to choose. One
+loop alone, on loopback and without shaping (its quality; the speed needs the simulated hosts)::
+
+    ddpkit run -n 2 benchmarks/heldout_lm.py --worker ddpkit --sync-every 2 --sync-delay 1 \
+        --sync-dtype sparse --sparse-density 0.0078125 --corpus torch-nn --width 192 --layers 6 \
+        --steps 600 --out runs/third-128
 """
 
 from __future__ import annotations
@@ -58,10 +65,18 @@ LOOPS = ("every-step", "ddpkit", "accelerate", "torchft")
 
 # -- the workload ---------------------------------------------------------------------------------
 
-def corpus(limit: int = 3_000_000) -> torch.Tensor:
-    """The standard library's top-level ``.py`` files, in name order, as ASCII codes (others: ``?``)."""
+CORPORA = {
+    "stdlib": lambda: sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")),
+    "torch-nn": lambda: sorted(Path(torch.__file__).parent.joinpath("nn").rglob("*.py")),
+}
+"""The corpora: the standard library's top-level modules (the held-out workload), or torch's
+``torch/nn`` package (a third workload, checked after the held-out one chose the sparse shares)."""
+
+
+def corpus(name: str = "stdlib", limit: int = 3_000_000) -> torch.Tensor:
+    """The corpus' ``.py`` files, in path order, as ASCII codes (others: ``?``)."""
     text = bytearray()
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+    for path in CORPORA[name]():
         text += path.read_bytes()
         if len(text) >= limit:
             break
@@ -69,9 +84,9 @@ def corpus(limit: int = 3_000_000) -> torch.Tensor:
     return torch.where(codes < VOCAB, codes, torch.full_like(codes, ord("?")))
 
 
-def windows() -> tuple[torch.Tensor, torch.Tensor]:
+def windows(name: str = "stdlib") -> tuple[torch.Tensor, torch.Tensor]:
     """Non-overlapping windows of ``SEQ + 1`` codes: (train, validation), the last 5% validating."""
-    codes = corpus()
+    codes = corpus(name)
     count = codes.numel() // (SEQ + 1)
     rows = codes[: count * (SEQ + 1)].view(count, SEQ + 1)
     split = count - max(1, count // 20)
@@ -165,9 +180,9 @@ def _ddpkit(opts: argparse.Namespace) -> None:
 
         periodic_parts.SPARSE_DENSITY = opts.sparse_density
     rt = ddpkit.init(seed=opts.seed)
-    train, val = windows()
+    train, val = windows(opts.corpus)
     torch.manual_seed(opts.seed)
-    model = CharGPT()
+    model = CharGPT(opts.width, opts.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     kwargs: dict[str, Any] = {} if opts.worker == "every-step" else {"sync": "diloco"}
     if opts.sync_every and opts.worker == "ddpkit":  # a period given (the quality of another choice)
@@ -195,9 +210,9 @@ def _accelerate(opts: argparse.Namespace) -> None:
     from accelerate.local_sgd import LocalSGD
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
-    train, val = windows()
+    train, val = windows(opts.corpus)
     torch.manual_seed(opts.seed)
-    model = CharGPT()
+    model = CharGPT(opts.width, opts.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     model, optimizer = acc.prepare(model, optimizer)
     batches = Batches(train, opts.batch, acc.process_index, acc.num_processes, opts.seed)
@@ -221,9 +236,9 @@ def _torchft(opts: argparse.Namespace) -> None:
     from torchft.local_sgd import DiLoCo
 
     group, groups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
-    train, val = windows()
+    train, val = windows(opts.corpus)
     torch.manual_seed(opts.seed)
-    model = CharGPT()
+    model = CharGPT(opts.width, opts.layers)
     inner = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
 
@@ -278,7 +293,8 @@ def run_loop(opts: argparse.Namespace, loop: str, link_mbit: float, every: int |
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     args = ["--worker", loop, "--out", str(out), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
-            "--batch", str(opts.batch), "--lr", str(opts.lr), "--seed", str(opts.seed), "--every", str(every or 0)]
+            "--batch", str(opts.batch), "--lr", str(opts.lr), "--seed", str(opts.seed), "--every", str(every or 0),
+            "--corpus", opts.corpus, "--width", str(opts.width), "--layers", str(opts.layers)]
     if opts.sync_every:
         args += ["--sync-every", str(opts.sync_every), "--sync-delay", str(opts.sync_delay)]
         args += ["--sync-dtype", opts.sync_dtype] if opts.sync_dtype else []
@@ -356,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=800, help="timed optimizer steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8, help="sequences a process a step")
+    parser.add_argument("--corpus", choices=tuple(CORPORA), default="stdlib")
+    parser.add_argument("--width", type=int, default=256, help="the transformer's width (8 heads)")
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a loop may run")
@@ -390,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     meta = {"hosts": opts.hosts, "link_mbit": opts.link_mbit, "steps": opts.steps, "warmup": opts.warmup,
             "batch": opts.batch, "lr": opts.lr, "seed": opts.seed, "python": sys.version.split()[0],
-            "torch": torch.__version__, "corpus_windows": [len(t) for t in windows()],
-            "parameters": sum(p.numel() for p in CharGPT().parameters())}
+            "torch": torch.__version__, "corpus": opts.corpus, "corpus_windows": [len(t) for t in windows(opts.corpus)],
+            "parameters": sum(p.numel() for p in CharGPT(opts.width, opts.layers).parameters())}
     (out / "heldout.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
     return 0 if all("failed" not in row for row in rows) else 1
 

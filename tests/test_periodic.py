@@ -161,7 +161,7 @@ def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monke
     if exchange == "int8":
         assert pending["flat"].dtype == torch.int8 and pending["scale"] > 0
     else:  # both ranks' packets, gathered
-        assert pending["flat"].dtype == torch.uint8 and pending["scale"] == "sparse"
+        assert pending["flat"].dtype == torch.uint8 and pending["scale"] == "sparse:blocks"
         assert pending["flat"].numel() == 2 * sparse_packet_bytes(first)
         # most of each rank's change waits in its feedback: only the largest 1/32 was sent
         assert (feedback[0][0] != 0).sum() > 0.9 * first
@@ -321,6 +321,47 @@ def test_the_largest_positions_are_found_from_a_sample_or_in_full_where_the_samp
     assert _largest(torch.zeros(5), 0).numel() == 0 and sorted(
         _largest(torch.tensor([0.0, -2.0, 1.0]), 3).tolist()
     ) == [0, 1, 2]
+
+
+def test_a_sparse_packet_gives_its_positions_in_blocks_and_sums_to_what_was_sent():
+    """Positions as 16-bit offsets after each block's count: 3 bytes an element sent, across blocks
+    of 65,536 (the last one partial, one empty); a checkpoint's packet of the first layout (whole
+    int32 positions) still lands; a packet that does not add up is one line, not a wrong sum."""
+    from ddpkit.parallel import periodic_parts
+    from ddpkit.parallel.periodic import PeriodicSync
+
+    elements, dense = 3 * 65_536 + 1_000, 3  # 4 blocks of positions, then 3 BatchNorm values sent whole
+    syncer = PeriodicSync(torch.nn.Linear(2, 1), None, kind="local-sgd", every=2, sync_dtype="sparse")
+    change = torch.randn(elements, generator=torch.Generator().manual_seed(1))
+    change[65_536 : 2 * 65_536] = 0.0  # the second block sends nothing
+    change[-dense - 1] = 50.0  # the last position of the last, partial block
+    packet = syncer._sparsified(0, [change.clone()], dense)
+    sparse, count = elements - dense, periodic_parts.sparse_count(elements - dense, syncer.density)
+    assert packet.numel() == periodic_parts.sparse_packet_bytes(sparse, dense, syncer.density)
+    assert packet.numel() == 4 + 4 * 4 + 3 * count + 4 * dense
+    kept = syncer.feedback[0]
+    two = torch.cat([packet, packet])  # two ranks that sent the same
+    total = syncer._densified(two, 2, elements, dense, periodic_parts.BLOCKS)
+    assert torch.equal(total[sparse:], 2 * change[sparse:])  # sent whole
+    sent = total[:sparse] / 2
+    assert torch.equal(sent + kept[:sparse], change[:sparse])  # what was sent and what is kept: the change, exactly
+    assert int((sent != 0).sum()) == count and sent[sparse - 1] != 0 and not sent[65_536 : 2 * 65_536].any()
+    assert set(sent.nonzero().squeeze(1).tolist()) == set(torch.topk(change[:sparse].abs(), count).indices.tolist())
+    # the first layout, as an exchange in flight in a checkpoint written before: whole int32 positions
+    positions = sent.nonzero().squeeze(1)
+    unit = packet[:4].clone().view(torch.float32)
+    levels = (sent[positions] / unit).round().to(torch.int8)
+    first = torch.cat(
+        [packet[:4], positions.to(torch.int32).view(torch.uint8), levels.view(torch.uint8), packet[-4 * dense :]]
+    )
+    assert torch.equal(syncer._densified(first, 1, elements, dense, "sparse"), total / 2)
+    # crafted: a block's count off by one, or an offset past the end
+    crafted = packet.clone()
+    crafted[4:8] = (crafted[4:8].view(torch.int32) + 1).view(torch.uint8)
+    with pytest.raises(ddpkit.DdpkitError, match="packet does not add up .* resume from another checkpoint"):
+        syncer._densified(crafted, 1, elements, dense, periodic_parts.BLOCKS)
+    with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):
+        syncer._densified(first.clone().index_fill_(0, torch.arange(4, 8), 255), 1, elements, dense, "sparse")
 
 
 @pytest.mark.parametrize("exchange", ["int8", "sparse"])

@@ -25,8 +25,9 @@ exchange of the fragment) is divided by the ranks' largest magnitude (one small 
 rounded to ``127 // world`` levels, so the sum of every rank's int8 values fits in int8 on the
 wire; what the rounding kept back is this rank's next feedback, kept in checkpoints. Or
 ``sync_dtype="sparse"`` (SparseLoCo's top-k with error feedback): each rank sends the largest
-:data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY` of its change plus feedback (int32 positions,
-int8 values of its own scale) in one all-gather, and keeps the rest as its next feedback.
+:data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY` of its change plus feedback (16-bit positions
+within blocks of 65,536 elements, int8 values of its own scale: 3 bytes an element sent) in one
+all-gather, and keeps the rest as its next feedback.
 
 Streaming (Douillard et al., 2025, "Streaming DiLoCo"): ``sync_fragments=F`` splits the model into
 F fragments of consecutive parameters, each exchanged once a period at its own point of it (so the
@@ -55,9 +56,12 @@ from ddpkit.distributed.probe import link, slowest_step
 from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.parallel.periodic_parts import (
     _DTYPES,
+    BLOCKS,
     MEASURE_STEPS,
+    POSITION_BLOCK,
     _fragments,
     choose_exchange,
+    position_blocks,
     position_dtype,
     sparse_count,
 )
@@ -302,7 +306,7 @@ class PeriodicSync:
             if world > 1:  # into views of one buffer: the pending exchange's one tensor (checkpoints keep it)
                 flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
                 work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0)
-            scale = "sparse"
+            scale = BLOCKS
         else:
             if self.exchange == "int8":
                 flat, scale = self._quantised(fragment, own, world)
@@ -365,7 +369,7 @@ class PeriodicSync:
         if not finite:  # sent with an infinite scale, which every rank sees where it lands
             change = torch.zeros_like(change)
         sparse = change.numel() - dense
-        positions = _largest(change[:sparse], sparse_count(sparse, self.density))
+        positions = _largest(change[:sparse], sparse_count(sparse, self.density)).sort().values
         values = change[positions]
         largest = float(values.abs().max()) if positions.numel() else 0.0
         unit = (largest / 127 if largest > 0 else 1.0) if finite else math.inf
@@ -374,27 +378,29 @@ class PeriodicSync:
         change[positions] -= levels * unit  # what rounding kept back of the sent ones stays too
         change[sparse:] = 0.0
         self.feedback[fragment] = change
+        counts = torch.bincount(positions // POSITION_BLOCK, minlength=position_blocks(sparse))
         return torch.cat(
             [
                 torch.tensor([unit], dtype=torch.float32, device=device).view(torch.uint8),
-                positions.to(position_dtype(sparse)).view(torch.uint8),
+                counts.to(torch.int32).view(torch.uint8),
+                (positions % POSITION_BLOCK - 32768).to(torch.int16).view(torch.uint8),
                 levels.to(torch.int8).view(torch.uint8),
                 whole.view(torch.uint8),
             ]
         )
 
-    def _densified(self, gathered: torch.Tensor, world: int, elements: int, dense: int) -> torch.Tensor:
+    def _densified(self, gathered: torch.Tensor, world: int, elements: int, dense: int, layout: str) -> torch.Tensor:
         """The sum of every rank's sparse packet in ``gathered`` (of ``elements``, the last ``dense``
-        of them sent whole), as a dense fp32 vector."""
+        of them sent whole), as a dense fp32 vector. ``layout``: :data:`BLOCKS`, or ``"sparse"`` for
+        the whole positions of an exchange in flight in a checkpoint of the first layout."""
         total = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
         sparse = elements - dense
-        count, kind = sparse_count(sparse, self.density), position_dtype(sparse)
-        ends = 4 + kind.itemsize * count
+        count = sparse_count(sparse, self.density)
         for packet in gathered.chunk(world):
             unit = packet[:4].clone().view(torch.float32)
             if not bool(torch.isfinite(unit).all()):
                 raise _diverged("a sparse exchange")
-            positions = packet[4:ends].clone().view(kind).long()
+            positions, ends = _positions(packet, sparse, count, layout)
             levels = packet[ends : ends + count].clone().view(torch.int8)
             total.index_add_(0, positions, levels.float() * unit)
             total[sparse:] += packet[ends + count :].clone().view(torch.float32)
@@ -411,9 +417,11 @@ class PeriodicSync:
         self.pending = [e for e in self.pending if e is not exchange]  # by identity: dicts of tensors
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
-        if exchange.get("scale") == "sparse":  # every rank's largest elements, summed
+        if exchange.get("scale") in (BLOCKS, "sparse"):  # every rank's largest elements, summed
             elements = sum(t.numel() for t in tensors)
-            flat = self._densified(exchange["flat"], exchange["world"], elements, self._dense(with_buffers))
+            flat = self._densified(
+                exchange["flat"], exchange["world"], elements, self._dense(with_buffers), exchange["scale"]
+            )
         else:
             flat = exchange["flat"].to(tensors[0].dtype if tensors else torch.float32)
         if isinstance(exchange.get("scale"), float):  # int8: levels of the ranks' common unit
@@ -624,6 +632,33 @@ def _largest(values: torch.Tensor, count: int) -> torch.Tensor:
     if candidates.numel() < count:
         return torch.topk(magnitude, count, sorted=False).indices
     return candidates[torch.topk(magnitude[candidates], count, sorted=False).indices]
+
+
+def _positions(packet: torch.Tensor, sparse: int, count: int, layout: str) -> tuple[torch.Tensor, int]:
+    """The ``count`` positions (of ``sparse`` elements) a packet sends, and where its values start.
+
+    A packet that does not add up (its blocks' counts, a position past the end: a checkpoint
+    written by hand) is refused in one line rather than summed somewhere else."""
+    if layout == BLOCKS:
+        blocks = position_blocks(sparse)
+        counts = packet[4 : 4 + 4 * blocks].clone().view(torch.int32).long()
+        start = 4 + 4 * blocks
+        offsets = packet[start : start + 2 * count].clone().view(torch.int16).long() + 32768
+        whole = bool((counts >= 0).all()) and int(counts.sum()) == count
+        starts = torch.arange(blocks, device=packet.device) * POSITION_BLOCK
+        positions = torch.repeat_interleave(starts, counts) + offsets if whole else offsets
+        ends = start + 2 * count
+    else:
+        kind = position_dtype(sparse)
+        ends = 4 + kind.itemsize * count
+        positions = packet[4:ends].clone().view(kind).long()
+        whole = True
+    if not whole or (count and not (0 <= int(positions.min()) and int(positions.max()) < sparse)):
+        raise DdpkitError(
+            f"a sparse exchange's packet does not add up (its {count} positions, of {sparse} elements); "
+            "it was not written by this run: resume from another checkpoint"
+        )
+    return positions, ends
 
 
 def _world() -> int:

@@ -23,8 +23,8 @@ DiLoCo's validation loss moved by 0.1% (BENCHMARKS.md). ``"int8"`` sends a quart
 each rank's change plus what rounding kept back last time (error feedback), scaled by the ranks'
 largest magnitude and rounded to ``127 // world`` levels, so the ranks' sum fits in int8 on the wire.
 ``"sparse"`` sends only the largest :data:`SPARSE_DENSITY` of each rank's change plus its feedback
-(int32 positions, int8 values of the rank's own scale), gathered from every rank; what was not sent
-is the next feedback."""
+(16-bit positions within blocks of :data:`POSITION_BLOCK`, int8 values of the rank's own scale),
+gathered from every rank; what was not sent is the next feedback."""
 EXCHANGES = ("fp32", "bf16", "int8", "sparse")
 """``sync_dtype``'s values, as ``rt.setup``, ``ddpkit bench --sync-dtype`` and the benchmarks take them."""
 SPARSE_DENSITY = 1 / 32
@@ -44,16 +44,33 @@ def sparse_count(elements: int, density: float | None = None) -> int:
     return 0 if elements == 0 else max(1, math.ceil(elements * share))
 
 
+POSITION_BLOCK = 1 << 16
+"""A sparse packet gives its positions as 16-bit offsets within blocks of this many elements, after
+each block's count (int32): 2 bytes a position, where whole int32 positions took 4 (a packet of
+int8 values 3 bytes an element sent instead of 5)."""
+BLOCKS = "sparse:blocks"
+"""The marker of a sparse exchange whose packets give their positions in blocks (:data:`POSITION_BLOCK`);
+a checkpoint's exchange in flight marked ``"sparse"`` was saved with whole positions
+(:func:`position_dtype`) and is read as such."""
+
+
+def position_blocks(elements: int) -> int:
+    """The blocks of :data:`POSITION_BLOCK` elements that ``elements`` take (the last one partly)."""
+    return -(-elements // POSITION_BLOCK)
+
+
 def position_dtype(elements: int) -> torch.dtype:
-    """The positions' dtype in a sparse packet of ``elements``: int32, int64 past int32's range."""
+    """The whole positions' dtype in a packet of the first layout (a checkpoint's exchange in flight
+    marked ``"sparse"``): int32, int64 past int32's range."""
     return torch.int32 if elements <= torch.iinfo(torch.int32).max else torch.int64
 
 
 def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = None) -> int:
-    """One rank's sparse packet: a float32 scale, the positions and int8 values of the largest
-    ``density`` of ``elements``, and ``dense`` float32 values sent whole (the BatchNorm statistics' changes)."""
+    """One rank's sparse packet: a float32 scale, the count of each block of positions (int32), the
+    16-bit offsets and int8 values of the largest ``density`` of ``elements``, and ``dense`` float32
+    values sent whole (the BatchNorm statistics' changes)."""
     count = sparse_count(elements, density)
-    return 4 + (position_dtype(elements).itemsize + 1) * count + 4 * dense
+    return 4 + 4 * position_blocks(elements) + 3 * count + 4 * dense
 
 
 def packet_bytes(name: str, elements: int, density: float | None = None) -> int:
@@ -321,6 +338,8 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
 __all__ = [
     "EXCHANGES",
     "MEASURE_STEPS",
+    "BLOCKS",
+    "POSITION_BLOCK",
     "SPARSE_DENSITIES",
     "SPARSE_DENSITY",
     "SYNCS",
