@@ -31,10 +31,12 @@ SPARSE_DENSITY = 1 / 32
 """The share of a fragment's elements a sparse exchange sends where the user gave the period
 (SparseLoCo's top-k keeps 1-3%)."""
 SPARSE_DENSITIES = (1 / 32, 1 / 64, 1 / 128)
-"""The shares a period chosen from the link may send, densest first: the least that gives the
+"""The shares a period chosen from the link may send, densest first: the densest that gives the
 shortest period is taken. On a held-out character transformer at 10 Mbit/s (BENCHMARKS.md) the
 shorter period paid for the sparser exchange: 1/16 at H = 8 ended 11.7% above every-step DDP's
-validation loss, 1/32 at H = 5 4.9%, 1/64 at H = 3 1.0%."""
+validation loss, 1/32 at H = 5 4.9%, 1/64 at H = 3 1.0%. On a third workload (1000 steps) 1/128
+at H = 2 ended 0.7% above it, and 1/256 at H = 2 (4.2%) no better than 1/128 at H = 3 (4.4%):
+hence no sparser share."""
 
 
 def sparse_count(elements: int, density: float | None = None) -> int:
