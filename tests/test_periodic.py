@@ -362,6 +362,8 @@ def test_a_sparse_packet_gives_its_positions_in_blocks_and_sums_to_what_was_sent
         syncer._densified(crafted, 1, elements, dense, periodic_parts.BLOCKS)
     with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):
         syncer._densified(first.clone().index_fill_(0, torch.arange(4, 8), 255), 1, elements, dense, "sparse")
+    with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):  # cut short: an odd byte count
+        syncer._densified(packet[:-5], 1, elements, dense, periodic_parts.BLOCKS)
 
 
 @pytest.mark.parametrize("exchange", ["int8", "sparse"])

@@ -64,6 +64,7 @@ from ddpkit.parallel.periodic_parts import (
     position_blocks,
     position_dtype,
     sparse_count,
+    sparse_packet_bytes,
 )
 
 MEASURING = 1 << 30
@@ -396,6 +397,9 @@ class PeriodicSync:
         total = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
         sparse = elements - dense
         count = sparse_count(sparse, self.density)
+        size = 4 + (position_dtype(sparse).itemsize + 1) * count + 4 * dense
+        if gathered.numel() != world * (sparse_packet_bytes(sparse, dense, self.density) if layout == BLOCKS else size):
+            raise _malformed(sparse, count)
         for packet in gathered.chunk(world):
             unit = packet[:4].clone().view(torch.float32)
             if not bool(torch.isfinite(unit).all()):
@@ -654,11 +658,16 @@ def _positions(packet: torch.Tensor, sparse: int, count: int, layout: str) -> tu
         positions = packet[4:ends].clone().view(kind).long()
         whole = True
     if not whole or (count and not (0 <= int(positions.min()) and int(positions.max()) < sparse)):
-        raise DdpkitError(
-            f"a sparse exchange's packet does not add up (its {count} positions, of {sparse} elements); "
-            "it was not written by this run: resume from another checkpoint"
-        )
+        raise _malformed(sparse, count)
     return positions, ends
+
+
+def _malformed(sparse: int, count: int) -> DdpkitError:
+    """A sparse packet of another size than its exchange's, or whose positions do not add up."""
+    return DdpkitError(
+        f"a sparse exchange's packet does not add up (its {count} positions, of {sparse} elements); "
+        "it was not written by this run: resume from another checkpoint"
+    )
 
 
 def _world() -> int:
