@@ -397,8 +397,11 @@ class PeriodicSync:
         total = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
         sparse = elements - dense
         count = sparse_count(sparse, self.density)
-        size = 4 + (position_dtype(sparse).itemsize + 1) * count + 4 * dense
-        if gathered.numel() != world * (sparse_packet_bytes(sparse, dense, self.density) if layout == BLOCKS else size):
+        if layout == BLOCKS:
+            size = sparse_packet_bytes(sparse, dense, self.density)
+        else:  # the first layout: whole positions
+            size = 4 + (position_dtype(sparse).itemsize + 1) * count + 4 * dense
+        if gathered.numel() != world * size:
             raise _malformed(sparse, count)
         for packet in gathered.chunk(world):
             unit = packet[:4].clone().view(torch.float32)
@@ -647,17 +650,17 @@ def _positions(packet: torch.Tensor, sparse: int, count: int, layout: str) -> tu
         blocks = position_blocks(sparse)
         counts = packet[4 : 4 + 4 * blocks].clone().view(torch.int32).long()
         start = 4 + 4 * blocks
+        if not bool((counts >= 0).all()) or int(counts.sum()) != count:
+            raise _malformed(sparse, count)
         offsets = packet[start : start + 2 * count].clone().view(torch.int16).long() + 32768
-        whole = bool((counts >= 0).all()) and int(counts.sum()) == count
         starts = torch.arange(blocks, device=packet.device) * POSITION_BLOCK
-        positions = torch.repeat_interleave(starts, counts) + offsets if whole else offsets
+        positions = torch.repeat_interleave(starts, counts) + offsets
         ends = start + 2 * count
     else:
         kind = position_dtype(sparse)
         ends = 4 + kind.itemsize * count
         positions = packet[4:ends].clone().view(kind).long()
-        whole = True
-    if not whole or (count and not (0 <= int(positions.min()) and int(positions.max()) < sparse)):
+    if count and not (0 <= int(positions.min()) and int(positions.max()) < sparse):
         raise _malformed(sparse, count)
     return positions, ends
 

@@ -338,9 +338,9 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
 
 
 __all__ = [
+    "BLOCKS",
     "EXCHANGES",
     "MEASURE_STEPS",
-    "BLOCKS",
     "POSITION_BLOCK",
     "SPARSE_DENSITIES",
     "SPARSE_DENSITY",
