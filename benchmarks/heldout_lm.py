@@ -187,7 +187,7 @@ def _ddpkit(opts: argparse.Namespace) -> None:
     kwargs: dict[str, Any] = {} if opts.worker == "every-step" else {"sync": "diloco"}
     if opts.sync_every and opts.worker == "ddpkit":  # a period given (the quality of another choice)
         kwargs.update(sync_every=opts.sync_every, sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype,
-                      outer_lr=1.0, outer_momentum=0.0)
+                      outer_lr=opts.outer_lr, outer_momentum=0.0)
     model, optimizer = rt.setup(model, optimizer, **kwargs)
     batches = Batches(train, opts.batch, rt.rank, rt.world_size, opts.seed)
     started = time.perf_counter()
@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-dtype", default=None, help="with --sync-every: its exchange")
     parser.add_argument("--sparse-density", type=float, default=None,
                         help="the share a sparse exchange sends (an experiment: default SPARSE_DENSITY)")
+    parser.add_argument("--outer-lr", type=float, default=1.0,
+                        help="with --sync-every: DiLoCo's outer learning rate (1: the replicas' average)")
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--link-mbit", type=float, default=10.0)
     parser.add_argument("--loops", default=",".join(LOOPS))

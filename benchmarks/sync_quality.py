@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-dtype", default=None, choices=EXCHANGES)
     parser.add_argument("--sync-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     parser.add_argument("--sync-delay", type=int, default=0, help="inner steps an exchange runs in the background")
-    parser.add_argument("--outer-lr", type=float, default=None, help="default: 0.7 with --sync-every, 1.0 without")
+    parser.add_argument("--outer-lr", type=float, default=None, help="default: 0.7 with --sync-every; without, the average (x sqrt(world) for AdamW)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="default: 0.9 with --sync-every, 0 without")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sparse-density", type=float, default=None,

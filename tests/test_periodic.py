@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -412,6 +414,40 @@ def test_where_the_link_sets_the_period_int8_then_sparse_shorten_it_unless_the_u
     assert fast["dtype"] == "bf16" and fast["every"] == MIN_EVERY  # a link that sets nothing: no rounding
 
 
+def test_a_chosen_outer_step_lengthens_adaptive_inner_steps_by_the_root_of_the_world_size():
+    from ddpkit.parallel.periodic import PeriodicSync
+    from ddpkit.parallel.periodic_parts import chosen_outer_lr
+
+    class Lion(torch.optim.Optimizer):  # a sign-based optimizer of its own: betas, no eps
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-4, "betas": (0.9, 0.99)})
+
+    def params():
+        return [torch.zeros(3, requires_grad=True)]
+
+    adaptive = [
+        torch.optim.AdamW(params()),
+        torch.optim.Adam(params()),
+        torch.optim.RMSprop(params()),
+        torch.optim.Adagrad(params()),
+        Lion(params()),
+    ]
+    for optimizer in adaptive:
+        assert chosen_outer_lr(optimizer, 4) == 2.0, type(optimizer).__name__
+        assert chosen_outer_lr(optimizer, 2) == math.sqrt(2) and chosen_outer_lr(optimizer, 1) == 1.0
+    # SGD's step is linear in the gradient: the ranks' average is every-step DDP's step
+    for optimizer in (torch.optim.SGD(params(), lr=0.1), torch.optim.SGD(params(), lr=0.1, momentum=0.9), None):
+        assert chosen_outer_lr(optimizer, 4) == 1.0
+    # one process: an outer step of 1 whatever the optimizer; the user's outer_lr and a given period win
+    model = torch.nn.Linear(2, 2)
+    chosen = PeriodicSync(model, torch.optim.AdamW(model.parameters()), kind="diloco", every=None)
+    assert chosen.outer is not None and chosen.outer.param_groups[0]["lr"] == 1.0 and chosen.outer_chosen
+    given = PeriodicSync(model, torch.optim.AdamW(model.parameters()), kind="diloco", every=None, outer_lr=0.5)
+    assert given.outer is not None and given.outer.param_groups[0]["lr"] == 0.5 and not given.outer_chosen
+    fixed = PeriodicSync(model, torch.optim.AdamW(model.parameters()), kind="diloco", every=4)
+    assert fixed.outer is not None and fixed.outer.param_groups[0]["lr"] == 0.7 and not fixed.outer_chosen
+
+
 @pytest.mark.timeout(300)
 def test_without_sync_every_the_period_is_chosen_once_from_the_link_and_a_resume_keeps_it(tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
@@ -433,8 +469,11 @@ def test_without_sync_every_the_period_is_chosen_once_from_the_link_and_a_resume
     bf16 = choose_exchange(elements=elements, dtype="bf16", dtype_given=True, world=2, **measured)
     if bf16["every"] == MIN_EVERY:  # the link does not set the period: nothing to gain from int8
         assert decision["dtype"] == "bf16" and decision["exchange_bytes"] == 2 * elements
+    # the outer step: the ranks' average change, times sqrt(2) for Adam's inner steps, and no momentum
+    assert (decision["outer_lr"], decision["outer_momentum"]) == (math.sqrt(2), 0.0)
     printed = capfd.readouterr().err
     assert printed.count("sync='diloco' chose sync_every=") == 1, printed[-3000:]
+    assert "outer step 1.41x the ranks' average change (sqrt of 2 ranks' adaptive inner steps)" in printed
     resumed = ddpkit.launch(workers.periodic_run, nprocs=2, args=("diloco", 20, None, str(ckpt), None))
     for run in resumed.values():
         assert run["step"] == 20 and run["decision"] == decision and run["every"] == decision["every"]

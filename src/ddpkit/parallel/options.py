@@ -74,9 +74,10 @@ class SetupOptions:
     sync_every: int | None = None
     """Optimizer steps between syncs of ``"local-sgd"`` and ``"diloco"`` (None: chosen from the link and the step)."""
     outer_lr: float | None = None
-    """DiLoCo's outer learning rate (None: 0.7, DiLoCo's, with ``sync_every``; 1.0 where the period is
-    chosen from the link: at the short periods a link allows, DiLoCo's outer Nesterov step multiplies each
-    period's progress and diverges, where an average matches DDP)."""
+    """DiLoCo's outer learning rate (None: 0.7, DiLoCo's, with ``sync_every``; where the period is chosen
+    from the link, the ranks' average change, times ``sqrt(world)`` for an adaptive inner optimizer such as
+    AdamW, whose steps on a rank's share of the batch are shorter than on the whole: at the short periods a
+    link allows, DiLoCo's outer Nesterov step multiplies each period's progress and diverges)."""
     outer_momentum: float | None = None
     """DiLoCo's outer Nesterov momentum (None: 0.9 with ``sync_every``; 0 where the period is chosen from the link)."""
     sync_dtype: str | None = None

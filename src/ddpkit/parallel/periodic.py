@@ -61,6 +61,7 @@ from ddpkit.parallel.periodic_parts import (
     POSITION_BLOCK,
     _fragments,
     choose_exchange,
+    chosen_outer_lr,
     position_blocks,
     position_dtype,
     sparse_count,
@@ -82,7 +83,8 @@ class PeriodicSync:
         optimizer: its inner optimizer, whose per-rank state a checkpoint keeps.
         kind: ``"local-sgd"`` or ``"diloco"``.
         every: optimizer steps between syncs (None: chosen from the link and the step, :meth:`_choose`).
-        outer_lr: DiLoCo's outer learning rate (None: 0.7 with ``every``; 1.0, an average, where the period is chosen).
+        outer_lr: DiLoCo's outer learning rate (None: 0.7 with ``every``; where the period is chosen, the
+            ranks' average, times ``sqrt(world)`` for an adaptive inner optimizer: :func:`~ddpkit.parallel.periodic_parts.chosen_outer_lr`).
         outer_momentum: DiLoCo's outer Nesterov momentum (0: plain SGD; None: 0.9 with ``every``, 0 where it is chosen).
         sync_dtype: the exchange's dtype, ``"bf16"`` (None: the default), ``"fp32"``, ``"int8"`` or
             ``"sparse"`` (both with error feedback).
@@ -138,11 +140,16 @@ class PeriodicSync:
         self.feedback: dict[int, torch.Tensor] = {}
         """int8 and sparse exchanges: by fragment, what this rank's last exchange kept back (fp32)."""
         self.outer = None
+        self.outer_chosen = False
+        """DiLoCo's outer learning rate is :func:`~ddpkit.parallel.periodic_parts.chosen_outer_lr`'s."""
         if kind == "diloco":
-            # DiLoCo's settings (tuned at H = 500) where the user gives the period; an average at the short
+            # DiLoCo's settings (tuned at H = 500) where the user gives the period; no momentum at the short
             # periods a link chooses, where an outer Nesterov step multiplies each period's aligned progress
-            # (the digits ConvNet at H = 2: 46% test accuracy with them, 98% averaged, DDP's 97.5%)
-            lr = outer_lr if outer_lr is not None else 0.7 if every is not None else 1.0
+            # (the digits ConvNet at H = 2: 46% test accuracy with them, 98% averaged, DDP's 97.5%), and
+            # the average of the ranks' changes, times sqrt(world) for adaptive inner steps (chosen_outer_lr)
+            chosen = chosen_outer_lr(optimizer, _world())
+            lr = outer_lr if outer_lr is not None else 0.7 if every is not None else chosen
+            self.outer_chosen = outer_lr is None and every is None
             momentum = outer_momentum if outer_momentum is not None else 0.9 if every is not None else 0.0
             self.outer = torch.optim.SGD(self.synced, lr=lr, momentum=momentum, nesterov=momentum > 0)
         model.__dict__["_ddpkit_periodic"] = self
@@ -216,6 +223,12 @@ class PeriodicSync:
                 f"latency {latency * 1e3:.2f} ms, inner step {decision['step_s'] * 1e3:.1f} ms, one exchange of "
                 f"{decision['exchange_bytes'] / 1e6:.2f} MB takes {decision['exchange_s'] * 1e3:.1f} ms "
                 f"and runs behind the next {self.delay} step(s)"
+                + (
+                    f"; outer step {decision['outer_lr']:.3g}x the ranks' average change (sqrt of "
+                    f"{_world()} ranks' adaptive inner steps)"
+                    if self.outer_chosen and decision.get("outer_lr", 1.0) != 1.0
+                    else ""
+                )
             )
 
     def _adopt(self, decision: dict[str, Any]) -> None:
