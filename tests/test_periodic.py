@@ -143,7 +143,7 @@ def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monke
     # fragment 0 sent at 2, 6, 10, 14; fragment 1 at 4, 8, 12
     if exchange == "int8":  # one byte an element: a quarter of fp32's
         assert uninterrupted[0]["sent_bytes"] == 4 * first + 3 * second
-    else:  # a packet of the largest 1/32: a scale, int32 positions, int8 values
+    else:  # a packet of the largest 1/32: a scale, block counts, a 16-bit word an element
         # (fragment 1 holds BatchNorm's 2 x 32 statistics: sent whole, as float32)
         sent = 4 * sparse_packet_bytes(first) + 3 * sparse_packet_bytes(second - 64, dense=64)
         assert uninterrupted[0]["sent_bytes"] == sent
@@ -163,7 +163,7 @@ def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monke
     if exchange == "int8":
         assert pending["flat"].dtype == torch.int8 and pending["scale"] > 0
     else:  # both ranks' packets, gathered
-        assert pending["flat"].dtype == torch.uint8 and pending["scale"] == "sparse:blocks"
+        assert pending["flat"].dtype == torch.uint8 and pending["scale"] == "sparse:packed"
         assert pending["flat"].numel() == 2 * sparse_packet_bytes(first)
         # most of each rank's change waits in its feedback: only the largest 1/32 was sent
         assert (feedback[0][0] != 0).sum() > 0.9 * first
@@ -325,47 +325,74 @@ def test_the_largest_positions_are_found_from_a_sample_or_in_full_where_the_samp
     ) == [0, 1, 2]
 
 
-def test_a_sparse_packet_gives_its_positions_in_blocks_and_sums_to_what_was_sent():
-    """Positions as 16-bit offsets after each block's count: 3 bytes an element sent, across blocks
-    of 65,536 (the last one partial, one empty); a checkpoint's packet of the first layout (whole
-    int32 positions) still lands; a packet that does not add up is one line, not a wrong sum."""
+def test_a_sparse_packet_sends_a_16_bit_word_an_element_and_sums_to_what_was_sent():
+    """Each element sent as one 16-bit word (12-bit offset in its block, 4-bit value) after each block's
+    count: 2 bytes an element, across blocks of 4,096 (the last one partial, one empty); a checkpoint's
+    packet of an earlier layout (int8 values, with 16-bit offsets in blocks of 65,536 or whole int32
+    positions) still lands; a packet that does not add up is one line, not a wrong sum."""
     from ddpkit.parallel import periodic_parts
     from ddpkit.parallel.periodic import PeriodicSync
 
-    elements, dense = 3 * 65_536 + 1_000, 3  # 4 blocks of positions, then 3 BatchNorm values sent whole
+    elements, dense = 16 * 4096 + 1_000, 3  # 17 blocks of words (2 of the second layout's), 3 values whole
     syncer = PeriodicSync(torch.nn.Linear(2, 1), None, kind="local-sgd", every=2, sync_dtype="sparse")
     change = torch.randn(elements, generator=torch.Generator().manual_seed(1))
-    change[65_536 : 2 * 65_536] = 0.0  # the second block sends nothing
+    change[4096 : 2 * 4096] = 0.0  # the second block sends nothing
     change[-dense - 1] = 50.0  # the last position of the last, partial block
     packet = syncer._sparsified(0, [change.clone()], dense)
     sparse, count = elements - dense, periodic_parts.sparse_count(elements - dense, syncer.density)
     assert packet.numel() == periodic_parts.sparse_packet_bytes(sparse, dense, syncer.density)
-    assert packet.numel() == 4 + 4 * 4 + 3 * count + 4 * dense
+    assert packet.numel() == 4 + 2 * 17 + 2 * count + 4 * dense
     kept = syncer.feedback[0]
     two = torch.cat([packet, packet])  # two ranks that sent the same
-    total = syncer._densified(two, 2, elements, dense, periodic_parts.BLOCKS)
+    total = syncer._densified(two, 2, elements, dense, periodic_parts.PACKED)
     assert torch.equal(total[sparse:], 2 * change[sparse:])  # sent whole
     sent = total[:sparse] / 2
     assert torch.equal(sent + kept[:sparse], change[:sparse])  # what was sent and what is kept: the change, exactly
-    assert int((sent != 0).sum()) == count and sent[sparse - 1] != 0 and not sent[65_536 : 2 * 65_536].any()
-    assert set(sent.nonzero().squeeze(1).tolist()) == set(torch.topk(change[:sparse].abs(), count).indices.tolist())
-    # the first layout, as an exchange in flight in a checkpoint written before: whole int32 positions
-    positions = sent.nonzero().squeeze(1)
+    largest = set(torch.topk(change[:sparse].abs(), count).indices.tolist())
+    assert int((sent != 0).sum()) <= count and set(sent.nonzero().squeeze(1).tolist()) <= largest
+    assert sent[sparse - 1] == 50.0 and not sent[4096 : 2 * 4096].any()
     unit = packet[:4].clone().view(torch.float32)
-    levels = (sent[positions] / unit).round().to(torch.int8)
-    first = torch.cat(
-        [packet[:4], positions.to(torch.int32).view(torch.uint8), levels.view(torch.uint8), packet[-4 * dense :]]
+    assert torch.equal(unit, torch.tensor([50.0 / periodic_parts.LEVELS]))  # 4-bit values: the largest is 7 levels
+    levels = sent / unit
+    assert torch.equal(levels, levels.round()) and float(levels.abs().max()) == periodic_parts.LEVELS
+    # what rounding to 7 levels kept back stays in the feedback: at most half a level at a position sent
+    chosen = torch.tensor(sorted(largest))
+    assert float(kept[chosen].abs().max()) <= float(unit) / 2 + 1e-6
+    # earlier layouts, as an exchange in flight in a checkpoint written before: int8 values
+    positions = torch.tensor(sorted(largest))
+    values = (sent[positions] / unit).round().to(torch.int8)
+    whole = packet[-4 * dense :]
+    second = torch.cat(
+        [
+            packet[:4],
+            torch.bincount(positions // 65536, minlength=2).to(torch.int32).view(torch.uint8),
+            (positions % 65536 - 32768).to(torch.int16).view(torch.uint8),
+            values.view(torch.uint8),
+            whole,
+        ]
     )
+    assert torch.equal(syncer._densified(second, 1, elements, dense, periodic_parts.BLOCKS), total / 2)
+    first = torch.cat([packet[:4], positions.to(torch.int32).view(torch.uint8), values.view(torch.uint8), whole])
     assert torch.equal(syncer._densified(first, 1, elements, dense, "sparse"), total / 2)
-    # crafted: a block's count off by one, or an offset past the end
+    # crafted: a block's count off by one, a value outside the levels, an offset past the end, cut short
     crafted = packet.clone()
-    crafted[4:8] = (crafted[4:8].view(torch.int32) + 1).view(torch.uint8)
+    crafted[4:6] = (crafted[4:6].view(torch.int16) + 1).view(torch.uint8)
     with pytest.raises(ddpkit.DdpkitError, match="packet does not add up .* resume from another checkpoint"):
-        syncer._densified(crafted, 1, elements, dense, periodic_parts.BLOCKS)
+        syncer._densified(crafted, 1, elements, dense, periodic_parts.PACKED)
+    words = 4 + 2 * 17
+    nibble = packet.clone()
+    nibble[words : words + 2] = (nibble[words : words + 2].view(torch.int16) & ~15).view(torch.uint8)
+    with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):
+        syncer._densified(nibble, 1, elements, dense, periodic_parts.PACKED)
     with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):
         syncer._densified(first.clone().index_fill_(0, torch.arange(4, 8), 255), 1, elements, dense, "sparse")
+    with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):  # past the end: the last block's word
+        last = packet.clone()
+        at = words + 2 * (count - 1)
+        last[at : at + 2] = torch.tensor([32767], dtype=torch.int16).view(torch.uint8)  # offset 4095 of a partial block
+        syncer._densified(last, 1, elements, dense, periodic_parts.PACKED)
     with pytest.raises(ddpkit.DdpkitError, match="packet does not add up"):  # cut short: an odd byte count
-        syncer._densified(packet[:-5], 1, elements, dense, periodic_parts.BLOCKS)
+        syncer._densified(packet[:-5], 1, elements, dense, periodic_parts.PACKED)
 
 
 @pytest.mark.parametrize("exchange", ["int8", "sparse"])

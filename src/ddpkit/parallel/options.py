@@ -83,8 +83,8 @@ class SetupOptions:
     sync_dtype: str | None = None
     """The infrequent sync's exchange of each rank's change: ``"bf16"`` (the default: half the bytes), ``"fp32"``,
     ``"int8"`` (a quarter of fp32's bytes, with error feedback: what rounding keeps back is sent the next time), or
-    ``"sparse"`` (the largest share of the change, 16-bit positions in blocks and int8 values, 3 bytes an element
-    sent, with error feedback: 1/32 with
+    ``"sparse"`` (the largest share of the change, a 16-bit word an element: a 12-bit offset in its block and a
+    4-bit value, 2 bytes an element sent, with error feedback: 1/32 with
     ``sync_every``; where the period is chosen, the densest of 1/32, 1/64 and 1/128 that gives the shortest)."""
     sync_fragments: int = 1
     """Streaming DiLoCo: fragments of the model, each exchanged at its own step of the period."""

@@ -25,9 +25,9 @@ exchange of the fragment) is divided by the ranks' largest magnitude (one small 
 rounded to ``127 // world`` levels, so the sum of every rank's int8 values fits in int8 on the
 wire; what the rounding kept back is this rank's next feedback, kept in checkpoints. Or
 ``sync_dtype="sparse"`` (SparseLoCo's top-k with error feedback): each rank sends the largest
-:data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY` of its change plus feedback (16-bit positions
-within blocks of 65,536 elements, int8 values of its own scale: 3 bytes an element sent) in one
-all-gather, and keeps the rest as its next feedback.
+:data:`~ddpkit.parallel.periodic_parts.SPARSE_DENSITY` of its change plus feedback (a 16-bit word
+each: a 12-bit offset within blocks of 4,096 elements and a 4-bit value of its own scale, 2 bytes an
+element sent) in one all-gather, and keeps the rest, rounding included, as its next feedback.
 
 Streaming (Douillard et al., 2025, "Streaming DiLoCo"): ``sync_fragments=F`` splits the model into
 F fragments of consecutive parameters, each exchanged once a period at its own point of it (so the
@@ -57,12 +57,15 @@ from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.parallel.periodic_parts import (
     _DTYPES,
     BLOCKS,
+    LEVELS,
     MEASURE_STEPS,
+    PACK_BLOCK,
+    PACKED,
     POSITION_BLOCK,
     _fragments,
     choose_exchange,
     chosen_outer_lr,
-    position_blocks,
+    pack_blocks,
     position_dtype,
     sparse_count,
     sparse_packet_bytes,
@@ -320,7 +323,7 @@ class PeriodicSync:
             if world > 1:  # into views of one buffer: the pending exchange's one tensor (checkpoints keep it)
                 flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
                 work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0)
-            scale = BLOCKS
+            scale = PACKED
         else:
             if self.exchange == "int8":
                 flat, scale = self._quantised(fragment, own, world)
@@ -373,10 +376,10 @@ class PeriodicSync:
         return quantised.to(torch.int8), unit
 
     def _sparsified(self, fragment: int, own: list[torch.Tensor], dense: int) -> torch.Tensor:
-        """``own`` plus the fragment's feedback as one byte packet: a float32 scale, the positions and
-        int8 values (of that scale) of the largest elements, then the last ``dense`` elements (the
-        BatchNorm statistics' changes, averaged whole at each sync) as float32. Everything of the
-        others not sent is the next feedback."""
+        """``own`` plus the fragment's feedback as one byte packet: a float32 scale, each block's count,
+        a 16-bit word for each of the largest elements (its offset in its block, its 4-bit value of
+        that scale), then the last ``dense`` elements (the BatchNorm statistics' changes, averaged
+        whole at each sync) as float32. Everything of the others not sent is the next feedback."""
         change = self._with_feedback(fragment, own)
         device = change.device
         finite = bool(torch.isfinite(change).all())
@@ -386,44 +389,39 @@ class PeriodicSync:
         positions = _largest(change[:sparse], sparse_count(sparse, self.density)).sort().values
         values = change[positions]
         largest = float(values.abs().max()) if positions.numel() else 0.0
-        unit = (largest / 127 if largest > 0 else 1.0) if finite else math.inf
-        levels = torch.round(values / unit).clamp_(-127, 127)
+        unit = (largest / LEVELS if largest > 0 else 1.0) if finite else math.inf
+        levels = torch.round(values / unit).clamp_(-LEVELS, LEVELS)
         whole = change[sparse:].clone()
         change[positions] -= levels * unit  # what rounding kept back of the sent ones stays too
         change[sparse:] = 0.0
         self.feedback[fragment] = change
-        counts = torch.bincount(positions // POSITION_BLOCK, minlength=position_blocks(sparse))
+        counts = torch.bincount(positions // PACK_BLOCK, minlength=pack_blocks(sparse))
+        words = (positions % PACK_BLOCK) * 16 + (levels.long() + LEVELS + 1)  # 1..15 in the low 4 bits
         return torch.cat(
             [
                 torch.tensor([unit], dtype=torch.float32, device=device).view(torch.uint8),
-                counts.to(torch.int32).view(torch.uint8),
-                (positions % POSITION_BLOCK - 32768).to(torch.int16).view(torch.uint8),
-                levels.to(torch.int8).view(torch.uint8),
+                counts.to(torch.int16).view(torch.uint8),
+                (words - 32768).to(torch.int16).view(torch.uint8),
                 whole.view(torch.uint8),
             ]
         )
 
     def _densified(self, gathered: torch.Tensor, world: int, elements: int, dense: int, layout: str) -> torch.Tensor:
         """The sum of every rank's sparse packet in ``gathered`` (of ``elements``, the last ``dense``
-        of them sent whole), as a dense fp32 vector. ``layout``: :data:`BLOCKS`, or ``"sparse"`` for
-        the whole positions of an exchange in flight in a checkpoint of the first layout."""
+        of them sent whole), as a dense fp32 vector. ``layout``: :data:`PACKED`, or an earlier layout
+        of an exchange in flight in a checkpoint (:data:`BLOCKS`, ``"sparse"``)."""
         total = torch.zeros(elements, dtype=torch.float32, device=gathered.device)
         sparse = elements - dense
         count = sparse_count(sparse, self.density)
-        if layout == BLOCKS:
-            size = sparse_packet_bytes(sparse, dense, self.density)
-        else:  # the first layout: whole positions
-            size = 4 + (position_dtype(sparse).itemsize + 1) * count + 4 * dense
-        if gathered.numel() != world * size:
+        if gathered.numel() != world * sparse_packet_bytes(sparse, dense, self.density, layout):
             raise _malformed(sparse, count)
         for packet in gathered.chunk(world):
             unit = packet[:4].clone().view(torch.float32)
             if not bool(torch.isfinite(unit).all()):
                 raise _diverged("a sparse exchange")
-            positions, ends = _positions(packet, sparse, count, layout)
-            levels = packet[ends : ends + count].clone().view(torch.int8)
+            positions, levels, ends = _entries(packet, sparse, count, layout)
             total.index_add_(0, positions, levels.float() * unit)
-            total[sparse:] += packet[ends + count :].clone().view(torch.float32)
+            total[sparse:] += packet[ends:].clone().view(torch.float32)
         return total
 
     @torch.no_grad()
@@ -437,7 +435,7 @@ class PeriodicSync:
         self.pending = [e for e in self.pending if e is not exchange]  # by identity: dicts of tensors
         indices, with_buffers = self._parts(exchange["fragment"])
         tensors = [self.params[i] for i in indices] + (self.buffers if with_buffers else [])
-        if exchange.get("scale") in (BLOCKS, "sparse"):  # every rank's largest elements, summed
+        if exchange.get("scale") in (PACKED, BLOCKS, "sparse"):  # every rank's largest elements, summed
             elements = sum(t.numel() for t in tensors)
             flat = self._densified(
                 exchange["flat"], exchange["world"], elements, self._dense(with_buffers), exchange["scale"]
@@ -654,28 +652,39 @@ def _largest(values: torch.Tensor, count: int) -> torch.Tensor:
     return candidates[torch.topk(magnitude[candidates], count, sorted=False).indices]
 
 
-def _positions(packet: torch.Tensor, sparse: int, count: int, layout: str) -> tuple[torch.Tensor, int]:
-    """The ``count`` positions (of ``sparse`` elements) a packet sends, and where its values start.
+def _entries(packet: torch.Tensor, sparse: int, count: int, layout: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The ``count`` positions (of ``sparse`` elements) a packet sends, their levels (of its scale), and
+    where the values sent whole start.
 
-    A packet that does not add up (its blocks' counts, a position past the end: a checkpoint
-    written by hand) is refused in one line rather than summed somewhere else."""
-    if layout == BLOCKS:
-        blocks = position_blocks(sparse)
-        counts = packet[4 : 4 + 4 * blocks].clone().view(torch.int32).long()
-        start = 4 + 4 * blocks
+    A packet that does not add up (its blocks' counts, a value outside its levels, a position past the
+    end: a checkpoint written by hand) is refused in one line rather than summed somewhere else."""
+    if layout in (PACKED, BLOCKS):
+        block, width = (PACK_BLOCK, 2) if layout == PACKED else (POSITION_BLOCK, 4)
+        blocks = -(-sparse // block)
+        start = 4 + width * blocks
+        counts = packet[4:start].clone().view(torch.int16 if width == 2 else torch.int32).long()
         if not bool((counts >= 0).all()) or int(counts.sum()) != count:
             raise _malformed(sparse, count)
-        offsets = packet[start : start + 2 * count].clone().view(torch.int16).long() + 32768
-        starts = torch.arange(blocks, device=packet.device) * POSITION_BLOCK
-        positions = torch.repeat_interleave(starts, counts) + offsets
+        words = packet[start : start + 2 * count].clone().view(torch.int16).long() + 32768
         ends = start + 2 * count
-    else:
+        if layout == PACKED:
+            offsets, levels = words >> 4, (words & 15) - (LEVELS + 1)
+            if count and int(levels.min()) < -LEVELS:  # a low nibble of 0: no value this layout writes
+                raise _malformed(sparse, count)
+        else:  # 16-bit offsets, then int8 values
+            offsets, levels = words, packet[ends : ends + count].clone().view(torch.int8).long()
+            ends += count
+        starts = torch.arange(blocks, device=packet.device) * block
+        positions = torch.repeat_interleave(starts, counts) + offsets
+    else:  # the first layout: whole positions, then int8 values
         kind = position_dtype(sparse)
         ends = 4 + kind.itemsize * count
         positions = packet[4:ends].clone().view(kind).long()
+        levels = packet[ends : ends + count].clone().view(torch.int8).long()
+        ends += count
     if count and not (0 <= int(positions.min()) and int(positions.max()) < sparse):
         raise _malformed(sparse, count)
-    return positions, ends
+    return positions, levels, ends
 
 
 def _malformed(sparse: int, count: int) -> DdpkitError:

@@ -23,8 +23,8 @@ DiLoCo's validation loss moved by 0.1% (BENCHMARKS.md). ``"int8"`` sends a quart
 each rank's change plus what rounding kept back last time (error feedback), scaled by the ranks'
 largest magnitude and rounded to ``127 // world`` levels, so the ranks' sum fits in int8 on the wire.
 ``"sparse"`` sends only the largest :data:`SPARSE_DENSITY` of each rank's change plus its feedback
-(16-bit positions within blocks of :data:`POSITION_BLOCK`, int8 values of the rank's own scale),
-gathered from every rank; what was not sent is the next feedback."""
+(a 16-bit word each: a 12-bit offset within blocks of :data:`PACK_BLOCK` and a 4-bit value of the
+rank's own scale), gathered from every rank; what was not sent is the next feedback."""
 EXCHANGES = ("fp32", "bf16", "int8", "sparse")
 """``sync_dtype``'s values, as ``rt.setup``, ``ddpkit bench --sync-dtype`` and the benchmarks take them."""
 SPARSE_DENSITY = 1 / 32
@@ -47,18 +47,31 @@ def sparse_count(elements: int, density: float | None = None) -> int:
 
 
 POSITION_BLOCK = 1 << 16
-"""A sparse packet gives its positions as 16-bit offsets within blocks of this many elements, after
-each block's count (int32): 2 bytes a position, where whole int32 positions took 4 (a packet of
-int8 values 3 bytes an element sent instead of 5)."""
+"""The second layout's blocks (:data:`BLOCKS`): positions as 16-bit offsets within blocks of this many
+elements, after each block's count (int32), and int8 values: 3 bytes an element sent."""
 BLOCKS = "sparse:blocks"
-"""The marker of a sparse exchange whose packets give their positions in blocks (:data:`POSITION_BLOCK`);
-a checkpoint's exchange in flight marked ``"sparse"`` was saved with whole positions
-(:func:`position_dtype`) and is read as such."""
+"""The marker of an exchange in flight of the second layout (a checkpoint's, read as such)."""
+PACK_BLOCK = 1 << 12
+"""A sparse packet sends each element as one 16-bit word: its offset within a block of this many elements
+(12 bits) and its value (4 bits: :data:`LEVELS` levels either side of zero, of the rank's own scale),
+after each block's count (int16): 2 bytes an element sent."""
+LEVELS = 7
+"""A sparse packet's values: whole multiples of the rank's largest / LEVELS, -LEVELS to LEVELS (4 bits).
+What the rounding keeps back is the next feedback. On a character transformer (BENCHMARKS.md) 4-bit values
+ended where int8's did, and their smaller packet shortened the period on 4 hosts."""
+PACKED = "sparse:packed"
+"""The marker of a sparse exchange whose packets are of :data:`PACK_BLOCK` words; a checkpoint's exchange in
+flight marked :data:`BLOCKS` or ``"sparse"`` was saved in an earlier layout and is read as such."""
 
 
 def position_blocks(elements: int) -> int:
     """The blocks of :data:`POSITION_BLOCK` elements that ``elements`` take (the last one partly)."""
     return -(-elements // POSITION_BLOCK)
+
+
+def pack_blocks(elements: int) -> int:
+    """The blocks of :data:`PACK_BLOCK` elements that ``elements`` take (the last one partly)."""
+    return -(-elements // PACK_BLOCK)
 
 
 def position_dtype(elements: int) -> torch.dtype:
@@ -67,12 +80,18 @@ def position_dtype(elements: int) -> torch.dtype:
     return torch.int32 if elements <= torch.iinfo(torch.int32).max else torch.int64
 
 
-def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = None) -> int:
-    """One rank's sparse packet: a float32 scale, the count of each block of positions (int32), the
-    16-bit offsets and int8 values of the largest ``density`` of ``elements``, and ``dense`` float32
-    values sent whole (the BatchNorm statistics' changes)."""
+def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = None, layout: str = PACKED) -> int:
+    """One rank's sparse packet: a float32 scale, the count of each block (int16), one 16-bit word
+    (offset and 4-bit value) for each of the largest ``density`` of ``elements``, and ``dense``
+    float32 values sent whole (the BatchNorm statistics' changes). ``layout``: an earlier one's size,
+    for an exchange in flight in a checkpoint (:data:`BLOCKS`: int32 counts of larger blocks, 16-bit
+    offsets and int8 values; ``"sparse"``: whole positions and int8 values)."""
     count = sparse_count(elements, density)
-    return 4 + 4 * position_blocks(elements) + 3 * count + 4 * dense
+    if layout == BLOCKS:
+        return 4 + 4 * position_blocks(elements) + 3 * count + 4 * dense
+    if layout != PACKED:
+        return 4 + (position_dtype(elements).itemsize + 1) * count + 4 * dense
+    return 4 + 2 * pack_blocks(elements) + 2 * count + 4 * dense
 
 
 def packet_bytes(name: str, elements: int, density: float | None = None) -> int:
@@ -289,7 +308,7 @@ def choose_exchange(
     >>> slow = dict(step_s=0.1, elements=1_000_000, world=2, link_bytes_per_s=1.25e6, latency_s=0.001)
     >>> [(c["dtype"], c.get("density"), c["every"]) for c in (choose_exchange(dtype="bf16", dtype_given=False, **slow),
     ...                                                       choose_exchange(dtype="bf16", dtype_given=True, **slow))]
-    [('sparse', 0.015625, 2), ('bf16', None, 22)]
+    [('sparse', 0.03125, 2), ('bf16', None, 22)]
     >>> [choose_exchange(dtype="bf16", dtype_given=False, **{**slow, "link_bytes_per_s": s})["dtype"] for s in (15e6, 30e6)]
     ['int8', 'bf16']
     """
@@ -364,7 +383,10 @@ def announce(kind: str, every: int | None, is_main: bool) -> None:
 __all__ = [
     "BLOCKS",
     "EXCHANGES",
+    "LEVELS",
     "MEASURE_STEPS",
+    "PACKED",
+    "PACK_BLOCK",
     "POSITION_BLOCK",
     "SPARSE_DENSITIES",
     "SPARSE_DENSITY",
