@@ -83,9 +83,16 @@ def position_dtype(elements: int) -> torch.dtype:
 def sparse_packet_bytes(elements: int, dense: int = 0, density: float | None = None, layout: str = PACKED) -> int:
     """One rank's sparse packet: a float32 scale, the count of each block (int16), one 16-bit word
     (offset and 4-bit value) for each of the largest ``density`` of ``elements``, and ``dense``
-    float32 values sent whole (the BatchNorm statistics' changes). ``layout``: an earlier one's size,
-    for an exchange in flight in a checkpoint (:data:`BLOCKS`: int32 counts of larger blocks, 16-bit
-    offsets and int8 values; ``"sparse"``: whole positions and int8 values)."""
+    float32 values sent whole (the BatchNorm statistics' changes).
+
+    Args:
+        elements: the elements the largest are chosen from.
+        dense: elements sent whole after them.
+        density: the share sent (None: :data:`SPARSE_DENSITY`).
+        layout: :data:`PACKED`, or an earlier layout's size for an exchange in flight in a checkpoint
+            (:data:`BLOCKS`: int32 counts of larger blocks, 16-bit offsets and int8 values;
+            ``"sparse"``: whole positions and int8 values).
+    """
     count = sparse_count(elements, density)
     if layout == BLOCKS:
         return 4 + 4 * position_blocks(elements) + 3 * count + 4 * dense
@@ -355,9 +362,9 @@ def chosen_outer_lr(optimizer: Any, world: int) -> float:
     step is the gradient over its own noise, and the noise of a batch ``world`` times smaller is
     ``sqrt(world)`` times larger: the average of the ranks' steps is up to ``sqrt(world)`` times
     shorter than every-step DDP's (the square-root scaling rule of adaptive optimizers, Malladi et
-    al. 2022). On a held-out character transformer with AdamW on 4 ranks (BENCHMARKS.md) the average
-    ended 5.6% above every-step DDP's validation loss, ``sqrt(4)`` 2.1%; on 2 ranks both were within
-    0.7% of it.
+    al. 2022). On two character transformers with AdamW on 4 ranks (BENCHMARKS.md) the average ended
+    5.6% and 7.4% above every-step DDP's validation loss, ``sqrt(4)`` times it 2.1% and 3.9%; on 2 ranks
+    ``sqrt(2)`` times it ended 0.1% and 0.7% closer to every-step DDP than the average.
 
     >>> chosen_outer_lr(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), 4)
     2.0
