@@ -66,6 +66,7 @@ from ddpkit.parallel.periodic_parts import (
     choose_exchange,
     chosen_outer_lr,
     pack_blocks,
+    position_blocks,
     position_dtype,
     sparse_count,
     sparse_packet_bytes,
@@ -150,9 +151,10 @@ class PeriodicSync:
             # periods a link chooses, where an outer Nesterov step multiplies each period's aligned progress
             # (the digits ConvNet at H = 2: 46% test accuracy with them, 98% averaged, DDP's 97.5%), and
             # the average of the ranks' changes, times sqrt(world) for adaptive inner steps (chosen_outer_lr)
-            chosen = chosen_outer_lr(optimizer, _world())
-            lr = outer_lr if outer_lr is not None else 0.7 if every is not None else chosen
             self.outer_chosen = outer_lr is None and every is None
+            lr = (
+                outer_lr if outer_lr is not None else 0.7 if every is not None else chosen_outer_lr(optimizer, _world())
+            )
             momentum = outer_momentum if outer_momentum is not None else 0.9 if every is not None else 0.0
             self.outer = torch.optim.SGD(self.synced, lr=lr, momentum=momentum, nesterov=momentum > 0)
         model.__dict__["_ddpkit_periodic"] = self
@@ -660,7 +662,7 @@ def _entries(packet: torch.Tensor, sparse: int, count: int, layout: str) -> tupl
     end: a checkpoint written by hand) is refused in one line rather than summed somewhere else."""
     if layout in (PACKED, BLOCKS):
         block, width = (PACK_BLOCK, 2) if layout == PACKED else (POSITION_BLOCK, 4)
-        blocks = -(-sparse // block)
+        blocks = pack_blocks(sparse) if layout == PACKED else position_blocks(sparse)
         start = 4 + width * blocks
         counts = packet[4:start].clone().view(torch.int16 if width == 2 else torch.int32).long()
         if not bool((counts >= 0).all()) or int(counts.sum()) != count:
