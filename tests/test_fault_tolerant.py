@@ -35,11 +35,16 @@ TRAIN_SAMPLES, TEST_SAMPLES, STEPS_PER_EPOCH = 1437, 360, 24  # digits, global b
 
 # -- helpers -------------------------------------------------------------------------------------
 def _train(
-    out: Path, *launcher: str, epochs: int = 2, extra: tuple[str, ...] = (), timeout: float = 240
+    out: Path,
+    *launcher: str,
+    epochs: int = 2,
+    extra: tuple[str, ...] = (),
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher, SCRIPT, "--out", str(out), "--epochs", str(epochs), *extra]
-    done = run(cmd, timeout=timeout, env=clean_env(), cwd=ROOT / "tests" / "scripts")
+    done = run(cmd, timeout=timeout, env=clean_env(**(env or {})), cwd=ROOT / "tests" / "scripts")
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -180,6 +185,166 @@ def test_a_replica_casts_the_gradients_it_sends_and_refuses_powersgd():
     assert plain.cast is None and single.grad.item() == 1.0 + 2**-10
 
 
+class _Replicas:
+    """A quorum of two replicas for an infrequent sync's exchange, the other one holding the same
+    change (a sum doubles, a gather repeats the row); ``fails`` makes its collectives fail."""
+
+    def __init__(self) -> None:
+        self.fails, self.quorums, self.commits, self.inside = False, 0, [], False
+        self.at_pass_end: list = []
+
+    def average(self, tensor: torch.Tensor) -> None:
+        tensor.div_(2)  # (seen: the other replica's gradients are zero)
+
+    def size(self) -> int:
+        return 2
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        tensor.mul_(2)
+        if self.fails:
+            tensor.fill_(7)  # torchft leaves a failed collective's tensor undefined
+
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((2, *row.shape), dtype=row.dtype) if self.fails else torch.stack([row, row])
+
+    def failed(self) -> bool:
+        return self.fails
+
+    def in_quorum(self) -> bool:
+        return self.inside
+
+    def quorum(self) -> tuple[int, int]:
+        self.quorums += 1
+        return 0, 2
+
+    def should_commit(self) -> bool:
+        self.commits.append(not self.fails)
+        self.fails = False  # the next quorum holds the survivors
+        return self.commits[-1]
+
+
+def _sync_state(syncer) -> list[torch.Tensor]:
+    outer = syncer.outer.state_dict()["state"]
+    return [
+        *syncer.params,
+        *syncer.synced,
+        *syncer.buffers,
+        *syncer.synced_buffers,
+        *(t for f in sorted(syncer.feedback) for t in [syncer.feedback[f]]),
+        *(v["momentum_buffer"] for v in outer.values() if v.get("momentum_buffer") is not None),
+    ]
+
+
+@pytest.mark.parametrize("exchange", ["fp32", "int8", "sparse"])
+def test_an_exchange_over_a_quorum_is_taken_back_where_its_step_does_not_commit(exchange):
+    """DiLoCo under --fault-tolerant exchanges inside the next step's quorum, before its forward; where
+    that step does not commit (a replica died, maybe during the exchange) everything it changed is put
+    back bitwise, and the exchange made again in the next quorum gives what it would have given."""
+    from ddpkit.parallel.periodic import PeriodicSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    syncer = PeriodicSync(model, optimizer, kind="diloco", every=2, sync_dtype=exchange, outer_momentum=0.9)
+    replicas = _Replicas()
+    syncer.meet_over(replicas)
+
+    def step() -> None:
+        model.train()
+        loss = model(torch.randn(8, 40)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        syncer.after_step()
+
+    step(), step()
+    assert syncer.due == [0] and syncer.syncs == 0  # the exchange waits for the next step's quorum
+    syncer.exchange_due(), step(), step()  # one exchange landed; the second is due
+    assert syncer.syncs == 1 and syncer.due == [0] and syncer.feedback.keys() == ({0} if exchange != "fp32" else set())
+    before = [t.clone() for t in _sync_state(syncer)]
+    syncer.exchange_due()
+    landed = [t.clone() for t in _sync_state(syncer)]
+    assert syncer.syncs == 2 and any(not torch.equal(a, b) for a, b in zip(before, landed))
+    syncer.step_dropped()  # the step did not commit: its exchange is taken back
+    assert syncer.syncs == 1 and syncer.due == [0]
+    assert all(torch.equal(a, b) for a, b in zip(before, _sync_state(syncer)))
+    replicas.fails = True  # a replica dies during the exchange: its sum is not used
+    syncer.exchange_due()
+    assert syncer.syncs == 1 and syncer.due == [0]
+    syncer.step_dropped()
+    assert all(torch.equal(a, b) for a, b in zip(before, _sync_state(syncer)))
+    replicas.fails = False
+    syncer.exchange_due()  # the next quorum's exchange: what the first one gave, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(landed, _sync_state(syncer)))
+    step()  # the step committed: nothing is taken back any more
+    syncer.step_dropped()
+    assert syncer.syncs == 2 and replicas.quorums == 0  # each exchange rode its step's quorum
+    # the final exchange forms a quorum of its own, made again until it commits
+    replicas.fails = True
+    syncer.finish()
+    assert replicas.quorums == 2 and replicas.commits[-2:] == [False, True] and syncer.syncs == 3
+    assert all(torch.equal(p, s) for p, s in zip(syncer.params, syncer.synced))
+
+
+def test_a_replica_heals_to_its_peers_period_but_a_file_written_by_one_replica_restarts_the_period():
+    """A healing replica takes its peer's sync state whole (local weights, feedback, the exchange due);
+    a checkpoint file of a fault-tolerant job holds one replica's local weights only, so every replica
+    continues from the synced weights, with one warning."""
+    from ddpkit.parallel import modes
+    from ddpkit.parallel.periodic import PeriodicSync
+
+    def made() -> tuple[PeriodicSync, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        syncer = PeriodicSync(model, optimizer, kind="diloco", every=3, sync_dtype="sparse")
+        syncer.meet_over(_Replicas())
+        return syncer, optimizer
+
+    peer, optimizer = made()
+    for _ in range(4):  # one exchange landed, one step into the next period
+        peer.model(torch.randn(4, 6)).pow(2).mean().backward()
+        optimizer.step(), optimizer.zero_grad(), peer.after_step(), peer.exchange_due()
+    saved = peer.state_dict()
+    assert saved["steps"] == 1 and saved["feedback"] and saved["due"] == []
+    healed, _ = made()
+    modes.Periodic(healed).take_peer_state(saved, "peer of replica 0")
+    assert all(torch.equal(a, b) for a, b in zip(healed.params, peer.params)) and healed.steps == 1
+    assert torch.equal(healed.feedback[0], peer.feedback[0])
+    resumed, _ = made()
+    with pytest.warns(UserWarning, match="written by one replica of a fault-tolerant job, 1 step"):
+        modes.Periodic(resumed).load_state_dict(saved, same_world=True, source="ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, peer.synced)) and resumed.steps == 0
+    assert resumed.feedback == {} and all(torch.equal(a, b) for a, b in zip(resumed.synced, peer.synced))
+
+
+def test_a_replica_takes_an_infrequent_sync_with_its_period_and_no_delay():
+    from ddpkit.parallel import modes
+    from ddpkit.parallel.options import SetupOptions
+    from ddpkit.parallel.periodic import PeriodicSync
+    from ddpkit.parallel.replica import FaultTolerant
+
+    replica = FaultTolerant(_Replicas())
+    with pytest.raises(ddpkit.UsageError, match="sync='diloco'\\) needs sync_every=H"):
+        replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="diloco"))
+    with pytest.raises(ddpkit.UsageError, match="takes sync_delay=0 only"):
+        replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="local-sgd", sync_every=4, sync_delay=1))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    kept = replica.prepare(model, SetupOptions(sync="diloco", sync_every=4))
+    assert isinstance(kept[1], torch.nn.BatchNorm1d)  # the replica's own BatchNorm: averaged at each sync
+    syncer = PeriodicSync(kept, None, kind="diloco", every=4)
+    replica.takes(modes.Periodic(syncer))
+    assert syncer.meet is not None and syncer.meet.size() == 2
+    every_step = replica.prepare(torch.nn.Linear(2, 2), SetupOptions())  # a second model, averaged each step
+    apart, averaged = kept[0].weight, every_step.weight
+    for p in (apart, averaged):
+        p.grad = torch.ones_like(p)
+    replica.manager.inside = True
+    assert replica.commit([apart, averaged], None)
+    assert torch.equal(apart.grad, torch.ones_like(apart))  # trains apart: not averaged over the quorum
+    assert torch.equal(averaged.grad, torch.full_like(averaged, 0.5))
+
+
 _REDUCES = """
 import torch, ddpkit
 rt = ddpkit.init(seed=0)
@@ -271,6 +436,53 @@ def test_replicas_with_micro_shards_end_at_one_processs_bits_through_a_redone_st
     assert set(quorums) == {3}, quorums  # every step shared by the three
 
 
+_DILOCO = ("--sync", "diloco", "--sync-every", "3", "--sync-dtype", "sparse")
+
+
+def _finals(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each replica's model after the loop (``final-R-A.pt``: replica R, attempt A)."""
+    return {path.name: torch.load(path, weights_only=True) for path in sorted(out.glob("final-*.pt"))}
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)) for k in a
+    )
+
+
+@pytest.mark.timeout(300)
+def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(tmp_path):
+    """``sync="diloco"`` with sparse exchanges under --fault-tolerant: each exchange is made inside a step's
+    quorum; the step after the first exchange fails once on every replica and is redone; with both
+    replicas in every quorum (``--min-replicas 2``) the run ends at the bits of ``ddpkit run -n 2``
+    (one thread a process in both: the thread count changes float sums)."""
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    plain = tmp_path / "plain"
+    _train(plain, str(BIN / "ddpkit"), "run", "-n", "2", epochs=1, extra=_DILOCO, env=one_thread)
+    out = tmp_path / "ft"
+    _replicas(out, 2, "--min-replicas", "2", epochs=1, extra=(*_DILOCO, "--fail-once", "4"), env=one_thread)
+    events = _events(out)
+    assert {row["replica"] for row in events if row["kind"] == "redo" and row["step"] == 3} == {0, 1}
+    assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES}
+    reference, finals = _finals(plain)["final-0-0.pt"], _finals(out)
+    assert sorted(finals) == ["final-0-0.pt", "final-1-0.pt"]
+    assert all(_bitwise(reference, weights) for weights in finals.values())
+    assert _bitwise(_weights(plain), _weights(out))  # what rt.is_main saved
+    evals = {(row["replica"], row["correct"]) for row in events if row["kind"] == "eval"}
+    plain_evals = {row["correct"] for row in _events(plain) if row["kind"] == "eval"}
+    assert {correct for _, correct in evals} == plain_evals and len(evals) == 2
+
+
+def _one_kill(request) -> tuple[dict[int, int], str]:
+    """A replica and a step mid-epoch 0 to kill it at, drawn from a seed the note prints for a replay."""
+    seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    draw = random.Random(seed)
+    kills = {draw.randrange(3): draw.randrange(3, STEPS_PER_EPOCH - 3)}
+    note = f"{request.node.name}: kills {kills}; replay with DDPKIT_TEST_SEED={seed}"
+    print(note)
+    return kills, note
+
+
 def _kill_run(
     reference: Path, out: Path, kills: dict[int, int], note: str, extra: tuple[str, ...] = (), within: float = 1e-5
 ) -> list[dict]:
@@ -327,11 +539,7 @@ def test_bf16_gradients_between_replicas_heal_through_a_kill_and_end_within_bf16
     """grad_compression="bf16" under --fault-tolerant: the quorum sums 16-bit gradients; a replica
     killed mid-epoch heals from a peer, every sample is trained once, and the weights end within
     bf16's rounding of one fp32 process (not bitwise: the rounding is the compression)."""
-    seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    draw = random.Random(seed)
-    kills = {draw.randrange(3): draw.randrange(3, STEPS_PER_EPOCH - 3)}
-    note = f"{request.node.name}: kills {kills}; replay with DDPKIT_TEST_SEED={seed}"
-    print(note)
+    kills, note = _one_kill(request)
     out = tmp_path / "bf16"
     _kill_run(reference, out, kills, note, extra=("--grad-compression", "bf16"), within=5e-2)
     assert _rel_diff(_weights(reference), _weights(out)) > 1e-6, "the gradients travelled in bf16"
@@ -359,6 +567,38 @@ def test_a_replica_killed_mid_epoch_with_micro_shards_the_survivors_compute_its_
     assert back and back[0]["kind"] == "start" and back[0]["healed"], note
     assert any(row["kind"] == "step" for row in back), note
     assert quorums[2] > 0 and quorums[3] > 0, (quorums, note)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_common_model(tmp_path, request):
+    """A replica of a DiLoCo job (sparse exchanges every 3 steps) SIGKILLed at a random step: the others
+    train on and exchange over the quorum without it, it heals from a peer (the synced weights, the outer
+    optimizer and where the period stands come with the heal), and every replica, the restarted one
+    included, ends at the same bits; each epoch trains on every sample once."""
+    kills, note = _one_kill(request)
+    out = tmp_path / "killed"
+    args = [item for replica, step in kills.items() for item in ("--kill", f"{replica}:{step}")]
+    _replicas(out, 3, extra=(*_DILOCO, *args, "--step-sleep", "0.3"), restarts=1, timeout=400)
+    events = _events(out)
+    assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES, 1: TRAIN_SAMPLES}, note
+    (replica,) = kills
+    back = [row for row in events if row["replica"] == replica and row["attempt"] == 1]
+    start = next(row for row in back if row["kind"] == "start")
+    assert start["healed"] and start["source"].startswith("peer of replica"), note
+    finals = _finals(out)
+    assert f"final-{replica}-1.pt" in finals and f"final-{replica}-0.pt" not in finals and len(finals) == 3, note
+    first = next(iter(finals.values()))
+    assert all(_bitwise(first, weights) for weights in finals.values()), note
+    assert _bitwise(first, _weights(out)), note
+    # what each replica evaluated after each epoch: the common synced weights, every test sample counted
+    evals: dict[int, set] = collections.defaultdict(set)
+    for row in events:
+        if row["kind"] == "eval":
+            assert row["count"] == TEST_SAMPLES, note
+            evals[row["epoch"]].add(row["correct"])
+    assert sorted(evals) == [0, 1] and all(len(seen) == 1 for seen in evals.values()), (note, evals)
+    assert min(evals[1]) >= 0.8 * TEST_SAMPLES, (note, evals)
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@
         [--kill 2:17] [--kill 0:30]
 
 ``--micro-shards M``: the run of ``rt.setup(micro_shards=M)``, which ends at one process's bits.
+``--sync diloco --sync-every H [--sync-dtype D]``: the replicas train apart and meet every H steps; each
+replica saves the model it holds after the loop to ``DIR/final-R-A.pt`` (replica R, attempt A).
 ``--kill R:S``: replica R SIGKILLs itself right after committing step S (or the first it commits
 after S, when it joined later), in its first attempt.
 Every replica appends to ``DIR/events-R.jsonl`` one line per committed step (its attempt, the
@@ -45,6 +47,10 @@ def main() -> None:
     parser.add_argument("--micro-shards", type=int, default=None, help="rt.setup(micro_shards=M): the same bits")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (a longer run)")
     parser.add_argument("--grad-compression", default=None, help="rt.setup(grad_compression=...)")
+    parser.add_argument("--sync", default="every-step", help="rt.setup(sync=...): diloco, local-sgd")
+    parser.add_argument("--sync-every", type=int, default=None, help="rt.setup(sync_every=H)")
+    parser.add_argument("--sync-dtype", default=None, help="rt.setup(sync_dtype=...)")
+    parser.add_argument("--sync-fragments", type=int, default=1, help="rt.setup(sync_fragments=F)")
     args = parser.parse_args()
     kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
 
@@ -60,8 +66,13 @@ def main() -> None:
         "convnet", num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    apart = {}
+    if args.sync != "every-step":  # DiLoCo or local SGD (the replicas train apart, meeting every H steps)
+        apart = dict(
+            sync=args.sync, sync_every=args.sync_every, sync_dtype=args.sync_dtype, sync_fragments=args.sync_fragments
+        )
     model, optimizer = rt.setup(
-        model, optimizer, micro_shards=args.micro_shards, grad_compression=args.grad_compression
+        model, optimizer, micro_shards=args.micro_shards, grad_compression=args.grad_compression, **apart
     )
     loader = rt.loader(info.dataset, global_batch_size=args.batch, shuffle=True)
     state = {"model": model, "optimizer": optimizer}
@@ -115,6 +126,11 @@ def main() -> None:
             accuracy=metrics["accuracy"],
         )
     event(kind="end", step=rt.global_step)
+    if args.sync != "every-step":  # every replica's model after the loop: the replicas' common one
+        mine = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+        torch.save(
+            mine, os.path.join(args.out, f"final-{rt.replica if rt.replica is not None else rt.rank}-{attempt}.pt")
+        )
     if rt.is_main:
         weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
         torch.save(weights, os.path.join(args.out, "weights.pt"))

@@ -235,6 +235,9 @@ class Replica:
         self.healed = False
         self.before_stop: Callable[[], Any] | None = None
         """Called when no quorum forms, before this replica stops: saves what it holds (the path, or None)."""
+        self.at_pass_end: list[Callable[[], None]] = []
+        """Called in the quorum a loader forms at the end of its pass, which no step follows: what is due
+        between steps is done there (an infrequent sync's exchange), so the evaluation after an epoch sees it."""
         self.first_quorum: Callable[[bool], None] | None = None
         """Called once, after the first quorum, with whether a peer's state healed this replica."""
         self.rank: int = 0
@@ -324,6 +327,10 @@ class Replica:
         table[self.rank] = row
         self.all_reduce_sum(table)
         return table
+
+    def failed(self) -> bool:
+        """Whether a collective of this step failed (torchft then leaves its tensors undefined)."""
+        return self._manager is not None and self._manager.errored() is not None
 
     def should_commit(self) -> bool:
         """Whether every participant finished this step (True: apply it; False: redo it)."""

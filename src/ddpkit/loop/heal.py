@@ -2,7 +2,8 @@
 
 The state is the one a checkpoint holds, kept in memory: the user's objects (the mapping given to
 ``rt.resume``/``rt.checkpoint``, else the set-up models and optimizers), the loop state (epoch,
-step, loader positions), the RNG states and the precision's scaler. Every value is a tensor or
+step, loader positions), the RNG states, the precision's scaler and each mode's state (an infrequent
+sync's synced weights, outer optimizer and error feedback: the peer's own, where the period stands). Every value is a tensor or
 plain data, so the receiving side loads it with ``weights_only=True``
 (:class:`ddpkit.distributed.ft_heal.SafeTransport`).
 """
@@ -39,6 +40,7 @@ def heal_state(run: RunState, state: Mapping[str, Any] | None, replica: int = 0)
         "loop": run.loop.state_dict(),
         "rng": rng.rng_state(),
         "precision": run.precision.state_dict(),
+        "modes": [mode.state_dict() for mode in run.modes],  # an infrequent sync's synced weights, ...
         "replica": replica,
     }
 
@@ -55,6 +57,10 @@ def apply_heal(run: RunState, state: MutableMapping[str, Any] | None, saved: Map
     run.loop.restore(saved["loop"], source=source, strict=True)
     rng.set_rng_state(saved["rng"])
     run.precision.load_state_dict(saved["precision"])
+    modes = saved.get("modes") or []
+    for mode, kept in zip(run.modes, modes):
+        if kept is not None:
+            mode.take_peer_state(kept, source)
     for model in run.models:
         unwrap(model).zero_grad(set_to_none=True)
 

@@ -253,6 +253,8 @@ class QuorumLoader(ShardedLoader):
                 rank, world = self.replica.quorum()  # may heal: epoch and position become the peer's
                 self._check_pass(this_pass)
                 if self.position >= len(self):
+                    for call in self.replica.at_pass_end:  # in this quorum: an infrequent sync's exchange due
+                        call()
                     break
                 batch = self._global_batch(self.position)
                 if self.replica.whole_batches:  # micro-shards: the quorum shares the shards, not the samples
@@ -268,6 +270,8 @@ class QuorumLoader(ShardedLoader):
                     self._on_batch(self)
                 yield to_device(samples, self.device)
                 if self.position >= len(self):
+                    for call in self.replica.at_pass_end:  # in a quorum of its own, if anything is due
+                        call()
                     break
         finally:
             if this_pass == self._passes:

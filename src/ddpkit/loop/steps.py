@@ -108,6 +108,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         mode.complete()
     params = _trained(run, optimizers)
     if not all(mode.commit(params, run.active) for mode in run.modes):
+        for mode in run.modes:
+            mode.step_dropped()
         run.backward_since_step = False
         return False
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:

@@ -60,6 +60,10 @@ class Mode:
         gradients it averages over the quorum): what the model's wrapper is given."""
         return options
 
+    def takes(self, mode: Mode) -> None:
+        """A model's ``mode`` was set up under this one: a mode that meets the processes hands it what it
+        meets through (a fault-tolerant replica's quorum, to an infrequent sync's exchanges)."""
+
     def take_micro_shards(self) -> None:
         """The run's model trains with ``micro_shards``, whose fixed tree sums the gradients: a mode
         that meets the processes hands that exchange over (a fault-tolerant job's quorum shares the shards)."""
@@ -98,6 +102,10 @@ class Mode:
         """Whether the step in hand is applied (False: nothing of it is; the batch comes again)."""
         return True
 
+    def step_dropped(self) -> None:
+        """The step in hand was not committed (a fault-tolerant replica died during it): put back what
+        this mode changed in it; the batch comes again."""
+
     def after_step(self) -> None:
         """An optimizer step was taken."""
 
@@ -124,6 +132,10 @@ class Mode:
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
         """Take a state :meth:`state_dict` made (``same_world``: written on this many processes)."""
+
+    def take_peer_state(self, saved: dict[str, Any], source: str) -> None:
+        """Take a live peer's :meth:`state_dict` (a fault-tolerant replica healing): where the peer stands."""
+        self.load_state_dict(saved, same_world=True, source=source)
 
     def close(self, *, finished: bool) -> None:
         """The run ends (``finished``: it ran to its end)."""
@@ -179,6 +191,18 @@ class Periodic(Mode):
         """The sync counts the step, and the ranks meet every H."""
         self.syncer.after_step()  # counts the step, and meets every H
 
+    def meet_over(self, replica: Any) -> None:
+        """Exchange over a fault-tolerant replica's quorum, inside each step's (:meth:`on_batch`)."""
+        self.syncer.meet_over(replica)
+
+    def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
+        """Over a fault-tolerant quorum: the exchange due, before the forward of the step whose quorum it is in."""
+        self.syncer.exchange_due()
+
+    def step_dropped(self) -> None:
+        """The step was not committed: its quorum's exchange is taken back, and made in the next one."""
+        self.syncer.step_dropped()
+
     def end_training(self) -> None:
         """The final exchange: what every rank trained since its last sync, so the model after the
         loop is the replicas' common one whatever step the run stopped at."""
@@ -189,8 +213,15 @@ class Periodic(Mode):
         return self.syncer.state_dict()
 
     def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
-        """The sync's state from a checkpoint (on another world size: from the synced weights)."""
-        self.syncer.load_state_dict(saved, same_world=same_world, source=source)
+        """The sync's state from a checkpoint (on another world size, or written by one replica of a
+        fault-tolerant job: from the synced weights)."""
+        self.syncer.load_state_dict(
+            saved, same_world=same_world, source=source, one_replicas=self.syncer.meet is not None
+        )
+
+    def take_peer_state(self, saved: dict[str, Any], source: str) -> None:
+        """A peer's sync state, all of it: its local weights, feedback and where its period stands."""
+        self.syncer.load_state_dict(saved, same_world=True, source=source)
 
 
 class MicroShards(Mode):

@@ -36,6 +36,10 @@ in the background for T inner steps before its outer step is applied. The rank k
 trained during those T steps: its fragment becomes the new synced weights plus its own change
 since the exchange was sent. With F=1 and T=0 it is the plain sync above, bitwise.
 
+Under ``ddpkit run --fault-tolerant`` (:meth:`PeriodicSync.meet_over`) the exchanges go to the replicas of
+torchft's quorum: an exchange due after a step is made inside the next step's quorum (or one of its own
+at the end of a loader's pass and after the last step), and taken back where that step does not commit.
+
 Results depend on the world size under infrequent sync (each rank's inner steps see only its own
 share of each global batch); the run says so once.
 """
@@ -43,6 +47,7 @@ share of each global batch); the run says so once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -136,6 +141,13 @@ class PeriodicSync:
         self.sync_seconds = 0.0  # seconds spent in syncs, in all
         self.finished = False  # the final exchange was made, and no step was taken since
         self.sent_at: list[int] = []  # each fragment's ``total`` when it was last sent
+        self.meet: Any = None
+        """Whom the exchanges go to: a fault-tolerant replica's quorum (:class:`QuorumMeet`, set by
+        :meth:`meet_over`), or None: torch.distributed's default group."""
+        self.due: list[int] = []
+        """Fragments whose exchange waits for the next step's quorum (a fault-tolerant replica only)."""
+        self._before: dict[str, Any] | None = None
+        """What a quorum's exchange changed, as it was before (put back when that step is not committed)."""
         self.params = [p for p in model.parameters()]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.synced = [p.detach().clone() for p in self.params]
@@ -173,6 +185,10 @@ class PeriodicSync:
 
         if self.choosing and _world() > 1:
             self._link = link(min(self._exchange_bytes(), PROBE_BYTES), device)
+
+    def _members(self) -> int:
+        """Ranks (or a fault-tolerant quorum's replicas) that the next exchange is summed over."""
+        return self.meet.size() if self.meet is not None else _world()
 
     def _exchange_elements(self) -> int:
         """Elements of one whole exchange: every parameter's and floating buffer's change."""
@@ -256,11 +272,68 @@ class PeriodicSync:
                 return
         for exchange in [e for e in self.pending if e["apply_at"] <= self.total]:
             self._land(exchange)
+        self._before = None  # the step committed: an exchange made in its quorum stands
         for fragment, offset in enumerate(self.offsets):
             if self.steps == offset:
-                self._send(fragment, self.delay)
+                if self.meet is not None:  # inside the next step's quorum, before its forward
+                    self.due.append(fragment)
+                else:
+                    self._send(fragment, self.delay)
         if self.steps >= self.every:
             self.steps = 0
+
+    # -- over a fault-tolerant quorum ----------------------------------------------------------
+    def meet_over(self, replica: Any) -> None:
+        """Exchange over a fault-tolerant replica's quorum (:class:`~ddpkit.distributed.ft.Replica`)
+        rather than a process group: each exchange is made inside a step's quorum, before its forward
+        (:meth:`exchange_due`), and taken back where that step is not committed (:meth:`step_dropped`)."""
+        self.meet = QuorumMeet(replica)
+        replica.at_pass_end.append(self.exchange_between_steps)
+
+    @torch.no_grad()
+    def exchange_due(self) -> None:
+        """The exchanges due, inside this step's quorum (a fault-tolerant replica): what they change is
+        kept first, since the step may not commit (a replica died during it)."""
+        if self.due:
+            self._before = self._kept()
+            try:
+                for fragment in self.due:
+                    self._send(fragment, 0)
+            except QuorumLost:  # a replica died during it: the step will not commit, and is redone
+                return
+            self.due = []
+
+    @torch.no_grad()
+    def step_dropped(self) -> None:
+        """The step was not committed: put back what its quorum's exchange changed; the exchange is
+        made again in the next quorum (of the replicas alive then)."""
+        if self._before is None:
+            return
+        before, self._before = self._before, None
+        _copy(self.params, before["local"])
+        _copy(self.buffers, before["local_buffers"])
+        _copy(self.synced, before["synced"])
+        _copy(self.synced_buffers, before["synced_buffers"])
+        if self.outer is not None:
+            self.outer.load_state_dict(before["outer"])
+        self.feedback = before["feedback"]
+        self.sent_at, self.due = before["sent_at"], before["due"]
+        self.syncs, self.sent_bytes = before["syncs"], before["sent_bytes"]
+
+    def _kept(self) -> dict[str, Any]:
+        """Copies of what an exchange changes (for :meth:`step_dropped`)."""
+        return {
+            "local": [p.detach().clone() for p in self.params],
+            "local_buffers": [b.detach().clone() for b in self.buffers],
+            "synced": [s.detach().clone() for s in self.synced],
+            "synced_buffers": [s.detach().clone() for s in self.synced_buffers],
+            "outer": None if self.outer is None else copy.deepcopy(self.outer.state_dict()),
+            "feedback": {f: t.clone() for f, t in self.feedback.items()},
+            "sent_at": list(self.sent_at),
+            "due": list(self.due),
+            "syncs": self.syncs,
+            "sent_bytes": self.sent_bytes,
+        }
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -280,6 +353,8 @@ class PeriodicSync:
         change would still move it by its momentum). Every rank calls it at the same point."""
         if self.finished:
             return
+        if self.meet is not None:
+            self._finish_in_quorum()
         for exchange in list(self.pending):
             self._land(exchange)
         for fragment in range(len(self.fragments)):
@@ -290,6 +365,24 @@ class PeriodicSync:
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
         self.steps, self.finished = 0, True
+
+    def exchange_between_steps(self) -> None:
+        """The exchanges due, in a quorum that no step follows (the end of a loader's pass), so what
+        is evaluated or saved after it holds them; made again in the next quorum until one commits."""
+        assert self.meet is not None
+        while self.due:
+            self.meet.begin()
+            self.exchange_due()
+            if self.meet.commit():
+                self._before = None
+                return
+            self.step_dropped()
+
+    def _finish_in_quorum(self) -> None:
+        """A fault-tolerant replica's final exchange: every fragment trained since it was last sent, in
+        a quorum (made again in the next one until every replica in it commits)."""
+        self.due = [f for f in range(len(self.fragments)) if self.sent_at[f] != self.total]
+        self.exchange_between_steps()
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -316,13 +409,16 @@ class PeriodicSync:
         own = [self.synced[i] - self.params[i] for i in indices]
         if with_buffers:
             own += [s - b for s, b in zip(self.synced_buffers, self.buffers)]
-        world = _world()
+        world = self._members()
         scale: float | str | None = None  # int8: the levels' unit; "sparse": every rank's packet gathered
+        work: Any = None
         if self.exchange == "sparse":
             packet = self._sparsified(fragment, own, self._dense(with_buffers))
             self.sent_bytes += packet.numel()
-            flat, work = packet, None
-            if world > 1:  # into views of one buffer: the pending exchange's one tensor (checkpoints keep it)
+            flat = packet
+            if world > 1 and self.meet is not None:
+                flat = self.meet.gather(packet)
+            elif world > 1:  # into views of one buffer: the pending exchange's one tensor (checkpoints keep it)
                 flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
                 work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0)
             scale = PACKED
@@ -334,7 +430,10 @@ class PeriodicSync:
                     torch.cat([t.reshape(-1).to(self.dtype) for t in own]) if own else torch.zeros(0, dtype=self.dtype)
                 )
             self.sent_bytes += flat.numel() * flat.element_size()
-            work = dist.all_reduce(flat, async_op=delay > 0) if world > 1 else None
+            if world > 1 and self.meet is not None:
+                self.meet.sum_(flat)
+            elif world > 1:
+                work = dist.all_reduce(flat, async_op=delay > 0)
         exchange = {
             "fragment": fragment,
             "flat": flat,
@@ -367,7 +466,9 @@ class PeriodicSync:
         largest = change.abs().max().reshape(1) if change.numel() else torch.zeros(1, device=device)
         if not bool(torch.isfinite(largest).all()):  # NaN: the ranks' largest becomes inf, on every rank
             largest.fill_(math.inf)
-        if world > 1:
+        if world > 1 and self.meet is not None:
+            self.meet.max_(largest)
+        elif world > 1:
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one scale on every rank: the sum stays exact
         if not math.isfinite(float(largest.item())):
             raise _diverged(f"sync={self.name!r} (int8)")
@@ -528,6 +629,7 @@ class PeriodicSync:
             "total": self.total,
             "fragments": len(self.fragments),
             "delay": self.delay,
+            "due": list(self.due),
             "pending": [
                 {
                     "fragment": e["fragment"],
@@ -549,8 +651,18 @@ class PeriodicSync:
         }
 
     @torch.no_grad()
-    def load_state_dict(self, saved: dict[str, Any], *, same_world: bool, source: str) -> None:
-        """Resume: this rank's own state on the same world size; else the synced weights, with a warning."""
+    def load_state_dict(
+        self, saved: dict[str, Any], *, same_world: bool, source: str, one_replicas: bool = False
+    ) -> None:
+        """Resume: this rank's own state on the same world size; else the synced weights, with a warning.
+
+        Args:
+            saved: what :meth:`state_dict` returned (in a checkpoint, or from a healing replica's peer).
+            same_world: written on as many processes as this run has.
+            source: where it comes from, for the warnings.
+            one_replicas: a fault-tolerant job's checkpoint, written by one replica and read by every one:
+                its local weights and feedback are that replica's alone, so each continues from the synced weights.
+        """
         if saved.get("name") != self.name:
             warn(
                 f"checkpoint {source} was trained with "
@@ -581,7 +693,7 @@ class PeriodicSync:
             self.outer.load_state_dict(saved["outer"])
         self.syncs, self.sent_bytes = int(saved["syncs"]), int(saved.get("sent_bytes", 0))
         same_layout = (int(saved.get("fragments", 1)), int(saved.get("delay", 0))) == (len(self.fragments), self.delay)
-        if same_world and same_layout:
+        if same_world and same_layout and not one_replicas:
             _copy(self.params, saved["local"])
             _copy(self.buffers, saved["local_buffers"])
             if self.optimizer is not None and saved.get("optimizer") is not None:
@@ -591,6 +703,7 @@ class PeriodicSync:
             self.finished = bool(saved.get("finished", False))
             if len(saved.get("sent_at", [])) == len(self.fragments):
                 self.sent_at = [int(t) for t in saved["sent_at"]]
+            self.due = [int(f) for f in saved.get("due", []) if 0 <= int(f) < len(self.fragments)]
             device = self.params[0].device if self.params else torch.device("cpu")
             self.pending = [
                 {
@@ -605,6 +718,16 @@ class PeriodicSync:
                 for e in saved.get("pending", [])
             ]
             self.feedback = {int(f): t.to(device) for f, t in saved.get("feedback", {}).items()}
+            return
+        if one_replicas:
+            warn(
+                f"checkpoint {source} was written by one replica of a fault-tolerant job, {saved['steps']} step(s) "
+                "into a sync period: each replica's own weights since the last sync are not in it, so every "
+                "replica continues from the synced weights, and the period starts over"
+            )
+            _copy(self.params, self.synced)
+            _copy(self.buffers, self.synced_buffers)
+            self.steps, self.pending, self.feedback, self.due = 0, [], {}, []
             return
         if same_world:
             warn(
@@ -699,6 +822,55 @@ def _malformed(sparse: int, count: int) -> DdpkitError:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class QuorumLost(Exception):
+    """A collective of a fault-tolerant quorum failed (a replica died): its result is not to be used."""
+
+
+class QuorumMeet:
+    """A fault-tolerant replica's quorum as the ranks an exchange meets: its sums and gathers go through
+    torchft's manager (:class:`~ddpkit.distributed.ft.Replica`), whose participants are the world.
+
+    A collective that fails raises :class:`QuorumLost` (torchft leaves its tensor undefined); the step
+    then does not commit, and the exchange is made again in the next quorum."""
+
+    def __init__(self, replica: Any) -> None:
+        self.replica = replica
+
+    def size(self) -> int:
+        """Replicas in this step's quorum."""
+        return int(self.replica.size())
+
+    def _check(self) -> None:
+        if self.replica.failed():
+            raise QuorumLost
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over the quorum."""
+        self.replica.all_reduce_sum(tensor)
+        self._check()
+
+    def max_(self, tensor: torch.Tensor) -> None:
+        """The quorum's largest of ``tensor``, in place."""
+        rows = self.replica.all_gather_rows(tensor)
+        self._check()
+        tensor.copy_(rows.amax(0))
+
+    def gather(self, packet: torch.Tensor) -> torch.Tensor:
+        """Every replica's ``packet`` (bytes), one after another in quorum order."""
+        rows = self.replica.all_gather_rows(packet)
+        self._check()
+        return rows.reshape(-1)
+
+    def begin(self) -> None:
+        """Join a quorum, unless this replica is in one already."""
+        if not self.replica.in_quorum():
+            self.replica.quorum()
+
+    def commit(self) -> bool:
+        """Whether every replica of the quorum finished (False: what it did is to be taken back)."""
+        return bool(self.replica.should_commit())
 
 
 def _copy(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

@@ -7,7 +7,9 @@ only where every participant finished it (otherwise what the forward changed is 
 batch comes again), the replica ranked first in the quorum saving, and the calls it cannot run
 refused in one line. ``grad_compression="bf16"`` or ``"fp16"`` casts what the replica sends to the
 quorum (divided by the quorum's size first, as the DDP hook does); PowerSGD, whose error feedback is
-each replica's own, is refused.
+each replica's own, is refused. A model that trains apart (``sync="diloco"``/``"local-sgd"``, with
+``sync_every``) keeps its gradients and BatchNorm to itself, and its sync exchanges over the quorum
+(:meth:`ddpkit.parallel.periodic.PeriodicSync.meet_over`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class FaultTolerant(Mode):
         """The model trains with ``micro_shards``: its tree sums the gradients over the quorum, not :meth:`commit`."""
         self.models = 0
         """Models set up under this replica (their gradients share one cast)."""
+        self.apart: set[int] = set()
+        """The parameters of models that train apart (``sync="diloco"``/``"local-sgd"``), by ``id``:
+        their gradients stay the replica's own, and their sync meets over the quorum."""
         self.cast: torch.dtype | None = None
         """``grad_compression="bf16"``/``"fp16"``: the dtype the averaged gradients travel in (None: their own)."""
 
@@ -57,15 +62,22 @@ class FaultTolerant(Mode):
 
     def prepare(self, model: torch.nn.Module, options: Any) -> torch.nn.Module:
         """BatchNorm over the step's quorum, so no statistic depends on how many replicas are alive."""
-        for name, value, default in (
-            ("strategy", options.strategy, "ddp"),
-            ("sync", options.sync, "every-step"),
-        ):
-            if value != default:
-                raise UsageError(
-                    f"--fault-tolerant does not take rt.setup({name}={value!r}) yet; "
-                    f"leave {name} at its default ({default!r})"
-                )
+        if options.strategy != "ddp":
+            raise UsageError(
+                f"--fault-tolerant does not take rt.setup(strategy={options.strategy!r}) yet; "
+                "leave strategy at its default ('ddp')"
+            )
+        apart = options.sync != "every-step"
+        if apart and options.sync_every is None:
+            raise UsageError(
+                f"--fault-tolerant: rt.setup(sync={options.sync!r}) needs sync_every=H (the period is chosen "
+                "from a link that a quorum of replicas does not time yet)"
+            )
+        if apart and options.sync_delay:
+            raise UsageError(
+                f"--fault-tolerant: rt.setup(sync={options.sync!r}) takes sync_delay=0 only (an exchange is "
+                "made inside one step's quorum and cannot run on into the next); leave sync_delay out"
+            )
         if options.grad_compression in ("powersgd", "auto"):
             raise UsageError(
                 f"--fault-tolerant does not take rt.setup(grad_compression={options.grad_compression!r}) yet "
@@ -79,7 +91,16 @@ class FaultTolerant(Mode):
                 "first model's; one step averages every model's gradients together, so give each the same"
             )
         self.cast, self.models = cast, self.models + 1
+        if apart:  # trains apart: BatchNorm is the replica's own, its statistics averaged at each sync
+            self.apart.update(id(p) for p in model.parameters())
+            return model
         return convert_over(model, self.manager)
+
+    def takes(self, mode: Mode) -> None:
+        """An infrequent sync (DiLoCo, local SGD) exchanges over this replica's quorum."""
+        meet_over = getattr(mode, "meet_over", None)
+        if meet_over is not None:
+            meet_over(self.manager)
 
     def left_to_wrap(self, options: Any) -> Any:
         """The replica casts the gradients it averages itself (:meth:`_average`): no DDP hook to register."""
@@ -119,7 +140,7 @@ class FaultTolerant(Mode):
         if not self.manager.in_quorum():
             return True
         if not self.micro_shards:  # (micro-shards: their tree summed them over the quorum already)
-            self._average(params)
+            self._average([p for p in params if id(p) not in self.apart])
         if self.manager.should_commit():
             return True
         for p in params:

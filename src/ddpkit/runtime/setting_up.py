@@ -77,6 +77,7 @@ def adopt(
             precision=run.precision.name,
             timeout_s=timeout_s,
         )
+        run.world.takes(wrapped.mode)
         if wrapped.sharded:
             run.precision.shard()
         model = wrapped.model
