@@ -705,7 +705,54 @@ _BENCH_REFUSED = [
     ),
     (("--min-step-s", "0.5"), "--min-step-s lengthens the steps of --fault-tolerant's comparison"),
     (("--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--min-step-s", "-1"), "--min-step-s must be 0 or more"),
+    (
+        ("--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--sync", "every-step,diloco", "--sync-every", "4"),
+        "runs one --sync",
+    ),
+    (
+        ("--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--sync", "diloco", "--warmup", "6"),
+        "--sync diloco needs --sync-every H",
+    ),
+    (
+        (
+            "--fault-tolerant",
+            "--kill-at",
+            "3",
+            "--nproc",
+            "2",
+            "--sync",
+            "diloco",
+            "--sync-every",
+            "4",
+            "--sync-delay",
+            "1",
+        ),
+        "takes --sync-delay 0 only",
+    ),
 ]
+
+
+def test_the_fault_tolerant_bench_hands_its_sync_to_every_run(monkeypatch, tmp_path):
+    """``--sync diloco`` reaches the worker of each of the three runs (not silently dropped)."""
+    from ddpkit.bench import ft
+    from ddpkit.bench.flags import parse_settings
+
+    settings = parse_settings(
+        ["--fault-tolerant", "--kill-at", "3", "--nproc", "2", "--sync", "diloco", "--sync-every", "4"]
+        + ["--sync-dtype", "sparse", "--out", str(tmp_path)]
+    )
+    launched: list[list[str]] = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ft.subprocess, "run", fake_run)
+    for kind in ("fault-tolerant", "restart-all"):
+        ft._launch(kind, settings, tmp_path / kind, kill=True)
+    for cmd in launched:
+        at = cmd.index("--sync")
+        assert cmd[at : at + 4] == ["--sync", "diloco", "--sync-every", "4"] and "sparse" in cmd, cmd
 
 
 @pytest.mark.parametrize("args, says", _BENCH_REFUSED)

@@ -335,6 +335,17 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
             raise UsageError("--fault-tolerant runs one --nproc (and at most one --hosts) of 2 or more replicas in all")
         if len(links) > 1:
             raise UsageError("--fault-tolerant runs on one --link-mbit; give one speed")
+        if len(syncs_of_rows) > 1:
+            raise UsageError("--fault-tolerant runs one --sync; give every-step, local-sgd or diloco")
+        if syncs_of_rows[0] != "every-step" and opts.sync_every is None:
+            raise UsageError(
+                f"--fault-tolerant --sync {syncs_of_rows[0]} needs --sync-every H (replicas do not time "
+                "their link to choose the period yet)"
+            )
+        if syncs_of_rows[0] != "every-step" and opts.sync_delay:
+            raise UsageError(
+                "--fault-tolerant takes --sync-delay 0 only (an exchange is made inside one step's quorum)"
+            )
         if opts.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be at least 1, got {opts.checkpoint_every}")
         if opts.min_step_s < 0:

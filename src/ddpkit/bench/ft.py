@@ -77,6 +77,10 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
     ]
     if kill:
         worker += ["--kill-at", str(settings.kill_at)]
+    if settings.sync[0] != "every-step":  # DiLoCo or local SGD, in all three runs
+        worker += ["--sync", settings.sync[0], "--sync-every", str(settings.sync_every)]
+        worker += ["--sync-fragments", str(settings.sync_fragments)]
+        worker += ["--sync-dtype", settings.sync_dtype] if settings.sync_dtype else []
     if kind == "restart-all":
         launcher = ["run", "-n", str(n), "--max-restarts", "1"]
         worker += ["--checkpoint-every", str(settings.checkpoint_every)]
@@ -227,6 +231,9 @@ def run(settings: Any) -> dict[str, Any]:
         "kill_at": settings.kill_at,
         "checkpoint_every": settings.checkpoint_every,
         "min_step_s": settings.min_step_s,
+        "sync": settings.sync[0],
+        "sync_every": settings.sync_every if settings.sync[0] != "every-step" else None,
+        "sync_dtype": (settings.sync_dtype or "bf16") if settings.sync[0] != "every-step" else None,
         "runs": rows,
     }
     return report

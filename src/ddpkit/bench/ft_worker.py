@@ -1,7 +1,8 @@
 """The loop ``ddpkit bench --fault-tolerant`` times: one process of a replica or of a torchrun group.
 
     python -m ddpkit.bench.ft_worker --out DIR --model convnet --data digits --batch 60 --steps 48 \
-        [--kill-at 10 --kill-who 1] [--checkpoint-every 8] [--min-step-s 0.3]
+        [--kill-at 10 --kill-who 1] [--checkpoint-every 8] [--min-step-s 0.3] \
+        [--sync diloco --sync-every 3 --sync-dtype sparse]
 
 Every process appends to ``DIR/events-<replica or rank>.jsonl`` a line per committed step (the
 time, the attempt, the samples it trained on) and a ``start`` line; the one that is ``rt.is_main``
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="sleep out each step to at least this long (a larger model's step)",
     )
+    parser.add_argument("--sync", default="every-step", help="rt.setup(sync=...): local-sgd or diloco")
+    parser.add_argument("--sync-every", type=int, default=None)
+    parser.add_argument("--sync-dtype", default=None)
+    parser.add_argument("--sync-fragments", type=int, default=1)
     opts = parser.parse_args(argv)
 
     rt = ddpkit.init(
@@ -63,7 +68,17 @@ def main(argv: list[str] | None = None) -> None:
         opts.model, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
-    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=rt.replica is None and rt.world_size > 1)
+    if opts.sync == "every-step":
+        model, optimizer = rt.setup(model, optimizer, sync_batchnorm=rt.replica is None and rt.world_size > 1)
+    else:  # the replicas (or ranks) train apart, and meet every --sync-every steps
+        model, optimizer = rt.setup(
+            model,
+            optimizer,
+            sync=opts.sync,
+            sync_every=opts.sync_every,
+            sync_dtype=opts.sync_dtype,
+            sync_fragments=opts.sync_fragments,
+        )
     loader = rt.loader(info.dataset, global_batch_size=opts.batch, shuffle=True)
     state = {"model": model, "optimizer": optimizer}
     rt.resume(state)
