@@ -240,6 +240,7 @@ def test_an_exchange_over_a_quorum_is_taken_back_where_its_step_does_not_commit(
     """DiLoCo under --fault-tolerant exchanges inside the next step's quorum, before its forward; where
     that step does not commit (a replica died, maybe during the exchange) everything it changed is put
     back bitwise, and the exchange made again in the next quorum gives what it would have given."""
+    from ddpkit.parallel import modes
     from ddpkit.parallel.periodic import PeriodicSync
 
     torch.manual_seed(0)
@@ -257,8 +258,11 @@ def test_an_exchange_over_a_quorum_is_taken_back_where_its_step_does_not_commit(
         optimizer.zero_grad()
         syncer.after_step()
 
+    mode = modes.Periodic(syncer)
+    assert not mode.changes_weights_on_batch()
     step(), step()
     assert syncer.due == [0] and syncer.syncs == 0  # the exchange waits for the next step's quorum
+    assert mode.changes_weights_on_batch()  # so a background save's copy is waited for first
     syncer.exchange_due(), step(), step()  # one exchange landed; the second is due
     assert syncer.syncs == 1 and syncer.due == [0] and syncer.feedback.keys() == ({0} if exchange != "fp32" else set())
     before = [t.clone() for t in _sync_state(syncer)]
@@ -453,14 +457,17 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.timeout(300)
 def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(tmp_path):
     """``sync="diloco"`` with sparse exchanges under --fault-tolerant: each exchange is made inside a step's
-    quorum; the step after the first exchange fails once on every replica and is redone; with both
+    quorum; the step after the first exchange fails once on every replica and is redone, checkpoints are
+    written in the background; with both
     replicas in every quorum (``--min-replicas 2``) the run ends at the bits of ``ddpkit run -n 2``
     (one thread a process in both: the thread count changes float sums)."""
     one_thread = {"OMP_NUM_THREADS": "1"}
     plain = tmp_path / "plain"
     _train(plain, str(BIN / "ddpkit"), "run", "-n", "2", epochs=1, extra=_DILOCO, env=one_thread)
     out = tmp_path / "ft"
-    _replicas(out, 2, "--min-replicas", "2", epochs=1, extra=(*_DILOCO, "--fail-once", "4"), env=one_thread)
+    # (checkpoints written in the background every 4 steps: the exchanges wait for their copies)
+    extra = (*_DILOCO, "--fail-once", "4", "--checkpoint-every", "4")
+    _replicas(out, 2, "--min-replicas", "2", epochs=1, extra=extra, env=one_thread)
     events = _events(out)
     assert {row["replica"] for row in events if row["kind"] == "redo" and row["step"] == 3} == {0, 1}
     assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES}

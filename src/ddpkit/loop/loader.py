@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from ddpkit import rng
+from ddpkit.checkpoint import background
 from ddpkit.loop.batch import to_device, zero_rows
 from ddpkit.loop.sampler import GlobalBatchSampler
 
@@ -253,8 +254,7 @@ class QuorumLoader(ShardedLoader):
                 rank, world = self.replica.quorum()  # may heal: epoch and position become the peer's
                 self._check_pass(this_pass)
                 if self.position >= len(self):
-                    for call in self.replica.at_pass_end:  # in this quorum: an infrequent sync's exchange due
-                        call()
+                    self._at_pass_end()  # in this quorum: an infrequent sync's exchange due
                     break
                 batch = self._global_batch(self.position)
                 if self.replica.whole_batches:  # micro-shards: the quorum shares the shards, not the samples
@@ -270,12 +270,19 @@ class QuorumLoader(ShardedLoader):
                     self._on_batch(self)
                 yield to_device(samples, self.device)
                 if self.position >= len(self):
-                    for call in self.replica.at_pass_end:  # in a quorum of its own, if anything is due
-                        call()
+                    self._at_pass_end()  # in a quorum of its own, if anything is due
                     break
         finally:
             if this_pass == self._passes:
                 self.finished = True
+
+    def _at_pass_end(self) -> None:
+        """What is due between steps (an infrequent sync's exchange), once a save still copying the
+        weights it changes is done."""
+        if self.replica.at_pass_end:
+            background.WRITER.copied()
+        for call in self.replica.at_pass_end:
+            call()
 
     def step_back(self) -> None:
         """The step of the batch in hand did not commit: hand out the same global batch again."""

@@ -25,6 +25,8 @@ from ddpkit.state.run import RunState
 def on_batch(run: RunState, loader: Any) -> None:
     """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
     run.active = loader
+    if any(mode.changes_weights_on_batch() for mode in run.modes):
+        background.WRITER.copied()  # a save may still be copying the weights the exchange changes
     for mode in run.modes:
         mode.on_batch(run.models)
     beat("data")  # a batch is in hand; the forward follows

@@ -75,6 +75,11 @@ class Mode:
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """A batch is in hand; its forward follows."""
 
+    def changes_weights_on_batch(self) -> bool:
+        """Whether :meth:`on_batch` will change the weights (an exchange due over a fault-tolerant quorum):
+        a checkpoint still copying them in the background is waited for first."""
+        return False
+
     def loss_weight(self, weight: float) -> float:
         """The weight of the loss ``rt.backward`` is given, from the one the batch's share gives."""
         return weight
@@ -198,6 +203,10 @@ class Periodic(Mode):
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """Over a fault-tolerant quorum: the exchange due, before the forward of the step whose quorum it is in."""
         self.syncer.exchange_due()
+
+    def changes_weights_on_batch(self) -> bool:
+        """An exchange is due (over a fault-tolerant quorum)."""
+        return bool(self.syncer.due)
 
     def step_dropped(self) -> None:
         """The step was not committed: its quorum's exchange is taken back, and made in the next one."""
