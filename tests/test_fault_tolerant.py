@@ -343,6 +343,8 @@ def test_a_replica_takes_an_infrequent_sync_with_its_period_and_no_delay():
     apart, averaged = kept[0].weight, every_step.weight
     for p in (apart, averaged):
         p.grad = torch.ones_like(p)
+    with pytest.raises(ddpkit.UsageError, match="needs the step's batch from rt.loader"):
+        replica.commit([apart, averaged], None)  # no quorum formed: the batch did not come from rt.loader
     replica.manager.inside = True
     assert replica.commit([apart, averaged], None)
     assert torch.equal(apart.grad, torch.ones_like(apart))  # trains apart: not averaged over the quorum

@@ -138,7 +138,11 @@ class FaultTolerant(Mode):
         the forward changed is put back and the loader hands out the same global batch again, split
         over the next quorum."""
         if not self.manager.in_quorum():
-            return True
+            raise UsageError(
+                "rt.step under --fault-tolerant needs the step's batch from rt.loader, where each step's "
+                "quorum of replicas forms (without it every replica would train alone); load the data "
+                "with rt.loader(dataset, global_batch_size=...)"
+            )
         if not self.micro_shards:  # (micro-shards: their tree summed them over the quorum already)
             self._average([p for p in params if id(p) not in self.apart])
         if self.manager.should_commit():
