@@ -457,18 +457,23 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(tmp_path):
-    """``sync="diloco"`` with sparse exchanges under --fault-tolerant: each exchange is made inside a step's
-    quorum; the step after the first exchange fails once on every replica and is redone, checkpoints are
-    written in the background; with both
+@pytest.mark.parametrize(
+    "sync",
+    [_DILOCO, ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2")],
+    ids=["diloco-sparse", "local-sgd-int8-fragments"],
+)
+def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(tmp_path, sync):
+    """``sync="diloco"`` with sparse exchanges (and local SGD with int8 ones in two fragments) under
+    --fault-tolerant: each exchange is made inside a step's quorum; step 4 (DiLoCo's first after an
+    exchange) fails once on every replica and is redone, checkpoints are written in the background; with both
     replicas in every quorum (``--min-replicas 2``) the run ends at the bits of ``ddpkit run -n 2``
     (one thread a process in both: the thread count changes float sums)."""
     one_thread = {"OMP_NUM_THREADS": "1"}
     plain = tmp_path / "plain"
-    _train(plain, str(BIN / "ddpkit"), "run", "-n", "2", epochs=1, extra=_DILOCO, env=one_thread)
+    _train(plain, str(BIN / "ddpkit"), "run", "-n", "2", epochs=1, extra=sync, env=one_thread)
     out = tmp_path / "ft"
     # (checkpoints written in the background every 4 steps: the exchanges wait for their copies)
-    extra = (*_DILOCO, "--fail-once", "4", "--checkpoint-every", "4")
+    extra = (*sync, "--fail-once", "4", "--checkpoint-every", "4")
     _replicas(out, 2, "--min-replicas", "2", epochs=1, extra=extra, env=one_thread)
     events = _events(out)
     assert {row["replica"] for row in events if row["kind"] == "redo" and row["step"] == 3} == {0, 1}
