@@ -585,18 +585,26 @@ def test_a_replica_killed_mid_epoch_with_micro_shards_the_survivors_compute_its_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_common_model(tmp_path, request):
-    """A replica of a DiLoCo job (sparse exchanges every 3 steps) SIGKILLed at a random step: the others
-    train on and exchange over the quorum without it, it heals from a peer (the synced weights, the outer
-    optimizer and where the period stands come with the heal), and every replica, the restarted one
-    included, ends at the same bits; each epoch trains on every sample once."""
+@pytest.mark.parametrize("where", ["after-a-step", "inside-an-exchange"])
+def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_common_model(tmp_path, request, where):
+    """A replica of a DiLoCo job (sparse exchanges every 3 steps) SIGKILLed at a random step, or as one of
+    its exchanges starts (the others are in that collective): the others drop the step, take its
+    exchange back and make it again without the dead one, it heals from a peer (the synced weights,
+    the outer optimizer and where the period stands come with the heal), and every replica, the
+    restarted one included, ends at the same bits; each epoch trains on every sample once."""
     kills, note = _one_kill(request)
+    (replica,) = kills
     out = tmp_path / "killed"
-    args = [item for replica, step in kills.items() for item in ("--kill", f"{replica}:{step}")]
+    if where == "after-a-step":
+        args = ["--kill", f"{replica}:{kills[replica]}"]
+    else:  # its exchanges are due every 3 steps: the N-th is in step 3N
+        args = ["--kill-in-exchange", f"{replica}:{max(2, kills[replica] // 3)}"]
     _replicas(out, 3, extra=(*_DILOCO, *args, "--step-sleep", "0.3"), restarts=1, timeout=400)
     events = _events(out)
     assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES, 1: TRAIN_SAMPLES}, note
-    (replica,) = kills
+    if where == "inside-an-exchange":  # the survivors redid the step whose exchange it died in
+        redone = {row["replica"] for row in events if row["kind"] == "redo"}
+        assert redone >= {0, 1, 2} - {replica}, (note, redone)
     back = [row for row in events if row["replica"] == replica and row["attempt"] == 1]
     start = next(row for row in back if row["kind"] == "start")
     assert start["healed"] and start["source"].startswith("peer of replica"), note

@@ -6,6 +6,7 @@
 ``--micro-shards M``: the run of ``rt.setup(micro_shards=M)``, which ends at one process's bits.
 ``--sync diloco --sync-every H [--sync-dtype D]``: the replicas train apart and meet every H steps; each
 replica saves the model it holds after the loop to ``DIR/final-R-A.pt`` (replica R, attempt A).
+``--kill-in-exchange R:N``: replica R SIGKILLs itself as its N-th exchange starts (first attempt).
 ``--kill R:S``: replica R SIGKILLs itself right after committing step S (or the first it commits
 after S, when it joined later), in its first attempt.
 Every replica appends to ``DIR/events-R.jsonl`` one line per committed step (its attempt, the
@@ -51,9 +52,14 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=None, help="rt.setup(sync_every=H)")
     parser.add_argument("--sync-dtype", default=None, help="rt.setup(sync_dtype=...)")
     parser.add_argument("--sync-fragments", type=int, default=1, help="rt.setup(sync_fragments=F)")
+    parser.add_argument(
+        "--kill-in-exchange", default=None, help="R:N, replica R dies inside its N-th exchange (first attempt)"
+    )
     args = parser.parse_args()
     kills = {int(r): int(s) for r, s in (item.split(":") for item in args.kill)}
 
+    if args.kill_in_exchange and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        _die_in_exchange(*(int(v) for v in args.kill_in_exchange.split(":")))
     rt = ddpkit.init(
         seed=0, out_dir=args.out, checkpoint_dir=os.path.join(args.out, "checkpoints"), resume="auto", trackers=()
     )
@@ -134,6 +140,28 @@ def main() -> None:
     if rt.is_main:
         weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
         torch.save(weights, os.path.join(args.out, "weights.pt"))
+
+
+def _die_in_exchange(replica: int, nth: int) -> None:
+    """Replica ``replica`` SIGKILLs itself as its ``nth`` exchange over the quorum starts: the others are
+    in that collective (or about to be) when it dies."""
+    if int(os.environ.get("DDPKIT_FT_REPLICA", "-1")) != replica:
+        return
+    from ddpkit.parallel import periodic
+
+    calls = {"n": 0}
+
+    def dying(method):
+        def call(self, tensor):
+            calls["n"] += 1
+            if calls["n"] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return method(self, tensor)
+
+        return call
+
+    periodic.QuorumMeet.sum_ = dying(periodic.QuorumMeet.sum_)
+    periodic.QuorumMeet.gather = dying(periodic.QuorumMeet.gather)
 
 
 if __name__ == "__main__":
