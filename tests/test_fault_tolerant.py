@@ -331,8 +331,8 @@ def test_a_replica_takes_an_infrequent_sync_with_its_period_and_no_delay():
     replica = FaultTolerant(_Replicas())
     with pytest.raises(ddpkit.UsageError, match="sync='diloco'\\) needs sync_every=H"):
         replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="diloco"))
-    with pytest.raises(ddpkit.UsageError, match="takes sync_delay=0 only"):
-        replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="local-sgd", sync_every=4, sync_delay=1))
+    with pytest.raises(ddpkit.UsageError, match="takes sync_delay=0 or 1"):
+        replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="local-sgd", sync_every=4, sync_delay=2))
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     kept = replica.prepare(model, SetupOptions(sync="diloco", sync_every=4))
     assert isinstance(kept[1], torch.nn.BatchNorm1d)  # the replica's own BatchNorm: averaged at each sync
@@ -459,13 +459,18 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "sync",
-    [_DILOCO, ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2")],
-    ids=["diloco-sparse", "local-sgd-int8-fragments"],
+    [
+        _DILOCO,
+        ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2"),
+        (*_DILOCO, "--sync-delay", "1"),
+    ],
+    ids=["diloco-sparse", "local-sgd-int8-fragments", "diloco-sparse-behind-a-step"],
 )
 def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(tmp_path, sync):
-    """``sync="diloco"`` with sparse exchanges (and local SGD with int8 ones in two fragments) under
-    --fault-tolerant: each exchange is made inside a step's quorum; step 4 (DiLoCo's first after an
-    exchange) fails once on every replica and is redone, checkpoints are written in the background; with both
+    """``sync="diloco"`` with sparse exchanges (also running behind a step, ``sync_delay=1``; and local SGD
+    with int8 ones in two fragments) under --fault-tolerant: each exchange is made inside a step's quorum;
+    step 4 (DiLoCo's first with an exchange) fails once on every replica and is redone (its exchange in
+    flight with it), checkpoints are written in the background; with both
     replicas in every quorum (``--min-replicas 2``) the run ends at the bits of ``ddpkit run -n 2``
     (one thread a process in both: the thread count changes float sums)."""
     one_thread = {"OMP_NUM_THREADS": "1"}
@@ -585,7 +590,7 @@ def test_a_replica_killed_mid_epoch_with_micro_shards_the_survivors_compute_its_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", ["after-a-step", "inside-an-exchange"])
+@pytest.mark.parametrize("where", ["after-a-step", "inside-an-exchange", "inside-an-exchange-behind-a-step"])
 def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_common_model(tmp_path, request, where):
     """A replica of a DiLoCo job (sparse exchanges every 3 steps) SIGKILLed at a random step, or as one of
     its exchanges starts (the others are in that collective): the others drop the step, take its
@@ -599,10 +604,12 @@ def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_commo
         args = ["--kill", f"{replica}:{kills[replica]}"]
     else:  # its exchanges are due every 3 steps: the N-th is in step 3N
         args = ["--kill-in-exchange", f"{replica}:{max(2, kills[replica] // 3)}"]
+    if where.endswith("behind-a-step"):  # sync_delay=1: the exchange runs behind the step, waited for at its commit
+        args += ["--sync-delay", "1"]
     _replicas(out, 3, extra=(*_DILOCO, *args, "--step-sleep", "0.3"), restarts=1, timeout=400)
     events = _events(out)
     assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES, 1: TRAIN_SAMPLES}, note
-    if where == "inside-an-exchange":  # the survivors redid the step whose exchange it died in
+    if where.startswith("inside-an-exchange"):  # the survivors redid the step whose exchange it died in
         redone = {row["replica"] for row in events if row["kind"] == "redo"}
         assert redone >= {0, 1, 2} - {replica}, (note, redone)
     back = [row for row in events if row["replica"] == replica and row["attempt"] == 1]
@@ -747,9 +754,9 @@ _BENCH_REFUSED = [
             "--sync-every",
             "4",
             "--sync-delay",
-            "1",
+            "2",
         ),
-        "takes --sync-delay 0 only",
+        "takes --sync-delay 0 or 1",
     ),
 ]
 

@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=None, help="rt.setup(sync_every=H)")
     parser.add_argument("--sync-dtype", default=None, help="rt.setup(sync_dtype=...)")
     parser.add_argument("--sync-fragments", type=int, default=1, help="rt.setup(sync_fragments=F)")
+    parser.add_argument("--sync-delay", type=int, default=0, help="rt.setup(sync_delay=T)")
     parser.add_argument(
         "--kill-in-exchange", default=None, help="R:N, replica R dies inside its N-th exchange (first attempt)"
     )
@@ -75,7 +76,11 @@ def main() -> None:
     apart = {}
     if args.sync != "every-step":  # DiLoCo or local SGD (the replicas train apart, meeting every H steps)
         apart = dict(
-            sync=args.sync, sync_every=args.sync_every, sync_dtype=args.sync_dtype, sync_fragments=args.sync_fragments
+            sync=args.sync,
+            sync_every=args.sync_every,
+            sync_dtype=args.sync_dtype,
+            sync_fragments=args.sync_fragments,
+            sync_delay=args.sync_delay,
         )
     model, optimizer = rt.setup(
         model, optimizer, micro_shards=args.micro_shards, grad_compression=args.grad_compression, **apart

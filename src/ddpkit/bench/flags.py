@@ -342,9 +342,10 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
                 f"--fault-tolerant --sync {syncs_of_rows[0]} needs --sync-every H (replicas do not time "
                 "their link to choose the period yet)"
             )
-        if syncs_of_rows[0] != "every-step" and opts.sync_delay:
+        if syncs_of_rows[0] != "every-step" and opts.sync_delay > 1:
             raise UsageError(
-                "--fault-tolerant takes --sync-delay 0 only (an exchange is made inside one step's quorum)"
+                "--fault-tolerant takes --sync-delay 0 or 1 (an exchange runs inside one step's quorum, "
+                "behind that step at most)"
             )
         if opts.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be at least 1, got {opts.checkpoint_every}")

@@ -79,7 +79,7 @@ def _launch(kind: str, settings: Any, out: Path, kill: bool) -> float:
         worker += ["--kill-at", str(settings.kill_at)]
     if settings.sync[0] != "every-step":  # DiLoCo or local SGD, in all three runs
         worker += ["--sync", settings.sync[0], "--sync-every", str(settings.sync_every)]
-        worker += ["--sync-fragments", str(settings.sync_fragments)]
+        worker += ["--sync-fragments", str(settings.sync_fragments), "--sync-delay", str(settings.sync_delay)]
         worker += ["--sync-dtype", settings.sync_dtype] if settings.sync_dtype else []
     if kind == "restart-all":
         launcher = ["run", "-n", str(n), "--max-restarts", "1"]

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=None)
     parser.add_argument("--sync-dtype", default=None)
     parser.add_argument("--sync-fragments", type=int, default=1)
+    parser.add_argument("--sync-delay", type=int, default=0)
     opts = parser.parse_args(argv)
 
     rt = ddpkit.init(
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             sync_every=opts.sync_every,
             sync_dtype=opts.sync_dtype,
             sync_fragments=opts.sync_fragments,
+            sync_delay=opts.sync_delay,
         )
     loader = rt.loader(info.dataset, global_batch_size=opts.batch, shuffle=True)
     state = {"model": model, "optimizer": optimizer}

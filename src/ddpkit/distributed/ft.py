@@ -321,6 +321,13 @@ class Replica:
 
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
 
+    def all_reduce_sum_started(self, tensor: torch.Tensor) -> Any:
+        """Start summing ``tensor`` in place over this step's replicas; the work to wait on (before
+        :meth:`should_commit`, where a failure shows)."""
+        from torch.distributed import ReduceOp
+
+        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+
     def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every replica's ``row`` of this step, stacked in quorum order (one summed allreduce)."""
         table = torch.zeros((self.participants, *row.shape), dtype=row.dtype, device=row.device)

@@ -200,6 +200,10 @@ class Periodic(Mode):
         """Exchange over a fault-tolerant replica's quorum, inside each step's (:meth:`on_batch`)."""
         self.syncer.meet_over(replica)
 
+    def complete(self) -> None:
+        """Over a fault-tolerant quorum: the exchange running behind the step is waited for before its commit."""
+        self.syncer.wait_in_flight()
+
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """Over a fault-tolerant quorum: the exchange due, before the forward of the step whose quorum it is in."""
         self.syncer.exchange_due()

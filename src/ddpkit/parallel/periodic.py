@@ -39,6 +39,7 @@ since the exchange was sent. With F=1 and T=0 it is the plain sync above, bitwis
 Under ``ddpkit run --fault-tolerant`` (:meth:`PeriodicSync.meet_over`) the exchanges go to the replicas of
 torchft's quorum: an exchange due after a step is made inside the next step's quorum (or one of its own
 at the end of a loader's pass and after the last step), and taken back where that step does not commit.
+With ``sync_delay=1`` it runs behind that step and is waited for before the step's commit.
 
 Results depend on the world size under infrequent sync (each rank's inner steps see only its own
 share of each global batch); the run says so once.
@@ -291,17 +292,29 @@ class PeriodicSync:
         replica.at_pass_end.append(self.exchange_between_steps)
 
     @torch.no_grad()
-    def exchange_due(self) -> None:
+    def exchange_due(self, delay: int | None = None) -> None:
         """The exchanges due, inside this step's quorum (a fault-tolerant replica): what they change is
-        kept first, since the step may not commit (a replica died during it)."""
+        kept first, since the step may not commit (a replica died during it). ``delay`` (None: the
+        sync's, 0 or 1): 1 runs the exchange behind this step's forward and backward, waited for
+        before its commit (:meth:`wait_in_flight`) and applied after its optimizer step."""
         if self.due:
             self._before = self._kept()
             try:
                 for fragment in self.due:
-                    self._send(fragment, 0)
+                    self._send(fragment, self.delay if delay is None else delay)
             except QuorumLost:  # a replica died during it: the step will not commit, and is redone
                 return
             self.due = []
+
+    def wait_in_flight(self) -> None:
+        """Over a fault-tolerant quorum: wait for the exchanges running behind this step, before the
+        step's commit (torchft reports a failed one there, and the commit then drops the step)."""
+        if self.meet is None:
+            return
+        for exchange in self.pending:
+            if exchange["work"] is not None:
+                exchange["work"].wait()
+                exchange["work"] = None
 
     @torch.no_grad()
     def step_dropped(self) -> None:
@@ -317,7 +330,7 @@ class PeriodicSync:
         if self.outer is not None:
             self.outer.load_state_dict(before["outer"])
         self.feedback = before["feedback"]
-        self.sent_at, self.due = before["sent_at"], before["due"]
+        self.sent_at, self.due, self.pending = before["sent_at"], before["due"], before["pending"]
         self.syncs, self.sent_bytes = before["syncs"], before["sent_bytes"]
 
     def _kept(self) -> dict[str, Any]:
@@ -331,6 +344,7 @@ class PeriodicSync:
             "feedback": {f: t.clone() for f, t in self.feedback.items()},
             "sent_at": list(self.sent_at),
             "due": list(self.due),
+            "pending": list(self.pending),
             "syncs": self.syncs,
             "sent_bytes": self.sent_bytes,
         }
@@ -370,9 +384,14 @@ class PeriodicSync:
         """The exchanges due, in a quorum that no step follows (the end of a loader's pass), so what
         is evaluated or saved after it holds them; made again in the next quorum until one commits."""
         assert self.meet is not None
+        if self.delay == 0:  # (sent with a delay it runs behind the next step, as over a process group)
+            self._exchange_in_own_quorum()
+
+    def _exchange_in_own_quorum(self) -> None:
+        assert self.meet is not None
         while self.due:
             self.meet.begin()
-            self.exchange_due()
+            self.exchange_due(0)
             if self.meet.commit():
                 self._before = None
                 return
@@ -382,7 +401,7 @@ class PeriodicSync:
         """A fault-tolerant replica's final exchange: every fragment trained since it was last sent, in
         a quorum (made again in the next one until every replica in it commits)."""
         self.due = [f for f in range(len(self.fragments)) if self.sent_at[f] != self.total]
-        self.exchange_between_steps()
+        self._exchange_in_own_quorum()
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -417,7 +436,7 @@ class PeriodicSync:
             self.sent_bytes += packet.numel()
             flat = packet
             if world > 1 and self.meet is not None:
-                flat = self.meet.gather(packet)
+                flat, work = self.meet.gather(packet, wait=delay == 0)
             elif world > 1:  # into views of one buffer: the pending exchange's one tensor (checkpoints keep it)
                 flat = torch.empty(world * packet.numel(), dtype=torch.uint8, device=packet.device)
                 work = dist.all_gather(list(flat.chunk(world)), packet, async_op=delay > 0)
@@ -431,7 +450,7 @@ class PeriodicSync:
                 )
             self.sent_bytes += flat.numel() * flat.element_size()
             if world > 1 and self.meet is not None:
-                self.meet.sum_(flat)
+                work = self.meet.sum_(flat, wait=delay == 0)
             elif world > 1:
                 work = dist.all_reduce(flat, async_op=delay > 0)
         exchange = {
@@ -846,10 +865,14 @@ class QuorumMeet:
         if self.replica.failed():
             raise QuorumLost
 
-    def sum_(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place over the quorum."""
+    def sum_(self, tensor: torch.Tensor, *, wait: bool = True) -> Any:
+        """Sum ``tensor`` in place over the quorum; ``wait=False``: started, the work returned (waited
+        for before the step's commit, :meth:`PeriodicSync.wait_in_flight`)."""
+        if not wait:
+            return self.replica.all_reduce_sum_started(tensor)
         self.replica.all_reduce_sum(tensor)
         self._check()
+        return None
 
     def max_(self, tensor: torch.Tensor) -> None:
         """The quorum's largest of ``tensor``, in place."""
@@ -857,11 +880,16 @@ class QuorumMeet:
         self._check()
         tensor.copy_(rows.amax(0))
 
-    def gather(self, packet: torch.Tensor) -> torch.Tensor:
-        """Every replica's ``packet`` (bytes), one after another in quorum order."""
+    def gather(self, packet: torch.Tensor, *, wait: bool = True) -> tuple[torch.Tensor, Any]:
+        """Every replica's ``packet`` (bytes), one after another in quorum order, and the work to wait
+        on (None: waited for already)."""
+        if not wait:  # one summed table, a row a replica (as ``all_gather_rows``), filled in the background
+            table = torch.zeros((self.size(), packet.numel()), dtype=packet.dtype, device=packet.device)
+            table[self.replica.rank] = packet
+            return table.view(-1), self.replica.all_reduce_sum_started(table)
         rows = self.replica.all_gather_rows(packet)
         self._check()
-        return rows.reshape(-1)
+        return rows.reshape(-1), None
 
     def begin(self) -> None:
         """Join a quorum, unless this replica is in one already."""

@@ -73,10 +73,10 @@ class FaultTolerant(Mode):
                 f"--fault-tolerant: rt.setup(sync={options.sync!r}) needs sync_every=H (the period is chosen "
                 "from a link that a quorum of replicas does not time yet)"
             )
-        if apart and options.sync_delay:
+        if apart and options.sync_delay > 1:
             raise UsageError(
-                f"--fault-tolerant: rt.setup(sync={options.sync!r}) takes sync_delay=0 only (an exchange is "
-                "made inside one step's quorum and cannot run on into the next); leave sync_delay out"
+                f"--fault-tolerant: rt.setup(sync={options.sync!r}) takes sync_delay=0 or 1 (an exchange runs "
+                "inside one step's quorum, behind that step at most, and cannot run on into the next)"
             )
         if options.grad_compression in ("powersgd", "auto"):
             raise UsageError(
