@@ -322,7 +322,7 @@ def test_a_replica_heals_to_its_peers_period_but_a_file_written_by_one_replica_r
     assert resumed.feedback == {} and all(torch.equal(a, b) for a, b in zip(resumed.synced, peer.synced))
 
 
-def test_a_replica_takes_an_infrequent_sync_with_its_period_and_no_delay():
+def test_a_replica_takes_an_infrequent_sync_with_its_period_and_a_delay_of_a_step_at_most():
     from ddpkit.parallel import modes
     from ddpkit.parallel.options import SetupOptions
     from ddpkit.parallel.periodic import PeriodicSync
