@@ -317,9 +317,7 @@ class Replica:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over this step's replicas (a failure shows at commit)."""
-        from torch.distributed import ReduceOp
-
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        self.all_reduce_sum_started(tensor).wait()
 
     def all_reduce_sum_started(self, tensor: torch.Tensor) -> Any:
         """Start summing ``tensor`` in place over this step's replicas; the work to wait on (before
@@ -330,10 +328,16 @@ class Replica:
 
     def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every replica's ``row`` of this step, stacked in quorum order (one summed allreduce)."""
+        table, work = self.all_gather_rows_started(row)
+        work.wait()
+        return table
+
+    def all_gather_rows_started(self, row: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start gathering every replica's ``row``: the table it fills in quorum order (a row each, the
+        others' zeros summed in), and the work to wait on."""
         table = torch.zeros((self.participants, *row.shape), dtype=row.dtype, device=row.device)
         table[self.rank] = row
-        self.all_reduce_sum(table)
-        return table
+        return table, self.all_reduce_sum_started(table)
 
     def failed(self) -> bool:
         """Whether a collective of this step failed (torchft then leaves its tensors undefined)."""

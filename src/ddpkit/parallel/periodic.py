@@ -883,10 +883,9 @@ class QuorumMeet:
     def gather(self, packet: torch.Tensor, *, wait: bool = True) -> tuple[torch.Tensor, Any]:
         """Every replica's ``packet`` (bytes), one after another in quorum order, and the work to wait
         on (None: waited for already)."""
-        if not wait:  # one summed table, a row a replica (as ``all_gather_rows``), filled in the background
-            table = torch.zeros((self.size(), packet.numel()), dtype=packet.dtype, device=packet.device)
-            table[self.replica.rank] = packet
-            return table.view(-1), self.replica.all_reduce_sum_started(table)
+        if not wait:  # the table fills in the background
+            table, work = self.replica.all_gather_rows_started(packet)
+            return table.view(-1), work
         rows = self.replica.all_gather_rows(packet)
         self._check()
         return rows.reshape(-1), None
