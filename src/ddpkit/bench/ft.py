@@ -201,6 +201,7 @@ def run(settings: Any) -> dict[str, Any]:
     """The three runs and their measurements: what ``ft.json`` holds."""
     out = Path(settings.out)
     hosts = settings.hosts[0] if settings.hosts else 1
+    apart = settings.sync[0] != "every-step"  # DiLoCo or local SGD
     if settings.hosts:
         netsim.check_available()
         netsim.remove_leftovers()  # of a bench killed before it could clean up (SIGKILL)
@@ -232,8 +233,8 @@ def run(settings: Any) -> dict[str, Any]:
         "checkpoint_every": settings.checkpoint_every,
         "min_step_s": settings.min_step_s,
         "sync": settings.sync[0],
-        "sync_every": settings.sync_every if settings.sync[0] != "every-step" else None,
-        "sync_dtype": (settings.sync_dtype or "bf16") if settings.sync[0] != "every-step" else None,
+        "sync_every": settings.sync_every if apart else None,
+        "sync_dtype": (settings.sync_dtype or "bf16") if apart else None,
         "runs": rows,
     }
     return report

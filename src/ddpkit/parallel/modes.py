@@ -62,7 +62,11 @@ class Mode:
 
     def takes(self, mode: Mode) -> None:
         """A model's ``mode`` was set up under this one: a mode that meets the processes hands it what it
-        meets through (a fault-tolerant replica's quorum, to an infrequent sync's exchanges)."""
+        meets through (a fault-tolerant replica's quorum, to an infrequent sync's exchanges: :meth:`meet_over`)."""
+
+    def meet_over(self, replica: Any) -> None:
+        """Make this mode's own exchanges over a fault-tolerant replica's quorum (a
+        :class:`~ddpkit.distributed.ft.Replica`); a mode that has none ignores it."""
 
     def take_micro_shards(self) -> None:
         """The run's model trains with ``micro_shards``, whose fixed tree sums the gradients: a mode

@@ -98,9 +98,7 @@ class FaultTolerant(Mode):
 
     def takes(self, mode: Mode) -> None:
         """An infrequent sync (DiLoCo, local SGD) exchanges over this replica's quorum."""
-        meet_over = getattr(mode, "meet_over", None)
-        if meet_over is not None:
-            meet_over(self.manager)
+        mode.meet_over(self.manager)
 
     def left_to_wrap(self, options: Any) -> Any:
         """The replica casts the gradients it averages itself (:meth:`_average`): no DDP hook to register."""
