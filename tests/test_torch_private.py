@@ -400,3 +400,24 @@ def test_version_of_is_loud_when_the_counter_is_gone():
 
     with pytest.raises(_torch.PrivateApiChanged, match="torch.Tensor._version"):
         _torch.version_of(NoCounter())  # type: ignore[arg-type]
+
+
+def test_module_buffers_is_the_dict_the_forward_reads():
+    norm = torch.nn.BatchNorm1d(3)
+    buffers = _torch.module_buffers(norm)
+    assert set(buffers) == {"running_mean", "running_var", "num_batches_tracked"}
+    swapped = torch.full((3,), 5.0)
+    buffers["running_mean"] = swapped
+    assert norm.running_mean is swapped
+    norm.eval()
+    out = norm(torch.zeros(2, 3))
+    assert torch.allclose(out, torch.full((2, 3), -5.0 / (1.0 + norm.eps) ** 0.5))
+
+
+def test_scale_add_is_mul_then_add_for_each_pair_to_the_bit():
+    g = torch.Generator().manual_seed(0)
+    targets = [torch.randn(n, generator=g) for n in (3, 64, 1)]
+    sources = [torch.randn(n, generator=g) * 1e-3 for n in (3, 64, 1)]
+    want = [t.clone().mul_(0.9).add_(s, alpha=0.1) for t, s in zip(targets, sources)]
+    _torch.scale_add_(targets, sources, 0.9, 0.1)
+    assert all(torch.equal(t, w) for t, w in zip(targets, want))

@@ -404,3 +404,24 @@ def version_of(tensor: torch.Tensor) -> int:
     if not isinstance(version, int):
         raise PrivateApiChanged("torch.Tensor._version")
     return version
+
+
+def module_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffers by name, the dict itself (``Module._buffers``): a buffer put there is the
+    one the module's forward reads, without ``Module.__setattr__``'s checks (micro-shards swap BatchNorm's
+    statistics around each shard's forward, 20 layers a shard: a millisecond a step through ``__setattr__``)."""
+    buffers = module.__dict__.get("_buffers")
+    if not isinstance(buffers, dict):
+        raise PrivateApiChanged("torch.nn.Module._buffers")
+    return buffers
+
+
+def scale_add_(targets: list[torch.Tensor], sources: list[torch.Tensor], keep: float, alpha: float) -> None:
+    """``t.mul_(keep).add_(s, alpha=alpha)`` for each pair, in two calls for the lists (``torch._foreach_mul_``
+    and ``torch._foreach_add_``) rather than two a pair: BatchNorm's running statistics, 20 layers a shard."""
+    mul, add = getattr(torch, "_foreach_mul_", None), getattr(torch, "_foreach_add_", None)
+    if mul is None or add is None:
+        raise PrivateApiChanged("torch._foreach_mul_ / torch._foreach_add_")
+    if targets:
+        mul(targets, keep)
+        add(targets, sources, alpha=alpha)

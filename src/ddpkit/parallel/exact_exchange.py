@@ -16,6 +16,12 @@ Each rank sends and receives ``N (W - 1) / W`` elements in each phase: ``2 N (W 
 what a ring allreduce moves, over ``2 log2 W`` rounds of ``torch.distributed``'s own ``isend`` and
 ``irecv`` (a process group of the exchange's own, so it runs beside the step's other collectives).
 
+**Two ranks.** The tree's top is then one addition, ``a + b``, which any allreduce makes alike on
+both ranks. A rank that never reached a parameter sends ``-0.0`` in its place (``x + -0.0`` is ``x``
+to the bit, ``-0.0`` included) and a count of who reached it in the same message, so a bucket is
+one of torch's own allreduces, started from the backward pass's hook in a fixed order as DDP's
+reducer starts its buckets, with no thread of ours and no round of flags first.
+
 **Buckets, in the background.** Parameters are grouped into buckets in reverse order (the order a
 backward pass finishes their gradients, as DDP's buckets). During the last micro-shard's backward
 each bucket whose gradients are all there is handed to a thread that sums the rank's shards and
@@ -112,13 +118,23 @@ class TreeExchange:
         # gloo sends and receives CPU tensors only: CUDA gradients (processes sharing a GPU) go through the host
         self._through_host = device.type == "cuda" and backend == "gloo"
         self.rounds = world_size.bit_length() - 1  # log2 W
-        self.calls_per_step = 2 * self.rounds * len(self.buckets)
-        """Point-to-point rounds of one step's exchange (``ddpkit bench`` reads it)."""
+        self.direct = world_size == 2
+        """Two ranks: each bucket is one allreduce started from the main thread (no thread of ours)."""
+        self.calls_per_step = len(self.buckets) if self.direct else 2 * self.rounds * len(self.buckets)
+        """Collective or point-to-point rounds of one step's exchange (``ddpkit bench`` reads it)."""
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[Any] = queue.Queue()
         self._submitted: set[int] = set()
-        self._thread = threading.Thread(target=self._serve, name="ddpkit-micro-shard-exchange", daemon=True)
-        self._thread.start()
+        self._ready: dict[int, tuple[torch.Tensor, list[int]]] = {}  # direct: bucket -> (flat, offsets), not started
+        self._started: list[
+            tuple[Any, torch.Tensor, torch.Tensor, list[int]]
+        ] = []  # direct: (work, flat, sent, offsets)
+        self._gather: tuple[Any, list[torch.Tensor]] | None = None  # direct: the step's gather (start_gather)
+        self._buffers: dict[Any, torch.Tensor] = {}  # see _buffer
+        self._thread: threading.Thread | None = None
+        if not self.direct:
+            self._thread = threading.Thread(target=self._serve, name="ddpkit-micro-shard-exchange", daemon=True)
+            self._thread.start()
 
     # -- the main thread's side -------------------------------------------------------------------
     def submit(self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool = False) -> None:
@@ -127,7 +143,71 @@ class TreeExchange:
         ``halves``: the shards lie end to end (:func:`~ddpkit.parallel.exact_tree.tree_sum_halves`, ranks
         holding contiguous runs), not interleaved."""
         self._submitted.add(bucket)
-        self._inbox.put((bucket, (grads, halves)))
+        if not self.direct:
+            self._inbox.put((bucket, (grads, halves)))
+            return
+        self._ready[bucket] = self._flat(bucket, grads, halves)
+        # buckets start in one order on both ranks, whatever order the backward pass finished them in
+        while len(self._started) in self._ready:
+            flat, offsets = self._ready.pop(len(self._started))
+            sent = flat.cpu() if self._through_host else flat
+            self._started.append((self._all_reduce(sent), flat, sent, offsets))
+
+    def start_gather(self, tensor: torch.Tensor) -> None:
+        """Two ranks: start gathering ``tensor`` (the same size on both) from every rank, before this step's
+        first bucket; :meth:`gathered` returns it. Three or more ranks gather elsewhere (their exchange's
+        group is the thread's)."""
+        import torch.distributed as dist
+
+        assert self.direct and self._gather is None and not self._started  # the step's first call on the group
+        sent = tensor.cpu() if self._through_host else tensor
+        into = [torch.empty_like(sent) for _ in range(self.world_size)]
+        self._gather = (dist.all_gather(into, sent, group=self.group, async_op=True), into)
+
+    @property
+    def gathering(self) -> bool:
+        """Whether this step's :meth:`start_gather` ran."""
+        return self._gather is not None
+
+    def gathered(self) -> list[torch.Tensor]:
+        """What :meth:`start_gather` gathered, in rank order."""
+        assert self._gather is not None
+        work, into = self._gather
+        self._gather = None
+        work.wait()
+        return into
+
+    def _buffer(self, key: Any, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat tensor of ``numel`` elements of ``like``'s dtype and device, the same one every step.
+
+        A fresh one of tens of megabytes a step costs more than the copy into it (the kernel hands out
+        and zeroes every page anew: 17 ms against 2 ms for ResNet-18's 44 MB on this project's CPU),
+        which is why DDP's buckets persist too. The gradients handed back are views of it, dropped by
+        the step's ``zero_grad`` before the next step writes it."""
+        held = self._buffers.get(key)
+        if held is None or held.numel() != numel or held.dtype != like.dtype or held.device != like.device:
+            held = self._buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return held
+
+    def _all_reduce(self, tensor: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def _flat(
+        self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Two ranks: one bucket's local sums in one flat tensor, ``-0.0`` where this rank has none, then
+        one count a parameter (1: this rank reached it), all summed by one allreduce."""
+        params = [self.params[i] for i in self.buckets[bucket]]
+        local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        counts = torch.tensor([g is not None for g in local], dtype=params[0].dtype, device=params[0].device)
+        # -0.0 (not 0.0) in an absent gradient's place: x + -0.0 is x for every x, -0.0 included
+        parts = [(torch.zeros_like(p).neg_() if g is None else g).reshape(-1) for p, g in zip(params, local)]
+        return torch.cat([*parts, counts], out=self._buffer(bucket, offsets[-1] + len(params), params[0])), offsets
 
     def submitted(self, bucket: int) -> bool:
         """Whether ``bucket`` was handed over this step."""
@@ -142,14 +222,29 @@ class TreeExchange:
         if len(self._submitted) != len(self.buckets):
             raise AssertionError("TreeExchange.wait before every bucket was submitted")  # a bug of ddpkit
         self._submitted = set()
+        if self.direct:
+            return self._wait_direct()
         outcome = self._done.get()
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
+    def _wait_direct(self) -> list[torch.Tensor | None]:
+        started, self._started = self._started, []
+        total: list[torch.Tensor | None] = [None] * len(self.params)
+        for (work, flat, sent, offsets), members in zip(started, self.buckets):
+            work.wait()
+            if sent is not flat:
+                flat.copy_(sent)
+            reached = (flat[offsets[-1] :] > 0).tolist()  # some rank reached the parameter
+            for k, i in enumerate(members):
+                if reached[k]:
+                    total[i] = flat[offsets[k] : offsets[k + 1]].view_as(self.params[i])
+        return total
+
     def close(self) -> None:
         """Stop the thread (between steps)."""
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join(timeout=2)
 
@@ -166,7 +261,7 @@ class TreeExchange:
                             return
                         early[item[0]] = item[1]
                     grads, halves = early.pop(b)
-                    for i, grad in zip(members, self._bucket(members, grads, halves)):
+                    for i, grad in zip(members, self._bucket(b, grads, halves)):
                         total[i] = grad
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
                 early.clear()
@@ -174,19 +269,18 @@ class TreeExchange:
                 continue
             self._done.put(total)
 
-    def _bucket(
-        self, members: list[int], grads: list[list[torch.Tensor | None]], halves: bool
-    ) -> list[torch.Tensor | None]:
+    def _bucket(self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool) -> list[torch.Tensor | None]:
         """One bucket: the local tree over shards, then halving and doubling across the ranks."""
-        params = [self.params[i] for i in members]
+        params = [self.params[i] for i in self.buckets[bucket]]
         local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
         offsets = [0]
         for p in params:
             offsets.append(offsets[-1] + p.numel())
         present = torch.tensor([g is not None for g in local], dtype=torch.bool)
         # one copy into the bucket's flat buffer (an absent gradient's place holds zeros nobody adds)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, local)])
-        present = self._halve_then_double(flat, present, offsets, halves)
+        parts = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, local)]
+        flat = torch.cat(parts, out=self._buffer(bucket, offsets[-1], params[0]))
+        present = self._halve_then_double(bucket, flat, present, offsets, halves)
         return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
 
     def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int) -> None:
@@ -213,27 +307,20 @@ class TreeExchange:
                 recv.copy_(into)
 
     def _halve_then_double(
-        self, flat: torch.Tensor, present: torch.Tensor, offsets: list[int], halves: bool = False
+        self, bucket: int, flat: torch.Tensor, present: torch.Tensor, offsets: list[int], halves: bool = False
     ) -> torch.Tensor:
         """Sum ``flat`` over the ranks along the tree, in place; returns the parameters any rank had.
 
         Interleaved shards pair ranks ``W/2`` apart first and neighbours last; shards laid end to end
         (``halves``) pair neighbours first and ranks ``W/2`` apart last: the tree's innermost additions first."""
-        if self.world_size == 2 and self._both_have_all(present, flat.device):
-            # two ranks, every gradient on both: the tree's top is one addition, a + b, which any
-            # allreduce makes on both ranks alike (b + a is a + b to the bit): torch's own, in place
-            import torch.distributed as dist
-
-            dist.all_reduce(flat, group=self.group)
-            return present
         lo, hi = 0, flat.numel()
-        rounds = []
+        rounds: list[tuple[int, tuple[int, int], tuple[int, int]]] = []
         distances = [self.world_size >> k for k in range(1, self.rounds + 1)]
         for distance in reversed(distances) if halves else distances:
             partner = self.rank ^ distance
             mid = lo + (hi - lo) // 2
             keep, give = ((lo, mid), (mid, hi)) if not self.rank & distance else ((mid, hi), (lo, mid))
-            theirs = torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
+            theirs = self._buffer((bucket, len(rounds)), keep[1] - keep[0], flat)
             theirs_present = torch.empty(len(present), dtype=torch.uint8)
             mine_present = present.to(torch.uint8)
             if flat.device.type == "cuda" and not self._through_host:  # nccl sends device tensors only
@@ -247,15 +334,6 @@ class TreeExchange:
         for partner, keep, give in reversed(rounds):  # doubling: received straight into place
             self._swap([(flat[keep[0] : keep[1]], flat[give[0] : give[1]])], partner)
         return present
-
-    def _both_have_all(self, present: torch.Tensor, device: torch.device) -> bool:
-        """Two ranks: whether both hold every gradient of the bucket (one byte each way)."""
-        mine = torch.tensor([int(bool(present.all()))], dtype=torch.uint8)
-        theirs = torch.empty(1, dtype=torch.uint8)
-        if device.type == "cuda" and not self._through_host:  # nccl sends device tensors only
-            mine, theirs = mine.to(device), theirs.to(device)
-        self._swap([(mine, theirs)], self.rank ^ 1)
-        return bool(mine.item()) and bool(theirs.item())
 
     @staticmethod
     def _combine(

@@ -284,6 +284,14 @@ class MicroShards(Mode):
         if self.exact.cut:  # not yet reduced (by rt.clip_grad_norm_)
             self.exact.reduce()
 
+    def after_step(self) -> None:
+        """Let the last shard's own gradients go (:meth:`Exact.after_step`)."""
+        self.exact.after_step()
+
+    def step_dropped(self) -> None:
+        """The same, for a step that did not commit."""
+        self.exact.after_step()
+
     def close(self, *, finished: bool) -> None:
         """Give the process its own thread count back."""
         self.exact.restore_threads()  # the process's own thread count, for what follows
