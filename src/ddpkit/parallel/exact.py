@@ -330,11 +330,11 @@ class Exact:
                 self._submit(bucket, self._shard_grads(members, current))
 
     def _submit(self, bucket: int, grads: list[list[Any]]) -> None:
-        """Hand the exchange a bucket; on two ranks the step's first one starts the BatchNorm statistics'
-        gather ahead of it (the forwards are done), on the exchange's group, behind the backward pass."""
+        """Hand the exchange a bucket; the step's first one starts the BatchNorm statistics' gather ahead of
+        it (the forwards are done), behind the backward pass."""
         exchange = self.exchange
         assert exchange is not None
-        if exchange.direct and self.norms and not exchange.gathering:
+        if self.norms and not exchange.gathering:
             exchange.start_gather(self._stats_head(self._step_stats()))
         exchange.submit(bucket, grads, self.halves)
 
@@ -366,10 +366,8 @@ class Exact:
             self._submit_rest()  # a rank whose shards were all empty hands over absent gradients
             self._forget_step()
             start = time.perf_counter()
-            if self.exchange.gathering:  # started with the first bucket (two ranks)
-                gathered_stats = self._unpack_stats(self.exchange.gathered(), len(stats))
-            else:
-                gathered_stats = self._gather_stats(stats)
+            # started with the step's first bucket (nothing to gather without BatchNorm)
+            gathered_stats = self._unpack_stats(self.exchange.gathered(), len(stats)) if self.exchange.gathering else []
             total = self.exchange.wait()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -426,17 +424,6 @@ class Exact:
         if not self.norms:
             return []
         return [[_unpack_table(bits.cpu().view(torch.float64), self.micro_shards, self.norms)]]
-
-    def _gather_stats(self, stats: list[list[Any]]) -> list[Any]:
-        """Every rank's shard statistics, per batch (one all_gather of float64 rows; nothing without BatchNorm)."""
-        import torch.distributed as dist
-
-        if not self.norms:
-            return []
-        head = self._stats_head(stats)
-        heads = [torch.empty_like(head) for _ in range(self.world_size)]
-        dist.all_gather(heads, head)
-        return self._unpack_stats(heads, len(stats))
 
     def _stats_head(self, stats: list[list[Any]]) -> torch.Tensor:
         """This rank's shard statistics of every batch as one float64 row (:func:`_pack_table`)."""

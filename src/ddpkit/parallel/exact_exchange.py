@@ -115,6 +115,9 @@ class TreeExchange:
         # step's other collectives (BatchNorm statistics, metrics) without being ordered with them
         backend = dist.get_backend()
         self.group = dist.new_group(backend=backend)
+        # the step's BatchNorm statistics: ahead of the buckets on two ranks (all from the main thread);
+        # beside the thread's sends on more, in a group of their own (one gather a step, so one order)
+        self._stats_group = self.group if world_size == 2 else dist.new_group(backend=backend)
         # gloo sends and receives CPU tensors only: CUDA gradients (processes sharing a GPU) go through the host
         self._through_host = device.type == "cuda" and backend == "gloo"
         self.rounds = world_size.bit_length() - 1  # log2 W
@@ -154,15 +157,14 @@ class TreeExchange:
             self._started.append((self._all_reduce(sent), flat, sent, offsets))
 
     def start_gather(self, tensor: torch.Tensor) -> None:
-        """Two ranks: start gathering ``tensor`` (the same size on both) from every rank, before this step's
-        first bucket; :meth:`gathered` returns it. Three or more ranks gather elsewhere (their exchange's
-        group is the thread's)."""
+        """Start gathering ``tensor`` (the same size on every rank) from every rank, behind the backward pass,
+        before this step's first bucket; :meth:`gathered` returns it."""
         import torch.distributed as dist
 
-        assert self.direct and self._gather is None and not self._started  # the step's first call on the group
+        assert self._gather is None and not self._started  # on two ranks, the step's first call on the group
         sent = tensor.cpu() if self._through_host else tensor
         into = [torch.empty_like(sent) for _ in range(self.world_size)]
-        self._gather = (dist.all_gather(into, sent, group=self.group, async_op=True), into)
+        self._gather = (dist.all_gather(into, sent, group=self._stats_group, async_op=True), into)
 
     @property
     def gathering(self) -> bool:
