@@ -420,6 +420,18 @@ def test_the_exchange_sums_along_the_one_process_tree_bit_for_bit(world, local_s
     assert any(bool((w == sign_bit).any()) for w in out[0]["one_process"] if w is not None)  # -0.0 is there
 
 
+@pytest.mark.timeout(240)
+def test_two_ranks_sum_into_the_same_buffers_every_step_and_let_autograds_gradients_go_after_the_step():
+    """A step's gradients are views of buckets kept from step to step (a fresh 44 MB a step costs more than
+    the copy into it), and the last shard's own gradients are held until the optimizer stepped, then let go."""
+    out = ddpkit.launch(workers.exact_step_buffers, nprocs=2, args=(3,))
+    for rank in (0, 1):
+        buffers, grads, held = out[rank]["buffers"], out[rank]["grads"], out[rank]["held"]
+        assert buffers == [True, True, True], rank  # the same tensors, step after step
+        assert grads[0] == grads[2], rank  # the same views' places, step after step
+        assert held == [len(grads[0]), 0] * 3, rank
+
+
 TORCH_SAYS_NO_KERNEL = """
 import ddpkit
 from ddpkit.errors import translate_uncaught

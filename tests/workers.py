@@ -615,6 +615,35 @@ def exact_run(
     return out
 
 
+def exact_step_buffers(steps: int = 3) -> dict:
+    """``micro_shards=2`` over the job's ranks: per step, the address of each bucket's buffer once the
+    step is reduced, the gradients' addresses, and whether the last shard's own gradients are still held
+    after ``rt.step``."""
+    from ddpkit.parallel.modes import MicroShards
+
+    rt = ddpkit.init(seed=1)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 3)
+    )
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
+    exact = next(mode.exact for mode in rt._run.modes if isinstance(mode, MicroShards))
+    data = torch.utils.data.TensorDataset(torch.randn(16 * steps, 6), torch.randint(0, 3, (16 * steps,)))
+    buffers, grads, held, kept = [], [], [], []
+    for x, y in rt.loader(data, global_batch_size=16):
+        for xs, ys in rt.shards(x, y):
+            rt.backward(torch.nn.functional.cross_entropy(model(xs), ys))
+        exact.reduce()  # what rt.step does first
+        kept.append(list(exact.exchange._buffers.values()))  # held here: a new tensor cannot reuse an id
+        buffers.append(len(kept[-1]) > 0 and all(a is b for a, b in zip(kept[0], kept[-1])))
+        grads.append([p.grad.data_ptr() for p in model.parameters()])
+        held.append(len(exact._held))
+        rt.step(optimizer)
+        held.append(len(exact._held))
+    rt.close()
+    return {"buffers": buffers, "grads": grads, "held": held}
+
+
 def tree_exchange_bits(local_shards: int) -> dict:
     """Each rank's shard gradients for five parameters (one never reached, one on rank 1 only, some
     ``-0.0``), summed by :class:`~ddpkit.parallel.exact_exchange.TreeExchange` in tiny buckets;
