@@ -165,6 +165,9 @@ def build_loader(
             num_samples=options.num_samples,
         )
         made = ShardedLoader(dataset, sampler, **common)
+        # micro-shards over 4 or more ranks: neighbouring ranks (one node's) hold the shards the tree adds
+        # first, so the exchange's first rounds stay on a node (the same bits either way)
+        made.reversed_slots = lambda: any(getattr(mode, "name", None) == "micro-shards" for mode in run.modes)
     run.loop.register(made, options.name)
     return made
 

@@ -157,6 +157,9 @@ class ShardedLoader(LoaderPosition):
     cuts_global_batches = True
     """Its batches are this rank's share of fixed global batches: micro-shards can cut them."""
 
+    reversed_slots: Callable[[], bool] | None = None
+    """Asked at each pass's start: whether the rank reads its reversed-bits slot (:attr:`GlobalBatchSampler.slot`)."""
+
     def __init__(
         self,
         dataset: Any,
@@ -199,6 +202,8 @@ class ShardedLoader(LoaderPosition):
         self.position, self.finished = start, False
         self._keyed.start_epoch = self.epoch
         # One permutation per pass: the DataLoader's batch sampler reads this plan too.
+        if self.reversed_slots is not None:  # decided a pass at a time (rt.setup may come after rt.loader)
+            self.sampler.reversed_slots = self.reversed_slots()
         self._plan = [
             (self.sampler.local_part(batch), len(batch)) for batch in self.sampler.global_batches(self.epoch, start)
         ]

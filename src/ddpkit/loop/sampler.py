@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UsageError
+from ddpkit.parallel.exact_tree import reversed_bits
 
 
 class GlobalBatchSampler:
@@ -53,6 +54,9 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.rank = rank
         self.world_size = world_size
+        self.reversed_slots = False
+        """The rank reads the strided part of its rank's bits reversed (micro-shards over 4 or more ranks:
+        neighbouring ranks, one node's, then hold the shards the fixed tree adds first; see :attr:`slot`)."""
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -98,9 +102,15 @@ class GlobalBatchSampler:
             return 0
         return min(self.global_batch_size, self.length - index * self.global_batch_size)
 
+    @property
+    def slot(self) -> int:
+        """Which strided part of each global batch this rank reads: its rank, or its rank's
+        ``log2(world_size)`` bits reversed (:attr:`reversed_slots`; 2 and 1 of 4 ranks trade)."""
+        return reversed_bits(self.rank, self.world_size) if self.reversed_slots else self.rank
+
     def local_part(self, global_batch: list[int]) -> list[int]:
         """This rank's strided part of one global batch (possibly empty in a short last batch)."""
-        return global_batch[self.rank :: self.world_size]
+        return global_batch[self.slot :: self.world_size]
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """This rank's part of each global batch."""

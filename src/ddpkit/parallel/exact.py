@@ -76,6 +76,7 @@ from ddpkit.parallel.exact_tree import (
     _unpack_table,
     broadcast_from_rank0,
     check,
+    reversed_bits,
     threads_for,
     tree_sum,
     tree_sum_halves,
@@ -120,6 +121,7 @@ class Exact:
         self.group: tuple[int, bool] | None = None  # rt.accumulate: (samples of the group, its last batch)
         self.batches = 0  # batches cut since the last step (several in an accumulation group)
         self.halves = False  # the step's shards lie end to end (a ddpkit.Shards stream), not interleaved
+        self.reversed_slots = False  # interleaved, rank r read the strided part reversed_bits(r) (see shards)
         self.group_stats: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []  # earlier batches'
         self._saved: dict[int, tuple[Any, ...]] = {}
         self.exchange_seconds = 0.0  # the step waited for the ranks' exchange (ddpkit bench reads it)
@@ -169,9 +171,10 @@ class Exact:
                 f"one sample; raise global_batch_size to at least {self.micro_shards}, or lower micro_shards"
             )
         total, halves = active.global_count, bool(getattr(active, "contiguous_split", False))
-        if self.cut and halves != self.halves:
+        reversed_slots = bool(getattr(active.sampler, "reversed_slots", False))
+        if self.cut and (halves, reversed_slots) != (self.halves, self.reversed_slots):
             raise UsageError("rt.accumulate with micro_shards: one group's batches come from one loader")
-        self.halves = halves
+        self.halves, self.reversed_slots = halves, reversed_slots
         rows = None
         if halves:  # a Shards stream: rank r reads contiguous columns, so shards lie end to end
             if full % self.micro_shards:
@@ -202,13 +205,19 @@ class Exact:
             return True
         return (s % self._subtrees()) % max(1, self.quorum.participants) == self.quorum.rank
 
+    def _slot(self, rank: int) -> int:
+        """Which strided part of the global batch ``rank``'s loader read (:attr:`GlobalBatchSampler.slot`)."""
+        return reversed_bits(rank, self.world_size) if self.reversed_slots else rank
+
     def _global(self, j: int) -> int:
         """The global shard of this rank's local shard ``j``."""
-        return self.rank * self.local_shards + j if self.halves else self.rank + j * self.world_size
+        return self.rank * self.local_shards + j if self.halves else self._slot(self.rank) + j * self.world_size
 
     def _owner(self, s: int) -> tuple[int, int]:
-        """(rank, local shard) of global shard ``s``: the inverse of :meth:`_global`."""
-        return divmod(s, self.local_shards) if self.halves else (s % self.world_size, s // self.world_size)
+        """(rank, local shard) of global shard ``s``: the inverse of :meth:`_global` (reversing bits is its own inverse)."""
+        if self.halves:
+            return divmod(s, self.local_shards)
+        return self._slot(s % self.world_size), s // self.world_size
 
     def _each(
         self,
@@ -336,7 +345,8 @@ class Exact:
         assert exchange is not None
         if self.norms and not exchange.gathering:
             exchange.start_gather(self._stats_head(self._step_stats()))
-        exchange.submit(bucket, grads, self.halves)
+        # the ranks whose shards the tree adds first are neighbours in both layouts but the plain interleaved one
+        exchange.submit(bucket, grads, self.halves, neighbours_first=self.halves or self.reversed_slots)
 
     def _step_stats(self) -> list[list[Any]]:
         """Each batch's shard statistics (local shard order), in the order the batches came."""

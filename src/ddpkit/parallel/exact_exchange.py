@@ -140,14 +140,24 @@ class TreeExchange:
             self._thread.start()
 
     # -- the main thread's side -------------------------------------------------------------------
-    def submit(self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool = False) -> None:
+    def submit(
+        self,
+        bucket: int,
+        grads: list[list[torch.Tensor | None]],
+        halves: bool = False,
+        *,
+        neighbours_first: bool | None = None,
+    ) -> None:
         """Hand over one bucket: for each of its parameters, this rank's shard gradients in local shard order.
 
         ``halves``: the shards lie end to end (:func:`~ddpkit.parallel.exact_tree.tree_sum_halves`, ranks
-        holding contiguous runs), not interleaved."""
+        holding contiguous runs), not interleaved. ``neighbours_first``: the tree adds neighbouring ranks'
+        sums first and those ``W/2`` apart last (None: as ``halves`` says; interleaved shards read by
+        reversed-bits slots do too, :attr:`~ddpkit.loop.sampler.GlobalBatchSampler.slot`)."""
         self._submitted.add(bucket)
         if not self.direct:
-            self._inbox.put((bucket, (grads, halves)))
+            first = halves if neighbours_first is None else neighbours_first
+            self._inbox.put((bucket, (grads, halves, first)))
             return
         self._ready[bucket] = self._flat(bucket, grads, halves)
         # buckets start in one order on both ranks, whatever order the backward pass finished them in
@@ -262,8 +272,8 @@ class TreeExchange:
                         if item is None:
                             return
                         early[item[0]] = item[1]
-                    grads, halves = early.pop(b)
-                    for i, grad in zip(members, self._bucket(b, grads, halves)):
+                    grads, halves, first = early.pop(b)
+                    for i, grad in zip(members, self._bucket(b, grads, halves, first)):
                         total[i] = grad
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
                 early.clear()
@@ -271,7 +281,9 @@ class TreeExchange:
                 continue
             self._done.put(total)
 
-    def _bucket(self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool) -> list[torch.Tensor | None]:
+    def _bucket(
+        self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool, neighbours_first: bool
+    ) -> list[torch.Tensor | None]:
         """One bucket: the local tree over shards, then halving and doubling across the ranks."""
         params = [self.params[i] for i in self.buckets[bucket]]
         local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
@@ -282,7 +294,7 @@ class TreeExchange:
         # one copy into the bucket's flat buffer (an absent gradient's place holds zeros nobody adds)
         parts = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, local)]
         flat = torch.cat(parts, out=self._buffer(bucket, offsets[-1], params[0]))
-        present = self._halve_then_double(bucket, flat, present, offsets, halves)
+        present = self._halve_then_double(bucket, flat, present, offsets, neighbours_first)
         return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
 
     def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int) -> None:
@@ -309,16 +321,22 @@ class TreeExchange:
                 recv.copy_(into)
 
     def _halve_then_double(
-        self, bucket: int, flat: torch.Tensor, present: torch.Tensor, offsets: list[int], halves: bool = False
+        self,
+        bucket: int,
+        flat: torch.Tensor,
+        present: torch.Tensor,
+        offsets: list[int],
+        neighbours_first: bool = False,
     ) -> torch.Tensor:
         """Sum ``flat`` over the ranks along the tree, in place; returns the parameters any rank had.
 
-        Interleaved shards pair ranks ``W/2`` apart first and neighbours last; shards laid end to end
-        (``halves``) pair neighbours first and ranks ``W/2`` apart last: the tree's innermost additions first."""
+        Interleaved shards, rank ``r`` reading slot ``r``, pair ranks ``W/2`` apart first and neighbours
+        last; shards laid end to end, and interleaved ones read by reversed-bits slots, pair neighbours
+        first and ranks ``W/2`` apart last (``neighbours_first``): the tree's innermost additions first."""
         lo, hi = 0, flat.numel()
         rounds: list[tuple[int, tuple[int, int], tuple[int, int]]] = []
         distances = [self.world_size >> k for k in range(1, self.rounds + 1)]
-        for distance in reversed(distances) if halves else distances:
+        for distance in reversed(distances) if neighbours_first else distances:
             partner = self.rank ^ distance
             mid = lo + (hi - lo) // 2
             keep, give = ((lo, mid), (mid, hi)) if not self.rank & distance else ((mid, hi), (lo, mid))

@@ -94,6 +94,18 @@ def check(
             raise UsageError(f"micro_shards does not combine with {name} ({why}); {instead}")
 
 
+def reversed_bits(rank: int, world_size: int) -> int:
+    """``rank``'s ``log2(world_size)`` low bits in reverse order (``world_size`` a power of two; else ``rank``).
+
+    >>> [reversed_bits(r, 4) for r in range(4)], [reversed_bits(r, 8) for r in range(8)]
+    ([0, 2, 1, 3], [0, 4, 2, 6, 1, 5, 3, 7])
+    """
+    bits = world_size.bit_length() - 1
+    if world_size < 2 or world_size & (world_size - 1):
+        return rank
+    return int(format(rank, f"0{bits}b")[::-1], 2)
+
+
 def threads_for(micro_shards: int, cores: int | None = None) -> int:
     """Intra-op threads of every shard: ``cores // micro_shards`` (at least one), whatever the world size."""
     return max(1, (usable_cores() if cores is None else cores) // micro_shards)
