@@ -41,6 +41,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -51,6 +52,8 @@ __all__ = ["TreeExchange", "plan_buckets"]
 
 BUCKET_BYTES = 25 * 2**20
 """A bucket's size once the first is sent: DDP's ``bucket_cap_mb`` default."""
+IN_FLIGHT = 2
+"""Buckets summed at once by three or more ranks over gloo."""
 FIRST_BUCKET_BYTES = 2**20
 """The first bucket's size (DDP's first bucket is 1 MiB too): the exchange starts early in the backward pass."""
 
@@ -135,9 +138,18 @@ class TreeExchange:
         self._gather: tuple[Any, list[torch.Tensor]] | None = None  # direct: the step's gather (start_gather)
         self._buffers: dict[Any, torch.Tensor] = {}  # see _buffer
         self._thread: threading.Thread | None = None
+        self._jobs: queue.Queue[Any] = queue.Queue()  # buckets to sum, in bucket order, for the workers
+        self._workers: list[threading.Thread] = []
         if not self.direct:
             self._thread = threading.Thread(target=self._serve, name="ddpkit-micro-shard-exchange", daemon=True)
             self._thread.start()
+            # two buckets at a time, as gloo's two worker threads run two of DDP's allreduces, so the link
+            # is not idle while one bucket's rounds add or wait (gloo matches messages by tag, a bucket its
+            # own; nccl ignores tags and wants one order a communicator: one bucket at a time there)
+            for k in range(IN_FLIGHT if backend == "gloo" else 1):
+                worker = threading.Thread(target=self._work, name=f"ddpkit-micro-shard-bucket-{k}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
 
     # -- the main thread's side -------------------------------------------------------------------
     def submit(
@@ -259,27 +271,48 @@ class TreeExchange:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join(timeout=2)
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join(timeout=2)
+        self._workers = []
 
     # -- the thread's side ------------------------------------------------------------------------
     def _serve(self) -> None:
         early: dict[int, Any] = {}
         while True:
             total: list[torch.Tensor | None] = [None] * len(self.params)
+            sums: list[Future[list[torch.Tensor | None]]] = []
             try:
-                for b, members in enumerate(self.buckets):
+                # buckets start in one order on every rank, two at a time: the lowest bucket that some rank
+                # has not finished can always run everywhere, so no bucket waits on a peer that waits on it
+                for b in range(len(self.buckets)):
                     while b not in early:
                         item = self._inbox.get()
                         if item is None:
                             return
                         early[item[0]] = item[1]
-                    grads, halves, first = early.pop(b)
-                    for i, grad in zip(members, self._bucket(b, grads, halves, first)):
+                    sums.append(Future())
+                    self._jobs.put((sums[-1], b, *early.pop(b)))
+                for members, bucket_sum in zip(self.buckets, sums):
+                    for i, grad in zip(members, bucket_sum.result()):
                         total[i] = grad
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
                 early.clear()
                 self._done.put(exc)
                 continue
             self._done.put(total)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            bucket_sum, bucket, grads, halves, first = job
+            try:
+                bucket_sum.set_result(self._bucket(bucket, grads, halves, first))
+            except BaseException as exc:  # noqa: BLE001 - the serving thread hands it to the main thread
+                bucket_sum.set_exception(exc)
 
     def _bucket(
         self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool, neighbours_first: bool
@@ -297,13 +330,15 @@ class TreeExchange:
         present = self._halve_then_double(bucket, flat, present, offsets, neighbours_first)
         return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
 
-    def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int) -> None:
+    def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int, bucket: int = 0) -> None:
         """For each ``(send, recv)``: send ``send`` to ``partner`` while receiving its message into ``recv``
-        (in order, one tag each; ``recv`` may be a slice of a larger tensor)."""
+        (in order, one tag each, the bucket's own: two buckets run at once; ``recv`` may be a slice of a
+        larger tensor)."""
         import torch.distributed as dist
 
         requests, landed = [], []
-        for tag, (send, recv) in enumerate(pairs):
+        for index, (send, recv) in enumerate(pairs):
+            tag = 2 * bucket + index  # a bucket's rounds run one after another, so they share its tags
             # an empty half is empty on both sides (the partner's recv is this send's size): nothing travels
             if send.numel():
                 requests.append(
@@ -345,14 +380,14 @@ class TreeExchange:
             mine_present = present.to(torch.uint8)
             if flat.device.type == "cuda" and not self._through_host:  # nccl sends device tensors only
                 mine_present, theirs_present = mine_present.to(flat.device), theirs_present.to(flat.device)
-            self._swap([(mine_present, theirs_present), (flat[give[0] : give[1]], theirs)], partner)
+            self._swap([(mine_present, theirs_present), (flat[give[0] : give[1]], theirs)], partner, bucket)
             they_had = theirs_present.cpu() > 0
             self._combine(flat, keep, theirs, present, they_had, offsets)
             present = present | they_had
             rounds.append((partner, keep, give))
             lo, hi = keep
         for partner, keep, give in reversed(rounds):  # doubling: received straight into place
-            self._swap([(flat[keep[0] : keep[1]], flat[give[0] : give[1]])], partner)
+            self._swap([(flat[keep[0] : keep[1]], flat[give[0] : give[1]])], partner, bucket)
         return present
 
     @staticmethod
