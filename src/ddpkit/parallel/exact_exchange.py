@@ -25,8 +25,9 @@ reducer starts its buckets, with no thread of ours and no round of flags first.
 **Buckets, in the background.** Parameters are grouped into buckets in reverse order (the order a
 backward pass finishes their gradients, as DDP's buckets). During the last micro-shard's backward
 each bucket whose gradients are all there is handed to a thread that sums the rank's shards and
-exchanges it, while the backward pass goes on; buckets go through the exchange in one fixed order on
-every rank. A parameter a rank's shards never reached is "absent" (not zero) and travels as a flag:
+exchanges it, while the backward pass goes on; buckets start in one fixed order on every rank, two
+at a time over gloo (each with tags of its own), so a slow link is not idle while one bucket's rounds
+run on a node. A parameter a rank's shards never reached is "absent" (not zero) and travels as a flag:
 the tree skips it as it skips an empty shard, so no ``-0.0 + 0.0`` can change a bit.
 
 Example (one process: the bucket plan only):
