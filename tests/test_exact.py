@@ -421,6 +421,18 @@ def test_the_exchange_sums_along_the_one_process_tree_bit_for_bit(world, local_s
 
 
 @pytest.mark.timeout(240)
+def test_four_ranks_read_reversed_bits_slots_from_the_first_pass_after_setup_with_micro_shards():
+    """Under micro-shards on 4 ranks, neighbouring ranks (one node's) hold the shards the tree adds first:
+    ranks 1 and 2 trade their strided parts, from the first pass begun after rt.setup; without it, none do."""
+    shards = ddpkit.launch(workers.loader_slots, nprocs=4, args=(4,))
+    plain = ddpkit.launch(workers.loader_slots, nprocs=4, args=(None,))
+    for rank, slot in enumerate([0, 2, 1, 3]):
+        assert shards[rank]["before"] == plain[rank]["before"] == (rank, [float(rank), float(rank + 4)])
+        assert shards[rank]["after"] == (slot, [float(slot), float(slot + 4)])
+        assert plain[rank]["after"] == (rank, [float(rank), float(rank + 4)])
+
+
+@pytest.mark.timeout(240)
 def test_two_ranks_sum_into_the_same_buffers_every_step_and_let_autograds_gradients_go_after_the_step():
     """A step's gradients are views of buckets kept from step to step (a fresh 44 MB a step costs more than
     the copy into it), and the last shard's own gradients are held until the optimizer stepped, then let go."""

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,20 @@ def test_two_agents_on_loopback_form_world_of_four():
     assert lines == ["world_size=4 rank_sum=6"]  # printed once, by global rank 0
 
 
+def _train_on_two_nodes(common: list[str], out: Path, env: dict) -> list[tuple[int, str]]:
+    """``ddpkit train`` with ``common`` on two nodes of two processes (two agents on this machine)."""
+    master = f"127.0.0.1:{master_port()}"
+    return _nodes(
+        [
+            [str(BIN / "ddpkit"), "train", *common, "--nproc", "2", "--nnodes", "2", "--node-rank", str(rank)]
+            + ["--master", master, "--out", str(out)]
+            for rank in range(2)
+        ],
+        timeout=180,
+        envs=[env, env],
+    )
+
+
 @pytest.mark.timeout(300)
 def test_local_rank_zero_prepares_each_node_first(tmp_path):
     results = _two_agents([NODE_LOCAL, str(tmp_path)])
@@ -125,29 +140,7 @@ def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
     env = clean_env(OMP_NUM_THREADS="1")
     single = ddpkit_cli("train", *common, "--nproc", "4", "--out", str(tmp_path / "one"), timeout=180, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
-    master = f"127.0.0.1:{master_port()}"
-    results = _nodes(
-        [
-            [
-                str(BIN / "ddpkit"),
-                "train",
-                *common,
-                "--nproc",
-                "2",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--master",
-                master,
-                "--out",
-                str(tmp_path / "two"),
-            ]
-            for rank in range(2)
-        ],
-        timeout=180,
-        envs=[env, env],
-    )
+    results = _train_on_two_nodes(common, tmp_path / "two", env)
     assert all(code == 0 for code, _ in results), results
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
@@ -157,6 +150,27 @@ def test_train_across_two_nodes_matches_four_processes_on_one(tmp_path):
     for name, value in first.items():
         assert torch.equal(second[name], value), name
     assert two["test_accuracy"] == one["test_accuracy"]
+
+
+@pytest.mark.slow  # 50 s
+@pytest.mark.timeout(400)
+def test_micro_shards_across_two_nodes_end_at_one_processs_bits(tmp_path):
+    """micro_shards=4 on 2 nodes of 2: ranks 1 and 2 trade their slots of each global batch, so each node
+    makes the tree's innermost additions, and the run still ends at one process's bits."""
+    common = ["--model", "convnet", "--data", "digits", "--epochs", "1", "--global-batch", "64", "--micro-shards", "4"]
+    one = ddpkit_cli("train", *common, "--nproc", "1", "--out", str(tmp_path / "one"), timeout=180)
+    assert one.returncode == 0, one.stderr[-3000:]
+    results = _train_on_two_nodes(common, tmp_path / "two", clean_env())
+    assert all(code == 0 for code, _ in results), results
+    single = json.loads((tmp_path / "one" / "summary.json").read_text())
+    nodes = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert (single["world_size"], nodes["world_size"]) == (1, 4)
+    first = checkpoint.read(single["final_checkpoint"])["user"]["model"]
+    second = checkpoint.read(nodes["final_checkpoint"])["user"]["model"]
+    assert first.keys() == second.keys()
+    for name, value in first.items():
+        assert torch.equal(second[name], value), name
+    assert nodes["test_accuracy"] == single["test_accuracy"]
 
 
 @pytest.mark.slow  # 35 s

@@ -615,6 +615,22 @@ def exact_run(
     return out
 
 
+def loader_slots(micro_shards: int | None) -> dict:
+    """The strided part of each global batch a rank's ``rt.loader`` reads in a pass begun before
+    ``rt.setup`` and in one begun after it, and the samples of the first batch of each."""
+    rt = ddpkit.init(seed=0)
+    data = torch.utils.data.TensorDataset(torch.arange(32.0).unsqueeze(1), torch.zeros(32, dtype=torch.long))
+    loader = rt.loader(data, global_batch_size=8)
+    before = next(iter(loader))[0].flatten().tolist()
+    slot_before = loader.sampler.slot
+    model = torch.nn.Linear(1, 2)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=micro_shards)
+    after = next(iter(loader))[0].flatten().tolist()
+    out = {"before": (slot_before, before), "after": (loader.sampler.slot, after)}
+    rt.close()
+    return out
+
+
 def exact_step_buffers(steps: int = 3) -> dict:
     """``micro_shards=2`` over the job's ranks: per step, the address of each bucket's buffer once the
     step is reduced, the gradients' addresses, and whether the last shard's own gradients are still held
