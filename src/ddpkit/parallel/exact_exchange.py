@@ -161,12 +161,18 @@ class TreeExchange:
         *,
         neighbours_first: bool | None = None,
     ) -> None:
-        """Hand over one bucket: for each of its parameters, this rank's shard gradients in local shard order.
+        """Hand over one bucket of this rank's shard gradients.
 
-        ``halves``: the shards lie end to end (:func:`~ddpkit.parallel.exact_tree.tree_sum_halves`, ranks
-        holding contiguous runs), not interleaved. ``neighbours_first``: the tree adds neighbouring ranks'
-        sums first and those ``W/2`` apart last (None: as ``halves`` says; interleaved shards read by
-        reversed-bits slots do too, :attr:`~ddpkit.loop.sampler.GlobalBatchSampler.slot`)."""
+        Args:
+            bucket: its index in :attr:`buckets`.
+            grads: for each of its parameters, this rank's shard gradients in local shard order (None: a
+                shard that did not reach it).
+            halves: the shards lie end to end (:func:`~ddpkit.parallel.exact_tree.tree_sum_halves`, ranks
+                holding contiguous runs), not interleaved.
+            neighbours_first: the tree adds neighbouring ranks' sums first and those ``W/2`` apart last
+                (None: as ``halves`` says; interleaved shards read by reversed-bits slots do too,
+                :attr:`~ddpkit.loop.sampler.GlobalBatchSampler.slot`).
+        """
         self._submitted.add(bucket)
         if not self.direct:
             first = halves if neighbours_first is None else neighbours_first
