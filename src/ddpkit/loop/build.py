@@ -167,7 +167,7 @@ def build_loader(
         made = ShardedLoader(dataset, sampler, **common)
         # micro-shards over 4 or more ranks: neighbouring ranks (one node's) hold the shards the tree adds
         # first, so the exchange's first rounds stay on a node (the same bits either way)
-        made.reversed_slots = lambda: any(getattr(mode, "name", None) == "micro-shards" for mode in run.modes)
+        made.reversed_slots = lambda: run.micro_shards
     run.loop.register(made, options.name)
     return made
 

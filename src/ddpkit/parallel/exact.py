@@ -129,6 +129,7 @@ class Exact:
         self.exchange: TreeExchange | None = None
         self._overlap = False  # in the last shard's backward: buckets go to the exchange as they fill
         self._ready: dict[int, int] = {}  # bucket -> its gradients finished in this backward
+        self._held: list[Any] = []  # the last shard's own gradients, until the optimizer stepped (after_backward)
         if world_size > 1:
             self.exchange = TreeExchange(self.params, world_size=world_size, rank=rank, device=device)
             for i, p in enumerate(self.params):
@@ -293,8 +294,6 @@ class Exact:
         self.done.add(current[0])
         for p in self.params:
             p.grad = None
-
-    _held: list[Any] = []
 
     def after_step(self) -> None:
         """The optimizer has stepped: let autograd's gradients of the last shard go."""

@@ -47,7 +47,7 @@ def adopt(
         world_size=world_size,
         model=model,
         models_set_up=len(run.entries),
-        micro_shards_set_up=any(isinstance(e.mode, modes.MicroShards) for e in run.entries),
+        micro_shards_set_up=run.micro_shards,
     )
     if micro_shards is not None:
         mode: modes.Mode = modes.MicroShards(

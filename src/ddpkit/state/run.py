@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ddpkit.parallel.fsdp import is_sharded
-from ddpkit.parallel.modes import Mode, ProcessGroup, Replicated
+from ddpkit.parallel.modes import MicroShards, Mode, ProcessGroup, Replicated
 from ddpkit.state.loop import LoopState
 from ddpkit.state.precision import Precision
 
@@ -88,6 +88,11 @@ class RunState:
     def buffers(self) -> list[Any]:
         """Per model: its lazily averaged BatchNorm statistics, or None."""
         return [entry.buffers for entry in self.entries]
+
+    @property
+    def micro_shards(self) -> bool:
+        """Whether a model of the run trains with ``micro_shards`` (:class:`~ddpkit.parallel.modes.MicroShards`)."""
+        return any(isinstance(entry.mode, MicroShards) for entry in self.entries)
 
     @property
     def modes(self) -> list[Mode]:
