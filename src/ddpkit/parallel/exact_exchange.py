@@ -178,7 +178,8 @@ class TreeExchange:
             first = halves if neighbours_first is None else neighbours_first
             self._inbox.put((bucket, (grads, halves, first)))
             return
-        self._ready[bucket] = self._flat(bucket, grads, halves)
+        flat, offsets, _ = self._flat(bucket, grads, halves, counts=True)
+        self._ready[bucket] = (flat, offsets)
         # buckets start in one order on both ranks, whatever order the backward pass finished them in
         while len(self._started) in self._ready:
             flat, offsets = self._ready.pop(len(self._started))
@@ -226,19 +227,23 @@ class TreeExchange:
         return dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def _flat(
-        self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Two ranks: one bucket's local sums in one flat tensor, ``-0.0`` where this rank has none, then
-        one count a parameter (1: this rank reached it), all summed by one allreduce."""
+        self, bucket: int, grads: list[list[torch.Tensor | None]], halves: bool, *, counts: bool
+    ) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """One bucket's local sums (the tree over this rank's shards) in its flat buffer, ``-0.0`` where this
+        rank has none (``x + -0.0`` is ``x`` for every x, ``-0.0`` included, so such a place adds nothing);
+        ``counts``: then one element a parameter, 1 where this rank reached it (two ranks sum them in
+        the same allreduce). Returns the buffer, the parameters' offsets in it, and what this rank reached."""
         params = [self.params[i] for i in self.buckets[bucket]]
         local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
         offsets = [0]
         for p in params:
             offsets.append(offsets[-1] + p.numel())
-        counts = torch.tensor([g is not None for g in local], dtype=params[0].dtype, device=params[0].device)
-        # -0.0 (not 0.0) in an absent gradient's place: x + -0.0 is x for every x, -0.0 included
+        reached = [g is not None for g in local]
         parts = [(torch.zeros_like(p).neg_() if g is None else g).reshape(-1) for p, g in zip(params, local)]
-        return torch.cat([*parts, counts], out=self._buffer(bucket, offsets[-1] + len(params), params[0])), offsets
+        if counts:
+            parts.append(torch.tensor(reached, dtype=params[0].dtype, device=params[0].device))
+        size = offsets[-1] + (len(params) if counts else 0)
+        return torch.cat(parts, out=self._buffer(bucket, size, params[0])), offsets, reached
 
     def submitted(self, bucket: int) -> bool:
         """Whether ``bucket`` was handed over this step."""
@@ -326,15 +331,10 @@ class TreeExchange:
     ) -> list[torch.Tensor | None]:
         """One bucket: the local tree over shards, then halving and doubling across the ranks."""
         params = [self.params[i] for i in self.buckets[bucket]]
-        local = [(tree_sum_halves if halves else tree_sum)(shards) for shards in grads]
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
-        present = torch.tensor([g is not None for g in local], dtype=torch.bool)
-        # one copy into the bucket's flat buffer (an absent gradient's place holds zeros nobody adds)
-        parts = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, local)]
-        flat = torch.cat(parts, out=self._buffer(bucket, offsets[-1], params[0]))
-        present = self._halve_then_double(bucket, flat, present, offsets, neighbours_first)
+        flat, offsets, reached = self._flat(bucket, grads, halves, counts=False)
+        present = self._halve_then_double(
+            bucket, flat, torch.tensor(reached, dtype=torch.bool), offsets, neighbours_first
+        )
         return [flat[offsets[k] : offsets[k + 1]].view_as(p) if present[k] else None for k, p in enumerate(params)]
 
     def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int, bucket: int = 0) -> None:
