@@ -16,7 +16,9 @@ import random
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -189,9 +191,12 @@ class _Replicas:
     """A quorum of two replicas for an infrequent sync's exchange, the other one holding the same
     change (a sum doubles, a gather repeats the row); ``fails`` makes its collectives fail."""
 
-    def __init__(self) -> None:
+    replicas, rank = 2, 0
+
+    def __init__(self, link_bytes_per_s: float | None = None) -> None:
         self.fails, self.quorums, self.commits, self.inside = False, 0, [], False
         self.at_pass_end: list = []
+        self.link = link_bytes_per_s  # a sum takes its bytes over this (None: no time)
 
     def average(self, tensor: torch.Tensor) -> None:
         tensor.div_(2)  # (seen: the other replica's gradients are zero)
@@ -200,12 +205,21 @@ class _Replicas:
         return 2
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        if self.link:  # a ring of two sends each replica's tensor once
+            time.sleep(0.001 + tensor.numel() * tensor.element_size() / self.link)
         tensor.mul_(2)
         if self.fails:
             tensor.fill_(7)  # torchft leaves a failed collective's tensor undefined
 
+    def all_reduce_sum_started(self, tensor: torch.Tensor) -> Any:
+        self.all_reduce_sum(tensor)  # (done at once: the work has nothing left to wait for)
+        return _Done()
+
     def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         return torch.zeros((2, *row.shape), dtype=row.dtype) if self.fails else torch.stack([row, row])
+
+    def all_gather_rows_started(self, row: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.all_gather_rows(row), _Done()
 
     def failed(self) -> bool:
         return self.fails
@@ -221,6 +235,11 @@ class _Replicas:
         self.commits.append(not self.fails)
         self.fails = False  # the next quorum holds the survivors
         return self.commits[-1]
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
 
 
 def _sync_state(syncer) -> list[torch.Tensor]:
@@ -329,8 +348,6 @@ def test_a_replica_takes_an_infrequent_sync_with_its_period_and_a_delay_of_a_ste
     from ddpkit.parallel.replica import FaultTolerant
 
     replica = FaultTolerant(_Replicas())
-    with pytest.raises(ddpkit.UsageError, match="sync='diloco'\\) needs sync_every=H"):
-        replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="diloco"))
     with pytest.raises(ddpkit.UsageError, match="takes sync_delay=0 or 1"):
         replica.prepare(torch.nn.Linear(2, 2), SetupOptions(sync="local-sgd", sync_every=4, sync_delay=2))
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
@@ -349,6 +366,101 @@ def test_a_replica_takes_an_infrequent_sync_with_its_period_and_a_delay_of_a_ste
     assert replica.commit([apart, averaged], None)
     assert torch.equal(apart.grad, torch.ones_like(apart))  # trains apart: not averaged over the quorum
     assert torch.equal(averaged.grad, torch.full_like(averaged, 0.5))
+
+
+def test_a_replicas_period_is_chosen_inside_a_quorum_in_fragments_behind_one_step_and_a_dropped_step_unchooses():
+    """Without ``sync_every`` under --fault-tolerant the period is chosen inside the quorum of the step after
+    the timed ones, from the link the quorum's sums take: on a link too slow for one step to hide a whole
+    exchange, the model goes in fragments, each behind one step (a quorum's exchange runs behind one
+    step at most). A step that does not commit takes the choice back with its exchange; the next quorum
+    chooses again and says so once, after its step commits. A healing replica and a resumed one keep it."""
+    import math
+
+    from ddpkit.parallel import modes
+    from ddpkit.parallel.periodic import MEASURING, PeriodicSync
+    from ddpkit.parallel.periodic_parts import MEASURE_STEPS
+
+    def made() -> tuple[PeriodicSync, torch.optim.Optimizer, _Replicas]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.BatchNorm1d(300), torch.nn.Linear(300, 200))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        syncer = PeriodicSync(model, optimizer, kind="diloco", every=None, sync_dtype="bf16")
+        replicas = _Replicas(link_bytes_per_s=20e6)  # 240 KB of bf16 change: 12 ms, against steps of 4 ms
+        syncer.meet_over(replicas)
+        return syncer, optimizer, replicas
+
+    syncer, optimizer, replicas = made()
+    assert syncer.outer.param_groups[0]["lr"] == math.sqrt(2)  # sqrt of the job's 2 replicas, not of 1 process
+
+    def step() -> None:
+        syncer.model.train()
+        syncer.model(torch.randn(8, 200)).pow(2).mean().backward()
+        optimizer.step(), optimizer.zero_grad()
+        time.sleep(0.004)
+        syncer.after_step()
+
+    mode = modes.Periodic(syncer)
+    for _ in range(MEASURE_STEPS + 1):
+        assert not syncer.choice_due()
+        step()
+    assert syncer.choosing and syncer.choice_due() and mode.changes_weights_on_batch()
+    before = [t.clone() for t in _sync_state(syncer)]
+    replicas.fails = True  # a replica dies as the link is timed: nothing is chosen
+    syncer.exchange_due()
+    syncer.step_dropped()
+    assert syncer.choosing and syncer.every == MEASURING and syncer.due == [] and syncer.syncs == 0
+    replicas.fails = False
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        syncer.exchange_due()  # chosen, and its first exchange sent behind this step
+        decision = dict(syncer.decision)
+        assert not syncer.choosing and syncer.delay == 1 and syncer.pending
+        assert 2 <= decision["fragments"] == syncer.every == len(syncer.fragments), decision
+        assert decision["link_bytes_per_s"] == pytest.approx(20e6, rel=0.5)
+        syncer.step_dropped()  # its step was not committed: the choice and its exchange are taken back
+        assert syncer.choosing and syncer.every == MEASURING and len(syncer.fragments) == 1 and not syncer.pending
+        assert all(torch.equal(a, b) for a, b in zip(before, _sync_state(syncer)))
+        syncer.exchange_due()  # the next quorum chooses again
+        assert syncer.decision["every"] == syncer.every >= 2 and syncer.delay == 1
+        assert not [w for w in said if "chose sync_every" in str(w.message)]  # not before its step commits
+        step()
+        for _ in range(2 * syncer.every):  # each fragment sent in the quorum of a step, landed after it
+            syncer.exchange_due(), step()
+    notices = [str(w.message) for w in said if "chose sync_every" in str(w.message)]
+    assert len(notices) == 1 and f"sync_fragments={syncer.every}" in notices[0], notices
+    assert "each behind the next 1 step(s)" in notices[0] and "sqrt of 2 replicas" in notices[0]
+    assert syncer.syncs >= 2 * syncer.every - 1  # every fragment landed twice (the first one is due again)
+    saved = syncer.state_dict()
+    healed, _, _ = made()
+    modes.Periodic(healed).take_peer_state(saved, "peer of replica 0")  # a replica that heals takes it whole
+    assert healed.decision == syncer.decision and not healed.choosing and healed.offsets == syncer.offsets
+    resumed, _, _ = made()
+    with pytest.warns(UserWarning, match="written by one replica"):
+        modes.Periodic(resumed).load_state_dict(saved, same_world=True, source="ckpt")
+    assert resumed.decision == syncer.decision and resumed.every == syncer.every and not resumed.choice_due()
+
+
+def test_a_replica_alone_in_its_quorum_waits_for_another_to_choose_the_period():
+    from ddpkit.parallel.periodic import PeriodicSync
+    from ddpkit.parallel.periodic_parts import MEASURE_STEPS
+
+    class Alone(_Replicas):
+        def size(self) -> int:
+            return 1
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    syncer = PeriodicSync(model, optimizer, kind="local-sgd", every=None)
+    replicas = Alone()
+    syncer.meet_over(replicas)
+    for _ in range(MEASURE_STEPS + 2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step(), optimizer.zero_grad(), syncer.after_step()
+        syncer.exchange_due()
+    assert syncer.choosing and syncer.choice_due() and syncer.syncs == 0  # no link to time: still to choose
+    Alone.replicas = 1  # a job of one replica: nothing to time, the shortest period
+    syncer.exchange_due()
+    assert not syncer.choosing and syncer.every == 2 and syncer.decision["link_bytes_per_s"] is None
 
 
 _REDUCES = """
@@ -492,6 +604,34 @@ def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(t
     assert {correct for _, correct in evals} == plain_evals and len(evals) == 2
 
 
+@pytest.mark.timeout(300)
+def test_diloco_replicas_choose_their_period_in_a_quorum_say_it_once_and_a_resume_keeps_it(tmp_path):
+    """``sync="diloco"`` without ``sync_every`` under --fault-tolerant: the period is chosen inside the
+    quorum of step 7 (after 6 timed steps). That step fails once on every replica and is redone, its
+    choice with it; the choice is said once, every replica holds the same one (behind one step at most)
+    and ends at the same bits, each epoch trains every sample once. A run resumed from the job's
+    checkpoint keeps the choice: it does not time the link again."""
+    out = tmp_path / "ft"
+    extra = ("--sync", "diloco", "--sync-dtype", "sparse", "--fail-once", "7", "--checkpoint-every", "4")
+    first = _replicas(out, 2, "--min-replicas", "2", epochs=1, extra=extra)
+    events = _events(out)
+    assert {row["replica"] for row in events if row["kind"] == "redo" and row["step"] == 6} == {0, 1}
+    assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES}
+    ends = [row for row in events if row["kind"] == "end"]
+    assert len(ends) == 2 and ends[0]["decision"] == ends[1]["decision"], ends
+    chosen = ends[0]["decision"]
+    assert chosen["dtype"] == "sparse" and chosen["delay"] == 1 and chosen["every"] >= 2, chosen
+    assert (first.stdout + first.stderr).count("chose sync_every=") == 1, first.stderr[-3000:]
+    finals = _finals(out)
+    assert len(finals) == 2 and _bitwise(*finals.values())
+    again = _replicas(out, 2, "--min-replicas", "2", epochs=2, extra=extra[:4])
+    said = again.stdout + again.stderr
+    assert "chose sync_every=" not in said and "ckpt-step00000024.pt was written by one replica" in said, said[-3000:]
+    ends = [row for row in _events(out) if row["kind"] == "end"]
+    assert len(ends) == 4 and all(row["decision"] == chosen for row in ends[-2:]), ends
+    assert {row["epoch"] for row in _events(out) if row["kind"] == "step"} == {0, 1}
+
+
 def _one_kill(request) -> tuple[dict[int, int], str]:
     """A replica and a step mid-epoch 0 to kill it at, drawn from a seed the note prints for a replay."""
     seed = int(os.environ.get("DDPKIT_TEST_SEED") or random.SystemRandom().randrange(2**31))
@@ -590,25 +730,35 @@ def test_a_replica_killed_mid_epoch_with_micro_shards_the_survivors_compute_its_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", ["after-a-step", "inside-an-exchange", "inside-an-exchange-behind-a-step"])
+@pytest.mark.parametrize(
+    "where", ["after-a-step", "inside-an-exchange", "inside-an-exchange-behind-a-step", "after-a-step-period-chosen"]
+)
 def test_diloco_replicas_lose_one_mid_period_and_every_replica_ends_at_the_common_model(tmp_path, request, where):
-    """A replica of a DiLoCo job (sparse exchanges every 3 steps) SIGKILLed at a random step, or as one of
-    its exchanges starts (the others are in that collective): the others drop the step, take its
-    exchange back and make it again without the dead one, it heals from a peer (the synced weights,
-    the outer optimizer and where the period stands come with the heal), and every replica, the
-    restarted one included, ends at the same bits; each epoch trains on every sample once."""
+    """A replica of a DiLoCo job (sparse exchanges every 3 steps, or at the period chosen in a quorum)
+    SIGKILLed at a random step, or as one of its exchanges starts (the others are in that collective):
+    the others drop the step, take its exchange back and make it again without the dead one, it heals
+    from a peer (the synced weights, the outer optimizer, where the period stands and the period chosen
+    come with the heal), and every replica, the restarted one included, ends at the same bits; each epoch
+    trains on every sample once."""
     kills, note = _one_kill(request)
     (replica,) = kills
     out = tmp_path / "killed"
-    if where == "after-a-step":
+    sync: tuple[str, ...] = _DILOCO
+    if where == "after-a-step-period-chosen":
+        sync = ("--sync", "diloco", "--sync-dtype", "sparse")
+        args = ["--kill", f"{replica}:{kills[replica]}"]
+    elif where == "after-a-step":
         args = ["--kill", f"{replica}:{kills[replica]}"]
     else:  # its exchanges are due every 3 steps: the N-th is in step 3N
         args = ["--kill-in-exchange", f"{replica}:{max(2, kills[replica] // 3)}"]
     if where.endswith("behind-a-step"):  # sync_delay=1: the exchange runs behind the step, waited for at its commit
         args += ["--sync-delay", "1"]
-    _replicas(out, 3, extra=(*_DILOCO, *args, "--step-sleep", "0.3"), restarts=1, timeout=400)
+    _replicas(out, 3, extra=(*sync, *args, "--step-sleep", "0.3"), restarts=1, timeout=400)
     events = _events(out)
     assert _samples_per_epoch(events) == {0: TRAIN_SAMPLES, 1: TRAIN_SAMPLES}, note
+    decisions = [row["decision"] for row in events if row["kind"] == "end"]
+    assert len(decisions) == 3 and all(d == decisions[0] for d in decisions), (note, decisions)
+    assert (decisions[0] is None) == (sync == _DILOCO), (note, decisions)
     if where.startswith("inside-an-exchange"):  # the survivors redid the step whose exchange it died in
         redone = {row["replica"] for row in events if row["kind"] == "redo"}
         assert redone >= {0, 1, 2} - {replica}, (note, redone)

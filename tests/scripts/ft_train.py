@@ -136,7 +136,10 @@ def main() -> None:
             correct=metrics["correct"],
             accuracy=metrics["accuracy"],
         )
-    event(kind="end", step=rt.global_step)
+    from ddpkit.parallel import periodic
+
+    syncer = periodic.of(model)  # an infrequent sync: how its period came to be (chosen from the link, or given)
+    event(kind="end", step=rt.global_step, decision=None if syncer is None else syncer.decision)
     if args.sync != "every-step":  # every replica's model after the loop: the replicas' common one
         mine = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
         torch.save(

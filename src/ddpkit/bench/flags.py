@@ -339,8 +339,8 @@ def parse_settings(argv: Sequence[str]) -> BenchSettings:
             raise UsageError("--fault-tolerant runs one --sync; give every-step, local-sgd or diloco")
         if syncs_of_rows[0] != "every-step" and opts.sync_every is None:
             raise UsageError(
-                f"--fault-tolerant --sync {syncs_of_rows[0]} needs --sync-every H (replicas do not time "
-                "their link to choose the period yet)"
+                f"--fault-tolerant --sync {syncs_of_rows[0]} needs --sync-every H (the bench compares the "
+                "weights of three runs, and each would choose its own period from its own timings)"
             )
         if syncs_of_rows[0] != "every-step" and opts.sync_delay > 1:
             raise UsageError(

@@ -213,8 +213,8 @@ class Periodic(Mode):
         self.syncer.exchange_due()
 
     def changes_weights_on_batch(self) -> bool:
-        """An exchange is due (over a fault-tolerant quorum)."""
-        return bool(self.syncer.due)
+        """An exchange is due (over a fault-tolerant quorum), or the period is to be chosen, with an exchange at once."""
+        return bool(self.syncer.due) or self.syncer.choice_due()
 
     def step_dropped(self) -> None:
         """The step was not committed: its quorum's exchange is taken back, and made in the next one."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -142,6 +143,8 @@ class PeriodicSync:
         self.sync_seconds = 0.0  # seconds spent in syncs, in all
         self.finished = False  # the final exchange was made, and no step was taken since
         self.sent_at: list[int] = []  # each fragment's ``total`` when it was last sent
+        self._announce: str | None = None
+        """The choice made in a quorum whose step may not commit: said once it does."""
         self.meet: Any = None
         """Whom the exchanges go to: a fault-tolerant replica's quorum (:class:`QuorumMeet`, set by
         :meth:`meet_over`), or None: torch.distributed's default group."""
@@ -209,7 +212,7 @@ class PeriodicSync:
         if self.params and self.params[0].is_cuda:
             torch.cuda.synchronize(self.params[0].device)  # the step's kernels, not only their launch
         self._step_ends.append(time.perf_counter())
-        if len(self._step_ends) > MEASURE_STEPS:
+        if len(self._step_ends) > MEASURE_STEPS and self.meet is None:  # a quorum's is chosen in it (exchange_due)
             self._choose()
 
     def _choose(self) -> None:
@@ -232,26 +235,88 @@ class PeriodicSync:
         self._adopt(decision)
         self.steps = self.every  # the steps timed were the first period: exchange now
         if not _world() > 1 or dist.get_rank() == 0:
-            shown = (
-                "unmeasured (one process, or a link faster than the probe sees)"
-                if speed is None
-                else f"{speed / 1e6:.2f} MB/s"
-            )
-            warn(
-                f"sync={self.name!r} chose sync_every={self.every}, sync_delay={self.delay}, sync_dtype="
-                f"{decision['dtype']!r}"
-                + (f" (the largest 1/{round(1 / decision['density'])})" if decision.get("density") else "")
-                + f": link {shown}, "
-                f"latency {latency * 1e3:.2f} ms, inner step {decision['step_s'] * 1e3:.1f} ms, one exchange of "
-                f"{decision['exchange_bytes'] / 1e6:.2f} MB takes {decision['exchange_s'] * 1e3:.1f} ms "
+            warn(self._notice(decision, latency, speed))
+
+    def _notice(self, decision: dict[str, Any], latency: float, speed: float | None) -> str:
+        """The one line that says what was chosen, and from what."""
+        shown = (
+            "unmeasured (one process, or a link faster than the probe sees)"
+            if speed is None
+            else f"{speed / 1e6:.2f} MB/s"
+        )
+        fragments = int(decision.get("fragments", 1))
+        return (
+            f"sync={self.name!r} chose sync_every={self.every}, sync_delay={self.delay}, sync_dtype="
+            f"{decision['dtype']!r}"
+            + (f" (the largest 1/{round(1 / decision['density'])})" if decision.get("density") else "")
+            + (f", sync_fragments={fragments}" if fragments > 1 else "")
+            + f": link {shown}, "
+            f"latency {latency * 1e3:.2f} ms, inner step {decision['step_s'] * 1e3:.1f} ms, one exchange of "
+            f"{decision['exchange_bytes'] / 1e6:.2f} MB takes {decision['exchange_s'] * 1e3:.1f} ms "
+            + (
                 f"and runs behind the next {self.delay} step(s)"
-                + (
-                    f"; outer step {decision['outer_lr']:.3g}x the ranks' average change (sqrt of "
-                    f"{_world()} ranks' adaptive inner steps)"
-                    if self.outer_chosen and decision.get("outer_lr", 1.0) != 1.0
-                    else ""
-                )
+                if fragments == 1
+                else f"in {fragments} fragments, each behind the next {self.delay} step(s)"
             )
+            + (
+                f"; outer step {decision['outer_lr']:.3g}x the ranks' average change (sqrt of "
+                f"{self._choice_world()} {'replicas' if self.meet is not None else 'ranks'}' adaptive inner steps)"
+                if self.outer_chosen and decision.get("outer_lr", 1.0) != 1.0
+                else ""
+            )
+        )
+
+    def _choice_world(self) -> int:
+        """Whom the period is chosen for: the job's replicas under a fault-tolerant quorum (the most a
+        quorum holds), else the processes."""
+        return self.meet.replicas() if self.meet is not None else _world()
+
+    def choice_due(self) -> bool:
+        """Over a fault-tolerant quorum: the steps are timed, and the period is to be chosen inside the
+        next step's quorum (keyed on the steps the replicas committed, which every replica in a quorum shares)."""
+        return self.choosing and self.meet is not None and self.total > MEASURE_STEPS
+
+    def _choose_in_quorum(self) -> None:
+        """Choose the period inside this step's quorum, as :meth:`_choose` does over a process group:
+        the link timed by the quorum's own sums, the slowest replica's step, for the job's replicas, and
+        an exchange behind one step at most (fragments where a whole one would need more). Every replica
+        in the quorum takes the same choice; a replica alone in it, or with no step timed in the quorum,
+        waits for the next quorum. Raises :class:`QuorumLost` where a replica died during it (the step
+        is then dropped, and the choice made again in the next quorum)."""
+        from ddpkit.distributed.probe import bus_bytes
+        from ddpkit.parallel.auto import PROBE_BYTES
+
+        assert self.meet is not None
+        members, replicas = self.meet.size(), self.meet.replicas()
+        if replicas > 1 and members < 2:
+            return  # no link to time alone
+        device = self.params[0].device if self.params else torch.device("cpu")
+        steps = [b - a for a, b in zip(self._step_ends[1:], self._step_ends[2:])]
+        nbytes = max(4, min(self._exchange_bytes(), PROBE_BYTES)) // 4 * 4
+        latency, big = self.meet.timed_sums(nbytes, device) if members > 1 else (0.0, 0.0)
+        agreed = torch.tensor([statistics.median(steps) if steps else 0.0, latency, big], dtype=torch.float64)
+        self.meet.max_(agreed)
+        step_s, latency, big = agreed.tolist()
+        if step_s <= 0:
+            return  # every replica here healed since the steps were timed: time more
+        speed = bus_bytes(nbytes, members) / (big - latency) if members > 1 and big > latency else None
+        decision = choose_exchange(
+            step_s=step_s,
+            elements=self._exchange_elements(),
+            dtype=self.exchange,
+            dtype_given=self.dtype_given,
+            world=replicas,
+            link_bytes_per_s=speed,
+            latency_s=latency,
+            max_delay=1,
+        )
+        if self.outer is not None:
+            group = self.outer.param_groups[0]
+            decision.update(outer_lr=group["lr"], outer_momentum=group["momentum"])
+        self._adopt(decision)
+        self.steps = 0  # the steps timed were the first period, which ended at the last commit
+        self.due = [f for f, offset in enumerate(self.offsets) if offset == self.every]
+        self._announce = self._notice(decision, latency, speed) if self.meet.first() else None
 
     def _adopt(self, decision: dict[str, Any]) -> None:
         self.decision, self.choosing = decision, False
@@ -274,6 +339,9 @@ class PeriodicSync:
         for exchange in [e for e in self.pending if e["apply_at"] <= self.total]:
             self._land(exchange)
         self._before = None  # the step committed: an exchange made in its quorum stands
+        if self._announce is not None:  # so is a choice made in it: said once
+            warn(self._announce)
+            self._announce = None
         for fragment, offset in enumerate(self.offsets):
             if self.steps == offset:
                 if self.meet is not None:  # inside the next step's quorum, before its forward
@@ -290,15 +358,26 @@ class PeriodicSync:
         (:meth:`exchange_due`), and taken back where that step is not committed (:meth:`step_dropped`)."""
         self.meet = QuorumMeet(replica)
         replica.at_pass_end.append(self.exchange_between_steps)
+        if self.outer_chosen and self.outer is not None:  # sqrt of the replicas, not of this replica's one process
+            self.outer.param_groups[0]["lr"] = chosen_outer_lr(self.optimizer, self.meet.replicas())
 
     @torch.no_grad()
-    def exchange_due(self, delay: int | None = None) -> None:
+    def exchange_due(self, delay: int | None = None, *, choose: bool = True) -> None:
         """The exchanges due, inside this step's quorum (a fault-tolerant replica): what they change is
         kept first, since the step may not commit (a replica died during it). ``delay`` (None: the
         sync's, 0 or 1): 1 runs the exchange behind this step's forward and backward, waited for
-        before its commit (:meth:`wait_in_flight`) and applied after its optimizer step."""
-        if self.due:
+        before its commit (:meth:`wait_in_flight`) and applied after its optimizer step. The period,
+        where it is to be chosen, is chosen first (:meth:`_choose_in_quorum`; not in a quorum of its own,
+        ``choose=False``, where the exchange is the final one or one between steps)."""
+        if choose and self.choice_due():
             self._before = self._kept()
+            try:
+                self._choose_in_quorum()
+            except QuorumLost:  # the step will not commit: chosen in the next quorum
+                return
+        if self.due:
+            if self._before is None:
+                self._before = self._kept()
             try:
                 for fragment in self.due:
                     self._send(fragment, self.delay if delay is None else delay)
@@ -323,6 +402,10 @@ class PeriodicSync:
         if self._before is None:
             return
         before, self._before = self._before, None
+        self._announce = None
+        self.decision, self.choosing, self.every, self.delay, self.exchange, self.density, self.steps = before["choice"]
+        if len(self.fragments) != before["fragments"] or self.offsets != before["offsets"]:
+            self._layout(before["fragments"])
         _copy(self.params, before["local"])
         _copy(self.buffers, before["local_buffers"])
         _copy(self.synced, before["synced"])
@@ -347,6 +430,9 @@ class PeriodicSync:
             "pending": list(self.pending),
             "syncs": self.syncs,
             "sent_bytes": self.sent_bytes,
+            "choice": (self.decision, self.choosing, self.every, self.delay, self.exchange, self.density, self.steps),
+            "fragments": len(self.fragments),
+            "offsets": list(self.offsets),
         }
 
     @torch.no_grad()
@@ -391,7 +477,7 @@ class PeriodicSync:
         assert self.meet is not None
         while self.due:
             self.meet.begin()
-            self.exchange_due(0)
+            self.exchange_due(0, choose=False)
             if self.meet.commit():
                 self._before = None
                 return
@@ -860,6 +946,34 @@ class QuorumMeet:
     def size(self) -> int:
         """Replicas in this step's quorum."""
         return int(self.replica.size())
+
+    def replicas(self) -> int:
+        """Replicas the job started (the most a quorum holds)."""
+        return int(self.replica.replicas)
+
+    def first(self) -> bool:
+        """This replica is ranked first in the step's quorum (it says what the quorum chose)."""
+        return int(getattr(self.replica, "rank", 0)) == 0
+
+    def timed_sums(self, nbytes: int, device: torch.device, repeats: int = 5) -> tuple[float, float]:
+        """``(latency_s, seconds)``: a one-element sum over the quorum and one of ``nbytes``, each the
+        median of the faster half of its calls (:func:`~ddpkit.distributed.probe.typical`), as
+        :func:`~ddpkit.distributed.probe.link` times a process group. The first call of the larger sum
+        sets the repeats (fewer on a slow link, at least 3), the same on every replica."""
+        from ddpkit.distributed.probe import PROBE_BUDGET_S, typical
+
+        def seconds(tensor: torch.Tensor) -> float:
+            start = time.perf_counter()
+            self.sum_(tensor)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+        small, big = torch.zeros(1, device=device), torch.zeros(max(1, nbytes // 4), device=device)
+        first = torch.tensor([seconds(big)], dtype=torch.float64)  # sets up what the calls use
+        self.max_(first)
+        repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(first.item(), 1e-9))))
+        return typical([seconds(small) for _ in range(repeats)]), typical([seconds(big) for _ in range(repeats)])
 
     def _check(self) -> None:
         if self.replica.failed():

@@ -236,6 +236,7 @@ def choose_period(
     link_bytes_per_s: float | None,
     latency_s: float,
     sent_bytes: float | None = None,
+    max_delay: int | None = None,
 ) -> dict[str, Any]:
     """The shortest period whose exchange, run in the background, never holds up an inner step.
 
@@ -244,6 +245,12 @@ def choose_period(
     inner steps later (Streaming DiLoCo's overlap), so ``delay`` is the exchange's time in steps and
     the period one step more, the link busy at most :data:`LINK_SHARE` of it.
 
+    Where the delay may not pass ``max_delay`` steps (a fault-tolerant quorum's exchange runs behind
+    one step at most) and the whole exchange would need more, the model is exchanged in fragments
+    (Streaming DiLoCo's), one sent each ``max_delay`` steps, each small enough to hide behind them:
+    the period is as many steps as a whole exchange needs, and never longer than the fragments' count
+    times ``max_delay``.
+
     Args:
         step_s: the slowest rank's inner step, in seconds.
         exchange_bytes: one exchange of the whole model's change, in bytes.
@@ -251,6 +258,7 @@ def choose_period(
         link_bytes_per_s: what each rank sends per second (None: unmeasured, faster than the probe sees).
         latency_s: one call's latency.
         sent_bytes: what each rank sends for one exchange (None: a ring allreduce of ``exchange_bytes``).
+        max_delay: the most steps an exchange may run behind (None: as many as it needs).
 
     Returns:
         ``every``, ``delay`` and ``fragments`` to train with, and the numbers behind them.
@@ -260,19 +268,29 @@ def choose_period(
     (22, 21, 1.601)
     >>> choose_period(step_s=0.1, exchange_bytes=2_000_000, world=2, link_bytes_per_s=None, latency_s=0.0)["every"]
     2
+    >>> capped = choose_period(step_s=0.1, exchange_bytes=2_000_000, world=2, link_bytes_per_s=1.25e6, latency_s=0.001,
+    ...                        max_delay=1)
+    >>> capped["every"], capped["delay"], capped["fragments"]
+    (21, 1, 21)
     """
     from ddpkit.distributed.probe import bus_bytes
 
     sent = bus_bytes(exchange_bytes, world) if sent_bytes is None else sent_bytes
     moving = sent / link_bytes_per_s if link_bytes_per_s else 0.0
     exchange = moving + latency_s
-    steps = math.ceil(exchange / (LINK_SHARE * max(step_s, 1e-9))) if exchange > 0 else 0
-    delay = max(1, steps)
+    room = LINK_SHARE * max(step_s, 1e-9)  # what one step hides
+    steps = math.ceil(exchange / room) if exchange > 0 else 0
+    delay, fragments = max(1, steps), 1
     every = max(MIN_EVERY, delay + 1)
+    if max_delay is not None and delay > max_delay:
+        # fragments each sent ``max_delay`` steps apart, their latency paid each time: as few as hide
+        hidden = room * max_delay - latency_s
+        fragments = max(2, math.ceil(moving / hidden)) if hidden > 0 else steps
+        delay, every = max_delay, max(MIN_EVERY, fragments * max_delay)
     return {
         "every": every,
         "delay": delay,
-        "fragments": 1,
+        "fragments": fragments,
         "exchange_s": round(exchange, 6),
         "step_s": round(step_s, 6),
         "exchange_bytes": int(exchange_bytes),
@@ -290,6 +308,7 @@ def choose_exchange(
     world: int,
     link_bytes_per_s: float | None,
     latency_s: float,
+    max_delay: int | None = None,
 ) -> dict[str, Any]:
     """The period (:func:`choose_period`) and the exchange: ``dtype`` where the user gave it or where
     the link does not set the period (it is :data:`MIN_EVERY` already); else int8 (with error
@@ -307,7 +326,7 @@ def choose_exchange(
         elements: elements of one exchange of the whole model's change.
         dtype: the exchange's dtype so far (``"bf16"`` by default).
         dtype_given: the user gave ``sync_dtype``: it stands.
-        world, link_bytes_per_s, latency_s: as :func:`choose_period` takes them.
+        world, link_bytes_per_s, latency_s, max_delay: as :func:`choose_period` takes them.
 
     Returns:
         :func:`choose_period`'s decision with ``dtype`` in it, and ``density`` for a sparse one.
@@ -329,6 +348,7 @@ def choose_exchange(
                 link_bytes_per_s=link_bytes_per_s,
                 latency_s=latency_s,
                 sent_bytes=wire_bytes(name, elements, world, density),
+                max_delay=max_delay,
             ),
             "dtype": name,
         }

@@ -7,9 +7,10 @@ only where every participant finished it (otherwise what the forward changed is 
 batch comes again), the replica ranked first in the quorum saving, and the calls it cannot run
 refused in one line. ``grad_compression="bf16"`` or ``"fp16"`` casts what the replica sends to the
 quorum (divided by the quorum's size first, as the DDP hook does); PowerSGD, whose error feedback is
-each replica's own, is refused. A model that trains apart (``sync="diloco"``/``"local-sgd"``, with
-``sync_every``) keeps its gradients and BatchNorm to itself, and its sync exchanges over the quorum
-(:meth:`ddpkit.parallel.periodic.PeriodicSync.meet_over`).
+each replica's own, is refused. A model that trains apart (``sync="diloco"``/``"local-sgd"``) keeps its gradients and BatchNorm
+to itself, and its sync exchanges over the quorum
+(:meth:`ddpkit.parallel.periodic.PeriodicSync.meet_over`); without ``sync_every`` the period is chosen
+inside a quorum, from the link its sums take and the slowest replica's step, behind one step at most.
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ class FaultTolerant(Mode):
                 "leave strategy at its default ('ddp')"
             )
         apart = options.sync != "every-step"
-        if apart and options.sync_every is None:
-            raise UsageError(
-                f"--fault-tolerant: rt.setup(sync={options.sync!r}) needs sync_every=H (the period is chosen "
-                "from a link that a quorum of replicas does not time yet)"
-            )
         if apart and options.sync_delay > 1:
             raise UsageError(
                 f"--fault-tolerant: rt.setup(sync={options.sync!r}) takes sync_delay=0 or 1 (an exchange runs "
