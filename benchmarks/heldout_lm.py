@@ -14,7 +14,11 @@ per host), and in one run of this script:
 - ``accelerate``: Accelerate's ``LocalSGD`` as its documentation writes it (steps under
   ``no_sync``, the model averaged in fp32 every ``local_sgd_steps``);
 - ``torchft``: torchft's ``DiLoCo`` (a ``Manager`` per host, its lighthouse on host 0, its
-  example's outer Nesterov SGD, lr 0.7, momentum 0.9).
+  example's outer Nesterov SGD, lr 0.7, momentum 0.9);
+- ``ddpkit-ft``: the ``ddpkit`` loop under ``ddpkit run --fault-tolerant`` (a replica per host, the
+  period chosen inside a quorum, behind one step at most), nobody killed: what fault tolerance costs
+  a chosen period. A replica's steps take their batches from ``rt.loader`` (a quorum forms at each),
+  so its windows are the loader's shuffle of the same split, as many a step.
 
 The peers run with the period ddpkit chose on the same link (``--peer-every chosen``), or with
 the periods given (``--peer-every 200`` or ``chosen,200``). Every loop trains the same model from
@@ -60,7 +64,7 @@ VOCAB = 128
 PORT = 29533
 LIGHTHOUSE_PORT = 29534
 UNSHAPED_MBIT = 10000.0
-LOOPS = ("every-step", "ddpkit", "accelerate", "torchft")
+LOOPS = ("every-step", "ddpkit", "accelerate", "torchft", "ddpkit-ft")
 
 
 # -- the workload ---------------------------------------------------------------------------------
@@ -160,7 +164,11 @@ class Batches:
 
 def _report(opts: argparse.Namespace, model: nn.Module, val: torch.Tensor, started: float, **extra: Any) -> None:
     seconds = time.perf_counter() - started
-    world = int(os.environ.get("WORLD_SIZE", "1")) if opts.worker != "torchft" else int(os.environ["NUM_REPLICA_GROUPS"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opts.worker == "torchft":
+        world = int(os.environ["NUM_REPLICA_GROUPS"])
+    elif opts.worker == "ddpkit-ft":
+        world = int(os.environ["DDPKIT_FT_REPLICAS"])
     result = {
         "loop": opts.worker,
         "timed_s": round(seconds, 3),
@@ -185,24 +193,41 @@ def _ddpkit(opts: argparse.Namespace) -> None:
     model = CharGPT(opts.width, opts.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     kwargs: dict[str, Any] = {} if opts.worker == "every-step" else {"sync": "diloco"}
-    if opts.sync_every and opts.worker == "ddpkit":  # a period given (the quality of another choice)
+    if opts.sync_every and opts.worker != "every-step":  # a period given (the quality of another choice)
         kwargs.update(sync_every=opts.sync_every, sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype,
                       outer_lr=opts.outer_lr, outer_momentum=0.0)
     model, optimizer = rt.setup(model, optimizer, **kwargs)
-    batches = Batches(train, opts.batch, rt.rank, rt.world_size, opts.seed)
-    started = time.perf_counter()
-    for _ in rt.epochs(1):
-        for step in range(opts.warmup + opts.steps):
-            if step == opts.warmup:
-                started = time.perf_counter()
-            rt.backward(loss_of(model, batches(step)))
-            rt.step(optimizer)
+    started, redone = time.perf_counter(), 0
+    if rt.replica is not None:  # a fault-tolerant replica: each step's batch from rt.loader, its quorum with it
+        replicas = int(os.environ["DDPKIT_FT_REPLICAS"])
+        loader = rt.loader(torch.utils.data.TensorDataset(train), global_batch_size=opts.batch * replicas, shuffle=True)
+        committed = 0
+        for _ in rt.epochs(1):
+            for (rows,) in loader:
+                if committed == opts.warmup:
+                    started = time.perf_counter()
+                rt.backward(loss_of(model, rows))
+                if rt.step(optimizer):
+                    committed += 1
+                else:
+                    redone += 1
+                if committed == opts.warmup + opts.steps:
+                    break
+    else:
+        batches = Batches(train, opts.batch, rt.rank, rt.world_size, opts.seed)
+        for _ in rt.epochs(1):
+            for step in range(opts.warmup + opts.steps):
+                if step == opts.warmup:
+                    started = time.perf_counter()
+                rt.backward(loss_of(model, batches(step)))
+                rt.step(optimizer)
     # rt.epochs ended with the final exchange: every rank holds the common model
     syncer = periodic.of(model)
-    if rt.rank == 0:
+    if rt.is_main:
         decision = None if syncer is None else syncer.decision
         _report(opts, model, val, started, decision=decision, sync_every=opts.sync_every or None,
-                sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype, sparse_density=opts.sparse_density)
+                sync_delay=opts.sync_delay, sync_dtype=opts.sync_dtype, sparse_density=opts.sparse_density,
+                redone=redone)
 
 
 def _accelerate(opts: argparse.Namespace) -> None:
@@ -314,6 +339,17 @@ def run_loop(opts: argparse.Namespace, loop: str, link_mbit: float, every: int |
                                     "HOST_ADDRESS": sim.addresses[h]},
                                stdout=logs[h], stderr=subprocess.STDOUT)
                      for h in range(opts.hosts)]
+        elif loop == "ddpkit-ft":
+            from ddpkit.distributed import ft_heal
+
+            secret = out / "secret"
+            ft_heal.write_secret(str(secret))
+            procs = [sim.popen(h, [sys.executable, "-m", "ddpkit.cli", "run", "--fault-tolerant", "--secret-file",
+                                   str(secret), "--min-replicas", str(opts.hosts), "--nnodes", str(opts.hosts),
+                                   "--node-rank", str(h), "--master", f"{sim.addresses[0]}:{PORT}", "-n", "1",
+                                   __file__, *args],
+                               env=env, stdout=logs[h], stderr=subprocess.STDOUT)
+                     for h in range(opts.hosts)]
         else:
             procs = [sim.popen(h, [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", str(opts.hosts),
                                    "--node-rank", str(h), "--master", f"{sim.addresses[0]}:{PORT}", "-n", "1",
@@ -345,6 +381,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         decision = row.get("decision")
         if decision:
             period = f"chose {decision['every']}, delay {decision['delay']}, {decision.get('dtype', 'bf16')}"
+            if decision.get("fragments", 1) > 1:
+                period += f", {decision['fragments']} fragments"
         elif row.get("sync_every"):
             period = f"given {row['sync_every']}, delay {row['sync_delay']}, {row.get('sync_dtype') or 'bf16'}"
         else:
@@ -383,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/heldout")
     opts = parser.parse_args(argv)
     if opts.worker is not None:
-        {"every-step": _ddpkit, "ddpkit": _ddpkit, "accelerate": _accelerate, "torchft": _torchft}[opts.worker](opts)
+        {"every-step": _ddpkit, "ddpkit": _ddpkit, "ddpkit-ft": _ddpkit, "accelerate": _accelerate,
+         "torchft": _torchft}[opts.worker](opts)
         return 0
     loops = [loop.strip() for loop in opts.loops.split(",") if loop.strip()]
     unknown = [loop for loop in loops if loop not in LOOPS]
@@ -393,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     chosen: int | None = None
     for loop in loops:
-        if loop in ("every-step", "ddpkit"):
+        if loop in ("every-step", "ddpkit", "ddpkit-ft"):
             link = UNSHAPED_MBIT if loop == "every-step" else opts.link_mbit
             rows.append(run_loop(opts, loop, link, None, out / loop))
             if loop == "ddpkit" and rows[-1].get("decision"):

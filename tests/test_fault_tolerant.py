@@ -385,24 +385,27 @@ def test_a_replicas_period_is_chosen_inside_a_quorum_in_fragments_behind_one_ste
         model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.BatchNorm1d(300), torch.nn.Linear(300, 200))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         syncer = PeriodicSync(model, optimizer, kind="diloco", every=None, sync_dtype="bf16")
-        replicas = _Replicas(link_bytes_per_s=20e6)  # 240 KB of bf16 change: 12 ms, against steps of 4 ms
+        replicas = _Replicas(
+            link_bytes_per_s=20e6
+        )  # 240 KB of bf16 change: 12 ms, against 4 ms of forward and backward
         syncer.meet_over(replicas)
         return syncer, optimizer, replicas
 
     syncer, optimizer, replicas = made()
     assert syncer.outer.param_groups[0]["lr"] == math.sqrt(2)  # sqrt of the job's 2 replicas, not of 1 process
 
-    def step() -> None:
+    def step() -> None:  # rt.step's order: the forward and backward, the exchange waited for, the commit
         syncer.model.train()
         syncer.model(torch.randn(8, 200)).pow(2).mean().backward()
-        optimizer.step(), optimizer.zero_grad()
         time.sleep(0.004)
+        syncer.wait_in_flight()
+        optimizer.step(), optimizer.zero_grad()
         syncer.after_step()
 
     mode = modes.Periodic(syncer)
     for _ in range(MEASURE_STEPS + 1):
         assert not syncer.choice_due()
-        step()
+        syncer.exchange_due(), step()  # (the quorum of each: nothing to exchange, the step timed)
     assert syncer.choosing and syncer.choice_due() and mode.changes_weights_on_batch()
     before = [t.clone() for t in _sync_state(syncer)]
     replicas.fails = True  # a replica dies as the link is timed: nothing is chosen
@@ -454,9 +457,10 @@ def test_a_replica_alone_in_its_quorum_waits_for_another_to_choose_the_period():
     replicas = Alone()
     syncer.meet_over(replicas)
     for _ in range(MEASURE_STEPS + 2):
-        model(torch.randn(2, 4)).sum().backward()
-        optimizer.step(), optimizer.zero_grad(), syncer.after_step()
         syncer.exchange_due()
+        model(torch.randn(2, 4)).sum().backward()
+        syncer.wait_in_flight()
+        optimizer.step(), optimizer.zero_grad(), syncer.after_step()
     assert syncer.choosing and syncer.choice_due() and syncer.syncs == 0  # no link to time: still to choose
     Alone.replicas = 1  # a job of one replica: nothing to time, the shortest period
     syncer.exchange_due()

@@ -441,6 +441,46 @@ def test_where_the_link_sets_the_period_int8_then_sparse_shorten_it_unless_the_u
     assert fast["dtype"] == "bf16" and fast["every"] == MIN_EVERY  # a link that sets nothing: no rounding
 
 
+def test_an_exchange_capped_at_one_steps_delay_goes_in_fragments_only_where_a_whole_one_cannot_hide():
+    """A fault-tolerant quorum's exchange runs behind one step at most (``max_delay=1``): where a whole
+    exchange needs more, the model goes in fragments, one a step, each hidden behind it; where a whole
+    one hides behind one step at the shortest period, it is taken over a denser share in fragments."""
+    from ddpkit.parallel.periodic_parts import LINK_SHARE, MIN_EVERY, SPARSE_DENSITIES, choose_exchange, choose_period
+
+    link = dict(step_s=0.1, world=2, link_bytes_per_s=1.25e6, latency_s=0.002)
+    free = choose_period(exchange_bytes=2_000_000, **link)
+    capped = choose_period(exchange_bytes=2_000_000, max_delay=1, **link)
+    assert free["delay"] > 1 and free["fragments"] == 1
+    assert capped["delay"] == 1 and capped["every"] == capped["fragments"] <= free["every"]
+
+    # each fragment's share of the bytes, and the latency paid once more for it, fit one step's share of the link
+    def per_fragment(fragments: int) -> float:
+        return (capped["exchange_s"] - link["latency_s"]) / fragments + link["latency_s"]
+
+    assert per_fragment(capped["fragments"]) <= LINK_SHARE * link["step_s"] < per_fragment(capped["fragments"] - 1)
+    # a whole exchange that hides behind one step is not split; nor where the link sets nothing
+    assert choose_period(exchange_bytes=50_000, max_delay=1, **link)["fragments"] == 1
+    assert choose_period(exchange_bytes=2_000_000, max_delay=1, **{**link, "link_bytes_per_s": None})["every"] == 2
+
+    def chosen(mbit: float, **kwargs) -> dict:
+        return choose_exchange(
+            elements=2_000_000,
+            dtype="bf16",
+            dtype_given=False,
+            **{**link, "link_bytes_per_s": mbit * 1e6 / 8},
+            **kwargs,
+        )
+
+    # 10 Mbit/s: a sparse share hides whole behind one step; denser shares would need fragments
+    whole = chosen(10, max_delay=1)
+    assert (whole["every"], whole["fragments"], whole["delay"]) == (MIN_EVERY, 1, 1)
+    assert whole["density"] < SPARSE_DENSITIES[0] and whole["density"] == chosen(10)["density"]
+    # 1 Mbit/s: no share hides whole behind one step: the sparsest in fragments, a step each
+    slow = chosen(1, max_delay=1)
+    assert slow["delay"] == 1 and slow["fragments"] == slow["every"] > 1 and slow["density"] == SPARSE_DENSITIES[-1]
+    assert slow["every"] <= chosen(1)["every"]
+
+
 def test_a_chosen_outer_step_lengthens_adaptive_inner_steps_by_the_root_of_the_world_size():
     from ddpkit.parallel.periodic import PeriodicSync
     from ddpkit.parallel.periodic_parts import chosen_outer_lr

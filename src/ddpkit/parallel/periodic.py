@@ -126,6 +126,10 @@ class PeriodicSync:
         """The period is still to be chosen: steps are timed, and nothing is exchanged until it is."""
         self._link: tuple[float, float | None] | None = None
         self._step_ends: list[float] = []
+        self._windows: list[float] = []
+        """Over a fault-tolerant quorum, while choosing: each step's time from its quorum to its commit
+        (its forward and backward), the only time an exchange can run behind it."""
+        self._window_start: float | None = None
         self.every = MEASURING if every is None else every
         self.exchange = sync_dtype or "bf16"
         """The exchange's kind by ``sync_dtype``'s name: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"sparse"``."""
@@ -251,7 +255,9 @@ class PeriodicSync:
             + (f" (the largest 1/{round(1 / decision['density'])})" if decision.get("density") else "")
             + (f", sync_fragments={fragments}" if fragments > 1 else "")
             + f": link {shown}, "
-            f"latency {latency * 1e3:.2f} ms, inner step {decision['step_s'] * 1e3:.1f} ms, one exchange of "
+            f"latency {latency * 1e3:.2f} ms, "
+            + ("forward and backward" if self.meet is not None else "inner step")
+            + f" {decision['step_s'] * 1e3:.1f} ms, one exchange of "
             f"{decision['exchange_bytes'] / 1e6:.2f} MB takes {decision['exchange_s'] * 1e3:.1f} ms "
             + (
                 f"and runs behind the next {self.delay} step(s)"
@@ -278,8 +284,9 @@ class PeriodicSync:
 
     def _choose_in_quorum(self) -> None:
         """Choose the period inside this step's quorum, as :meth:`_choose` does over a process group:
-        the link timed by the quorum's own sums, the slowest replica's step, for the job's replicas, and
-        an exchange behind one step at most (fragments where a whole one would need more). Every replica
+        the link timed by the quorum's own sums, the slowest replica's forward and backward (from its
+        quorum to its commit: what an exchange behind a step can hide behind), for the job's replicas,
+        and an exchange behind one step at most (fragments where a whole one would need more). Every replica
         in the quorum takes the same choice; a replica alone in it, or with no step timed in the quorum,
         waits for the next quorum. Raises :class:`QuorumLost` where a replica died during it (the step
         is then dropped, and the choice made again in the next quorum)."""
@@ -291,10 +298,11 @@ class PeriodicSync:
         if replicas > 1 and members < 2:
             return  # no link to time alone
         device = self.params[0].device if self.params else torch.device("cpu")
-        steps = [b - a for a, b in zip(self._step_ends[1:], self._step_ends[2:])]
+        # an exchange runs between the step's quorum and its commit: the forward and backward, not the step
+        windows = self._windows[1:]  # (the first step is set-up)
         nbytes = max(4, min(self._exchange_bytes(), PROBE_BYTES)) // 4 * 4
         latency, big = self.meet.timed_sums(nbytes, device) if members > 1 else (0.0, 0.0)
-        agreed = torch.tensor([statistics.median(steps) if steps else 0.0, latency, big], dtype=torch.float64)
+        agreed = torch.tensor([statistics.median(windows) if windows else 0.0, latency, big], dtype=torch.float64)
         self.meet.max_(agreed)
         step_s, latency, big = agreed.tolist()
         if step_s <= 0:
@@ -369,6 +377,8 @@ class PeriodicSync:
         before its commit (:meth:`wait_in_flight`) and applied after its optimizer step. The period,
         where it is to be chosen, is chosen first (:meth:`_choose_in_quorum`; not in a quorum of its own,
         ``choose=False``, where the exchange is the final one or one between steps)."""
+        if self.choosing and self.meet is not None:  # an exchange behind this step would start here
+            self._window_start = time.perf_counter()
         if choose and self.choice_due():
             self._before = self._kept()
             try:
@@ -390,6 +400,11 @@ class PeriodicSync:
         step's commit (torchft reports a failed one there, and the commit then drops the step)."""
         if self.meet is None:
             return
+        if self._window_start is not None:  # choosing: how long an exchange behind this step could run
+            if self.params and self.params[0].is_cuda:
+                torch.cuda.synchronize(self.params[0].device)
+            self._windows.append(time.perf_counter() - self._window_start)
+            self._window_start = None
         for exchange in self.pending:
             if exchange["work"] is not None:
                 exchange["work"].wait()
