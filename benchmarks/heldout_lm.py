@@ -187,6 +187,10 @@ def _ddpkit(opts: argparse.Namespace) -> None:
         from ddpkit.parallel import periodic_parts
 
         periodic_parts.SPARSE_DENSITY = opts.sparse_density
+    if opts.max_delay:
+        from ddpkit.parallel import periodic_parts
+
+        periodic_parts.MAX_DELAY = opts.max_delay
     rt = ddpkit.init(seed=opts.seed)
     train, val = windows(opts.corpus)
     torch.manual_seed(opts.seed)
@@ -198,8 +202,8 @@ def _ddpkit(opts: argparse.Namespace) -> None:
                       outer_lr=opts.outer_lr, outer_momentum=0.0)
     model, optimizer = rt.setup(model, optimizer, **kwargs)
     started, redone = time.perf_counter(), 0
-    if rt.replica is not None:  # a fault-tolerant replica: each step's batch from rt.loader, its quorum with it
-        replicas = int(os.environ["DDPKIT_FT_REPLICAS"])
+    if rt.replica is not None or opts.loader:  # a fault-tolerant replica: each step's batch from rt.loader
+        replicas = int(os.environ["DDPKIT_FT_REPLICAS"]) if rt.replica is not None else rt.world_size
         loader = rt.loader(torch.utils.data.TensorDataset(train), global_batch_size=opts.batch * replicas, shuffle=True)
         committed = 0
         for _ in rt.epochs(1):
@@ -320,6 +324,8 @@ def run_loop(opts: argparse.Namespace, loop: str, link_mbit: float, every: int |
     args = ["--worker", loop, "--out", str(out), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
             "--batch", str(opts.batch), "--lr", str(opts.lr), "--seed", str(opts.seed), "--every", str(every or 0),
             "--corpus", opts.corpus, "--width", str(opts.width), "--layers", str(opts.layers)]
+    args += ["--loader"] if opts.loader else []
+    args += ["--max-delay", str(opts.max_delay)] if opts.max_delay else []
     if opts.sync_every:
         args += ["--sync-every", str(opts.sync_every), "--sync-delay", str(opts.sync_delay)]
         args += ["--sync-dtype", opts.sync_dtype] if opts.sync_dtype else []
@@ -405,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the share a sparse exchange sends (an experiment: default SPARSE_DENSITY)")
     parser.add_argument("--outer-lr", type=float, default=1.0,
                         help="with --sync-every: DiLoCo's outer learning rate (1: the replicas' average)")
+    parser.add_argument("--loader", action="store_true",
+                        help="the ddpkit loops take their batches from rt.loader, as ddpkit-ft's replicas do")
+    parser.add_argument("--max-delay", type=int, default=0,
+                        help="an experiment: the most steps a chosen exchange runs behind (fragments beyond)")
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--link-mbit", type=float, default=10.0)
     parser.add_argument("--loops", default=",".join(LOOPS))

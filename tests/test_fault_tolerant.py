@@ -443,6 +443,23 @@ def test_a_replicas_period_is_chosen_inside_a_quorum_in_fragments_behind_one_ste
     assert resumed.decision == syncer.decision and resumed.every == syncer.every and not resumed.choice_due()
 
 
+def test_a_quorum_times_a_slow_link_on_a_cut_sum_within_the_probes_budget(monkeypatch):
+    """At 1 Mbit/s a 4 MiB sum takes 40 s a call: the quorum's probe predicts it from a first sum of
+    256 KB at most and cuts the larger one to a quarter of its budget, repeated at least 3 times."""
+    from ddpkit.distributed import probe
+    from ddpkit.parallel.periodic import QuorumMeet
+
+    monkeypatch.setattr(probe, "PROBE_BUDGET_S", 0.4)  # (a 0.1 s sum, not a 1 s one: the test's time)
+    slow = QuorumMeet(_Replicas(link_bytes_per_s=2e6))  # 4 MiB: 2.1 s a call
+    started = time.perf_counter()
+    latency, seconds, sent = slow.timed_sums(4 << 20, torch.device("cpu"))
+    assert time.perf_counter() - started < 2.1  # not one whole 4 MiB sum
+    assert 256 << 10 <= sent < 4 << 20 and 0.001 <= latency < seconds
+    assert sent / (seconds - latency) == pytest.approx(2e6, rel=0.3)  # the link's speed, from the cut sum
+    fast = QuorumMeet(_Replicas(link_bytes_per_s=2e9))
+    assert fast.timed_sums(4 << 20, torch.device("cpu"))[2] == 4 << 20  # a fast link: the whole sum
+
+
 def test_a_replica_alone_in_its_quorum_waits_for_another_to_choose_the_period():
     from ddpkit.parallel.periodic import PeriodicSync
     from ddpkit.parallel.periodic_parts import MEASURE_STEPS

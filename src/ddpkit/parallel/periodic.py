@@ -61,6 +61,7 @@ import torch.distributed as dist
 from ddpkit._torch import unwrap
 from ddpkit.distributed.probe import link, slowest_step
 from ddpkit.errors import DdpkitError, UsageError, warn
+from ddpkit.parallel import periodic_parts
 from ddpkit.parallel.periodic_parts import (
     _DTYPES,
     BLOCKS,
@@ -232,6 +233,7 @@ class PeriodicSync:
             world=_world(),
             link_bytes_per_s=speed,
             latency_s=latency,
+            max_delay=periodic_parts.MAX_DELAY,
         )
         if self.outer is not None:
             group = self.outer.param_groups[0]
@@ -301,7 +303,7 @@ class PeriodicSync:
         # an exchange runs between the step's quorum and its commit: the forward and backward, not the step
         windows = self._windows[1:]  # (the first step is set-up)
         nbytes = max(4, min(self._exchange_bytes(), PROBE_BYTES)) // 4 * 4
-        latency, big = self.meet.timed_sums(nbytes, device) if members > 1 else (0.0, 0.0)
+        latency, big, nbytes = self.meet.timed_sums(nbytes, device) if members > 1 else (0.0, 0.0, nbytes)
         agreed = torch.tensor([statistics.median(windows) if windows else 0.0, latency, big], dtype=torch.float64)
         self.meet.max_(agreed)
         step_s, latency, big = agreed.tolist()
@@ -970,11 +972,13 @@ class QuorumMeet:
         """This replica is ranked first in the step's quorum (it says what the quorum chose)."""
         return int(getattr(self.replica, "rank", 0)) == 0
 
-    def timed_sums(self, nbytes: int, device: torch.device, repeats: int = 5) -> tuple[float, float]:
-        """``(latency_s, seconds)``: a one-element sum over the quorum and one of ``nbytes``, each the
-        median of the faster half of its calls (:func:`~ddpkit.distributed.probe.typical`), as
-        :func:`~ddpkit.distributed.probe.link` times a process group. The first call of the larger sum
-        sets the repeats (fewer on a slow link, at least 3), the same on every replica."""
+    def timed_sums(self, nbytes: int, device: torch.device, repeats: int = 5) -> tuple[float, float, int]:
+        """``(latency_s, seconds, bytes)``: a one-element sum over the quorum and one of up to ``nbytes``,
+        each the median of the faster half of its calls (:func:`~ddpkit.distributed.probe.typical`), as
+        :func:`~ddpkit.distributed.probe.link` times a process group. A first sum of at most 256 KB
+        (the same on every replica) sets up what the calls use and predicts the larger one's time: on a
+        slow link the larger sum is cut to what a quarter of the probe's budget sends (at 1 Mbit/s a
+        4 MiB sum takes 40 s a call), and repeated fewer times (at least 3)."""
         from ddpkit.distributed.probe import PROBE_BUDGET_S, typical
 
         def seconds(tensor: torch.Tensor) -> float:
@@ -984,11 +988,18 @@ class QuorumMeet:
                 torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
-        small, big = torch.zeros(1, device=device), torch.zeros(max(1, nbytes // 4), device=device)
-        first = torch.tensor([seconds(big)], dtype=torch.float64)  # sets up what the calls use
+        elements = max(1, nbytes // 4)
+        first_elements = min(elements, 1 << 16)
+        first = torch.tensor([seconds(torch.zeros(first_elements, device=device))], dtype=torch.float64)
         self.max_(first)
-        repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(first.item(), 1e-9))))
-        return typical([seconds(small) for _ in range(repeats)]), typical([seconds(big) for _ in range(repeats)])
+        predicted = first.item() * elements / first_elements  # (latency counted as bytes: an overestimate)
+        if predicted > PROBE_BUDGET_S / 4:
+            elements = max(first_elements, int(elements * PROBE_BUDGET_S / 4 / predicted))
+            predicted = first.item() * elements / first_elements
+        repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(predicted, 1e-9))))
+        small, big = torch.zeros(1, device=device), torch.zeros(elements, device=device)
+        latency = typical([seconds(small) for _ in range(repeats)])
+        return latency, typical([seconds(big) for _ in range(repeats)]), elements * 4
 
     def _check(self) -> None:
         if self.replica.failed():
