@@ -323,6 +323,7 @@ class PeriodicSync:
         if self.outer is not None:
             group = self.outer.param_groups[0]
             decision.update(outer_lr=group["lr"], outer_momentum=group["momentum"])
+        self._before = self._kept()  # every collective of the choice is done: what it changes from here
         self._adopt(decision)
         self.steps = 0  # the steps timed were the first period, which ended at the last commit
         self.due = [f for f, offset in enumerate(self.offsets) if offset == self.every]
@@ -335,6 +336,11 @@ class PeriodicSync:
             self.exchange = decision["dtype"]
             self.density = decision.get("density")
         self._layout(int(decision["fragments"]))
+        made = len(self.fragments)
+        if made < int(decision["fragments"]):  # fewer tensors than fragments: each is larger, and given longer
+            decision["fragments"] = made
+            if self.meet is None:  # (a quorum's exchange lands after one step whatever its size)
+                self.delay = decision["delay"] = min(self.every - 1, -(-self.every // made))
 
     # -- training --------------------------------------------------------------------------
     def after_step(self) -> None:
@@ -342,13 +348,13 @@ class PeriodicSync:
         self.steps += 1
         self.total += 1
         self.finished = False
+        self._before = None  # the step committed: what its quorum changed stands
         if self.choosing:
             self._time_step()
             if self.choosing:
                 return
         for exchange in [e for e in self.pending if e["apply_at"] <= self.total]:
             self._land(exchange)
-        self._before = None  # the step committed: an exchange made in its quorum stands
         if self._announce is not None:  # so is a choice made in it: said once
             warn(self._announce)
             self._announce = None
@@ -379,14 +385,13 @@ class PeriodicSync:
         before its commit (:meth:`wait_in_flight`) and applied after its optimizer step. The period,
         where it is to be chosen, is chosen first (:meth:`_choose_in_quorum`; not in a quorum of its own,
         ``choose=False``, where the exchange is the final one or one between steps)."""
-        if self.choosing and self.meet is not None:  # an exchange behind this step would start here
-            self._window_start = time.perf_counter()
         if choose and self.choice_due():
-            self._before = self._kept()
             try:
-                self._choose_in_quorum()
+                self._choose_in_quorum()  # (what it changes is kept first, for a step that does not commit)
             except QuorumLost:  # the step will not commit: chosen in the next quorum
                 return
+        if self.choosing and self.meet is not None:  # an exchange behind this step would start here
+            self._window_start = time.perf_counter()
         if self.due:
             if self._before is None:
                 self._before = self._kept()
