@@ -37,7 +37,9 @@ step()
 step()
 rt.save(os.path.join(directory, "blocking"), state, blocking=True)
 path = rt.save(os.path.join(directory, "background"), state)
-print("returned before the seal:", not path.exists(), flush=True)
+# one write of the whole line: the two ranks share stdout, and print's parts may interleave with the other's
+sys.stdout.write(f"returned before the seal: {not path.exists()}\n")
+sys.stdout.flush()
 for _ in range(3):
     step()
 rt.close()
