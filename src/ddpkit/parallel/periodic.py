@@ -217,7 +217,7 @@ class PeriodicSync:
         if self.params and self.params[0].is_cuda:
             torch.cuda.synchronize(self.params[0].device)  # the step's kernels, not only their launch
         self._step_ends.append(time.perf_counter())
-        if len(self._step_ends) > MEASURE_STEPS and self.meet is None:  # a quorum's is chosen in it (exchange_due)
+        if len(self._step_ends) > MEASURE_STEPS:
             self._choose()
 
     def _choose(self) -> None:
@@ -225,23 +225,30 @@ class PeriodicSync:
         whose exchange hides behind the inner steps (:func:`~ddpkit.parallel.periodic_parts.choose_period`)."""
         slowest = slowest_step(self._step_ends)
         latency, speed = self._link or (0.0, None)
-        decision = choose_exchange(
-            step_s=slowest,
-            elements=self._exchange_elements(),
-            dtype=self.exchange,
-            dtype_given=self.dtype_given,
-            world=_world(),
-            link_bytes_per_s=speed,
-            latency_s=latency,
-            max_delay=periodic_parts.MAX_DELAY,
-        )
-        if self.outer is not None:
-            group = self.outer.param_groups[0]
-            decision.update(outer_lr=group["lr"], outer_momentum=group["momentum"])
+        decision = self._decision(slowest, _world(), speed, latency, periodic_parts.MAX_DELAY)
         self._adopt(decision)
         self.steps = self.every  # the steps timed were the first period: exchange now
         if not _world() > 1 or dist.get_rank() == 0:
             warn(self._notice(decision, latency, speed))
+
+    def _decision(
+        self, step_s: float, world: int, speed: float | None, latency: float, max_delay: int | None
+    ) -> dict[str, Any]:
+        """:func:`~ddpkit.parallel.periodic_parts.choose_exchange` for this model, with DiLoCo's outer settings."""
+        decision = choose_exchange(
+            step_s=step_s,
+            elements=self._exchange_elements(),
+            dtype=self.exchange,
+            dtype_given=self.dtype_given,
+            world=world,
+            link_bytes_per_s=speed,
+            latency_s=latency,
+            max_delay=max_delay,
+        )
+        if self.outer is not None:
+            group = self.outer.param_groups[0]
+            decision.update(outer_lr=group["lr"], outer_momentum=group["momentum"])
+        return decision
 
     def _notice(self, decision: dict[str, Any], latency: float, speed: float | None) -> str:
         """The one line that says what was chosen, and from what."""
@@ -310,19 +317,7 @@ class PeriodicSync:
         if step_s <= 0:
             return  # every replica here healed since the steps were timed: time more
         speed = bus_bytes(nbytes, members) / (big - latency) if members > 1 and big > latency else None
-        decision = choose_exchange(
-            step_s=step_s,
-            elements=self._exchange_elements(),
-            dtype=self.exchange,
-            dtype_given=self.dtype_given,
-            world=replicas,
-            link_bytes_per_s=speed,
-            latency_s=latency,
-            max_delay=1,
-        )
-        if self.outer is not None:
-            group = self.outer.param_groups[0]
-            decision.update(outer_lr=group["lr"], outer_momentum=group["momentum"])
+        decision = self._decision(step_s, replicas, speed, latency, 1)
         self._before = self._kept()  # every collective of the choice is done: what it changes from here
         self._adopt(decision)
         self.steps = 0  # the steps timed were the first period, which ended at the last commit
@@ -350,7 +345,8 @@ class PeriodicSync:
         self.finished = False
         self._before = None  # the step committed: what its quorum changed stands
         if self.choosing:
-            self._time_step()
+            if self.meet is None:  # (a quorum times its steps' windows, and chooses in exchange_due)
+                self._time_step()
             if self.choosing:
                 return
         for exchange in [e for e in self.pending if e["apply_at"] <= self.total]:
@@ -426,8 +422,7 @@ class PeriodicSync:
         before, self._before = self._before, None
         self._announce = None
         self.decision, self.choosing, self.every, self.delay, self.exchange, self.density, self.steps = before["choice"]
-        if len(self.fragments) != before["fragments"] or self.offsets != before["offsets"]:
-            self._layout(before["fragments"])
+        self._layout(before["fragments"])  # (the offsets follow from the restored period; sent_at is restored below)
         _copy(self.params, before["local"])
         _copy(self.buffers, before["local_buffers"])
         _copy(self.synced, before["synced"])
@@ -454,7 +449,6 @@ class PeriodicSync:
             "sent_bytes": self.sent_bytes,
             "choice": (self.decision, self.choosing, self.every, self.delay, self.exchange, self.density, self.steps),
             "fragments": len(self.fragments),
-            "offsets": list(self.offsets),
         }
 
     @torch.no_grad()
