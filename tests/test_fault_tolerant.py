@@ -440,6 +440,11 @@ def test_a_replicas_period_is_chosen_inside_a_quorum_in_fragments_behind_one_ste
     with pytest.warns(UserWarning, match="written by one replica"):
         modes.Periodic(resumed).load_state_dict(saved, same_world=True, source="ckpt")
     assert resumed.decision == syncer.decision and resumed.every == syncer.every and not resumed.choice_due()
+    for forged in ({**saved["decision"], "delay": syncer.every}, {**saved["decision"], "fragments": 0}, {"every": "x"}):
+        crafted, _, _ = made()
+        with pytest.raises(ddpkit.DdpkitError, match="holds a sync period that no choice makes"):
+            modes.Periodic(crafted).take_peer_state({**saved, "decision": forged}, "peer of replica 1")
+        assert crafted.choosing  # nothing adopted
 
 
 def test_a_model_of_fewer_tensors_than_the_fragments_a_link_needs_says_the_fragments_it_has():

@@ -803,7 +803,7 @@ class PeriodicSync:
             )
         if self.choosing or self.decision is not None:  # the period was to be chosen: the saved choice stands
             if saved.get("decision") is not None:
-                self._adopt(saved["decision"])
+                self._adopt(_checked_decision(saved["decision"], source))
             elif not saved.get("choosing"):  # saved by a run that gave sync_every: keep its layout
                 self._adopt(
                     {"every": saved["every"], "delay": saved.get("delay", 0), "fragments": saved.get("fragments", 1)}
@@ -867,6 +867,20 @@ class PeriodicSync:
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
         self.steps, self.pending, self.feedback = 0, [], {}
+
+
+def _checked_decision(decision: Any, source: str) -> dict[str, Any]:
+    """A loaded choice of the period, refused in one line where it cannot be one (a damaged or forged file)."""
+    try:
+        every, delay, fragments = (int(decision[k]) for k in ("every", "delay", "fragments"))
+    except (KeyError, TypeError, ValueError):
+        every = delay = fragments = -1
+    if not (every >= 1 and 0 <= delay < every and 1 <= fragments <= every):
+        raise DdpkitError(
+            f"checkpoint {source} holds a sync period that no choice makes ({decision!r:.200}); it is damaged or "
+            "was not written by ddpkit: resume from another checkpoint"
+        )
+    return decision
 
 
 def _diverged(kind: str) -> DdpkitError:
