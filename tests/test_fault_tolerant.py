@@ -191,7 +191,7 @@ class _Replicas:
     """A quorum of two replicas for an infrequent sync's exchange, the other one holding the same
     change (a sum doubles, a gather repeats the row); ``fails`` makes its collectives fail."""
 
-    replicas, rank = 2, 0
+    replicas, rank, device = 2, 0, torch.device("cpu")
 
     def __init__(self, link_bytes_per_s: float | None = None) -> None:
         self.fails, self.quorums, self.commits, self.inside = False, 0, [], False
@@ -482,6 +482,26 @@ def test_a_quorum_times_a_slow_link_on_a_cut_sum_within_the_probes_budget(monkey
     monkeypatch.undo()  # the budget of 4 s: 4 MiB at 2 GB/s takes 3 ms, however busy the machine
     fast = QuorumMeet(_Replicas(link_bytes_per_s=2e9))
     assert fast.timed_sums(4 << 20, torch.device("cpu"))[2] == 4 << 20  # a fast link: the whole sum
+
+
+def test_a_quorums_agreement_travels_through_the_replicas_device():
+    """The period's agreement and the probe's prediction are host tensors; a quorum on GPUs reduces
+    through NCCL, which takes CUDA tensors only: they go through the replica's device and come back."""
+    from ddpkit.parallel.periodic import QuorumMeet
+
+    seen = []
+
+    class OnDevice(_Replicas):
+        device = torch.device("meta")  # (a device that is not the host's, on any machine)
+
+        def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+            seen.append(row.device)
+            return torch.tensor([[1.0, 7.0], [5.0, 2.0]], dtype=row.dtype)
+
+    agreed = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    QuorumMeet(OnDevice()).max_(agreed)
+    assert seen == [torch.device("meta")]
+    assert agreed.device.type == "cpu" and agreed.tolist() == [5.0, 7.0]
 
 
 def test_a_replica_alone_in_its_quorum_waits_for_another_to_choose_the_period():

@@ -175,6 +175,8 @@ class Replica:
             manager_log.setLevel(logging.ERROR)
         manager_log.addFilter(_not_refused)  # a refused heal is one line of ddpkit's, not torchft's traceback
         self.index = replica_index(environ)
+        self.device = device
+        """Where the quorum's collectives run (NCCL's take CUDA tensors only)."""
         self.replicas = int(environ.get(REPLICAS_ENV, "1"))
         self.min_replicas = int(environ.get(MIN_REPLICAS_ENV, "1"))
         host = environ.get(HOST_ENV, "127.0.0.1")

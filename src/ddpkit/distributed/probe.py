@@ -5,14 +5,16 @@ no rank times a peer's lateness; :func:`typical` keeps the median of the faster 
 since on a machine whose cores the ranks fill a call now and then waits a scheduler tick, which
 is the cores being busy, not the link. :func:`link` turns a one-element and a larger allreduce into
 the per-call latency and the link's speed, what ``grad_compression="auto"`` and ``ddpkit bench``
-predict step times from.
+predict step times from. :func:`timed_link` is that timing over any group's sum and largest (a
+process group's, or a fault-tolerant quorum's): a slow link's larger call is cut to what a quarter
+of :data:`PROBE_BUDGET_S` sends, so a 1 Mbit/s link is timed in seconds, not minutes.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,18 +71,88 @@ def slowest_step(step_ends: list[float]) -> float:
     return float(collectives.all_reduce(statistics.median(steps), op="max"))
 
 
+FIRST_ELEMENTS = 1 << 16
+"""The first timed sum's size (256 KB of float32) at most: it predicts the larger one's time."""
+
+
+def timed_link(
+    sum_: Callable[[torch.Tensor], None],
+    max_: Callable[[torch.Tensor], None],
+    nbytes: int,
+    device: torch.device,
+    *,
+    repeats: int = 7,
+    before: Callable[[], None] | None = None,
+) -> tuple[float, float, int]:
+    """``(latency_s, seconds, bytes)`` of a group: the typical one-element sum, the typical sum of
+    ``bytes`` (``nbytes`` at most), each this rank's median of its faster half of calls (:func:`typical`).
+
+    An untimed one-element sum first sets up what the calls use (NCCL makes its communicator then). A
+    timed sum of at most 256 KB predicts the larger one's time, the group's largest prediction counting
+    (latency counted as bytes: an overestimate). Where the larger sum would take more than a quarter of
+    :data:`PROBE_BUDGET_S`, it is cut to what that sends (at 1 Mbit/s a 4 MiB sum takes 40 s a call), and
+    every timing is repeated as often as the budget allows (at least 3 times, at most ``repeats``).
+    Every rank gets the same ``bytes`` and the same counts, so the calls pair up. The times are not
+    agreed: the caller takes the group's largest with whatever else it agrees on.
+
+    Args:
+        sum_: sums a tensor in place over the group (every rank calls it with the same size).
+        max_: the group's largest of a CPU float64 tensor, in place.
+        nbytes: the larger sum's bytes at most (4-byte elements).
+        device: where the summed tensors live.
+        repeats: the most calls a timing takes.
+        before: called before each timed call, such as a barrier that starts every rank together.
+    """
+
+    def seconds(tensor: torch.Tensor) -> float:
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        sum_(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    elements = max(1, nbytes // 4)
+    first_elements = min(elements, FIRST_ELEMENTS)
+    small = torch.zeros(1, device=device)
+    set_up = seconds(small)  # (connections, communicators, buffers)
+    first = torch.tensor([set_up, seconds(torch.zeros(first_elements, device=device))], dtype=torch.float64)
+    max_(first)
+    set_up, first_s = first.tolist()
+    predicted = first_s * elements / first_elements
+    if predicted > PROBE_BUDGET_S / 4:
+        elements = max(first_elements, int(elements * PROBE_BUDGET_S / 4 / predicted))
+        predicted = first_s * elements / first_elements
+    latency = typical([seconds(small) for _ in range(_repeats(repeats, set_up))])
+    big = torch.zeros(elements, device=device)
+    return latency, typical([seconds(big) for _ in range(_repeats(repeats, predicted))]), elements * 4
+
+
+def _repeats(most: int, each_s: float) -> int:
+    """How many calls of ``each_s`` seconds the budget allows: at least 3, at most ``most``."""
+    return max(3, min(most, int(PROBE_BUDGET_S / max(each_s, 1e-9))))
+
+
 def link(nbytes: int, device: torch.device, *, repeats: int = 7) -> tuple[float, float | None]:
-    """``(latency_s, bytes_per_s)`` of the default group: a one-element allreduce, and one of
-    ``nbytes``, each the largest over ranks of their typical call (ranks agree on the answer).
+    """``(latency_s, bytes_per_s)`` of the default group (:func:`timed_link` over its allreduce, each
+    call after a barrier), each the largest over ranks of their typical call (ranks agree on the answer).
 
     ``bytes_per_s`` is what each rank sends per second in a ring allreduce (None where the larger
     call was no slower than the small one). A collective: every rank calls it.
     """
-    world = dist.get_world_size()
-    small = typical(timed_calls(torch.zeros(1, device=device), repeats))
-    big = typical(timed_calls(torch.zeros(max(1, nbytes // 4), device=device), repeats))
-    agreed = torch.tensor([small, big], dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+
+    def sum_(tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def max_(values: torch.Tensor) -> None:  # through the backend's device (NCCL reduces no CPU tensor)
+        on_device = values.to(device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        values.copy_(on_device.cpu())
+
+    latency, big, sent = timed_link(sum_, max_, nbytes, device, repeats=repeats, before=dist.barrier)
+    agreed = torch.tensor([latency, big], dtype=torch.float64)
+    max_(agreed)
     small, big = agreed.tolist()
     moving = big - small
-    return small, (bus_bytes(max(1, nbytes // 4) * 4, world) / moving if moving > 0 else None)
+    return small, (bus_bytes(sent, dist.get_world_size()) / moving if moving > 0 else None)

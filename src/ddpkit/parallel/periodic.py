@@ -987,32 +987,12 @@ class QuorumMeet:
 
     def timed_sums(self, nbytes: int, device: torch.device, repeats: int = 5) -> tuple[float, float, int]:
         """``(latency_s, seconds, bytes)``: a one-element sum over the quorum and one of up to ``nbytes``,
-        each the median of the faster half of its calls (:func:`~ddpkit.distributed.probe.typical`), as
-        :func:`~ddpkit.distributed.probe.link` times a process group. A first sum of at most 256 KB
-        (the same on every replica) sets up what the calls use and predicts the larger one's time: on a
-        slow link the larger sum is cut to what a quarter of the probe's budget sends (at 1 Mbit/s a
-        4 MiB sum takes 40 s a call), and repeated fewer times (at least 3)."""
-        from ddpkit.distributed.probe import PROBE_BUDGET_S, typical
+        timed as :func:`~ddpkit.distributed.probe.link` times a process group
+        (:func:`~ddpkit.distributed.probe.timed_link`: on a slow link the larger sum is cut to what a
+        quarter of the probe's budget sends, and repeated fewer times, at least 3)."""
+        from ddpkit.distributed.probe import timed_link
 
-        def seconds(tensor: torch.Tensor) -> float:
-            start = time.perf_counter()
-            self.sum_(tensor)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return time.perf_counter() - start
-
-        elements = max(1, nbytes // 4)
-        first_elements = min(elements, 1 << 16)
-        first = torch.tensor([seconds(torch.zeros(first_elements, device=device))], dtype=torch.float64)
-        self.max_(first)
-        predicted = first.item() * elements / first_elements  # (latency counted as bytes: an overestimate)
-        if predicted > PROBE_BUDGET_S / 4:
-            elements = max(first_elements, int(elements * PROBE_BUDGET_S / 4 / predicted))
-            predicted = first.item() * elements / first_elements
-        repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(predicted, 1e-9))))
-        small, big = torch.zeros(1, device=device), torch.zeros(elements, device=device)
-        latency = typical([seconds(small) for _ in range(repeats)])
-        return latency, typical([seconds(big) for _ in range(repeats)]), elements * 4
+        return timed_link(self.sum_, self.max_, nbytes, device, repeats=repeats)
 
     def _check(self) -> None:
         if self.replica.failed():
@@ -1028,8 +1008,9 @@ class QuorumMeet:
         return None
 
     def max_(self, tensor: torch.Tensor) -> None:
-        """The quorum's largest of ``tensor``, in place."""
-        rows = self.replica.all_gather_rows(tensor)
+        """The quorum's largest of ``tensor``, in place (a host tensor, such as the period's agreement,
+        travels through the replica's device: NCCL reduces no CPU tensor)."""
+        rows = self.replica.all_gather_rows(tensor.to(self.replica.device))
         self._check()
         tensor.copy_(rows.amax(0))
 
