@@ -90,6 +90,7 @@ def _samples_per_epoch(events: list[dict]) -> dict[int, int]:
     for row in events:
         if row["kind"] == "step":
             counts[row["epoch"]] += row["local"]
+            assert row["summed"] == row["total"], row  # rt.all_reduce inside a step: over its quorum
     return dict(counts)
 
 
@@ -185,6 +186,47 @@ def test_a_replica_casts_the_gradients_it_sends_and_refuses_powersgd():
     single.grad = torch.tensor([1.0 + 2**-10])
     plain._average([single])
     assert plain.cast is None and single.grad.item() == 1.0 + 2**-10
+
+
+def test_a_replicas_reduction_inside_a_step_goes_over_its_quorum_and_is_nan_where_a_replica_died():
+    """``rt.all_reduce`` in a fault-tolerant replica: refused outside a step, over the step's quorum
+    inside one (sum, mean, max, min of what each replica holds); NaN where the quorum lost a replica."""
+    from ddpkit.distributed.collectives import all_reduce
+    from ddpkit.parallel.replica import FaultTolerant
+
+    class Quorum(_Quorum):  # the other replica holds 10 + what this one holds
+        participants, rank, device, errored, inside = 2, 0, torch.device("cpu"), False, False
+        reduce_ = ft.Replica.reduce_
+
+        def in_quorum(self) -> bool:
+            return self.inside
+
+        def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+            tensor.mul_(2).add_(10)
+
+        def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+            return torch.stack([row, row + 10])
+
+        def failed(self) -> bool:
+            return self.errored
+
+    quorum = Quorum()
+    replica = FaultTolerant(quorum)
+    with pytest.raises(ddpkit.UsageError, match="reduces over a step's quorum: call it between a batch of rt.loader"):
+        replica.refuse("rt.all_reduce")
+    assert replica.reduces_over() is None
+    quorum.inside = True
+    replica.refuse("ddpkit.all_reduce")  # inside a step: taken
+    with pytest.raises(ddpkit.UsageError, match="would gather this replica alone"):
+        replica.refuse("rt.all_gather")
+    over = replica.reduces_over()
+    assert over is quorum
+    assert all_reduce(3, over=over) == 16.0 and all_reduce(3, "mean", over=over) == 8.0
+    assert all_reduce(torch.tensor([3, 4]), "mean", over=over).tolist() == [8.0, 9.0]  # ints: a float mean
+    assert all_reduce(torch.tensor([1.0, 2.0]), "max", over=over).tolist() == [11.0, 12.0]
+    assert all_reduce(torch.tensor([1.0, 2.0]), "min", over=over).tolist() == [1.0, 2.0]
+    quorum.errored = True  # a replica died in this step, which will not commit
+    assert all_reduce(torch.tensor([1.0]), over=over).isnan().all()
 
 
 class _Replicas:
@@ -602,6 +644,7 @@ def _each_shard_once(events: list[dict]) -> collections.Counter:
         if row["kind"] == "step":
             shards[row["step"]] += row["shards"]
             replicas[row["step"]] += 1
+            assert row["summed"] == row["total"], row  # each shard's samples counted once over the quorum
     assert set(shards.values()) == {4}, shards
     return collections.Counter(replicas.values())
 
@@ -940,6 +983,109 @@ def test_fewer_live_replicas_than_the_minimum_stop_with_one_line_and_a_checkpoin
     own = checkpoint.read(saved)["ddpkit"]
     steps = [row["step"] for row in _events(out) if row["kind"] == "step" and row["replica"] == 0]
     assert own["step"] == max(steps) >= 6
+
+
+def _recipe(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``ddpkit train`` of the digits ConvNet with ``micro_shards=2``, every step's loss logged."""
+    common = ("--micro-shards", "2", "--global-batch-size", "32", "--log-every", "1", "--trackers", "tensorboard")
+    done = run([str(BIN / "ddpkit"), "train", *common, "--out-dir", str(out), *args], timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _recipe_run(out: Path) -> tuple[dict, dict[str, torch.Tensor], list[float]]:
+    """A ``ddpkit train`` run's summary, final model and logged step losses (in step order, each once)."""
+    from ddpkit import checkpoint
+
+    summary = json.loads((out / "summary.json").read_text())
+    model = checkpoint.read(Path(summary["final_checkpoint"]))["user"]["model"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = {row["step"]: row["train_loss_step"] for row in rows if "train_loss_step" in row}
+    return summary, model, [losses[step] for step in sorted(losses)]
+
+
+def _same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in a if not torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8))]
+
+
+@pytest.fixture(scope="module")
+def recipe_one(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("recipe-one") / "run"
+    _recipe(out, "--nproc", "1", "--epochs", "2")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_ddpkit_train_fault_tolerant_ends_at_one_processs_bits_and_logs_the_whole_batchs_loss(recipe_one, tmp_path):
+    """``ddpkit train --fault-tolerant --nproc 2``: the recipe under ``ddpkit run --fault-tolerant``.
+    Its step losses are summed over each step's quorum (``rt.all_reduce`` inside the step), so they
+    and the epoch's train loss are the whole batch's, as one process logs them; the weights are its bits."""
+    out = tmp_path / "replicas"
+    done = _recipe(out, "--fault-tolerant", "--nproc", "2", "--epochs", "2")
+    assert f"wrote {out}/summary.json" in done.stdout
+    one, one_model, one_losses = _recipe_run(recipe_one)
+    two, two_model, two_losses = _recipe_run(out)
+    assert (two["fault_tolerant"], two["replicas"], one["fault_tolerant"]) == (True, 2, False)
+    assert _same_model(one_model, two_model) == []
+    assert (two["test_accuracy"], two["test_loss"], two["steps"]) == (
+        one["test_accuracy"],
+        one["test_loss"],
+        one["steps"],
+    )
+    assert len(two_losses) == len(one_losses) == one["steps"]  # each step logged once, by one replica
+    assert two_losses == pytest.approx(one_losses, rel=1e-12)  # not one replica's half of the batch
+    epochs = [
+        [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (recipe_one, out)
+    ]
+    train_losses = [[row["train_loss"] for row in rows if "train_loss" in row] for rows in epochs]
+    assert len(train_losses[0]) == 2 and train_losses[1] == pytest.approx(train_losses[0], rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddpkit_train_fault_tolerant_loses_a_replica_mid_run_and_ends_at_the_same_bits(tmp_path):
+    """A replica of ``ddpkit train --fault-tolerant`` SIGKILLed from outside mid-run: the survivor
+    computes its micro-shards, it comes back and heals, and the run ends at one process's bits with
+    every step logged once at the whole batch's loss."""
+    one = tmp_path / "one"
+    _recipe(one, "--nproc", "1", "--epochs", "3")
+    out = tmp_path / "replicas"
+    common = ("--micro-shards", "2", "--global-batch-size", "32", "--log-every", "1", "--trackers", "tensorboard")
+    cmd = [str(BIN / "ddpkit"), "train", *common, "--out-dir", str(out), "--fault-tolerant", "--nproc", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--epochs", "3", "--max-restarts", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        start_new_session=True,
+    )
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 20:  # mid-epoch 0 (57 steps)
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if (
+                            "ddpkit.recipes.train" in child.cmdline()
+                            and child.environ().get("DDPKIT_FT_REPLICA") == "1"
+                        ):
+                            child.kill()
+                            killed = len(metrics.read_text().splitlines())
+                    except psutil.Error:
+                        continue
+            time.sleep(0.05)
+        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        kill_tree(proc.pid)
+    assert killed is not None and killed < 3 * 57, "the run ended before a replica could be killed"
+    assert proc.returncode == 0, stderr[-4000:]
+    _, one_model, one_losses = _recipe_run(one)
+    _, model, losses = _recipe_run(out)
+    assert _same_model(one_model, model) == []
+    assert len(losses) == len(one_losses) and losses == pytest.approx(one_losses, rel=1e-12)
 
 
 # -- the bench -------------------------------------------------------------------------------------------

@@ -77,6 +77,46 @@ def test_resume_auto_continues_a_finished_run(trained, tmp_path):
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
 
 
+@pytest.mark.timeout(200)
+def test_an_epoch_resumed_mid_way_counts_its_train_loss_over_every_step(tmp_path):
+    """A checkpoint mid-epoch keeps the epoch's loss so far, summed over the ranks: resumed from step
+    20 of 23 on 2 processes, the epoch's train_loss is the uninterrupted run's, not its last 3 steps'."""
+    whole = tmp_path / "whole"
+    common = ("--nproc", "2", "--epochs", "1", "--global-batch-size", "64", "--trackers", "tensorboard")
+    done = ddpkit_cli("train", *common, "--checkpoint-every", "10", "--out-dir", str(whole), timeout=140)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mid = whole / "checkpoints" / "ckpt-step00000020.pt"
+    resumed = tmp_path / "resumed"
+    done = ddpkit_cli("train", *common, "--resume", str(mid), "--out-dir", str(resumed), timeout=140)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from {mid}" in done.stdout
+    first, second = (json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]) for run in (whole, resumed))
+    assert second["train_loss"] == pytest.approx(first["train_loss"], rel=1e-12) and first["train_loss"] > 0.3
+    assert second["test_accuracy"] == first["test_accuracy"]
+
+
+def test_a_checkpoint_from_before_the_epoch_loss_was_kept_still_resumes(tmp_path):
+    """Checkpoints of ddpkit train written before it kept ``epoch_loss`` resume without it."""
+    path = tmp_path / "older.pt"
+    rt = ddpkit.init(seed=0)
+    model = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt.save(path, {"model": model, "optimizer": optimizer, "recipe": {"model": "convnet"}})
+    rt.close()
+    rt = ddpkit.init(seed=1, resume=str(path))
+    try:
+        fresh = build_model("convnet", num_classes=10, in_channels=1, image_size=8)
+        epoch_loss = train_recipe.EpochLoss(rt)
+        state = {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1), "recipe": {}}
+        state["epoch_loss"] = epoch_loss
+        assert train_recipe._resume(rt, state) == path
+        assert state["recipe"] == {"model": "convnet"} and state["epoch_loss"] is epoch_loss
+        assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+        assert (epoch_loss.epoch, epoch_loss.total) == (-1, 0.0)
+    finally:
+        rt.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_train_with_powersgd_reaches_95_percent_and_records_it(tmp_path):
@@ -128,6 +168,11 @@ BAD = [
     (["--grad-compression", "powersgd", "--precision", "fp16"], "use precision='bf16'"),
     (["--model", "tiny-lm"], "ddpkit bench's language-model workload"),
     (["--sync", "diloco", "--sync-every", "0"], "--sync-every H is a whole number of optimizer steps of at least 1"),
+    (["--min-replicas", "2"], "--min-replicas is for fault-tolerant jobs: add --fault-tolerant"),
+    (
+        ["--fault-tolerant", "--nproc", "2", "--min-replicas", "3"],
+        "--min-replicas 3 must be between 1 and the job's replicas (2)",
+    ),
 ]
 
 
@@ -151,6 +196,44 @@ def test_infrequent_sync_flags_are_checked_before_anything_runs(settings, messag
 
     with pytest.raises(UsageError, match=message):
         check(TrainConfig(**settings))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"fault_tolerant": True, "strategy": "fsdp", "model": "mlp"},
+            "--fault-tolerant does not take --strategy fsdp",
+        ),
+        ({"fault_tolerant": True, "grad_compression": "powersgd"}, "use bf16 or fp16, or leave it out"),
+        ({"fault_tolerant": True, "data_parallel": True}, "one process per replica"),
+        ({"quorum_timeout": 5.0}, "--quorum-timeout is for fault-tolerant jobs"),
+        ({"secret_file": "key"}, "--secret-file is for fault-tolerant jobs"),
+    ],
+    ids=["fsdp", "powersgd", "data-parallel", "quorum-timeout-alone", "secret-alone"],
+)
+def test_fault_tolerant_flags_are_checked_before_anything_runs(settings, message):
+    from ddpkit.recipes.config import check
+
+    with pytest.raises(UsageError, match=message) as caught:
+        check(TrainConfig(**settings))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_fault_tolerant_train_is_the_recipe_under_ddpkit_run_fault_tolerant(monkeypatch):
+    """``ddpkit train --fault-tolerant`` hands the recipe to the same launcher as ``ddpkit run
+    --fault-tolerant``, with its flags; a quorum timeout of no seconds is one line."""
+    from ddpkit.cli import train as train_cli
+
+    config = train_config(
+        ["--fault-tolerant", "--nproc", "3", "--min-replicas", "2", "--max-restarts", "2", "--quorum-timeout", "30"]
+    )
+    spec = train_cli.fault_tolerant(config)
+    assert (spec.target, spec.module, spec.target_args[0]) == ("ddpkit.recipes.train", True, "--config-json")
+    assert TrainConfig.from_json(spec.target_args[1]) == config
+    assert (spec.replicas, spec.min_replicas, spec.max_restarts, spec.quorum_timeout_s) == (3, 2, 2, 30.0)
+    with pytest.raises(UsageError, match="--quorum-timeout must be a number of seconds above 0, got 0.0"):
+        train_cli.fault_tolerant(train_config(["--fault-tolerant", "--quorum-timeout", "0"]))
 
 
 @pytest.mark.slow  # 11 s: make test-slow; tests/test_periodic.py trains DiLoCo through rt.setup in make test

@@ -10,7 +10,8 @@ replica saves the model it holds after the loop to ``DIR/final-R-A.pt`` (replica
 ``--kill R:S``: replica R SIGKILLs itself right after committing step S (or the first it commits
 after S, when it joined later), in its first attempt.
 Every replica appends to ``DIR/events-R.jsonl`` one line per committed step (its attempt, the
-step, the epoch, the samples it trained on in that step, the time), a ``start`` line with whether
+step, the epoch, the samples it trained on in that step, their sum over the step's quorum through
+``rt.all_reduce``, the time), a ``start`` line with whether
 it healed from a peer and what it resumed from, and an ``eval`` line after each epoch (the test
 samples counted, the accuracy); the replica that ends first in the last quorum saves
 ``DIR/weights.pt``. Without ``--fault-tolerant`` (``python``, ``ddpkit run -n W``) it trains the
@@ -102,13 +103,16 @@ def main() -> None:
                 healed = rt._run.world.quorum is not None and rt._run.world.quorum.healed
                 event(kind="start", step=rt.global_step, healed=healed, source=rt._run.loop.resumed_from)
             time.sleep(args.step_sleep)
-            shards = 0
+            shards = counted = 0
             if args.micro_shards:  # the shards this replica computes in this step's quorum
                 for shard_images, shard_labels in rt.shards(images, labels):
                     rt.backward(F.cross_entropy(model(shard_images), shard_labels))
                     shards += 1
+                    counted += len(shard_labels)
             else:
                 rt.backward(F.cross_entropy(model(images), labels))
+                counted = loader.local_count
+            summed = rt.all_reduce(float(counted))  # inside the step: over its quorum, the global batch
             if args.fail_once is not None and rt.global_step + 1 == args.fail_once and not failed:
                 failed = True  # as if a collective of this step had failed
                 rt._run.world.quorum.manager.report_error(RuntimeError("injected by ft_train.py"))
@@ -121,6 +125,7 @@ def main() -> None:
                 epoch=rt.epoch,
                 local=loader.local_count,
                 total=loader.global_count,
+                summed=summed,
                 shards=shards,
             )
             if attempt == 0 and replica in kills and rt.global_step >= kills[replica]:

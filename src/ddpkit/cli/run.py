@@ -218,13 +218,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     opts = parser().parse_args(ours)
     if opts.fault_tolerant:
         return ft_launch.run(fault_tolerant_spec(opts, rest))
-    for flag, value in (
-        ("--min-replicas", opts.min_replicas),
-        ("--quorum-timeout", opts.quorum_timeout),
-        ("--secret-file", opts.secret_file),
-    ):
-        if value is not None:
-            raise UsageError(f"{flag} is for fault-tolerant jobs: add --fault-tolerant, or drop {flag}")
+    ft_launch.refuse_alone(opts.min_replicas, opts.quorum_timeout, opts.secret_file)
     return run(spec_of(argv))
 
 
@@ -232,35 +226,78 @@ def fault_tolerant_spec(opts: argparse.Namespace, rest: Sequence[str]) -> Any:
     """The :class:`~ddpkit.distributed.ft_launch.FaultTolerantSpec` of ``ddpkit run --fault-tolerant``."""
     if opts.module is None and opts.script is None:
         raise UsageError("ddpkit run needs a SCRIPT or -m MODULE (see 'ddpkit run --help')")
-
-    nnodes = _nnodes(opts.nnodes)
-    where = RunSpec(
-        target=opts.module or opts.script, nnodes=nnodes, node_rank=opts.node_rank, master=_master(opts, nnodes)
-    )
-    nnodes, node_rank, master, _ = placement(where, detect())  # SLURM's, under srun
     for dest, flag in _PASSED_ON.items():
         if getattr(opts, dest) is not None:
             raise UsageError(
                 f"{flag} is not taken with --fault-tolerant (each replica has an agent of its own); drop {flag}"
             )
+    nnodes = _nnodes(opts.nnodes)
+    return fault_tolerant_job(
+        opts.module or opts.script,
+        rest,
+        module=opts.module is not None,
+        replicas=_nproc(opts.n, opts.nproc_per_node) or 1,
+        nnodes=nnodes,
+        node_rank=opts.node_rank,
+        master=_master(opts, nnodes),
+        min_replicas=opts.min_replicas,
+        max_restarts=opts.max_restarts,
+        quorum_timeout=opts.quorum_timeout,
+        secret_file=opts.secret_file,
+    )
+
+
+def fault_tolerant_job(
+    target: str,
+    target_args: Sequence[str],
+    *,
+    module: bool,
+    replicas: int,
+    nnodes: int,
+    node_rank: int | None,
+    master: str | None,
+    min_replicas: int | None,
+    max_restarts: int,
+    quorum_timeout: float | None,
+    secret_file: str | None,
+) -> FaultTolerantSpec:
+    """A fault-tolerant job of ``replicas`` replicas a node (``ddpkit run --fault-tolerant``, ``ddpkit train
+    --fault-tolerant``), placed as SLURM places it under srun; checked (:func:`ft_launch.validate`).
+
+    Args:
+        target: the script, or the module with ``module``.
+        target_args: its own arguments.
+        module: ``target`` is a module.
+        replicas: replicas on this node.
+        nnodes: nodes of the job.
+        node_rank: this node's index (None: one node, or SLURM's).
+        master: ``HOST:PORT`` of node 0 across nodes.
+        min_replicas: the fewest replicas a step may commit with (None: 1).
+        max_restarts: restarts of each replica.
+        quorum_timeout: seconds a replica waits for ``min_replicas`` (None: 60).
+        secret_file: the job's secret across nodes.
+    """
+    where = RunSpec(target=target, nnodes=nnodes, node_rank=node_rank, master=master)
+    nnodes, node_rank, master, _ = placement(where, detect())  # SLURM's, under srun
     if nnodes > 1 and node_rank is None:
         raise UsageError(
             f"--fault-tolerant --nnodes {nnodes} needs --node-rank I, this host's index (node 0 runs the lighthouse)"
         )
-    replicas = _nproc(opts.n, opts.nproc_per_node) or 1
-    return FaultTolerantSpec(
-        target=opts.module or opts.script,
-        target_args=list(rest),
+    spec = FaultTolerantSpec(
+        target=target,
+        target_args=list(target_args),
         replicas=replicas,
-        min_replicas=opts.min_replicas or 1,
-        max_restarts=opts.max_restarts,
-        module=opts.module is not None,
-        quorum_timeout_s=60.0 if opts.quorum_timeout is None else opts.quorum_timeout,
+        min_replicas=min_replicas or 1,
+        max_restarts=max_restarts,
+        module=module,
+        quorum_timeout_s=60.0 if quorum_timeout is None else quorum_timeout,
         nnodes=nnodes,
         node_rank=node_rank or 0,
         master=master,
-        secret_file=opts.secret_file,
+        secret_file=secret_file,
     )
+    ft_launch.validate(spec)
+    return spec
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:

@@ -12,9 +12,15 @@ import argparse
 from collections.abc import Sequence
 
 from ddpkit._argparse import Parser, add_fields
+from ddpkit.cli.run import fault_tolerant_job
+from ddpkit.distributed import ft_launch
+from ddpkit.distributed.ft_launch import FaultTolerantSpec
 from ddpkit.distributed.torchrun import RunSpec, run
 from ddpkit.recipes.config import TrainConfig, read_config_file, validate
 from ddpkit.recipes.train import clear_previous_run, preflight
+
+RECIPE = "ddpkit.recipes.train"
+"""The module each process (or replica) of ``ddpkit train`` runs."""
 
 NOT_FLAGS = ("data_parallel", "extra")
 """TrainConfig fields with no flag: DataParallel is a row of ``ddpkit demo``, ``extra`` is for code."""
@@ -47,20 +53,43 @@ def cmd_train(argv: Sequence[str]) -> int:
     """``ddpkit train``: check the settings, clear an overwritten run, train; the job's exit code."""
 
     config = train_config(argv)
+    replicas = fault_tolerant(config) if config.fault_tolerant else None  # checked before anything is read
     preflight(config)
     for path in clear_previous_run(config):
         print(f"ddpkit train: --overwrite removed {path}")
-    spec = RunSpec(
-        "ddpkit.recipes.train",
-        ["--config-json", config.to_json()],
-        module=True,
-        nproc_per_node=config.nproc,
-        max_restarts=config.max_restarts,
-        nnodes=config.nnodes,
-        node_rank=config.node_rank,
-        master=config.master,
-    )
-    code = run(spec)
+    if replicas is not None:
+        code = ft_launch.run(replicas)
+    else:
+        code = run(
+            RunSpec(
+                RECIPE,
+                ["--config-json", config.to_json()],
+                module=True,
+                nproc_per_node=config.nproc,
+                max_restarts=config.max_restarts,
+                nnodes=config.nnodes,
+                node_rank=config.node_rank,
+                master=config.master,
+            )
+        )
     if code == 0:
         print(f"ddpkit train: wrote {config.out_dir}/summary.json")
     return code
+
+
+def fault_tolerant(config: TrainConfig) -> FaultTolerantSpec:
+    """``--fault-tolerant``: the recipe as ``ddpkit run --fault-tolerant`` runs a script, ``--nproc``
+    replicas of one process each on this node."""
+    return fault_tolerant_job(
+        RECIPE,
+        ["--config-json", config.to_json()],
+        module=True,
+        replicas=config.nproc,
+        nnodes=config.nnodes,
+        node_rank=config.node_rank,
+        master=config.master,
+        min_replicas=config.min_replicas,
+        max_restarts=config.max_restarts,
+        quorum_timeout=config.quorum_timeout,
+        secret_file=config.secret_file,
+    )

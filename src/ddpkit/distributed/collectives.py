@@ -42,11 +42,12 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce(value: Any, op: str = "sum") -> Any:
+def all_reduce(value: Any, op: str = "sum", *, over: Any = None) -> Any:
     """Reduce ``value`` over all ranks with ``op`` in ``"sum"``, ``"mean"``, ``"max"``, ``"min"``.
 
     Tensors come back as new tensors on their own device (the input is not modified);
-    Python numbers come back as Python numbers.
+    Python numbers come back as Python numbers. ``over``: a group of ddpkit's own instead of the
+    ranks (a fault-tolerant replica's step quorum: its ``device`` and ``reduce_(tensor, op)``).
 
     Example:
         >>> all_reduce(torch.tensor([1.0, 2.0]), op="mean")
@@ -56,7 +57,13 @@ def all_reduce(value: Any, op: str = "sum") -> Any:
         raise UsageError(f"unknown reduce op {op!r}; use sum, mean, max or min")
     is_tensor = isinstance(value, torch.Tensor)
     tensor = value.detach().clone() if is_tensor else torch.tensor(value, dtype=torch.float64)
-    if world_size() > 1:
+    if over is not None:
+        work = tensor.to(over.device)
+        if op == "mean" and not work.is_floating_point():
+            work = work.double()
+        over.reduce_(work, op)
+        tensor = work.to(tensor.device)
+    elif world_size() > 1:
         device = tensor.device
         work = tensor.to(_comm_device())
         if op == "mean" and not work.is_floating_point():

@@ -341,6 +341,20 @@ class Replica:
         table[self.rank] = row
         return table, self.all_reduce_sum_started(table)
 
+    def reduce_(self, tensor: torch.Tensor, op: str) -> None:
+        """``tensor`` reduced in place over this step's replicas with ``op`` (``"sum"``, ``"mean"``, ``"max"``,
+        ``"min"``; on :attr:`device`). Where a replica died during it, torchft leaves the result undefined:
+        a floating tensor is then NaN, and the step does not commit."""
+        if op in ("sum", "mean"):
+            self.all_reduce_sum(tensor)
+            if op == "mean":
+                tensor.div_(self.participants)
+        else:
+            rows = self.all_gather_rows(tensor)
+            tensor.copy_(rows.amax(0) if op == "max" else rows.amin(0))
+        if self.failed() and tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+
     def failed(self) -> bool:
         """Whether a collective of this step failed (torchft then leaves its tensors undefined)."""
         return self._manager is not None and self._manager.errored() is not None

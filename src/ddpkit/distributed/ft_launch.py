@@ -88,6 +88,17 @@ class FaultTolerantSpec:
         return self.replicas * self.nnodes
 
 
+def refuse_alone(min_replicas: int | None, quorum_timeout: float | None, secret_file: str | None) -> None:
+    """The fault-tolerant flags given without ``--fault-tolerant``: one line."""
+    for flag, value in (
+        ("--min-replicas", min_replicas),
+        ("--quorum-timeout", quorum_timeout),
+        ("--secret-file", secret_file),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag} is for fault-tolerant jobs: add --fault-tolerant, or drop {flag}")
+
+
 def validate(spec: FaultTolerantSpec) -> None:
     """Refuse what cannot run, in one line."""
     ft.check_installed()
@@ -95,6 +106,8 @@ def validate(spec: FaultTolerantSpec) -> None:
         raise UsageError(f"--fault-tolerant needs -n of at least 1 replica, got {spec.replicas}")
     if spec.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    if not spec.quorum_timeout_s > 0:  # (NaN too)
+        raise UsageError(f"--quorum-timeout must be a number of seconds above 0, got {spec.quorum_timeout_s}")
     if spec.nnodes > 1:
         if spec.master is None:
             raise UsageError(

@@ -26,10 +26,20 @@ from ddpkit.parallel import exact_tree
 from ddpkit.parallel.fsdp import no_gradient_sync
 
 
+def reduced_over(modes: Sequence[Mode]) -> Any:
+    """Where a script's reduction goes when a mode makes it itself (a fault-tolerant replica's step
+    quorum, :meth:`Mode.reduces_over`); None: the process group."""
+    for mode in modes:
+        group = mode.reduces_over()
+        if group is not None:
+            return group
+    return None
+
+
 class Mode:
     """What a mode does at each point of a run; the defaults do nothing (a plain DDP step).
 
-    Set-up: :meth:`prepare`, :meth:`left_to_wrap` and :meth:`refuse`. A step: :meth:`on_batch`, :meth:`loss_weight`,
+    Set-up: :meth:`prepare`, :meth:`left_to_wrap`, :meth:`refuse` and :meth:`reduces_over`. A step: :meth:`on_batch`, :meth:`loss_weight`,
     :meth:`shards`, :meth:`after_backward`, :meth:`complete`, :meth:`commit`, :meth:`after_step`.
     Saving: :meth:`is_main`, :meth:`state_dict`, :meth:`load_state_dict`. The end: :meth:`close`.
     """
@@ -75,6 +85,12 @@ class Mode:
     def refuse(self, call: str) -> None:
         """Raise a one-line :class:`UsageError` if ``call`` (``"rt.accumulate"``, ``"rt.all_reduce"``,
         ``"ddpkit.all_gather_object"``, ...) cannot run under this mode."""
+
+    def reduces_over(self) -> Any:
+        """Where a script's ``rt.all_reduce`` goes when it is not the process group: an object with
+        ``device`` and ``reduce_(tensor, op)`` (a fault-tolerant replica's step quorum); None: the
+        process group."""
+        return None
 
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """A batch is in hand; its forward follows."""

@@ -107,18 +107,31 @@ class FaultTolerant(Mode):
         self.manager.whole_batches = True
 
     def refuse(self, call: str) -> None:
-        """``rt.accumulate``, and the script's own collectives over ranks (a replica's quorum changes)."""
+        """``rt.accumulate``, and the script's own collectives over ranks (a replica's quorum changes):
+        an all-reduce is taken inside a step, over its quorum (:meth:`reduces_over`)."""
         if call == "rt.accumulate":
             raise UsageError(
                 "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
                 "batch); raise global_batch_size instead"
             )
-        if call.rpartition(".")[2] in ("all_reduce", "all_gather", "all_gather_object", "broadcast_object"):
+        name = call.rpartition(".")[2]
+        if name == "all_reduce" and not self.manager.in_quorum():
             raise UsageError(
-                f"{call} under --fault-tolerant would reduce over this replica alone (the "
-                "replicas change from step to step); evaluate with ddpkit.evaluate, which "
-                "counts every sample in each replica"
+                f"{call} under --fault-tolerant reduces over a step's quorum: call it between a batch of "
+                "rt.loader and rt.step (here it would reduce over this replica alone, as the replicas change "
+                "from step to step); evaluate with ddpkit.evaluate, which counts every sample in each replica"
             )
+        if name in ("all_gather", "all_gather_object", "broadcast_object"):
+            raise UsageError(
+                f"{call} under --fault-tolerant would gather this replica alone (the replicas change "
+                "from step to step); sum over a step's quorum with rt.all_reduce between a batch of "
+                "rt.loader and rt.step, or evaluate with ddpkit.evaluate, which counts every sample in each replica"
+            )
+
+    def reduces_over(self) -> Any:
+        """Inside a step (from its batch to ``rt.step``), the step's quorum: ``rt.all_reduce`` sums what
+        each replica holds of the step's global batch, as ranks do. Outside one, None (refused)."""
+        return self.manager if self.manager.in_quorum() else None
 
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """The step may not commit: keep what its forward changes besides the gradients (BatchNorm's

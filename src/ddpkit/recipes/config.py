@@ -14,7 +14,14 @@ from ddpkit.observe.trackers import names, problem
 from ddpkit.observe.watchdog import check_timeout
 from ddpkit.parallel.fsdp import check as check_fsdp
 from ddpkit.parallel.options import check_strategy
-from ddpkit.recipes.config_checks import check_compression, check_counts, check_micro_shards, check_out, check_sync
+from ddpkit.recipes.config_checks import (
+    check_compression,
+    check_counts,
+    check_fault_tolerant,
+    check_micro_shards,
+    check_out,
+    check_sync,
+)
 from ddpkit.recipes.datasets import DATASETS
 from ddpkit.recipes.models import MODELS, build_model
 from ddpkit.state.precision import PRECISIONS
@@ -109,7 +116,19 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Newest checkpoints kept in OUT_DIR/checkpoints."""
     max_restarts: int = 0
-    """Restart the whole group up to this many times when a worker fails (resume with --resume auto)."""
+    """Restart the whole group up to this many times when a worker fails (resume with --resume auto);
+    with --fault-tolerant, each replica up to this many times."""
+    fault_tolerant: bool = False
+    """Per-step fault tolerance (torchft, as ddpkit run --fault-tolerant): --nproc replicas of one
+    process each on every node; a replica that dies is restarted on its own and heals from a live
+    peer while the others train on, to the same result."""
+    min_replicas: int | None = None
+    """With --fault-tolerant: the fewest replicas a step may commit with (default 1)."""
+    quorum_timeout: float | None = None
+    """With --fault-tolerant: seconds a replica waits for --min-replicas before it stops (default 60)."""
+    secret_file: str | None = None
+    """With --fault-tolerant across nodes: the job's secret, the same file (readable by you alone) on
+    every node."""
     hang_timeout: float | None = None
     """Seconds in which no rank makes progress before the job counts as hung: ddpkit prints where
     each rank is and the stuck rank's stack, and exits (code 124) instead of waiting for the
@@ -278,6 +297,7 @@ def check(config: TrainConfig) -> None:
     if config.precision not in PRECISIONS:
         raise UsageError(f"unknown precision {config.precision!r}; choose one of {', '.join(PRECISIONS)}")
     check_counts(config)
+    check_fault_tolerant(config)
     if config.data_parallel and config.nproc != 1:
         raise UsageError(_DATA_PARALLEL)
     check_compression(config)

@@ -30,7 +30,7 @@ def check_counts(config: TrainConfig) -> None:
         raise UsageError(f"--global-batch-size must be at least 1, got {config.global_batch_size}")
     if config.nnodes < 1:  # before the world size divides anything
         raise UsageError(f"--nnodes must be at least 1, got {config.nnodes}")
-    if config.samples_per_step % config.world_size:
+    if config.samples_per_step % config.world_size and not config.fault_tolerant:  # (replicas: split per quorum)
         world = f"--nproc {config.nproc}" + (
             f" x --nnodes {config.nnodes} = {config.world_size}" if config.nnodes > 1 else ""
         )
@@ -40,6 +40,25 @@ def check_counts(config: TrainConfig) -> None:
         )
     if config.nnodes > 1 and config.master is None:
         raise UsageError("--nnodes > 1 needs --master HOST:PORT (the host of node 0) and --node-rank R")
+
+
+def check_fault_tolerant(config: TrainConfig) -> None:
+    """What ``--fault-tolerant`` does not take (``rt.setup`` refuses the same in each replica), and its
+    own flags without it."""
+    if not config.fault_tolerant:
+        from ddpkit.distributed.ft_launch import refuse_alone
+
+        refuse_alone(config.min_replicas, config.quorum_timeout, config.secret_file)
+        return
+    if config.strategy != "ddp":
+        raise UsageError(f"--fault-tolerant does not take --strategy {config.strategy} yet; leave --strategy ddp")
+    if config.grad_compression in ("powersgd", "auto"):
+        raise UsageError(
+            f"--fault-tolerant does not take --grad-compression {config.grad_compression} yet (PowerSGD's "
+            "error feedback is each replica's own, and a healed replica has none); use bf16 or fp16, or leave it out"
+        )
+    if config.data_parallel:
+        raise UsageError("--fault-tolerant runs one process per replica; it does not combine with --data-parallel")
 
 
 def check_compression(config: TrainConfig) -> None:

@@ -86,11 +86,71 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
         model = torch.nn.DataParallel(model)
     sizes = (
         {"batch_size": config.batch_size}
-        if config.batch_size is not None
-        else {"global_batch_size": config.samples_per_step}
+        if config.batch_size is not None and rt.replica is None
+        else {"global_batch_size": config.samples_per_step}  # (fault-tolerant: split over each step's quorum)
     )
     loader = rt.loader(train.dataset, shuffle=True, num_workers=config.num_workers, **sizes)
     return train, test, model, optimizer, loader, config
+
+
+class EpochLoss:
+    """The epoch's training loss summed over its samples so far (float64), kept in checkpoints and
+    handed to a healing replica with the rest of the state: the ``train_loss`` of an epoch that was
+    resumed mid-way, or that a replica joined late, counts every step once.
+
+    Each rank adds its own samples' losses (``pending``); :meth:`settle` sums them over the ranks into
+    ``total``, the same on every rank, before a checkpoint and at the epoch's end. A fault-tolerant
+    replica adds the step's quorum's sum (``rt.all_reduce`` inside the step), already the whole batch's.
+    """
+
+    def __init__(self, rt: ddpkit.Runtime) -> None:
+        self.rt = rt
+        self.epoch = -1
+        self.total = 0.0
+        self.pending = torch.zeros((), dtype=torch.float64)
+
+    def start(self, epoch: int) -> None:
+        """Epoch ``epoch`` trains on: a new sum, unless it is the one a checkpoint or a peer left mid-way."""
+        if epoch != self.epoch:
+            self.epoch, self.total = epoch, 0.0
+        self.pending = torch.zeros((), dtype=torch.float64)
+
+    def add(self, summed: torch.Tensor) -> None:
+        """A committed step's losses, summed over this rank's samples (a replica: over the quorum's)."""
+        if self.rt.replica is not None:
+            self.total += float(summed)
+        else:
+            self.pending += summed
+
+    def settle(self) -> float:
+        """``total`` with every rank's pending losses in it (a collective, but in a fault-tolerant replica)."""
+        if self.rt.replica is None:
+            self.total += float(self.rt.all_reduce(self.pending))
+            self.pending = torch.zeros((), dtype=torch.float64)
+        return self.total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and its settled sum (call :meth:`settle` first: a checkpoint's is every rank's)."""
+        return {"epoch": self.epoch, "total": self.total}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Take a checkpoint's or a peer's epoch and sum."""
+        self.epoch, self.total = int(saved["epoch"]), float(saved["total"])
+        self.pending = torch.zeros((), dtype=torch.float64)
+
+
+def _resume(rt: ddpkit.Runtime, state: dict[str, Any]) -> Any:
+    """``rt.resume(state)``; a checkpoint written before ``epoch_loss`` was kept resumes without it
+    (its epoch's ``train_loss`` then counts the steps after the resume only, as it did)."""
+    try:
+        return rt.resume(state)
+    except DdpkitError as exc:
+        if "no entry for 'epoch_loss'" not in str(exc):
+            raise
+    older = {key: value for key, value in state.items() if key != "epoch_loss"}
+    resumed = rt.resume(older)
+    state.update(older)
+    return resumed
 
 
 def tracked_config(config: TrainConfig) -> dict[str, Any]:
@@ -133,43 +193,53 @@ def train(config: TrainConfig) -> dict[str, Any]:
         config=tracked_config(config),
     )
     train_info, test_info, model, optimizer, loader, config = build(config, rt)
-    state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info)}
-    resumed = rt.resume(state)
+    epoch_loss = EpochLoss(rt)
+    state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info), "epoch_loss": epoch_loss}
+    resumed = _resume(rt, state)
     if resumed is not None:
         rt.print(f"resuming from {resumed}")
 
     final_checkpoint, metrics, seen, train_seconds = None, {}, 0, 0.0
+    replicated = rt.replica is not None  # a fault-tolerant replica: each step's quorum holds its batch
     steps_left = len(loader) * max(0, config.epochs - rt.epoch) - loader.position
-    with Progress(total=steps_left, enabled=rt.is_main, desc="train", unit="step") as bar:
+    with Progress(total=steps_left, enabled=rt.is_main and not rt.replica, desc="train", unit="step") as bar:
         for epoch in rt.epochs(config.epochs):
             epoch_start = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            epoch_loss.start(epoch)  # (a resumed or healed epoch keeps what its steps summed)
             for inputs, targets in loader:
+                summed = torch.zeros((), dtype=torch.float64)  # this process's samples' losses, summed
                 if config.micro_shards is None:
                     with rt.autocast():
                         loss = F.cross_entropy(model(inputs), targets)
                     rt.backward(loss)
-                    loss_sum += loss.detach().double().cpu() * loader.local_count
+                    summed += loss.detach().double().cpu() * loader.local_count
                 else:
-                    loss = torch.zeros((), dtype=torch.float64)
                     for shard_inputs, shard_targets in rt.shards(inputs, targets):
                         with rt.autocast():
                             shard_loss = F.cross_entropy(model(shard_inputs), shard_targets)
                         rt.backward(shard_loss)
-                        loss_sum += shard_loss.detach().double().cpu() * len(shard_targets)
-                        loss += shard_loss.detach().double().cpu() * len(shard_targets) / max(1, loader.local_count)
+                        summed += shard_loss.detach().double().cpu() * len(shard_targets)
+                    loss = summed / max(1, loader.local_count)
+                if replicated:  # over the step's quorum (a replica's shard is not the batch), before it commits
+                    summed = rt.all_reduce(summed)
+                    loss = summed / max(1, loader.global_count)
+                before = rt.global_step
                 rt.step(optimizer)
+                if rt.global_step == before:  # a fault-tolerant step that did not commit: the batch comes again
+                    continue
+                epoch_loss.add(summed)
                 seen += loader.global_count
                 if bar.active:
                     rate = seen / max(1e-9, train_seconds + time.perf_counter() - epoch_start)
                     bar.update(1, epoch=epoch, loss=f"{loss.item():.4f}", **{"samples/s": f"{rate:.0f}"})
                 if config.log_every and rt.global_step % config.log_every == 0:
-                    rt.log({"train_loss_step": loss.detach()})
+                    rt.log({"train_loss_step": loss.detach()}, reduce=None if replicated else "mean")
                 if rt.preempted or (config.checkpoint_every and rt.global_step % config.checkpoint_every == 0):
+                    epoch_loss.settle()  # the checkpoint keeps the epoch's loss so far, summed over ranks
                     final_checkpoint = rt.checkpoint(state)  # preempted: saves, then exits 75
             train_seconds += time.perf_counter() - epoch_start
             metrics = _evaluate(rt, model, test_info, config)
-            train_loss = float(rt.all_reduce(loss_sum)) / max(1, len(train_info.dataset))
+            train_loss = epoch_loss.settle() / max(1, len(train_info.dataset))
             rt.log(
                 {
                     "epoch": epoch,
@@ -191,6 +261,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     outer = syncer.outer.param_groups[0] if syncer is not None and syncer.outer is not None else None
     summary = {
         "world_size": rt.world_size,
+        "fault_tolerant": replicated,
+        "replicas": config.world_size if replicated else None,
         "precision": config.precision,
         "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size,

@@ -1,7 +1,8 @@
 """``ddpkit.all_reduce`` and the other collectives a script calls, the same as ``rt.all_reduce`` and
 ``rt.all_gather``: each mode of the running job may refuse them first (a fault-tolerant replica does:
 its group is itself, so they would reduce over one replica), then :mod:`ddpkit.distributed.collectives`
-runs them (identity in a world of one).
+runs them (identity in a world of one). Inside a step, a fault-tolerant replica's all-reduce goes
+over the step's quorum (:func:`~ddpkit.parallel.modes.reduced_over`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from ddpkit.distributed import collectives
+from ddpkit.parallel.modes import reduced_over
 from ddpkit.runtime import start
 
 
@@ -28,12 +30,18 @@ def all_reduce(value: Any, op: str = "sum") -> Any:
     Tensors come back as new tensors on their own device (the input is not modified); Python
     numbers come back as Python numbers.
 
+    In a fault-tolerant replica (``ddpkit run --fault-tolerant``) call it inside a step, between a
+    batch of ``rt.loader`` and ``rt.step``: it reduces over the step's quorum, whose replicas hold the
+    step's global batch between them. Its value counts where the step commits (``rt.global_step``
+    moves on); where a replica died during it, a floating result is NaN and the batch comes again.
+
     Example:
         >>> all_reduce(torch.tensor([1.0, 2.0]), op="mean")
         tensor([1., 2.])
     """
     refuse("ddpkit.all_reduce")
-    return collectives.all_reduce(value, op)
+    runtime = start.current()
+    return collectives.all_reduce(value, op, over=reduced_over(runtime._run.modes) if runtime is not None else None)
 
 
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from ddpkit.loop import steps as loop_steps
 from ddpkit.observe import heartbeats, progress
 from ddpkit.observe.metrics import as_floats
 from ddpkit.observe.reporter import Reporter
+from ddpkit.parallel.modes import reduced_over
 from ddpkit.parallel.options import SetupOptions
 from ddpkit.parallel.wrap import full_state_dict
 from ddpkit.runtime import saving, setting_up
@@ -174,7 +175,7 @@ class Runtime:
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Sum, mean, max or min of ``value`` across ranks (see :func:`ddpkit.all_reduce`)."""
         self._refuse("rt.all_reduce")
-        return collectives.all_reduce(value, op)
+        return collectives.all_reduce(value, op, over=reduced_over(self._run.modes))
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's rows concatenated in rank order; first dimensions may differ."""
@@ -342,7 +343,9 @@ class Runtime:
         """Write metrics on rank 0 (``out_dir``/metrics.jsonl, .csv, TensorBoard).
 
         Every rank must call it: values are reduced across ranks (``reduce="mean"``, ``"sum"``,
-        ``"max"`` or None to keep rank 0's). Returns the values written.
+        ``"max"`` or None to keep rank 0's). Returns the values written. A fault-tolerant replica
+        reduces nothing (its group is itself): the replica ranked first in the step's quorum writes its
+        own values, so sum a metric over the quorum first with ``rt.all_reduce`` inside the step.
         """
         values = as_floats(metrics)
         if reduce is not None and self.world_size > 1 and values:
