@@ -87,7 +87,9 @@ def timed_link(
     """``(latency_s, seconds, bytes)`` of a group: the typical one-element sum, the typical sum of
     ``bytes`` (``nbytes`` at most), each this rank's median of its faster half of calls (:func:`typical`).
 
-    An untimed one-element sum first sets up what the calls use (NCCL makes its communicator then). A
+    A first one-element sum sets up what the calls use (NCCL makes its communicator then); the
+    one-element calls come next, before any larger one (a shaped link's token bucket, emptied by a
+    larger sum, would delay them: 3.3 ms for 0.2 ms at 1 Mbit/s). A
     timed sum of at most 256 KB predicts the larger one's time, the group's largest prediction counting
     (latency counted as bytes: an overestimate). Where the larger sum would take more than a quarter of
     :data:`PROBE_BUDGET_S`, it is cut to what that sends (at 1 Mbit/s a 4 MiB sum takes 40 s a call), and
@@ -113,18 +115,19 @@ def timed_link(
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
+    small = torch.zeros(1, device=device)
+    set_up = torch.tensor([seconds(small)], dtype=torch.float64)  # (connections, communicators, buffers)
+    max_(set_up)
+    # the one-element calls before any larger one: a shaped link's emptied token bucket would delay them
+    latency = typical([seconds(small) for _ in range(_repeats(repeats, set_up.item()))])
     elements = max(1, nbytes // 4)
     first_elements = min(elements, FIRST_ELEMENTS)
-    small = torch.zeros(1, device=device)
-    set_up = seconds(small)  # (connections, communicators, buffers)
-    first = torch.tensor([set_up, seconds(torch.zeros(first_elements, device=device))], dtype=torch.float64)
+    first = torch.tensor([seconds(torch.zeros(first_elements, device=device))], dtype=torch.float64)
     max_(first)
-    set_up, first_s = first.tolist()
-    predicted = first_s * elements / first_elements
+    predicted = first.item() * elements / first_elements
     if predicted > PROBE_BUDGET_S / 4:
         elements = max(first_elements, int(elements * PROBE_BUDGET_S / 4 / predicted))
-        predicted = first_s * elements / first_elements
-    latency = typical([seconds(small) for _ in range(_repeats(repeats, set_up))])
+        predicted = first.item() * elements / first_elements
     big = torch.zeros(elements, device=device)
     return latency, typical([seconds(big) for _ in range(_repeats(repeats, predicted))]), elements * 4
 
