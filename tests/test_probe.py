@@ -28,8 +28,10 @@ def test_a_slow_links_larger_sum_is_cut_to_the_budget_and_its_speed_still_measur
         _slow_sum(2e6, calls), lambda values: agreed.append(values.tolist()), 4 << 20, torch.device("cpu")
     )
     assert time.perf_counter() - started < 2.1  # not one whole 4 MiB sum (2.1 s)
-    assert calls[:8] == [1] * 8 and calls[8] == probe.FIRST_ELEMENTS  # set-up, 7 latency calls, then the predictor
-    assert [len(values) for values in agreed] == [1, 1]  # the set-up's time, then the prediction
+    assert (
+        calls[:9] == [1] * 9 and calls[9] == probe.FIRST_ELEMENTS
+    )  # set-up, one timed, 7 latency calls, the predictor
+    assert [len(values) for values in agreed] == [1, 1]  # a one-element call's time, then the prediction
     assert 256 << 10 <= sent < 4 << 20 and sent == 4 * calls[-1]
     assert calls.count(calls[-1]) >= 3  # repeated at least 3 times
     assert sent / (seconds - latency) == pytest.approx(2e6, rel=0.3)
@@ -48,12 +50,12 @@ def test_the_groups_largest_prediction_cuts_the_sum_on_every_rank(monkeypatch):
     from ddpkit.distributed import probe
 
     def slowest_peer(values: torch.Tensor) -> None:
-        values.fill_(10.0)  # a peer took 10 s for the set-up and for the 256 KB sum
+        values.fill_(10.0)  # a peer took 10 s for a one-element sum and for the 256 KB sum
 
     calls: list[int] = []
     *_, sent = probe.timed_link(_slow_sum(2e9, calls), slowest_peer, 4 << 20, torch.device("cpu"))
     assert sent == 4 * probe.FIRST_ELEMENTS  # cut to the first sum's size, the least it goes
-    assert len(calls) == 1 + 3 + 1 + 3  # set-up, 3 latency calls (a peer's set-up was slow), the first, 3 larger
+    assert len(calls) == 2 + 3 + 1 + 3  # set-up, one timed, 3 latency calls (a peer's was slow), the first, 3 larger
 
 
 def test_a_process_groups_link_on_a_slow_link_is_timed_in_seconds(tmp_path, monkeypatch):

@@ -109,12 +109,24 @@ def test_a_checkpoint_from_before_the_epoch_loss_was_kept_still_resumes(tmp_path
         epoch_loss = train_recipe.EpochLoss(rt)
         state = {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1), "recipe": {}}
         state["epoch_loss"] = epoch_loss
-        assert train_recipe._resume(rt, state) == path
+        assert train_recipe._resume(rt, state, TrainConfig()) == path
         assert state["recipe"] == {"model": "convnet"} and state["epoch_loss"] is epoch_loss
         assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
         assert (epoch_loss.epoch, epoch_loss.total) == (-1, 0.0)
     finally:
         rt.close()
+    # a fault-tolerant replica resumes later, in its first quorum: it reads which checkpoint it would take
+    older = train_recipe._written_before_epoch_loss
+    for run, kept in (("legacy", {}), ("newer", {"epoch_loss": epoch_loss})):
+        rt = ddpkit.init(seed=0, checkpoint_dir=str(tmp_path / run / "checkpoints"))
+        try:
+            rt.checkpoint({"model": model, "optimizer": optimizer, "recipe": {}, **kept})
+        finally:
+            rt.close()
+    assert older(TrainConfig(resume=str(path))) and not older(TrainConfig())
+    assert older(TrainConfig(resume="auto", out_dir=str(tmp_path / "legacy")))
+    assert older(TrainConfig(resume=str(tmp_path / "legacy" / "checkpoints")))
+    assert not older(TrainConfig(resume="auto", out_dir=str(tmp_path / "newer")))
 
 
 @pytest.mark.slow

@@ -87,7 +87,8 @@ def timed_link(
     """``(latency_s, seconds, bytes)`` of a group: the typical one-element sum, the typical sum of
     ``bytes`` (``nbytes`` at most), each this rank's median of its faster half of calls (:func:`typical`).
 
-    A first one-element sum sets up what the calls use (NCCL makes its communicator then); the
+    A first, untimed one-element sum sets up what the calls use (NCCL makes its communicator then); a
+    second one says how often the budget lets them repeat; the
     one-element calls come next, before any larger one (a shaped link's token bucket, emptied by a
     larger sum, would delay them: 3.3 ms for 0.2 ms at 1 Mbit/s). A
     timed sum of at most 256 KB predicts the larger one's time, the group's largest prediction counting
@@ -116,10 +117,11 @@ def timed_link(
         return time.perf_counter() - start
 
     small = torch.zeros(1, device=device)
-    set_up = torch.tensor([seconds(small)], dtype=torch.float64)  # (connections, communicators, buffers)
-    max_(set_up)
+    seconds(small)  # (connections, communicators, buffers: NCCL's take seconds)
+    once = torch.tensor([seconds(small)], dtype=torch.float64)
+    max_(once)
     # the one-element calls before any larger one: a shaped link's emptied token bucket would delay them
-    latency = typical([seconds(small) for _ in range(_repeats(repeats, set_up.item()))])
+    latency = typical([seconds(small) for _ in range(_repeats(repeats, once.item()))])
     elements = max(1, nbytes // 4)
     first_elements = min(elements, FIRST_ELEMENTS)
     first = torch.tensor([seconds(torch.zeros(first_elements, device=device))], dtype=torch.float64)

@@ -84,11 +84,12 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
         )
     if config.data_parallel:  # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
-    sizes = (
-        {"batch_size": config.batch_size}
-        if config.batch_size is not None and rt.replica is None
-        else {"global_batch_size": config.samples_per_step}  # (fault-tolerant: split over each step's quorum)
-    )
+    if config.batch_size is None:
+        sizes = {"global_batch_size": config.samples_per_step}
+    elif rt.replica is None:
+        sizes = {"batch_size": config.batch_size}
+    else:  # a replica's batch, times the job's replicas (SLURM's nodes too): split over each step's quorum
+        sizes = {"global_batch_size": config.batch_size * rt._run.world.replicas}
     loader = rt.loader(train.dataset, shuffle=True, num_workers=config.num_workers, **sizes)
     return train, test, model, optimizer, loader, config
 
@@ -139,9 +140,16 @@ class EpochLoss:
         self.pending = torch.zeros((), dtype=torch.float64)
 
 
-def _resume(rt: ddpkit.Runtime, state: dict[str, Any]) -> Any:
+def _resume(rt: ddpkit.Runtime, state: dict[str, Any], config: TrainConfig) -> Any:
     """``rt.resume(state)``; a checkpoint written before ``epoch_loss`` was kept resumes without it
-    (its epoch's ``train_loss`` then counts the steps after the resume only, as it did)."""
+    (its epoch's ``train_loss`` then counts the steps after the resume only, as it did).
+
+    A fault-tolerant replica resumes at its first quorum, inside the loader, where no error can be
+    caught here: it reads the checkpoint it would resume first."""
+    if rt.replica is not None:
+        if _written_before_epoch_loss(config):
+            state.pop("epoch_loss")
+        return rt.resume(state)
     try:
         return rt.resume(state)
     except DdpkitError as exc:
@@ -151,6 +159,17 @@ def _resume(rt: ddpkit.Runtime, state: dict[str, Any]) -> Any:
     resumed = rt.resume(older)
     state.update(older)
     return resumed
+
+
+def _written_before_epoch_loss(config: TrainConfig) -> bool:
+    """Whether the checkpoint ``config`` resumes from (``--resume`` FILE, DIR or auto) holds no ``epoch_loss``."""
+    if config.resume is None:
+        return False
+    source = Path(config.out_dir) / "checkpoints" if config.resume == "auto" else Path(config.resume)
+    path = checkpoint.latest(source) if source.is_dir() else source
+    if path is None or not path.is_file():
+        return False
+    return "epoch_loss" not in checkpoint.read(path, verified=source.is_dir())["user"]
 
 
 def tracked_config(config: TrainConfig) -> dict[str, Any]:
@@ -195,14 +214,15 @@ def train(config: TrainConfig) -> dict[str, Any]:
     train_info, test_info, model, optimizer, loader, config = build(config, rt)
     epoch_loss = EpochLoss(rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info), "epoch_loss": epoch_loss}
-    resumed = _resume(rt, state)
+    resumed = _resume(rt, state, config)
     if resumed is not None:
         rt.print(f"resuming from {resumed}")
 
     final_checkpoint, metrics, seen, train_seconds = None, {}, 0, 0.0
     replicated = rt.replica is not None  # a fault-tolerant replica: each step's quorum holds its batch
     steps_left = len(loader) * max(0, config.epochs - rt.epoch) - loader.position
-    with Progress(total=steps_left, enabled=rt.is_main and not rt.replica, desc="train", unit="step") as bar:
+    one_bar = rt.is_main if rt.replica is None else rt.replica == 0  # (before a quorum, every replica is "main")
+    with Progress(total=steps_left, enabled=one_bar, desc="train", unit="step") as bar:
         for epoch in rt.epochs(config.epochs):
             epoch_start = time.perf_counter()
             epoch_loss.start(epoch)  # (a resumed or healed epoch keeps what its steps summed)
@@ -262,7 +282,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     summary = {
         "world_size": rt.world_size,
         "fault_tolerant": replicated,
-        "replicas": config.world_size if replicated else None,
+        "replicas": rt._run.world.replicas if replicated else None,
         "precision": config.precision,
         "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size,
