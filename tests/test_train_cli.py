@@ -371,6 +371,24 @@ def test_scale_lr_and_per_process_batch(tmp_path):
     assert config.samples_per_step == 32 and config.effective_lr == pytest.approx(0.1)
 
 
+def test_the_worker_counts_the_nodes_the_job_runs_on(monkeypatch):
+    """Under srun the nodes are SLURM's, not --nnodes: a per-process batch and --scale-lr count them."""
+    from types import SimpleNamespace
+
+    config = train_config(["--batch", "16", "--nproc", "2", "--scale-lr", "--lr", "0.05"])
+
+    def on(world: int, replica: int | None = None, replicas: int = 1) -> SimpleNamespace:  # what placed() reads of rt
+        return SimpleNamespace(
+            world_size=world, replica=replica, _run=SimpleNamespace(world=SimpleNamespace(replicas=replicas))
+        )
+
+    four_nodes = train_recipe.placed(config, on(8))
+    assert (four_nodes.nnodes, four_nodes.samples_per_step, four_nodes.effective_lr) == (4, 128, pytest.approx(0.4))
+    assert train_recipe.placed(config, on(2)) is config and train_recipe.placed(config, on(1)) is config
+    replicas = train_recipe.placed(config, on(1, replica=0, replicas=6))  # 3 nodes of 2 fault-tolerant replicas
+    assert (replicas.nnodes, replicas.samples_per_step) == (3, 96)
+
+
 @pytest.mark.slow  # 61 s: make test-slow (CI runs it)
 @pytest.mark.timeout(400)
 def test_demo_compares_modes_and_reaches_95_percent(tmp_path):

@@ -84,12 +84,11 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
         )
     if config.data_parallel:  # the seeds' single-process multi-GPU baseline
         model = torch.nn.DataParallel(model)
-    if config.batch_size is None:
-        sizes = {"global_batch_size": config.samples_per_step}
-    elif rt.replica is None:
-        sizes = {"batch_size": config.batch_size}
-    else:  # a replica's batch, times the job's replicas (SLURM's nodes too): split over each step's quorum
-        sizes = {"global_batch_size": config.batch_size * rt._run.world.replicas}
+    sizes = (
+        {"batch_size": config.batch_size}
+        if config.batch_size is not None and rt.replica is None
+        else {"global_batch_size": config.samples_per_step}  # (a replica's: split over each step's quorum)
+    )
     loader = rt.loader(train.dataset, shuffle=True, num_workers=config.num_workers, **sizes)
     return train, test, model, optimizer, loader, config
 
@@ -172,6 +171,15 @@ def _written_before_epoch_loss(config: TrainConfig) -> bool:
     return "epoch_loss" not in checkpoint.read(path, verified=source.is_dir())["user"]
 
 
+def placed(config: TrainConfig, rt: ddpkit.Runtime) -> TrainConfig:
+    """``config`` on the nodes the job runs on: under srun, SLURM's, not ``--nnodes`` (what a per-process
+    ``--batch-size`` and ``--scale-lr`` multiply by). A fault-tolerant job's processes are its replicas."""
+    world = rt._run.world.replicas if rt.replica is not None else rt.world_size
+    if world != config.world_size and world % config.nproc == 0:
+        return dataclasses.replace(config, nnodes=world // config.nproc)
+    return config
+
+
 def tracked_config(config: TrainConfig) -> dict[str, Any]:
     """The run's whole configuration as the trackers record it (what ``--config-json`` holds)."""
     return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
@@ -211,6 +219,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         run_name=config.run_name,
         config=tracked_config(config),
     )
+    config = placed(config, rt)
     train_info, test_info, model, optimizer, loader, config = build(config, rt)
     epoch_loss = EpochLoss(rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info), "epoch_loss": epoch_loss}
@@ -282,7 +291,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     summary = {
         "world_size": rt.world_size,
         "fault_tolerant": replicated,
-        "replicas": rt._run.world.replicas if replicated else None,
+        "replicas": config.world_size if replicated else None,
         "precision": config.precision,
         "epochs": config.epochs,
         "global_batch_size": loader.sampler.global_batch_size,
