@@ -74,8 +74,10 @@ NEW_TRAIN_FLAGS = {
 }
 """The API's names (issue 42): the flags above stay as their aliases."""
 PREDICT_FLAGS = {"--batch", "--checkpoint", "--data", "--data-dir", "--nproc", "--out", "--overwrite", "--split"}
-NEW_FLAGS = {"train": NEW_TRAIN_FLAGS, "predict": {"--batch-size"}}
-SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr"}, "predict": {"--overwrite"}}
+FAULT_TOLERANT_FLAGS = {"--fault-tolerant", "--min-replicas", "--quorum-timeout", "--secret-file"}
+"""ddpkit run --fault-tolerant's, which ddpkit train takes too."""
+NEW_FLAGS = {"train": NEW_TRAIN_FLAGS | FAULT_TOLERANT_FLAGS, "predict": {"--batch-size"}}
+SWITCHES = {"train": {"--cpu-offload", "--overwrite", "--scale-lr", "--fault-tolerant"}, "predict": {"--overwrite"}}
 PAIRS = {
     "train": {"--sync-bn", "--no-sync-bn", "--sync-batchnorm", "--no-sync-batchnorm"},
     "predict": set(),

@@ -262,7 +262,7 @@ def fault_tolerant_job(
     secret_file: str | None,
 ) -> FaultTolerantSpec:
     """A fault-tolerant job of ``replicas`` replicas a node (``ddpkit run --fault-tolerant``, ``ddpkit train
-    --fault-tolerant``), placed as SLURM places it under srun; checked (:func:`ft_launch.validate`).
+    --fault-tolerant``), placed as SLURM places it under srun (:func:`ft_launch.run` checks it).
 
     Args:
         target: the script, or the module with ``module``.
@@ -283,7 +283,7 @@ def fault_tolerant_job(
         raise UsageError(
             f"--fault-tolerant --nnodes {nnodes} needs --node-rank I, this host's index (node 0 runs the lighthouse)"
         )
-    spec = FaultTolerantSpec(
+    return FaultTolerantSpec(
         target=target,
         target_args=list(target_args),
         replicas=replicas,
@@ -296,8 +296,6 @@ def fault_tolerant_job(
         master=master,
         secret_file=secret_file,
     )
-    ft_launch.validate(spec)
-    return spec
 
 
 def spec_of(argv: Sequence[str]) -> RunSpec:

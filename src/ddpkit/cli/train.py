@@ -79,8 +79,8 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 def fault_tolerant(config: TrainConfig) -> FaultTolerantSpec:
     """``--fault-tolerant``: the recipe as ``ddpkit run --fault-tolerant`` runs a script, ``--nproc``
-    replicas of one process each on this node."""
-    return fault_tolerant_job(
+    replicas of one process each on this node; checked before any data is read or output cleared."""
+    spec = fault_tolerant_job(
         RECIPE,
         ["--config-json", config.to_json()],
         module=True,
@@ -93,3 +93,5 @@ def fault_tolerant(config: TrainConfig) -> FaultTolerantSpec:
         quorum_timeout=config.quorum_timeout,
         secret_file=config.secret_file,
     )
+    ft_launch.validate(spec)
+    return spec
