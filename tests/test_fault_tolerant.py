@@ -681,7 +681,7 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize(
     "sync",
     [
-        _DILOCO,
+        pytest.param(_DILOCO, marks=pytest.mark.slow),  # (make test: the same exchange behind a step)
         ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2"),
         (*_DILOCO, "--sync-delay", "1"),
     ],
@@ -713,6 +713,7 @@ def test_diloco_replicas_exchange_over_the_quorum_and_end_at_a_plain_runs_bits(t
     assert {correct for _, correct in evals} == plain_evals and len(evals) == 2
 
 
+@pytest.mark.slow  # 21 s: make test-slow, beside its kill variant; make test chooses in a simulated quorum
 @pytest.mark.timeout(300)
 def test_diloco_replicas_choose_their_period_in_a_quorum_say_it_once_and_a_resume_keeps_it(tmp_path):
     """``sync="diloco"`` without ``sync_every`` under --fault-tolerant: the period is chosen inside the
@@ -1015,6 +1016,7 @@ def recipe_one(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # 19 s: make test-slow; make test checks the quorum's sums through ft_train.py's steps
 @pytest.mark.timeout(300)
 def test_ddpkit_train_fault_tolerant_ends_at_one_processs_bits_and_logs_the_whole_batchs_loss(recipe_one, tmp_path):
     """``ddpkit train --fault-tolerant --nproc 2``: the recipe under ``ddpkit run --fault-tolerant``.

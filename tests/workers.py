@@ -23,8 +23,11 @@ def environment() -> dict:
     import sys
     import threading
 
-    print(f"stdout of rank {os.environ['RANK']} in launch {os.environ.get('DDPKIT_TEST_MARK')}", flush=True)
-    print(f"stderr of rank {os.environ['RANK']} in launch {os.environ.get('DDPKIT_TEST_MARK')}", file=sys.stderr)
+    # one write a line: print's text and its newline are two writes, which the ranks' unbuffered
+    # streams interleave ("stdout of rank 0 ...stdout of rank 1 ...", then two newlines)
+    for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+        stream.write(f"{name} of rank {os.environ['RANK']} in launch {os.environ.get('DDPKIT_TEST_MARK')}\n")
+        stream.flush()
     return {
         "environ": dict(os.environ),
         "ppid": os.getppid(),
