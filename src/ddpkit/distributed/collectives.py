@@ -57,21 +57,17 @@ def all_reduce(value: Any, op: str = "sum", *, over: Any = None) -> Any:
         raise UsageError(f"unknown reduce op {op!r}; use sum, mean, max or min")
     is_tensor = isinstance(value, torch.Tensor)
     tensor = value.detach().clone() if is_tensor else torch.tensor(value, dtype=torch.float64)
-    if over is not None:
-        work = tensor.to(over.device)
+    if over is not None or world_size() > 1:
+        work = tensor.to(over.device if over is not None else _comm_device())
         if op == "mean" and not work.is_floating_point():
             work = work.double()
-        over.reduce_(work, op)
+        if over is not None:
+            over.reduce_(work, op)  # (its mean divides by its own size)
+        else:
+            dist.all_reduce(work, op=_OPS.get(op, dist.ReduceOp.SUM))
+            if op == "mean":
+                work = work / world_size()
         tensor = work.to(tensor.device)
-    elif world_size() > 1:
-        device = tensor.device
-        work = tensor.to(_comm_device())
-        if op == "mean" and not work.is_floating_point():
-            work = work.double()
-        dist.all_reduce(work, op=_OPS.get(op, dist.ReduceOp.SUM))
-        if op == "mean":
-            work = work / world_size()
-        tensor = work.to(device)
     if is_tensor:
         return tensor
     return tensor.item() if tensor.dim() == 0 else tensor.tolist()

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import collectives
+
 PROBE_BUDGET_S = 4.0
 """About how long the repeats of one timing may take: a big payload on a slow link is timed fewer
 times (at least 3), as the ranks agree from the first call's time."""
@@ -35,25 +37,29 @@ def timed_calls(tensor: torch.Tensor, repeats: int, group: Any = None) -> list[f
 
     A collective: every rank calls it with a tensor of the same size.
     """
-    device = tensor.device
 
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    start = now()
-    dist.all_reduce(tensor, group=group)  # the first call sets up connections and buffers
-    first = torch.tensor([now() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-    repeats = max(3, min(repeats, int(PROBE_BUDGET_S / max(first.item(), 1e-9))))
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = now()
+    def call() -> None:
         dist.all_reduce(tensor, group=group)
-        times.append(now() - start)
+
+    # the first call sets up connections and buffers
+    first = torch.tensor([_seconds(call, tensor.device)], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+    times = []
+    for _ in range(_repeats(repeats, first.item())):
+        dist.barrier(group=group)
+        times.append(_seconds(call, tensor.device))
     return times
+
+
+def _seconds(call: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``call`` takes; on a GPU, from the device's queued work done to the call's work done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def typical(calls: Sequence[float]) -> float:
@@ -65,8 +71,6 @@ def typical(calls: Sequence[float]) -> float:
 def slowest_step(step_ends: list[float]) -> float:
     """The slowest rank's median step, from each rank's step end times (the first step is set-up and
     not counted): one number for every rank. A collective, through the backend's own device."""
-    from ddpkit.distributed import collectives
-
     steps = [b - a for a, b in zip(step_ends[1:], step_ends[2:])]
     return float(collectives.all_reduce(statistics.median(steps), op="max"))
 
@@ -110,11 +114,7 @@ def timed_link(
     def seconds(tensor: torch.Tensor) -> float:
         if before is not None:
             before()
-        start = time.perf_counter()
-        sum_(tensor)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return _seconds(lambda: sum_(tensor), device)
 
     small = torch.zeros(1, device=device)
     seconds(small)  # (connections, communicators, buffers: NCCL's take seconds)
@@ -150,10 +150,8 @@ def link(nbytes: int, device: torch.device, *, repeats: int = 7) -> tuple[float,
     def sum_(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)
 
-    def max_(values: torch.Tensor) -> None:  # through the backend's device (NCCL reduces no CPU tensor)
-        on_device = values.to(device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
-        values.copy_(on_device.cpu())
+    def max_(values: torch.Tensor) -> None:  # (through the backend's device: NCCL reduces no CPU tensor)
+        values.copy_(collectives.all_reduce(values, op="max"))
 
     latency, big, sent = timed_link(sum_, max_, nbytes, device, repeats=repeats, before=dist.barrier)
     agreed = torch.tensor([latency, big], dtype=torch.float64)
