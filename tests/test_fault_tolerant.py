@@ -10,11 +10,14 @@ attacks on a job, are in ``tests/test_ft_security.py``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -155,11 +158,15 @@ class _Quorum:
     def size(self) -> int:
         return 2
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, **_: Any) -> None:
         tensor.mul_(2)
 
-    def average(self, tensor: torch.Tensor) -> None:
+    def average(self, tensor: torch.Tensor, **_: Any) -> None:
         pass
+
+    @contextlib.contextmanager
+    def as_one(self, call: str, tensor: Any = None) -> Any:
+        yield  # (ft.Replica checks the replicas' calls; these make the same ones)
 
 
 def test_a_replica_casts_the_gradients_it_sends_and_refuses_powersgd():
@@ -201,10 +208,10 @@ def test_a_replicas_reduction_inside_a_step_goes_over_its_quorum_and_is_nan_wher
         def in_quorum(self) -> bool:
             return self.inside
 
-        def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        def all_reduce_sum(self, tensor: torch.Tensor, **_: Any) -> None:
             tensor.mul_(2).add_(10)
 
-        def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        def all_gather_rows(self, row: torch.Tensor, **_: Any) -> torch.Tensor:
             return torch.stack([row, row + 10])
 
         def failed(self) -> bool:
@@ -240,31 +247,35 @@ class _Replicas:
         self.at_pass_end: list = []
         self.link = link_bytes_per_s  # a sum takes its bytes over this (None: no time)
 
-    def average(self, tensor: torch.Tensor) -> None:
+    def average(self, tensor: torch.Tensor, **_: Any) -> None:
         tensor.div_(2)  # (seen: the other replica's gradients are zero)
 
     def size(self) -> int:
         return 2
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, **_: Any) -> None:
         if self.link:  # a ring of two sends each replica's tensor once
             time.sleep(0.001 + tensor.numel() * tensor.element_size() / self.link)
         tensor.mul_(2)
         if self.fails:
             tensor.fill_(7)  # torchft leaves a failed collective's tensor undefined
 
-    def all_reduce_sum_started(self, tensor: torch.Tensor) -> Any:
+    def all_reduce_sum_started(self, tensor: torch.Tensor, **_: Any) -> Any:
         self.all_reduce_sum(tensor)  # (done at once: the work has nothing left to wait for)
         return _Done()
 
-    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+    def all_gather_rows(self, row: torch.Tensor, **_: Any) -> torch.Tensor:
         return torch.zeros((2, *row.shape), dtype=row.dtype) if self.fails else torch.stack([row, row])
 
-    def all_gather_rows_started(self, row: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def all_gather_rows_started(self, row: torch.Tensor, **_: Any) -> tuple[torch.Tensor, Any]:
         return self.all_gather_rows(row), _Done()
 
     def failed(self) -> bool:
         return self.fails
+
+    @contextlib.contextmanager
+    def as_one(self, call: str, tensor: Any = None) -> Any:
+        yield  # (ft.Replica checks the replicas' calls; these two make the same ones)
 
     def in_quorum(self) -> bool:
         return self.inside
@@ -536,7 +547,7 @@ def test_a_quorums_agreement_travels_through_the_replicas_device():
     class OnDevice(_Replicas):
         device = torch.device("meta")  # (a device that is not the host's, on any machine)
 
-        def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        def all_gather_rows(self, row: torch.Tensor, **_: Any) -> torch.Tensor:
             seen.append(row.device)
             return torch.tensor([[1.0, 7.0], [5.0, 2.0]], dtype=row.dtype)
 
@@ -594,6 +605,159 @@ def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
         "replica 1, rank 0",
     ], done.stdout
     assert done.stderr.count("rt.rank is 0 in every replica of a fault-tolerant job") == 2
+
+
+class _Peer:
+    """torchft's manager, seen by a replica whose peer (quorum rank 1, replica 7) sends ``theirs``."""
+
+    def __init__(self, theirs: list[torch.Tensor | None]) -> None:
+        self.theirs, self.sent = theirs, 0
+
+    def current_step(self) -> int:
+        return 12
+
+    def errored(self) -> None:
+        return None
+
+    def allreduce(self, table: torch.Tensor, reduce_op: Any = None) -> Any:
+        self.sent += 1
+        other = self.theirs.pop(0)
+        if other is not None:
+            table[1] += other
+        return _Done()
+
+
+def _checking_replica(theirs: list[torch.Tensor | None], store: Any = None) -> ft.Replica:
+    """A replica of a 2-replica quorum, first in it, with ``_Peer`` as its manager (no torchft)."""
+    replica = ft.Replica.__new__(ft.Replica)
+    replica.index, replica.rank, replica.participants, replica.device = 0, 0, 2, torch.device("cpu")
+    replica._manager, replica._quiet, replica._run, replica._checks = _Peer(theirs), 0, None, 0
+    replica._job, replica._job_where = store, "file:unused" if store is not None else None
+    return replica
+
+
+def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones_line(tmp_path, capsys):
+    """``ft.Replica.announce``: a row per replica before each quorum collective; the same calls go on,
+    different ones raise in one line per replica (the user's line for this one), and the job's store
+    is marked so that the launcher stops every replica instead of restarting one."""
+    from ddpkit.distributed import ft_calls
+
+    def peer(number, call, tensor, where="other.py:9"):
+        return ft_calls.row(7, number, 12, call, tensor, where)
+
+    same = [peer(1, "all_reduce(sum)", torch.zeros(3)), peer(2, "all_reduce(sum)", torch.zeros(3))]
+    replica = _checking_replica(same)
+    replica.announce("all_reduce(sum)", torch.ones(3))
+    replica.announce("all_reduce(sum)", torch.ones(3))
+    assert replica.manager.sent == 2 and replica._checks == 2
+    # SyncBatchNorm's layers: checked once a run (a model call, a backward pass), again when called anew
+    runs = [peer(3, "SyncBatchNorm forward", torch.zeros(5)), peer(4, "SyncBatchNorm forward", torch.zeros(5))]
+    replica.manager.theirs = runs
+    for place in (0, 1, 2, 0, 1):  # the model called twice
+        replica.announce("SyncBatchNorm forward", torch.ones(5), run=place)
+    assert replica.manager.sent == 4
+    replica.manager.theirs = [peer(5, "the link probe", None)]
+    with replica.as_one("the link probe"):  # its calls are agreed: one check, inside none
+        replica.announce("sum", torch.ones(1))
+    assert replica.manager.sent == 5
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    mismatched = _checking_replica([peer(1, "the gradient average", torch.zeros(2, 50), "train.py:31")], store)
+    with pytest.raises(ft_calls.CollectiveMismatch) as raised:
+        line = sys._getframe().f_lineno + 1
+        mismatched.announce("all_reduce(sum)", torch.ones(()))
+    assert raised.value.exit_code == 123
+    assert str(raised.value) == (
+        "collective mismatch in step 12: replica 0 was about to call all_reduce(sum) float32[] at check #1; "
+        "the report names every replica's call"
+    )
+    lines = capsys.readouterr().err.splitlines()  # the report, printed before the store is marked
+    assert lines[0] == (
+        "ddpkit: collective mismatch in step 12: replicas 0 and 7 called different collectives as their "
+        "check #1; every replica exits with code 123. Each replica:"
+    )
+    here = f"tests/test_fault_tolerant.py:{line}"
+    assert lines[1] == f"ddpkit:   replica 0: check #1 of step 12: all_reduce(sum) float32[] at {here}"
+    assert lines[2] == "ddpkit:   replica 7: check #1 of step 12: the gradient average float32[2, 50] at train.py:31"
+    assert "usual cause" in lines[3]
+    assert ft_calls.marked(store) and store.get(ft_calls.MISMATCH_KEY).decode().splitlines() == lines
+    # the other replica says it in one line; the first in the quorum reports
+    second = _checking_replica([peer(1, "commit (rt.step)", None)])
+    second.rank = 1
+    second.manager.theirs = [None]  # (its own row is the one it sent: the peer's sits in row 0)
+    second.manager.allreduce = lambda table, reduce_op=None: (
+        table.__setitem__(0, peer(1, "commit (rt.step)", None)),
+        _Done(),
+    )[1]
+    with pytest.raises(
+        ft_calls.CollectiveMismatch,
+        match=r"^collective mismatch in step 12: replica 0 was about to call sum int64\[4\] at check #1;",
+    ) as one:
+        second.announce("sum", torch.zeros(4, dtype=torch.int64))
+    assert "\n" not in str(one.value) and capsys.readouterr().err == ""  # (no second report)
+    # nothing compared where a collective of the step failed (its sums are undefined) or alone
+    failed = _checking_replica([peer(1, "x", torch.zeros(9))])
+    failed.manager.errored = lambda: RuntimeError("a peer died")
+    failed.announce("all_reduce(sum)", torch.ones(1))
+    alone = _checking_replica([])
+    alone.participants = 1
+    alone.announce("all_reduce(sum)", torch.ones(1))
+    assert failed.manager.sent == 0 and alone.manager.sent == 0
+
+
+_MISMATCHED = """
+import os, sys, torch, ddpkit
+import torch.nn.functional as F
+rt = ddpkit.init(seed=0, trackers=())
+open(os.path.join(sys.argv[2], f"pid-{os.getpid()}"), "w").close()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(96, 4), torch.randint(0, 2, (96,)))
+for x, y in rt.loader(data, global_batch_size=8):
+    loss = F.cross_entropy(model(x), y)
+    rt.backward(loss)
+    if rt.global_step == 2 and sys.argv[1] == "some" and rt.replica == 0:
+        rt.all_reduce(loss.detach())  # on replica 0 only
+    if rt.global_step == 2 and sys.argv[1] == "shapes":
+        rt.all_reduce(torch.ones(3 + rt.replica))  # lengths 3 and 4
+    rt.step(optimizer)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", ["some", pytest.param("shapes", marks=pytest.mark.slow)])
+def test_replicas_calling_different_collectives_are_named_and_the_job_stops(tmp_path, case):
+    """Issue 44's mismatch under ``--fault-tolerant``: a collective on one replica only (or of other
+    shapes) is named with each replica's call and line, every replica stops (none restarted to call
+    it again), and the job exits with 123. Before, gloo aborted a replica and the job went on."""
+    script = tmp_path / "mismatched.py"
+    script.write_text(_MISMATCHED)
+    flags = "run --fault-tolerant -n 2 --min-replicas 2 --max-restarts 2".split()
+    cmd = [str(BIN / "ddpkit"), *flags, str(script), case]
+    done = run([*cmd, str(tmp_path)], timeout=130, cwd=tmp_path)
+    assert done.returncode == 123, done.stderr[-3000:]
+    report = [line for line in done.stderr.splitlines() if "replica 0: check #" in line or "replica 1: check #" in line]
+    assert len(report) == 2, done.stderr[-3000:]
+    head = [line for line in done.stderr.splitlines() if "collective mismatch in step 2: replicas 0 and 1" in line]
+    assert len(head) == 1 and "exits with code 123" in head[0]
+    if case == "some":  # SyncBatchNorm's two runs were checked (#1, #2): the third differs
+        assert report[0] == "ddpkit:   replica 0: check #3 of step 2: all_reduce(sum) float32[] at mismatched.py:14"
+        assert re.fullmatch(
+            r"ddpkit:   replica 1: check #3 of step 2: the gradient average float32\[\d+\] at mismatched.py:17",
+            report[1],
+        ), report
+    else:
+        assert report[0] == "ddpkit:   replica 0: check #3 of step 2: all_reduce(sum) float32[3] at mismatched.py:16"
+        assert report[1] == "ddpkit:   replica 1: check #3 of step 2: all_reduce(sum) float32[4] at mismatched.py:16"
+    assert (
+        "replicas called different collectives (the report above); stopping every replica, exit code 123" in done.stderr
+    )
+    assert "Received data size" not in done.stderr  # nothing paired the calls up
+    pids = [int(p.name.removeprefix("pid-")) for p in tmp_path.glob("pid-*")]
+    assert len(pids) >= 2 and not [
+        p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 # -- replicas ------------------------------------------------------------------------------------------

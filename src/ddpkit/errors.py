@@ -103,6 +103,26 @@ def called_from_user_code(depth: int = 2) -> bool:
     return not sys._getframe(depth).f_code.co_filename.startswith(_PASSED)
 
 
+def user_line() -> str:
+    """``path:line`` of the innermost frame outside ddpkit, torch and the standard library ("" if none):
+    the line of the user's script that led to the call."""
+    torch = sys.modules.get("torch")
+    skipped = _PASSED[:1] + (os.path.dirname(os.__file__) + os.sep,)  # ddpkit, the standard library (runpy)
+    if torch is not None and getattr(torch, "__file__", None):
+        skipped += (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(skipped) and not name.startswith("<"):
+            try:
+                shown = os.path.relpath(name)
+            except ValueError:
+                shown = name
+            return f"{name if shown.startswith('..') else shown}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside ddpkit: the user's line.
 

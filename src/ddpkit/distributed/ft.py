@@ -8,7 +8,9 @@ torchft ``Manager`` with a reconfigurable gloo (or NCCL) process group over the 
 At every step the replicas form a quorum (:meth:`Replica.quorum`); the step's global batch is
 split over the replicas in it (``ddpkit.loop.loader``), their gradients are averaged through the
 manager (:meth:`Replica.average`), and the step is applied only where every participant agrees
-it completed (:meth:`Replica.should_commit`); otherwise it is redone on the next quorum. A
+it completed (:meth:`Replica.should_commit`); otherwise it is redone on the next quorum. Before
+each of its collectives, the participants compare which call each makes
+(:meth:`Replica.announce`, :mod:`ddpkit.distributed.ft_calls`): a mismatch is named, not paired. A
 replica that joins late, or comes back after a crash, heals at its first quorum from a live peer:
 the peer sends its state (weights, optimizer, loop position, RNGs, scaler) through
 :class:`SafeTransport`, which loads with ``weights_only=True`` (tensors and plain containers:
@@ -26,19 +28,21 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ddpkit import _torch
-from ddpkit.distributed import ft_control, ft_proxies, stores
+from ddpkit.distributed import ft_calls, ft_control, ft_proxies, stores
 from ddpkit.distributed.ft_heal import REFUSALS_BEFORE_STOP, SECRET_ENV, HealRefused, read_secret, transport
 from ddpkit.distributed.host import host_port
-from ddpkit.errors import DdpkitError, UsageError, warn
+from ddpkit.errors import EXIT_MISMATCH, DdpkitError, UsageError, user_line, warn
 
 LIGHTHOUSE_ENV = "DDPKIT_FT_LIGHTHOUSE"
 """The lighthouse's address (``http://HOST:PORT``), set by ``ddpkit run --fault-tolerant``."""
@@ -248,6 +252,9 @@ class Replica:
         """Each replica reads the step's whole global batch (micro-shards, shared out by the quorum),
         rather than its part of it."""
         self._in_quorum = False
+        self._checks = 0  # this step's checked calls (announce)
+        self._run: tuple[str, int] | None = None  # the run of calls checked at its first (announce): name, place
+        self._quiet = 0  # inside one call checked as a whole (as_one)
 
     @property
     def manager(self) -> Any:
@@ -262,6 +269,8 @@ class Replica:
         Raises:
             DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
         """
+        if self._mismatched_before():
+            raise SystemExit(EXIT_MISMATCH)  # restarted after a collective mismatch: the report is above
         if self._job_finished():
             # another replica finished the job: this one is behind (restarted late) and has nobody
             # to heal from; training on alone would only redo the job
@@ -290,6 +299,7 @@ class Replica:
         self.rank = 0 if rank is None else int(rank)
         self.participants = max(1, self.manager.num_participants())
         self._in_quorum = True
+        self._checks, self._run = 0, None
         if self.first_quorum is not None:
             first, self.first_quorum = self.first_quorum, None
             first(self.healed)
@@ -305,53 +315,126 @@ class Replica:
         store = self._job_store()
         return store is not None and is_done(store)
 
+    def _mismatched_before(self) -> bool:
+        store = self._job_store()
+        return store is not None and ft_calls.marked(store)
+
+    def announce(self, call: str, tensor: torch.Tensor | None = None, *, run: int | None = None) -> None:
+        """Before a quorum collective: every participant says which call it makes; where they differ,
+        raise :class:`~ddpkit.distributed.ft_calls.CollectiveMismatch` on each, in one line; the first in
+        the quorum prints the report first (one line per replica) and marks the job's store, so that the
+        launcher stops every replica rather than restart one.
+
+        One allreduce of a row per participant (:mod:`~ddpkit.distributed.ft_calls`). Nothing is
+        compared in a quorum of one, after a failed collective of the step (its sums are undefined),
+        or inside :meth:`as_one`.
+
+        Args:
+            call: what is called (``"all_reduce(sum)"``, ``"the gradient average"``).
+            tensor: what it sends, or None.
+            run: the call's place in a run of calls of this name (SyncBatchNorm's layer in its model),
+                checked only where a run starts: after a call of another name, or at a place not after
+                the last one's (the model is called again). None: checked each time.
+        """
+        if self._quiet:
+            return
+        if run is not None and self._run is not None and self._run[0] == call and run > self._run[1]:
+            self._run = (call, run)
+            return
+        self._run = None if run is None else (call, run)
+        if self.participants < 2 or self.failed():
+            return
+        self._checks += 1
+        mine = ft_calls.row(self.index, self._checks, self.manager.current_step(), call, tensor, user_line())
+        table = torch.zeros((self.participants, ft_calls.WIDTH), dtype=torch.int64)
+        table[self.rank] = mine
+        table = table.to(self.device)
+        self.manager.allreduce(table, reduce_op=_sum()).wait()
+        rows = table.cpu()
+        if self.failed() or not ft_calls.differ(rows):
+            return
+        if self.rank == 0:  # the report first: once the store is marked, the launcher stops the replicas
+            text = ft_calls.report(rows)
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+            store = self._job_store()
+            if store is not None:
+                with contextlib.suppress(RuntimeError, OSError):  # node 0 gone: the replicas end all the same
+                    ft_calls.mark(store, text)
+        call = ft_calls.Call.of(mine)
+        raise ft_calls.CollectiveMismatch(
+            f"collective mismatch in step {call.step}: replica {self.index} was about to call {call.signature} "
+            f"at check #{call.number}; the report names every replica's call"
+        )
+
+    @contextlib.contextmanager
+    def as_one(self, call: str, tensor: torch.Tensor | None = None) -> Iterator[None]:
+        """The collectives inside are checked as one call (a reduction made of a gather, the link probe)."""
+        self.announce(call, tensor)
+        with self._quietly():
+            yield
+
+    @contextlib.contextmanager
+    def _quietly(self) -> Iterator[None]:
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
     def in_quorum(self) -> bool:
         """Whether a quorum was joined for the step in progress."""
         return self._in_quorum
 
-    def average(self, tensor: torch.Tensor) -> None:
+    def average(self, tensor: torch.Tensor, *, call: str = "average") -> None:
         """Average ``tensor`` in place over this step's participants (a failure shows at commit)."""
+        self.announce(call, tensor)
         self.manager.allreduce(tensor).wait()
 
     def size(self) -> int:
         """Replicas in this step's quorum (what :class:`~ddpkit.parallel.sync_batchnorm.SyncBatchNorm` asks)."""
         return self.participants
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place over this step's replicas (a failure shows at commit)."""
-        self.all_reduce_sum_started(tensor).wait()
+    def all_reduce_sum(self, tensor: torch.Tensor, *, call: str = "sum", run: int | None = None) -> None:
+        """Sum ``tensor`` in place over this step's replicas (a failure shows at commit); ``call`` and
+        ``run`` as :meth:`announce` takes them."""
+        self.all_reduce_sum_started(tensor, call=call, run=run).wait()
 
-    def all_reduce_sum_started(self, tensor: torch.Tensor) -> Any:
+    def all_reduce_sum_started(self, tensor: torch.Tensor, *, call: str = "sum", run: int | None = None) -> Any:
         """Start summing ``tensor`` in place over this step's replicas; the work to wait on (before
         :meth:`should_commit`, where a failure shows)."""
-        from torch.distributed import ReduceOp
+        self.announce(call, tensor, run=run)
+        return self.manager.allreduce(tensor, reduce_op=_sum())
 
-        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
-
-    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+    def all_gather_rows(self, row: torch.Tensor, *, call: str = "gather", run: int | None = None) -> torch.Tensor:
         """Every replica's ``row`` of this step, stacked in quorum order (one summed allreduce)."""
-        table, work = self.all_gather_rows_started(row)
+        table, work = self.all_gather_rows_started(row, call=call, run=run)
         work.wait()
         return table
 
-    def all_gather_rows_started(self, row: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def all_gather_rows_started(
+        self, row: torch.Tensor, *, call: str = "gather", run: int | None = None
+    ) -> tuple[torch.Tensor, Any]:
         """Start gathering every replica's ``row``: the table it fills in quorum order (a row each, the
         others' zeros summed in), and the work to wait on."""
+        self.announce(call, row, run=run)
         table = torch.zeros((self.participants, *row.shape), dtype=row.dtype, device=row.device)
         table[self.rank] = row
-        return table, self.all_reduce_sum_started(table)
+        with self._quietly():  # (checked above, with the row's shape)
+            return table, self.all_reduce_sum_started(table)
 
     def reduce_(self, tensor: torch.Tensor, op: str) -> None:
         """``tensor`` reduced in place over this step's replicas with ``op`` (``"sum"``, ``"mean"``, ``"max"``,
         ``"min"``; on :attr:`device`). Where a replica died during it, torchft leaves the result undefined:
         a floating tensor is then NaN, and the step does not commit."""
-        if op in ("sum", "mean"):
-            self.all_reduce_sum(tensor)
-            if op == "mean":
-                tensor.div_(self.participants)
-        else:
-            rows = self.all_gather_rows(tensor)
-            tensor.copy_(rows.amax(0) if op == "max" else rows.amin(0))
+        with self.as_one(f"all_reduce({op})", tensor):
+            if op in ("sum", "mean"):
+                self.all_reduce_sum(tensor)
+                if op == "mean":
+                    tensor.div_(self.participants)
+            else:
+                rows = self.all_gather_rows(tensor)
+                tensor.copy_(rows.amax(0) if op == "max" else rows.amin(0))
         if self.failed() and tensor.is_floating_point():
             tensor.fill_(float("nan"))
 
@@ -361,6 +444,7 @@ class Replica:
 
     def should_commit(self) -> bool:
         """Whether every participant finished this step (True: apply it; False: redo it)."""
+        self.announce("commit (rt.step)")  # a replica still in a call of its own meets this, not a hang
         self._in_quorum = False
         return bool(self.manager.should_commit())
 
@@ -380,6 +464,12 @@ class Replica:
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None
+
+
+def _sum() -> Any:
+    from torch.distributed import ReduceOp
+
+    return ReduceOp.SUM
 
 
 def _not_refused(record: logging.LogRecord) -> bool:

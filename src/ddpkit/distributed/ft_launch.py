@@ -37,7 +37,7 @@ from ddpkit.distributed.ft_watch import NODE_JOIN_S, end_lighthouse, stop_replic
 from ddpkit.distributed.host import host_port, local_address
 from ddpkit.distributed.parent import launcher_env
 from ddpkit.distributed.torchrun import parse_master
-from ddpkit.errors import UsageError
+from ddpkit.errors import EXIT_MISMATCH, UsageError
 
 HOST = "127.0.0.1"
 
@@ -300,6 +300,7 @@ def run(spec: FaultTolerantSpec) -> int:
         ) from None
     replicas: list[subprocess.Popen] = []
     stopping: list[int] = []
+    failure: int | None = None
 
     def forward(signum: int, frame: Any) -> None:
         stopping.append(signum)
@@ -330,7 +331,7 @@ def run(spec: FaultTolerantSpec) -> int:
     finally:
         for number, old in previous.items():
             signal.signal(number, old)
-        stop_replicas(replicas)
+        stop_replicas(replicas, at_once=failure == EXIT_MISMATCH)
         shutil.rmtree(work, ignore_errors=True)
         if lighthouse is not None:
             end_lighthouse(lighthouse)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.distributed import ft
+from ddpkit.distributed import ft, ft_calls
+from ddpkit.errors import EXIT_MISMATCH
 
 if TYPE_CHECKING:
     from ddpkit.distributed.ft_launch import FaultTolerantSpec
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
 FINISH_GRACE_S = 120.0
 """How long the other replicas get to finish once one has (they end at the same step; this is their
 last evaluation and saving) before they are stopped."""
+MISMATCH_GRACE_S = 1.0
+"""How long the replicas get to say their line after one reported a collective mismatch, before they
+are stopped (their agents would restart them, to call the same collectives again)."""
 STOP_GRACE_S = 10.0
 """How long replicas get to end after SIGTERM before they are killed."""
 NODE_SILENT_S = 15.0
@@ -38,9 +43,11 @@ def watch(
 
     Returns:
         None once every replica has exited or the job has finished; 1 when the lighthouse or node 0
-        is gone (the caller stops the replicas).
+        is gone, :data:`~ddpkit.errors.EXIT_MISMATCH` when a replica found a collective mismatch (the
+        caller stops the replicas: a restarted one would only call the same collectives again).
     """
     finished_at: float | None = None
+    mismatch_at: float | None = None
     beat = 0.0
     while any(child.poll() is None for child in replicas):
         now = time.monotonic()
@@ -51,6 +58,10 @@ def watch(
             )
             return 1
         try:
+            if mismatch_at is None and ft_calls.marked(store):
+                mismatch_at = now
+            if mismatch_at is not None and now - mismatch_at > MISMATCH_GRACE_S:
+                break
             if finished_at is None and (any(child.poll() == 0 for child in replicas) or ft.is_done(store)):
                 ft.mark_done(store)  # a replica restarted from now on ends at once
                 finished_at = now
@@ -67,7 +78,21 @@ def watch(
         if finished_at is not None and now - finished_at > FINISH_GRACE_S:
             return None  # the rest are stopped by the caller
         time.sleep(0.2)
+    if mismatch_at is not None or _marked(store):
+        sys.stderr.write(
+            f"ddpkit run: replicas called different collectives (the report above); stopping every replica, "
+            f"exit code {EXIT_MISMATCH}\n"
+        )
+        return EXIT_MISMATCH
     return None
+
+
+def _marked(store: Any) -> bool:
+    """Whether a replica reported a collective mismatch (False where node 0's store is gone already)."""
+    try:
+        return ft_calls.marked(store)
+    except (RuntimeError, OSError):
+        return False
 
 
 def wait_for_nodes(spec: FaultTolerantSpec, store: Any, lighthouse: subprocess.Popen | None) -> None:
@@ -98,9 +123,10 @@ def end_lighthouse(lighthouse: subprocess.Popen) -> None:
             lighthouse.kill()
 
 
-def stop_replicas(children: Sequence[subprocess.Popen]) -> None:
+def stop_replicas(children: Sequence[subprocess.Popen], *, at_once: bool = False) -> None:
     """SIGTERM each live replica (its agent stops its worker), SIGKILL what is left after the grace:
-    the agent and its worker, which torch starts in a session of its own."""
+    the agent and its worker, which torch starts in a session of its own. ``at_once``: SIGKILL them
+    all now (after a collective mismatch there is nothing to save, and a SIGTERM's lines would say so)."""
     import psutil
 
     live = [child for child in children if child.poll() is None]
@@ -110,7 +136,13 @@ def stop_replicas(children: Sequence[subprocess.Popen]) -> None:
             family += psutil.Process(child.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             pass
-        child.terminate()
+        if at_once:
+            for process in family:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            child.kill()
+        else:
+            child.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for child in live:
         try:
@@ -129,6 +161,7 @@ def stop_replicas(children: Sequence[subprocess.Popen]) -> None:
 
 __all__ = [
     "FINISH_GRACE_S",
+    "MISMATCH_GRACE_S",
     "NODE_JOIN_S",
     "NODE_SILENT_S",
     "STOP_GRACE_S",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 import threading
 import time
 import zlib
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from ddpkit import _torch
+from ddpkit.errors import user_line
 
 # Operations whose tensor has the same shape and dtype on every rank of a correct program; the
 # others (all_gather's list, all_to_all's splits, gather and scatter, objects) may differ by rank.
@@ -54,25 +54,6 @@ OTHERS = (
 MARK_EVERY = 8  # a fingerprint is kept every MARK_EVERY calls
 _MARKS_KEPT = 512
 _RECENT = 16
-
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ddpkit package
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIPPED = (_HERE, _TORCH, os.path.dirname(os.__file__))  # ddpkit, torch, the standard library (runpy)
-
-
-def user_line() -> str:
-    """``path:line`` of the innermost frame outside ddpkit, torch and the standard library ("" if none)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIPPED) and not name.startswith("<"):
-            try:
-                shown = os.path.relpath(name)
-            except ValueError:
-                shown = name
-            return f"{name if shown.startswith('..') else shown}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return ""
 
 
 class CollectiveLog:
@@ -169,7 +150,6 @@ FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 def flight_recorder_on() -> bool:
     """Whether torch's flight recorder runs in this process (``ddpkit run`` turns it on)."""
-    import os
 
     return any(os.environ.get(name, "0").strip() not in ("", "0") for name in FLIGHT_RECORDER_ENV)
 

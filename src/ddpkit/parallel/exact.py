@@ -415,7 +415,7 @@ class Exact:
         shard_stats = [stats[-1][s] if self._computes(s) else None for s in range(self.micro_shards)]
         stat_rows = self._stat_bits(shard_stats)
         table = torch.cat([*rows, stat_rows])
-        self.quorum.all_reduce_sum(table)
+        self.quorum.all_reduce_sum(table, call="the exact exchange")
         self.exchange_calls = 1
         width = layout.width
         parts = [layout.unpack(table[k * width : (k + 1) * width]) for k in range(subtrees)]

@@ -963,6 +963,9 @@ class QuorumLost(Exception):
     """A collective of a fault-tolerant quorum failed (a replica died): its result is not to be used."""
 
 
+_EXCHANGE = "the sync's exchange"  # what a fault-tolerant replica's check names (ft_calls)
+
+
 class QuorumMeet:
     """A fault-tolerant replica's quorum as the ranks an exchange meets: its sums and gathers go through
     torchft's manager (:class:`~ddpkit.distributed.ft.Replica`), whose participants are the world.
@@ -992,7 +995,8 @@ class QuorumMeet:
         quarter of the probe's budget sends, and repeated fewer times, at least 3)."""
         from ddpkit.distributed.probe import timed_link
 
-        return timed_link(self.sum_, self.max_, nbytes, device, repeats=repeats)
+        with self.replica.as_one("the link probe"):  # its calls are agreed: checked once
+            return timed_link(self.sum_, self.max_, nbytes, device, repeats=repeats)
 
     def _check(self) -> None:
         if self.replica.failed():
@@ -1002,15 +1006,15 @@ class QuorumMeet:
         """Sum ``tensor`` in place over the quorum; ``wait=False``: started, the work returned (waited
         for before the step's commit, :meth:`PeriodicSync.wait_in_flight`)."""
         if not wait:
-            return self.replica.all_reduce_sum_started(tensor)
-        self.replica.all_reduce_sum(tensor)
+            return self.replica.all_reduce_sum_started(tensor, call=_EXCHANGE)
+        self.replica.all_reduce_sum(tensor, call=_EXCHANGE)
         self._check()
         return None
 
     def max_(self, tensor: torch.Tensor) -> None:
         """The quorum's largest of ``tensor``, in place (a host tensor, such as the period's agreement,
         travels through the replica's device: NCCL reduces no CPU tensor)."""
-        rows = self.replica.all_gather_rows(tensor.to(self.replica.device))
+        rows = self.replica.all_gather_rows(tensor.to(self.replica.device), call="the period's agreement")
         self._check()
         tensor.copy_(rows.amax(0))
 
@@ -1018,9 +1022,9 @@ class QuorumMeet:
         """Every replica's ``packet`` (bytes), one after another in quorum order, and the work to wait
         on (None: waited for already)."""
         if not wait:  # the table fills in the background
-            table, work = self.replica.all_gather_rows_started(packet)
+            table, work = self.replica.all_gather_rows_started(packet, call=_EXCHANGE)
             return table.view(-1), work
-        rows = self.replica.all_gather_rows(packet)
+        rows = self.replica.all_gather_rows(packet, call=_EXCHANGE)
         self._check()
         return rows.reshape(-1), None
 

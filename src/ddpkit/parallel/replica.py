@@ -174,10 +174,10 @@ class FaultTolerant(Mode):
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
             if self.cast is not None and dtype.is_floating_point and dtype.itemsize > self.cast.itemsize:
                 sent = flat.div(self.manager.size()).to(self.cast)  # divide first: fp16 overflows later
-                self.manager.all_reduce_sum(sent)
+                self.manager.all_reduce_sum(sent, call="the gradient average")
                 flat = sent.to(dtype)
             else:
-                self.manager.average(flat)
+                self.manager.average(flat, call="the gradient average")
             offset = 0
             for p in same:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).clone()

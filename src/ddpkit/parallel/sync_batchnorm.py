@@ -30,7 +30,9 @@ from ddpkit.errors import UsageError
 __all__ = ["SyncBatchNorm", "convert_over", "convert_sync_batchnorm"]
 
 
-def _global_stats(x: torch.Tensor, dims: list[int], group: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _global_stats(
+    x: torch.Tensor, dims: list[int], group: Any, place: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Mean and biased variance per channel over the samples of every rank, in one collective.
 
     Each rank sends its count, mean and sum of squared deviations from its own mean; every rank
@@ -45,7 +47,7 @@ def _global_stats(x: torch.Tensor, dims: list[int], group: Any) -> tuple[torch.T
         mean = m2 = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
     local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device), mean.double(), m2.double()])
     if hasattr(group, "all_gather_rows"):  # a fault-tolerant job's replicas (ddpkit.distributed.ft)
-        table = group.all_gather_rows(local)
+        table = group.all_gather_rows(local, call="SyncBatchNorm forward", run=place)  # checked once a model call
     else:
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
@@ -80,11 +82,12 @@ class _SyncNormalize(torch.autograd.Function):
         bias: Any,
         total: int,
         group: Any,
+        place: int = 0,
     ) -> torch.Tensor:
         shape = [1, -1] + [1] * (x.dim() - 2)
         xhat = (x - mean.view(shape)) * invstd.view(shape)
         ctx.save_for_backward(x, mean, invstd, weight)
-        ctx.total, ctx.group, ctx.affine = total, group, weight is not None
+        ctx.total, ctx.group, ctx.affine, ctx.place = total, group, weight is not None, place
         if weight is None:
             return xhat
         return xhat * weight.view(shape).to(x.dtype) + bias.view(shape).to(x.dtype)
@@ -99,7 +102,7 @@ class _SyncNormalize(torch.autograd.Function):
         sums = torch.cat([sum_dy, sum_dy_xhat]).double()
         started = time.perf_counter()
         if hasattr(ctx.group, "all_reduce_sum"):
-            ctx.group.all_reduce_sum(sums)
+            ctx.group.all_reduce_sum(sums, call="SyncBatchNorm backward", run=-ctx.place)  # once a backward pass
         else:
             dist.all_reduce(sums, group=ctx.group)
         SyncBatchNorm.collective_seconds += time.perf_counter() - started
@@ -109,8 +112,8 @@ class _SyncNormalize(torch.autograd.Function):
         scale = invstd if weight is None else invstd * weight.to(x.dtype)
         grad_x = (grad - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
         if not ctx.affine:
-            return grad_x, None, None, None, None, None, None
-        return grad_x, None, None, sum_dy_xhat.to(weight.dtype), sum_dy.to(weight.dtype), None, None
+            return grad_x, None, None, None, None, None, None, None
+        return grad_x, None, None, sum_dy_xhat.to(weight.dtype), sum_dy.to(weight.dtype), None, None, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -149,6 +152,9 @@ class SyncBatchNorm(_BatchNorm):
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
+        self.place = 0
+        """This layer's place among the model's (:func:`convert_over`): a fault-tolerant replica checks
+        the layers' collectives once a run, a model call's or a backward pass's."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -200,10 +206,10 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]
         with torch.no_grad():
             started = time.perf_counter()
-            mean, var, n = _global_stats(x.detach(), dims, self.process_group)
+            mean, var, n = _global_stats(x.detach(), dims, self.process_group, self.place)
             SyncBatchNorm.collective_seconds += time.perf_counter() - started
             invstd = torch.rsqrt(var + self.eps)
-        out = _SyncNormalize.apply(x, mean, invstd, self.weight, self.bias, n, self.process_group)
+        out = _SyncNormalize.apply(x, mean, invstd, self.weight, self.bias, n, self.process_group, self.place)
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
             self._update_running(mean, var * (n / (n - 1)), factor)
         return out.to(input.dtype)
@@ -240,8 +246,15 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_grou
 
 def convert_over(module: nn.Module, group: Any) -> nn.Module:
     """Replace every BatchNorm layer by ddpkit's :class:`SyncBatchNorm` over ``group``, on any device:
-    a fault-tolerant job's replicas (:class:`ddpkit.distributed.ft.Replica`), whose members change from step to step."""
-    return _convert(module, group)
+    a fault-tolerant job's replicas (:class:`ddpkit.distributed.ft.Replica`), whose members change from step to step.
+
+    Each layer gets its place in the model: the replicas check which collective each calls once a run
+    of the layers' calls (:meth:`~ddpkit.distributed.ft.Replica.announce`), a model call's or a backward pass's.
+    """
+    converted = _convert(module, group)
+    for place, layer in enumerate(m for m in converted.modules() if isinstance(m, SyncBatchNorm)):
+        layer.place = place
+    return converted
 
 
 def _convert(module: nn.Module, process_group: Any = None) -> nn.Module:
