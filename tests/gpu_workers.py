@@ -93,6 +93,11 @@ def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> di
         rt.backward(loss)
         stepped.append(rt.step(opt))
         losses.append(loss.item())
+    g = torch.Generator().manual_seed(1)  # the same held-out set on every rank
+    held_out = torch.utils.data.TensorDataset(
+        torch.randn(30, 64, generator=g), torch.randint(0, 10, (30,), generator=g)
+    )
+    evaluated = ddpkit.evaluate(model, held_out, num_classes=10, batch_size=8)  # offloaded: inputs on the host
     shard_devices = sorted({str(p.to_local().device) for p in model.parameters()})
     state_devices = sorted(
         {
@@ -114,6 +119,7 @@ def gpu_fsdp_steps(checkpoint_dir: str, precision: str, cpu_offload: bool) -> di
         "shard_devices": shard_devices,
         "state_devices": state_devices,
         "same_after_load": same,
+        "evaluated": evaluated["count"],
         "scaler": type(rt.precision.scaler).__name__ if rt.precision.scaler else None,
     }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -818,6 +819,108 @@ def test_make_gpu_check_says_in_one_line_that_torch_sees_no_gpu(tmp_path):
         "sees no CUDA GPU (CPU wheel, or no driver)"
     )
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bare_site(where: Path) -> Path:
+    """A folder of links to torch, pytest and what they require, nothing else of this environment:
+    what an image with CUDA torch and pytest holds (``python -S`` then sees no other package)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    site = where / "site"
+    site.mkdir()
+    todo, seen = ["torch", "pytest"], set()
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # (a requirement of another platform or Python)
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists():
+                (site / top).symlink_to(source)
+    return site
+
+
+_TWO = """
+import torch, ddpkit
+rt = ddpkit.init(seed=0)
+net = torch.nn.Linear(4, 2)
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+for x, y in rt.loader(data, global_batch_size=8):
+    rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+    rt.step(opt)
+print("rank", rt.rank, "evaluated", ddpkit.evaluate(model, data, num_classes=2)["count"], flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_gpu_check_runs_on_an_image_with_torch_and_pytest_alone(tmp_path):
+    """``make gpu-check`` installs nothing. In a virtual environment of torch and pytest alone (no numpy,
+    psutil, tqdm, scikit-learn; its children too): ddpkit imports, a 2-process job trains and evaluates
+    (objects travel between ranks without numpy), a bench row runs, and the gpu tests collect. The
+    files it hands pytest are every file that holds a gpu test; a part that runs past its limit keeps
+    what it printed."""
+    import venv
+
+    root = Path(__file__).resolve().parent.parent
+    check = _gpu_check()
+    gpu_mark = re.compile(r"^@pytest\.mark\.gpu\b|^pytestmark\b[^\n]*(\n +[^\n]*)*pytest\.mark\.gpu\b", re.M)
+    marked = sorted(f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if gpu_mark.search(p.read_text()))
+    assert sorted(check.GPU_TESTS) == marked
+    site = _bare_site(tmp_path)
+    venv.create(tmp_path / "env", with_pip=False, system_site_packages=False)
+    (next((tmp_path / "env" / "lib").glob("python3*/site-packages")) / "bare.pth").write_text(f"{site}\n")
+    bare = str(tmp_path / "env" / "bin" / "python")
+    env = {**clean_env(), "PYTHONPATH": str(root / "src"), "PYTHONWARNINGS": "ignore", "PYTHONNOUSERSITE": "1"}
+
+    def runs(*command: str, timeout: float = 120) -> str:
+        done = subprocess.run([bare, *command], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done.stdout
+
+    probe = (
+        "import importlib.util as u, ddpkit; print(u.find_spec('numpy'), u.find_spec('psutil'), u.find_spec('tqdm'))"
+    )
+    assert runs("-c", probe) == "None None None\n"
+    (tmp_path / "two.py").write_text(_TWO)
+    assert sorted(runs("-m", "ddpkit", "run", "-n", "2", "two.py").splitlines()) == [
+        "rank 0 evaluated 32",
+        "rank 1 evaluated 32",
+    ]
+    bench = "--model convnet --data synthetic --nproc 1 --steps 3 --warmup 1 --modes ddp --batch-size 8"
+    runs("-m", "ddpkit", "bench", *bench.split(), "--out-dir", str(tmp_path / "bench"))
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())
+    collect = ["-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--rootdir", str(root)]
+    env["PYTHONPATH"] += os.pathsep + str(root / "tests")
+    listed = runs(*collect, *(str(root / name) for name in check.GPU_TESTS))
+    assert "error" not in listed.lower() and listed.count("test_gpu.py::") >= 5, listed[-3000:]
+    report: list[str] = []
+    slow = [sys.executable, "-c", "import time; print('reached the slow part', flush=True); time.sleep(30)"]
+    assert check._run("A part", slow, 2, tmp_path, report) is False
+    assert "reached the slow part" in (tmp_path / "a-part.log").read_text() and "(stopped after 2 s)" in report[4]
+    assert report[0].startswith("### A part: FAILED (exit 124)")
 
 
 def test_every_exchange_the_bench_takes_reaches_its_loops():

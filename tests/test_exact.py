@@ -619,3 +619,37 @@ def test_each_quorum_size_computes_every_shard_once_in_whole_subtrees_of_the_one
         assert sorted(owners) == list(range(micro_shards))
         for k in range(subtrees):  # a subtree (shards k, k + K, ...) is one replica's
             assert len({owners[s] for s in range(k, micro_shards, subtrees)}) == 1
+
+
+def test_a_rounds_sends_and_receives_go_as_one_batch_as_nccl_needs(monkeypatch):
+    """``_swap`` posts a round's sends and receives together (``batch_isend_irecv``): on NCCL, a send
+    larger than its buffers waits for the partner's receive, so two partners each posting a send
+    first, one call at a time, would wait for each other (NVIDIA/nccl#479). Empty halves send nothing."""
+    import torch.distributed as dist
+
+    batches: list[list[tuple[str, int, int]]] = []
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def batch(ops):
+        batches.append([(op.op.__name__, op.tensor.numel(), op.tag) for op in ops])
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.fill_(7.0)  # the partner's half lands
+        return [Done() for _ in ops]
+
+    class Op:  # torch's P2POp, without the process group it looks the peer up in
+        def __init__(self, op, tensor, peer, group=None, tag=0):
+            self.op, self.tensor, self.peer, self.tag = op, tensor, peer, tag
+
+    monkeypatch.setattr(dist, "P2POp", Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    # (no process group here: a send or receive posted alone, outside the batch, would raise)
+    exchange = exact_exchange.TreeExchange.__new__(exact_exchange.TreeExchange)
+    exchange.group, exchange._through_host = None, False
+    into = torch.zeros(6)
+    exchange._swap([(torch.ones(4), into[:4]), (torch.ones(0), into[4:4])], partner=1, bucket=3)
+    assert batches == [[("isend", 4, 6), ("irecv", 4, 6)]]  # one batch; the empty pair sent nothing
+    assert into.tolist() == [7.0] * 4 + [0.0, 0.0]

@@ -284,7 +284,7 @@ class _Replicas:
         self.quorums += 1
         return 0, 2
 
-    def should_commit(self) -> bool:
+    def should_commit(self, **_: Any) -> bool:
         self.commits.append(not self.fails)
         self.fails = False  # the next quorum holds the survivors
         return self.commits[-1]

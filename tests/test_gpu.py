@@ -89,6 +89,7 @@ def test_fsdp_on_nccl_shards_on_the_gpu_or_offloads_and_reloads(precision, cpu_o
         where = "cpu" if cpu_offload else "cuda"
         assert [d.split(":")[0] for d in run["shard_devices"] + run["state_devices"]] == [where, where], run
         assert run["same_after_load"], run
+        assert run["evaluated"] == 30, run  # every held-out sample once, the shards offloaded or not
         assert run["scaler"] == ("ShardedGradScaler" if precision == "fp16" else None)
 
 

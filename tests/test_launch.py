@@ -213,3 +213,19 @@ def test_forkserver_children_get_each_launchs_environment_and_streams_not_the_se
 def test_launch_rejects_zero_processes():
     with pytest.raises(UsageError):
         ddpkit.launch(workers.rank_sum, nprocs=0)
+
+
+def test_a_fork_after_cuda_was_used_is_refused_in_one_line(monkeypatch):
+    """A function typed into a notebook starts by fork, which CUDA does not survive: where the
+    notebook used CUDA already, one line says what to do instead of every child's traceback."""
+    from ddpkit.distributed import launch
+
+    monkeypatch.setattr(launch, "_cuda_started", lambda: True)
+    with pytest.raises(ddpkit.UsageError) as refused:
+        ddpkit.launch(workers.environment, nprocs=2, start_method="fork")
+    assert "Cannot re-initialize CUDA in forked subprocess" in str(refused.value)
+    assert "call ddpkit.launch before any CUDA call" in str(refused.value) and "\n" not in str(refused.value)
+    monkeypatch.undo()
+    import torch
+
+    assert launch._cuda_started() is torch.cuda.is_initialized()  # (False on a machine without a GPU)

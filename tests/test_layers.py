@@ -44,6 +44,7 @@ def test_the_root_holds_only_the_facade_and_the_base_modules():
         "_bounds.py",
         "_files.py",
         "_torch.py",
+        "_tensors.py",
         "_version.py",
         "entry.py",
         "errors.py",

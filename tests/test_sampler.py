@@ -155,3 +155,66 @@ def test_position_at_the_end_marks_a_finished_epoch():
         pass
     record = loader.position_record()
     assert (record["epoch"], record["position"], record["finished"]) == (0, 3, True)
+
+
+class _FakeCuda:
+    """torch.cuda on a machine with ``visible`` GPUs, this process on GPU ``current``: each generator a number."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, visible: int, current: int) -> None:
+        self.states = {d: torch.tensor([d], dtype=torch.uint8) for d in range(visible)}
+        self.visible, self.current = visible, current
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[device].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [self.states[d] for d in range(self.visible)])
+
+    def set(self, state: torch.Tensor, device: int = 0) -> None:
+        if device >= self.visible:
+            raise IndexError("list index out of range")  # as torch.cuda.default_generators[device]
+        self.states[device] = state.clone()
+
+
+def test_a_processs_cuda_generator_is_its_own_devices_and_resumes_where_fewer_gpus_are_visible(monkeypatch):
+    """``rng_state`` keeps this process's own GPU's generator, not every visible one's: a resume under
+    ``srun --gpus-per-task=1`` of a run saved with 8 GPUs a node once indexed past the one it sees."""
+    from ddpkit import rng
+
+    saved_on = _FakeCuda(monkeypatch, visible=8, current=5)
+    saved_on.states[5] = torch.tensor([55], dtype=torch.uint8)
+    state = rng.rng_state()
+    assert torch.equal(state["cuda"], torch.tensor([55], dtype=torch.uint8))  # GPU 5's alone
+    resumed_on = _FakeCuda(monkeypatch, visible=1, current=0)  # one GPU, device 0
+    rng.set_rng_state(state)
+    assert resumed_on.states[0].tolist() == [55]
+    # a checkpoint from before held every visible GPU's states: this device's entry is taken
+    old = {**state, "cuda": [torch.tensor([d * 10], dtype=torch.uint8) for d in range(8)]}
+    resumed_on.current, resumed_on.visible = 0, 1
+    rng.set_rng_state(old)
+    assert resumed_on.states[0].tolist() == [0]
+    fewer = {**state, "cuda": [torch.tensor([7], dtype=torch.uint8)]}  # saved where 1 GPU was visible
+    wider = _FakeCuda(monkeypatch, visible=4, current=3)
+    rng.set_rng_state(fewer)  # not among them: left as it is, no IndexError
+    assert wider.states[3].tolist() == [3]
+
+
+def test_a_fault_tolerant_step_that_does_not_commit_puts_the_cuda_generator_back(monkeypatch):
+    """Dropout on a GPU draws from the CUDA generator: a redone step must draw the same masks."""
+    from ddpkit.parallel.replica import FaultTolerant
+
+    class Quorum:
+        def in_quorum(self) -> bool:
+            return True
+
+        def should_commit(self, **_) -> bool:
+            return False  # a replica died in this step
+
+    cuda = _FakeCuda(monkeypatch, visible=2, current=1)
+    replica = FaultTolerant(Quorum())
+    replica.micro_shards = True  # (no gradient average to fake)
+    model = torch.nn.Linear(2, 2)
+    replica.on_batch([model])
+    cuda.states[1] = torch.tensor([99], dtype=torch.uint8)  # the forward drew on GPU 1
+    torch.rand(3)
+    assert replica.commit(list(model.parameters()), None) is False
+    assert cuda.states[1].tolist() == [1] and cuda.states[0].tolist() == [0]

@@ -19,14 +19,19 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+
+try:  # a dependency of ddpkit; an image with CUDA torch alone (make gpu-check) may lack it
+    import numpy as np
+except ImportError:  # pragma: no cover - exercised by tests/test_bench.py's bare interpreter
+    np = None  # type: ignore[assignment]
 
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch identically (the same initial weights on every rank)."""
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    if np is not None:
+        np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
@@ -109,28 +114,56 @@ def seed_worker_globals(seed: int, epoch: int, rank: int, worker: int) -> None:
     value = sample_seed(seed, epoch, -1 - (rank * 4096 + worker))
     random.seed(value)
     torch.manual_seed(value)
-    np.random.seed(value % 2**32)
+    if np is not None:
+        np.random.seed(value % 2**32)
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states (torch, CUDA, numpy, python) as tensors and plain values."""
+    """This process's RNG states (torch, its CUDA device's, numpy, python) as tensors and plain values."""
     state = {
-        "torch": torch.get_rng_state(),
-        "numpy": numpy_state(np.random.get_state()),
+        **torch_state(),
+        "numpy": numpy_state(np.random.get_state()) if np is not None else None,
         "python": _to_lists(random.getstate()),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore what :func:`rng_state` captured."""
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(numpy_state_tuple(state["numpy"]))
+    set_torch_state(state)
+    if np is not None and state.get("numpy") is not None:
+        np.random.set_state(numpy_state_tuple(state["numpy"]))
     random.setstate(_to_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def torch_state() -> dict[str, Any]:
+    """torch's generator and, where CUDA is available, the generator of this process's own device.
+
+    Its own device's only, not every visible GPU's: a resume where each process sees another number
+    of GPUs (``srun --gpus-per-task=1`` after 8 GPUs a node) would otherwise index past them.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    return state
+
+
+def set_torch_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`torch_state` captured (the CUDA state into this process's own device).
+
+    A checkpoint from before held every visible GPU's states, a list: the entry of this process's
+    device is taken where there is one.
+    """
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+    if isinstance(cuda, (list, tuple)):
+        if device >= len(cuda):
+            return  # saved where fewer GPUs were visible: this device's stream was not among them
+        cuda = cuda[device]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def numpy_state(state: tuple) -> list[Any]:

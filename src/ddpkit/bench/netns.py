@@ -17,8 +17,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
-
 from ddpkit.errors import UsageError
 
 _NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps its names (/var/run is /run)
@@ -153,6 +151,8 @@ def _owner_alive(tag: str) -> bool:
         if not tag.isdigit():
             return False  # owner files come first and go last: a dead run
         pid, create_time = int(tag), None
+    import psutil  # (here: make gpu-check's image may lack it, and never simulates hosts)
+
     try:
         owner = psutil.Process(pid)
         return owner.status() != psutil.STATUS_ZOMBIE and (

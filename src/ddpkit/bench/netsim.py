@@ -27,8 +27,6 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-import psutil
-
 from ddpkit.bench.netns import _OWNERS, NetsimError, _check_tag, _delete, _run, _stop, leftovers, remove_leftovers
 from ddpkit.errors import warn
 
@@ -191,6 +189,8 @@ class SimulatedHosts:
                 f"another run uses them, or remove_leftovers('{self.tag}') removes them"
             )
         _OWNERS.mkdir(parents=True, exist_ok=True)
+        import psutil  # (here: make gpu-check's image may lack it, and never simulates hosts)
+
         me = psutil.Process()
         (_OWNERS / self.tag).write_text(f"{me.pid} {me.create_time()}\n")
         self._made.append(("owner", self.tag))

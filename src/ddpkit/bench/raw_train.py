@@ -70,6 +70,8 @@ def train(opts: argparse.Namespace) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:  # as the blog posts do: each rank's own GPU before NCCL's (else every rank's context lands on GPU 0)
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
         train_set, test_set = load_dataset(opts.data, "train"), load_dataset(opts.data, "test")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit._files import atomic_path
+from ddpkit._tensors import raw_bytes
 from ddpkit._torch import unwrap
 from ddpkit.bench import wire
 from ddpkit.distributed.host import usable_cores
@@ -118,7 +119,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for key, value in unwrap(model).state_dict().items():
         digest.update(key.encode())
-        digest.update(_local(value.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(raw_bytes(_local(value)))
     return digest.hexdigest()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._tensors import raw_bytes
 from ddpkit.errors import DdpkitError, UsageError, refused_global
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -235,7 +236,7 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
 def _from_bytes(payload: torch.Tensor) -> Any:
     """What :func:`_to_bytes` made, received as a uint8 tensor (:func:`object_from`)."""
-    return object_from(payload.cpu().numpy().tobytes())
+    return object_from(raw_bytes(payload))
 
 
 def _load(data: bytes) -> Any:

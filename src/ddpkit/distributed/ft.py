@@ -442,9 +442,16 @@ class Replica:
         """Whether a collective of this step failed (torchft then leaves its tensors undefined)."""
         return self._manager is not None and self._manager.errored() is not None
 
-    def should_commit(self) -> bool:
-        """Whether every participant finished this step (True: apply it; False: redo it)."""
-        self.announce("commit (rt.step)")  # a replica still in a call of its own meets this, not a hang
+    def should_commit(self, *, checked: bool = False) -> bool:
+        """Whether every participant finished this step (True: apply it; False: redo it).
+
+        Args:
+            checked: the last collective, just checked, came from the same ``rt.step`` as this commit
+                (the gradient average): nothing can come between them, so the commit is not checked.
+                Otherwise it is, so that a replica still in a call of its own meets it, not a hang.
+        """
+        if not checked:
+            self.announce("commit (rt.step)")
         self._in_quorum = False
         return bool(self.manager.should_commit())
 

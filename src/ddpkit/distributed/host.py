@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
@@ -79,11 +80,18 @@ def local_address(host: str, port: int) -> str | None:
         return None
 
 
+def _interfaces() -> dict[str, Any]:
+    """psutil's ``net_if_addrs()``; empty where psutil is missing (make gpu-check's image: one machine)."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    return psutil.net_if_addrs()
+
+
 def interface_of(address: str) -> str | None:
     """The name of this machine's network interface that holds ``address``, or None."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
+    for name, addresses in _interfaces().items():
         if any(a.address.split("%")[0] == address for a in addresses):
             return name
     return None
@@ -96,9 +104,7 @@ def loopback_interface() -> str:
 
 def address_of(interface: str) -> str | None:
     """The first IPv4 (else IPv6) address of ``interface``, or None when it has none or does not exist."""
-    import psutil
-
-    found = psutil.net_if_addrs().get(interface, [])
+    found = _interfaces().get(interface, [])
     for family in (socket.AF_INET, socket.AF_INET6):
         for entry in found:
             if entry.family == family:

@@ -74,6 +74,13 @@ def launch(
     """
     if nprocs < 1:
         raise UsageError(f"nprocs must be at least 1, got {nprocs}")
+    method = start_method or _start_method(fn)
+    if method == "fork" and _cuda_started():
+        raise UsageError(
+            'ddpkit.launch: this process has used CUDA already, and a forked child cannot ("Cannot '
+            're-initialize CUDA in forked subprocess"); call ddpkit.launch before any CUDA call (restart the '
+            "notebook's kernel), or define the function in a .py file and import it, which starts by spawn"
+        )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -89,7 +96,7 @@ def launch(
             local_addr="127.0.0.1",
             max_restarts=max_restarts,
             monitor_interval=0.1,
-            start_method=start_method or _start_method(fn),
+            start_method=method,
         )
         with (
             tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as error_dir,
@@ -113,6 +120,12 @@ def _earliest_error(error_dir: str) -> LaunchError | None:
         return None
     first = min(records, key=lambda r: (is_secondary(r["message"]), r["time"], r["rank"]))
     return LaunchError(first["rank"], first["message"], first["traceback"].strip())
+
+
+def _cuda_started() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def _start_method(fn: Callable[..., Any]) -> str:

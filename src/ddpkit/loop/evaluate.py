@@ -181,6 +181,11 @@ def evaluate(
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(inputs)
+            if isinstance(outputs, torch.Tensor) and outputs.device != device:
+                # fsdp's cpu_offload: the shards (the first parameter) on the host, the forward on the GPU
+                device = outputs.device
+                loss_sum, confusion = loss_sum.to(device), confusion.to(device)
+            targets = to_device(targets, device)
             outputs = _classes_first(outputs, targets, num_classes, class_dim)
             counted = targets != ignore_index
             truth, predicted = targets[counted], outputs.argmax(dim=1)[counted]

@@ -316,6 +316,8 @@ class TreeExchange:
             self._done.put(total)
 
     def _work(self) -> None:
+        if self.device.type == "cuda":  # a thread starts on GPU 0: NCCL's sends and receives want this rank's
+            torch.cuda.set_device(self.device)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -340,21 +342,26 @@ class TreeExchange:
     def _swap(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], partner: int, bucket: int = 0) -> None:
         """For each ``(send, recv)``: send ``send`` to ``partner`` while receiving its message into ``recv``
         (in order, one tag each, the bucket's own: two buckets run at once; ``recv`` may be a slice of a
-        larger tensor)."""
+        larger tensor).
+
+        One batch (``batch_isend_irecv``): NCCL runs it as one group, where a send larger than its
+        buffers waits for the partner's receive; posted one by one, both partners' sends would wait
+        for receives queued behind them. gloo posts them one by one, as before.
+        """
         import torch.distributed as dist
 
-        requests, landed = [], []
+        ops, landed = [], []
         for index, (send, recv) in enumerate(pairs):
             tag = 2 * bucket + index  # a bucket's rounds run one after another, so they share its tags
             # an empty half is empty on both sides (the partner's recv is this send's size): nothing travels
             if send.numel():
-                requests.append(
-                    dist.isend(send.cpu() if self._through_host else send, partner, group=self.group, tag=tag)
-                )
+                sent = send.cpu() if self._through_host else send
+                ops.append(dist.P2POp(dist.isend, sent, partner, group=self.group, tag=tag))
             if recv.numel():
                 into = torch.empty(recv.shape, dtype=recv.dtype) if self._through_host else recv
-                requests.append(dist.irecv(into, partner, group=self.group, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, into, partner, group=self.group, tag=tag))
                 landed.append((into, recv))
+        requests = dist.batch_isend_irecv(ops) if ops else []
         for request in requests:
             assert request is not None  # None only for a rank outside the group; every rank is in it
             request.wait()

@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -117,7 +116,9 @@ class PowerSGD:
         self.start = start
         self.device = device
         self.iter = 0
-        self.rng = np.random.RandomState(seed)
+        import numpy as np  # (here: ddpkit imports where numpy is missing, make gpu-check's image)
+
+        self.rng = np.random.RandomState(seed)  # as torch's PowerSGD hook draws its Q
         self.buckets: dict[int, _Bucket] = {}
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # loaded, not yet adopted
         self.payload_elements = 0

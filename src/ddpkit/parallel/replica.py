@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ddpkit import rng
 from ddpkit.errors import UsageError
 from ddpkit.parallel.modes import Mode
 from ddpkit.parallel.sync_batchnorm import convert_over
@@ -40,7 +41,7 @@ class FaultTolerant(Mode):
         models and optimizers)."""
         self.waiting_resume: tuple[Any, bool] | None = None
         """``rt.resume``'s (state, strict), done at the first quorum unless a peer's state heals this replica."""
-        self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+        self._undo: tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any]] | None = None
         self.micro_shards = False
         """The model trains with ``micro_shards``: its tree sums the gradients over the quorum, not :meth:`commit`."""
         self.models = 0
@@ -136,7 +137,7 @@ class FaultTolerant(Mode):
     def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
         """The step may not commit: keep what its forward changes besides the gradients (BatchNorm's
         running statistics, torch's random state), to put it back."""
-        self._undo = ([(b, b.detach().clone()) for model in models for b in model.buffers()], torch.get_rng_state())
+        self._undo = ([(b, b.detach().clone()) for model in models for b in model.buffers()], rng.torch_state())
 
     def commit(self, params: Sequence[torch.Tensor], active: Any) -> bool:
         """Average the gradients over the quorum's replicas, then ask whether every one finished.
@@ -150,9 +151,11 @@ class FaultTolerant(Mode):
                 "quorum of replicas forms (without it every replica would train alone); load the data "
                 "with rt.loader(dataset, global_batch_size=...)"
             )
+        averaged = False
         if not self.micro_shards:  # (micro-shards: their tree summed them over the quorum already)
-            self._average([p for p in params if id(p) not in self.apart])
-        if self.manager.should_commit():
+            averaged = self._average([p for p in params if id(p) not in self.apart])
+        # right after the average's check, no other call can come between: the commit needs none
+        if self.manager.should_commit(checked=averaged):
             return True
         for p in params:
             p.grad = None
@@ -161,14 +164,14 @@ class FaultTolerant(Mode):
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
-            torch.set_rng_state(rng_state)
+            rng.set_torch_state(rng_state)  # (the CUDA device's too: dropout on a GPU draws there)
         if active is not None:
             active.step_back()
         return False
 
-    def _average(self, params: Sequence[torch.Tensor]) -> None:
+    def _average(self, params: Sequence[torch.Tensor]) -> bool:
         """The gradients averaged over the quorum, one flat allreduce a dtype (in :attr:`cast` where set:
-        divided by the quorum's size, summed in 16 bits, cast back)."""
+        divided by the quorum's size, summed in 16 bits, cast back); whether there were any."""
         for dtype in sorted({p.dtype for p in params}, key=str):
             same = [p for p in params if p.dtype == dtype]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
@@ -182,6 +185,7 @@ class FaultTolerant(Mode):
             for p in same:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
+        return bool(params)
 
     def is_main(self, rank: int) -> bool:
         """The replica ranked first in the latest step's quorum: exactly one live replica logs and saves."""

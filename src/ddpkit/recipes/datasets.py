@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+try:  # a dependency of ddpkit; an image with CUDA torch alone (make gpu-check) may lack it
+    import numpy as np
+except ImportError:  # pragma: no cover - tests/test_bench.py's bare interpreter: synthetic data needs none
+    np = None  # type: ignore[assignment]
 from torch.utils.data import Dataset
 
 from ddpkit.errors import UsageError
@@ -380,6 +384,8 @@ def load_dataset(
         return _load_synthetic(split, synthetic_size, image_size)
     if name == "tokens":
         return _load_tokens(split, synthetic_size)
+    if np is None:
+        raise UsageError(f"data set {name!r} is read through numpy, which is not installed; pip install numpy")
     if name == "digits":
         info = _load_digits(split)
     elif name == "mnist":

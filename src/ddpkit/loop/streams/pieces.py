@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ddpkit import rng
+from ddpkit._tensors import raw_bytes
 from ddpkit._torch import worker_info_hidden
 from ddpkit.errors import warn
 from ddpkit.loop.batch import concat_batches, zero_rows
@@ -340,7 +341,7 @@ def fingerprint(sample: Any) -> int:
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
             digest.update(repr((flat.dtype, tuple(value.shape))).encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+            digest.update(raw_bytes(flat))
         elif isinstance(value, dict):
             for key in sorted(value, key=repr):
                 digest.update(repr(key).encode())
