@@ -611,13 +611,16 @@ class _Peer:
     """torchft's manager, seen by a replica whose peer (quorum rank 1, replica 7) sends ``theirs``."""
 
     def __init__(self, theirs: list[torch.Tensor | None]) -> None:
-        self.theirs, self.sent = theirs, 0
+        self.theirs, self.sent, self.reported = theirs, 0, []
 
     def current_step(self) -> int:
         return 12
 
-    def errored(self) -> None:
-        return None
+    def errored(self) -> Exception | None:
+        return self.reported[0] if self.reported else None
+
+    def report_error(self, error: Exception) -> None:
+        self.reported.append(error)
 
     def allreduce(self, table: torch.Tensor, reduce_op: Any = None) -> Any:
         self.sent += 1
@@ -695,6 +698,14 @@ def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones
     ) as one:
         second.announce("sum", torch.zeros(4, dtype=torch.int64))
     assert "\n" not in str(one.value) and capsys.readouterr().err == ""  # (no second report)
+    # a peer's row that did not arrive whole (NCCL aborted a stalled collective and told the manager
+    # nothing yet): no mismatch, the step is made to fail instead, and nothing is marked
+    for missing in (torch.zeros(ft_calls.WIDTH, dtype=torch.int64), peer(1, "all_reduce(sum)", torch.zeros(1)) * 2):
+        stalled = _checking_replica([missing])  # the peer's row as it arrived: nothing, or summed twice
+        stalled.announce("all_reduce(sum)", torch.ones(1))
+        assert stalled.failed() and "did not arrive whole" in str(stalled.manager.reported[0])
+    assert capsys.readouterr().err == ""
+    assert stalled.manager.sent == 1
     # nothing compared where a collective of the step failed (its sums are undefined) or alone
     failed = _checking_replica([peer(1, "x", torch.zeros(9))])
     failed.manager.errored = lambda: RuntimeError("a peer died")

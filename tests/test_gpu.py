@@ -259,3 +259,21 @@ def test_the_flight_recorder_records_nccl_collectives_on_one_gpu(tmp_path, monke
         assert "nccl:all_reduce [[3]]" in collectives.flight_line()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_one_process_on_a_chosen_gpu_makes_it_the_current_device_and_keeps_its_generator():
+    """``ddpkit.init(device="cuda:N")`` in one process: torch.cuda's calls without a device (the RNG
+    state a checkpoint keeps, an allocation) mean GPU N, not GPU 0."""
+    import subprocess
+    import sys
+
+    last = torch.cuda.device_count() - 1
+    code = (
+        f"import torch, ddpkit; from ddpkit import rng; rt = ddpkit.init(device='cuda:{last}'); "
+        "torch.rand(3, device=rt.device); state = rng.rng_state(); "
+        "print(torch.cuda.current_device(), rt.device, torch.equal(state['cuda'], torch.cuda.get_rng_state(rt.device)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(last), f"cuda:{last}", "True"]

@@ -351,7 +351,12 @@ class Replica:
         table = table.to(self.device)
         self.manager.allreduce(table, reduce_op=_sum()).wait()
         rows = table.cpu()
-        if self.failed() or not ft_calls.differ(rows):
+        if self.failed():
+            return  # (its sums are undefined; the step does not commit)
+        if not ft_calls.whole(rows):  # NCCL: a stalled peer's collective aborted, its error not yet the manager's
+            self.manager.report_error(DdpkitError(f"fault-tolerant replica {self.index}: a check did not arrive whole"))
+            return
+        if not ft_calls.differ(rows):
             return
         if self.rank == 0:  # the report first: once the store is marked, the launcher stops the replicas
             text = ft_calls.report(rows)

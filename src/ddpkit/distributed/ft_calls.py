@@ -54,8 +54,9 @@ _DTYPES = (
 _DIMS = 4  # shapes up to 4-D in full; more: their element count
 _NAME_BYTES = 32
 _WHERE_BYTES = 160
-_INTS = 10  # replica, number, step, dtype, ndim, numel, 4 dims
-_COMPARED = [1, *range(3, _INTS + _NAME_BYTES // 8)]  # number, dtype, shape and name: not replica, step or line
+_MARK = 0x44445043  # every row starts with it: a row without it did not arrive whole
+_INTS = 11  # the mark, replica, number, step, dtype, ndim, numel, 4 dims
+_COMPARED = [2, *range(4, _INTS + _NAME_BYTES // 8)]  # number, dtype, shape and name: not replica, step or line
 WIDTH = _INTS + (_NAME_BYTES + _WHERE_BYTES) // 8
 """int64 values in a row."""
 
@@ -90,7 +91,7 @@ def row(replica: int, number: int, step: int, call: str, tensor: torch.Tensor | 
     shape = [] if tensor is None else list(tensor.shape)
     dims = shape if len(shape) <= _DIMS else [-1] * _DIMS
     numel = 0 if tensor is None else tensor.numel()
-    head = [replica, number, step, dtype, len(shape), numel, *dims, *[0] * (_DIMS - len(dims))]
+    head = [_MARK, replica, number, step, dtype, len(shape), numel, *dims, *[0] * (_DIMS - len(dims))]
     return torch.tensor(head + _packed(call, _NAME_BYTES) + _packed(where, _WHERE_BYTES), dtype=torch.int64)
 
 
@@ -109,7 +110,7 @@ class Call:
     @classmethod
     def of(cls, values: torch.Tensor) -> Call:
         """The call a :func:`row` describes."""
-        v = [int(x) for x in values[:_INTS].tolist()]
+        v = [int(x) for x in values[1:_INTS].tolist()]
         replica, number, step, dtype, ndim, numel = v[:6]
         if dtype == 0:
             kind, shape = "", ""
@@ -123,6 +124,12 @@ class Call:
     def signature(self) -> str:
         """``all_reduce(sum) float32[3]``; a call without a tensor is its name alone."""
         return f"{self.call} {self.dtype}{self.shape}" if self.dtype else self.call
+
+
+def whole(rows: torch.Tensor) -> bool:
+    """Whether every participant's row arrived whole (its mark, once): a collective that failed part
+    way (NCCL aborts a stalled one and leaves the sums as they were) is not a mismatch."""
+    return bool((rows[:, 0] == _MARK).all())
 
 
 def differ(rows: torch.Tensor) -> bool:
@@ -176,4 +183,5 @@ __all__ = [
     "marked",
     "report",
     "row",
+    "whole",
 ]

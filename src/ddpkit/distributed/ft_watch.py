@@ -57,11 +57,15 @@ def watch(
                 "stopping every replica so that none trains apart from the others\n"
             )
             return 1
-        try:
-            if mismatch_at is None and ft_calls.marked(store):
-                mismatch_at = now
-            if mismatch_at is not None and now - mismatch_at > MISMATCH_GRACE_S:
+        if mismatch_at is not None:  # the store no more: node 0's launcher may be gone with it already
+            if now - mismatch_at > MISMATCH_GRACE_S:
                 break
+            time.sleep(0.2)
+            continue
+        try:
+            if ft_calls.marked(store):
+                mismatch_at = now
+                continue
             if finished_at is None and (any(child.poll() == 0 for child in replicas) or ft.is_done(store)):
                 ft.mark_done(store)  # a replica restarted from now on ends at once
                 finished_at = now

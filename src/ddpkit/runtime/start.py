@@ -206,6 +206,8 @@ def join(settings: Settings) -> tuple[Environment, torch.device, str]:
     env = detect()
     device = process_group.choose_device(env, settings.device)
     backend = process_group.choose_backend(device, settings.backend)
+    if device.type == "cuda":  # one process too (device="cuda:1"): torch.cuda's calls without a device mean it
+        torch.cuda.set_device(device)
     if env.distributed:
         process_group.init(env, backend, device, settings.timeout)
         store_sync.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
