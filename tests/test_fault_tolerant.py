@@ -32,7 +32,7 @@ from helpers import BIN, ROOT, clean_env, kill_tree, run
 
 pytest.importorskip("torchft", reason="the fault-tolerant mode needs torchft (pip install 'ddpkit[ft]')")
 
-from ddpkit.distributed import ft, ft_heal  # noqa: E402
+from ddpkit.distributed import ft, ft_calls, ft_heal  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ft_train.py")
 TRAIN_SAMPLES, TEST_SAMPLES, STEPS_PER_EPOCH = 1437, 360, 24  # digits, global batch 60
@@ -610,8 +610,8 @@ def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
 class _Peer:
     """torchft's manager, seen by a replica whose peer (quorum rank 1, replica 7) sends ``theirs``."""
 
-    def __init__(self, theirs: list[torch.Tensor | None]) -> None:
-        self.theirs, self.sent, self.reported = theirs, 0, []
+    def __init__(self, theirs: list[torch.Tensor | None], at: int = 1) -> None:
+        self.theirs, self.at, self.sent, self.reported, self.other = theirs, at, 0, [], None
 
     def current_step(self) -> int:
         return 12
@@ -623,10 +623,14 @@ class _Peer:
         self.reported.append(error)
 
     def allreduce(self, table: torch.Tensor, reduce_op: Any = None) -> Any:
+        """The peer's fingerprint added to the one number a check sends first; its row to the rows."""
         self.sent += 1
-        other = self.theirs.pop(0)
-        if other is not None:
-            table[1] += other
+        if table.numel() == 1:
+            self.other = self.theirs.pop(0)
+            if self.other is not None and self.other.any():
+                table += ft_calls.fingerprint(self.other)
+        elif self.other is not None:
+            table[self.at] += self.other
         return _Done()
 
 
@@ -640,9 +644,10 @@ def _checking_replica(theirs: list[torch.Tensor | None], store: Any = None) -> f
 
 
 def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones_line(tmp_path, capsys):
-    """``ft.Replica.announce``: a row per replica before each quorum collective; the same calls go on,
-    different ones raise in one line per replica (the user's line for this one), and the job's store
-    is marked so that the launcher stops every replica instead of restarting one."""
+    """``ft.Replica.announce``: before each quorum collective, one number (a fingerprint of the call);
+    the same calls go on, different ones send their rows and raise in one line per replica (the user's
+    line for this one), and the job's store is marked so that the launcher stops every replica
+    instead of restarting one."""
     from ddpkit.distributed import ft_calls
 
     def peer(number, call, tensor, where="other.py:9"):
@@ -652,7 +657,7 @@ def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones
     replica = _checking_replica(same)
     replica.announce("all_reduce(sum)", torch.ones(3))
     replica.announce("all_reduce(sum)", torch.ones(3))
-    assert replica.manager.sent == 2 and replica._checks == 2
+    assert replica.manager.sent == 2 and replica._checks == 2  # one number each, no rows
     # SyncBatchNorm's layers: checked once a run (a model call, a backward pass), again when called anew
     runs = [peer(3, "SyncBatchNorm forward", torch.zeros(5)), peer(4, "SyncBatchNorm forward", torch.zeros(5))]
     replica.manager.theirs = runs
@@ -686,18 +691,14 @@ def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones
     assert ft_calls.marked(store) and store.get(ft_calls.MISMATCH_KEY).decode().splitlines() == lines
     # the other replica says it in one line; the first in the quorum reports
     second = _checking_replica([peer(1, "commit (rt.step)", None)])
-    second.rank = 1
-    second.manager.theirs = [None]  # (its own row is the one it sent: the peer's sits in row 0)
-    second.manager.allreduce = lambda table, reduce_op=None: (
-        table.__setitem__(0, peer(1, "commit (rt.step)", None)),
-        _Done(),
-    )[1]
+    second.rank, second.manager.at = 1, 0  # (the peer's row sits in row 0)
     with pytest.raises(
         ft_calls.CollectiveMismatch,
         match=r"^collective mismatch in step 12: replica 0 was about to call sum int64\[4\] at check #1;",
     ) as one:
         second.announce("sum", torch.zeros(4, dtype=torch.int64))
     assert "\n" not in str(one.value) and capsys.readouterr().err == ""  # (no second report)
+    assert mismatched.manager.sent == second.manager.sent == 2  # the number, then the rows
     # a peer's row that did not arrive whole (NCCL aborted a stalled collective and told the manager
     # nothing yet): no mismatch, the step is made to fail instead, and nothing is marked
     for missing in (torch.zeros(ft_calls.WIDTH, dtype=torch.int64), peer(1, "all_reduce(sum)", torch.zeros(1)) * 2):
@@ -705,7 +706,7 @@ def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones
         stalled.announce("all_reduce(sum)", torch.ones(1))
         assert stalled.failed() and "did not arrive whole" in str(stalled.manager.reported[0])
     assert capsys.readouterr().err == ""
-    assert stalled.manager.sent == 1
+    assert stalled.manager.sent == 2
     # nothing compared where a collective of the step failed (its sums are undefined) or alone
     failed = _checking_replica([peer(1, "x", torch.zeros(9))])
     failed.manager.errored = lambda: RuntimeError("a peer died")

@@ -325,7 +325,8 @@ class Replica:
         the quorum prints the report first (one line per replica) and marks the job's store, so that the
         launcher stops every replica rather than restart one.
 
-        One allreduce of a row per participant (:mod:`~ddpkit.distributed.ft_calls`). Nothing is
+        One allreduce of one number, a fingerprint of the call; the rows follow where they differ
+        (:mod:`~ddpkit.distributed.ft_calls`). Nothing is
         compared in a quorum of one, after a failed collective of the step (its sums are undefined),
         or inside :meth:`as_one`.
 
@@ -346,17 +347,21 @@ class Replica:
             return
         self._checks += 1
         mine = ft_calls.row(self.index, self._checks, self.manager.current_step(), call, tensor, user_line())
+        print_ = ft_calls.fingerprint(mine)
+        total = torch.tensor([print_], dtype=torch.int64, device=self.device)
+        self.manager.allreduce(total, reduce_op=_sum()).wait()
+        if self.failed() or int(total.item()) == self.participants * print_:
+            return  # the same call everywhere (or a failed sum: undefined, and the step does not commit)
         table = torch.zeros((self.participants, ft_calls.WIDTH), dtype=torch.int64)
         table[self.rank] = mine
         table = table.to(self.device)
-        self.manager.allreduce(table, reduce_op=_sum()).wait()
+        self.manager.allreduce(table, reduce_op=_sum()).wait()  # every participant saw the sum differ
         rows = table.cpu()
         if self.failed():
-            return  # (its sums are undefined; the step does not commit)
-        if not ft_calls.whole(rows):  # NCCL: a stalled peer's collective aborted, its error not yet the manager's
-            self.manager.report_error(DdpkitError(f"fault-tolerant replica {self.index}: a check did not arrive whole"))
             return
-        if not ft_calls.differ(rows):
+        if not ft_calls.whole(rows) or not ft_calls.differ(rows):
+            # NCCL: a stalled peer's collective aborted, its error not yet the manager's: not a mismatch
+            self.manager.report_error(DdpkitError(f"fault-tolerant replica {self.index}: a check did not arrive whole"))
             return
         if self.rank == 0:  # the report first: once the store is marked, the launcher stops the replicas
             text = ft_calls.report(rows)

@@ -6,10 +6,12 @@ call with other shapes or dtypes, pairs with another one: gloo aborted the repli
 differed, the survivors redid the step without it, and the replica restarted, healed and aborted
 again at the same line. Nothing named the call.
 
-So before a quorum collective, every participant sends one row of fixed size: its check's number in
-the step, the call's name, dtype and shape, and the line of the user's script that led to it
-(:func:`~ddpkit.errors.user_line`). Rows always pair up, whatever the calls. Where they differ,
-every participant sees it in the same sums: the first in the quorum prints the report, one line per
+So before a quorum collective, every participant describes it in one row of fixed size: its check's
+number in the step, the call's name, dtype and shape, and the line of the user's script that led to
+it (:func:`~ddpkit.errors.user_line`). It sends a 40-bit :func:`fingerprint` of the row first, one
+number whatever the call, so the check always pairs up, and costs what a one-element sum costs (gloo
+sums one element in one exchange, more in two). Where the sum says they differ, the rows follow;
+every participant sees them in the same sums: the first in the quorum prints the report, one line per
 replica (:func:`report`), and marks the job's store (:func:`mark`), so that ``ddpkit run
 --fault-tolerant`` stops every replica instead of restarting one; each raises
 :class:`CollectiveMismatch` in one line, and exits with :data:`~ddpkit.errors.EXIT_MISMATCH` (123).
@@ -28,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
@@ -73,7 +76,7 @@ def _packed(text: str, size: int) -> list[int]:
 
 
 def _unpacked(values: torch.Tensor) -> str:
-    return bytes(values.contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
+    return _raw(values).rstrip(b"\0").decode(errors="replace")
 
 
 def row(replica: int, number: int, step: int, call: str, tensor: torch.Tensor | None, where: str) -> torch.Tensor:
@@ -124,6 +127,21 @@ class Call:
     def signature(self) -> str:
         """``all_reduce(sum) float32[3]``; a call without a tensor is its name alone."""
         return f"{self.call} {self.dtype}{self.shape}" if self.dtype else self.call
+
+
+def fingerprint(row: torch.Tensor) -> int:
+    """40 bits of what a row compares (:func:`differ`): the one number a check sends first.
+
+    Where every participant's is the same, their sum is ``participants`` times it. Where not, it is
+    another number for each of them (two replicas: always; more: unless one's fingerprint is the mean
+    of all, a chance of 2**-40), and only then are the rows themselves sent, to be named.
+    """
+    compared = _raw(row[_COMPARED])
+    return int.from_bytes(hashlib.blake2b(compared, digest_size=5).digest(), "little")
+
+
+def _raw(values: torch.Tensor) -> bytes:
+    return bytes(values.contiguous().view(torch.uint8).clone().untyped_storage())
 
 
 def whole(rows: torch.Tensor) -> bool:
@@ -179,6 +197,7 @@ __all__ = [
     "Call",
     "CollectiveMismatch",
     "differ",
+    "fingerprint",
     "mark",
     "marked",
     "report",
