@@ -717,6 +717,26 @@ def test_replicas_compare_each_call_before_it_and_name_a_mismatch_with_each_ones
     assert failed.manager.sent == 0 and alone.manager.sent == 0
 
 
+def test_on_a_gpu_a_replica_reads_the_groups_error_before_torchfts_manager_does():
+    """NCCL aborts a stalled collective in the background and torchft's manager learns of it only at
+    the commit: ``failed()`` asks the group on a GPU, so a check or a reduction does not read an
+    undefined sum as a result (or a mismatch). On the host gloo's ``wait`` raises it already."""
+
+    class Group:
+        asked = 0
+
+        def errored(self):
+            Group.asked += 1
+            return RuntimeError("aborted")
+
+    on_gpu = _checking_replica([])
+    on_gpu.manager._pg, on_gpu.device = Group(), torch.device("cuda")
+    assert on_gpu.failed() and str(on_gpu.manager.reported[0]) == "aborted"
+    on_host = _checking_replica([])
+    on_host.manager._pg = Group()
+    assert not on_host.failed() and Group.asked == 1
+
+
 _MISMATCHED = """
 import os, sys, torch, ddpkit
 import torch.nn.functional as F

@@ -421,3 +421,28 @@ def test_scale_add_is_mul_then_add_for_each_pair_to_the_bit():
     want = [t.clone().mul_(0.9).add_(s, alpha=0.1) for t, s in zip(targets, sources)]
     _torch.scale_add_(targets, sources, 0.9, 0.1)
     assert all(torch.equal(t, w) for t, w in zip(targets, want))
+
+
+def test_torchfts_manager_learns_its_groups_error_at_commit_and_ddpkit_reads_it_before():
+    """torchft's NCCL group aborts a stalled collective in the background and records the error in
+    ``_pg.errored()``; its Manager copies it only in ``should_commit``. ddpkit reads it earlier
+    (``ft.Replica.failed`` on a GPU) through ``_torch.torchft_group_error``."""
+    pytest.importorskip("torchft")
+    import inspect
+
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupNCCL
+
+    assert "self._pg.errored()" in inspect.getsource(Manager.should_commit)
+    assert callable(ProcessGroupNCCL.errored)
+
+    class Group:
+        def errored(self):
+            return RuntimeError("aborted")
+
+    class Holder:
+        _pg = Group()
+
+    assert str(_torch.torchft_group_error(Holder())) == "aborted"
+    with pytest.raises(_torch.PrivateApiChanged, match="torchft.Manager._pg.errored"):
+        _torch.torchft_group_error(object())

@@ -260,6 +260,24 @@ called, so replacing the global changes what torchft builds without copying any 
 :func:`patch_torchft` checks that the name is still there and still called that way."""
 
 
+def torchft_group_error(manager: Any) -> Any:
+    """The error torchft's reconfigurable process group holds and its ``Manager`` does not know yet.
+
+    On NCCL a collective that times out is aborted in the background: the group records the error,
+    and torchft's ``Manager`` copies it into its own ``errored()`` only in ``should_commit`` (torchft
+    0.2: ``if err := self._pg.errored(): self.report_error(err)``). Until then a result read on the
+    host may be undefined while ``errored()`` says nothing. torchft's NCCL group synchronizes the
+    device here.
+
+    Raises:
+        PrivateApiChanged: the manager has no ``_pg`` with ``errored()``.
+    """
+    group = getattr(manager, "_pg", None)
+    if group is None or not callable(getattr(group, "errored", None)):
+        raise PrivateApiChanged("torchft.Manager._pg.errored", "torchft changed; ddpkit holds torchft<0.3")
+    return group.errored()
+
+
 def patch_torchft(**replacements: Any) -> dict[str, Any]:
     """Replace the torchft globals named in :data:`TORCHFT_SEAMS`; returns what they were.
 

@@ -449,8 +449,18 @@ class Replica:
             tensor.fill_(float("nan"))
 
     def failed(self) -> bool:
-        """Whether a collective of this step failed (torchft then leaves its tensors undefined)."""
-        return self._manager is not None and self._manager.errored() is not None
+        """Whether a collective of this step failed (torchft then leaves its tensors undefined).
+
+        On a GPU it asks the process group too: NCCL aborts a stalled collective in the background,
+        and torchft's manager learns of it only at the commit; the error is handed to it here.
+        """
+        if self._manager is None:
+            return False
+        if self._manager.errored() is None and self.device.type == "cuda":
+            error = _torch.torchft_group_error(self._manager)
+            if error is not None:
+                self._manager.report_error(error)
+        return self._manager.errored() is not None
 
     def should_commit(self, *, checked: bool = False) -> bool:
         """Whether every participant finished this step (True: apply it; False: redo it).
