@@ -269,7 +269,7 @@ class Replica:
         Raises:
             DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
         """
-        if self._mismatched_before():
+        if self._manager is None and self._mismatched_before():  # (a first quorum: one store read a process)
             raise SystemExit(EXIT_MISMATCH)  # restarted after a collective mismatch: the report is above
         if self._job_finished():
             # another replica finished the job: this one is behind (restarted late) and has nobody

@@ -1014,7 +1014,7 @@ class QuorumMeet:
     def max_(self, tensor: torch.Tensor) -> None:
         """The quorum's largest of ``tensor``, in place (a host tensor, such as the period's agreement,
         travels through the replica's device: NCCL reduces no CPU tensor)."""
-        rows = self.replica.all_gather_rows(tensor.to(self.replica.device), call="the period's agreement")
+        rows = self.replica.all_gather_rows(tensor.to(self.replica.device), call="a maximum over the quorum")
         self._check()
         tensor.copy_(rows.amax(0))
 
