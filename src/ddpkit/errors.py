@@ -103,13 +103,25 @@ def called_from_user_code(depth: int = 2) -> bool:
     return not sys._getframe(depth).f_code.co_filename.startswith(_PASSED)
 
 
+_NOT_THE_USERS: list[tuple[str, ...]] = []
+
+
+def _not_the_users() -> tuple[str, ...]:
+    """ddpkit's, the standard library's (runpy) and torch's directories; kept once torch is imported."""
+    if _NOT_THE_USERS:
+        return _NOT_THE_USERS[0]
+    skipped = _PASSED[:1] + (os.path.dirname(os.__file__) + os.sep,)
+    torch = sys.modules.get("torch")
+    if torch is None or not getattr(torch, "__file__", None):
+        return skipped
+    _NOT_THE_USERS.append((*skipped, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep))
+    return _NOT_THE_USERS[0]
+
+
 def user_line() -> str:
     """``path:line`` of the innermost frame outside ddpkit, torch and the standard library ("" if none):
     the line of the user's script that led to the call."""
-    torch = sys.modules.get("torch")
-    skipped = _PASSED[:1] + (os.path.dirname(os.__file__) + os.sep,)  # ddpkit, the standard library (runpy)
-    if torch is not None and getattr(torch, "__file__", None):
-        skipped += (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+    skipped = _not_the_users()
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename

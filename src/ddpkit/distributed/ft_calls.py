@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ddpkit._tensors import raw_bytes
 from ddpkit.errors import EXIT_MISMATCH, DdpkitError
 
 MISMATCH_KEY = "ddpkit/ft/mismatch"
@@ -71,12 +72,12 @@ class CollectiveMismatch(DdpkitError):
 
 
 def _packed(text: str, size: int) -> list[int]:
-    data = text.encode()[-size:] if len(text.encode()) > size else text.encode()
+    data = text.encode()[-size:]
     return torch.frombuffer(bytearray(data.ljust(size, b"\0")), dtype=torch.int64).tolist()
 
 
 def _unpacked(values: torch.Tensor) -> str:
-    return _raw(values).rstrip(b"\0").decode(errors="replace")
+    return raw_bytes(values).rstrip(b"\0").decode(errors="replace")
 
 
 def row(replica: int, number: int, step: int, call: str, tensor: torch.Tensor | None, where: str) -> torch.Tensor:
@@ -136,12 +137,8 @@ def fingerprint(row: torch.Tensor) -> int:
     another number for each of them (two replicas: always; more: unless one's fingerprint is the mean
     of all, a chance of 2**-40), and only then are the rows themselves sent, to be named.
     """
-    compared = _raw(row[_COMPARED])
+    compared = raw_bytes(row[_COMPARED])
     return int.from_bytes(hashlib.blake2b(compared, digest_size=5).digest(), "little")
-
-
-def _raw(values: torch.Tensor) -> bytes:
-    return bytes(values.contiguous().view(torch.uint8).clone().untyped_storage())
 
 
 def whole(rows: torch.Tensor) -> bool:

@@ -137,11 +137,12 @@ def stop_replicas(children: Sequence[subprocess.Popen], *, at_once: bool = False
     family: list[Any] = []
     for child in live:
         try:
-            family += psutil.Process(child.pid).children(recursive=True)
+            mine = psutil.Process(child.pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            pass
+            mine = []
+        family += mine
         if at_once:
-            for process in family:
+            for process in mine:
                 with contextlib.suppress(psutil.Error):
                     process.kill()
             child.kill()
