@@ -35,7 +35,11 @@ def clean_environment(monkeypatch):
     for name in list(os.environ):
         if name in _LAUNCHER_NAMES or name.startswith(_LAUNCHER_PREFIXES):
             monkeypatch.delenv(name, raising=False)
+    saved = dict(os.environ)
     yield
+    for name in set(os.environ) - set(saved):  # what the test's own code set (ddpkit.init's flight recorder)
+        del os.environ[name]
+    os.environ.update(saved)
     import torch.distributed as dist
 
     import ddpkit.runtime

@@ -9,6 +9,8 @@ rank that is never a hang; ``hang_timeout=0`` and bad values.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 import textwrap
 import time
@@ -18,7 +20,7 @@ import torch
 
 from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH, UsageError
 from ddpkit.observe import collectives
-from ddpkit.observe.heartbeats import CLOSED, Heartbeat, find_mismatch, format_mismatch
+from ddpkit.observe.heartbeats import CLOSED, Heartbeat, find_mismatch, format_mismatch, suspects, waiting_in
 from ddpkit.observe.watchdog import check_timeout, floor_seconds
 from helpers import BIN, clean_env, python, run
 from helpers import ddpkit as ddpkit_cli
@@ -364,10 +366,59 @@ def test_by_default_a_rank_stuck_in_its_own_code_while_others_wait_is_named_with
     assert took < 90
 
 
+DDP_STUCK = """
+import time, torch, torch.nn.functional as F, ddpkit
+rt = ddpkit.init(seed=0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+def my_own_loop():
+    while True:
+        time.sleep(0.2)
+for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
+    if rt.rank == 1 and i == 2:
+        my_own_loop()  # stuck in its own code, while rank 0 waits in DDP's gradient exchange
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # a plain backward: nothing of ddpkit's marks the exchange in it
+    rt.step(opt)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("launcher", ["ddpkit run", "torchrun"])
+def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_is_named(tmp_path, launcher):
+    """DDP's exchange runs in C++, so no counted call shows the wait; torch's flight recorder does.
+    ``ddpkit run`` turns it on in the workers' environment, ``ddpkit.init`` under torchrun."""
+    path = tmp_path / "ddp_stuck.py"
+    path.write_text(textwrap.dedent(DDP_STUCK))
+    env = _cpu(DDPKIT_HANG_FLOOR="6")
+    start = time.monotonic()
+    if launcher == "torchrun":
+        result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], env=env, timeout=120)
+        assert f"exitcode: {EXIT_HANG}" in result.stderr, result.stderr[-3000:]
+    else:
+        result = ddpkit_cli("run", "-n", "2", str(path), env=env, timeout=120)
+        assert result.returncode == EXIT_HANG, result.stderr[-3000:]
+    took = time.monotonic() - start
+    assert re.search(
+        r"rank 0 has waited \d+s in a collective its script did not call itself \(#\d+ gloo:all_reduce \[\[178\]\] "
+        r"Float of group 0, by torch's flight recorder\), longer than the adaptive hang timeout \(6s\)",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert "rank 1 made no progress for" in result.stderr
+    assert re.search(r"rank 0: .*; flight recorder: in flight #\d+ gloo:all_reduce \[\[178\]\]", result.stderr)
+    assert re.search(r'File ".*ddp_stuck\.py", line 9 in my_own_loop', result.stderr), result.stderr[-3000:]
+    assert took < 90
+
+
 EVERY_RANK_BUSY = """
 import sys, time, torch, ddpkit
 rt = ddpkit.init(seed=0)
+model, opt = rt.setup(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1))
+def train_step():  # DDP's gradient exchange, which no counted call marks
+    model(torch.ones(2, 4)).sum().backward()
 rt.all_reduce(torch.ones(1))
+train_step()
 def evaluate_on_my_own(seconds):
     end = time.monotonic() + seconds
     x = torch.randn(64, 64)
@@ -375,10 +426,11 @@ def evaluate_on_my_own(seconds):
         x = torch.tanh(x @ x.T / 64)  # every rank busy, no ddpkit call, no collective
     return float(x.sum())
 evaluate_on_my_own(14)
-if rt.is_main:  # rank 0 alone, telling ddpkit it is busy; rank 1 waits in the barrier meanwhile
+if rt.is_main:  # rank 0 alone, telling ddpkit it is busy; rank 1 waits in DDP's exchange meanwhile
     for _ in range(12):
         time.sleep(1.0)
         rt.heartbeat("eval")
+train_step()
 rt.barrier()
 sys.stdout.write(f"finished {rt.rank}\\n")  # one write: print's pieces from two ranks interleave under -u
 """
@@ -439,6 +491,91 @@ def test_the_flight_recorder_line_names_the_collective_in_flight_or_the_last(mon
     assert collectives.flight_line() == "in flight #8 nccl:broadcast [[2, 2]] Float of group 0 (started)"
     entries[1]["retired"] = True
     assert collectives.flight_line() == "none in flight; the last #8 nccl:broadcast [[2, 2]] Float of group 0 done"
+
+
+def test_the_flight_recorder_names_its_oldest_collective_in_flight_and_since_when(monkeypatch):
+    def entry(number, created_s, *, retired, p2p=False, name="gloo:all_reduce"):
+        return {
+            "collective_seq_id": 0 if p2p else number,
+            "p2p_seq_id": number if p2p else 0,
+            "profiling_name": name,
+            "input_sizes": [[178]],
+            "input_dtypes": ["Float"],
+            "state": "scheduled",
+            "retired": retired,
+            "pg_id": 1 if p2p else 0,
+            "is_p2p": p2p,
+            "time_created_ns": int(created_s * 1e9),
+        }
+
+    entries = [
+        entry(10, 90.0, retired=True),
+        entry(11, 100.0, retired=False),
+        entry(3, 95.0, retired=False, p2p=True, name="gloo:send"),  # the tree exchange's, older
+    ]
+    monkeypatch.setattr(collectives._torch, "flight_recorder_dump", lambda: {"entries": entries})
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    seen = collectives.flight()
+    assert seen.line == "in flight #11 gloo:all_reduce [[178]] Float of group 0 (scheduled)"  # collectives only
+    assert (seen.pending, seen.since) == ("#3 gloo:send [[178]] Float of group 1", 95.0)  # a wait all the same
+    entries[2]["retired"] = True
+    assert (collectives.flight().pending, collectives.flight().since) == (
+        "#11 gloo:all_reduce [[178]] Float of group 0",
+        100.0,
+    )
+    entries[1]["retired"] = True
+    assert collectives.flight() == collectives.Flight(
+        "none in flight; the last #11 gloo:all_reduce [[178]] Float of group 0 done"
+    )
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    assert collectives.flight() == collectives.Flight()  # off: nothing read
+
+
+def test_ddpkit_init_turns_the_flight_recorder_on_unless_the_user_set_it(monkeypatch):
+    from ddpkit import _torch
+
+    variable = _torch.flight_recorder_buffer_variable()
+    for name in collectives.FLIGHT_RECORDER_ENV:
+        monkeypatch.setenv(name, "")  # recorded first, so the test leaves each as it found it
+        monkeypatch.delenv(name)
+    assert collectives.turn_on_flight_recorder() is True
+    assert collectives.flight_recorder_on() and os.environ[variable] == "2000"
+    monkeypatch.setenv(variable, "0")
+    assert collectives.turn_on_flight_recorder() is False and os.environ[variable] == "0"  # the user's choice
+    monkeypatch.delenv(variable)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")  # the old name counts as the user's choice too
+    assert collectives.turn_on_flight_recorder() is False and variable not in os.environ
+
+
+def test_a_rank_waits_in_its_counted_call_or_else_in_the_flight_recorders_oldest_collective():
+    ddp = "#11 gloo:all_reduce [[178]] Float of group 0"
+    counted = dataclasses.replace(beat(0, 4, "all_reduce(float32[1])", waited=7.0), pending=ddp, pending_for=9.0)
+    assert waiting_in(counted) == (7.0, "its collective #4 (all_reduce(float32[1]) at train.py:10)")
+    in_backward = dataclasses.replace(beat(0, 4, phase="backward"), pending=ddp, pending_for=9.0)
+    assert waiting_in(in_backward) == (
+        9.0,
+        f"a collective its script did not call itself ({ddp}, by torch's flight recorder)",
+    )
+    assert in_backward.pending_at(NOW + 2.0) == pytest.approx(9.0 + 0.5 + 2.0)  # published half a second ago
+    assert waiting_in(beat(0, 4)) is None
+
+
+def test_only_a_quiet_peer_in_its_own_code_or_a_silent_one_is_suspected():
+    def quiet(rank, **fields):
+        return dataclasses.replace(beat(rank, 4), idle=fields.pop("idle", 12.0), **fields)
+
+    peers = {
+        1: quiet(1),  # in its own code, no progress for 12 s: suspected
+        2: quiet(2, pending="#11 gloo:all_reduce [[178]] Float of group 0", pending_for=10.0),  # waits in DDP's too
+        3: quiet(3, call="barrier()", waited=10.0),  # waits in a counted call
+        4: quiet(4, idle=0.5),  # progresses: a long phase of its own
+        5: quiet(5, phase=CLOSED),
+        6: quiet(6, idle=1.0, time=NOW - 30.0),  # its heartbeat stopped
+        7: None,  # never sent one
+        8: quiet(8, idle=7.0),  # quiet for less than rank 0 waited, less the slack
+    }
+    found = suspects({0: beat(0, 4), **peers}, 0, 10.0, NOW, silent_after=5.0, slack=2.0)
+    assert sorted(found) == [1, 6, 7]
 
 
 FLIGHT_ENV = """

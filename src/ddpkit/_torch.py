@@ -371,6 +371,10 @@ def flight_recorder_dump() -> dict[str, Any]:
     return merged
 
 
+FLIGHT_RECORDER_SIZE = "2000"
+"""Collectives torch's flight recorder keeps per process where ddpkit turns it on."""
+
+
 def flight_recorder_buffer_variable() -> str:
     """The variable that sizes torch's flight recorder: ``TORCH_FR_BUFFER_SIZE`` where torch has the
     renamed recorder (``_dump_fr_trace``), else ``TORCH_NCCL_TRACE_BUFFER_SIZE``."""

@@ -221,7 +221,7 @@ def flight_recorder_env() -> dict[str, str]:
     private directory (mode 0700) and keeps a dump there, saying where, when the job ends
     (:func:`_keep_flight_dumps`).
     """
-    return {_torch.flight_recorder_buffer_variable(): "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    return {_torch.flight_recorder_buffer_variable(): _torch.FLIGHT_RECORDER_SIZE, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 def _keep_flight_dumps(notes: str) -> None:

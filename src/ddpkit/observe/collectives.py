@@ -11,7 +11,8 @@ that started the watchdog, through the module's functions (``dist.all_reduce(...
 the user's script and ddpkit (``rt.all_reduce``, ``ddpkit.evaluate``, checkpoints) call them. A call
 made inside another (``all_gather_object`` gathers sizes first) counts once, as the outer call.
 Point-to-point sends, other groups and other threads are not counted. DDP's gradient exchange runs
-in C++ and is not a call here: a rank in it is "in backward" in its heartbeat.
+in C++ and is not a call here; torch's flight recorder sees it (:func:`flight`), which ``ddpkit
+run`` and :func:`turn_on_flight_recorder` turn on.
 
 Example:
     >>> log = CollectiveLog()
@@ -22,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -154,25 +156,69 @@ def flight_recorder_on() -> bool:
     return any(os.environ.get(name, "0").strip() not in ("", "0") for name in FLIGHT_RECORDER_ENV)
 
 
-def flight_line() -> str:
-    """This process's flight recorder in a line: the collective in flight (or the last one) and its state.
+@dataclasses.dataclass(frozen=True)
+class Flight:
+    """What torch's flight recorder shows of this process (:func:`flight`)."""
 
-    It sees what the log cannot: DDP's gradient exchange and every group's calls, from C++.
-    "" where the recorder is off or recorded nothing.
+    line: str = ""
+    """The collective in flight (or the last one) and its state, in a line ("" where the recorder is off or empty)."""
+    pending: str = ""
+    """The oldest collective still in flight, in words ("": none)."""
+    since: float = 0.0
+    """The wall time (``time.time()``) that one was started at."""
+
+
+def flight() -> Flight:
+    """This process's flight recorder: its line, and the oldest collective in flight and since when.
+
+    It sees what the log cannot: DDP's gradient exchange and every group's calls, from C++, so a
+    rank waiting in DDP's backward is seen to wait. Empty where the recorder is off or recorded
+    nothing.
     """
     if not flight_recorder_on():
-        return ""
-    entries = [e for e in _torch.flight_recorder_dump().get("entries", []) if not e.get("is_p2p")]
-    if not entries:
-        return ""
+        return Flight()
+    entries = _torch.flight_recorder_dump().get("entries", [])
     pending = [e for e in entries if not e.get("retired", False)]
-    entry = pending[0] if pending else entries[-1]
+    oldest = min(pending, key=lambda e: e.get("time_created_ns") or 0) if pending else None
+    shown = [e for e in entries if not e.get("is_p2p")]
+    line = ""
+    if shown:
+        in_flight = [e for e in shown if not e.get("retired", False)]
+        entry = in_flight[0] if in_flight else shown[-1]
+        what = _entry_words(entry)
+        line = f"in flight {what} ({entry.get('state')})" if in_flight else f"none in flight; the last {what} done"
+    if oldest is None:
+        return Flight(line)
+    return Flight(line, _entry_words(oldest), (oldest.get("time_created_ns") or 0) / 1e9)
+
+
+def flight_line() -> str:
+    """This process's flight recorder in a line: the collective in flight (or the last one) and its state."""
+    return flight().line
+
+
+def _entry_words(entry: dict[str, Any]) -> str:
     dtypes = ",".join(str(d) for d in entry.get("input_dtypes") or [])
-    what = (
-        f"#{entry.get('collective_seq_id')} {entry.get('profiling_name')} {entry.get('input_sizes')} {dtypes} "
-        f"of group {entry.get('pg_id')}"
-    )
-    return f"in flight {what} ({entry.get('state')})" if pending else f"none in flight; the last {what} done"
+    number = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+    return f"#{number} {entry.get('profiling_name')} {entry.get('input_sizes')} {dtypes} of group {entry.get('pg_id')}"
+
+
+def turn_on_flight_recorder() -> bool:
+    """Turn torch's flight recorder on for the process groups made from now on, unless the user set it.
+
+    ``ddpkit run`` turns it on in its workers' environment; :func:`ddpkit.init` calls this before
+    it makes the default group, so jobs under ``torchrun``, ``srun`` or ``ddpkit.launch`` have it too
+    and the watchdog sees a rank wait in DDP's gradient exchange. False where the user set its
+    variables (``0`` keeps it off) or this torch has no recorder (the watchdog's rows then say so).
+    """
+    if any(name in os.environ for name in FLIGHT_RECORDER_ENV):
+        return False
+    try:
+        variable = _torch.flight_recorder_buffer_variable()
+    except _torch.PrivateApiChanged:
+        return False  # no recorder in this torch: flight() raises it where the watchdog reads it
+    os.environ[variable] = _torch.FLIGHT_RECORDER_SIZE
+    return True
 
 
 _installed: list[tuple[Any, str, Any]] = []
@@ -199,12 +245,15 @@ def uninstall() -> None:
 __all__ = [
     "CollectiveLog",
     "FLIGHT_RECORDER_ENV",
+    "Flight",
     "MARK_EVERY",
     "OTHERS",
     "SHAPED",
+    "flight",
     "flight_line",
     "flight_recorder_on",
     "install",
+    "turn_on_flight_recorder",
     "uninstall",
     "user_line",
 ]

@@ -47,10 +47,16 @@ class Heartbeat:
     recent: tuple[tuple[int, str, str], ...] = ()  # its last few calls: (number, signature, user line)
     failed: bool = False  # closed by an exception, not a finished script
     flight: str = ""  # torch's flight recorder in a line, when the rank waits or makes no progress
+    pending: str = ""  # the oldest collective in flight by that recorder (DDP's exchange too), when it makes none
+    pending_for: float = 0.0  # seconds that one had been in flight when published
 
     def waited_at(self, now: float) -> float:
         """Seconds in the collective it waits in at wall time ``now`` (0 when in none)."""
         return self.waited + max(0.0, now - self.time) if self.call else 0.0
+
+    def pending_at(self, now: float) -> float:
+        """Seconds the flight recorder's oldest collective in flight has been at wall time ``now`` (0: none)."""
+        return self.pending_for + max(0.0, now - self.time) if self.pending else 0.0
 
     def idle_at(self, now: float) -> float:
         """Seconds without progress at wall time ``now`` (grows on if publishing stopped)."""
@@ -133,6 +139,63 @@ def culprit(heartbeats: Mapping[int, Heartbeat | None], now: float, *, silent_af
         return (1, beat.step, phase_order(beat.phase), -beat.idle_at(now), rank)
 
     return min(heartbeats.items(), key=behind)[0]
+
+
+def waiting_in(beat: Heartbeat) -> tuple[float, str] | None:
+    """How long the rank of ``beat`` has waited in a collective when published, and in which, in words.
+
+    A counted call (:mod:`ddpkit.observe.collectives`), else the oldest collective in flight by
+    torch's flight recorder: DDP's gradient exchange in the backward pass, another group's call, an
+    NCCL collective (which returns once queued). None: it waits in none that either sees.
+    """
+    if beat.call:
+        return beat.waited, f"its collective #{beat.calls} ({beat.call} at {beat.call_where or '?'})"
+    if beat.pending:
+        return (
+            beat.pending_for,
+            f"a collective its script did not call itself ({beat.pending}, by torch's flight recorder)",
+        )
+    return None
+
+
+def suspects(
+    heartbeats: Mapping[int, Heartbeat | None],
+    me: int,
+    waited: float,
+    now: float,
+    *,
+    silent_after: float,
+    slack: float,
+) -> dict[int, Heartbeat | None]:
+    """The peers rank ``me`` may be waiting for, having waited ``waited`` seconds in a collective.
+
+    A peer with no heartbeat or a stopped one, or one in its own code (in no collective, counted or in
+    flight) that made no progress in all that time, less ``slack`` seconds. A closed rank never is;
+    nor is a peer that waits too (it is not the cause) or that progresses (a long phase of its own).
+
+    Args:
+        heartbeats: each rank's last heartbeat by rank (None: it sent none).
+        me: the waiting rank.
+        waited: seconds it has waited.
+        now: wall time (``time.time()``).
+        silent_after: seconds since publication after which a heartbeat counts as stopped.
+        slack: seconds of the heartbeats' own delay to allow.
+    """
+    return {
+        rank: beat
+        for rank, beat in heartbeats.items()
+        if rank != me
+        and (
+            beat is None
+            or (
+                beat.phase != CLOSED
+                and (
+                    now - beat.time > silent_after
+                    or (not beat.call and not beat.pending and beat.idle_at(now) >= waited - slack)
+                )
+            )
+        )
+    }
 
 
 def format_report(

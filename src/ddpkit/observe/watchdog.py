@@ -13,7 +13,9 @@ in every job of more than one process:
 * **By default** (``hang_timeout=None``) a job is hung when a rank has waited in one collective
   longer than an adaptive timeout (``max(floor, 4 x`` the longest a collective has waited so far
   ``)``, the floor 300 s, or ``DDPKIT_HANG_FLOOR`` seconds) while a peer in its own code made
-  no progress all that time. Every rank busy in its own code is never a hang.
+  no progress all that time. The collective is a counted call or, by torch's flight recorder, one
+  in flight: DDP's gradient exchange in the backward pass, another group's, an NCCL collective
+  queued. Every rank busy in its own code is never a hang.
 * With ``ddpkit.init(hang_timeout=S)`` (``ddpkit train --hang-timeout S``) it is hung when no
   rank made progress for ``S`` seconds, whatever the ranks are doing. ``hang_timeout=0`` turns
   the watchdog off.
@@ -67,6 +69,8 @@ from ddpkit.observe.heartbeats import (
     format_mismatch,
     format_report,
     seconds_until_hung,
+    suspects,
+    waiting_in,
 )
 
 _PREFIX = "ddpkit/watchdog/"
@@ -139,7 +143,7 @@ class Watchdog:
         self._next_look = 0.0  # monotonic time before which peers cannot all be stalled
         self._next_fingerprint = 0.0
         self._next_all = 0.0
-        self._flight_read: tuple[float, str] = (0.0, "")
+        self._flight_read: tuple[float, collectives.Flight] = (0.0, collectives.Flight())
         self._failed = False
         self._acting = threading.Lock()
         self._stop = threading.Event()
@@ -252,7 +256,7 @@ class Watchdog:
         marks, recent = log.snapshot()
         mark = (log.calls, log.chain) if phase == CLOSED else max(marks.items()) if marks else None
         waited = time.monotonic() - current[3] if current is not None else 0.0
-        flight = ""
+        flight = collectives.Flight()
         if phase != CLOSED and (waited >= _GRACE_S or idle >= _GRACE_S):
             flight = self._flight()
         return Heartbeat(
@@ -271,17 +275,19 @@ class Watchdog:
             mark=mark,
             recent=recent,
             failed=self._failed,
-            flight=flight,
+            flight=flight.line,
+            pending=flight.pending,
+            pending_for=max(0.0, time.time() - flight.since) if flight.pending else 0.0,
         )
 
-    def _flight(self) -> str:
-        """The flight recorder's line, read at most once a second (a dump copies its ring)."""
+    def _flight(self) -> collectives.Flight:
+        """The flight recorder, read at most once a second (a dump copies its ring)."""
         now = time.monotonic()
         if now - self._flight_read[0] >= 1.0:
             try:
-                self._flight_read = (now, collectives.flight_line())
+                self._flight_read = (now, collectives.flight())
             except PrivateApiChanged as exc:  # said once, in the report's place: loud, not fatal to the job
-                self._flight_read = (float("inf"), str(exc))
+                self._flight_read = (float("inf"), collectives.Flight(str(exc)))
         return self._flight_read[1]
 
     def _tick(self) -> None:
@@ -345,35 +351,24 @@ class Watchdog:
         return self._blame(stuck, beats, now), beats
 
     def _look_for_stuck(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
-        """By default: this rank waited :meth:`limit` seconds in one collective, and a peer in its own
-        code made no progress all that time (or its heartbeat stopped)."""
+        """By default: this rank waited :meth:`limit` seconds in one collective (:func:`waiting_in`:
+        DDP's gradient exchange too), and a peer in its own code made no progress all that time, or
+        its heartbeat stopped (:func:`suspects`)."""
         limit = self.limit()
-        if not mine.call or mine.waited < limit or time.monotonic() < self._next_look:
+        waiting = waiting_in(mine)
+        if waiting is None or waiting[0] < limit or time.monotonic() < self._next_look:
             return None
+        waited, what = waiting
         self._next_look = time.monotonic() + self.interval
         beats = self._heartbeats(mine)
         now = time.time()
-        suspects = {
-            r: b
-            for r, b in beats.items()
-            if r != self.rank
-            and (
-                b is None
-                or (
-                    b.phase != CLOSED
-                    and (
-                        now - b.time > self.silent_after
-                        or (not b.call and b.idle_at(now) >= mine.waited - 2 * self.interval)
-                    )
-                )
-            )
-        }
-        if not suspects:
+        found = suspects(beats, self.rank, waited, now, silent_after=self.silent_after, slack=2 * self.interval)
+        if not found:
             return None  # every rank waits in a collective, or a peer progresses: no rank to blame
-        stuck = culprit(suspects, now, silent_after=self.silent_after)
+        stuck = culprit(found, now, silent_after=self.silent_after)
         _say(
-            f"ddpkit watchdog: rank {self.rank} has waited {mine.waited:.0f}s in its collective #{mine.calls} "
-            f"({mine.call} at {mine.call_where or '?'}), longer than the adaptive hang timeout ({limit:.0f}s)"
+            f"ddpkit watchdog: rank {self.rank} has waited {waited:.0f}s in {what}, "
+            f"longer than the adaptive hang timeout ({limit:.0f}s)"
         )
         return self._blame(stuck, beats, now), beats
 

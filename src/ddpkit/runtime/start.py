@@ -27,6 +27,7 @@ from ddpkit.distributed import collectives, entry, ft, preemption, process_group
 from ddpkit.distributed.environment import Environment, detect
 from ddpkit.errors import UsageError
 from ddpkit.loop import heal
+from ddpkit.observe import collectives as obs_collectives
 from ddpkit.observe import heartbeats, watchdog
 from ddpkit.observe import trackers as trackers_mod
 from ddpkit.observe.reporter import Reporter
@@ -209,6 +210,8 @@ def join(settings: Settings) -> tuple[Environment, torch.device, str]:
     if device.type == "cuda":  # one process too (device="cuda:1"): torch.cuda's calls without a device mean it
         torch.cuda.set_device(device)
     if env.distributed:
+        if settings.hang_timeout != 0:  # the watchdog sees a rank wait in DDP's exchange through it
+            obs_collectives.turn_on_flight_recorder()
         process_group.init(env, backend, device, settings.timeout)
         store_sync.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
     return env, device, backend
