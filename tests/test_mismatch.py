@@ -411,6 +411,42 @@ def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_
     assert took < 90
 
 
+SKIPPED = """
+import torch, torch.nn.functional as F, ddpkit
+rt = ddpkit.init(seed=0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
+    if rt.rank == 1 and i == 2:
+        continue  # a batch skipped on one rank only (a NaN loss, say): DDP's exchanges pair up one apart
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    rt.step(opt)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_batch_skipped_on_one_rank_is_named_when_its_peer_is_left_in_ddps_exchange(tmp_path):
+    """Rank 1 ends one gradient exchange short; rank 0 waits in (or fails out of) DDP's last one,
+    which no counted call shows, and the flight recorder's numbers name it."""
+    path = tmp_path / "skipped.py"
+    path.write_text(textwrap.dedent(SKIPPED))
+    start = time.monotonic()
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
+    assert re.search(
+        r"collective mismatch: rank 0 is in the default group's collective #(\d+) by torch's flight recorder "
+        r"\(DDP's gradient exchange, say\), which rank 1 never calls: it finished after #(\d+)",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert re.search(r"rank 0: (its collective|in) #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 ", result.stderr)
+    assert re.search(r"rank 0: .*skipped\.py:11", result.stderr), result.stderr[-3000:]  # loss.backward()
+    assert "rank 1: finished after" in result.stderr and "Traceback" not in result.stderr
+    assert took < 60
+
+
 EVERY_RANK_BUSY = """
 import sys, time, torch, ddpkit
 rt = ddpkit.init(seed=0)
@@ -512,23 +548,66 @@ def test_the_flight_recorder_names_its_oldest_collective_in_flight_and_since_whe
         entry(10, 90.0, retired=True),
         entry(11, 100.0, retired=False),
         entry(3, 95.0, retired=False, p2p=True, name="gloo:send"),  # the tree exchange's, older
+        entry(12, 101.0, retired=False, name="nccl:all_reduce"),  # another recorder's group 0: not the default
     ]
     monkeypatch.setattr(collectives._torch, "flight_recorder_dump", lambda: {"entries": entries})
+    monkeypatch.setattr(collectives, "_default_backend", lambda: "gloo")
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
     seen = collectives.flight()
     assert seen.line == "in flight #11 gloo:all_reduce [[178]] Float of group 0 (scheduled)"  # collectives only
     assert (seen.pending, seen.since) == ("#3 gloo:send [[178]] Float of group 1", 95.0)  # a wait all the same
-    entries[2]["retired"] = True
-    assert (collectives.flight().pending, collectives.flight().since) == (
-        "#11 gloo:all_reduce [[178]] Float of group 0",
-        100.0,
-    )
+    assert (seen.pending_seq, seen.last) == (11, 11)  # the default group's numbers, alike on every rank
+    assert seen.latest == "#12 nccl:all_reduce [[178]] Float of group 0"
+    entries[2]["retired"] = entries[3]["retired"] = True
+    seen = collectives.flight()
+    assert (seen.pending, seen.since, seen.pending_seq) == ("#11 gloo:all_reduce [[178]] Float of group 0", 100.0, 11)
     entries[1]["retired"] = True
+    del entries[3]
     assert collectives.flight() == collectives.Flight(
-        "none in flight; the last #11 gloo:all_reduce [[178]] Float of group 0 done"
+        "none in flight; the last #11 gloo:all_reduce [[178]] Float of group 0 done",
+        last=11,
+        latest="#11 gloo:all_reduce [[178]] Float of group 0",
     )
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     assert collectives.flight() == collectives.Flight()  # off: nothing read
+
+
+def test_a_collective_in_flight_past_a_finished_ranks_last_is_a_mismatch_by_the_flight_recorder():
+    """DDP's gradient exchange is no counted call; the default group's numbers, which torch's flight
+    recorder holds alike on every rank, show a rank in one that a finished rank never joined."""
+    waiting = dataclasses.replace(beat(0, 4, phase="backward"), pending="#15 ...", pending_for=3.5, pending_seq=15)
+    done = dataclasses.replace(beat(1, 4, phase=CLOSED), flight_last=14)
+    reason = find_mismatch({0: waiting, 1: done}, NOW, grace=3.0, silent_after=5.0)
+    assert reason == (
+        "rank 0 is in the default group's collective #15 by torch's flight recorder (DDP's gradient exchange, "
+        "say), which rank 1 never calls: it finished after #14"
+    )
+    assert (
+        find_mismatch({0: waiting, 1: dataclasses.replace(done, flight_last=15)}, NOW, grace=3.0, silent_after=5.0)
+        is None
+    )
+    assert (
+        find_mismatch({0: waiting, 1: dataclasses.replace(done, failed=True)}, NOW, grace=3.0, silent_after=5.0) is None
+    )
+    assert (
+        find_mismatch({0: waiting, 1: dataclasses.replace(done, flight_last=0)}, NOW, grace=3.0, silent_after=5.0)
+        is None
+    )
+    early = dataclasses.replace(waiting, pending_for=0.5)  # not waited long enough to count: its data may be on the way
+    assert find_mismatch({0: early, 1: done}, NOW, grace=3.0, silent_after=5.0) is None
+    failed = dataclasses.replace(beat(0, 4), flight_last=15, raised="#15 gloo:all_reduce [[178]] Float of group 0")
+    assert find_mismatch({0: failed, 1: done}, NOW, grace=3.0, silent_after=5.0, me=0, failing=True) == reason
+    assert (
+        find_mismatch({0: failed, 1: done}, NOW, grace=3.0, silent_after=5.0, me=0) is None
+    )  # not failing: its last is done
+    report = format_mismatch({0: failed, 1: done}, NOW, reason, world_size=2, silent_after=5.0)
+    assert (
+        "rank 0: its collective #15 gloo:all_reduce [[178]] Float of group 0 (by torch's flight recorder) failed at f (x.py:0)"
+        in report
+    )
+    assert (
+        "rank 1: finished after 4 collectives; by torch's flight recorder, the default group's last was #14" in report
+    )
 
 
 def test_ddpkit_init_turns_the_flight_recorder_on_unless_the_user_set_it(monkeypatch):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PASSED = (_PACKAGE, os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
@@ -118,20 +119,40 @@ def _not_the_users() -> tuple[str, ...]:
     return _NOT_THE_USERS[0]
 
 
-def user_line() -> str:
+def user_line(frame: FrameType | None = None) -> str:
     """``path:line`` of the innermost frame outside ddpkit, torch and the standard library ("" if none):
-    the line of the user's script that led to the call."""
-    skipped = _not_the_users()
-    frame = sys._getframe(1)
+    the line of the user's script that led to the call (or to ``frame``, another thread's)."""
+    return _first_users(_outward(sys._getframe(1) if frame is None else frame))
+
+
+def _outward(frame: FrameType | None) -> Iterator[tuple[str, int]]:
+    """``(path, line)`` of ``frame`` and its callers, innermost first, read as they are asked for."""
     while frame is not None:
-        name = frame.f_code.co_filename
+        yield frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+
+
+def raised_at(error: BaseException) -> str:
+    """``path:line`` of the innermost frame of ``error``'s traceback in the user's code ("" if none):
+    the line of the user's script that the error came through (see :func:`user_line`)."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return _first_users(reversed(frames))
+
+
+def _first_users(frames: Iterable[tuple[str, int]]) -> str:
+    """The first of ``frames`` (innermost first) in the user's code, as ``path:line``."""
+    skipped = _not_the_users()
+    for name, line in frames:
         if not name.startswith(skipped) and not name.startswith("<"):
             try:
                 shown = os.path.relpath(name)
             except ValueError:
                 shown = name
-            return f"{name if shown.startswith('..') else shown}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
+            return f"{name if shown.startswith('..') else shown}:{line}"
     return ""
 
 

@@ -166,10 +166,17 @@ class Flight:
     """The oldest collective still in flight, in words ("": none)."""
     since: float = 0.0
     """The wall time (``time.time()``) that one was started at."""
+    pending_seq: int = 0
+    """The number of the default group's oldest collective in flight (0: none). The default group is
+    the first every rank makes, so its numbers are alike on every rank; other groups' may not be."""
+    last: int = 0
+    """The number of the default group's last collective recorded (0: none)."""
+    latest: str = ""
+    """The last collective recorded (not point-to-point), in words."""
 
 
 def flight() -> Flight:
-    """This process's flight recorder: its line, and the oldest collective in flight and since when.
+    """This process's flight recorder: its line, the oldest collective in flight and since when, each group's last.
 
     It sees what the log cannot: DDP's gradient exchange and every group's calls, from C++, so a
     rank waiting in DDP's backward is seen to wait. Empty where the recorder is off or recorded
@@ -182,14 +189,44 @@ def flight() -> Flight:
     oldest = min(pending, key=lambda e: e.get("time_created_ns") or 0) if pending else None
     shown = [e for e in entries if not e.get("is_p2p")]
     line = ""
+    default = [e for e in shown if _in_default_group(e)]
+    last = max((int(e.get("collective_seq_id") or 0) for e in default), default=0)
     if shown:
         in_flight = [e for e in shown if not e.get("retired", False)]
         entry = in_flight[0] if in_flight else shown[-1]
         what = _entry_words(entry)
         line = f"in flight {what} ({entry.get('state')})" if in_flight else f"none in flight; the last {what} done"
+    latest = _entry_words(shown[-1]) if shown else ""
     if oldest is None:
-        return Flight(line)
-    return Flight(line, _entry_words(oldest), (oldest.get("time_created_ns") or 0) / 1e9)
+        return Flight(line, last=last, latest=latest)
+    waited_in = [e for e in default if not e.get("retired", False)]
+    first = min(waited_in, key=lambda e: e.get("time_created_ns") or 0, default=None)
+    return Flight(
+        line,
+        _entry_words(oldest),
+        (oldest.get("time_created_ns") or 0) / 1e9,
+        0 if first is None else int(first.get("collective_seq_id") or 0),
+        last,
+        latest,
+    )
+
+
+def _in_default_group(entry: dict[str, Any]) -> bool:
+    """Whether a recorded collective is the default group's: group 0 of the default group's backend
+    (NCCL's and gloo's recorders number their groups apart)."""
+    backend = _default_backend()
+    return (
+        entry.get("pg_id") == 0
+        and backend is not None
+        and str(entry.get("profiling_name", "")).startswith(f"{backend}:")
+    )
+
+
+def _default_backend() -> str | None:
+    """The default group's backend (``"gloo"``, ``"nccl"``), None where there is no default group."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
 
 
 def flight_line() -> str:

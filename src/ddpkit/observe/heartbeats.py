@@ -41,7 +41,7 @@ class Heartbeat:
     where: str = ""
     calls: int = 0  # collectives this rank started on the default group (ddpkit.observe.collectives)
     call: str = ""  # the signature of the one it waits in ("" none), its number is ``calls``
-    call_where: str = ""  # the user's line that called it
+    call_where: str = ""  # the user's line that called it (or is in the recorder's ``pending``)
     waited: float = 0.0  # seconds it had waited in it when published
     mark: tuple[int, int] | None = None  # (call number, fingerprint of the calls up to it)
     recent: tuple[tuple[int, str, str], ...] = ()  # its last few calls: (number, signature, user line)
@@ -49,6 +49,9 @@ class Heartbeat:
     flight: str = ""  # torch's flight recorder in a line, when the rank waits or makes no progress
     pending: str = ""  # the oldest collective in flight by that recorder (DDP's exchange too), when it makes none
     pending_for: float = 0.0  # seconds that one had been in flight when published
+    pending_seq: int = 0  # by the recorder, the default group's collective in flight: its number (0 none)
+    flight_last: int = 0  # and the number of its last recorded one (0 none)
+    raised: str = ""  # the collective that just raised in its script (a peer left), by the recorder, in words
 
     def waited_at(self, now: float) -> float:
         """Seconds in the collective it waits in at wall time ``now`` (0 when in none)."""
@@ -290,6 +293,10 @@ def find_mismatch(
     waiting = {
         r: b for r, b in sorted(fresh.items()) if b.call and (b.waited_at(now) >= grace or (failing and r == me))
     }
+    for rank, beat in sorted(fresh.items()):
+        ahead = _ahead_of_finished(beat, finished, failed=failing and rank == me, waited=beat.pending_at(now) >= grace)
+        if ahead is not None:
+            return f"rank {rank} {ahead}"
     for rank, beat in waiting.items():
         for done_rank, done in sorted(finished.items()):
             if done.calls < beat.calls:
@@ -314,6 +321,26 @@ def find_mismatch(
             return (
                 f"ranks {me} and {peer} called different collectives before their #{number}, "
                 "and the backend paired them up"
+            )
+    return None
+
+
+def _ahead_of_finished(beat: Heartbeat, finished: Mapping[int, Heartbeat], *, failed: bool, waited: bool) -> str | None:
+    """By torch's flight recorder: a collective of ``beat``'s rank that a finished rank never calls, in words.
+
+    The default group numbers its collectives alike on every rank, so a number past the last one a
+    finished rank recorded is one it never joined: ``beat``'s collective in flight (``waited``: long
+    enough to count), or where its collective just ``failed``, its last. DDP's gradient exchange is
+    such a call, which the collective log does not count.
+    """
+    number = beat.flight_last if failed else beat.pending_seq if waited else 0
+    if not number:
+        return None
+    for done_rank, done in sorted(finished.items()):
+        if done.flight_last and number > done.flight_last:
+            return (
+                f"is in the default group's collective #{number} by torch's flight recorder (DDP's gradient "
+                f"exchange, say), which rank {done_rank} never calls: it finished after #{done.flight_last}"
             )
     return None
 
@@ -371,15 +398,24 @@ def _mismatch_row(beat: Heartbeat | None, now: float, silent_after: float, first
         if beat.calls in calls:
             signature, where = calls[beat.calls]
             text += f"; its last, #{beat.calls}: {signature} at {where or '?'}"
+        if beat.flight_last:
+            text += f"; by torch's flight recorder, the default group's last was #{beat.flight_last}"
     elif beat.call:
         text = f"in its collective #{beat.calls}: {beat.call} at {beat.call_where or '?'}, waiting {beat.waited_at(now):.1f}s"
+    elif beat.raised:
+        text = f"its collective {beat.raised} (by torch's flight recorder) failed at {beat.where or '?'}"
+    elif beat.pending:
+        text = (
+            f"in {beat.pending} (by torch's flight recorder) at step {beat.step}, waiting {beat.pending_at(now):.1f}s"
+        )
     else:
         text = f"in no collective: step {beat.step} (phase {beat.phase})"
         text += f" in {beat.where}" if beat.where else ""
         text += f", after {_collectives(beat.calls)}"
         if now - beat.time > silent_after:
             text += f"; its heartbeat stopped {now - beat.time:.1f}s ago"
-    if beat.flight:
+    quoted = beat.phase != CLOSED and not beat.call and bool(beat.raised or beat.pending)  # the recorder, above
+    if beat.flight and not quoted:
         text += f"; flight recorder: {beat.flight}"
     shown_last = beat.phase == CLOSED or bool(beat.call)
     if first is not None and first in calls and not (shown_last and first == beat.calls):

@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddpkit._torch import PrivateApiChanged, default_store
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, raised_at, user_line
 from ddpkit.observe import collectives
 from ddpkit.observe.heartbeats import (
     CLOSED,
@@ -248,7 +248,16 @@ class Watchdog:
             with contextlib.suppress(RuntimeError, OSError):
                 self._store.set(_beat_key(self.rank), self._heartbeat(step, CLOSED, 0.0).to_json())
 
-    def _heartbeat(self, step: int, phase: str, idle: float) -> Heartbeat:
+    def _heartbeat(
+        self, step: int, phase: str, idle: float, *, fresh: bool = False, raised: BaseException | None = None
+    ) -> Heartbeat:
+        """This rank's heartbeat now.
+
+        Args:
+            step, phase, idle: where the watched thread is, and for how long without progress.
+            fresh: read the flight recorder now (a collective just failed).
+            raised: the error the script is ending by, from a collective the log did not count.
+        """
         log = self.log
         if log is None:
             return Heartbeat(self.rank, step, phase, idle, time.time(), self._host, self._pid, self._where())
@@ -257,7 +266,11 @@ class Watchdog:
         mark = (log.calls, log.chain) if phase == CLOSED else max(marks.items()) if marks else None
         waited = time.monotonic() - current[3] if current is not None else 0.0
         flight = collectives.Flight()
-        if phase != CLOSED and (waited >= _GRACE_S or idle >= _GRACE_S):
+        if fresh or (phase == CLOSED and not self._failed):  # the groups' last calls, which peers compare
+            flight = self._flight(fresh=True)
+            if phase == CLOSED:
+                flight = collectives.Flight(last=flight.last)
+        elif phase != CLOSED and (waited >= _GRACE_S or idle >= _GRACE_S):
             flight = self._flight()
         return Heartbeat(
             self.rank,
@@ -267,10 +280,10 @@ class Watchdog:
             time.time(),
             self._host,
             self._pid,
-            self._where(),
+            self._where() if raised is None else raised_at(raised),
             calls=log.calls,
             call=current[1] if current is not None and phase != CLOSED else "",
-            call_where=current[2] if current is not None else "",
+            call_where=current[2] if current is not None else self._users_line() if flight.pending else "",
             waited=waited,
             mark=mark,
             recent=recent,
@@ -278,12 +291,15 @@ class Watchdog:
             flight=flight.line,
             pending=flight.pending,
             pending_for=max(0.0, time.time() - flight.since) if flight.pending else 0.0,
+            pending_seq=flight.pending_seq,
+            flight_last=flight.last,
+            raised=flight.latest if raised is not None else "",
         )
 
-    def _flight(self) -> collectives.Flight:
-        """The flight recorder, read at most once a second (a dump copies its ring)."""
+    def _flight(self, *, fresh: bool = False) -> collectives.Flight:
+        """The flight recorder, read at most once a second (a dump copies its ring) unless ``fresh``."""
         now = time.monotonic()
-        if now - self._flight_read[0] >= 1.0:
+        if now - self._flight_read[0] >= 1.0 or (fresh and self._flight_read[0] != float("inf")):
             try:
                 self._flight_read = (now, collectives.flight())
             except PrivateApiChanged as exc:  # said once, in the report's place: loud, not fatal to the job
@@ -378,16 +394,18 @@ class Watchdog:
         ]
         return self._propose(Verdict(stuck, self.rank, peers=len(set(live) - {stuck}), silent=stuck not in live))
 
-    def _collective_failed(self) -> None:
+    def _collective_failed(self, raised: BaseException | None = None) -> None:
         """On the main thread, when a collective raised: end the job with the mismatch report if the
-        peers' heartbeats show one within a few seconds, else return (the error goes on up)."""
+        peers' heartbeats show one within a few seconds, else return (the error goes on up).
+
+        ``raised``: the error, where it came from a call the log did not count (:meth:`uncaught`)."""
         store = _own_connection(self._store) if self._store is not None else None
         if store is None or self.log is None:
             return
         deadline = time.monotonic() + max(4.0, 2 * self.interval + 2.0)
         try:
             step, phase, since = self._last
-            mine = self._heartbeat(step, phase, time.monotonic() - since)
+            mine = self._heartbeat(step, phase, time.monotonic() - since, fresh=True, raised=raised)
             store.set(_beat_key(self.rank), mine.to_json())
             while time.monotonic() < deadline:
                 verdict = self._read_verdict(store)
@@ -401,6 +419,13 @@ class Watchdog:
                 time.sleep(0.2)
         except (RuntimeError, OSError):
             return  # the store is gone with the peers: nothing more to learn
+
+    def uncaught(self, error: BaseException) -> None:
+        """The script is ending by ``error``: where a backend raised it because a peer left (a call the
+        log does not count, such as DDP's gradient exchange), end the job with the mismatch report if
+        the heartbeats show one within a few seconds; else return, and the error is printed as usual."""
+        if threading.get_ident() == self._watched and _backend_failure(error):
+            self._collective_failed(error)
 
     def _act(self, verdict: Verdict, beats: Mapping[int, Heartbeat | None] | None) -> None:
         """Report, dump the stuck rank's stack, and exit: never returns.
@@ -463,6 +488,11 @@ class Watchdog:
         except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a fd
             faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
 
+    def _users_line(self) -> str:
+        """The line of the user's script the watched thread is in now (see :func:`user_line`)."""
+        frame = sys._current_frames().get(self._watched)
+        return user_line(frame) if frame is not None else ""
+
     def _where(self) -> str:
         frame = sys._current_frames().get(self._watched)
         if frame is None:
@@ -517,6 +547,20 @@ class Watchdog:
                 time.sleep(0.05)
         except (RuntimeError, OSError):
             pass  # the others already left
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+"""gloo's words when a peer's process left in a collective."""
+
+
+def _backend_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure: torch's ``DistBackendError`` (NCCL), or gloo's peer gone."""
+    import torch.distributed as dist
+
+    backend_error = getattr(dist, "DistBackendError", None)
+    if backend_error is not None and isinstance(error, backend_error):
+        return True
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in _PEER_GONE)
 
 
 def _finished_apart(beats: Mapping[int, Heartbeat | None], me: int) -> str | None:

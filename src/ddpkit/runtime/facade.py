@@ -71,6 +71,8 @@ class Runtime:
         def note_failure(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
             if not issubclass(kind, SystemExit):
                 self._failed = True  # close at exit ends the tracker runs as failed
+                if self._reporter.watchdog is not None:  # a peer that left: a mismatch the report names
+                    self._reporter.watchdog.uncaught(value)
             previous(kind, value, traceback)
 
         sys.excepthook = note_failure
