@@ -608,6 +608,14 @@ def test_a_collective_in_flight_past_a_finished_ranks_last_is_a_mismatch_by_the_
     assert (
         "rank 1: finished after 4 collectives; by torch's flight recorder, the default group's last was #14" in report
     )
+    waiting = dataclasses.replace(
+        waiting, pending="#15 gloo:all_reduce [[178]] Float of group 0", call_where="train.py:11"
+    )
+    report = format_mismatch({0: waiting, 1: done}, NOW, reason, world_size=2, silent_after=5.0)
+    assert (
+        "rank 0: in #15 gloo:all_reduce [[178]] Float of group 0 (by torch's flight recorder) at train.py:11, waiting 4.0s"
+        in report
+    )
 
 
 def test_ddpkit_init_turns_the_flight_recorder_on_unless_the_user_set_it(monkeypatch):

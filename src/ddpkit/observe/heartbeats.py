@@ -405,9 +405,7 @@ def _mismatch_row(beat: Heartbeat | None, now: float, silent_after: float, first
     elif beat.raised:
         text = f"its collective {beat.raised} (by torch's flight recorder) failed at {beat.where or '?'}"
     elif beat.pending:
-        text = (
-            f"in {beat.pending} (by torch's flight recorder) at step {beat.step}, waiting {beat.pending_at(now):.1f}s"
-        )
+        text = f"in {beat.pending} (by torch's flight recorder) at {beat.call_where or '?'}, waiting {beat.pending_at(now):.1f}s"
     else:
         text = f"in no collective: step {beat.step} (phase {beat.phase})"
         text += f" in {beat.where}" if beat.where else ""

@@ -337,7 +337,8 @@ class Watchdog:
         if self.log is None or self._store is None:
             return None
         now = time.monotonic()
-        waiting = bool(mine.call) and mine.waited >= _GRACE_S and now >= self._next_all
+        waited = mine.waited if mine.call else mine.pending_for  # a counted call, or the recorder's (DDP's)
+        waiting = waited >= _GRACE_S and now >= self._next_all
         if waiting:  # every rank's heartbeat, at most W/64 times a second: the store serves all ranks
             self._next_all = now + max(self.interval, self.world_size / 64)
             beats = self._heartbeats(mine)
