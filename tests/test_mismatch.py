@@ -406,7 +406,10 @@ def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_
         result.stderr,
     ), result.stderr[-3000:]
     assert "rank 1 made no progress for" in result.stderr
-    assert re.search(r"rank 0: .*; flight recorder: in flight #\d+ gloo:all_reduce \[\[178\]\]", result.stderr)
+    assert re.search(
+        r"rank 0: .* from .*ddp_stuck\.py:14; flight recorder: in flight #\d+ gloo:all_reduce \[\[178\]\]",
+        result.stderr,
+    ), result.stderr[-3000:]  # loss.backward()
     assert re.search(r'File ".*ddp_stuck\.py", line 9 in my_own_loop', result.stderr), result.stderr[-3000:]
     assert took < 90
 
@@ -557,12 +560,12 @@ def test_the_flight_recorder_names_its_oldest_collective_in_flight_and_since_whe
     assert seen.line == "in flight #11 gloo:all_reduce [[178]] Float of group 0 (scheduled)"  # collectives only
     assert (seen.pending, seen.since) == ("#3 gloo:send [[178]] Float of group 1", 95.0)  # a wait all the same
     assert (seen.pending_seq, seen.last) == (11, 11)  # the default group's numbers, alike on every rank
-    assert seen.latest == "#12 nccl:all_reduce [[178]] Float of group 0"
+    assert seen.latest == "#11 gloo:all_reduce [[178]] Float of group 0"  # the default group's, not nccl's later one
     entries[2]["retired"] = entries[3]["retired"] = True
     seen = collectives.flight()
     assert (seen.pending, seen.since, seen.pending_seq) == ("#11 gloo:all_reduce [[178]] Float of group 0", 100.0, 11)
     entries[1]["retired"] = True
-    del entries[3]
+    entries[3] = {**entry(2, 102.0, retired=True), "pg_id": 1}  # another group's, later: the default group's is shown
     assert collectives.flight() == collectives.Flight(
         "none in flight; the last #11 gloo:all_reduce [[178]] Float of group 0 done",
         last=11,

@@ -172,7 +172,7 @@ class Flight:
     last: int = 0
     """The number of the default group's last collective recorded (0: none)."""
     latest: str = ""
-    """The last collective recorded (not point-to-point), in words."""
+    """The default group's last collective recorded (where it has none, any group's), in words."""
 
 
 def flight() -> Flight:
@@ -193,10 +193,10 @@ def flight() -> Flight:
     last = max((int(e.get("collective_seq_id") or 0) for e in default), default=0)
     if shown:
         in_flight = [e for e in shown if not e.get("retired", False)]
-        entry = in_flight[0] if in_flight else shown[-1]
+        entry = in_flight[0] if in_flight else (default or shown)[-1]  # the default group's, which peers share
         what = _entry_words(entry)
         line = f"in flight {what} ({entry.get('state')})" if in_flight else f"none in flight; the last {what} done"
-    latest = _entry_words(shown[-1]) if shown else ""
+    latest = _entry_words((default or shown)[-1]) if shown else ""
     if oldest is None:
         return Flight(line, last=last, latest=latest)
     waited_in = [e for e in default if not e.get("retired", False)]
