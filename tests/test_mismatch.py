@@ -596,6 +596,10 @@ def test_a_collective_in_flight_past_a_finished_ranks_last_is_a_mismatch_by_the_
         find_mismatch({0: waiting, 1: dataclasses.replace(done, flight_last=0)}, NOW, grace=3.0, silent_after=5.0)
         is None
     )
+    counted = dataclasses.replace(waiting, calls=5, call="all_reduce(float32[1])", waited=4.0)  # in a counted call too
+    assert find_mismatch({0: counted, 1: done}, NOW, grace=3.0, silent_after=5.0) == (
+        "rank 0 waits in its collective #5, which rank 1 never calls: it finished after 4"  # the user's call, first
+    )
     early = dataclasses.replace(waiting, pending_for=0.5)  # not waited long enough to count: its data may be on the way
     assert find_mismatch({0: early, 1: done}, NOW, grace=3.0, silent_after=5.0) is None
     failed = dataclasses.replace(beat(0, 4), flight_last=15, raised="#15 gloo:all_reduce [[178]] Float of group 0")

@@ -268,6 +268,9 @@ def find_mismatch(
       more apart (one apart, the rank ahead finished the collective the other still waits in, whose
       last bytes are still on their way: on a 1 Mbit/s link a ring allreduce of 4 MiB ends on one rank
       tens of seconds after the other);
+    * by torch's flight recorder, a rank is in the default group's collective (in flight ``grace``
+      seconds, or failed for rank ``me`` when ``failing``) past the last one a finished rank
+      recorded: DDP's gradient exchange, which the counted rules above do not see;
     * rank ``me``'s fingerprint of its first n calls (``marks``) differs from a peer's published
       one: their collectives differed earlier, though the backend paired them up.
 
@@ -293,10 +296,6 @@ def find_mismatch(
     waiting = {
         r: b for r, b in sorted(fresh.items()) if b.call and (b.waited_at(now) >= grace or (failing and r == me))
     }
-    for rank, beat in sorted(fresh.items()):
-        ahead = _ahead_of_finished(beat, finished, failed=failing and rank == me, waited=beat.pending_at(now) >= grace)
-        if ahead is not None:
-            return f"rank {rank} {ahead}"
     for rank, beat in waiting.items():
         for done_rank, done in sorted(finished.items()):
             if done.calls < beat.calls:
@@ -313,6 +312,10 @@ def find_mismatch(
             if together >= 0.0 or failing:
                 what = "signatures" if other.calls == beat.calls else "numbers"
                 return f"ranks {rank} and {peer} wait in collectives of different {what}"
+    for rank, beat in sorted(fresh.items()):  # after the counted calls' rules, which name the user's call
+        ahead = _ahead_of_finished(beat, finished, failed=failing and rank == me, waited=beat.pending_at(now) >= grace)
+        if ahead is not None:
+            return f"rank {rank} {ahead}"
     for peer, other in sorted(heartbeats.items()):
         if peer == me or other is None or other.mark is None or not marks:
             continue
