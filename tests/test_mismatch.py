@@ -450,6 +450,43 @@ def test_a_batch_skipped_on_one_rank_is_named_when_its_peer_is_left_in_ddps_exch
     assert took < 60
 
 
+AGAINST_DDP = """
+import torch, torch.nn.functional as F, torch.distributed as dist, ddpkit
+rt = ddpkit.init(seed=0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
+    if rt.is_main and i == 2:  # the main process's weights to the others, called on the main process only
+        dist.broadcast(torch.cat([p.detach().flatten() for p in net.parameters()]), src=0)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # rank 1's DDP exchange meets rank 0's broadcast: the same bytes, so gloo waits on
+    rt.step(opt)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_broadcast_on_one_rank_against_ddps_exchange_on_the_other_is_named(tmp_path):
+    """Before, rank 0 waited in its counted broadcast and rank 1 in DDP's exchange until the adaptive
+    timeout blamed rank 1 as stuck (300 s by default): now the recorder's numbers pair them up."""
+    path = tmp_path / "against_ddp.py"
+    path.write_text(textwrap.dedent(AGAINST_DDP))
+    start = time.monotonic()
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
+    assert re.search(
+        r"ranks 0 and 1 are both in the default group's collective #\d+ by torch's flight recorder, as different "
+        r"calls: gloo:broadcast \[\[178\]\] Float and gloo:all_reduce \[\[178\]\] Float",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert re.search(r"rank 0: in its collective #1: broadcast\(float32\[178\]\) at .*against_ddp\.py:9", result.stderr)
+    assert re.search(
+        r"rank 1: in #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 .* at .*against_ddp\.py:11", result.stderr
+    )
+    assert took < 60
+
+
 EVERY_RANK_BUSY = """
 import sys, time, torch, ddpkit
 rt = ddpkit.init(seed=0)
@@ -652,6 +689,34 @@ def test_a_rank_waits_in_its_counted_call_or_else_in_the_flight_recorders_oldest
     )
     assert in_backward.pending_at(NOW + 2.0) == pytest.approx(9.0 + 0.5 + 2.0)  # published half a second ago
     assert waiting_in(beat(0, 4)) is None
+
+
+def test_two_ranks_in_one_numbered_collective_as_different_calls_are_a_mismatch_by_the_flight_recorder():
+    def in_flight(rank, call, number=12, since=4.0):
+        return dataclasses.replace(
+            beat(rank, 3),
+            pending=f"#{number} {call} of group 0",
+            pending_for=since,
+            pending_seq=number,
+            pending_call=call,
+        )
+
+    ddp = "nccl:all_reduce [[178]] Float"
+    metric = in_flight(0, "nccl:all_reduce [[1]] Float")  # a metric on rank 0 only, against DDP's bucket
+    reason = find_mismatch({0: metric, 1: in_flight(1, ddp)}, NOW, grace=3.0, silent_after=5.0)
+    assert reason == (
+        "ranks 0 and 1 are both in the default group's collective #12 by torch's flight recorder, as different calls: "
+        "nccl:all_reduce [[1]] Float and nccl:all_reduce [[178]] Float"
+    )
+    assert find_mismatch({0: in_flight(0, ddp), 1: in_flight(1, ddp)}, NOW, grace=3.0, silent_after=5.0) is None
+    other_op = in_flight(0, "nccl:broadcast [[178]] Float")
+    assert "as different calls" in find_mismatch({0: other_op, 1: in_flight(1, ddp)}, NOW, grace=3.0, silent_after=5.0)
+    gathers = [in_flight(r, f"nccl:all_gather [[{3 + r}]] Float") for r in (0, 1)]  # sizes may differ by rank
+    assert find_mismatch(dict(enumerate(gathers)), NOW, grace=3.0, silent_after=5.0) is None
+    apart = {0: metric, 1: in_flight(1, ddp, number=13)}  # other numbers: not one collective
+    assert find_mismatch(apart, NOW, grace=3.0, silent_after=5.0) is None
+    fresh = {0: in_flight(0, "nccl:all_reduce [[1]] Float", since=0.5), 1: in_flight(1, ddp)}  # not waited yet
+    assert find_mismatch(fresh, NOW, grace=3.0, silent_after=5.0) is None
 
 
 def test_only_a_quiet_peer_in_its_own_code_or_a_silent_one_is_suspected():

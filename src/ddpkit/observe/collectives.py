@@ -173,6 +173,8 @@ class Flight:
     """The number of the default group's last collective recorded (0: none)."""
     latest: str = ""
     """The default group's last collective recorded (where it has none, any group's), in words."""
+    pending_call: str = ""
+    """The default group's oldest collective in flight as ``name sizes dtypes`` (``gloo:all_reduce [[4]] Float``)."""
 
 
 def flight() -> Flight:
@@ -208,6 +210,7 @@ def flight() -> Flight:
         0 if first is None else int(first.get("collective_seq_id") or 0),
         last,
         latest,
+        "" if first is None else _call_words(first),
     )
 
 
@@ -235,9 +238,13 @@ def flight_line() -> str:
 
 
 def _entry_words(entry: dict[str, Any]) -> str:
-    dtypes = ",".join(str(d) for d in entry.get("input_dtypes") or [])
     number = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
-    return f"#{number} {entry.get('profiling_name')} {entry.get('input_sizes')} {dtypes} of group {entry.get('pg_id')}"
+    return f"#{number} {_call_words(entry)} of group {entry.get('pg_id')}"
+
+
+def _call_words(entry: dict[str, Any]) -> str:
+    dtypes = ",".join(str(d) for d in entry.get("input_dtypes") or [])
+    return f"{entry.get('profiling_name')} {entry.get('input_sizes')} {dtypes}"
 
 
 def turn_on_flight_recorder() -> bool:

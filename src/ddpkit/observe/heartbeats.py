@@ -51,6 +51,7 @@ class Heartbeat:
     pending_for: float = 0.0  # seconds that one had been in flight when published
     pending_seq: int = 0  # by the recorder, the default group's collective in flight: its number (0 none)
     flight_last: int = 0  # and the number of its last recorded one (0 none)
+    pending_call: str = ""  # and the one in flight as "name sizes dtypes"
     raised: str = ""  # the collective that just raised in its script (a peer left), by the recorder, in words
 
     def waited_at(self, now: float) -> float:
@@ -271,6 +272,9 @@ def find_mismatch(
     * by torch's flight recorder, a rank is in the default group's collective (in flight ``grace``
       seconds, or failed for rank ``me`` when ``failing``) past the last one a finished rank
       recorded: DDP's gradient exchange, which the counted rules above do not see;
+    * by that recorder, two ranks are in the default group's collective of one number, in flight
+      ``grace`` seconds, as other operations or shapes (an NCCL collective returns once queued, so
+      the counted calls do not show the wait; gloo mostly fails such a pair at once);
     * rank ``me``'s fingerprint of its first n calls (``marks``) differs from a peer's published
       one: their collectives differed earlier, though the backend paired them up.
 
@@ -316,6 +320,18 @@ def find_mismatch(
         ahead = _ahead_of_finished(beat, finished, failed=failing and rank == me, waited=beat.pending_at(now) >= grace)
         if ahead is not None:
             return f"rank {rank} {ahead}"
+    in_flight = {r: b for r, b in fresh.items() if b.pending_seq and b.pending_call and b.pending_at(now) >= grace}
+    for rank, beat in sorted(in_flight.items()):
+        for peer, other in sorted(in_flight.items()):
+            if (
+                peer > rank
+                and other.pending_seq == beat.pending_seq
+                and _calls_differ(beat.pending_call, other.pending_call)
+            ):
+                return (
+                    f"ranks {rank} and {peer} are both in the default group's collective #{beat.pending_seq} by "
+                    f"torch's flight recorder, as different calls: {beat.pending_call} and {other.pending_call}"
+                )
     for peer, other in sorted(heartbeats.items()):
         if peer == me or other is None or other.mark is None or not marks:
             continue
@@ -346,6 +362,20 @@ def _ahead_of_finished(beat: Heartbeat, finished: Mapping[int, Heartbeat], *, fa
                 f"exchange, say), which rank {done_rank} never calls: it finished after #{done.flight_last}"
             )
     return None
+
+
+_SHAPED_RECORDED = ("all_reduce", "broadcast", "reduce", "_allgather_base", "_reduce_scatter_base")
+"""Recorded operations whose tensors every rank passes alike (the recorder's names of them)."""
+
+
+def _calls_differ(mine: str, theirs: str) -> bool:
+    """Whether two ranks' ``name sizes dtypes`` of one numbered collective cannot be one call: other
+    operations, or other sizes or dtypes where every rank passes the same (all_gather's may differ)."""
+    name, _, rest = mine.partition(" ")
+    other_name, _, other_rest = theirs.partition(" ")
+    if name != other_name:
+        return True
+    return name.partition(":")[2] in _SHAPED_RECORDED and rest != other_rest
 
 
 def format_mismatch(

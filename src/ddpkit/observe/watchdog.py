@@ -295,6 +295,7 @@ class Watchdog:
             pending=flight.pending,
             pending_for=max(0.0, time.time() - flight.since) if flight.pending else 0.0,
             pending_seq=flight.pending_seq,
+            pending_call=flight.pending_call,
             flight_last=flight.last,
             raised=flight.latest if raised is not None else "",
         )
