@@ -366,8 +366,8 @@ def test_by_default_a_rank_stuck_in_its_own_code_while_others_wait_is_named_with
     assert took < 90
 
 
-DDP_STUCK = """
-import time, torch, torch.nn.functional as F, ddpkit
+DDP_LOOP = """
+import time, torch, torch.nn.functional as F, torch.distributed as dist, ddpkit
 rt = ddpkit.init(seed=0)
 net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -376,12 +376,30 @@ def my_own_loop():
     while True:
         time.sleep(0.2)
 for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
-    if rt.rank == 1 and i == 2:
-        my_own_loop()  # stuck in its own code, while rank 0 waits in DDP's gradient exchange
+    if {who} and i == 2:
+        {what}
     loss = F.cross_entropy(model(x), y)
-    loss.backward()  # a plain backward: nothing of ddpkit's marks the exchange in it
+    loss.backward()  # line 14: a plain backward, nothing of ddpkit's marks the exchange in it
     rt.step(opt)
 """
+# what one rank does differently before its third batch, in DDP_LOOP
+DDP_CASES = {
+    # stuck in its own code, while rank 0 waits in DDP's gradient exchange
+    "ddp_stuck": ("rt.rank == 1", "my_own_loop()"),
+    # a batch skipped on one rank only (a NaN loss, say): DDP's exchanges pair up one apart
+    "skipped": ("rt.rank == 1", "continue"),
+    # the main process's weights to the others, on the main process only: gloo pairs the broadcast with
+    # rank 1's DDP exchange of the same 178 floats, and both wait
+    "against_ddp": ("rt.is_main", "dist.broadcast(torch.cat([p.detach().flatten() for p in net.parameters()]), src=0)"),
+}
+
+
+def _ddp_case(tmp_path, case: str):
+    """DDP_LOOP with the case's odd lines, written as ``CASE.py``."""
+    who, what = DDP_CASES[case]
+    path = tmp_path / f"{case}.py"
+    path.write_text(textwrap.dedent(DDP_LOOP).format(who=who, what=what))
+    return path
 
 
 @pytest.mark.timeout(150)
@@ -389,8 +407,7 @@ for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
 def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_is_named(tmp_path, launcher):
     """DDP's exchange runs in C++, so no counted call shows the wait; torch's flight recorder does.
     ``ddpkit run`` turns it on in the workers' environment, ``ddpkit.init`` under torchrun."""
-    path = tmp_path / "ddp_stuck.py"
-    path.write_text(textwrap.dedent(DDP_STUCK))
+    path = _ddp_case(tmp_path, "ddp_stuck")
     env = _cpu(DDPKIT_HANG_FLOOR="6")
     start = time.monotonic()
     if launcher == "torchrun":
@@ -414,76 +431,43 @@ def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_
     assert took < 90
 
 
-SKIPPED = """
-import torch, torch.nn.functional as F, ddpkit
-rt = ddpkit.init(seed=0)
-net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
-for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
-    if rt.rank == 1 and i == 2:
-        continue  # a batch skipped on one rank only (a NaN loss, say): DDP's exchanges pair up one apart
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    rt.step(opt)
-"""
-
-
 @pytest.mark.timeout(150)
-def test_a_batch_skipped_on_one_rank_is_named_when_its_peer_is_left_in_ddps_exchange(tmp_path):
-    """Rank 1 ends one gradient exchange short; rank 0 waits in (or fails out of) DDP's last one,
-    which no counted call shows, and the flight recorder's numbers name it."""
-    path = tmp_path / "skipped.py"
-    path.write_text(textwrap.dedent(SKIPPED))
+@pytest.mark.parametrize(
+    ("case", "reason", "rows"),
+    [
+        (
+            "skipped",  # rank 1 ends one exchange short: rank 0 waits in (or fails out of) DDP's last one
+            r"rank 0 is in the default group's collective #\d+ by torch's flight recorder \(DDP's gradient exchange, "
+            r"say\), which rank 1 never calls: it finished after #\d+",
+            [
+                r"rank 0: (its collective|in) #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 .*skipped\.py:14",
+                "rank 1: finished after",
+            ],
+        ),
+        (
+            "against_ddp",  # before, the adaptive timeout blamed rank 1 as stuck after 300 s
+            r"ranks 0 and 1 are both in the default group's collective #\d+ by torch's flight recorder, as different "
+            r"calls: gloo:broadcast \[\[178\]\] Float and gloo:all_reduce \[\[178\]\] Float",
+            [
+                r"rank 0: in its collective #1: broadcast\(float32\[178\]\) at .*against_ddp\.py:12",
+                r"rank 1: in #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 .* at .*against_ddp\.py:14",
+            ],
+        ),
+    ],
+)
+def test_a_mismatch_against_ddps_gradient_exchange_is_named_by_the_flight_recorder(tmp_path, case, reason, rows):
+    """DDP's exchange is no counted call; the flight recorder numbers the default group's collectives
+    alike on every rank, which shows a rank in one its peer never joins or joins as another call."""
     start = time.monotonic()
-    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
+    result = ddpkit_cli("run", "-n", "2", str(_ddp_case(tmp_path, case)), env=_cpu(), timeout=120)
     took = time.monotonic() - start
     assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
-    assert re.search(
-        r"collective mismatch: rank 0 is in the default group's collective #(\d+) by torch's flight recorder "
-        r"\(DDP's gradient exchange, say\), which rank 1 never calls: it finished after #(\d+)",
-        result.stderr,
-    ), result.stderr[-3000:]
-    assert re.search(r"rank 0: (its collective|in) #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 ", result.stderr)
-    assert re.search(r"rank 0: .*skipped\.py:11", result.stderr), result.stderr[-3000:]  # loss.backward()
-    assert "rank 1: finished after" in result.stderr and "Traceback" not in result.stderr
-    assert took < 60
-
-
-AGAINST_DDP = """
-import torch, torch.nn.functional as F, torch.distributed as dist, ddpkit
-rt = ddpkit.init(seed=0)
-net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
-for i, (x, y) in enumerate(rt.loader(data, global_batch_size=16)):
-    if rt.is_main and i == 2:  # the main process's weights to the others, called on the main process only
-        dist.broadcast(torch.cat([p.detach().flatten() for p in net.parameters()]), src=0)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()  # rank 1's DDP exchange meets rank 0's broadcast: the same bytes, so gloo waits on
-    rt.step(opt)
-"""
-
-
-@pytest.mark.timeout(150)
-def test_a_broadcast_on_one_rank_against_ddps_exchange_on_the_other_is_named(tmp_path):
-    """Before, rank 0 waited in its counted broadcast and rank 1 in DDP's exchange until the adaptive
-    timeout blamed rank 1 as stuck (300 s by default): now the recorder's numbers pair them up."""
-    path = tmp_path / "against_ddp.py"
-    path.write_text(textwrap.dedent(AGAINST_DDP))
-    start = time.monotonic()
-    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(), timeout=120)
-    took = time.monotonic() - start
-    assert result.returncode == EXIT_MISMATCH, result.stderr[-3000:]
-    assert re.search(
-        r"ranks 0 and 1 are both in the default group's collective #\d+ by torch's flight recorder, as different "
-        r"calls: gloo:broadcast \[\[178\]\] Float and gloo:all_reduce \[\[178\]\] Float",
-        result.stderr,
-    ), result.stderr[-3000:]
-    assert re.search(r"rank 0: in its collective #1: broadcast\(float32\[178\]\) at .*against_ddp\.py:9", result.stderr)
-    assert re.search(
-        r"rank 1: in #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 .* at .*against_ddp\.py:11", result.stderr
-    )
+    assert re.search(f"collective mismatch: {reason}; every rank exits with code 123", result.stderr), result.stderr[
+        -3000:
+    ]
+    for row in rows:
+        assert re.search(row, result.stderr), (row, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
     assert took < 60
 
 
