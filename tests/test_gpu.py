@@ -7,6 +7,7 @@ the nccl tests run a group of one; tests that need two GPUs skip with that reaso
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -257,6 +258,22 @@ def test_the_flight_recorder_records_nccl_collectives_on_one_gpu(tmp_path, monke
         entries = _torch.flight_recorder_dump()["entries"]
         assert any(e["profiling_name"] == "nccl:all_reduce" and e["input_sizes"] == [[3]] for e in entries), entries
         assert "nccl:all_reduce [[3]]" in collectives.flight_line()
+        # what the default watchdog reads on NCCL, whose calls return once queued: a collective queued
+        # behind seconds of compute is in flight (the group's number and call), then retired when done
+        busy = torch.randn(8192, 8192, device="cuda")
+        for _ in range(100):
+            busy = busy @ busy / 8192
+        dist.all_reduce(torch.ones(5, device="cuda"))
+        seen = collectives.flight()
+        assert seen.pending_call == "nccl:all_reduce [[5]] Float", seen
+        assert seen.pending_seq == seen.last >= 2 and seen.pending.startswith(f"#{seen.last} nccl:all_reduce [[5]]")
+        torch.cuda.synchronize()
+        deadline = time.monotonic() + 10.0
+        while collectives.flight().pending_seq and time.monotonic() < deadline:  # NCCL's watchdog retires it
+            time.sleep(0.1)
+        seen = collectives.flight()
+        assert seen.pending_seq == 0 and not seen.pending, seen
+        assert seen.latest == f"#{seen.last} nccl:all_reduce [[5]] Float of group 0", seen
     finally:
         dist.destroy_process_group()
 
