@@ -650,11 +650,16 @@ def test_ddpkit_init_turns_the_flight_recorder_on_unless_the_user_set_it(monkeyp
     from ddpkit import _torch
 
     variable = _torch.flight_recorder_buffer_variable()
-    for name in collectives.FLIGHT_RECORDER_ENV:
+    for name in (*collectives.FLIGHT_RECORDER_ENV, collectives.DUMP_ON_TIMEOUT):
         monkeypatch.setenv(name, "")  # recorded first, so the test leaves each as it found it
         monkeypatch.delenv(name)
     assert collectives.turn_on_flight_recorder() is True
     assert collectives.flight_recorder_on() and os.environ[variable] == "2000"
+    # no dump to torch's default /tmp/nccl_trace_rank_<n>, a name another user can take first
+    assert os.environ[collectives.DUMP_ON_TIMEOUT] == "0"
+    monkeypatch.delenv(variable)
+    monkeypatch.setenv(collectives.DUMP_ON_TIMEOUT, "1")  # the user's, kept
+    assert collectives.turn_on_flight_recorder() is True and os.environ[collectives.DUMP_ON_TIMEOUT] == "1"
     monkeypatch.setenv(variable, "0")
     assert collectives.turn_on_flight_recorder() is False and os.environ[variable] == "0"  # the user's choice
     monkeypatch.delenv(variable)

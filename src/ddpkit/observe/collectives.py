@@ -252,8 +252,10 @@ def turn_on_flight_recorder() -> bool:
 
     ``ddpkit run`` turns it on in its workers' environment; :func:`ddpkit.init` calls this before
     it makes the default group, so jobs under ``torchrun``, ``srun`` or ``ddpkit.launch`` have it too
-    and the watchdog sees a rank wait in DDP's gradient exchange. False where the user set its
-    variables (``0`` keeps it off) or this torch has no recorder (the watchdog's rows then say so).
+    and the watchdog sees a rank wait in DDP's gradient exchange. NCCL's dump on a timeout stays off
+    unless the user asks for it (:data:`DUMP_ON_TIMEOUT`): it would write to a shared ``/tmp`` name.
+    False where the user set the recorder's variables (``0`` keeps it off) or this torch has no
+    recorder (the watchdog's rows then say so).
     """
     if any(name in os.environ for name in FLIGHT_RECORDER_ENV):
         return False
@@ -262,7 +264,15 @@ def turn_on_flight_recorder() -> bool:
     except _torch.PrivateApiChanged:
         return False  # no recorder in this torch: flight() raises it where the watchdog reads it
     os.environ[variable] = _torch.FLIGHT_RECORDER_SIZE
+    # read in this process only: NCCL's dump on a timeout would go to torch's default
+    # /tmp/nccl_trace_rank_<n>, a name any user of the machine can take first (ddpkit run points
+    # it into the job's private directory instead)
+    os.environ.setdefault(DUMP_ON_TIMEOUT, "0")
     return True
+
+
+DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+"""Whether NCCL writes its flight recorder to ``TORCH_FR_DUMP_TEMP_FILE`` when its watchdog times out."""
 
 
 _installed: list[tuple[Any, str, Any]] = []
@@ -288,6 +298,7 @@ def uninstall() -> None:
 
 __all__ = [
     "CollectiveLog",
+    "DUMP_ON_TIMEOUT",
     "FLIGHT_RECORDER_ENV",
     "Flight",
     "MARK_EVERY",
