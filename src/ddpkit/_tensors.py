@@ -9,16 +9,22 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
-    """The bytes of ``tensor``'s elements in order, on the host (what ``tensor.numpy().tobytes()`` gives)."""
+    """The bytes of ``tensor``'s elements in order, on the host (what ``tensor.numpy().tobytes()`` gives).
+
+    One copy in C of a contiguous host copy's memory. ``bytes(storage)`` would give the same bytes,
+    but it reads them one element at a time in Python: 115 s for ResNet-18's 45 MB of weights, which
+    the bench digests once a run."""
     flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     if not flat.numel():
         return b""
-    own = flat.clone()  # a storage of exactly these bytes (a view's storage may hold more)
-    return bytes(own.untyped_storage())
+    # `flat` stays referenced for the read: its memory is alive and holds exactly these bytes
+    return ctypes.string_at(flat.data_ptr(), flat.numel())
 
 
 __all__ = ["raw_bytes"]
