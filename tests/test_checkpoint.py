@@ -270,7 +270,12 @@ def test_a_usage_error_of_a_loaded_object_stays_itself():
 @pytest.mark.timeout(120)
 def test_a_checkpoint_of_an_earlier_ddpkit_resumes_to_the_same_bits(tmp_path):
     """Written by ddpkit at 040cd72 (before issue 42 moved the house), resumed by today's code:
-    the same 4 steps end on the weights the earlier code's own resume ended on."""
+    the same 4 steps end on the weights the earlier code's own resume ended on.
+
+    Those bits depend on the CPU's kernels, so the earlier code's digest is kept per kind of CPU
+    (its AMD one from when the fixture was written, its Intel ones run here at 040cd72 since). What
+    holds on any CPU is compared exactly everywhere: the restored state, each step's samples and the
+    generator's state after it. On a CPU with no digest recorded, the weights are compared closely."""
     fixture = Path(__file__).parent / "data"
     shutil.copytree(fixture / "v040cd72", tmp_path / "v040cd72")
     done = subprocess.run(
@@ -281,4 +286,14 @@ def test_a_checkpoint_of_an_earlier_ddpkit_resumes_to_the_same_bits(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     expected = json.loads((fixture / "v040cd72" / "expected.json").read_text())
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"digest": expected["digest"], "step": 7}
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["step"] == expected["step"] == 7
+    assert found["facts"] == expected["facts"]  # restored state, samples, dropout's generator: any CPU alike
+    recorded = expected["digests"].get(found["cpu"]) or expected["digests"].get(found["cpu"].split()[0])
+    if recorded is not None:
+        assert found["digest"] == recorded, f"on {found['cpu']}"
+    else:  # kernels no digest was recorded for: the same weights up to their rounding
+        for name, values in expected["weights"].items():
+            assert torch.allclose(torch.tensor(found["weights"][name]), torch.tensor(values), rtol=1e-5, atol=1e-6), (
+                name
+            )

@@ -99,8 +99,9 @@ def test_predict_keeps_sequence_outputs_in_order():
     model = frw.TinyLM()
     data = frw.token_data()
     out = ddpkit.predict(model, data, batch_size=4, to="all")
-    with torch.no_grad():
-        assert torch.equal(out, model(data.tensors[0]))
+    tokens = data.tensors[0]
+    with torch.no_grad():  # batch by batch as predict ran: a CPU's kernels may round other batch sizes apart
+        assert torch.equal(out, torch.cat([model(tokens[i : i + 4]) for i in range(0, len(tokens), 4)]))
 
 
 # -- loss.backward() left in place ------------------------------------------------------------------------
