@@ -191,7 +191,8 @@ def flight() -> Flight:
     oldest = min(pending, key=lambda e: e.get("time_created_ns") or 0) if pending else None
     shown = [e for e in entries if not e.get("is_p2p")]
     line = ""
-    default = [e for e in shown if _in_default_group(e)]
+    backend = _default_backend()  # once: a full ring holds 2000 entries
+    default = [e for e in shown if _in_default_group(e, backend)]
     last = max((int(e.get("collective_seq_id") or 0) for e in default), default=0)
     if shown:
         in_flight = [e for e in shown if not e.get("retired", False)]
@@ -214,10 +215,9 @@ def flight() -> Flight:
     )
 
 
-def _in_default_group(entry: dict[str, Any]) -> bool:
-    """Whether a recorded collective is the default group's: group 0 of the default group's backend
-    (NCCL's and gloo's recorders number their groups apart)."""
-    backend = _default_backend()
+def _in_default_group(entry: dict[str, Any], backend: str | None) -> bool:
+    """Whether a recorded collective is the default group's: group 0 of the default group's
+    ``backend`` (NCCL's and gloo's recorders number their groups apart)."""
     return (
         entry.get("pg_id") == 0
         and backend is not None
