@@ -878,7 +878,10 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     "sync",
     [
         pytest.param(_DILOCO, marks=pytest.mark.slow),  # (make test: the same exchange behind a step)
-        ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2"),
+        pytest.param(  # 14 s: make test-slow (local SGD's int8 fragments without fault tolerance: test_periodic)
+            ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2"),
+            marks=pytest.mark.slow,
+        ),
         (*_DILOCO, "--sync-delay", "1"),
     ],
     ids=["diloco-sparse", "local-sgd-int8-fragments", "diloco-sparse-behind-a-step"],

@@ -312,7 +312,8 @@ def test_save_on_rank_0_only_under_ddpkit_run_with_default_settings_fails_within
 
 def test_model_compiled_before_setup_checkpoints_plain_names(tmp_path):
     rt = ddpkit.init(seed=0)
-    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    # backend="eager": an OptimizedModule (its names prefixed _orig_mod.) without inductor's build time
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 2)), backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = rt.setup(model, opt)
     rt.backward(model(torch.randn(3, 4)).sum())
