@@ -267,12 +267,17 @@ def test_the_flight_recorder_records_nccl_collectives_on_one_gpu(tmp_path, monke
         seen = collectives.flight()
         assert seen.pending_call == "nccl:all_reduce [[5]] Float", seen
         assert seen.pending_seq == seen.last >= 2 and seen.pending.startswith(f"#{seen.last} nccl:all_reduce [[5]]")
+        # the counters the watchdog reads each second (the entries only when they change): NCCL's group
+        queued = {k: v for k, v in collectives.flight_status().items() if k.startswith("_dump_nccl_trace/")}
+        assert any(int(v["last_enqueued_collective"]) == seen.last for v in queued.values()), queued
         torch.cuda.synchronize()
         deadline = time.monotonic() + 10.0
         while collectives.flight().pending_seq and time.monotonic() < deadline:  # NCCL's watchdog retires it
             time.sleep(0.1)
         seen = collectives.flight()
         assert seen.pending_seq == 0 and not seen.pending, seen
+        done = {k: v for k, v in collectives.flight_status().items() if k.startswith("_dump_nccl_trace/")}
+        assert done != queued and any(int(v["last_completed_collective"]) == seen.last for v in done.values()), done
         assert seen.latest == f"#{seen.last} nccl:all_reduce [[5]] Float of group 0", seen
     finally:
         dist.destroy_process_group()

@@ -601,6 +601,41 @@ def test_the_flight_recorder_names_its_oldest_collective_in_flight_and_since_whe
     assert collectives.flight() == collectives.Flight()  # off: nothing read
 
 
+def test_the_watchdog_reads_the_recorders_entries_only_when_its_counters_changed(monkeypatch):
+    """A dump of the entries copies the whole ring (25 to 45 ms at 2000), once a second while a rank
+    has made no progress for 3 s: a cost on every step longer than that. The counters cost
+    microseconds; equal counters mean the same entries, so the entries are read again only on a
+    change, or where asked ``fresh`` (a collective failed, the rank closes)."""
+    from ddpkit.observe.watchdog import Watchdog
+
+    counters = {"_dump_fr_trace/0": {"last_enqueued_collective": 11, "last_completed_collective": 10}}
+    reads = []
+
+    def entries():
+        reads.append(dict(counters["_dump_fr_trace/0"]))
+        return collectives.Flight(f"read {len(reads)}", pending="#11", since=100.0, pending_seq=11)
+
+    monkeypatch.setattr(collectives, "flight_status", lambda: {k: dict(v) for k, v in counters.items()})
+    monkeypatch.setattr(collectives, "flight", entries)
+    clock = [1000.0]
+    monkeypatch.setattr("ddpkit.observe.watchdog.time.monotonic", lambda: clock[0])
+    dog = Watchdog(None, rank=0, world_size=2)
+    assert dog._flight().line == "read 1"
+    for _ in range(5):  # waiting in #11 for 5 s more: the counters stand still
+        clock[0] += 1.0
+        assert dog._flight() == collectives.Flight("read 1", pending="#11", since=100.0, pending_seq=11)
+    assert len(reads) == 1
+    clock[0] += 0.5
+    counters["_dump_fr_trace/0"]["last_completed_collective"] = 11  # it completed, within the second
+    assert dog._flight().line == "read 1" and len(reads) == 1  # at most one look a second
+    clock[0] += 0.5
+    assert dog._flight().line == "read 2"
+    assert dog._flight(fresh=True).line == "read 3"  # a failure or a close reads the entries now
+    monkeypatch.setattr(collectives, "flight_status", dict)  # the recorder off: flight() answers at once
+    clock[0] += 1.0
+    assert dog._flight().line == "read 4"
+
+
 def test_a_collective_in_flight_past_a_finished_ranks_last_is_a_mismatch_by_the_flight_recorder():
     """DDP's gradient exchange is no counted call; the default group's numbers, which torch's flight
     recorder holds alike on every rank, show a rank in one that a finished rank never joined."""

@@ -364,6 +364,14 @@ def test_the_flight_recorder_dump_lists_this_processs_collectives(tmp_path, monk
     last = entries[-1]
     assert last["profiling_name"].endswith("all_reduce") and last["input_sizes"] == [[3]]
     assert {"collective_seq_id", "state", "input_dtypes", "pg_id"} <= set(last)
+    # the counters alone (the watchdog reads the entries only when they change): this group's, moving on
+    before = _torch.flight_recorder_status()
+    group = next(key for key in before if key.endswith("/" + str(last["pg_id"])))
+    assert int(before[group]["last_enqueued_collective"]) == int(last["collective_seq_id"])
+    assert int(before[group]["last_completed_collective"]) <= int(last["collective_seq_id"])
+    dist.all_reduce(torch.zeros(3))
+    after = _torch.flight_recorder_status()
+    assert int(after[group]["last_enqueued_collective"]) == int(last["collective_seq_id"]) + 1
 
 
 @pytest.mark.timeout(120)
