@@ -351,54 +351,51 @@ def flight_recorder_dump() -> dict[str, Any]:
     dumped by ``_dump_nccl_trace`` on a CUDA build, and on recent torch a general one (gloo),
     dumped by ``_dump_fr_trace``; both are private. This reads each that exists, NCCL's entries first.
     """
-    import pickle
-
-    c10d = torch._C._distributed_c10d
-    dumps = [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)]
-    if not dumps:
-        raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace")
     merged: dict[str, Any] = {"entries": [], "pg_status": {}}
-    for dump in dumps:
-        try:
-            raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-        except RuntimeError:  # NCCL's recorder in a process that never made an NCCL group
-            continue
-        found = pickle.loads(raw)  # noqa: S301 - bytes torch made in this process, not read from anywhere
-        if not isinstance(found, dict):
-            raise PrivateApiChanged(f"torch._C._distributed_c10d.{dump.__name__}", "its dump is not a dict")
+    for _, found in _recorder_dumps(collectives=True):
         merged["entries"] += list(found.get("entries", []))
         merged["pg_status"].update(found.get("pg_status", {}))
     return merged
 
 
 def flight_recorder_status() -> dict[str, dict[str, Any]]:
-    """Each recorded group's counters, without its entries: ``{pg: {"last_enqueued_collective": n,
-    "last_completed_collective": m, ...}}`` from every recorder that exists (NCCL's first).
+    """Each recorded group's counters, without its entries: ``{"<dump>/<pg>": {"last_enqueued_collective":
+    n, "last_completed_collective": m, ...}}`` from every recorder that exists (NCCL's first).
 
     A dump without the collectives (``includeCollectives=False``) costs microseconds where one with
     them copies and pickles the whole ring (25 to 45 ms at 2000 entries): the watchdog reads this
     each second and the entries only when it changed. The counters change with every collective
     enqueued, started or completed, so equal counters mean the same entries' states.
     """
+    status: dict[str, dict[str, Any]] = {}
+    for name, found in _recorder_dumps(collectives=False):
+        groups = found.get("pg_status")
+        if not isinstance(groups, dict):
+            raise PrivateApiChanged(f"torch._C._distributed_c10d.{name}", "its dump has no pg_status dict")
+        for group, counters in groups.items():
+            status[f"{name}/{group}"] = dict(counters)
+    return status
+
+
+def _recorder_dumps(*, collectives: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Each flight recorder's dump as ``(function name, unpickled dict)``, its entries where ``collectives``."""
     import pickle
 
     c10d = torch._C._distributed_c10d
     dumps = [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)]
     if not dumps:
         raise PrivateApiChanged("torch._C._distributed_c10d._dump_fr_trace")
-    status: dict[str, dict[str, Any]] = {}
+    found = []
     for dump in dumps:
         try:
-            raw = dump(includeCollectives=False, includeStackTraces=False, onlyActive=False)
+            raw = dump(includeCollectives=collectives, includeStackTraces=False, onlyActive=False)
         except RuntimeError:  # NCCL's recorder in a process that never made an NCCL group
             continue
-        found = pickle.loads(raw)  # noqa: S301 - bytes torch made in this process, not read from anywhere
-        groups = found.get("pg_status") if isinstance(found, dict) else None
-        if not isinstance(groups, dict):
-            raise PrivateApiChanged(f"torch._C._distributed_c10d.{dump.__name__}", "its dump has no pg_status dict")
-        for group, counters in groups.items():
-            status[f"{dump.__name__}/{group}"] = dict(counters)
-    return status
+        one = pickle.loads(raw)  # noqa: S301 - bytes torch made in this process, not read from anywhere
+        if not isinstance(one, dict):
+            raise PrivateApiChanged(f"torch._C._distributed_c10d.{dump.__name__}", "its dump is not a dict")
+        found.append((dump.__name__, one))
+    return found
 
 
 FLIGHT_RECORDER_SIZE = "2000"
