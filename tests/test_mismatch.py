@@ -636,6 +636,37 @@ def test_the_watchdog_reads_the_recorders_entries_only_when_its_counters_changed
     assert dog._flight().line == "read 4"
 
 
+def test_peers_are_read_for_a_mismatch_after_twice_the_longest_wait_so_far_at_most_15_s(monkeypatch):
+    """On a slow link where each DDP exchange takes seconds, a rank reading every peer's heartbeat once
+    it waited 3 s would read the store each second of every exchange. The grace grows to twice the
+    longest wait seen end (a counted call, or the recorder's collective in flight), at most 15 s:
+    a mismatch is still named within 30 s. The hang limit counts the recorder's waits too."""
+    from ddpkit.observe.watchdog import Watchdog
+
+    monkeypatch.setenv("DDPKIT_HANG_FLOOR", "20")
+    log = collectives.CollectiveLog()
+    dog = Watchdog(None, rank=0, world_size=2, log=log)
+    assert (dog.grace(), dog.limit()) == (3.0, 20.0)
+    log.longest_wait = 1.0  # a counted call that waited 1 s: under 3 s, no change
+    assert dog.grace() == 3.0
+    counters, flights = [0], []
+    monkeypatch.setattr(collectives, "flight_status", lambda: {"g/0": {"last_completed_collective": counters[0]}})
+    monkeypatch.setattr(collectives, "flight", lambda: flights[-1])
+    clock = [1000.0]
+    monkeypatch.setattr("ddpkit.observe.watchdog.time.monotonic", lambda: clock[0])
+    wall = [5000.0]
+    monkeypatch.setattr("ddpkit.observe.watchdog.time.time", lambda: wall[0])
+    flights.append(collectives.Flight("x", pending="#9", since=4996.0, pending_seq=9))  # in flight 4 s
+    dog._flight()
+    assert dog.grace() == 3.0  # not ended yet: a mismatch waits as long as it likes
+    counters[0], clock[0], wall[0] = 9, clock[0] + 1.0, wall[0] + 2.0
+    flights.append(collectives.Flight("y", pending="#10", since=5001.5, pending_seq=10))  # #9 ended; #10 next
+    dog._flight()
+    assert dog.longest_wait() == 6.0 and dog.grace() == 12.0 and dog.limit() == 24.0
+    log.longest_wait = 40.0  # a counted call that waited 40 s (peers starting slowly, say)
+    assert dog.grace() == 15.0 and dog.limit() == 160.0
+
+
 def test_a_collective_in_flight_past_a_finished_ranks_last_is_a_mismatch_by_the_flight_recorder():
     """DDP's gradient exchange is no counted call; the default group's numbers, which torch's flight
     recorder holds alike on every rank, show a rank in one that a finished rank never joined."""

@@ -81,6 +81,7 @@ FLOOR_S = 300.0
 """The default (adaptive) hang timeout's floor in seconds; ``DDPKIT_HANG_FLOOR`` sets another."""
 _ADAPTIVE_INTERVAL_S = 1.0
 _GRACE_S = 3.0  # seconds in one collective before a rank's peers are asked where they are
+_GRACE_MAX_S = 15.0  # ... where collectives took long before (slow links): at most this, 2x the longest
 _FINGERPRINT_EVERY_S = 5.0
 _CLOSE_WAIT_S = 3.0  # how long a closing rank waits for its peers' last fingerprints
 
@@ -145,6 +146,7 @@ class Watchdog:
         self._next_all = 0.0
         self._flight_read: tuple[float, collectives.Flight] = (0.0, collectives.Flight())
         self._flight_status: dict[str, Any] | None = None  # the recorder's counters at that read
+        self._longest_flight = 0.0  # the longest the recorder showed a collective in flight, to its end
         self._closed_flight: collectives.Flight | None = None
         self._failed = False
         self._acting = threading.Lock()
@@ -156,8 +158,21 @@ class Watchdog:
         """Seconds a rank may wait in one collective (adaptive) or all may go without progress (explicit)."""
         if not self.adaptive:
             return self.hang_timeout
-        longest = self.log.longest_wait if self.log is not None else 0.0
-        return max(self.floor, 4.0 * longest)
+        return max(self.floor, 4.0 * self.longest_wait())
+
+    def longest_wait(self) -> float:
+        """The longest a finished collective waited, in seconds: a counted call, or one the flight
+        recorder showed in flight (DDP's gradient exchange), measured to the look that saw it end."""
+        counted = self.log.longest_wait if self.log is not None else 0.0
+        return max(counted, self._longest_flight)
+
+    def grace(self) -> float:
+        """Seconds this rank waits in one collective before it reads every peer's heartbeat for a
+        mismatch: 3, or twice the longest a collective waited so far, at most 15. On a slow link
+        where each exchange takes seconds, the reads (a store read a peer, each second) then come
+        only when an exchange takes longer than those before it, and a mismatch is still named
+        within 30 s."""
+        return min(_GRACE_MAX_S, max(_GRACE_S, 2.0 * self.longest_wait()))
 
     def beat(self, step: int, phase: str) -> None:
         """Record progress: now at ``step`` in ``phase``. One tuple store, no I/O."""
@@ -312,7 +327,11 @@ class Watchdog:
             try:
                 status = collectives.flight_status()
                 if fresh or status != self._flight_status or not status:
-                    self._flight_read = (now, collectives.flight())
+                    seen = collectives.flight()
+                    before = self._flight_read[1]
+                    if before.pending and seen.since != before.since:  # the oldest in flight ended
+                        self._longest_flight = max(self._longest_flight, time.time() - before.since)
+                    self._flight_read = (now, seen)
                     self._flight_status = status  # read first: a change between the two reads is read next time
                 else:
                     self._flight_read = (now, self._flight_read[1])
@@ -352,7 +371,7 @@ class Watchdog:
             return None
         now = time.monotonic()
         waited = mine.waited if mine.call else mine.pending_for  # a counted call, or the recorder's (DDP's)
-        waiting = waited >= _GRACE_S and now >= self._next_all
+        waiting = waited >= self.grace() and now >= self._next_all
         if waiting:  # every rank's heartbeat, at most W/64 times a second: the store serves all ranks
             self._next_all = now + max(self.interval, self.world_size / 64)
             beats = self._heartbeats(mine)
