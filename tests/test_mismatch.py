@@ -639,8 +639,9 @@ def test_the_watchdog_reads_the_recorders_entries_only_when_its_counters_changed
 def test_peers_are_read_for_a_mismatch_after_twice_the_longest_wait_so_far_at_most_15_s(monkeypatch):
     """On a slow link where each DDP exchange takes seconds, a rank reading every peer's heartbeat once
     it waited 3 s would read the store each second of every exchange. The grace grows to twice the
-    longest wait seen end (a counted call, or the recorder's collective in flight), at most 15 s:
-    a mismatch is still named within 30 s. The hang limit counts the recorder's waits too."""
+    longest wait seen end (a counted call, or the recorder's collective in flight, as old as the last
+    look that saw it), at most 15 s: a mismatch is still named within 30 s. The hang limit counts the
+    recorder's waits too."""
     from ddpkit.observe.watchdog import Watchdog
 
     monkeypatch.setenv("DDPKIT_HANG_FLOOR", "20")
@@ -659,10 +660,23 @@ def test_peers_are_read_for_a_mismatch_after_twice_the_longest_wait_so_far_at_mo
     flights.append(collectives.Flight("x", pending="#9", since=4996.0, pending_seq=9))  # in flight 4 s
     dog._flight()
     assert dog.grace() == 3.0  # not ended yet: a mismatch waits as long as it likes
-    counters[0], clock[0], wall[0] = 9, clock[0] + 1.0, wall[0] + 2.0
-    flights.append(collectives.Flight("y", pending="#10", since=5001.5, pending_seq=10))  # #9 ended; #10 next
+    clock[0], wall[0] = clock[0] + 2.0, wall[0] + 2.0  # the same counters: still in flight, no dump
     dog._flight()
-    assert dog.longest_wait() == 6.0 and dog.grace() == 12.0 and dog.limit() == 24.0
+    counters[0], clock[0], wall[0] = 10, clock[0] + 1.0, wall[0] + 1.0
+    flights.append(collectives.Flight("y", pending="#10", since=5002.5, pending_seq=10))  # #9 ended; #10 next
+    dog._flight()
+    assert dog.longest_wait() == 6.0 and dog.grace() == 12.0 and dog.limit() == 24.0  # as old as the last look saw it
+    counters[0], clock[0], wall[0] = 11, clock[0] + 30.0, wall[0] + 30.0  # a look 30 s on: the rank went on
+    flights.append(collectives.Flight("z"))  # (#10 ended long ago, in the look's gap)
+    dog._flight()
+    assert dog.longest_wait() == 6.0  # #10 was 0.5 s old when last seen: the gap does not count
+    counters[0], clock[0], wall[0] = 12, clock[0] + 1.0, wall[0] + 1.0
+    flights.append(collectives.Flight("w", pending="#12", since=wall[0] - 9.0, pending_seq=12))
+    dog._flight()
+    counters[0], clock[0], wall[0] = 13, clock[0] + 1.0, wall[0] + 1.0
+    flights.append(collectives.Flight("v"))
+    dog._flight()
+    assert dog.longest_wait() == 9.0 and dog.grace() == 15.0 and dog.limit() == 36.0  # at most 15 s
     log.longest_wait = 40.0  # a counted call that waited 40 s (peers starting slowly, say)
     assert dog.grace() == 15.0 and dog.limit() == 160.0
 

@@ -162,7 +162,7 @@ class Watchdog:
 
     def longest_wait(self) -> float:
         """The longest a finished collective waited, in seconds: a counted call, or one the flight
-        recorder showed in flight (DDP's gradient exchange), measured to the look that saw it end."""
+        recorder showed in flight (DDP's gradient exchange), as old as the last look saw it."""
         counted = self.log.longest_wait if self.log is not None else 0.0
         return max(counted, self._longest_flight)
 
@@ -330,7 +330,10 @@ class Watchdog:
                     seen = collectives.flight()
                     before = self._flight_read[1]
                     if before.pending and seen.since != before.since:  # the oldest in flight ended
-                        self._longest_flight = max(self._longest_flight, time.time() - before.since)
+                        # since the last look, which saw it in flight: its age then (the rank may have
+                        # gone on for long between two looks, so the time now would count that too)
+                        looked = time.time() - (now - self._flight_read[0])
+                        self._longest_flight = max(self._longest_flight, looked - before.since)
                     self._flight_read = (now, seen)
                     self._flight_status = status  # read first: a change between the two reads is read next time
                 else:
