@@ -490,10 +490,10 @@ def evaluate_on_my_own(seconds):
     while time.monotonic() < end:
         x = torch.tanh(x @ x.T / 64)  # every rank busy, no ddpkit call, no collective
     return float(x.sum())
-evaluate_on_my_own(6)  # twice the floor the test sets
+evaluate_on_my_own(6)  # past the floor the test sets
 if rt.is_main:  # rank 0 alone, telling ddpkit it is busy; rank 1 waits in DDP's exchange meanwhile
-    for _ in range(6):
-        time.sleep(1.0)
+    for _ in range(12):
+        time.sleep(0.5)
         rt.heartbeat("eval")
 train_step()
 rt.barrier()
@@ -505,12 +505,47 @@ sys.stdout.write(f"finished {rt.rank}\\n")  # one write: print's pieces from two
 def test_a_long_phase_on_every_rank_is_never_a_hang(tmp_path):
     path = tmp_path / "busy.py"
     path.write_text(textwrap.dedent(EVERY_RANK_BUSY))
-    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="3"), timeout=120)
+    # floor 4: rank 1 waits ~6 s, past it, while rank 0 beats every 0.5 s (0.5 s beats, published
+    # each second: ~1.6 s without progress as a peer reads it, against a floor less its slack of 3 s)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="4"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(re.findall(r"finished \d", result.stdout)) == ["finished 0", "finished 1"], (
         result.stdout[-2000:] + "\n--- stderr ---\n" + result.stderr[-3000:]
     )
     assert "ddpkit watchdog" not in result.stderr and "collective mismatch" not in result.stderr
+
+
+STUCK_LATER = """
+import time, torch, ddpkit
+rt = ddpkit.init(seed=0)
+model, opt = rt.setup(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1))
+def train_step():  # DDP's gradient exchange
+    model(torch.ones(2, 4)).sum().backward()
+train_step()
+if rt.rank == 1:  # 8 s of progress while rank 0 waits in DDP's exchange, then stuck in its own code
+    for _ in range(16):
+        time.sleep(0.5)
+        rt.heartbeat("eval")
+    while True:
+        pass
+train_step()
+"""
+
+
+@pytest.mark.slow  # 15 s: make test has the rank stuck from the start (test_by_default_a_rank_stuck_...)
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_seconds_after_its_peer_began_to_wait_is_named_once_stuck_for_the_limit(tmp_path):
+    """The stuck rule once asked a peer to be without progress for as long as this rank had waited,
+    less 2 s: a rank that went on for 8 s after its peer began to wait, then stuck, stayed 8 s behind
+    that wait for ever and was never named. Its time without progress is now held against the limit."""
+    path = tmp_path / "later.py"
+    path.write_text(textwrap.dedent(STUCK_LATER))
+    start = time.monotonic()
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="4"), timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert re.search(r"rank 1: .*<- stuck", result.stderr), result.stderr[-3000:]
+    assert "later.py" in result.stderr and took < 90
 
 
 @pytest.mark.timeout(150)

@@ -180,7 +180,9 @@ def suspects(
     Args:
         heartbeats: each rank's last heartbeat by rank (None: it sent none).
         me: the waiting rank.
-        waited: seconds it has waited.
+        waited: seconds it has waited, or fewer: a peer without progress that long (less ``slack``)
+            is a suspect. The watchdog passes its hang limit, so a peer that stuck after this rank
+            began to wait is named too, once it has been stuck that long.
         now: wall time (``time.time()``).
         silent_after: seconds since publication after which a heartbeat counts as stopped.
         slack: seconds of the heartbeats' own delay to allow.

@@ -405,8 +405,13 @@ class Watchdog:
 
     def _look_for_stuck(self, mine: Heartbeat) -> tuple[Verdict, dict[int, Heartbeat | None]] | None:
         """By default: this rank waited :meth:`limit` seconds in one collective (:func:`waiting_in`:
-        DDP's gradient exchange too), and a peer in its own code made no progress all that time, or
-        its heartbeat stopped (:func:`suspects`)."""
+        DDP's gradient exchange too), and a peer in its own code made no progress for the limit too,
+        or its heartbeat stopped (:func:`suspects`).
+
+        The peer's time without progress is held against the limit, not against this rank's wait: a
+        peer that went on for a while after this rank began to wait, then stuck, is named once it
+        has been stuck for the limit. The slack (heartbeats' delay) is at most a quarter of the
+        limit, so a peer that calls ``rt.heartbeat`` each second is never blamed at a small floor."""
         limit = self.limit()
         waiting = waiting_in(mine)
         if waiting is None or waiting[0] < limit or time.monotonic() < self._next_look:
@@ -415,7 +420,8 @@ class Watchdog:
         self._next_look = time.monotonic() + self.interval
         beats = self._heartbeats(mine)
         now = time.time()
-        found = suspects(beats, self.rank, waited, now, silent_after=self.silent_after, slack=2 * self.interval)
+        slack = min(2 * self.interval, limit / 4)
+        found = suspects(beats, self.rank, limit, now, silent_after=self.silent_after, slack=slack)
         if not found:
             return None  # every rank waits in a collective, or a peer progresses: no rank to blame
         stuck = culprit(found, now, silent_after=self.silent_after)
