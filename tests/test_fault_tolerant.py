@@ -793,6 +793,7 @@ def test_replicas_calling_different_collectives_are_named_and_the_job_stops(tmp_
 
 
 # -- replicas ------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 16 s: make test redoes a failed step on replicas in the micro-shards run below
 @pytest.mark.timeout(300)
 def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
     """Step 5 fails on every replica once (torchft's error report): it is redone, and what its
