@@ -146,7 +146,7 @@ class Watchdog:
         self._next_all = 0.0
         self._flight_read: tuple[float, collectives.Flight] = (0.0, collectives.Flight())
         self._flight_status: dict[str, Any] | None = None  # the recorder's counters at that read
-        self._longest_flight = 0.0  # the longest the recorder showed a collective in flight, to its end
+        self._longest_flight = 0.0  # the oldest a since-ended collective was when a look last saw it in flight
         self._closed_flight: collectives.Flight | None = None
         self._failed = False
         self._acting = threading.Lock()
