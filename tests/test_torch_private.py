@@ -454,3 +454,39 @@ def test_torchfts_manager_learns_its_groups_error_at_commit_and_ddpkit_reads_it_
     assert str(_torch.torchft_group_error(Holder())) == "aborted"
     with pytest.raises(_torch.PrivateApiChanged, match="torchft.Manager._pg.errored"):
         _torch.torchft_group_error(object())
+
+
+def test_the_reducer_says_a_backward_left_parameters_out_and_lists_its_parameters_last_first(tmp_path):
+    """DDP's reducer check (_check_reducer_finalized) and its parameter list, which ddpkit's refusal of
+    unused parameters reads; torch's message counts them by the reducer's indices."""
+    from ddpkit.errors import UsageError
+    from ddpkit.parallel.ddp import refuse_unused, unfinished_reduction
+
+    _one_process_group(tmp_path)
+    model = _torch.ready_order_ddp(workers._WithHead())
+    assert _torch.reducer_parameter_names(model) == ["head.bias", "head.weight", "body.bias", "body.weight"]
+    assert _torch.ddp_reduction_unfinished(model) is None  # no backward yet
+    model(torch.randn(4, 8)).sum().backward()  # the head takes no part
+    text = _torch.ddp_reduction_unfinished(model)
+    assert text is not None and "Expected to have finished reduction" in text, text
+    with pytest.raises(UsageError, match=r"got no gradient in this step \(head.weight, head.bias\)"):
+        refuse_unused(model)
+    with pytest.raises(RuntimeError) as raised:  # torch's own error at the next forward, the same condition
+        model(torch.randn(4, 8))
+    found = unfinished_reduction(raised.value)
+    assert found is not None and "in the previous step (head.weight, head.bias)" in str(found), str(raised.value)
+    assert unfinished_reduction(RuntimeError("another error")) is None
+    assert _torch.reducer_parameter_names(torch.nn.Linear(2, 2)) is None
+
+
+def test_without_the_reducers_check_the_step_warns_once_and_goes_on():
+    from ddpkit.parallel.ddp import AcrossProcesses
+
+    with pytest.raises(_torch.PrivateApiChanged, match="_check_reducer_finalized"):
+        _torch.ddp_reduction_unfinished(object())
+    mode = AcrossProcesses(object())
+    with pytest.warns(UserWarning, match="_check_reducer_finalized.*named at the next forward"):
+        mode.complete()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mode.complete()  # once

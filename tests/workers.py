@@ -846,3 +846,89 @@ def save_parts(checkpoint_dir: str) -> dict:
         found["left"] = [store.check([f"{prefix}/{n}/rank1"]) for n in (1, 2)]
     rt.close()
     return found
+
+
+class _WithHead(torch.nn.Module):
+    """A body the loss uses and a head it never does (kept for later, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 2)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def unused_head(freeze: bool = False, find_unused: bool = False, micro_shards: int | None = None) -> dict:
+    """Train _WithHead through rt.backward and rt.step: the steps taken, and the error that stopped them (if any)."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    model = _WithHead()
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8), torch.randint(0, 2, (64,))
+    )  # before setup: alike on every rank
+    if freeze:
+        model.head.requires_grad_(False)
+    setup: dict = {"find_unused_parameters": True} if find_unused else {}
+    if micro_shards:
+        setup["micro_shards"] = micro_shards
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), **setup)
+    steps, error = 0, None
+    try:
+        for x, y in rt.loader(data, global_batch_size=16):
+            for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
+                rt.backward(F.cross_entropy(model(xs), ys))
+            rt.step(optimizer)
+            steps += 1
+    except ddpkit.errors.DdpkitError as exc:
+        error = (type(exc).__name__, str(exc))
+    body = {k: v.clone() for k, v in ddpkit._torch.unwrap(model).body.state_dict().items()}
+    rt.close()
+    return {"steps": steps, "error": error, "body": body}
+
+
+def gan_and_split_optimizers() -> dict:
+    """Two loops the unused-parameter refusal must let through under DDP: a GAN's two models (D's step
+    after a backward that never reaches G) and one model's two optimizers stepped one call each after
+    one backward. Each model's weights and the steps taken."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    real = torch.utils.data.TensorDataset(torch.randn(64, 4) + 2)
+    g, d = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)), torch.nn.Linear(4, 1)
+    split = _WithHead()
+    g, g_opt = rt.setup(g, torch.optim.Adam(g.parameters(), lr=1e-2))
+    d, d_opt = rt.setup(d, torch.optim.Adam(d.parameters(), lr=1e-2))
+    split = rt.setup(split)
+    inner = ddpkit._torch.unwrap(split)
+    body_opt = torch.optim.SGD(inner.body.parameters(), lr=0.1)
+    head_opt = torch.optim.SGD(inner.head.parameters(), lr=0.1)
+    for (x,) in rt.loader(real, global_batch_size=16):
+        fake = g(torch.randn(x.shape[0], 2))
+        d_real, d_fake = d(x), d(fake.detach())
+        rt.backward(
+            F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
+            + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake))
+        )
+        rt.step(d_opt)
+        out = d(fake)
+        rt.backward(F.binary_cross_entropy_with_logits(out, torch.ones_like(out)))
+        rt.step(g_opt)
+        wide = torch.cat([x, x], dim=1)
+        both = split(wide) + inner.head(wide)
+        rt.backward(both.square().mean())
+        rt.step(body_opt)
+        rt.step(head_opt)  # the same backward's step: counted once
+    found = {
+        "steps": rt.global_step,
+        "weights": {
+            name: torch.cat([p.detach().flatten() for p in ddpkit._torch.unwrap(m).parameters()])
+            for name, m in (("g", g), ("d", d), ("split", split))
+        },
+    }
+    rt.close()
+    return found

@@ -71,7 +71,36 @@ class _ReadyOrderDDP(torch.nn.parallel.DistributedDataParallel):
     def _build_params_for_reducer(self):  # noqa: ANN202 (torch's private signature)
         parameters, expect_sparse = super()._build_params_for_reducer()
         self.__dict__["_ddpkit_reversed"] = True
+        self.__dict__["_ddpkit_reducer_params"] = list(reversed(parameters))
         return list(reversed(parameters)), list(reversed(expect_sparse))
+
+
+def reducer_parameter_names(model: Any) -> list[str] | None:
+    """The names of a :func:`ready_order_ddp` model's parameters in its reducer's order: what the indices
+    in DDP's "did not receive grad" error count (None: not such a model, or torch built the list elsewhere)."""
+    params = model.__dict__.get("_ddpkit_reducer_params") if isinstance(model, _ReadyOrderDDP) else None
+    if params is None:
+        return None
+    names = {id(p): name for name, p in model.module.named_parameters()}
+    return [names.get(id(p), "?") for p in params]
+
+
+def ddp_reduction_unfinished(model: Any) -> str | None:
+    """torch's own error when a DDP model's last backward left some of its buckets unexchanged (a
+    trainable parameter without a gradient), asked of the reducer before the next forward would raise
+    it; None when that backward finished its exchange (or none ran).
+
+    Raises:
+        PrivateApiChanged: the reducer's ``_check_reducer_finalized`` is gone.
+    """
+    check = getattr(getattr(model, "reducer", None), "_check_reducer_finalized", None)
+    if check is None:
+        raise PrivateApiChanged("DistributedDataParallel.reducer._check_reducer_finalized")
+    try:
+        check()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def settle_ddp_buckets(model: Any) -> None:

@@ -8,13 +8,14 @@ resume would not be bitwise, if it would not; the compressor; lazily averaged st
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import torch
 
 from ddpkit import _torch
 from ddpkit._torch import ready_order_ddp
-from ddpkit.errors import warn
+from ddpkit.errors import UsageError, translate_uncaught, warn
 from ddpkit.parallel import lazy_buffers
 from ddpkit.parallel.auto import AutoCompressor
 from ddpkit.parallel.compression import attach
@@ -135,19 +136,20 @@ def _distributed(
         wrapped.buffers = lazy_buffers.install(model, lazy)
     if settle:
         wrapped.not_bitwise = settle_buckets(model, is_main=is_main)
+    compressor = None
     if options.grad_compression is not None:
-        wrapped.mode = Replicated(
-            attach(
-                model,
-                options.grad_compression,
-                rank=options.powersgd_rank,
-                start=options.powersgd_start,
-                device=device,
-                choose=AutoCompressor,
-                buckets_settled=wrapped.not_bitwise is None,
-                timeout_s=timeout_s,
-            )
+        compressor = attach(
+            model,
+            options.grad_compression,
+            rank=options.powersgd_rank,
+            start=options.powersgd_start,
+            device=device,
+            choose=AutoCompressor,
+            buckets_settled=wrapped.not_bitwise is None,
+            timeout_s=timeout_s,
         )
+    wrapped.mode = AcrossProcesses(model, compressor, warns=is_main)
+    translate_uncaught(unfinished_reduction)
     return model
 
 
@@ -175,3 +177,90 @@ def settle_buckets(model: Any, *, is_main: bool) -> str | None:
             warn(f"{exc}: with 3 or more processes a resumed run may differ from an uninterrupted one by rounding")
         return f"DDP buckets could not be settled at setup ({exc})"
     return None
+
+
+class AcrossProcesses(Replicated):
+    """DDP over several processes: a step whose backward left a trainable parameter without a
+    gradient is refused before the optimizer takes it (:func:`refuse_unused`)."""
+
+    def __init__(self, ddp: Any, compressor: Any = None, *, warns: bool = True) -> None:
+        super().__init__(compressor)
+        self.ddp = ddp
+        """The :class:`~torch.nn.parallel.DistributedDataParallel` model."""
+        self.warns = warns
+        """This process warns (global rank 0)."""
+        self.can_check = True
+        """False once the reducer's check turned out missing (another torch): warned once."""
+
+    def complete(self) -> None:
+        """Refuse a step whose backward left a trainable parameter out (DDP's exchange never finished)."""
+        if not self.can_check:
+            return
+        try:
+            refuse_unused(self.ddp)
+        except _torch.PrivateApiChanged as exc:
+            self.can_check = False
+            if self.warns:
+                warn(f"{exc}: a parameter the loss does not use is named at the next forward, not before the step")
+
+
+def refuse_unused(ddp: Any) -> None:
+    """Raise a one-line :class:`UsageError` when ``ddp``'s last backward left some of its trainable
+    parameters without a gradient, before the optimizer steps.
+
+    DDP's reducer waits for every trainable parameter's gradient before it exchanges the bucket that
+    holds it. A parameter the loss did not use (a head kept for later, a branch not taken) leaves
+    its bucket unexchanged: the optimizer would step on this rank's own gradients, and torch stops
+    the next forward with "Expected to have finished reduction in the prior iteration". One
+    process never sees it, so a script that ran under ``python`` stops at its second step under
+    ``ddpkit run -n 2``; this names the parameters at the first. The condition is the reducer's own
+    (:func:`ddpkit._torch.ddp_reduction_unfinished`), so a step with no backward, or a second
+    optimizer stepped after the same backward, is never refused.
+
+    Raises:
+        UsageError: the parameters, and the two fixes.
+        PrivateApiChanged: torch's reducer no longer answers.
+    """
+    text = _torch.ddp_reduction_unfinished(ddp)
+    if text is not None:
+        raise UsageError(_unused_message(_parameters_named(text, ddp), "in this step"))
+
+
+def _unused_message(names: list[str], when: str) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"DDP: {len(names)} trainable parameter{'s' if len(names) != 1 else ''} of the model got no gradient "
+        f"{when} ({shown}), and DDP exchanges gradients only once every trainable parameter has one: "
+        "freeze what the loss does not use (p.requires_grad_(False) before rt.setup), or pass "
+        "rt.setup(..., find_unused_parameters=True) if it is used on some steps only"
+    )
+
+
+_UNFINISHED = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def _parameters_named(text: str, ddp: Any) -> list[str]:
+    """The parameters torch's unfinished-reduction error counts by the reducer's indices, by name, in
+    registration order (the reducer of a :func:`~ddpkit._torch.ready_order_ddp` model lists them last first)."""
+    found = _UNFINISHED.search(text)
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    order = _torch.reducer_parameter_names(ddp)
+    if order is not None and indices and max(indices) < len(order):
+        return [order[i] for i in sorted(indices, reverse=True)]
+    return [f"the reducer's parameter {i}" for i in indices] or ["some"]
+
+
+def unfinished_reduction(exc: BaseException) -> UsageError | None:
+    """torch's error at the forward after a backward that left parameters out (a step :func:`refuse_unused`
+    did not see: ``loss.backward()`` and the optimizer called directly), as the same line, with the
+    parameters' names rather than the reducer's indices."""
+    text = str(exc) if isinstance(exc, RuntimeError) else ""
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    ddp = None
+    traceback = exc.__traceback__
+    while traceback is not None and ddp is None:  # the DDP model whose forward raised it
+        candidate = traceback.tb_frame.f_locals.get("self")
+        ddp = candidate if _torch.reducer_parameter_names(candidate) is not None else None
+        traceback = traceback.tb_next
+    return UsageError(_unused_message(_parameters_named(text, ddp), "in the previous step"))

@@ -86,7 +86,7 @@ def check(
             f"DDP arguments {sorted(ddp_kwargs)}",
             bool(ddp_kwargs),
             "no DDP wrapper is used",
-            "drop them: the exchange buckets the gradients itself",
+            "drop them: the exchange buckets the gradients itself, and leaves a parameter without a gradient out of the sum",
         ),
     ]
     for name, bad, why, instead in refused:

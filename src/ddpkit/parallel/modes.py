@@ -344,8 +344,8 @@ def check_combination(
     if micro_shards is None:
         if micro_shards_set_up:
             raise UsageError(
-                "rt.setup: this run set up a model with micro_shards; a second model must use it too "
-                "(micro_shards is built for one model a run)"
+                "rt.setup: this run set up a model with micro_shards, which is built for one model a run; "
+                "train several models (a GAN's two, say) without micro_shards"
             )
         return
     exact_tree.check(
@@ -358,7 +358,10 @@ def check_combination(
         ddp_kwargs=options.ddp_kwargs,
     )
     if models_set_up:
-        raise UsageError("rt.setup(micro_shards=...) is built for one model a run; this run set one up already")
+        raise UsageError(
+            "rt.setup(micro_shards=...) is built for one model a run, and this run set one up already; "
+            "train several models (a GAN's two, say) without micro_shards"
+        )
 
 
 __all__ = [

@@ -40,6 +40,37 @@ def check_strategy(strategy: str, cpu_offload: bool, *, cli: bool = False) -> No
         )
 
 
+def _check_ddp_keywords(keywords: list[str], options: list[str]) -> None:
+    """Refuse, in one line, a keyword of ``rt.setup`` that is neither ddpkit's nor ``DistributedDataParallel``'s
+    (a typo would otherwise be ignored with one process and be torch's TypeError with several)."""
+    import difflib
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    for keyword in keywords:
+        if keyword in ("device_ids", "output_device"):
+            raise UsageError(
+                f"rt.setup: {keyword} is ddpkit's to set: it places the model on this rank's own device "
+                "(ddpkit.init(device=...) chooses another)"
+            )
+        if keyword in accepted:
+            continue
+        if keyword == "ddp_kwargs":
+            raise UsageError(
+                "rt.setup takes DistributedDataParallel's arguments as its own keywords: "
+                "rt.setup(model, optimizer, find_unused_parameters=True), not ddp_kwargs={...}"
+            )
+        close = difflib.get_close_matches(keyword, [*options, *sorted(accepted)], n=1)
+        raise UsageError(
+            f"rt.setup: unknown keyword {keyword!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + "; it takes ddpkit's options (sync_batchnorm, compile, micro_shards, strategy, sync, ...) "
+            "and DistributedDataParallel's arguments"
+        )
+
+
 @dataclass(frozen=True)
 class SetupOptions:
     """How ``rt.setup`` wraps a model (its arguments besides the model and the optimizer)."""
@@ -101,6 +132,7 @@ class SetupOptions:
         """The options of ``rt.setup(model, optimizer, **keywords)``: a keyword that is not a field
         goes to ``DistributedDataParallel`` (:attr:`ddp_kwargs`)."""
         names = {f.name for f in fields(cls)} - {"ddp_kwargs"}
+        _check_ddp_keywords([k for k in keywords if k not in names], sorted(names))
         return cls(
             **{k: v for k, v in keywords.items() if k in names},
             ddp_kwargs={k: v for k, v in keywords.items() if k not in names},
