@@ -229,3 +229,54 @@ def test_a_fork_after_cuda_was_used_is_refused_in_one_line(monkeypatch):
     import torch
 
     assert launch._cuda_started() is torch.cuda.is_initialized()  # (False on a machine without a GPU)
+
+
+UNGUARDED = """
+import ddpkit
+import workers
+
+def main():
+    print(ddpkit.launch(workers.rank_sum, nprocs=2))
+
+{call}
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "call,refused",
+    [
+        ("main()", True),  # the top level reaches it through a function: each spawned child would again
+        ('if __name__ == "__main__":\n    main()', False),
+        ('if "__main__" == __name__:\n    main()', False),
+    ],
+    ids=["unguarded", "guarded", "guarded-reversed"],
+)
+def test_a_launch_from_a_scripts_unguarded_top_level_is_one_line_before_any_worker_starts(tmp_path, call, refused):
+    """Each spawned worker imports the script again: an unguarded launch stopped every child in
+    multiprocessing's bootstrapping phase, and the launch said "rank 0 failed: <NONE>"."""
+    from helpers import ROOT, clean_env, python
+
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED.format(call=call))
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    done = python(str(script), env=clean_env(PYTHONPATH=path))
+    if refused:
+        assert done.returncode == 1, done.stderr[-2000:]
+        last = done.stderr.strip().splitlines()[-1]
+        assert "ddpkit.launch: train.py line 8 reaches it from the script's top level" in last, last
+        assert 'if __name__ == "__main__":' in last
+        assert "bootstrapping phase" not in done.stderr and "rank 0 failed" not in done.stderr  # no worker ran
+    else:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith("{0: ") and "1: " in done.stdout, done.stdout  # in rank order
+
+
+def test_a_worker_that_failed_before_the_function_says_so_rather_than_none():
+    from types import SimpleNamespace
+
+    from ddpkit.distributed import launch
+
+    failure = SimpleNamespace(exitcode=1, error_file_data={"message": "<NONE>"})
+    error = launch._launch_error(0, failure)
+    assert str(error) == "rank 0 failed: exit code 1, before it reached the function; its output above says why"

@@ -8,6 +8,7 @@ interpreter teardown.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import pickle
@@ -60,7 +61,7 @@ def launch(
             environment, stdout and stderr of that launch, not those the server started with.
 
     Returns:
-        Each rank's return value, ``{rank: value}``.
+        Each rank's return value, ``{rank: value}``, in rank order.
 
     Raises:
         LaunchError: the first rank that failed, with its traceback.
@@ -75,6 +76,8 @@ def launch(
     if nprocs < 1:
         raise UsageError(f"nprocs must be at least 1, got {nprocs}")
     method = start_method or _start_method(fn)
+    if method in ("spawn", "forkserver"):
+        _refuse_an_unguarded_call(method)
     if method == "fork" and _cuda_started():
         raise UsageError(
             'ddpkit.launch: this process has used CUDA already, and a forked child cannot ("Cannot '
@@ -108,7 +111,8 @@ def launch(
                 returned = call(fn, error_dir, config.start_method, launcher, *args)
             except ChildFailedError as exc:
                 raise _earliest_error(error_dir) or _launch_error(*root_failure(exc.failures)) from None
-    return {rank: pickle.loads(value) for rank, value in returned.items()}  # bytes: see entry._by_value
+    # bytes: see entry._by_value; in rank order, whichever rank finished first
+    return {rank: pickle.loads(value) for rank, value in sorted(returned.items())}
 
 
 def _earliest_error(error_dir: str) -> LaunchError | None:
@@ -120,6 +124,49 @@ def _earliest_error(error_dir: str) -> LaunchError | None:
         return None
     first = min(records, key=lambda r: (is_secondary(r["message"]), r["time"], r["rank"]))
     return LaunchError(first["rank"], first["message"], first["traceback"].strip())
+
+
+def _refuse_an_unguarded_call(method: str) -> None:
+    """Refuse, in one line, a launch from the top level of a script outside ``if __name__ == "__main__":``.
+
+    A spawned (or forkserver) child imports the script's ``__main__`` again, so an unguarded call
+    runs once more in each child, where multiprocessing stops it in its bootstrapping phase: every
+    worker failed before it reached the function, and all the launch could say was "<NONE>". The
+    script's top-level statement that is running now is read from its source; a file that cannot
+    be read or parsed is not refused.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+    ):
+        frame = frame.f_back
+    if frame is None or not path or frame.f_code.co_filename != path:
+        return
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    line = frame.f_lineno
+    statement = next((n for n in tree.body if n.lineno <= line <= (n.end_lineno or n.lineno)), None)
+    if statement is None or (isinstance(statement, ast.If) and _is_main_guard(statement.test)):
+        return
+    raise UsageError(
+        f"ddpkit.launch: {Path(path).name} line {line} reaches it from the script's top level, which each worker "
+        f"runs again when it imports the script (start method {method!r}); put that code under "
+        '`if __name__ == "__main__":`'
+    )
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    texts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and texts == ["__main__"]
 
 
 def _cuda_started() -> bool:
@@ -145,4 +192,6 @@ def _launch_error(rank: int, failure: Any) -> LaunchError:
         traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).strip()
     else:
         text, traceback = str(message), ""
+    if text == "<NONE>":  # torch's placeholder: the worker wrote no error file (it failed before the function)
+        text = f"{describe(failure)}, before it reached the function; its output above says why"
     return LaunchError(rank, text or describe(failure), traceback)
