@@ -932,3 +932,60 @@ def gan_and_split_optimizers() -> dict:
     }
     rt.close()
     return found
+
+
+class _Padded(torch.utils.data.Dataset):
+    """Sequences of 0 to 12 tokens padded to 12, their padding labelled -100 (a language model's batch);
+    every seventh sample is all padding."""
+
+    def __init__(self, length: int = 48) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.tokens = torch.randint(0, 11, (length, 12), generator=g)
+        lengths = torch.randint(1, 13, (length,), generator=g)
+        lengths[::7] = 0
+        self.labels = torch.where(torch.arange(12) < lengths[:, None], torch.roll(self.tokens, -1, 1), -100)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i], self.labels[i]
+
+
+def counted_lm(
+    use_count: bool = True, accumulate: int = 1, micro_shards: int | None = None, dtype: str = "float64", **setup
+) -> dict:
+    """A tiny language model on padded sequences, its loss the mean over the tokens that count; with
+    ``use_count``, ``rt.backward(loss, count=tokens)``. Rank 0's weights after two passes of 8 samples a step."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).to(getattr(torch, dtype))
+    if micro_shards:
+        setup["micro_shards"] = micro_shards
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), **setup)
+    loader = rt.loader(_Padded(), global_batch_size=8 // accumulate, shuffle=True)
+
+    def backward(tokens, labels):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        if use_count:
+            rt.backward(loss, count=(labels != -100).sum())
+        else:
+            rt.backward(loss)
+
+    for _ in rt.epochs(2):
+        for tokens, labels in loader:
+            with rt.accumulate(model, accumulate) if accumulate > 1 else contextlib.nullcontext():
+                for t, y in rt.shards(tokens, labels) if micro_shards else [(tokens, labels)]:
+                    backward(t, y)
+                rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}  # rank 0's
+    found = {"weights": weights, "steps": rt.global_step}
+    rt.close()
+    return found
+
+
+def counted_lm_sharded(dtype: str = "float64") -> dict:
+    """:func:`counted_lm` under strategy="fsdp"."""
+    return counted_lm(True, 1, None, dtype, strategy="fsdp")

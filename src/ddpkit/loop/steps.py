@@ -17,6 +17,7 @@ import torch
 from ddpkit.checkpoint import background
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
+from ddpkit.loop import counted
 from ddpkit.observe.heartbeats import beat
 from ddpkit.parallel.modes import Mode
 from ddpkit.state.run import RunState
@@ -68,32 +69,42 @@ def shards(run: RunState, batch: tuple[Any, ...]) -> Iterator[Any]:
         raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
     if not run.backward_since_step:
         run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as backward does)
+        run.counted.new_step()
     run.backward_since_step = run.uses_backward = True  # a rank with empty shards steps too
     return cut
 
 
-def backward(run: RunState, loss: torch.Tensor) -> None:
-    """Backward of the mean loss of this rank's batch, weighted by its true sample count."""
+def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
+    """Backward of the mean loss of this rank's batch, weighted by its true sample count (``count``:
+    by its units, which the step divides by every rank's: :mod:`ddpkit.loop.counted`)."""
     beat("backward")
-    weight = 1.0
+    weight: Any = 1.0
     active = run.active
     if active is not None:
         active.mark_trained()
     run.loop.check_pending()
-    if active is not None and active.global_count:
-        weight = active.batch_weight()
-        if run.accumulation is not None:  # a share of the group's samples, not the batch's
-            weight *= active.global_count / active.sampler.global_batch_size
-        if active.local_count == 0:
-            loss = torch.nan_to_num(loss, nan=0.0)  # mean of nothing; contributes zero
-    if run.accumulation is not None:
-        weight /= run.accumulation[0]
-    for mode in run.modes:
-        weight = mode.loss_weight(weight)
     if not run.backward_since_step:
         run.unscaled.clear()
+        run.counted.new_step()
+    run.counted.check(count is not None)
+    if count is not None:
+        for mode in run.modes:
+            mode.refuse(counted.CALL)
+        loss, weight = counted.weigh(run.counted, loss, count, run.modes)
+    else:
+        if active is not None and active.global_count:
+            weight = active.batch_weight()
+            if run.accumulation is not None:  # a share of the group's samples, not the batch's
+                weight *= active.global_count / active.sampler.global_batch_size
+            if active.local_count == 0:
+                loss = torch.nan_to_num(loss, nan=0.0)  # mean of nothing; contributes zero
+        if run.accumulation is not None:
+            weight /= run.accumulation[0]
+    for mode in run.modes:
+        weight = mode.loss_weight(weight, counted=count is not None)
     run.backward_since_step = run.uses_backward = True
-    run.precision.backward(loss * weight if weight != 1.0 else loss)
+    plain = isinstance(weight, float) and weight == 1.0
+    run.precision.backward(loss if plain else loss * weight)
     for mode in run.modes:
         mode.after_backward()
 
@@ -109,6 +120,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     for mode in run.modes:
         mode.complete()
     params = _trained(run, optimizers)
+    counted.scale(run.counted, [*_model_params(run), *params])
     if not all(mode.commit(params, run.active) for mode in run.modes):
         for mode in run.modes:
             mode.step_dropped()
@@ -147,6 +159,11 @@ def _plain_backward(run: RunState) -> None:
         f"{active.local_count} of the batch's {active.global_count} samples, so its mean loss counts {weight:.3g} "
         "times its share and the result depends on the number of processes: call rt.backward(loss)"
     )
+
+
+def _model_params(run: RunState) -> list[torch.Tensor]:
+    """Every trainable parameter of the run's set-up models."""
+    return [p for model in run.models for p in model.parameters() if p.requires_grad]
 
 
 def _trained(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.Tensor]:
@@ -208,6 +225,7 @@ def clip_grad_norm_(
         return None
     for mode in run.modes:  # the shards' sum first: the gradients to clip
         mode.complete()
+    counted.scale(run.counted, [*_model_params(run), *_trained(run, tuple(run.optimizers))])
     params = [p for p in model.parameters() if p.grad is not None]
     if run.precision.scaler is not None:
         mine = {id(p) for p in params}

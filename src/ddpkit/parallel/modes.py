@@ -100,9 +100,15 @@ class Mode:
         a checkpoint still copying them in the background is waited for first."""
         return False
 
-    def loss_weight(self, weight: float) -> float:
-        """The weight of the loss ``rt.backward`` is given, from the one the batch's share gives."""
+    def loss_weight(self, weight: Any, *, counted: bool = False) -> Any:
+        """The weight of the loss ``rt.backward`` is given, from the one the batch's share gives
+        (``counted``: from its units, ``rt.backward(loss, count=n)``, which the step divides by all of them)."""
         return weight
+
+    def sums_gradients(self) -> bool:
+        """Whether the step's exchange sums the processes' gradients rather than averaging them (a
+        backward of counted units is then not multiplied by the world size)."""
+        return False
 
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
         """The micro-shards of the batch in hand, if this mode cuts batches (None: it does not)."""
@@ -216,6 +222,14 @@ class Periodic(Mode):
         """The sync counts the step, and the ranks meet every H."""
         self.syncer.after_step()  # counts the step, and meets every H
 
+    def refuse(self, call: str) -> None:
+        """A loss weighted by its units (``rt.backward(count=...)``) is not built for replicas that train apart."""
+        if call == "rt.backward(count=...)":
+            raise UsageError(
+                f"rt.backward(count=...) with sync={self.name!r} is not built yet (each replica steps on its own "
+                "gradients between syncs); pass the loss alone, or train with sync='every-step'"
+            )
+
     def meet_over(self, replica: Any) -> None:
         """Exchange over a fault-tolerant replica's quorum, inside each step's (:meth:`on_batch`)."""
         self.syncer.meet_over(replica)
@@ -287,9 +301,14 @@ class MicroShards(Mode):
         """This rank's micro-shards of the batch, each with its threads, random stream and BatchNorm."""
         return self.exact.shards(active, step, batch)
 
-    def loss_weight(self, weight: float) -> float:
-        """The micro-shard's share of the global batch (the tree sums the shards)."""
-        return self.exact.weight()  # a micro-shard: its share of the global batch, summed by the tree
+    def loss_weight(self, weight: Any, *, counted: bool = False) -> Any:
+        """The micro-shard's share of the global batch (the tree sums the shards); counted: its units' weight."""
+        share = self.exact.weight()  # a micro-shard: its share of the global batch, summed by the tree
+        return weight if counted else share
+
+    def sums_gradients(self) -> bool:
+        """The fixed tree sums the shards' gradients."""
+        return True
 
     def after_backward(self) -> None:
         """The shard's gradients are kept apart, for the fixed tree."""

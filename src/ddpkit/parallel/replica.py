@@ -115,6 +115,11 @@ class FaultTolerant(Mode):
                 "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "
                 "batch); raise global_batch_size instead"
             )
+        if call == "rt.backward(count=...)":
+            raise UsageError(
+                "rt.backward(count=...) under --fault-tolerant is not built yet (the step's units would be summed "
+                "over its quorum); pass the loss alone, or train without --fault-tolerant"
+            )
         name = call.rpartition(".")[2]
         if name == "all_reduce" and not self.manager.in_quorum():
             raise UsageError(

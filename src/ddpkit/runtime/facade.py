@@ -298,13 +298,27 @@ class Runtime:
         """Autocast for the run's precision (nothing for fp32)."""
         return self._run.precision.autocast()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, count: Any = None) -> None:
         """Backward of the mean loss of this rank's batch, weighted by its true sample count.
 
         ``loss`` must be the mean over the local batch (PyTorch's default reduction). Uneven
         last batches then count every sample once, as in a single process.
+
+        A loss averaged over units of its own, such as the tokens a language model's loss counts
+        (``ignore_index`` left out), passes their number as ``count``: the step's gradient is then
+        the mean over every unit of the step, on any number of processes and accumulated batches,
+        where a mean of per-rank means weighs a rank's few tokens as much as another's many.
+
+        Example:
+            >>> loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)  # doctest: +SKIP
+            >>> rt.backward(loss, count=(labels != -100).sum())                                    # doctest: +SKIP
+
+        Args:
+            loss: the mean loss of this rank's batch (or micro-shard).
+            count: the units ``loss`` averages (a number or a one-element tensor); pass it to every
+                ``rt.backward`` of a step or to none (:mod:`ddpkit.loop.counted`).
         """
-        loop_steps.backward(self._run, loss)
+        loop_steps.backward(self._run, loss, count)
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Optimizer step (through the GradScaler for fp16), then ``zero_grad``, for each optimizer.

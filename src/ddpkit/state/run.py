@@ -19,6 +19,7 @@ import torch
 
 from ddpkit.parallel.fsdp import is_sharded
 from ddpkit.parallel.modes import MicroShards, Mode, ProcessGroup, Replicated
+from ddpkit.state.counted import Counted
 from ddpkit.state.loop import LoopState
 from ddpkit.state.precision import Precision
 
@@ -73,6 +74,8 @@ class RunState:
     """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
+    counted: Counted = field(default_factory=Counted)
+    """The step's units, where ``rt.backward(loss, count=n)`` weighs losses by them (:mod:`ddpkit.loop.counted`)."""
     preemption: Any = None
     """The run's :class:`~ddpkit.distributed.preemption.Preemption` (None: signals are not caught)."""
     tracking: Any = None
