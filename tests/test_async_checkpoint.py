@@ -336,6 +336,7 @@ def test_each_refusal_of_the_checkpoint_bench_is_one_line(args, says):
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow  # 6 s: make test-slow (a bench of saves)
 @pytest.mark.timeout(300)
 def test_the_checkpoint_bench_times_plain_blocking_and_background_saves(tmp_path):
     out = tmp_path / "bench"

@@ -876,6 +876,7 @@ os.write(1, f"rank {rt.rank} evaluated {count}\\n".encode())  # one write: the r
 """
 
 
+@pytest.mark.slow  # 13 s: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_the_gpu_check_runs_on_an_image_with_torch_and_pytest_alone(tmp_path):
     """``make gpu-check`` installs nothing. In a virtual environment of torch and pytest alone (no numpy,

@@ -242,6 +242,7 @@ def test_setup_refuses_a_bad_choice_and_warns_that_one_process_sends_nothing():
         rt.setup(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow  # 8 s: make test-slow; make test keeps each compression on two processes
 @pytest.mark.timeout(180)
 def test_auto_measures_then_chooses_none_on_loopback_the_same_on_every_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

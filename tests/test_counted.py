@@ -173,3 +173,16 @@ def test_replicas_that_train_apart_and_fault_tolerant_ones_refuse_counts_in_one_
         Periodic(Syncer()).refuse(CALL)
     with pytest.raises(UsageError, match="under --fault-tolerant is not built yet"):
         FaultTolerant(_Quorum()).refuse(CALL)
+
+
+@pytest.mark.timeout(180)
+def test_counts_compose_with_fp16_compression_and_the_fp16_scaler(one_process):
+    """Compression sends an average, which the count's weight undoes as DDP's; fp16's scaler multiplies by a
+    power of two, which the step's division and the unscaling leave exact (no step skipped)."""
+    compressed = ddpkit.launch(workers.counted_lm_compressed, nprocs=2)[0]
+    plain = ddpkit.launch(workers.counted_lm_compressed, nprocs=2, args=(False,))[0]
+    assert _relative(compressed, one_process) < 1e-4 < 1e-2 < _relative(plain, one_process)
+    fp32 = workers.counted_lm(True, 2, None, "float32")
+    fp16 = workers.counted_lm(True, 2, None, "float32", "fp16")
+    assert fp16["scale"] == 2.0**16 and fp16["steps"] == 12  # the scaler never backed off
+    assert _equal(fp16, fp32)

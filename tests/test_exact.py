@@ -420,6 +420,7 @@ def test_the_exchange_sums_along_the_one_process_tree_bit_for_bit(world, local_s
     assert any(bool((w == sign_bit).any()) for w in out[0]["one_process"] if w is not None)  # -0.0 is there
 
 
+@pytest.mark.slow  # 6 s: make test-slow; make test keeps 4 processes with micro_shards in test_counted
 @pytest.mark.timeout(240)
 def test_four_ranks_read_reversed_bits_slots_from_the_first_pass_after_setup_with_micro_shards():
     """Under micro-shards on 4 ranks, neighbouring ranks (one node's) hold the shards the tree adds first:

@@ -883,7 +883,9 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
             ("--sync", "local-sgd", "--sync-every", "4", "--sync-dtype", "int8", "--sync-fragments", "2"),
             marks=pytest.mark.slow,
         ),
-        (*_DILOCO, "--sync-delay", "1"),
+        pytest.param(  # 14 s: make test-slow (make test: a replica's period chosen inside a quorum, behind one step)
+            (*_DILOCO, "--sync-delay", "1"), marks=pytest.mark.slow
+        ),
     ],
     ids=["diloco-sparse", "local-sgd-int8-fragments", "diloco-sparse-behind-a-step"],
 )

@@ -330,6 +330,7 @@ def test_fsdp_resumed_on_the_same_world_size_is_bitwise(tmp_path):
         assert torch.equal(resumed["weights"][key], full["weights"][key]), key
 
 
+@pytest.mark.slow  # 9 s: make test-slow; make test keeps a kill inside an fsdp save
 @pytest.mark.timeout(180)
 def test_a_background_fsdp_save_returns_before_its_seal_and_holds_the_state_of_its_step(tmp_path):
     from ddpkit.checkpoint import dcp

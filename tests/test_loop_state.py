@@ -33,7 +33,10 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nprocs,workers", [(1, 0), (2, 0), (1, 1)])
+@pytest.mark.parametrize(
+    "nprocs,workers",
+    [(1, 0), (2, 0), pytest.param(1, 1, marks=pytest.mark.slow)],  # workers: 5 s, make test-slow
+)
 def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers):
     ckpt = str(tmp_path / "ckpt.pt")
     full = _run(nprocs, loop_workers.variations, "full", str(tmp_path / "full.pt"), 20, workers)

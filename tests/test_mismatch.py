@@ -309,7 +309,7 @@ def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
 # Every case under ddpkit run; one under each other launcher: the workers find and report a mismatch
 # the same way under any of them, and what differs is how the launcher passes the report on.
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", ["operations"])
+@pytest.mark.parametrize("case", [pytest.param("operations", marks=pytest.mark.slow)])  # 6 s: make test-slow
 def test_a_collective_mismatch_is_named_under_torchrun(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)
     result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(path)], env=_cpu(), timeout=120)

@@ -125,7 +125,10 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("exchange", ["int8", "sparse"])
+@pytest.mark.parametrize(
+    "exchange",
+    [pytest.param("int8", marks=pytest.mark.slow), "sparse"],  # int8: 6 s, make test-slow
+)
 def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monkeypatch, exchange):
     """int8 or sparse with error feedback, streamed: two fragments each landing 2 steps after it was
     sent; stopped at step 7 with fragment 0's exchange in flight and both fragments' feedback kept."""

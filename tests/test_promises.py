@@ -37,6 +37,7 @@ def _threads(output: str) -> dict[str, tuple[str, int]]:
     }
 
 
+@pytest.mark.slow  # 6 s: make test-slow
 @pytest.mark.timeout(180)
 def test_ddpkit_run_sets_omp_num_threads_in_its_children_unless_set():
     """`ddpkit run`: OMP_NUM_THREADS = cores / N on CPU unless you set it."""

@@ -105,6 +105,7 @@ def test_group_destroyed_at_exit_when_script_raises(tmp_path):
     assert "initialized at exit: False" in result.stdout
 
 
+@pytest.mark.slow  # 6 s: make test-slow (a connect that times out)
 @pytest.mark.timeout(60)
 def test_unreachable_master_names_host_and_port(monkeypatch):
     port = free_port()

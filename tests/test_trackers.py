@@ -173,6 +173,7 @@ def test_wandb_writes_its_run_file_every_half_second_unless_told_otherwise(offli
     wandb.teardown()
 
 
+@pytest.mark.slow  # 7 s: make test-slow; make test keeps the rows a checkpoint covers
 @pytest.mark.timeout(120)
 def test_a_run_without_checkpoints_sends_rows_at_once(offline, tmp_path):
     remote = Remote(("mlflow",), tmp_path, deferred=False)

@@ -77,6 +77,7 @@ def test_resume_auto_continues_a_finished_run(trained, tmp_path):
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # 17 s: make test-slow; make test resumes mid-epoch in test_loop_state's real loop
 @pytest.mark.timeout(200)
 def test_an_epoch_resumed_mid_way_counts_its_train_loss_over_every_step(tmp_path):
     """A checkpoint mid-epoch keeps the epoch's loss so far, summed over the ranks: resumed from step
@@ -315,6 +316,7 @@ def test_an_out_holding_a_run_is_not_overwritten(trained):
     assert (out / "summary.json").read_bytes() == before
 
 
+@pytest.mark.slow  # 7 s: make test-slow; make test keeps the refusal to write over a run
 def test_overwrite_replaces_the_old_run_and_keeps_other_files(trained, tmp_path):
     import shutil
 

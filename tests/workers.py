@@ -953,13 +953,18 @@ class _Padded(torch.utils.data.Dataset):
 
 
 def counted_lm(
-    use_count: bool = True, accumulate: int = 1, micro_shards: int | None = None, dtype: str = "float64", **setup
+    use_count: bool = True,
+    accumulate: int = 1,
+    micro_shards: int | None = None,
+    dtype: str = "float64",
+    precision: str = "fp32",
+    **setup,
 ) -> dict:
     """A tiny language model on padded sequences, its loss the mean over the tokens that count; with
     ``use_count``, ``rt.backward(loss, count=tokens)``. Rank 0's weights after two passes of 8 samples a step."""
     import torch.nn.functional as F
 
-    rt = ddpkit.init(seed=0)
+    rt = ddpkit.init(seed=0, precision=precision)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).to(getattr(torch, dtype))
     if micro_shards:
@@ -981,7 +986,8 @@ def counted_lm(
                     backward(t, y)
                 rt.step(optimizer)
     weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}  # rank 0's
-    found = {"weights": weights, "steps": rt.global_step}
+    scaler = rt.precision.scaler
+    found = {"weights": weights, "steps": rt.global_step, "scale": None if scaler is None else scaler.get_scale()}
     rt.close()
     return found
 
@@ -989,3 +995,8 @@ def counted_lm(
 def counted_lm_sharded(dtype: str = "float64") -> dict:
     """:func:`counted_lm` under strategy="fsdp"."""
     return counted_lm(True, 1, None, dtype, strategy="fsdp")
+
+
+def counted_lm_compressed(use_count: bool = True) -> dict:
+    """:func:`counted_lm` (float32) with its gradients sent as fp16."""
+    return counted_lm(use_count, 1, None, "float32", grad_compression="fp16")

@@ -25,6 +25,7 @@ replica and an infrequent sync refuse it in one line (:meth:`~ddpkit.parallel.mo
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ CALL = "rt.backward(count=...)"
 
 def _units(count: Any) -> torch.Tensor:
     """``count`` as a float64 scalar tensor (on its own device), checked."""
-    if isinstance(count, bool) or not isinstance(count, (int, float, torch.Tensor)):
+    if isinstance(count, bool) or not isinstance(count, (numbers.Real, torch.Tensor)):
         raise UsageError(
             f"rt.backward(count=...) takes the number of units the loss averages (tokens, say), "
             f"a number or a one-element tensor; got {type(count).__name__}"
