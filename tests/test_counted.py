@@ -186,3 +186,16 @@ def test_counts_compose_with_fp16_compression_and_the_fp16_scaler(one_process):
     fp16 = workers.counted_lm(True, 2, None, "float32", "fp16")
     assert fp16["scale"] == 2.0**16 and fp16["steps"] == 12  # the scaler never backed off
     assert _equal(fp16, fp32)
+
+
+@pytest.mark.timeout(180)
+def test_a_short_last_batch_that_leaves_a_rank_without_tokens_or_shards_still_steps_with_its_peers():
+    """49 samples, 8 a step: the last batch has one sample, so under DDP rank 1 holds none (count 0, a NaN
+    mean) and under micro_shards its shards are all empty (no backward at all); the step's units are rank 0's."""
+    one = workers.counted_lm(True, 1, None, "float64", length=49)
+    assert one["steps"] == 14
+    two = ddpkit.launch(workers.counted_lm, nprocs=2, args=(True, 1, None, "float64", "fp32", 49))[0]
+    assert _relative(two, one) < 1e-13
+    shards_one = workers.counted_lm(True, 1, 2, "float32", length=49)
+    shards_two = ddpkit.launch(workers.counted_lm, nprocs=2, args=(True, 1, 2, "float32", "fp32", 49))[0]
+    assert _equal(shards_two, shards_one)

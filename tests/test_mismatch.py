@@ -235,6 +235,20 @@ else:
 dist.barrier()
 """
 
+MICRO_SHARDS = """
+import torch, torch.nn.functional as F, ddpkit
+rt = ddpkit.init(seed=0)
+model = torch.nn.Linear(4, 2)
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+for i, (x, y) in enumerate(rt.loader(data, global_batch_size=8)):
+    for xs, ys in rt.shards(x, y):
+        rt.backward(F.cross_entropy(model(xs), ys))
+    rt.step(opt)  # line 10: the shards' exchange, on a group of its own
+    if i == 1 and rt.is_main:
+        rt.all_reduce(torch.ones(1))  # line 12: a metric, on the main process only
+"""
+
 CASES = {
     # script, the reason's words, a line each rank's row must hold
     "only_main": (
@@ -256,6 +270,14 @@ CASES = {
         [
             r"rank 0: in its collective #1: all_reduce\(float32\[4\]\) at .*operations\.py:6",
             r"rank 1: in its collective #1: broadcast\(float32\[4\]\) at .*operations\.py:8",
+        ],
+    ),
+    "micro_shards": (
+        MICRO_SHARDS,
+        "called different collectives as their #",
+        [
+            r"rank 0: in its collective #\d+: all_reduce\(float32\[1\]\) at .*micro_shards\.py:12",
+            r"rank 1: in its collective #\d+: micro_shards_exchange\(\) at .*micro_shards\.py:10",
         ],
     ),
     "order": (

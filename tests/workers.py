@@ -958,6 +958,7 @@ def counted_lm(
     micro_shards: int | None = None,
     dtype: str = "float64",
     precision: str = "fp32",
+    length: int = 48,
     **setup,
 ) -> dict:
     """A tiny language model on padded sequences, its loss the mean over the tokens that count; with
@@ -970,7 +971,7 @@ def counted_lm(
     if micro_shards:
         setup["micro_shards"] = micro_shards
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), **setup)
-    loader = rt.loader(_Padded(), global_batch_size=8 // accumulate, shuffle=True)
+    loader = rt.loader(_Padded(length), global_batch_size=8 // accumulate, shuffle=True)
 
     def backward(tokens, labels):
         loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)

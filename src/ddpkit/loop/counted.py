@@ -91,18 +91,21 @@ def scale(counted: Counted, params: Iterable[torch.Tensor], reduce_over: Any = N
     """Divide the step's gradients (exchanged, not yet clipped or unscaled) by its units over every rank.
 
     Each parameter once a step, whether :func:`rt.clip_grad_norm_` or ``rt.step`` comes first; the
-    units are all-reduced at the first call of the step (every rank makes it).
+    units are all-reduced at the first call of the step (every rank makes it, a rank that ran no
+    backward in the step too, once the run has counted: the step's units are its peers').
 
     Args:
         counted: the run's counts.
         params: the parameters whose gradients the step uses.
         reduce_over: a group of ddpkit's own for the units' sum (None: the process group).
     """
-    if not counted.counting or counted.total is None:
-        return
+    if counted.counting is False or (counted.counting is None and counted.scale is None):
+        return  # a step of plain backwards, or a run that never counted
     if counted.factor is None:  # the step's first call: every rank's units
-        assert counted.scale is not None  # chosen at the step's first counted backward
-        total = collectives.all_reduce(counted.total, "sum", over=reduce_over)
+        assert counted.scale is not None  # chosen at the run's first counted backward
+        # a rank without a backward this step (micro-shards of a short last batch, all empty) still sums
+        mine = counted.total if counted.total is not None else torch.zeros((), dtype=torch.float64)
+        total = collectives.all_reduce(mine, "sum", over=reduce_over)
         counted.factor = torch.where(total > 0, counted.scale / total.clamp(min=1e-300), torch.zeros_like(total))
     factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
     for p in params:

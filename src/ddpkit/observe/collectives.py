@@ -23,12 +23,13 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -284,6 +285,7 @@ DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 _installed: list[tuple[Any, str, Any]] = []
 _lock = threading.Lock()
+_active: list[CollectiveLog] = []  # the installed log, if any
 
 
 def install(log: CollectiveLog) -> None:
@@ -294,6 +296,7 @@ def install(log: CollectiveLog) -> None:
             for module, original in _torch.distributed_functions(op):
                 setattr(module, op, log.wrap(op, original))
                 _installed.append((module, op, original))
+        _active.append(log)
 
 
 def uninstall() -> None:
@@ -301,6 +304,31 @@ def uninstall() -> None:
     while _installed:
         module, op, original = _installed.pop()
         setattr(module, op, original)
+    _active.clear()
+
+
+@contextlib.contextmanager
+def waiting_in(op: str) -> Iterator[None]:
+    """A wait of ddpkit's own that every rank makes at the same point of the script, outside the default
+    group (micro-shards' exchange, on a group of its own): counted as a call of the installed log, so a
+    rank waiting in it while a peer waits in another collective (a metric all-reduced on the main
+    process only, say) is a mismatch named in seconds, not a peer that made no progress."""
+    log = _active[0] if _active else None
+    if log is None or log._depth or threading.get_ident() != log.thread:
+        yield
+        return
+    log.enter(f"{op}()", user_line(), waits=True)
+    log._depth += 1
+    try:
+        yield
+    except Exception:
+        if log.on_failure is not None:
+            log.on_failure()
+        log.current = None
+        raise
+    finally:
+        log._depth -= 1
+    log.leave()
 
 
 __all__ = [
@@ -319,4 +347,5 @@ __all__ = [
     "turn_on_flight_recorder",
     "uninstall",
     "user_line",
+    "waiting_in",
 ]

@@ -68,6 +68,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit import _torch
 from ddpkit.errors import UsageError, translate_uncaught
+from ddpkit.observe.collectives import waiting_in
 from ddpkit.parallel.exact_exchange import TreeExchange
 from ddpkit.parallel.exact_tree import (
     _add_grads,
@@ -375,11 +376,13 @@ class Exact:
             self._submit_rest()  # a rank whose shards were all empty hands over absent gradients
             self._forget_step()
             start = time.perf_counter()
-            # started with the step's first bucket (nothing to gather without BatchNorm)
-            gathered_stats = self._unpack_stats(self.exchange.gathered(), len(stats)) if self.exchange.gathering else []
-            total = self.exchange.wait()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with waiting_in("micro_shards_exchange"):  # a call of every rank's, for the mismatch watchdog
+                # started with the step's first bucket (nothing to gather without BatchNorm)
+                gathered = self.exchange.gathered() if self.exchange.gathering else None
+                gathered_stats = [] if gathered is None else self._unpack_stats(gathered, len(stats))
+                total = self.exchange.wait()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             self.exchange_seconds += time.perf_counter() - start
             self.exchange_calls = self.exchange.calls_per_step + (1 if self.norms else 0)
         for p, grad in zip(self.params, total if total is not None else [None] * len(self.params)):
