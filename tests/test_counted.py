@@ -199,3 +199,12 @@ def test_a_short_last_batch_that_leaves_a_rank_without_tokens_or_shards_still_st
     shards_one = workers.counted_lm(True, 1, 2, "float32", length=49)
     shards_two = ddpkit.launch(workers.counted_lm, nprocs=2, args=(True, 1, 2, "float32", "fp32", 49))[0]
     assert _equal(shards_two, shards_one)
+
+
+@pytest.mark.slow  # 10 s: make test-slow
+@pytest.mark.timeout(240)
+def test_a_compiled_ddp_model_takes_counts_and_its_reducer_check(one_process):
+    """compile=True under DDP (dynamo's DDP optimizer, AOT autograd): counts weigh the same, and the
+    reducer's check that every parameter got a gradient does not refuse a compiled backward."""
+    compiled = ddpkit.launch(workers.counted_lm_compiled, nprocs=2)[0]
+    assert compiled["steps"] == 12 and _relative(compiled, one_process) < 1e-12

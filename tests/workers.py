@@ -1001,3 +1001,8 @@ def counted_lm_sharded(dtype: str = "float64") -> dict:
 def counted_lm_compressed(use_count: bool = True) -> dict:
     """:func:`counted_lm` (float32) with its gradients sent as fp16."""
     return counted_lm(use_count, 1, None, "float32", grad_compression="fp16")
+
+
+def counted_lm_compiled() -> dict:
+    """:func:`counted_lm` (float64) with ``compile={"backend": "aot_eager"}``: a compiled forward and backward."""
+    return counted_lm(True, 1, None, "float64", compile={"backend": "aot_eager"})

@@ -221,8 +221,8 @@ class Runtime:
             optimizer: its optimizer; returned with the model, and stepped by :meth:`step`.
             **options: the fields of :class:`~ddpkit.parallel.options.SetupOptions`, each documented
                 there (``sync_batchnorm``, ``compile``, ``grad_compression``, ``strategy``, ``sync``,
-                ``sync_every``, ``micro_shards``, ...); any other keyword goes to
-                ``DistributedDataParallel`` (``find_unused_parameters=True``, ...).
+                ``sync_every``, ``micro_shards``, ...); a keyword of ``DistributedDataParallel``'s
+                goes to it (``find_unused_parameters=True``, ...), and any other is refused in one line.
 
         Returns:
             The model, or ``(model, optimizer)`` when an optimizer is given.
