@@ -68,10 +68,16 @@ def shards(run: RunState, batch: tuple[Any, ...]) -> Iterator[Any]:
     if cut is None:
         raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
     if not run.backward_since_step:
-        run.unscaled.clear()  # a new step: fp16's unscaling is owed again (as backward does)
-        run.counted.new_step()
+        _begin_step(run)
     run.backward_since_step = run.uses_backward = True  # a rank with empty shards steps too
     return cut
+
+
+def _begin_step(run: RunState) -> None:
+    """The first backward (or cut of micro-shards) since the last step: fp16's unscaling is owed again,
+    and the step's units are counted anew."""
+    run.unscaled.clear()
+    run.counted.new_step()
 
 
 def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
@@ -84,8 +90,7 @@ def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
         active.mark_trained()
     run.loop.check_pending()
     if not run.backward_since_step:
-        run.unscaled.clear()
-        run.counted.new_step()
+        _begin_step(run)
     run.counted.check(count is not None)
     if count is not None:
         for mode in run.modes:
@@ -120,7 +125,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     for mode in run.modes:
         mode.complete()
     params = _trained(run, optimizers)
-    counted.scale(run.counted, [*_model_params(run), *params])
+    counted.scale(run.counted, params)
     if not all(mode.commit(params, run.active) for mode in run.modes):
         for mode in run.modes:
             mode.step_dropped()
@@ -159,11 +164,6 @@ def _plain_backward(run: RunState) -> None:
         f"{active.local_count} of the batch's {active.global_count} samples, so its mean loss counts {weight:.3g} "
         "times its share and the result depends on the number of processes: call rt.backward(loss)"
     )
-
-
-def _model_params(run: RunState) -> list[torch.Tensor]:
-    """Every trainable parameter of the run's set-up models."""
-    return [p for model in run.models for p in model.parameters() if p.requires_grad]
 
 
 def _trained(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.Tensor]:
@@ -225,7 +225,7 @@ def clip_grad_norm_(
         return None
     for mode in run.modes:  # the shards' sum first: the gradients to clip
         mode.complete()
-    counted.scale(run.counted, [*_model_params(run), *_trained(run, tuple(run.optimizers))])
+    counted.scale(run.counted, _trained(run, tuple(run.optimizers)))  # every model's, not only the clipped one's
     params = [p for p in model.parameters() if p.grad is not None]
     if run.precision.scaler is not None:
         mine = {id(p) for p in params}

@@ -114,6 +114,24 @@ class CollectiveLog:
             self.longest_wait = max(self.longest_wait, time.monotonic() - self.current[3])
         self.current = None
 
+    @contextlib.contextmanager
+    def counting(self, signature: str, *, waits: bool) -> Iterator[None]:
+        """One counted call around its body: numbered and fingerprinted, waited in (``waits``) until it
+        returns; calls made inside it are not counted. A failure ends the process where a peer's log
+        shows a mismatch (:attr:`on_failure`)."""
+        self.enter(signature, user_line(), waits=waits)
+        self._depth += 1
+        try:
+            yield
+        except Exception:
+            if self.on_failure is not None:
+                self.on_failure()  # a mismatch the peers' logs show ends the process here
+            self.current = None
+            raise
+        finally:
+            self._depth -= 1
+        self.leave()
+
     def wrap(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (``torch.distributed.<op>``), counting each call this log's thread makes on the default group."""
         group_at, tensor_at = _torch.collective_parameters(fn)
@@ -127,19 +145,8 @@ class CollectiveLog:
             tensor = None
             if tensor_at is not None:
                 tensor = args[tensor_at[0]] if len(args) > tensor_at[0] else kwargs.get(tensor_at[1])
-            self.enter(self.signature(op, tensor), user_line(), waits=not kwargs.get("async_op", False))
-            self._depth += 1
-            try:
-                result = fn(*args, **kwargs)
-            except Exception:
-                if self.on_failure is not None:
-                    self.on_failure()  # a mismatch the peers' logs show ends the process here
-                self.current = None
-                raise
-            finally:
-                self._depth -= 1
-            self.leave()
-            return result
+            with self.counting(self.signature(op, tensor), waits=not kwargs.get("async_op", False)):
+                return fn(*args, **kwargs)
 
         counted.__wrapped__ = fn  # type: ignore[attr-defined]
         counted.__name__ = getattr(fn, "__name__", op)
@@ -307,28 +314,16 @@ def uninstall() -> None:
     _active.clear()
 
 
-@contextlib.contextmanager
-def waiting_in(op: str) -> Iterator[None]:
+def counted_wait(op: str) -> contextlib.AbstractContextManager[None]:
     """A wait of ddpkit's own that every rank makes at the same point of the script, outside the default
-    group (micro-shards' exchange, on a group of its own): counted as a call of the installed log, so a
-    rank waiting in it while a peer waits in another collective (a metric all-reduced on the main
-    process only, say) is a mismatch named in seconds, not a peer that made no progress."""
+    group (micro-shards' exchange, on a group of its own): counted as a call of the installed log
+    (:meth:`CollectiveLog.counting`), so a rank waiting in it while a peer waits in another collective
+    (a metric all-reduced on the main process only, say) is a mismatch named in seconds, not a peer
+    that made no progress."""
     log = _active[0] if _active else None
     if log is None or log._depth or threading.get_ident() != log.thread:
-        yield
-        return
-    log.enter(f"{op}()", user_line(), waits=True)
-    log._depth += 1
-    try:
-        yield
-    except Exception:
-        if log.on_failure is not None:
-            log.on_failure()
-        log.current = None
-        raise
-    finally:
-        log._depth -= 1
-    log.leave()
+        return contextlib.nullcontext()
+    return log.counting(f"{op}()", waits=True)
 
 
 __all__ = [
@@ -346,6 +341,6 @@ __all__ = [
     "install",
     "turn_on_flight_recorder",
     "uninstall",
+    "counted_wait",
     "user_line",
-    "waiting_in",
 ]

@@ -68,7 +68,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit import _torch
 from ddpkit.errors import UsageError, translate_uncaught
-from ddpkit.observe.collectives import waiting_in
+from ddpkit.observe.collectives import counted_wait
 from ddpkit.parallel.exact_exchange import TreeExchange
 from ddpkit.parallel.exact_tree import (
     _add_grads,
@@ -376,7 +376,7 @@ class Exact:
             self._submit_rest()  # a rank whose shards were all empty hands over absent gradients
             self._forget_step()
             start = time.perf_counter()
-            with waiting_in("micro_shards_exchange"):  # a call of every rank's, for the mismatch watchdog
+            with counted_wait("micro_shards_exchange"):  # a call of every rank's, for the mismatch watchdog
                 # started with the step's first bucket (nothing to gather without BatchNorm)
                 gathered = self.exchange.gathered() if self.exchange.gathering else None
                 gathered_stats = [] if gathered is None else self._unpack_stats(gathered, len(stats))
