@@ -815,6 +815,22 @@ def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
     assert all(abs(row["correct"] - one[row["epoch"]]) <= 1 for row in evals)
 
 
+@pytest.mark.timeout(300)
+def test_replicas_clip_the_average_of_their_gradients_as_one_process_clips_its_own(tmp_path):
+    """``rt.clip_grad_norm_`` under --fault-tolerant clipped each replica's own gradients before the step
+    averaged them: norms of 7.0 where one process's are 5.8, the run 1.2e-2 from one process's. The
+    replicas average first (``FaultTolerant.complete``), then clip: the same norms, within 1e-5."""
+    single, out = tmp_path / "single", tmp_path / "two"
+    _train(single, str(BIN / "python"), epochs=1, extra=("--clip", "0.5"))
+    _replicas(out, 2, "--min-replicas", "2", epochs=1, extra=("--clip", "0.5"))
+    assert _rel_diff(_weights(single), _weights(out)) <= 1e-5
+    one = {row["step"]: row["norm"] for row in _events(single) if row["kind"] == "step"}
+    steps = [row for row in _events(out) if row["kind"] == "step"]
+    assert len(one) == STEPS_PER_EPOCH and {row["step"] for row in steps} == set(one)
+    assert all(abs(row["norm"] - one[row["step"]]) <= 1e-5 * one[row["step"]] for row in steps), steps
+    assert min(one.values()) > 0.5  # every step clipped
+
+
 @pytest.fixture(scope="module")
 def reference_shards(tmp_path_factory) -> Path:
     """One epoch with ``micro_shards=4`` in one plain process: the bits a fault-tolerant run with them ends at."""

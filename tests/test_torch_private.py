@@ -110,6 +110,26 @@ def test_scaler_found_inf_is_loud_when_the_api_is_gone():
         _torch.scaler_found_inf(OldScaler(), None)
 
 
+def test_scaler_unscaled_is_true_from_unscale_to_update_and_loud_when_the_api_is_gone():
+    scaler = torch.amp.GradScaler("cpu")
+    model = torch.nn.Linear(2, 1)
+    opt, other = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert _torch.scaler_unscaled(scaler, opt) is False
+    scaler.unscale_(opt)
+    assert _torch.scaler_unscaled(scaler, opt) is True
+    assert _torch.scaler_unscaled(scaler, other) is False and id(other) not in scaler._per_optimizer_states
+    scaler.step(opt)
+    scaler.update()
+    assert _torch.scaler_unscaled(scaler, opt) is False
+
+    class OldScaler:
+        pass
+
+    with pytest.raises(_torch.PrivateApiChanged, match="_per_optimizer_states"):
+        _torch.scaler_unscaled(OldScaler(), opt)
+
+
 def test_unwrap_reaches_the_module_inside_compile_and_data_parallel():
     inner = torch.nn.Linear(3, 2)
     with warnings.catch_warnings():
@@ -486,7 +506,7 @@ def test_without_the_reducers_check_the_step_warns_once_and_goes_on():
         _torch.ddp_reduction_unfinished(object())
     mode = AcrossProcesses(object())
     with pytest.warns(UserWarning, match="_check_reducer_finalized.*named at the next forward"):
-        mode.complete()
+        mode.complete([])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mode.complete()  # once
+        mode.complete([])  # once

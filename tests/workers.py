@@ -652,7 +652,7 @@ def exact_step_buffers(steps: int = 3) -> dict:
     for x, y in rt.loader(data, global_batch_size=16):
         for xs, ys in rt.shards(x, y):
             rt.backward(torch.nn.functional.cross_entropy(model(xs), ys))
-        exact.reduce()  # what rt.step does first
+        assert not exact.cut  # the shards' loop ended with their sum, before rt.step
         kept.append(list(exact.exchange._buffers.values()))  # held here: a new tensor cannot reuse an id
         buffers.append(len(kept[-1]) > 0 and all(a is b for a, b in zip(kept[0], kept[-1])))
         grads.append([p.grad.data_ptr() for p in model.parameters()])
@@ -991,6 +991,51 @@ def counted_lm(
     found = {"weights": weights, "steps": rt.global_step, "scale": None if scaler is None else scaler.get_scale()}
     rt.close()
     return found
+
+
+def clipped_lm(
+    clip: str = "torch",
+    use_count: bool = False,
+    micro_shards: int | None = None,
+    precision: str = "fp32",
+    dtype: str = "float64",
+    accumulate: int = 1,
+) -> dict:
+    """:func:`counted_lm`'s model and data, clipped to a norm of 0.3 before each step the way ``clip`` says:
+    ``"torch"`` (``torch.nn.utils.clip_grad_norm_``, as a plain PyTorch script does), ``"unscale"``
+    (``rt.unscale_gradients()`` first), ``"scaler"`` (``rt.precision.scaler.unscale_`` first), ``"rt"``
+    (``rt.clip_grad_norm_``) or ``"none"``. Rank 0's weights and each step's norm before clipping."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0, precision=precision)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).to(getattr(torch, dtype))
+    setup = {"micro_shards": micro_shards} if micro_shards else {}
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), **setup)
+    loader = rt.loader(_Padded(48), global_batch_size=8 // accumulate, shuffle=True)
+    norms = []
+    for _ in rt.epochs(2):
+        for tokens, labels in loader:
+            with rt.accumulate(model, accumulate) if accumulate > 1 else contextlib.nullcontext() as last:
+                for t, y in rt.shards(tokens, labels) if micro_shards else [(tokens, labels)]:
+                    with rt.autocast():
+                        loss = F.cross_entropy(model(t).flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+                    rt.backward(loss, count=(y != -100).sum()) if use_count else rt.backward(loss)
+                if last is False:
+                    rt.unscale_gradients()  # nothing on a micro-step that does not sync
+                    assert rt._run.finished is None
+                elif clip == "rt":
+                    norms.append(float(rt.clip_grad_norm_(model, 0.3)))
+                elif clip != "none":
+                    if clip == "unscale":
+                        rt.unscale_gradients()
+                    elif clip == "scaler":
+                        rt.precision.scaler.unscale_(optimizer)
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)))
+                rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
+    rt.close()
+    return {"weights": weights, "norms": norms}
 
 
 def counted_lm_sharded(dtype: str = "float64") -> dict:

@@ -159,6 +159,25 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     return bool(sum(float(value.item()) for value in per_device.values()))
 
 
+def scaler_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran since the scaler's last ``update()``.
+
+    A script may unscale its optimizer's fp16 gradients itself (``rt.precision.scaler.unscale_``)
+    before it clips them; only the scaler's per-optimizer record (``_per_optimizer_states``, its
+    ``stage``) knows. Read without adding a record for an optimizer it never saw.
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    stages = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
+    if not isinstance(states, dict) or stages is None or not hasattr(stages, "UNSCALED"):
+        raise PrivateApiChanged("torch.amp.GradScaler._per_optimizer_states / torch.amp.grad_scaler.OptState")
+    state = states.get(id(optimizer))
+    if state is None:
+        return False
+    if not isinstance(state, dict) or "stage" not in state:
+        raise PrivateApiChanged("torch.amp.GradScaler._per_optimizer_states", f"an entry holds {state!r}")
+    return bool(state["stage"] is stages.UNSCALED)
+
+
 def dcp_metadata_path(reader: Any, rank: int | None = None) -> Any:
     """The ``.metadata`` file (``__RANK.metadata`` for ``rank``) a DCP ``FileSystemReader`` reads.
 

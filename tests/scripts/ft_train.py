@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--sync-dtype", default=None, help="rt.setup(sync_dtype=...)")
     parser.add_argument("--sync-fragments", type=int, default=1, help="rt.setup(sync_fragments=F)")
     parser.add_argument("--sync-delay", type=int, default=0, help="rt.setup(sync_delay=T)")
+    parser.add_argument("--clip", type=float, default=None, help="rt.clip_grad_norm_(model, C) before each step")
     parser.add_argument(
         "--kill-in-exchange", default=None, help="R:N, replica R dies inside its N-th exchange (first attempt)"
     )
@@ -112,6 +113,7 @@ def main() -> None:
             else:
                 rt.backward(F.cross_entropy(model(images), labels))
                 counted = loader.local_count
+            norm = None if args.clip is None else float(rt.clip_grad_norm_(model, args.clip))
             summed = rt.all_reduce(float(counted))  # inside the step: over its quorum, the global batch
             if args.fail_once is not None and rt.global_step + 1 == args.fail_once and not failed:
                 failed = True  # as if a collective of this step had failed
@@ -127,6 +129,7 @@ def main() -> None:
                 total=loader.global_count,
                 summed=summed,
                 shards=shards,
+                norm=norm,
             )
             if attempt == 0 and replica in kills and rt.global_step >= kills[replica]:
                 os.kill(os.getpid(), signal.SIGKILL)

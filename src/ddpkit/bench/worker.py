@@ -67,6 +67,7 @@ def _micro_shard_step(
     device = rt.device
     exact = next(mode.exact for mode in rt._run.modes if isinstance(mode, MicroShards))
     forward = backward = 0.0
+    exchanged = exact.exchange_seconds  # (the loop's end waits for the exchange, before rt.step)
     for shard_inputs, shard_targets in rt.shards(inputs, targets):
         begin = mark(device)
         with rt.autocast():
@@ -74,7 +75,6 @@ def _micro_shard_step(
         middle = mark(device)
         rt.backward(loss)
         forward, backward = forward + middle - begin, backward + mark(device) - middle
-    exchanged = exact.exchange_seconds
     rt.step(optimizer)
     end = mark(device)
     exchange = exact.exchange_seconds - exchanged

@@ -17,7 +17,7 @@ import torch
 from ddpkit.checkpoint import background
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
-from ddpkit.loop import counted
+from ddpkit.loop import counted, gradients
 from ddpkit.observe.heartbeats import beat
 from ddpkit.parallel.modes import Mode
 from ddpkit.state.run import RunState
@@ -70,13 +70,26 @@ def shards(run: RunState, batch: tuple[Any, ...]) -> Iterator[Any]:
     if not run.backward_since_step:
         _begin_step(run)
     run.backward_since_step = run.uses_backward = True  # a rank with empty shards steps too
-    return cut
+    return _then_whole(run, cut)
+
+
+def _then_whole(run: RunState, cut: Iterator[Any]) -> Iterator[Any]:
+    """The shards, then (after the step's last, outside an accumulation group's earlier batches) their
+    gradients summed along the tree: the script's code before ``rt.step`` (torch's own
+    ``clip_grad_norm_``, a logged norm) finds them whole, as after a plain backward."""
+    yield from cut
+    if run.accumulation is None or run.accumulation[1]:
+        params = gradients.trained(run, run.optimizers)
+        for mode in run.modes:
+            mode.complete(params)
+        gradients.hold(run)
 
 
 def _begin_step(run: RunState) -> None:
     """The first backward (or cut of micro-shards) since the last step: fp16's unscaling is owed again,
     and the step's units are counted anew."""
     run.unscaled.clear()
+    run.finished = None
     run.counted.new_step()
 
 
@@ -91,6 +104,8 @@ def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
     run.loop.check_pending()
     if not run.backward_since_step:
         _begin_step(run)
+    gradients.refuse_after_finish(run)
+    gradients.check(run, "rt.backward")
     run.counted.check(count is not None)
     if count is not None:
         for mode in run.modes:
@@ -112,6 +127,7 @@ def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
     run.precision.backward(loss if plain else loss * weight)
     for mode in run.modes:
         mode.after_backward()
+    gradients.hold(run)
 
 
 def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
@@ -121,10 +137,11 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
+    gradients.check(run, "rt.step", optimizers)
     background.WRITER.copied()  # the modes below may change weights before the optimizers' own wait
+    params = gradients.trained(run, optimizers)
     for mode in run.modes:
-        mode.complete()
-    params = _trained(run, optimizers)
+        mode.complete(params, stepping=True)
     counted.scale(run.counted, params)
     if not all(mode.commit(params, run.active) for mode in run.modes):
         for mode in run.modes:
@@ -164,13 +181,6 @@ def _plain_backward(run: RunState) -> None:
         f"{active.local_count} of the batch's {active.global_count} samples, so its mean loss counts {weight:.3g} "
         "times its share and the result depends on the number of processes: call rt.backward(loss)"
     )
-
-
-def _trained(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.Tensor]:
-    """The step's trainable parameters, each once, in order: the models' and the optimizers'."""
-    trained = [p for model in run.models for p in model.parameters()]
-    trained += [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-    return list({id(p): p for p in trained if p.requires_grad}.values())
 
 
 PREEMPTION_CHECK_S = 1.0
@@ -223,12 +233,9 @@ def clip_grad_norm_(
     """
     if run.accumulation is not None and not run.accumulation[1]:
         return None
-    for mode in run.modes:  # the shards' sum first: the gradients to clip
-        mode.complete()
-    counted.scale(run.counted, _trained(run, tuple(run.optimizers)))  # every model's, not only the clipped one's
-    params = [p for p in model.parameters() if p.grad is not None]
-    if run.precision.scaler is not None:
-        mine = {id(p) for p in params}
+    owners: list[torch.optim.Optimizer] = []
+    if run.precision.scaler is not None:  # unscale the clipped model's optimizers (not another model's)
+        mine = {id(p) for p in model.parameters() if p.requires_grad}
         owners = [
             opt for opt in run.optimizers if any(id(p) in mine for group in opt.param_groups for p in group["params"])
         ]
@@ -237,11 +244,22 @@ def clip_grad_norm_(
                 "rt.clip_grad_norm_ under fp16 must unscale the gradients first: "
                 "pass the optimizer to rt.setup(model, optimizer)"
             )
-        for opt in owners:
-            if id(opt) not in run.unscaled:
-                run.precision.unscale_(opt)
-                run.unscaled.add(id(opt))
+    gradients.finish(run, "rt.clip_grad_norm_", owners)  # the shards' sum, the units, fp16's unscaling
+    params = [p for p in model.parameters() if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def unscale_gradients(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Make the step's gradients final for the script's own code (:func:`ddpkit.loop.gradients.finish`);
+    nothing on a micro-step of ``rt.accumulate`` that does not sync."""
+    if run.accumulation is not None and not run.accumulation[1]:
+        return
+    if run.precision.scaler is not None and not optimizers and not run.optimizers:
+        raise UsageError(
+            "rt.unscale_gradients() under fp16 unscales the optimizers' gradients: pass the optimizer to "
+            "rt.setup(model, optimizer), or to rt.unscale_gradients(optimizer)"
+        )
+    gradients.finish(run, "rt.unscale_gradients", optimizers)
 
 
 def should_stop(flag: bool, world_size: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -192,7 +193,7 @@ class AcrossProcesses(Replicated):
         self.can_check = True
         """False once the reducer's check turned out missing (another torch): warned once."""
 
-    def complete(self) -> None:
+    def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
         """Refuse a step whose backward left a trainable parameter out (DDP's exchange never finished)."""
         if not self.can_check:
             return

@@ -117,8 +117,17 @@ class Mode:
     def after_backward(self) -> None:
         """A backward has run."""
 
-    def complete(self) -> None:
-        """Make the gradients whole before they are clipped or stepped (a reduction that waited)."""
+    def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
+        """Make the gradients of ``params`` whole before they are clipped, read or stepped (a reduction
+        that waited). ``stepping``: ``rt.step`` is about to commit, and a mode whose :meth:`commit` makes
+        them whole itself leaves them to it."""
+
+    def finishes_at_step(self) -> str | None:
+        """What this mode still does to the step's gradients at ``rt.step``, after the script's code
+        between the last backward and the step, that its :meth:`complete` would do now (a fault-tolerant
+        replica averages them over the step's quorum); None: nothing. A script's change to them meanwhile
+        is refused (:mod:`ddpkit.loop.gradients`)."""
+        return None
 
     def accumulating(self, group: tuple[int, bool] | None) -> None:
         """``rt.accumulate`` opens a micro-step: (samples of its group, whether it is the last); None when it ends."""
@@ -234,7 +243,7 @@ class Periodic(Mode):
         """Exchange over a fault-tolerant replica's quorum, inside each step's (:meth:`on_batch`)."""
         self.syncer.meet_over(replica)
 
-    def complete(self) -> None:
+    def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
         """Over a fault-tolerant quorum: the exchange running behind the step is waited for before its commit."""
         self.syncer.wait_in_flight()
 
@@ -314,8 +323,9 @@ class MicroShards(Mode):
         """The shard's gradients are kept apart, for the fixed tree."""
         self.exact.after_backward()
 
-    def complete(self) -> None:
-        """Sum the shards' gradients along the fixed tree, across the ranks, if not done yet."""
+    def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
+        """Sum the shards' gradients along the fixed tree, across the ranks, if not done yet (the end of
+        the step's ``rt.shards`` loop does it: the script's code after it finds them whole)."""
         if self.exact.cut:  # not yet reduced (by rt.clip_grad_norm_)
             self.exact.reduce()
 

@@ -51,6 +51,11 @@ class FaultTolerant(Mode):
         their gradients stay the replica's own, and their sync meets over the quorum."""
         self.cast: torch.dtype | None = None
         """``grad_compression="bf16"``/``"fp16"``: the dtype the averaged gradients travel in (None: their own)."""
+        self.averaged_models = 0
+        """Models set up under this replica whose gradients :meth:`commit` averages (not trained apart)."""
+        self.early: set[int] = set()
+        """Parameters (by ``id``) whose gradients :meth:`complete` averaged before ``rt.step`` this step
+        (``rt.clip_grad_norm_``, ``rt.unscale_gradients``): the commit does not average them again."""
 
     @property
     def replica(self) -> int:
@@ -91,6 +96,7 @@ class FaultTolerant(Mode):
         if apart:  # trains apart: BatchNorm is the replica's own, its statistics averaged at each sync
             self.apart.update(id(p) for p in model.parameters())
             return model
+        self.averaged_models += 1
         return convert_over(model, self.manager)
 
     def takes(self, mode: Mode) -> None:
@@ -144,6 +150,29 @@ class FaultTolerant(Mode):
         running statistics, torch's random state), to put it back."""
         self._undo = ([(b, b.detach().clone()) for model in models for b in model.buffers()], rng.torch_state())
 
+    def finishes_at_step(self) -> str | None:
+        """The gradients' average over the step's quorum, until :meth:`complete` made it (micro-shards: their tree did)."""
+        if self.micro_shards or not self.averaged_models or self.early:
+            return None
+        return "the average over the step's replicas (--fault-tolerant)"
+
+    def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
+        """The gradients averaged over the step's quorum now, for the script to clip or read before
+        ``rt.step`` (``rt.clip_grad_norm_``, ``rt.unscale_gradients``): each replica's own would be
+        clipped otherwise, not their average. ``rt.step``'s own (``stepping``) is left to :meth:`commit`,
+        right before its question."""
+        if stepping or self.micro_shards:
+            return
+        rest = [p for p in params if id(p) not in self.apart and id(p) not in self.early]
+        if rest:
+            if not self.manager.in_quorum():
+                raise UsageError(
+                    "the gradients of a fault-tolerant replica are averaged over a step's quorum: clip them "
+                    "between a batch of rt.loader and rt.step"
+                )
+            self._average(rest)
+            self.early.update(id(p) for p in rest)
+
     def commit(self, params: Sequence[torch.Tensor], active: Any) -> bool:
         """Average the gradients over the quorum's replicas, then ask whether every one finished.
 
@@ -158,8 +187,10 @@ class FaultTolerant(Mode):
             )
         averaged = False
         if not self.micro_shards:  # (micro-shards: their tree summed them over the quorum already)
-            averaged = self._average([p for p in params if id(p) not in self.apart])
+            averaged = self._average([p for p in params if id(p) not in self.apart and id(p) not in self.early])
+        self.early = set()
         # right after the average's check, no other call can come between: the commit needs none
+        # (averaged before rt.step, by rt.clip_grad_norm_: the script's calls since, so it is checked)
         if self.manager.should_commit(checked=averaged):
             return True
         for p in params:

@@ -340,6 +340,22 @@ class Runtime:
         """
         return loop_steps.clip_grad_norm_(self._run, model, max_norm, norm_type)
 
+    def unscale_gradients(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Make the step's gradients final now, for the script's own code before :meth:`step`.
+
+        After the step's last :meth:`backward` (and the end of its ``rt.shards`` loop), the gradients
+        are those of a plain DDP step, except where the step itself still finishes them: fp16 divides
+        them by its loss scale (Accelerate's ``unscale_gradients``), ``rt.backward(loss, count=n)`` by
+        every rank's units, a fault-tolerant replica averages them over the step's quorum. This does
+        it now, so that code of the script may read, clip (``torch.nn.utils.clip_grad_norm_``) or
+        change them. Without it such a change is refused at the next call in one line, never applied
+        to the wrong numbers. :meth:`clip_grad_norm_` calls it itself. Under fp16, ``optimizers`` are
+        the ones unscaled (none: every one given to :meth:`setup` or :meth:`step`). Does nothing on an
+        :meth:`accumulate` micro-step that does not sync; a :meth:`backward` after it in the same step
+        is refused where it changed the gradients.
+        """
+        loop_steps.unscale_gradients(self._run, optimizers)
+
     def should_stop(self, flag: bool) -> bool:
         """True on every rank when any rank passes True: early stopping without a stranded rank.
 

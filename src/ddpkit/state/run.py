@@ -37,6 +37,17 @@ class Entry:
 
 
 @dataclass(eq=False)
+class HeldGradients:
+    """The step's gradients that are not final yet, as the last backward left them (:mod:`ddpkit.loop.gradients`)."""
+
+    entries: list[tuple[torch.Tensor, torch.Tensor, int, torch.optim.Optimizer | None]]
+    """(parameter, its gradient, the gradient's version counter, the optimizer whose fp16 unscaling is
+    all it waits for, else None)."""
+    why: str
+    """What they still await, for the message (``"fp16's division by its loss scale (65536)"``, ...)."""
+
+
+@dataclass(eq=False)
 class RunState:
     """Everything one run carries from step to step, in one place.
 
@@ -74,6 +85,11 @@ class RunState:
     """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
+    held: HeldGradients | None = None
+    """The step's gradients that still owe something at ``rt.step``, checked for the script's changes."""
+    finished: str | None = None
+    """What made this step's gradients final before ``rt.step`` (``"rt.clip_grad_norm_"``) where that
+    changed them: a backward after it is refused."""
     counted: Counted = field(default_factory=Counted)
     """The step's units, where ``rt.backward(loss, count=n)`` weighs losses by them (:mod:`ddpkit.loop.counted`)."""
     preemption: Any = None
