@@ -188,6 +188,49 @@ def test_rt_shards_without_micro_shards_and_through_rt_setup_are_refused():
         rt.close()
 
 
+class _RunningNorm(torch.nn.Module):
+    """An input normaliser with a running mean of its own (in place, in forward, once ``updating``), and a
+    constant mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("mask", torch.ones(4))  # read, never changed
+        self.updating = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.updating:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return (x - self.mean) * self.mask
+
+
+def test_a_buffer_of_the_models_own_changed_by_the_shards_forwards_is_refused_before_the_step():
+    """Each process would keep its own shards' updates of it: 1 and 2 processes ended apart (a count of
+    the samples seen 128 against 64, the weights 1e-3 apart), silently. BatchNorm's statistics and a
+    buffer that is only read take part as before."""
+    rt = ddpkit.init(seed=0)
+    try:
+        norm = _RunningNorm()
+        model = torch.nn.Sequential(norm, torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+        batches = iter(rt.loader(data, global_batch_size=8))
+        x, y = next(batches)
+        for xs, ys in rt.shards(x, y):
+            rt.backward(F.cross_entropy(model(xs), ys))
+        assert rt.step(optimizer)
+        norm.updating = True
+        x, y = next(batches)
+        refused = r"^micro_shards: the forward of the shards changed the model's buffer '0.mean' in place"
+        with pytest.raises(UsageError, match=refused) as caught:
+            for xs, ys in rt.shards(x, y):
+                rt.backward(F.cross_entropy(model(xs), ys))
+        assert "\n" not in str(caught.value) and rt.global_step == 1
+    finally:
+        rt.close()
+
+
 # -- several processes ------------------------------------------------------------------------------------
 
 

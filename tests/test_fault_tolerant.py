@@ -815,6 +815,7 @@ def test_three_replicas_end_where_one_process_ends(reference_epoch, tmp_path):
     assert all(abs(row["correct"] - one[row["epoch"]]) <= 1 for row in evals)
 
 
+@pytest.mark.slow  # 15 s: make test holds the replica's average before a clip, and its commit (test_gradients)
 @pytest.mark.timeout(300)
 def test_replicas_clip_the_average_of_their_gradients_as_one_process_clips_its_own(tmp_path):
     """``rt.clip_grad_norm_`` under --fault-tolerant clipped each replica's own gradients before the step

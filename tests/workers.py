@@ -1038,6 +1038,47 @@ def clipped_lm(
     return {"weights": weights, "norms": norms}
 
 
+class _Branches(torch.nn.Module):
+    """A linear layer's output plus an embedding's: autograd hands the embedding the sum's gradient
+    itself, the tensor the linear layer's backward reads too."""
+
+    def __init__(self, sparse: bool = True) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 3, sparse=sparse)
+        self.lin = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.emb((x[:, 0].abs() * 3).long().clamp(max=9))
+
+
+def sparse_branches(sparse: bool = True, clip: float | None = None) -> dict:
+    """:class:`_Branches` (float64) with ``nn.Embedding(sparse=...)``, 2 passes of 4 steps, clipped to ``clip``
+    by ``rt.clip_grad_norm_`` where given: rank 0's weights, the norms, and the first step's gradients."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = _Branches(sparse).double()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (64,), generator=g)
+    )
+    norms, first = [], None
+    for _ in rt.epochs(2):
+        for x, y in rt.loader(data, global_batch_size=16, shuffle=True):
+            rt.backward(F.cross_entropy(model(x), y))
+            if first is None:
+                inner = ddpkit._torch.unwrap(model)
+                first = {"lin": inner.lin.weight.grad.clone(), "emb": inner.emb.weight.grad.to_dense()}
+            if clip is not None:
+                norms.append(float(rt.clip_grad_norm_(model, clip)))
+            rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
+    rt.close()
+    return {"weights": weights, "norms": norms, "first": first}
+
+
 def counted_lm_sharded(dtype: str = "float64") -> dict:
     """:func:`counted_lm` under strategy="fsdp"."""
     return counted_lm(True, 1, None, dtype, strategy="fsdp")

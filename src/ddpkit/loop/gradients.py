@@ -34,6 +34,9 @@ from ddpkit.state.run import HeldGradients, RunState
 UNSCALE = "rt.unscale_gradients()"
 """What a script calls to change the gradients itself before ``rt.step``."""
 
+FP16 = "fp16's division by its loss scale"
+"""What fp16 still does to the gradients at the step (the message adds the scale)."""
+
 
 def trained(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The step's trainable parameters, each once, in order: the models' and the optimizers'."""
@@ -62,6 +65,7 @@ def _owing(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> HeldGr
         return None  # a plain step: final after its backward
     known = _known(run, optimizers)
     owner = {id(p): opt for opt in known for group in opt.param_groups for p in group["params"]}
+    unscaled = {id(opt) for opt in known if _unscaled(run, opt)} if scaler is not None else set()
     entries: list[tuple[torch.Tensor, torch.Tensor, int, torch.optim.Optimizer | None]] = []
     reasons: dict[str, None] = {}
     for p in trained(run, known):
@@ -74,10 +78,10 @@ def _owing(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> HeldGr
         only_fp16: torch.optim.Optimizer | None = None
         if scaler is not None:
             opt = owner.get(id(p))
-            if opt is None or not _unscaled(run, opt):
+            if opt is None or id(opt) not in unscaled:
                 if not owes:
                     only_fp16 = opt
-                owes.append(f"fp16's division by its loss scale ({scaler.get_scale():g})")
+                owes.append(FP16)  # (its scale is read for a message only: on a GPU, a wait for the device)
         if owes:
             reasons.update(dict.fromkeys(owes))
             entries.append((p, grad, _torch.version_of(grad), only_fp16))
@@ -109,8 +113,11 @@ def check(run: RunState, where: str, optimizers: Sequence[torch.optim.Optimizer]
             continue
         if only_fp16 is not None and _unscaled(run, only_fp16):
             continue  # the script unscaled them itself (rt.precision.unscale_), then changed them
+        why = held.why
+        if FP16 in why and run.precision.scaler is not None:
+            why = why.replace(FP16, f"{FP16} ({run.precision.scaler.get_scale():g})")
         raise UsageError(
-            f"{where}: the script changed the gradients after rt.backward while they still awaited {held.why}, "
+            f"{where}: the script changed the gradients after rt.backward while they still awaited {why}, "
             "so torch.nn.utils.clip_grad_norm_ and its like acted on the wrong numbers; clip with "
             f"rt.clip_grad_norm_(model, max_norm), or call {UNSCALE} first and change them after it"
         )
@@ -156,4 +163,4 @@ def refuse_after_finish(run: RunState) -> None:
         )
 
 
-__all__ = ["UNSCALE", "check", "finish", "hold", "refuse_after_finish", "trained"]
+__all__ = ["FP16", "UNSCALE", "check", "finish", "hold", "refuse_after_finish", "trained"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -246,7 +246,27 @@ def clip_grad_norm_(
             )
     gradients.finish(run, "rt.clip_grad_norm_", owners)  # the shards' sum, the units, fp16's unscaling
     params = [p for p in model.parameters() if p.grad is not None]
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        return _clip_with_sparse(params, max_norm, norm_type)
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def _clip_with_sparse(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` where some gradients are sparse (``nn.Embedding(sparse=True)``),
+    which torch's own does not take: a sparse gradient's norm is its coalesced values' (repeated rows summed)."""
+    grads = []
+    for p in params:
+        grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
+            grad = p.grad = grad.coalesce()
+        grads.append(grad)
+    norms = [torch.linalg.vector_norm(g.values() if g.is_sparse else g, norm_type) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device))
+    return total
 
 
 def unscale_gradients(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:

@@ -20,7 +20,7 @@ from ddpkit.errors import UsageError, translate_uncaught, warn
 from ddpkit.parallel import lazy_buffers
 from ddpkit.parallel.auto import AutoCompressor
 from ddpkit.parallel.compression import attach
-from ddpkit.parallel.modes import Replicated
+from ddpkit.parallel.modes import Replicated, sparse_gradient_modules
 from ddpkit.parallel.options import SetupOptions, Wrapped
 from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
@@ -138,6 +138,8 @@ def _distributed(
     if settle:
         wrapped.not_bitwise = settle_buckets(model, is_main=is_main)
     compressor = None
+    if options.grad_compression is None and sparse_gradient_modules(model.module):
+        model.register_comm_hook(None, sparse_safe_average)  # (compression with them is refused at set-up)
     if options.grad_compression is not None:
         compressor = attach(
             model,
@@ -152,6 +154,28 @@ def _distributed(
     wrapped.mode = AcrossProcesses(model, compressor, warns=is_main)
     translate_uncaught(unfinished_reduction)
     return model
+
+
+# DDP checks a hook's annotations against its own types: this one has none on purpose.
+def sparse_safe_average(process_group, bucket):  # noqa: ANN001, ANN201
+    """DDP's own average of a bucket (divide by the world size, all-reduce), on a copy of a sparse gradient.
+
+    Without a hook torch's reducer divides a sparse gradient in place, and its values can be the very
+    tensor another branch of the backward still reads: autograd hands an embedding the gradient of its
+    output as it is, so ``linear(x) + embedding(i)`` had the linear layer's gradients divided once more
+    (halved on 2 processes, in float64 and on torch's own DDP alike). A model with a sparse gradient gets
+    this hook: the dense buckets are the reducer's own copies, the sparse one is copied first.
+    """
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    if tensor.is_sparse:
+        tensor = tensor.clone()
+    tensor.div_(dist.get_world_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None  # async_op=True
+    return work.get_future().then(lambda future: future.value()[0])
 
 
 def settle_buckets(model: Any, *, is_main: bool) -> str | None:

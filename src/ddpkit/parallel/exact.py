@@ -30,7 +30,9 @@ the group's batches in order before the tree, and weighs each shard by the group
 ``rt.loader`` are cut like map-style batches (a ``ddpkit.Shards`` stream's ranks read contiguous
 columns, so its shards lie end to end and sum along :func:`tree_sum_halves`). Refused with it, in
 one line each that says why and what instead: SyncBatchNorm, gradient compression, fsdp,
-infrequent syncs, DDP arguments, and a world size that is not a power of two dividing M.
+infrequent syncs, DDP arguments, sparse gradients, a buffer of the model's own changed in place by
+the shards' forwards (each process would keep its own shards' updates), and a world size that is
+not a power of two dividing M.
 
 **A fault-tolerant job** (``ddpkit run --fault-tolerant``, each replica one process): each step's
 quorum shares the shards out by subtrees of the one-process tree (:meth:`Exact._share`), so the
@@ -112,6 +114,15 @@ class Exact:
             params += [p for group in optimizer.param_groups for p in group["params"]]
         self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
         self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+        self.own_buffers = [
+            (f"{name}.{key}" if name else key, buffer)
+            for name, module in model.named_modules()
+            if not isinstance(module, _BatchNorm)
+            for key, buffer in module.named_buffers(recurse=False)
+            if buffer is not None
+        ]
+        """The model's buffers that are not BatchNorm's (a causal mask, a running statistic of its own), by name."""
+        self._buffer_versions: list[int] | None = None  # theirs as the step's first shards were cut
         self.current: tuple[int, int, int] | None = None  # (local index j, global shard s, its samples)
         self.leaves: dict[int, list[Any]] = {}  # local index -> gradients per parameter
         self.stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # j -> norm -> (mean, var)
@@ -166,6 +177,8 @@ class Exact:
         if self.cut:  # the next batch of an accumulation group: its statistics follow the last one's
             self.group_stats.append(self.stats)
             self.stats = {}
+        elif not self._probing:
+            self._buffer_versions = [_torch.version_of(buffer) for _, buffer in self.own_buffers]
         full = active.sampler.global_batch_size
         if full < self.micro_shards:
             raise UsageError(
@@ -193,6 +206,30 @@ class Exact:
         self._held = []
         self.batches += 1
         return self._each(mine, sizes, step, self.batches - 1, batch, rows)
+
+    def _refuse_changed_buffers(self) -> None:
+        """Refuse a step whose shards' forwards changed a buffer of the model's own in place.
+
+        Each process keeps what its own shards' forwards did to such a buffer (a running mean of the
+        inputs, a step counter): the ranks would part from each other and from one process, which
+        ran every shard's forward. BatchNorm's running statistics are the ones micro-shards take over
+        every shard, in shard order.
+
+        Raises:
+            UsageError: naming the buffer.
+        """
+        before, self._buffer_versions = self._buffer_versions, None
+        if before is None:
+            return
+        for (name, buffer), version in zip(self.own_buffers, before):
+            if _torch.version_of(buffer) != version:
+                raise UsageError(
+                    f"micro_shards: the forward of the shards changed the model's buffer {name!r} in place (a "
+                    "running statistic of its own): each process would keep only its own shards' updates, and "
+                    "the ranks and one process would part; micro_shards take BatchNorm's running statistics "
+                    "over every shard and no other buffer's. Update it outside the `for shard in rt.shards(...)` "
+                    "loop from every rank's values (rt.all_reduce), or train without micro_shards"
+                )
 
     def _subtrees(self) -> int:
         """How many subtrees a fault-tolerant step's quorum shares out: the least power of two that gives every
@@ -361,6 +398,7 @@ class Exact:
                 "rt.step came before every shard of the batch ran rt.backward; finish the "
                 "`for shard in rt.shards(...)` loop first"
             )
+        self._refuse_changed_buffers()
         stats = self._step_stats()
         if self.quorum is not None:  # a fault-tolerant replica: the quorum's subtrees, summed at its top
             total, gathered_stats = self._share(stats)

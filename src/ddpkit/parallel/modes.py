@@ -370,6 +370,7 @@ def check_combination(
     Raises:
         UsageError: which combination, why, and what to use instead.
     """
+    refuse_sparse(model, options, micro_shards)
     if micro_shards is None:
         if micro_shards_set_up:
             raise UsageError(
@@ -393,6 +394,53 @@ def check_combination(
         )
 
 
+def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s modules that make sparse gradients (``nn.Embedding``/``nn.EmbeddingBag``
+    with ``sparse=True``)."""
+    return [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+    ]
+
+
+def refuse_sparse(
+    model: torch.nn.Module, options: Any, micro_shards: int | None, *, fault_tolerant: bool = False
+) -> None:
+    """Refuse, in one line, a mode that cannot take a sparse gradient, for a model that makes one.
+
+    DDP takes them (each in a bucket of its own, :func:`ddpkit.parallel.ddp.sparse_safe_average`); the
+    fixed tree of micro-shards, fsdp's shards, the compression hooks and a fault-tolerant replica's flat
+    average work on dense tensors.
+
+    Args:
+        model: the model being set up.
+        options: its other ``rt.setup`` options (:class:`~ddpkit.parallel.options.SetupOptions`).
+        micro_shards: ``rt.setup``'s ``micro_shards`` (None: not asked).
+        fault_tolerant: set up in a fault-tolerant replica, which averages its gradients itself.
+
+    Raises:
+        UsageError: naming the module and the mode.
+    """
+    sparse = sparse_gradient_modules(model)
+    if not sparse:
+        return
+    if micro_shards is not None:
+        what, why = f"micro_shards={micro_shards}", "the fixed tree sums dense gradients"
+    elif options.strategy != "ddp":
+        what, why = f"strategy={options.strategy!r}", "its shards are cut from dense gradients"
+    elif options.grad_compression is not None:
+        what, why = f"grad_compression={options.grad_compression!r}", "the hooks compress dense buckets"
+    elif fault_tolerant and options.sync == "every-step":
+        what, why = "--fault-tolerant", "a replica averages its gradients as one dense tensor"
+    else:
+        return
+    raise UsageError(
+        f"{what} does not take sparse gradients ({why}), and the model's {sparse[0]!r} makes them "
+        f"(sparse=True): build it with sparse=False, or leave {what} out"
+    )
+
+
 __all__ = [
     "Mode",
     "MicroShards",
@@ -401,4 +449,6 @@ __all__ = [
     "Replicated",
     "Sharded",
     "check_combination",
+    "refuse_sparse",
+    "sparse_gradient_modules",
 ]

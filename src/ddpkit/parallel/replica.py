@@ -23,7 +23,7 @@ import torch
 
 from ddpkit import rng
 from ddpkit.errors import UsageError
-from ddpkit.parallel.modes import Mode
+from ddpkit.parallel.modes import Mode, refuse_sparse
 from ddpkit.parallel.sync_batchnorm import convert_over
 
 
@@ -74,6 +74,7 @@ class FaultTolerant(Mode):
                 f"--fault-tolerant does not take rt.setup(strategy={options.strategy!r}) yet; "
                 "leave strategy at its default ('ddp')"
             )
+        refuse_sparse(model, options, None, fault_tolerant=True)
         apart = options.sync != "every-step"
         if apart and options.sync_delay > 1:
             raise UsageError(
