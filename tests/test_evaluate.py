@@ -136,3 +136,21 @@ def test_nested_batches_move_and_keep_their_types():
     assert to_device(batch, torch.device("cpu"))["b"].x.device.type == "cpu"
     with pytest.raises(TypeError):
         map_tensors(lambda t: t, batch, strict=True)
+
+
+def test_a_model_whose_child_is_named_module_is_evaluated_and_predicted_whole():
+    """ddpkit took any module with a ``module`` child for DDP's wrapper: evaluate and predict ran the
+    child alone (a backbone of 4 outputs, its head left out)."""
+    from test_torch_private import _Backbone
+
+    torch.manual_seed(0)
+    model = _Backbone()
+    data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randint(0, 2, (20,)))
+    with torch.no_grad():
+        outputs = model(data.tensors[0])
+    metrics = ddpkit.evaluate(model, data, num_classes=2)
+    assert metrics["correct"] == int((outputs.argmax(1) == data.tensors[1]).sum())
+    assert metrics["loss"] == pytest.approx(
+        float(torch.nn.functional.cross_entropy(outputs, data.tensors[1])), rel=1e-6
+    )
+    assert torch.allclose(torch.as_tensor(ddpkit.predict(model, data)), outputs, atol=1e-6)

@@ -140,6 +140,50 @@ def test_unwrap_reaches_the_module_inside_compile_and_data_parallel():
     assert _torch.unwrap(inner) is inner and _torch.unwrap({"x": 1}) == {"x": 1}
 
 
+class _Backbone(torch.nn.Module):
+    """A module of the user's own whose child is named ``module``, beside a head: not a wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(3, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.module(x))
+
+
+def test_unwrap_leaves_a_users_child_named_module_and_names_wrappers_inside_a_users_module(tmp_path):
+    """unwrap peeled any module with a ``module`` child: a checkpoint of it held the child alone (the
+    head lost), ddpkit.evaluate ran the child alone. An EMA (AveragedModel) of the DDP model rt.setup
+    returns names its entries module.module.* on 2 processes, module.* on one: plain_name drops the
+    wrappers' own segments, so its checkpoint resumes on either."""
+    from torch.optim.swa_utils import AveragedModel
+
+    backbone = _Backbone()
+    assert _torch.unwrap(backbone) is backbone and _torch.wrapper_segments(backbone) == []
+    _one_process_group(tmp_path)
+    ddp = torch.nn.parallel.DistributedDataParallel(_Backbone())
+    assert _torch.unwrap(ddp) is ddp.module
+    ema = AveragedModel(ddp)
+    segments = _torch.wrapper_segments(ema)
+    assert segments == ["module.module"]
+    plain = [_torch.plain_name(key, segments) for key in ema.state_dict()]
+    assert plain == list(AveragedModel(_Backbone()).state_dict())  # the names on one process
+    assert plain == [
+        "n_averaged",
+        "module.module.weight",
+        "module.module.bias",
+        "module.head.weight",
+        "module.head.bias",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        compiled = AveragedModel(torch.compile(torch.nn.Sequential(torch.nn.Linear(2, 2))))
+    segments = _torch.wrapper_segments(compiled)
+    assert segments == ["module._orig_mod"]
+    assert [_torch.plain_name(k, segments) for k in compiled.state_dict()][1:] == ["module.0.weight", "module.0.bias"]
+
+
 def _dcp_checkpoint(path):
     """A DCP checkpoint written by this torch alone: a model of several dtypes, AdamW, plain values."""
     import torch.distributed.checkpoint as dcp

@@ -1079,6 +1079,46 @@ def sparse_branches(sparse: bool = True, clip: float | None = None) -> dict:
     return {"weights": weights, "norms": norms, "first": first}
 
 
+def ema_run(checkpoint_dir: str, epochs: int, stop_after: int | None = None) -> dict | None:
+    """An EMA of the weights (``AveragedModel`` around the model ``rt.setup`` returned) and a OneCycleLR
+    schedule, checkpointed each epoch with ``resume="auto"``; stops after ``stop_after`` epochs. Rank 0's EMA
+    in plain names (``ddpkit.checkpoint.user_state``), its count at the resume and at the end, the last rate."""
+    import torch.nn.functional as F
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    rt = ddpkit.init(seed=0, checkpoint_dir=checkpoint_dir, resume="auto")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (64,), generator=g)
+    )
+    loader = rt.loader(data, global_batch_size=16, shuffle=True)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=epochs * len(loader))
+    state = {"model": model, "optimizer": optimizer, "ema": ema, "schedule": schedule}
+    rt.resume(state)
+    resumed_with = int(ema.n_averaged)
+    for epoch in rt.epochs(epochs):
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            if rt.step(optimizer):
+                schedule.step()
+            ema.update_parameters(model)
+        rt.checkpoint(state)
+        if stop_after is not None and epoch + 1 == stop_after:
+            rt.close()
+            return None
+    found = {
+        "ema": {k: v.clone() for k, v in ddpkit.checkpoint.user_state({"ema": ema})["ema"].items()},
+        "resumed_with": resumed_with,
+        "lr": schedule.get_last_lr(),
+    }
+    rt.close()
+    return found
+
+
 def counted_lm_sharded(dtype: str = "float64") -> dict:
     """:func:`counted_lm` under strategy="fsdp"."""
     return counted_lm(True, 1, None, dtype, strategy="fsdp")

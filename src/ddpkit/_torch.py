@@ -24,18 +24,58 @@ class PrivateApiChanged(Exception):
         self.api = api
 
 
+_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+"""The wrappers that hold the module they train in ``module``: a module of the user's own may name a
+child ``module`` too (a backbone beside a head, ``AveragedModel``'s copy), which is not a wrapper."""
+
+
+def _inner(obj: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a wrapper holds (``torch.compile``'s in the private ``_orig_mod``); None: not a wrapper."""
+    inner = getattr(obj, "_orig_mod", None) if hasattr(obj, "_orig_mod") else None
+    if inner is None and isinstance(obj, _WRAPPERS):
+        inner = obj.module
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def unwrap(obj: Any) -> Any:
     """The module inside DDP / DataParallel / ``torch.compile``, so checkpoints hold plain names.
 
     ``torch.compile`` keeps the module it wraps in the private attribute ``_orig_mod``; DDP and
-    DataParallel in ``module``. Anything else is returned as it is.
+    DataParallel in ``module``. Anything else is returned as it is (a module of the user's own with
+    a child named ``module`` included).
     """
     while isinstance(obj, torch.nn.Module):
-        inner = getattr(obj, "_orig_mod", None) if hasattr(obj, "_orig_mod") else getattr(obj, "module", None)
-        if not isinstance(inner, torch.nn.Module):
+        inner = _inner(obj)
+        if inner is None:
             return obj
         obj = inner
     return obj
+
+
+def wrapper_segments(module: torch.nn.Module) -> list[str]:
+    """Where wrappers sit inside ``unwrap(module)``, as the name segments their own level adds
+    (``"module.module"`` for ``AveragedModel(ddp_model)``), the deepest first.
+
+    A module of the user's that holds a set-up model (``AveragedModel(model)`` around the DDP model
+    ``rt.setup`` returned, an EMA of a compiled one) names its entries ``module.module.0.weight`` on
+    2 processes and ``module.0.weight`` on one: a checkpoint of it would resume on its own world size
+    only. Without the wrappers' own segments (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``,
+    :func:`plain_name`) the names are the same on any.
+    """
+    segments = [
+        f"{name}.{'_orig_mod' if hasattr(sub, '_orig_mod') else 'module'}"
+        for name, sub in unwrap(module).named_modules()
+        if name and _inner(sub) is not None
+    ]
+    return sorted(segments, key=len, reverse=True)
+
+
+def plain_name(name: str, segments: list[str]) -> str:
+    """``name`` (of a state entry, or a module's prefix) without the :func:`wrapper_segments` in it."""
+    for segment in segments:
+        if name == segment or name.startswith(segment + "."):
+            name = segment.rpartition(".")[0] + name[len(segment) :]
+    return name
 
 
 def default_store() -> Any:

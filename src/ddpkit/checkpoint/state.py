@@ -2,18 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
-from ddpkit._torch import unwrap
+from ddpkit._torch import plain_name, unwrap, wrapper_segments
 from ddpkit.errors import DdpkitError, UsageError, one_line
 
 
 def user_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict()`` of each object that has one; plain values as they are."""
-    return {key: unwrap(value).state_dict() if hasattr(value, "state_dict") else value for key, value in state.items()}
+    """``state_dict()`` of each object that has one (a module's in plain names, the wrappers inside it
+    left out: :func:`ddpkit._torch.wrapper_segments`); plain values as they are."""
+    return {key: _state_of(value) if hasattr(value, "state_dict") else value for key, value in state.items()}
+
+
+def _state_of(value: Any) -> Any:
+    obj = unwrap(value)
+    state = obj.state_dict()
+    if not isinstance(obj, torch.nn.Module):
+        return state
+    segments = wrapper_segments(obj)
+    return _renamed(state, lambda name: plain_name(name, segments)) if segments else state
+
+
+def _in_own_names(model: torch.nn.Module, saved: Any) -> Any:
+    """A saved module state in ``model``'s own names (its wrappers' segments put back), where it was
+    saved in plain ones."""
+    segments = wrapper_segments(model)
+    if not segments or not isinstance(saved, Mapping):
+        return saved
+    inner = unwrap(model)
+    own = {plain_name(name, segments): name for name, _ in inner.named_modules()}  # (their versions)
+    own.update({plain_name(key, segments): key for key in inner.state_dict()})
+    return _renamed(saved, lambda name: own.get(name, name))
+
+
+def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> OrderedDict[str, Any]:
+    """``state`` with its keys renamed, and the modules' versions torch keeps beside them (``_metadata``)."""
+    out: OrderedDict[str, Any] = OrderedDict((rename(key), value) for key, value in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if isinstance(metadata, Mapping):
+        out._metadata = OrderedDict((rename(key), value) for key, value in metadata.items())  # type: ignore[attr-defined]
+    return out
 
 
 def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any], path: Any) -> None:
@@ -27,10 +59,12 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
     for key, target in state.items():
         if hasattr(target, "load_state_dict"):
             obj = unwrap(target)
+            entry = saved[key]
             if isinstance(obj, torch.nn.Module):
-                check_model_state(obj, saved[key], f"checkpoint {path} ({key!r})")
+                entry = _in_own_names(obj, entry)
+                check_model_state(obj, entry, f"checkpoint {path} ({key!r})")
             try:
-                obj.load_state_dict(saved[key])
+                obj.load_state_dict(entry)
             except UsageError:  # a ValueError too: ddpkit's own objects say what is wrong
                 raise
             except (ValueError, KeyError, RuntimeError) as exc:
