@@ -69,6 +69,13 @@ def test_modes_of_dense_tensors_refuse_a_sparse_embedding_in_one_line(options: d
     )
 
 
+def test_nccl_refuses_a_sparse_embedding_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 2, sparse=True))
+    with pytest.raises(UsageError, match=r"^the model's '0' makes sparse gradients .*which NCCL cannot all-reduce"):
+        SetupOptions().check(model, device=torch.device("cpu"), backend="nccl", precision="fp32")
+    SetupOptions().check(model, device=torch.device("cpu"), backend="gloo", precision="fp32")
+
+
 def test_a_fault_tolerant_replica_refuses_a_sparse_embedding_unless_it_trains_apart():
     from ddpkit.parallel.replica import FaultTolerant
     from test_fault_tolerant import _Quorum

@@ -210,3 +210,32 @@ def test_one_collective_forward_and_one_backward_per_layer_on_a_group_of_their_o
     assert result["layers"] == 2 and result["one_group"] and result["own_group"]
     assert result["calls"] == {"all_gather": 2, "all_reduce": 2}
     assert result["waited"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_torchs_sync_batchnorm_converted_by_the_script_trains_as_the_option_on_cpu() -> None:
+    """A script ported from plain DDP converts its BatchNorm with torch's convert_sync_batchnorm, which
+    refuses CPU modules (one process: "expected input tensor to be on GPU"; two: "only work with GPU
+    modules", both a traceback). ddpkit takes it for sync_batchnorm=True: the same bits as the option on
+    2 processes, plain BatchNorm's on one."""
+    import workers
+
+    def same(a: dict, b: dict) -> bool:
+        return a["weights"].keys() == b["weights"].keys() and all(
+            torch.equal(v, b["weights"][k]) for k, v in a["weights"].items()
+        )
+
+    script = ddpkit.launch(workers.scripts_sync_batchnorm, nprocs=2, args=("script",))[0]
+    assert same(script, ddpkit.launch(workers.scripts_sync_batchnorm, nprocs=2, args=("option",))[0])
+    assert "1.running_mean" in script["weights"]
+    assert same(workers.scripts_sync_batchnorm("script"), workers.scripts_sync_batchnorm("none"))
+
+
+def test_torchs_sync_batchnorm_in_a_model_refuses_what_the_option_refuses() -> None:
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    rt = ddpkit.init(seed=0)
+    try:
+        with pytest.raises(ddpkit.UsageError, match="SyncBatchNorm"):
+            rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
+    finally:
+        rt.close()

@@ -1119,6 +1119,34 @@ def ema_run(checkpoint_dir: str, epochs: int, stop_after: int | None = None) -> 
     return found
 
 
+def scripts_sync_batchnorm(how: str = "script") -> dict:
+    """A BatchNorm model (float64) synced the way ``how`` says: ``"script"`` (torch's
+    ``nn.SyncBatchNorm.convert_sync_batchnorm``, as a plain DDP script does), ``"option"``
+    (``rt.setup(sync_batchnorm=True)``) or ``"none"``; rank 0's weights and statistics after 8 steps."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    ).double()
+    if how == "script":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer, sync_batchnorm=how == "option")
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (64,), generator=g)
+    )
+    for _ in rt.epochs(2):
+        for x, y in rt.loader(data, global_batch_size=16, shuffle=True):
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
+    rt.close()
+    return {"weights": weights}
+
+
 def counted_lm_sharded(dtype: str = "float64") -> dict:
     """:func:`counted_lm` under strategy="fsdp"."""
     return counted_lm(True, 1, None, dtype, strategy="fsdp")

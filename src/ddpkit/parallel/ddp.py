@@ -63,6 +63,8 @@ def replicate(
     wrapped = Wrapped(model)
     if options.sync_batchnorm and world_size > 1:
         model = convert_sync_batchnorm(model, device, _statistics_group(device, timeout_s))
+    elif device.type != "cuda" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        model = convert_sync_batchnorm(model, device)  # torch's of the script's own, which refuses a CPU module
     if world_size > 1:
         model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
     elif options.grad_compression is not None and is_main:

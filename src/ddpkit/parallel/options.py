@@ -16,7 +16,7 @@ import torch
 
 from ddpkit.errors import UsageError
 from ddpkit.parallel import compression, fsdp, periodic_parts
-from ddpkit.parallel.modes import Mode, Replicated
+from ddpkit.parallel.modes import Mode, Replicated, sparse_gradient_modules
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -162,6 +162,11 @@ class SetupOptions:
                 device cannot run.
         """
         check_strategy(self.strategy, self.cpu_offload)
+        if backend == "nccl" and (sparse := sparse_gradient_modules(model)):
+            raise UsageError(
+                f"the model's {sparse[0]!r} makes sparse gradients (sparse=True), which NCCL cannot all-reduce: "
+                "build it with sparse=False, or train on gloo"
+            )
         periodic_parts.check(
             self.sync,
             every=self.sync_every,

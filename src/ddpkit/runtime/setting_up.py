@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ddpkit.parallel import exact, modes
@@ -38,6 +40,10 @@ def adopt(
     Returns:
         The model to train and its index in the run.
     """
+    if not options.sync_batchnorm and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        # the script converted its BatchNorm itself (a habit of plain DDP): it asked for synced statistics,
+        # which ddpkit's own SyncBatchNorm gives on every device (torch's refuses CPU modules)
+        options = dataclasses.replace(options, sync_batchnorm=True)
     micro_shards = options.micro_shards
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     options.check(model, device=device, backend=backend, precision=run.precision.name)
