@@ -234,6 +234,33 @@ def test_a_buffer_of_the_models_own_changed_by_the_shards_forwards_is_refused_be
 # -- several processes ------------------------------------------------------------------------------------
 
 
+def _same_bits(a: dict, b: dict) -> bool:
+    return a["weights"].keys() == b["weights"].keys() and all(
+        torch.equal(v, b["weights"][k]) for k, v in a["weights"].items()
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_collate_that_pads_to_the_longest_makes_each_shard_as_one_process_does():
+    """A collate_fn that pads each batch to its longest sample (Hugging Face's DataCollatorWithPadding)
+    padded a rank's batch to its own longest: a shard cut from it had another width on each world size,
+    its dropout masks another shape, and 1 and 2 processes ended 1e-2 apart. The loader collates each
+    shard's samples on its own too, and rt.shards hands those out: the same bits, with workers, a
+    dict or its tensors, and accumulation."""
+    one = workers.padded_lm()
+    assert _same_bits(ddpkit.launch(workers.padded_lm, nprocs=2, args=("keys", 2))[0], one)  # persistent workers
+    assert _same_bits(workers.padded_lm("keys"), one)
+    accumulated = workers.padded_lm("dict", 0, 2)
+    assert _same_bits(ddpkit.launch(workers.padded_lm, nprocs=2, args=("dict", 0, 2))[0], accumulated)
+
+
+def test_shards_of_copies_of_a_batch_padded_to_its_longest_are_refused_and_of_a_fixed_width_cut():
+    with pytest.raises(UsageError, match=r"^rt.shards: the loader's collate_fn pads each batch to its longest sample"):
+        workers.padded_lm("copies")
+    ddpkit.runtime.current().close()
+    assert _same_bits(workers.padded_lm("copies", fixed=True), workers.padded_lm("keys", fixed=True))
+
+
 @pytest.mark.timeout(240)
 def test_one_process_and_ddp_x2_end_at_the_same_bits():
     """BatchNorm2d and a cumulative BatchNorm1d, dropout, momentum, an uneven last batch: equal bits."""

@@ -1147,6 +1147,85 @@ def scripts_sync_batchnorm(how: str = "script") -> dict:
     return {"weights": weights}
 
 
+class _Sequences(torch.utils.data.Dataset):
+    """48 token sequences of 2 to 13 tokens: a collate pads each batch to its longest."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        lengths = torch.randint(2, 14, (48,), generator=g)
+        self.items = [torch.randint(1, 20, (int(n),), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.items[i]
+
+
+def _pad(batch: list[torch.Tensor], width: int | None = None) -> dict:
+    """Hugging Face's DataCollatorWithPadding, in short: inputs padded with 0 to the batch's longest (or
+    ``width``), labels the next token, -100 past the end."""
+    n = width or max(len(s) for s in batch)
+    x, y = torch.zeros(len(batch), n, dtype=torch.long), torch.full((len(batch), n), -100)
+    for i, s in enumerate(batch):
+        x[i, : len(s)], y[i, : len(s) - 1] = s, s[1:]
+    return {"input_ids": x, "labels": y}
+
+
+def _pad_to_16(batch: list[torch.Tensor]) -> dict:
+    return _pad(batch, 16)
+
+
+class _TinyLM(torch.nn.Module):
+    """An embedding, a causal transformer layer with dropout and padding mask, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.out = torch.nn.Linear(16, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        return self.out(self.enc(self.emb(x), mask=mask, is_causal=True, src_key_padding_mask=x == 0))
+
+
+def padded_lm(how: str = "dict", num_workers: int = 0, accumulate: int = 1, fixed: bool = False) -> dict:
+    """:class:`_TinyLM` with ``micro_shards=2`` on batches its collate pads to their longest (``fixed``: to
+    16), two passes of 8 sequences a step; ``how`` hands ``rt.shards`` the batch (``"dict"``), its two
+    tensors (``"keys"``) or a copy of them (``"copies"``). Rank 0's weights."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = _TinyLM()
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_shards=2)
+    loader = rt.loader(
+        _Sequences(),
+        global_batch_size=8 // accumulate,
+        shuffle=True,
+        collate_fn=_pad_to_16 if fixed else _pad,
+        num_workers=num_workers,
+    )
+    for _ in rt.epochs(2):
+        for batch in loader:
+            with rt.accumulate(model, accumulate) if accumulate > 1 else contextlib.nullcontext():
+                if how == "dict":
+                    shards = ((s["input_ids"], s["labels"]) for s in rt.shards(batch))
+                elif how == "keys":
+                    shards = rt.shards(batch["input_ids"], batch["labels"])
+                else:
+                    shards = rt.shards(batch["input_ids"].clone(), batch["labels"].clone())
+                for x, y in shards:
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+                    rt.backward(loss, count=(y != -100).sum())
+                rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
+    rt.close()
+    return {"weights": weights}
+
+
 def counted_lm_sharded(dtype: str = "float64") -> dict:
     """:func:`counted_lm` under strategy="fsdp"."""
     return counted_lm(True, 1, None, dtype, strategy="fsdp")

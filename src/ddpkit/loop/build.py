@@ -152,6 +152,7 @@ def build_loader(
             num_samples=options.num_samples,
         )
         made = QuorumLoader(dataset, sampler, replica=quorum, **common)
+        made.local_shards = lambda: run.local_micro_shards
     else:
         sampler = GlobalBatchSampler(
             len(dataset),
@@ -168,6 +169,7 @@ def build_loader(
         # micro-shards over 4 or more ranks: neighbouring ranks (one node's) hold the shards the tree adds
         # first, so the exchange's first rounds stay on a node (the same bits either way)
         made.reversed_slots = lambda: run.micro_shards
+        made.local_shards = lambda: run.local_micro_shards  # a collate_fn of the script's makes each shard
     run.loop.register(made, options.name)
     return made
 

@@ -24,8 +24,56 @@ from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_in
 
 from ddpkit import rng
 from ddpkit.checkpoint import background
-from ddpkit.loop.batch import to_device, zero_rows
+from ddpkit.loop.batch import map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import GlobalBatchSampler
+
+SHARDS = "micro-shards"
+"""The first element of the key :class:`_EpochBatches` adds to a batch for :class:`ShardCollate`: its local shards."""
+
+
+class ShardCollate:
+    """The script's ``collate_fn``, applied to each micro-shard's samples on its own too.
+
+    A collate that pads to the batch's longest sample (Hugging Face's ``DataCollatorWithPadding``)
+    pads a rank's batch to the longest of its samples: a shard cut from it had another width on
+    each world size, its dropout masks were drawn over another shape, and ``micro_shards`` lost its
+    bits (1e-2 apart on 1 and 2 processes). Given the local shard count (the :data:`SHARDS` key the
+    batch sampler adds, so a persistent worker learns it too), it returns :class:`Collated`: the batch
+    as before, and each shard collated as one process collates that shard.
+    """
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> Any:
+        shards = 0
+        if samples and isinstance(samples[-1], _ShardCount):
+            shards, samples = samples[-1].shards, samples[:-1]
+        whole = self.collate(samples)
+        if shards <= 1:
+            return whole
+        return Collated(
+            whole, [self.collate(samples[j::shards]) if samples[j::shards] else None for j in range(shards)]
+        )
+
+
+class _ShardCount:
+    """What :class:`_KeyedDataset` reads for the :data:`SHARDS` key: the batch's local shards."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+
+
+class Collated:
+    """A batch and its local micro-shards, each collated on its own (:class:`ShardCollate`)."""
+
+    def __init__(self, whole: Any, parts: list[Any]) -> None:
+        self.whole, self.parts = whole, parts
+
+    def pin_memory(self) -> Collated:
+        """DataLoader's ``pin_memory`` thread calls it."""
+        pin = lambda batch: None if batch is None else map_tensors(lambda t: t.pin_memory(), batch)  # noqa: E731
+        return Collated(pin(self.whole), [pin(part) for part in self.parts])
 
 
 class _KeyedDataset(Dataset):
@@ -53,8 +101,10 @@ class _KeyedDataset(Dataset):
         rng.seed_worker_globals(self.seed, epoch, self.rank, worker_id)
         self._seeded_epoch = epoch
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
+    def __getitem__(self, key: tuple[Any, int]) -> Any:
         epoch, index = key
+        if epoch == SHARDS:
+            return _ShardCount(index)
         worker = get_worker_info()
         if worker is not None and self._seeded_epoch != epoch:
             self._seed_globals(epoch, worker.id)  # a persistent worker reading a new epoch
@@ -71,11 +121,13 @@ class _EpochBatches:
     def __len__(self) -> int:
         return len(self.loader.sampler)
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[tuple[Any, int]]]:
         epoch = self.loader.epoch
+        shards = self.loader._local_shards()
         for local, _ in self.loader._plan:
             # An empty part still reads one sample so collate sees a batch; it is cut away later.
-            yield [(epoch, index) for index in (local or [0])]
+            keys: list[tuple[Any, int]] = [(epoch, index) for index in (local or [0])]
+            yield keys + [(SHARDS, shards)] if shards > 1 and local else keys
 
 
 class LoaderPosition:
@@ -160,6 +212,16 @@ class ShardedLoader(LoaderPosition):
     reversed_slots: Callable[[], bool] | None = None
     """Asked at each pass's start: whether the rank reads its reversed-bits slot (:attr:`GlobalBatchSampler.slot`)."""
 
+    local_shards: Callable[[], int] | None = None
+    """Asked at each pass's start: the micro-shards this rank computes of a batch (0: none), which a
+    ``collate_fn`` of the script's collates each on its own (:class:`ShardCollate`)."""
+
+    shard_batches: list[Any] | None = None
+    """The batch in hand's local micro-shards, each collated on its own (None: cut from the batch)."""
+
+    whole_batch: Any = None
+    """The batch in hand as handed out (what ``rt.shards`` finds the shards' parts of)."""
+
     def __init__(
         self,
         dataset: Any,
@@ -183,11 +245,13 @@ class ShardedLoader(LoaderPosition):
         self._plan: list[tuple[list[int], int]] = []  # (local part, global size) of each batch left
         workers = num_workers > 0
         self._keyed = _KeyedDataset(dataset, seed, sampler.rank, worker_init_fn)
+        # (default_collate stacks: a shard cut from its batch is the one it makes of the shard's samples)
+        self._shard_collate = ShardCollate(collate_fn) if collate_fn is not None else None
         self._loader = DataLoader(
             self._keyed,
             batch_sampler=_EpochBatches(self),
             num_workers=num_workers,
-            collate_fn=collate_fn or default_collate,
+            collate_fn=self._shard_collate or default_collate,
             pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=workers if persistent_workers is None else persistent_workers and workers,
             prefetch_factor=(prefetch_factor or 2) if workers else None,
@@ -210,17 +274,33 @@ class ShardedLoader(LoaderPosition):
         try:
             for batch, (local, total) in zip(self._loader, self._plan):
                 self._check_pass(this_pass)
+                batch = self._take_parts(batch)
                 if not local:
                     batch = zero_rows(batch)
                 self.position += 1
                 self.local_count, self.global_count = len(local), total
+                self.whole_batch = batch = to_device(batch, self.device)
                 if self._on_batch is not None:
                     self._on_batch(self)
-                yield to_device(batch, self.device)
+                yield batch
         finally:
             # Run out, or left by ``break``: either way the script's next pass is a new one.
             if this_pass == self._passes:
                 self.finished = True
+
+    def _local_shards(self) -> int:
+        """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
+        if self._shard_collate is None or self.local_shards is None:
+            return 0
+        return self.local_shards()
+
+    def _take_parts(self, batch: Any) -> Any:
+        """The batch of a :class:`Collated`, its shards kept (on the device) for ``rt.shards``."""
+        if not isinstance(batch, Collated):
+            self.shard_batches = None
+            return batch
+        self.shard_batches = [None if part is None else to_device(part, self.device) for part in batch.parts]
+        return batch.whole
 
     def __repr__(self) -> str:
         return f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, position={self.position})"
@@ -240,7 +320,6 @@ class QuorumLoader(ShardedLoader):
     def __init__(self, dataset: Any, sampler: GlobalBatchSampler, *, replica: Any, **options: Any):
         super().__init__(dataset, sampler, **options)
         self.replica = replica
-        self._collate = options.get("collate_fn") or default_collate
         self._order: tuple[int, list[int]] | None = None
 
     def _global_batch(self, index: int) -> list[int]:
@@ -266,14 +345,18 @@ class QuorumLoader(ShardedLoader):
                     rank, world = 0, 1
                 self.sampler.rank, self.sampler.world_size = rank, world
                 local = batch[rank::world]
-                samples = self._collate([self._keyed[(self.epoch, index)] for index in (local or batch[:1])])
+                read = [self._keyed[(self.epoch, index)] for index in (local or batch[:1])]
+                if local and (shards := self._local_shards()) > 1:
+                    read.append(_ShardCount(shards))
+                samples = self._take_parts((self._shard_collate or default_collate)(read))
                 if not local:
                     samples = zero_rows(samples)
                 self.position += 1
                 self.local_count, self.global_count = len(local), len(batch)
+                self.whole_batch = samples = to_device(samples, self.device)
                 if self._on_batch is not None:
                     self._on_batch(self)
-                yield to_device(samples, self.device)
+                yield samples
                 if self.position >= len(self):
                     self._at_pass_end()  # in a quorum of its own, if anything is due
                     break

@@ -74,7 +74,10 @@ from ddpkit.observe.collectives import counted_wait
 from ddpkit.parallel.exact_exchange import TreeExchange
 from ddpkit.parallel.exact_tree import (
     _add_grads,
+    _at,
+    _cut_alike,
     _pack_table,
+    _path_of,
     _take,
     _unpack_table,
     broadcast_from_rank0,
@@ -205,7 +208,31 @@ class Exact:
         self.expected, self.done, self.batch_count, self.cut = mine, set(), total, True
         self._held = []
         self.batches += 1
-        return self._each(mine, sizes, step, self.batches - 1, batch, rows)
+        return self._each(mine, sizes, step, self.batches - 1, batch, rows, self._collated(active, batch))
+
+    def _collated(self, active: Any, batch: tuple[Any, ...]) -> list[Any] | None:
+        """Each local shard's part of ``batch`` as the loader's collate made it from the shard's samples
+        alone (:class:`ddpkit.loop.loader.ShardCollate`); None: cut from the batch (the same then).
+
+        Raises:
+            UsageError: the script's collate pads each batch to its longest sample, and ``batch`` is not
+                the loader's tensors: a shard cut from it would be padded as no other world size pads it.
+        """
+        parts, whole = getattr(active, "shard_batches", None), getattr(active, "whole_batch", None)
+        if not parts or whole is None or len(parts) != self.local_shards:
+            return None
+        found = [_path_of(item, whole) for item in batch]
+        paths = [path for path in found if path is not None]
+        if len(paths) == len(found):
+            return [None if part is None else tuple(_at(part, path) for path in paths) for part in parts]
+        if _cut_alike(whole, [part for part in parts if part is not None]):
+            return None
+        raise UsageError(
+            "rt.shards: the loader's collate_fn pads each batch to its longest sample, so a shard cut from this "
+            "rank's batch is padded as no other number of processes pads it; pass rt.shards the loader's "
+            "tensors as they come (it hands out each shard as the collate_fn made it from the shard's "
+            "samples), or pad to a fixed length"
+        )
 
     def _refuse_changed_buffers(self) -> None:
         """Refuse a step whose shards' forwards changed a buffer of the model's own in place.
@@ -266,10 +293,14 @@ class Exact:
         in_group: int,
         batch: tuple[Any, ...],
         rows: int | None,
+        collated: list[Any] | None = None,
     ) -> Iterator[Any]:
         for j in mine:
             s = self._global(j)
-            parts = tuple(_take(item, j, self.local_shards, rows) for item in batch)
+            if collated is not None and collated[j] is not None:
+                parts = collated[j]  # the shard as the script's collate_fn made it from its samples alone
+            else:
+                parts = tuple(_take(item, j, self.local_shards, rows) for item in batch)
             self.current = (j, s, sizes[s])
             try:
                 with self._random_stream(step, s, in_group):

@@ -166,6 +166,38 @@ def _take(item: Any, j: int, every: int, rows: int | None = None) -> Any:
     return item
 
 
+def _path_of(item: Any, batch: Any, path: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+    """Where ``item`` (the very object) sits in ``batch``: the keys and indices down to it; None: nowhere."""
+    if item is batch:
+        return path
+    children = (
+        batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (list, tuple)) else ()
+    )
+    for key, child in children:
+        found = _path_of(item, child, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _at(batch: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        batch = batch[key]
+    return batch
+
+
+def _cut_alike(whole: Any, parts: list[Any]) -> bool:
+    """Whether each part (a shard collated on its own) has the shapes of rows of ``whole`` (a collate
+    that stacks, or pads to a fixed length): a shard cut from the batch is then the same."""
+    if isinstance(whole, torch.Tensor):
+        return all(isinstance(p, torch.Tensor) and p.shape[1:] == whole.shape[1:] for p in parts)
+    if isinstance(whole, dict):
+        return all(_cut_alike(v, [p[k] for p in parts]) for k, v in whole.items())
+    if isinstance(whole, (list, tuple)):
+        return all(_cut_alike(v, [p[i] for p in parts]) for i, v in enumerate(whole))
+    return True
+
+
 def _pack(stats: dict[int, tuple[torch.Tensor, torch.Tensor]], norms: list[_BatchNorm]) -> torch.Tensor:
     """One shard's statistics as a float64 row: per layer, 1 (ran) or 0, its mean and its variance."""
     parts = []

@@ -114,6 +114,14 @@ class RunState:
         return any(isinstance(entry.mode, MicroShards) for entry in self.entries)
 
     @property
+    def local_micro_shards(self) -> int:
+        """The micro-shards this process computes of a batch (``micro_shards`` over the processes); 0 without them."""
+        for entry in self.entries:
+            if isinstance(entry.mode, MicroShards):
+                return int(entry.mode.exact.local_shards)
+        return 0
+
+    @property
     def modes(self) -> list[Mode]:
         """Every mode of the run: how its processes meet, then each model's, each once."""
         found: list[Mode] = [self.world]
