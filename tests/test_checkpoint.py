@@ -230,7 +230,10 @@ def test_a_save_cut_short_before_its_rename_leaves_the_old_file_loadable(tmp_pat
 
 
 @pytest.mark.timeout(180)
-def test_an_ema_of_the_set_up_model_resumes_on_another_number_of_processes(tmp_path):
+@pytest.mark.parametrize(
+    ("first", "then"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)], ids=["2-to-1", "1-to-2"]
+)
+def test_an_ema_of_the_set_up_model_resumes_on_another_number_of_processes(tmp_path, first, then):
     """``AveragedModel(model)`` around the DDP model rt.setup returns: its entries were saved without
     their count (n_averaged) when ddpkit took its ``module`` child for a wrapper's, so a resumed run's
     EMA restarted from the current weights (1.3e-1 from the uninterrupted run); and its names
@@ -238,14 +241,13 @@ def test_an_ema_of_the_set_up_model_resumes_on_another_number_of_processes(tmp_p
     and the other way round: the uninterrupted run's EMA within float64 rounding, its count and schedule."""
     whole = workers.ema_run(str(tmp_path / "whole"), 3)
     assert whole["resumed_with"] == 0 and int(whole["ema"]["n_averaged"]) == 12
-    for first, then in ((2, 1), (1, 2)):
-        where = str(tmp_path / f"{first}-{then}")
-        ddpkit.launch(workers.ema_run, nprocs=first, args=(where, 3, 2))
-        resumed = ddpkit.launch(workers.ema_run, nprocs=then, args=(where, 3))[0]
-        assert resumed["resumed_with"] == 8, (first, then)
-        assert resumed["ema"].keys() == whole["ema"].keys() and resumed["lr"] == pytest.approx(whole["lr"], rel=1e-15)
-        for key, value in whole["ema"].items():
-            assert torch.allclose(resumed["ema"][key].double(), value.double(), rtol=1e-12, atol=1e-15), (first, key)
+    where = str(tmp_path / f"{first}-{then}")
+    ddpkit.launch(workers.ema_run, nprocs=first, args=(where, 3, 2))
+    resumed = ddpkit.launch(workers.ema_run, nprocs=then, args=(where, 3))[0]
+    assert resumed["resumed_with"] == 8
+    assert resumed["ema"].keys() == whole["ema"].keys() and resumed["lr"] == pytest.approx(whole["lr"], rel=1e-15)
+    for key, value in whole["ema"].items():
+        assert torch.allclose(resumed["ema"][key].double(), value.double(), rtol=1e-12, atol=1e-15), key
 
 
 def test_prune_sweeps_what_killed_saves_left(tmp_path):

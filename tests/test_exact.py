@@ -250,6 +250,11 @@ def test_a_collate_that_pads_to_the_longest_makes_each_shard_as_one_process_does
     one = workers.padded_lm()
     assert _same_bits(ddpkit.launch(workers.padded_lm, nprocs=2, args=("keys", 2))[0], one)  # persistent workers
     assert _same_bits(workers.padded_lm("keys"), one)
+
+
+@pytest.mark.slow  # 3 s: make test pads the shards of one batch a step (above)
+@pytest.mark.timeout(240)
+def test_a_collate_that_pads_to_the_longest_makes_each_shard_alike_through_accumulation():
     accumulated = workers.padded_lm("dict", 0, 2)
     assert _same_bits(ddpkit.launch(workers.padded_lm, nprocs=2, args=("dict", 0, 2))[0], accumulated)
 

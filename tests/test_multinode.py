@@ -113,6 +113,7 @@ def _train_on_two_nodes(common: list[str], out: Path, env: dict) -> list[tuple[i
     )
 
 
+@pytest.mark.slow  # 7 s: two simulated nodes
 @pytest.mark.timeout(300)
 def test_local_rank_zero_prepares_each_node_first(tmp_path):
     results = _two_agents([NODE_LOCAL, str(tmp_path)])

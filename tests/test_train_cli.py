@@ -62,6 +62,7 @@ def test_train_writes_every_output(trained):
     assert result.stdout.count("epoch 2: train_loss=") == 1  # printed on rank 0 only
 
 
+@pytest.mark.slow  # 7 s: make test resumes scripts of its own (test_restarts, test_checkpoint)
 def test_resume_auto_continues_a_finished_run(trained, tmp_path):
     out, _ = trained
     copy = tmp_path / "copy"
