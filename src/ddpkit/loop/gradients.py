@@ -146,7 +146,7 @@ def finish(run: RunState, where: str, optimizers: Sequence[torch.optim.Optimizer
     scaler = run.precision.scaler
     if scaler is not None:
         for opt in optimizers or known:
-            if id(opt) not in run.unscaled and not _unscaled(run, opt):
+            if not _unscaled(run, opt):
                 run.precision.unscale_(opt)
             run.unscaled.add(id(opt))
     if owed is not None:
