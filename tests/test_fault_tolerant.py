@@ -70,9 +70,13 @@ def _replicas(out: Path, n: int, *args: str, restarts: int = 1, **kwargs) -> sub
 
 
 def _events(out: Path) -> list[dict]:
+    """Every replica's events; each step's epoch as ``rt.epochs`` yielded it is the one it trained
+    (a replica restarted mid-job heals before its loop starts, into the epoch the job is in)."""
     rows = []
     for path in sorted(out.glob("events-*.jsonl")):
         rows += [json.loads(line) for line in path.read_text().splitlines()]
+    stale = [row for row in rows if row["kind"] == "step" and row.get("loop_epoch", row["epoch"]) != row["epoch"]]
+    assert not stale, ("steps whose epoch in the loop is not the one trained", stale[:3])
     return rows
 
 
@@ -360,6 +364,116 @@ def test_an_exchange_over_a_quorum_is_taken_back_where_its_step_does_not_commit(
     syncer.finish()
     assert replicas.quorums == 2 and replicas.commits[-2:] == [False, True] and syncer.syncs == 3
     assert all(torch.equal(p, s) for p, s in zip(syncer.params, syncer.synced))
+
+
+class _PassEndQuorum:
+    """A replica's quorums for a loader: counts them, and calls what is due at a pass's end."""
+
+    def __init__(self) -> None:
+        self.quorums, self.inside, self.whole_batches = 0, False, False
+        self.at_pass_end: list = []
+
+    def quorum(self) -> tuple[int, int]:
+        self.quorums += 1
+        return 0, 1
+
+
+def _quorum_loader(replica: _PassEndQuorum):
+    from ddpkit.loop.loader import QuorumLoader
+    from ddpkit.loop.sampler import GlobalBatchSampler
+    from ddpkit.state.loop import LoopState
+
+    data = torch.utils.data.TensorDataset(torch.arange(12.0))
+    loop = LoopState()
+    made = QuorumLoader(data, GlobalBatchSampler(12, global_batch_size=4), replica=replica, device=torch.device("cpu"))
+    loop.register(made, None)
+    return loop, made
+
+
+class _Quorums:
+    """torchft's manager, counting the quorums a replica starts and their commits; a peer ahead
+    (step 30) heals the replica at its first."""
+
+    def __init__(self) -> None:
+        self.step, self.started, self.commits = 0, 0, 0
+
+    def current_step(self) -> int:
+        return self.step
+
+    def start_quorum(self) -> None:
+        self.started += 1
+        self.step = max(self.step, 30)
+
+    def participating_rank(self) -> int:
+        return 1
+
+    def num_participants(self) -> int:
+        return 3
+
+    def should_commit(self) -> bool:
+        self.commits += 1
+        self.step += 1
+        return True
+
+
+def test_a_replica_joins_its_first_quorum_before_its_loop_and_its_first_batch_is_in_that_quorum():
+    """``rt.epochs`` has a fault-tolerant replica join its first quorum before it yields (``join_first``):
+    healed there, or resumed from the checkpoint, it names the epoch the job is in. The loader's first
+    quorum is that one, not a second; after the step's commit each batch forms its own again."""
+    replica = object.__new__(ft.Replica)
+    healed: list[bool] = []
+    replica.__dict__.update(
+        index=2,
+        _job_where=None,
+        _job=None,
+        _manager=None,
+        healed=False,
+        _held=False,
+        _in_quorum=False,
+        _quiet=0,
+        first_quorum=healed.append,
+        before_stop=None,
+        transport=type("T", (), {"refused": 0})(),
+    )
+    manager = _Quorums()
+    replica._start = lambda: manager
+    replica.join_first()
+    assert manager.started == 1 and healed == [True] and replica.in_quorum()
+    replica.join_first()  # joined already: nothing more
+    assert replica.quorum() == (1, 3) and manager.started == 1  # the loader's first batch: the same quorum
+    assert replica.should_commit(checked=True) and manager.commits == 1 and not replica.in_quorum()
+    assert replica.quorum() == (1, 3) and manager.started == 2  # the next batch: a quorum of its own
+    replica.join_first()  # a second rt.epochs loop: the replica is in the job already
+    assert manager.started == 2 and healed == [True]
+
+
+def test_a_replica_healing_in_the_quorum_at_a_passs_end_does_what_is_due_there_and_stays_in_that_epoch():
+    """The replicas at the end of a pass form a quorum of their own for what is due there (DiLoCo's
+    exchange), then evaluate the epoch. A replica restarted into that very quorum heals from a peer's
+    state taken inside it: that state says the pass is not done, so the healed replica's loader does
+    the pass's end in the same quorum (no batch of the next epoch) and its loop stays in the epoch the
+    peers evaluate. Taken after the pass's end, the state starts the next epoch."""
+    peer = _PassEndQuorum()
+    loop, loader = _quorum_loader(peer)
+    inside: list[dict] = []
+    peer.at_pass_end.append(lambda: inside.append(loop.state_dict()))
+    for _ in loader:
+        loader.mark_trained()
+        loop.step += 1
+    assert loop.step == 3 and len(inside) == 1 and loader.finished
+    assert inside[0]["epoch_done"] is False and inside[0]["loaders"]["TensorDataset"]["position"] == 3
+    after = loop.state_dict()
+    assert after["epoch_done"] is True and after["loaders"] == {}
+
+    healing = _PassEndQuorum()
+    ends: list[int] = []
+    healing.at_pass_end.append(lambda: ends.append(healing.quorums))
+    again, restarted = _quorum_loader(healing)
+    again.restore(inside[0], source="peer of replica 0")
+    assert again.epoch == 0 and list(restarted) == [] and ends == [1] and restarted.finished
+    later, fresh = _quorum_loader(_PassEndQuorum())
+    later.restore(after, source="peer of replica 0")
+    assert later.epoch == 1 and len(list(fresh)) == 3
 
 
 def test_a_replica_heals_to_its_peers_period_but_a_file_written_by_one_replica_restarts_the_period():

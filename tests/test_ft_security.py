@@ -256,6 +256,7 @@ def test_three_refused_heals_in_a_row_stop_the_replica_with_one_line():
         _job=None,
         _manager=_Manager(),
         healed=False,
+        _held=False,
         first_quorum=None,
         before_stop=None,
         transport=type("T", (), {"refused": 2})(),

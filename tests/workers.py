@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -1162,6 +1164,27 @@ class _Sequences(torch.utils.data.Dataset):
         return self.items[i]
 
 
+class _SequenceStream(torch.utils.data.IterableDataset):
+    """:class:`_Sequences` as a plain stream."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from _Sequences().items
+
+
+def _sequence_shard(shard: int) -> Iterator[torch.Tensor]:
+    """Shard ``shard`` of six of :class:`_Sequences`: eight sequences."""
+    yield from _Sequences().items[shard * 8 : (shard + 1) * 8]
+
+
+def _sequence_data(data: str) -> Any:
+    """:class:`_Sequences` as it is (``"map"``), as a plain stream, or as a ``ddpkit.Shards`` of six shards."""
+    if data == "map":
+        return _Sequences()
+    if data == "stream":
+        return _SequenceStream()
+    return ddpkit.Shards(list(range(6)), _sequence_shard, lengths=[8] * 6, cache=False)
+
+
 def _pad(batch: list[torch.Tensor], width: int | None = None) -> dict:
     """Hugging Face's DataCollatorWithPadding, in short: inputs padded with 0 to the batch's longest (or
     ``width``), labels the next token, -100 past the end."""
@@ -1191,10 +1214,13 @@ class _TinyLM(torch.nn.Module):
         return self.out(self.enc(self.emb(x), mask=mask, is_causal=True, src_key_padding_mask=x == 0))
 
 
-def padded_lm(how: str = "dict", num_workers: int = 0, accumulate: int = 1, fixed: bool = False) -> dict:
+def padded_lm(
+    how: str = "dict", num_workers: int = 0, accumulate: int = 1, fixed: bool = False, data: str = "map"
+) -> dict:
     """:class:`_TinyLM` with ``micro_shards=2`` on batches its collate pads to their longest (``fixed``: to
     16), two passes of 8 sequences a step; ``how`` hands ``rt.shards`` the batch (``"dict"``), its two
-    tensors (``"keys"``) or a copy of them (``"copies"``). Rank 0's weights."""
+    tensors (``"keys"``) or a copy of them (``"copies"``); ``data`` as :func:`_sequence_data` reads
+    them. Rank 0's weights."""
     import torch.nn.functional as F
 
     rt = ddpkit.init(seed=0)
@@ -1202,7 +1228,7 @@ def padded_lm(how: str = "dict", num_workers: int = 0, accumulate: int = 1, fixe
     model = _TinyLM()
     model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_shards=2)
     loader = rt.loader(
-        _Sequences(),
+        _sequence_data(data),
         global_batch_size=8 // accumulate,
         shuffle=True,
         collate_fn=_pad_to_16 if fixed else _pad,

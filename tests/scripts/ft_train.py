@@ -125,6 +125,7 @@ def main() -> None:
                 kind="step",
                 step=rt.global_step,
                 epoch=rt.epoch,
+                loop_epoch=epoch,  # what rt.epochs yielded: a replica that healed into a later epoch names it too
                 local=loader.local_count,
                 total=loader.global_count,
                 summed=summed,

@@ -252,6 +252,7 @@ class Replica:
         """Each replica reads the step's whole global batch (micro-shards, shared out by the quorum),
         rather than its part of it."""
         self._in_quorum = False
+        self._held = False  # joined ahead of the loader (join_first): its first quorum() is this one
         self._checks = 0  # this step's checked calls (announce)
         self._run: tuple[str, int] | None = None  # the run of calls checked at its first (announce): name, place
         self._quiet = 0  # inside one call checked as a whole (as_one)
@@ -263,12 +264,23 @@ class Replica:
             self._manager = self._start()
         return self._manager
 
+    def join_first(self) -> None:
+        """Join the first quorum now, unless one was joined (healing from a peer that is ahead, or
+        resuming from the checkpoint): the training loop then starts where the job stands. The
+        loader's first :meth:`quorum` is this one, whose step its batch begins."""
+        if self._manager is None:
+            self.quorum()
+            self._held = True
+
     def quorum(self) -> tuple[int, int]:
         """Join this step's quorum (healing first if this replica is behind); (rank, participants).
 
         Raises:
             DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
         """
+        if self._held and self._in_quorum:  # joined by join_first: the loader's first batch is in it
+            self._held = False
+            return self.rank, self.participants
         if self._manager is None and self._mismatched_before():  # (a first quorum: one store read a process)
             raise SystemExit(EXIT_MISMATCH)  # restarted after a collective mismatch: the report is above
         if self._job_finished():
@@ -472,7 +484,7 @@ class Replica:
         """
         if not checked:
             self.announce("commit (rt.step)")
-        self._in_quorum = False
+        self._in_quorum = self._held = False
         return bool(self.manager.should_commit())
 
     def finished(self) -> None:

@@ -321,6 +321,7 @@ class QuorumLoader(ShardedLoader):
         super().__init__(dataset, sampler, **options)
         self.replica = replica
         self._order: tuple[int, list[int]] | None = None
+        self._ending = False  # in the quorum at the pass's end, before what is due there is done
 
     def _global_batch(self, index: int) -> list[int]:
         if self._order is None or self._order[0] != self.epoch:
@@ -369,8 +370,21 @@ class QuorumLoader(ShardedLoader):
         weights it changes is done."""
         if self.replica.at_pass_end:
             background.WRITER.copied()
-        for call in self.replica.at_pass_end:
-            call()
+        self._ending = True
+        try:
+            for call in self.replica.at_pass_end:
+                call()
+        finally:
+            self._ending = False
+
+    def position_record(self) -> dict[str, Any]:
+        """Where the pass stands; in the quorum at its end, not yet finished: a replica that heals
+        there from this one does what is due there too (in the same quorum), then evaluates this
+        epoch as this one does."""
+        record = super().position_record()
+        if self._ending:
+            record["finished"] = False
+        return record
 
     def step_back(self) -> None:
         """The step of the batch in hand did not commit: hand out the same global batch again."""

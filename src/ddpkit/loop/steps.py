@@ -39,6 +39,8 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
     A run resumed from a checkpoint written after its last epoch (a restart after the final save)
     has no epoch left: it says so in one line, since code after the loop runs without the loop's
     variables."""
+    for mode in run.modes:
+        mode.begin_epochs()  # (a fault-tolerant replica heals or resumes here, in its first quorum)
     if run.loop.epoch >= n and run.loop.resumed_from is not None:
         warn(
             f"rt.epochs({n}): the run resumed from {run.loop.resumed_from} had trained all {n} epochs, so the "

@@ -41,7 +41,8 @@ class Mode:
 
     Set-up: :meth:`prepare`, :meth:`left_to_wrap`, :meth:`refuse` and :meth:`reduces_over`. A step: :meth:`on_batch`, :meth:`loss_weight`,
     :meth:`shards`, :meth:`after_backward`, :meth:`complete`, :meth:`commit`, :meth:`after_step`.
-    Saving: :meth:`is_main`, :meth:`state_dict`, :meth:`load_state_dict`. The end: :meth:`close`.
+    Saving: :meth:`is_main`, :meth:`state_dict`, :meth:`load_state_dict`. The loop: :meth:`begin_epochs`,
+    :meth:`end_training`. The end: :meth:`close`.
     """
 
     name = "replicated"
@@ -148,6 +149,11 @@ class Mode:
 
     def after_step(self) -> None:
         """An optimizer step was taken."""
+
+    def begin_epochs(self) -> None:
+        """``rt.epochs`` is about to yield its first epoch: where the run stands must be known by then
+        (a fault-tolerant replica joins its first quorum here, healing or resuming, so the epoch it
+        yields is the one its loader reads)."""
 
     def end_training(self) -> None:
         """The run's training is over (``rt.epochs`` ran to its end): leave the processes at one

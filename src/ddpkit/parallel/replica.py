@@ -233,6 +233,11 @@ class FaultTolerant(Mode):
         self.state = state
         return self.is_main(0)
 
+    def begin_epochs(self) -> None:
+        """Join the first quorum before ``rt.epochs`` yields (healing from a peer ahead, or resuming the
+        checkpoint ``rt.resume`` deferred): a replica restarted mid-job trains the epoch the loop names."""
+        self.manager.join_first()
+
     def defer_resume(self, state: Any, strict: bool) -> bool:
         """Resume at the first quorum: from a live peer that is ahead, else from the checkpoint."""
         self.state, self.waiting_resume = state, (state, strict)
