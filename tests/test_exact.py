@@ -252,6 +252,18 @@ def test_a_collate_that_pads_to_the_longest_makes_each_shard_as_one_process_does
     assert _same_bits(workers.padded_lm("keys"), one)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("data, num_workers", [("shards", 2), ("stream", 0)])
+def test_a_collate_that_pads_to_the_longest_makes_each_shard_of_a_stream_alike(data, num_workers):
+    """The same for streams: a ddpkit.Shards stream read by two workers (whose shards lie end to end
+    in a rank's batch; the pieces of a batch padded each to its own longest had raised torch.cat's
+    traceback) and a plain one (dealt out in turn), on 1 and 2 processes: the same bits."""
+    one = workers.padded_lm("keys", num_workers, data=data)
+    two = ddpkit.launch(workers.padded_lm, nprocs=2, args=("keys", num_workers, 1, False, data))[0]
+    assert _same_bits(two, one)
+    assert not _same_bits(workers.padded_lm("keys", num_workers, fixed=True, data=data), one)  # the padding shows
+
+
 @pytest.mark.slow  # 3 s: make test pads the shards of one batch a step (above)
 @pytest.mark.timeout(240)
 def test_a_collate_that_pads_to_the_longest_makes_each_shard_alike_through_accumulation():

@@ -151,6 +151,28 @@ def test_probe_and_break_take_nothing_and_a_stream_resumes_exactly(rt, tmp_path)
         len(loader)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_collate_that_pads_to_the_longest_makes_each_batch_of_its_samples_with_workers(rt, num_workers):
+    """A ddpkit.Shards stream read by two workers makes each global batch of both workers' pieces: a
+    collate_fn that pads to the batch's longest sample (Hugging Face's DataCollatorWithPadding) made
+    pieces of other widths, and joining them raised torch.cat's traceback. The main process collates
+    the samples the workers read: each batch is the collate of its own samples, as one reader's is."""
+    import workers as tw
+
+    items = tw._Sequences().items
+    loader = rt.loader(
+        tw._sequence_data("shards"), global_batch_size=8, shuffle=True, collate_fn=tw._pad, num_workers=num_workers
+    )
+    seen = []
+    for batch in loader:
+        mine = [items[i] for i in loader.positions]
+        expected = tw._pad(mine)
+        assert all(torch.equal(batch[k], expected[k]) for k in expected)
+        assert batch["input_ids"].shape[1] == max(len(s) for s in mine)
+        seen += loader.positions
+    assert sorted(seen) == list(range(48))
+
+
 @pytest.mark.parametrize("kind", ["plain", "shards"])
 def test_a_stream_stopped_mid_epoch_resumes_bitwise_with_workers(tmp_path, kind):
     ckpt = str(tmp_path / "ckpt.pt")

@@ -1265,3 +1265,4 @@ def counted_lm_compressed(use_count: bool = True) -> dict:
 def counted_lm_compiled() -> dict:
     """:func:`counted_lm` (float64) with ``compile={"backend": "aot_eager"}``: a compiled forward and backward."""
     return counted_lm(True, 1, None, "float64", compile={"backend": "aot_eager"})
+

@@ -134,6 +134,7 @@ def build_loader(
             watch=watch,
             **common,
         )
+        made.local_shards = lambda: run.local_micro_shards  # a collate_fn of the script's makes each shard
     elif quorum is not None:
         if options.num_workers:
             raise UsageError(

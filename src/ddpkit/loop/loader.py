@@ -49,12 +49,18 @@ class ShardCollate:
         shards = 0
         if samples and isinstance(samples[-1], _ShardCount):
             shards, samples = samples[-1].shards, samples[:-1]
-        whole = self.collate(samples)
-        if shards <= 1:
-            return whole
-        return Collated(
-            whole, [self.collate(samples[j::shards]) if samples[j::shards] else None for j in range(shards)]
-        )
+        return collate_shards(self.collate, samples, shards)
+
+
+def collate_shards(collate: Callable[[list[Any]], Any], samples: list[Any], shards: int, runs: int | None = None) -> Any:
+    """``collate(samples)``; with more than one local micro-shard, a :class:`Collated` of it and of each
+    shard's samples collated alone: samples ``j, j + shards, ...`` (``runs``: the ``j``-th run of that
+    many, as a ``ddpkit.Shards`` stream lays its shards end to end), as ``rt.shards`` cuts the batch."""
+    whole = collate(samples)
+    if shards <= 1:
+        return whole
+    parts = [samples[j::shards] if runs is None else samples[j * runs : (j + 1) * runs] for j in range(shards)]
+    return Collated(whole, [collate(part) if part else None for part in parts])
 
 
 class _ShardCount:
@@ -137,7 +143,26 @@ class LoaderPosition:
     """
 
     sampler: Any
+    device: torch.device
     length_known = True
+
+    local_shards: Callable[[], int] | None = None
+    """Asked at each pass's start: the micro-shards this rank computes of a batch (0: none), which a
+    ``collate_fn`` of the script's collates each on its own (:class:`ShardCollate`)."""
+
+    shard_batches: list[Any] | None = None
+    """The batch in hand's local micro-shards, each collated on its own (None: cut from the batch)."""
+
+    whole_batch: Any = None
+    """The batch in hand as handed out (what ``rt.shards`` finds the shards' parts of)."""
+
+    def _take_parts(self, batch: Any) -> Any:
+        """The batch of a :class:`Collated`, its shards kept (on the device) for ``rt.shards``."""
+        if not isinstance(batch, Collated):
+            self.shard_batches = None
+            return batch
+        self.shard_batches = [None if part is None else to_device(part, self.device) for part in batch.parts]
+        return batch.whole
 
     def _start_positions(self, name: str | None, on_batch: Callable[[Any], None] | None) -> None:
         self.name = name  # the key its position is saved under (set by the loop state)
@@ -212,16 +237,6 @@ class ShardedLoader(LoaderPosition):
     reversed_slots: Callable[[], bool] | None = None
     """Asked at each pass's start: whether the rank reads its reversed-bits slot (:attr:`GlobalBatchSampler.slot`)."""
 
-    local_shards: Callable[[], int] | None = None
-    """Asked at each pass's start: the micro-shards this rank computes of a batch (0: none), which a
-    ``collate_fn`` of the script's collates each on its own (:class:`ShardCollate`)."""
-
-    shard_batches: list[Any] | None = None
-    """The batch in hand's local micro-shards, each collated on its own (None: cut from the batch)."""
-
-    whole_batch: Any = None
-    """The batch in hand as handed out (what ``rt.shards`` finds the shards' parts of)."""
-
     def __init__(
         self,
         dataset: Any,
@@ -293,14 +308,6 @@ class ShardedLoader(LoaderPosition):
         if self._shard_collate is None or self.local_shards is None:
             return 0
         return self.local_shards()
-
-    def _take_parts(self, batch: Any) -> Any:
-        """The batch of a :class:`Collated`, its shards kept (on the device) for ``rt.shards``."""
-        if not isinstance(batch, Collated):
-            self.shard_batches = None
-            return batch
-        self.shard_batches = [None if part is None else to_device(part, self.device) for part in batch.parts]
-        return batch.whole
 
     def __repr__(self) -> str:
         return f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, position={self.position})"

@@ -23,10 +23,10 @@ from ddpkit import rng
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError
 from ddpkit.loop.batch import to_device
-from ddpkit.loop.loader import LoaderPosition
+from ddpkit.loop.loader import LoaderPosition, collate_shards
 from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.order import Layout
-from ddpkit.loop.streams.pieces import Pieces, as_is, join, warn_once, warn_plain_stream
+from ddpkit.loop.streams.pieces import Pieces, RawSamples, as_is, join, warn_once, warn_plain_stream
 from ddpkit.loop.streams.shards import Shards
 
 
@@ -82,6 +82,7 @@ class StreamLoader(LoaderPosition):
     ):
         self.dataset = dataset
         self.device = device
+        self._user_collate = collate_fn
         self._start_positions(None, on_batch)
         self.positions: list[int] = []  # stream indices of this rank's current batch
         self.is_shards = isinstance(dataset, Shards)
@@ -165,12 +166,32 @@ class StreamLoader(LoaderPosition):
         )
 
     # -- iteration --------------------------------------------------------------------------
+    def _local_shards(self) -> int:
+        """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
+        if self._user_collate is None or self.local_shards is None:
+            return 0
+        return self.local_shards()
+
+    def _collate(self, samples: RawSamples, shards: int) -> Any:
+        """The rank's batch collated here from its samples as they are (and each micro-shard alone):
+        a ``ddpkit.Shards`` stream lays the shards end to end, a plain one deals them out in turn."""
+        runs = None
+        if self.is_shards and shards > 1:
+            runs = self.sampler.global_batch_size // (shards * self.sampler.world_size)
+        assert self._user_collate is not None
+        return self._take_parts(collate_shards(self._user_collate, list(samples), shards, runs))
+
     def __iter__(self) -> Iterator[Any]:
         start = self._resume or 0
         self._passes += 1
         this_pass = self._passes
         self.position, self.finished = start, False
-        self._pieces.control[0], self._pieces.control[1] = self.epoch, start
+        shards = self._local_shards()
+        # a collate of the script's runs here where a batch is joined from several workers' pieces or
+        # cut into micro-shards: each piece padded to its own longest sample would not join, or cut alike
+        raw = self._user_collate is not None and (self._parts > 1 or shards > 1)
+        self._pieces.control[0], self._pieces.control[1], self._pieces.control[2] = self.epoch, start, int(raw)
+        self.shard_batches = None
         expected = start
         try:
             for b, local, batch, count, seen in join(self._loader, self._parts):
@@ -182,9 +203,11 @@ class StreamLoader(LoaderPosition):
                     self._agree(1, *seen)
                 self.position += 1
                 self.positions, self.local_count, self.global_count = local, len(local), count
+                batch = self._collate(batch, shards) if isinstance(batch, RawSamples) else self._take_parts(batch)
+                self.whole_batch = batch = to_device(batch, self.device)
                 if self._on_batch is not None:
                     self._on_batch(self)
-                yield to_device(batch, self.device)
+                yield batch
             if not self.is_shards:
                 self._agree(0, -1, 0)
             elif expected != len(self):

@@ -2,7 +2,7 @@
 
 A piece is a dict: ``b`` (the global batch or chunk it belongs to), ``parts`` (how many pieces
 make that batch), ``pos`` (the stream indices of its samples), ``batch`` (them collated, or
-None), ``template`` (a batch of zero rows, for a rank with no samples in a batch), ``count``
+as they are in a :class:`RawSamples` for the main process to collate, or None), ``template`` (a batch of zero rows, for a rank with no samples in a batch), ``count``
 (samples in the global batch), ``seen`` (samples of the stream read up to it: a plain stream
 must read the same on every rank) and ``error`` (one line naming a shard that failed: the main
 process raises it, so the user sees the shard, not a worker's traceback).
@@ -40,9 +40,9 @@ PLAIN_WINDOW = 256  # shuffle window of a plain stream with shuffle=True
 class Pieces(IterableDataset):
     """The dataset a stream loader hands to its DataLoader (see the module docstring).
 
-    ``control`` (shared memory: epoch, first batch) is set by the main process before each
-    pass, so persistent workers read the right epoch; ``progress`` counts samples read, for
-    the hang watchdog.
+    ``control`` (shared memory: epoch, first batch, whether the main process collates) is set by
+    the main process before each pass, so persistent workers read the right epoch; ``progress``
+    counts samples read, for the hang watchdog.
     """
 
     def __init__(
@@ -62,7 +62,8 @@ class Pieces(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
         self.collate_fn = collate_fn
-        self.control = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.control = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._raw = False  # this pass's pieces carry their samples as they are (RawSamples)
         self.progress = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._unsent, self._sent_at = 0, 0.0
         self.user_worker_init: Callable[[int], None] | None = None
@@ -88,7 +89,8 @@ class Pieces(IterableDataset):
             self._unsent, self._sent_at = 0, now
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        epoch, start = (int(v) for v in self.control)
+        epoch, start, raw = (int(v) for v in self.control)
+        self._raw = bool(raw) and self.mode == "train"
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None and self._seeded_epoch != epoch:
@@ -126,7 +128,10 @@ class Pieces(IterableDataset):
                 piece = self._piece(b, workers, samples, count)
                 piece["w"] = worker
                 if piece["batch"] is not None:
-                    template = zero_rows(piece["batch"])
+                    if not self._raw:
+                        template = zero_rows(piece["batch"])
+                    elif template is None:  # (samples as they are: one collated for it, once a pass)
+                        template = zero_rows(self.collate_fn(piece["batch"][:1]))
                 elif worker == 0 and rank_columns.start >= count:  # the rank has nothing here
                     if template is None:
                         probe = [s for _, s in read_range(shards, order, 0, 1, seed=self.seed)]
@@ -257,7 +262,10 @@ class Pieces(IterableDataset):
 
     # -- helpers ----------------------------------------------------------------------------
     def _piece(self, b: int, parts: int, samples: list[tuple[int, Any]], count: int) -> dict[str, Any]:
-        batch = self.collate_fn([sample for _, sample in samples]) if samples else None
+        batch: Any = None
+        if samples:
+            read = [sample for _, sample in samples]
+            batch = RawSamples(read) if self._raw else self.collate_fn(read)
         return {
             "b": b,
             "w": 0,
@@ -270,6 +278,12 @@ class Pieces(IterableDataset):
             "fp": 0,
             "error": None,
         }
+
+
+class RawSamples(list):
+    """A piece's samples as the stream read them, collated in the main process: a batch made of
+    several workers' pieces, or cut into micro-shards, is collated whole and shard by shard there
+    (a collate that pads to the longest sample pads each piece to its own otherwise)."""
 
 
 class StreamError(ShardError):
@@ -373,7 +387,10 @@ def join(pieces: Any, parts: int) -> Iterator[tuple[int, list[int], Any, int, tu
         del waiting[piece["b"]]
         group.sort(key=lambda p: p["w"])
         filled = [p["batch"] for p in group if p["batch"] is not None]
-        if filled:
+        batch: Any
+        if filled and isinstance(filled[0], RawSamples):
+            batch = RawSamples(sample for samples in filled for sample in samples)
+        elif filled:
             batch = filled[0] if len(filled) == 1 else concat_batches(filled)
         else:
             batch = next((p["template"] for p in group if p["template"] is not None), None)
