@@ -1266,3 +1266,70 @@ def counted_lm_compiled() -> dict:
     """:func:`counted_lm` (float64) with ``compile={"backend": "aot_eager"}``: a compiled forward and backward."""
     return counted_lm(True, 1, None, "float64", compile={"backend": "aot_eager"})
 
+
+def unfreezing(setup: dict | None = None, accumulate: int = 1) -> dict:
+    """Fine-tuning's gradual unfreezing: a float64 MLP whose first layer is frozen at ``rt.setup`` and
+    unfrozen for the second epoch, its parameters a new group of the optimizer (``setup``: more of
+    ``rt.setup``'s options, ``micro_shards`` among them). Rank 0's weights, and what it warned."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, **(setup or {}))
+    micro_shards = bool((setup or {}).get("micro_shards"))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (64,), generator=g)
+    )
+    loader = rt.loader(data, global_batch_size=16 // accumulate)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for epoch in rt.epochs(2):
+            if epoch == 1:
+                backbone = ddpkit._torch.unwrap(model)[0]
+                backbone.requires_grad_(True)
+                optimizer.add_param_group({"params": list(backbone.parameters()), "lr": 0.05})
+            for x, y in loader:
+                with rt.accumulate(model, accumulate) if accumulate > 1 else contextlib.nullcontext():
+                    for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
+                        rt.backward(F.cross_entropy(model(xs), ys))
+                    rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
+    rt.close()
+    return {"weights": weights, "warned": [str(w.message) for w in said if "DDP's buckets leave out" in str(w.message)]}
+
+
+def loss_weights(setup: dict | None = None) -> dict:
+    """Multi-task learning with learned loss weights (Kendall et al.'s uncertainty weighting): two
+    losses of a float64 MLP weighted by ``log_var``, a parameter of the optimizer's outside the model.
+    Rank 0's weights and ``log_var``, and every rank's ``log_var``."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    log_var = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    optimizer = torch.optim.SGD([{"params": model.parameters()}, {"params": [log_var], "lr": 0.05}], lr=0.1)
+    model, optimizer = rt.setup(model, optimizer, **(setup or {}))
+    micro_shards = bool((setup or {}).get("micro_shards"))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (64,), generator=g)
+    )
+    loader = rt.loader(data, global_batch_size=16)
+    for _ in rt.epochs(2):
+        for x, y in loader:
+            for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
+                out = model(xs)
+                losses = torch.stack([F.cross_entropy(out, ys), out.pow(2).mean()])
+                rt.backward((torch.exp(-log_var) * losses + log_var).sum())
+            rt.step(optimizer)
+    weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
+    everyone = rt.all_gather(log_var.detach().clone().unsqueeze(0))
+    rt.close()
+    return {"weights": {**weights, "log_var": log_var.detach().clone()}, "log_vars": everyone}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ def replicate(
     world_size: int,
     is_main: bool,
     timeout_s: float | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Wrapped:
     """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
 
@@ -58,6 +60,7 @@ def replicate(
         world_size: processes of the job (one: no DDP wrapper).
         is_main: global rank 0, the one that warns.
         timeout_s: the collective timeout, for PowerSGD's own group.
+        optimizer: its optimizer, if built: parameters of it outside the model are averaged as DDP's are.
     """
     model = model.to(device)
     wrapped = Wrapped(model)
@@ -66,7 +69,9 @@ def replicate(
     elif device.type != "cuda" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
         model = convert_sync_batchnorm(model, device)  # torch's of the script's own, which refuses a CPU module
     if world_size > 1:
-        model = _distributed(model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s)
+        model = _distributed(
+            model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s, optimizer=optimizer
+        )
     elif options.grad_compression is not None and is_main:
         warn(f"grad_compression={options.grad_compression!r} has no effect with one process: no gradients are sent")
     wrapped.model = options.compiled(model)
@@ -114,6 +119,7 @@ def _distributed(
     device: torch.device,
     is_main: bool,
     timeout_s: float | None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:
     """Wrap ``model`` in DDP (buckets settled, buffers policy, compression); fills ``wrapped``'s extras."""
     from torch.nn.parallel import DistributedDataParallel
@@ -153,7 +159,7 @@ def _distributed(
             buckets_settled=wrapped.not_bitwise is None,
             timeout_s=timeout_s,
         )
-    wrapped.mode = AcrossProcesses(model, compressor, warns=is_main)
+    wrapped.mode = AcrossProcesses(model, compressor, warns=is_main, optimizer=optimizer)
     translate_uncaught(unfinished_reduction)
     return model
 
@@ -208,9 +214,12 @@ def settle_buckets(model: Any, *, is_main: bool) -> str | None:
 
 class AcrossProcesses(Replicated):
     """DDP over several processes: a step whose backward left a trainable parameter without a
-    gradient is refused before the optimizer takes it (:func:`refuse_unused`)."""
+    gradient is refused before the optimizer takes it (:func:`refuse_unused`); parameters that train
+    outside DDP's buckets have their gradients averaged after DDP's (:func:`average_unbucketed`)."""
 
-    def __init__(self, ddp: Any, compressor: Any = None, *, warns: bool = True) -> None:
+    def __init__(
+        self, ddp: Any, compressor: Any = None, *, warns: bool = True, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
         super().__init__(compressor)
         self.ddp = ddp
         """The :class:`~torch.nn.parallel.DistributedDataParallel` model."""
@@ -218,6 +227,49 @@ class AcrossProcesses(Replicated):
         """This process warns (global rank 0)."""
         self.can_check = True
         """False once the reducer's check turned out missing (another torch): warned once."""
+        self.optimizer = optimizer
+        """The optimizer given with the model: a parameter of it outside the model (a learned loss weight)."""
+        ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
+        named = list(ddp.module.named_parameters())
+        _IN_BUCKETS.update({id(p): p for n, p in named if p.requires_grad and n not in ignored})
+        self._module = {id(p) for _, p in named}
+        self.frozen = [(n, p) for n, p in named if not p.requires_grad and n not in ignored]
+        """The parameters frozen when DDP was built, which its buckets leave out (by name): a layer
+        unfrozen later (fine-tuning's gradual unfreezing) would step on each rank's own gradients."""
+        self._outside: list[torch.Tensor] = []  # the optimizer's parameters outside the model
+        self._groups: tuple[int, ...] | None = None  # the optimizer's group sizes when they were listed
+        self._syncs = True  # this backward's gradients are exchanged (not a micro-step inside no_sync)
+        self._told = False
+
+    def accumulating(self, group: tuple[int, bool] | None) -> None:
+        """Inside ``rt.accumulate``, only the group's last micro-step exchanges (DDP's ``no_sync``)."""
+        self._syncs = group is None or group[1]
+
+    def _outside_model(self) -> list[torch.Tensor]:
+        """The optimizer's parameters that are neither the model's nor in another DDP's buckets (listed
+        again where the optimizer has gained a group or a parameter)."""
+        if self.optimizer is None:
+            return []
+        groups = tuple(len(group["params"]) for group in self.optimizer.param_groups)
+        if groups != self._groups:
+            self._groups = groups
+            found = {id(p): p for group in self.optimizer.param_groups for p in group["params"]}
+            self._outside = [p for i, p in found.items() if i not in self._module and _IN_BUCKETS.get(i) is not p]
+        return self._outside
+
+    def after_backward(self) -> None:
+        """Average the gradients of what trains outside DDP's buckets, as DDP averages its own: a
+        parameter frozen at set-up and trained since, one of the optimizer's outside the model."""
+        if not self._syncs:
+            return
+        unfrozen = [(name, p) for name, p in self.frozen if p.requires_grad]
+        outside = [p for p in self._outside_model() if p.requires_grad]
+        if not unfrozen and not outside:
+            return
+        if self.warns and not self._told:
+            self._told = True
+            warn(_unbucketed_message([name for name, _ in unfrozen], outside))
+        average_unbucketed([p for _, p in unfrozen] + outside)
 
     def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
         """Refuse a step whose backward left a trainable parameter out (DDP's exchange never finished)."""
@@ -229,6 +281,60 @@ class AcrossProcesses(Replicated):
             self.can_check = False
             if self.warns:
                 warn(f"{exc}: a parameter the loss does not use is named at the next forward, not before the step")
+
+
+_IN_BUCKETS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""The parameters in the buckets of a live DDP model of this process, by ``id``: an optimizer shared by
+two set-up models holds the other's, which its own DDP averages."""
+
+
+def _unbucketed_message(unfrozen: list[str], outside: list[torch.Tensor]) -> str:
+    parts = []
+    if unfrozen:
+        shown = ", ".join(unfrozen[:3]) + (f" and {len(unfrozen) - 3} more" if len(unfrozen) > 3 else "")
+        parts.append(f"what was frozen at rt.setup ({shown})")
+    if outside:
+        shapes = ", ".join(str(tuple(p.shape)) for p in outside[:3]) + (" ..." if len(outside) > 3 else "")
+        parts.append(f"the optimizer's parameters outside the model (of shapes {shapes})")
+    return (
+        f"DDP's buckets leave out {' and '.join(parts)}, which train: ddpkit averages their gradients after "
+        "each backward, outside the backward's overlap"
+    )
+
+
+def average_unbucketed(params: Sequence[torch.Tensor]) -> None:
+    """Average the gradients of ``params`` over the processes in place, as DDP averages the ones in
+    its buckets: one all-reduce of flags (a parameter with a gradient on some rank only counts zero
+    elsewhere; one with none on any stays without), then one of the gradients a dtype.
+
+    Raises:
+        UsageError: a sparse gradient among them (``nn.Embedding(sparse=True)`` unfrozen after set-up).
+    """
+    import torch.distributed as dist
+
+    device = params[0].device
+    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    present = [p for p, flag in zip(params, flags.tolist()) if flag]
+    if any(p.grad is not None and p.grad.is_sparse for p in present):
+        raise UsageError(
+            "DDP: a sparse gradient of a parameter frozen at rt.setup and trained since cannot be averaged; "
+            "unfreeze it before rt.setup"
+        )
+    world = dist.get_world_size()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in present:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        p.grad = grad
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
 
 def refuse_unused(ddp: Any) -> None:

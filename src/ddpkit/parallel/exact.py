@@ -112,10 +112,10 @@ class Exact:
         process group's): each step's quorum shares the shards (:meth:`_share`)."""
         self.local_shards = micro_shards // world_size
         self.seed, self.device = seed, device
-        params = list(model.parameters())
-        if optimizer is not None:
-            params += [p for group in optimizer.param_groups for p in group["params"]]
-        self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
+        self._model, self._optimizer = model, optimizer
+        self.params = self._trainable()
+        self._index = {id(p): i for i, p in enumerate(self.params)}  # a parameter's place in self.params
+        self._hooked: set[int] = set()  # parameters whose ready hook is registered (by id)
         self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
         self.own_buffers = [
             (f"{name}.{key}" if name else key, buffer)
@@ -147,11 +147,36 @@ class Exact:
         self._held: list[Any] = []  # the last shard's own gradients, until the optimizer stepped (after_backward)
         if world_size > 1:
             self.exchange = TreeExchange(self.params, world_size=world_size, rank=rank, device=device)
-            for i, p in enumerate(self.params):
-                p.register_post_accumulate_grad_hook(self._make_ready_hook(i))
+            self._hook_ready()
         for index, norm in enumerate(self.norms):
             norm.register_forward_pre_hook(self._make_pre_hook(index))
             norm.register_forward_hook(self._make_post_hook(index))
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The parameters that train now: the model's and its optimizer's (a group added since), once each."""
+        params = list(self._model.parameters())
+        if self._optimizer is not None:
+            params += [p for group in self._optimizer.param_groups for p in group["params"]]
+        return [p for p in {id(p): p for p in params}.values() if p.requires_grad]
+
+    def _hook_ready(self) -> None:
+        for p in self.params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(self._ready_hook)
+
+    def _follow_trainable(self) -> None:
+        """At a step's start: the parameters that train now (a layer unfrozen since ``rt.setup``, its
+        optimizer's new group), so their shards' gradients are kept apart and summed along the tree
+        too; every rank changes them at the same step, as the script does."""
+        now = self._trainable()
+        if [id(p) for p in now] == [id(p) for p in self.params]:
+            return
+        self.params = now
+        self._index = {id(p): i for i, p in enumerate(now)}
+        if self.exchange is not None:
+            self.exchange.retarget(now)
+            self._hook_ready()
 
     # -- the shards of a batch ------------------------------------------------------------------
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any]:
@@ -180,7 +205,9 @@ class Exact:
         if self.cut:  # the next batch of an accumulation group: its statistics follow the last one's
             self.group_stats.append(self.stats)
             self.stats = {}
-        elif not self._probing:
+        else:
+            self._follow_trainable()
+        if not self.cut and not self._probing:
             self._buffer_versions = [_torch.version_of(buffer) for _, buffer in self.own_buffers]
         full = active.sampler.global_batch_size
         if full < self.micro_shards:
@@ -368,18 +395,17 @@ class Exact:
         """The optimizer has stepped: let autograd's gradients of the last shard go."""
         self._held = []
 
-    def _make_ready_hook(self, index: int) -> Any:
-        def ready(param: torch.Tensor) -> None:
-            if not self._overlap or self.current is None:
-                return
-            exchange = self.exchange
-            assert exchange is not None  # _overlap is only set with an exchange
-            bucket = exchange.bucket_of[index]
-            self._ready[bucket] = self._ready.get(bucket, 0) + 1
-            if self._ready[bucket] == len(exchange.buckets[bucket]):
-                self._submit(bucket, self._shard_grads(exchange.buckets[bucket], self.current[0]))
-
-        return ready
+    def _ready_hook(self, param: torch.Tensor) -> None:
+        """A parameter's gradient is ready in the last shard's backward: its bucket goes once full."""
+        index = self._index.get(id(param))
+        if not self._overlap or self.current is None or index is None:
+            return
+        exchange = self.exchange
+        assert exchange is not None  # _overlap is only set with an exchange
+        bucket = exchange.bucket_of[index]
+        self._ready[bucket] = self._ready.get(bucket, 0) + 1
+        if self._ready[bucket] == len(exchange.buckets[bucket]):
+            self._submit(bucket, self._shard_grads(exchange.buckets[bucket], self.current[0]))
 
     def _shard_grads(self, members: list[int], current: int | None) -> list[list[Any]]:
         """For each parameter of a bucket, its gradient in each local shard (the shard in hand: ``.grad``)."""

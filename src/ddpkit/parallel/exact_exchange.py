@@ -108,13 +108,12 @@ class TreeExchange:
     ) -> None:
         import torch.distributed as dist
 
-        self.params, self.world_size, self.rank, self.device = list(params), world_size, rank, device
-        self.buckets = plan_buckets(
-            self.params,
-            bucket_bytes=BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
-            first_bucket_bytes=FIRST_BUCKET_BYTES if first_bucket_bytes is None else first_bucket_bytes,
+        self.world_size, self.rank, self.device = world_size, rank, device
+        self._sizes = (
+            BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+            FIRST_BUCKET_BYTES if first_bucket_bytes is None else first_bucket_bytes,
         )
-        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.retarget(params)
         # the exchange's own group (every rank creates it, in setup): its sends run beside the
         # step's other collectives (BatchNorm statistics, metrics) without being ordered with them
         backend = dist.get_backend()
@@ -127,8 +126,6 @@ class TreeExchange:
         self.rounds = world_size.bit_length() - 1  # log2 W
         self.direct = world_size == 2
         """Two ranks: each bucket is one allreduce started from the main thread (no thread of ours)."""
-        self.calls_per_step = len(self.buckets) if self.direct else 2 * self.rounds * len(self.buckets)
-        """Collective or point-to-point rounds of one step's exchange (``ddpkit bench`` reads it)."""
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[Any] = queue.Queue()
         self._submitted: set[int] = set()
@@ -137,7 +134,6 @@ class TreeExchange:
             tuple[Any, torch.Tensor, torch.Tensor, list[int]]
         ] = []  # direct: (work, flat, sent, offsets)
         self._gather: tuple[Any, list[torch.Tensor]] | None = None  # direct: the step's gather (start_gather)
-        self._buffers: dict[Any, torch.Tensor] = {}  # see _buffer
         self._thread: threading.Thread | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()  # buckets to sum, in bucket order, for the workers
         self._workers: list[threading.Thread] = []
@@ -153,6 +149,20 @@ class TreeExchange:
                 self._workers.append(worker)
 
     # -- the main thread's side -------------------------------------------------------------------
+
+    def retarget(self, params: Sequence[torch.Tensor]) -> None:
+        """Exchange the gradients of ``params`` (the ones that train now), in buckets planned for them;
+        every rank calls it at the same step, between exchanges."""
+        self.params = list(params)
+        self.buckets = plan_buckets(self.params, bucket_bytes=self._sizes[0], first_bucket_bytes=self._sizes[1])
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self._buffers: dict[Any, torch.Tensor] = {}  # see _buffer (planned anew with the buckets)
+
+    @property
+    def calls_per_step(self) -> int:
+        """Collective or point-to-point rounds of one step's exchange (``ddpkit bench`` reads it)."""
+        return len(self.buckets) if self.direct else 2 * self.rounds * len(self.buckets)
+
     def submit(
         self,
         bucket: int,

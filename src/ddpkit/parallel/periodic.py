@@ -120,6 +120,7 @@ class PeriodicSync:
         self.name = kind
         self.model = model
         self.optimizer = optimizer
+        _refuse_outside(model, optimizer, kind)
         self.decision: dict[str, Any] | None = None
         """How the period was chosen (``sync_every`` left out): the measured link and step, the
         period, delay and fragments; None where the user gave ``sync_every`` or it is not chosen yet."""
@@ -867,6 +868,21 @@ class PeriodicSync:
         _copy(self.params, self.synced)
         _copy(self.buffers, self.synced_buffers)
         self.steps, self.pending, self.feedback = 0, [], {}
+
+
+def _refuse_outside(model: torch.nn.Module, optimizer: Any, kind: str) -> None:
+    """Refuse an optimizer holding parameters outside ``model`` (a learned loss weight): the sync meets
+    over the model's, so each rank would train its own copy of those apart for good."""
+    if optimizer is None:
+        return
+    mine = {id(p) for p in model.parameters()}
+    outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
+    if outside:
+        raise UsageError(
+            f"sync={kind!r}: the optimizer holds {len(outside)} parameter(s) outside the model (of shape "
+            f"{tuple(outside[0].shape)}), which the sync never meets over, so each process would train its own; "
+            "make them the model's (an attribute of one of its modules), or train with sync='every-step'"
+        )
 
 
 def _checked_decision(decision: Any, source: str) -> dict[str, Any]:

@@ -65,7 +65,9 @@ def wrap(
     if options.sync != "every-step":
         return _train_apart(model, optimizer, options, device=device, is_main=is_main)
 
-    return replicate(model, options, device=device, world_size=world_size, is_main=is_main, timeout_s=timeout_s)
+    return replicate(
+        model, options, device=device, world_size=world_size, is_main=is_main, timeout_s=timeout_s, optimizer=optimizer
+    )
 
 
 def _train_apart(
