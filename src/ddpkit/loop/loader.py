@@ -52,10 +52,19 @@ class ShardCollate:
         return collate_shards(self.collate, samples, shards)
 
 
-def collate_shards(collate: Callable[[list[Any]], Any], samples: list[Any], shards: int, runs: int | None = None) -> Any:
+def collate_shards(
+    collate: Callable[[list[Any]], Any], samples: list[Any], shards: int, runs: int | None = None
+) -> Any:
     """``collate(samples)``; with more than one local micro-shard, a :class:`Collated` of it and of each
-    shard's samples collated alone: samples ``j, j + shards, ...`` (``runs``: the ``j``-th run of that
-    many, as a ``ddpkit.Shards`` stream lays its shards end to end), as ``rt.shards`` cuts the batch."""
+    shard's samples collated alone, as ``rt.shards`` cuts the batch.
+
+    Args:
+        collate: the script's ``collate_fn``.
+        samples: the rank's samples of the batch, in its order.
+        shards: the rank's local micro-shards (0 or 1: the batch alone).
+        runs: None: shard ``j`` is samples ``j, j + shards, ...``; a number: the ``j``-th run of that
+            many (a ``ddpkit.Shards`` stream lays its shards end to end).
+    """
     whole = collate(samples)
     if shards <= 1:
         return whole
