@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 import warnings
 
 import pytest
@@ -548,7 +549,7 @@ def test_without_the_reducers_check_the_step_warns_once_and_goes_on():
 
     with pytest.raises(_torch.PrivateApiChanged, match="_check_reducer_finalized"):
         _torch.ddp_reduction_unfinished(object())
-    mode = AcrossProcesses(object())
+    mode = AcrossProcesses(types.SimpleNamespace(module=torch.nn.Linear(1, 1)))  # (no reducer of torch's)
     with pytest.warns(UserWarning, match="_check_reducer_finalized.*named at the next forward"):
         mode.complete([])
     with warnings.catch_warnings():
