@@ -419,7 +419,10 @@ class _Quorums:
 def test_a_replica_joins_its_first_quorum_before_its_loop_and_its_first_batch_is_in_that_quorum():
     """``rt.epochs`` has a fault-tolerant replica join its first quorum before it yields (``join_first``):
     healed there, or resumed from the checkpoint, it names the epoch the job is in. The loader's first
-    quorum is that one, not a second; after the step's commit each batch forms its own again."""
+    quorum is that one, not a second; after the step's commit each batch forms its own again. A batch
+    before the step's commit is in the same quorum (a probed batch, a second loader's), unless a
+    backward ran in it: accumulating over batches is refused in one line (it had the replicas wait
+    in quorums of different steps until gloo's timeout, over and over)."""
     replica = object.__new__(ft.Replica)
     healed: list[bool] = []
     replica.__dict__.update(
@@ -428,7 +431,7 @@ def test_a_replica_joins_its_first_quorum_before_its_loop_and_its_first_batch_is
         _job=None,
         _manager=None,
         healed=False,
-        _held=False,
+        _backward=False,
         _in_quorum=False,
         _quiet=0,
         first_quorum=healed.append,
@@ -445,6 +448,14 @@ def test_a_replica_joins_its_first_quorum_before_its_loop_and_its_first_batch_is
     assert replica.quorum() == (1, 3) and manager.started == 2  # the next batch: a quorum of its own
     replica.join_first()  # a second rt.epochs loop: the replica is in the job already
     assert manager.started == 2 and healed == [True]
+    assert replica.quorum() == (1, 3) and manager.started == 2  # a probed batch, then the loop's first
+    replica.note_backward()
+    with pytest.raises(ddpkit.UsageError) as refused:
+        replica.quorum()  # a second batch before rt.step
+    assert "accumulating over batches is not built yet" in str(refused.value) and "\n" not in str(refused.value)
+    assert manager.started == 2
+    replica.should_commit(checked=True)
+    assert replica.quorum() == (1, 3) and manager.started == 3
 
 
 def test_a_replica_healing_in_the_quorum_at_a_passs_end_does_what_is_due_there_and_stays_in_that_epoch():
@@ -719,6 +730,38 @@ def test_a_collective_of_the_scripts_own_is_refused_in_one_line(tmp_path):
         "replica 1, rank 0",
     ], done.stdout
     assert done.stderr.count("rt.rank is 0 in every replica of a fault-tolerant job") == 2
+
+
+_ACCUMULATES = """
+import torch, ddpkit
+rt = ddpkit.init(seed=0)
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = rt.setup(model, optimizer)
+data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 2))
+loader = rt.loader(data, global_batch_size=4)
+for _ in rt.epochs(1):
+    next(iter(loader))  # a probed batch: in the first step's quorum
+    for i, (x, y) in enumerate(loader):  # accumulation by hand: a step every 2 batches
+        rt.backward(torch.nn.functional.mse_loss(model(x), y) / 2)
+        if i % 2 == 1:
+            rt.step(optimizer)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_accumulating_over_batches_by_hand_is_refused_in_one_line_not_a_hang(tmp_path):
+    """A step every two batches, written by hand (the loop of many tutorials): each batch formed a
+    quorum of its own before the step's commit, and the replicas waited on each other in quorums
+    of different steps (gloo's 30 s timeout, over and over). Refused at the second batch, one line
+    a replica, exit 2."""
+    script = tmp_path / "accumulates.py"
+    script.write_text(_ACCUMULATES)
+    done = run([str(BIN / "ddpkit"), "run", "--fault-tolerant", "-n", "2", str(script)], timeout=100)
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "a batch came after rt.backward and before rt.step" in line]
+    assert len(said) == 2 and all("raise global_batch_size instead" in line for line in said), done.stderr[-2000:]
+    assert "Timed out" not in done.stderr
 
 
 class _Peer:

@@ -256,12 +256,13 @@ def test_three_refused_heals_in_a_row_stop_the_replica_with_one_line():
         _job=None,
         _manager=_Manager(),
         healed=False,
-        _held=False,
+        _in_quorum=False,
         first_quorum=None,
         before_stop=None,
         transport=type("T", (), {"refused": 2})(),
     )
     replica.quorum()  # two in a row: it goes on
+    replica._in_quorum = False  # (its step committed)
     replica.transport.refused = 3
     with pytest.raises(DdpkitError) as stopped:
         replica.quorum()

@@ -252,7 +252,7 @@ class Replica:
         """Each replica reads the step's whole global batch (micro-shards, shared out by the quorum),
         rather than its part of it."""
         self._in_quorum = False
-        self._held = False  # joined ahead of the loader (join_first): its first quorum() is this one
+        self._backward = False  # a backward ran in the quorum in hand (its gradients await rt.step)
         self._checks = 0  # this step's checked calls (announce)
         self._run: tuple[str, int] | None = None  # the run of calls checked at its first (announce): name, place
         self._quiet = 0  # inside one call checked as a whole (as_one)
@@ -270,16 +270,29 @@ class Replica:
         loader's first :meth:`quorum` is this one, whose step its batch begins."""
         if self._manager is None:
             self.quorum()
-            self._held = True
+
+    def note_backward(self) -> None:
+        """A backward ran in the quorum in hand: the next batch must wait for its step's commit."""
+        self._backward = True
 
     def quorum(self) -> tuple[int, int]:
         """Join this step's quorum (healing first if this replica is behind); (rank, participants).
 
+        A quorum joined already and not committed is this step's (joined before the loop, a probed
+        batch, a second loader's batch of the same step): it is kept, not formed anew, which would
+        leave the replicas in quorums of different steps.
+
         Raises:
             DdpkitError: no quorum formed in time (too few live replicas, or no lighthouse).
+            UsageError: a batch after a backward of the quorum in hand (accumulation over batches).
         """
-        if self._held and self._in_quorum:  # joined by join_first: the loader's first batch is in it
-            self._held = False
+        if self._in_quorum:
+            if self._backward:
+                raise UsageError(
+                    "rt.loader under --fault-tolerant: a batch came after rt.backward and before rt.step; each "
+                    "batch is one step of the replicas' quorum, and accumulating over batches is not built yet: "
+                    "call rt.step after each batch's backward, and raise global_batch_size instead"
+                )
             return self.rank, self.participants
         if self._manager is None and self._mismatched_before():  # (a first quorum: one store read a process)
             raise SystemExit(EXIT_MISMATCH)  # restarted after a collective mismatch: the report is above
@@ -484,7 +497,7 @@ class Replica:
         """
         if not checked:
             self.announce("commit (rt.step)")
-        self._in_quorum = self._held = False
+        self._in_quorum = self._backward = False
         return bool(self.manager.should_commit())
 
     def finished(self) -> None:

@@ -233,6 +233,10 @@ class FaultTolerant(Mode):
         self.state = state
         return self.is_main(0)
 
+    def after_backward(self) -> None:
+        """The step's gradients wait for its commit: a batch before it would form another quorum (refused)."""
+        self.manager.note_backward()
+
     def begin_epochs(self) -> None:
         """Join the first quorum before ``rt.epochs`` yields (healing from a peer ahead, or resuming the
         checkpoint ``rt.resume`` deferred): a replica restarted mid-job trains the epoch the loop names."""
