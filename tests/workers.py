@@ -1333,3 +1333,54 @@ def loss_weights(setup: dict | None = None) -> dict:
     everyone = rt.all_gather(log_var.detach().clone().unsqueeze(0))
     rt.close()
     return {"weights": {**weights, "log_var": log_var.detach().clone()}, "log_vars": everyone}
+
+
+class _Labelled(torch.utils.data.Dataset):
+    """:class:`_Sequences` with a class each (the first token's parity): a text classifier's samples."""
+
+    def __init__(self, count: int = 45) -> None:
+        self.items = _Sequences().items[:count]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.items[i], int(self.items[i][0]) % 2
+
+
+def _pad_labelled(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences padded with 0 to the batch's longest, and their classes."""
+    x = torch.nn.utils.rnn.pad_sequence([s for s, _ in batch], batch_first=True)
+    return x, torch.tensor([c for _, c in batch])
+
+
+class _MeanPooled(torch.nn.Module):
+    """An embedding averaged over the tokens that are not padding, then a head: one row per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 8, padding_idx=0)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = (x != 0).unsqueeze(-1).double()
+        return self.head((self.emb(x).double() * kept).sum(1).float() / kept.sum(1).float())
+
+
+def evaluate_padded(batch_size: int = 4) -> dict:
+    """``ddpkit.evaluate`` and ``ddpkit.predict`` of :class:`_MeanPooled` over :class:`_Labelled`, whose
+    sequences a collate pads to each batch's longest; ``"ragged"``: what predict said of the token
+    outputs (``(B, T, 2)``, of each batch's width)."""
+    ddpkit.init(seed=0)
+    model, data = _MeanPooled(), _Labelled()
+    metrics = ddpkit.evaluate(model, data, num_classes=2, batch_size=batch_size, collate_fn=_pad_labelled)
+    rows = ddpkit.predict(model, data, batch_size=batch_size, collate_fn=_pad_labelled, to="all")
+    per_token = torch.nn.Sequential(model.emb, model.head)
+    try:
+        ddpkit.predict(per_token, data, batch_size=batch_size, collate_fn=_pad_labelled)
+        ragged = ""
+    except ddpkit.UsageError as exc:
+        ragged = str(exc)
+    ddpkit.current().close()
+    return {"metrics": metrics, "rows": rows, "ragged": ragged}

@@ -34,7 +34,12 @@ from ddpkit.rng import private_generator
 
 
 def _shard_batches(
-    dataset: Any, batch_size: int, num_workers: int = 0, stream: Any = None, positions: list[list[int]] | None = None
+    dataset: Any,
+    batch_size: int,
+    num_workers: int = 0,
+    stream: Any = None,
+    positions: list[list[int]] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Iterator[Any]:
     """This rank's shard in batches; each batch counts as progress for the hang watchdog.
 
@@ -52,6 +57,7 @@ def _shard_batches(
                 batch_size=batch_size,
                 shuffle=False,
                 num_workers=num_workers,
+                collate_fn=collate_fn or default_collate,
                 generator=private_generator(),
             )
         )
@@ -62,7 +68,12 @@ def _shard_batches(
         yield batch
 
 
-def _lockstep(batches: Iterator[Any], module: torch.nn.Module, dataset: Any) -> Iterator[Any]:
+def _lockstep(
+    batches: Iterator[Any],
+    module: torch.nn.Module,
+    dataset: Any,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Iterator[Any]:
     """Under ``strategy="fsdp"`` every forward all-gathers parameters, a collective: ranks agree
     before each batch whether any still has one, and a rank that ran out forwards zero rows."""
     if not is_sharded(module) or collectives.world_size() == 1:
@@ -75,7 +86,7 @@ def _lockstep(batches: Iterator[Any], module: torch.nn.Module, dataset: Any) -> 
             return
         if batch is _END:
             if empty is None:
-                empty = zero_rows(default_collate([_first_sample(dataset)]))
+                empty = zero_rows((collate_fn or default_collate)([_first_sample(dataset)]))
             yield empty
         else:
             empty = zero_rows(batch)
@@ -91,14 +102,16 @@ def _first_sample(dataset: Any) -> Any:
     return dataset[0]
 
 
-def _stream_shard(dataset: Any, batch_size: int, num_workers: int) -> Any:
+def _stream_shard(
+    dataset: Any, batch_size: int, num_workers: int, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> Any:
     """A :class:`~ddpkit.loop.streams.evaluation.StreamShard` for an ``IterableDataset``, else None."""
     from torch.utils.data import IterableDataset
 
     if not isinstance(dataset, IterableDataset):
         return None
 
-    return StreamShard(dataset, batch_size=batch_size, num_workers=num_workers)
+    return StreamShard(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
 
 
 @contextlib.contextmanager
@@ -132,6 +145,7 @@ def evaluate(
     extra_metrics: Mapping[str, Any] | None = None,
     ignore_index: int = -100,
     class_dim: int = 1,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
 
@@ -162,6 +176,8 @@ def evaluate(
             twice; their values are returned under their names.
         ignore_index: a target value that is not counted (padding), as ``F.cross_entropy`` has it.
         class_dim: the outputs' dimension of the classes: 1 (torch's convention) or -1 (``(B, T, C)``).
+        collate_fn: makes a batch of samples, as a DataLoader's does (one that pads each batch to its
+            longest sequence, with ``ignore_index`` in the targets' padding); None: torch's default.
     """
     if class_dim not in (1, -1):
         raise UsageError(
@@ -175,9 +191,10 @@ def evaluate(
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
     for metric in (extra_metrics or {}).values():
         metric.reset()
-    stream = _stream_shard(dataset, batch_size, num_workers)
+    stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
+    batches = _shard_batches(dataset, batch_size, num_workers, stream, collate_fn=collate_fn)
     with _eval_mode(module):
-        for inputs, targets in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream), module, dataset):
+        for inputs, targets in _lockstep(batches, module, dataset, collate_fn):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(inputs)
@@ -280,11 +297,13 @@ def _run_shard(
     autocast: Callable[[], Any] | None = None,
     stream: Any = None,
     positions: list[list[int]] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Iterator[Any]:
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
     device = _device_of(module)
+    batches = _shard_batches(dataset, batch_size, num_workers, stream, positions, collate_fn)
     with _eval_mode(module):
-        for batch in _lockstep(_shard_batches(dataset, batch_size, num_workers, stream, positions), module, dataset):
+        for batch in _lockstep(batches, module, dataset, collate_fn):
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
             with autocast() if autocast is not None else contextlib.nullcontext():
                 outputs = module(to_device(inputs, device))
@@ -299,6 +318,7 @@ def predict(
     to: str = "main",
     num_workers: int = 0,
     autocast: Callable[[], Any] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Any:
     """Outputs for every sample exactly once, in dataset order: first dimension ``len(dataset)``.
 
@@ -313,19 +333,22 @@ def predict(
         to: ``"main"`` returns the result on rank 0 and None elsewhere; ``"all"`` on every rank.
         num_workers: DataLoader workers per rank (0: the main process reads).
         autocast: makes the context each forward runs in (e.g. ``rt.autocast``), as in training.
+        collate_fn: makes a batch of samples, as a DataLoader's does; None: torch's default. The
+            outputs of every batch must agree beyond their first dimension (one row per sample, or
+            padded to a fixed length), as they are joined.
     """
     if to not in ("main", "all"):
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
-    stream = _stream_shard(dataset, batch_size, num_workers)
+    stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:
         raise UsageError("predict: the dataset is empty")
     lazy_buffers.sync_buffers(model)
     module = unwrap(model)
     positions: list[list[int]] = []
-    outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions))
+    outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions, collate_fn))
     if stream is not None and stream.total() == 0:
         raise UsageError("predict: the stream is empty")
-    local = concat_batches(outputs) if outputs else _empty_output(module, dataset)
+    local = _joined(outputs, collate_fn) if outputs else _empty_output(module, dataset, collate_fn)
     collect = collectives.all_gather if to == "all" else collectives.gather
     gathered = _map(collect, local)
     if stream is None:  # contiguous shards concatenated in rank order are the dataset order
@@ -349,10 +372,46 @@ def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
         ) from None
 
 
-def _empty_output(module: torch.nn.Module, dataset: Any) -> Any:
+def _empty_output(module: torch.nn.Module, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
     """Zero rows with the right trailing shape, from one sample (a rank with an empty shard)."""
     sample = _first_sample(dataset)
-    inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
+    if collate_fn is not None:
+        batch = collate_fn([sample])
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+    else:
+        inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
+        inputs = map_tensors(lambda t: t.unsqueeze(0), inputs)
     with _eval_mode(module):
-        out = module(to_device(inputs, _device_of(module)).unsqueeze(0))
+        out = module(to_device(inputs, _device_of(module)))
     return _map(lambda t: t.detach().cpu()[:0], out)
+
+
+def _trailing(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """Each tensor's shape past the first dimension, in the batch's order."""
+    leaves: list[tuple[int, ...]] = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        leaves.append(tuple(t.shape[1:]))
+        return t
+
+    map_tensors(note, batch)
+    return tuple(leaves)
+
+
+def _joined(outputs: list[Any], collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+    """This rank's outputs, one batch after another; with a ``collate_fn`` of the script's, every
+    rank first learns whether all batches of all ranks agree beyond their first dimension (a collate
+    that pads each batch to its own longest makes them differ), so each refuses in the same line."""
+    if collate_fn is None:
+        return concat_batches(outputs)
+    shapes = {_trailing(batch) for batch in outputs}
+    if collectives.world_size() > 1:
+        shapes = set().union(*collectives.all_gather_object(shapes))
+    if len(shapes) > 1:
+        shown = " and ".join(str(shape[0] if len(shape) == 1 else shape) for shape in sorted(shapes)[:2])
+        raise UsageError(
+            f"predict: the outputs of the batches differ beyond their first dimension ({shown}), as a "
+            "collate_fn that pads each batch to its own longest makes them; pad to a fixed length, or "
+            "return one row per sample"
+        )
+    return concat_batches(outputs)

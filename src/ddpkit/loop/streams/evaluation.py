@@ -9,7 +9,7 @@ is compared across ranks once at the end.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, default_collate
@@ -26,7 +26,14 @@ from ddpkit.observe import heartbeats
 class StreamShard:
     """This rank's batches of a stream, each with the stream indices of its samples."""
 
-    def __init__(self, dataset: Any, *, batch_size: int, num_workers: int = 0):
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ):
         self.dataset, self.num_workers = dataset, num_workers
         self.rank, self.world_size = collectives.rank(), collectives.world_size()
         self.pieces = Pieces(
@@ -38,7 +45,7 @@ class StreamShard:
             shuffle=False,
             seed=0,
             drop_last=False,
-            collate_fn=default_collate,
+            collate_fn=collate_fn or default_collate,
         )
         progress = self.pieces.progress
         heartbeats.watch(lambda: int(progress[0]))
