@@ -201,6 +201,20 @@ def test_a_short_last_batch_that_leaves_a_rank_without_tokens_or_shards_still_st
     assert _equal(shards_two, shards_one)
 
 
+@pytest.mark.slow  # 12 s: make test-slow (make test steps a short last batch without a shard, above)
+@pytest.mark.timeout(180)
+def test_a_run_resumed_at_a_short_last_batch_that_leaves_a_rank_without_shards_ends_at_the_same_bits(tmp_path):
+    """Stopped after step 6 of 7 on 2 processes (micro_shards=2, 49 samples): the resumed run's first step
+    is the one-sample batch, where rank 1 has no shard and so no counted backward (the power of two c
+    is chosen anew there): the resumed run ends at the uninterrupted one's bits."""
+    ckpt = str(tmp_path / "ckpt")
+    whole = ddpkit.launch(workers.counted_lm, nprocs=2, args=(True, 1, 2, "float32", "fp32", 49))[0]
+    stopped = ddpkit.launch(workers.counted_lm, nprocs=2, args=(True, 1, 2, "float32", "fp32", 49, ckpt, 6))[0]
+    assert stopped == {"stopped": 6}
+    resumed = ddpkit.launch(workers.counted_lm, nprocs=2, args=(True, 1, 2, "float32", "fp32", 49, ckpt))[0]
+    assert resumed["steps"] == whole["steps"] == 14 and _equal(resumed, whole)
+
+
 @pytest.mark.slow  # 10 s: make test-slow
 @pytest.mark.timeout(240)
 def test_a_compiled_ddp_model_takes_counts_and_its_reducer_check(one_process):

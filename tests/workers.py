@@ -961,19 +961,25 @@ def counted_lm(
     dtype: str = "float64",
     precision: str = "fp32",
     length: int = 48,
+    ckpt: str | None = None,
+    stop: int | None = None,
     **setup,
 ) -> dict:
     """A tiny language model on padded sequences, its loss the mean over the tokens that count; with
-    ``use_count``, ``rt.backward(loss, count=tokens)``. Rank 0's weights after two passes of 8 samples a step."""
+    ``use_count``, ``rt.backward(loss, count=tokens)``. Rank 0's weights after two passes of 8 samples a
+    step; ``ckpt``: resumed from that directory, and saved there after step ``stop``, where it stops."""
     import torch.nn.functional as F
 
-    rt = ddpkit.init(seed=0, precision=precision)
+    rt = ddpkit.init(seed=0, precision=precision, checkpoint_dir=ckpt, trackers=())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).to(getattr(torch, dtype))
     if micro_shards:
         setup["micro_shards"] = micro_shards
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), **setup)
     loader = rt.loader(_Padded(length), global_batch_size=8 // accumulate, shuffle=True)
+    state = {"model": model, "optimizer": optimizer}
+    if ckpt:
+        rt.resume(state)
 
     def backward(tokens, labels):
         loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
@@ -988,6 +994,10 @@ def counted_lm(
                 for t, y in rt.shards(tokens, labels) if micro_shards else [(tokens, labels)]:
                     backward(t, y)
                 rt.step(optimizer)
+            if rt.global_step == stop:
+                rt.checkpoint(state)
+                rt.close()
+                return {"stopped": stop}
     weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}  # rank 0's
     scaler = rt.precision.scaler
     found = {"weights": weights, "steps": rt.global_step, "scale": None if scaler is None else scaler.get_scale()}
