@@ -253,7 +253,7 @@ def test_a_collate_that_pads_to_the_longest_makes_each_shard_as_one_process_does
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("data, num_workers", [("shards", 2), ("stream", 0)])
+@pytest.mark.parametrize("data, num_workers", [("shards", 2), pytest.param("stream", 0, marks=pytest.mark.slow)])
 def test_a_collate_that_pads_to_the_longest_makes_each_shard_of_a_stream_alike(data, num_workers):
     """The same for streams: a ddpkit.Shards stream read by two workers (whose shards lie end to end
     in a rank's batch; the pieces of a batch padded each to its own longest had raised torch.cat's

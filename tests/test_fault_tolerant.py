@@ -749,6 +749,7 @@ for _ in rt.epochs(1):
 """
 
 
+@pytest.mark.slow  # 9 s: make test-slow; make test refuses it on a replica of its own (above)
 @pytest.mark.timeout(120)
 def test_accumulating_over_batches_by_hand_is_refused_in_one_line_not_a_hang(tmp_path):
     """A step every two batches, written by hand (the loop of many tutorials): each batch formed a

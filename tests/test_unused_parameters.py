@@ -123,7 +123,9 @@ def test_under_micro_shards_a_parameter_without_a_gradient_is_left_out_of_the_su
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("setup, accumulate", [({}, 1), ({}, 2), ({"micro_shards": 2}, 1)])
+@pytest.mark.parametrize(
+    "setup, accumulate", [({}, 1), pytest.param({}, 2, marks=pytest.mark.slow), ({"micro_shards": 2}, 1)]
+)
 def test_a_layer_unfrozen_after_setup_trains_on_the_average_of_its_gradients(setup, accumulate):
     """Gradual unfreezing: DDP builds its buckets from the parameters that train at rt.setup, so a layer
     unfrozen later stepped on each rank's own gradients (float64, 2 processes ended 8e-3 from one;
@@ -142,7 +144,7 @@ def test_a_layer_unfrozen_after_setup_trains_on_the_average_of_its_gradients(set
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("setup", [{}, {"micro_shards": 2}])
+@pytest.mark.parametrize("setup", [{}, pytest.param({"micro_shards": 2}, marks=pytest.mark.slow)])
 def test_a_parameter_of_the_optimizers_outside_the_model_is_averaged_as_the_models_are(setup):
     """Learned loss weights (multi-task uncertainty weighting): a parameter the optimizer holds but the
     model does not. DDP never saw it, so each rank stepped on its own gradient: the ranks' weights

@@ -1,11 +1,12 @@
 """What each DataLoader worker (or the main process) reads from a stream, as *pieces*.
 
 A piece is a dict: ``b`` (the global batch or chunk it belongs to), ``parts`` (how many pieces
-make that batch), ``pos`` (the stream indices of its samples), ``batch`` (them collated, or
-as they are in a :class:`RawSamples` for the main process to collate, or None), ``template`` (a batch of zero rows, for a rank with no samples in a batch), ``count``
-(samples in the global batch), ``seen`` (samples of the stream read up to it: a plain stream
-must read the same on every rank) and ``error`` (one line naming a shard that failed: the main
-process raises it, so the user sees the shard, not a worker's traceback).
+make that batch), ``pos`` (the stream indices of its samples), ``batch`` (them collated, or as
+they are in a :class:`RawSamples` for the main process to collate, or None), ``template`` (a batch
+of zero rows, for a rank with no samples in a batch), ``count`` (samples in the global batch),
+``seen`` (samples of the stream read up to it: a plain stream must read the same on every rank)
+and ``error`` (one line naming a shard that failed: the main process raises it, so the user sees
+the shard, not a worker's traceback).
 
 * :class:`ddpkit.Shards` for training: a rank's columns are split between its workers; every
   worker sends one piece per global batch and the main process joins them.
