@@ -29,6 +29,7 @@ import torch
 from ddpkit import _torch
 from ddpkit.errors import UsageError
 from ddpkit.loop import counted
+from ddpkit.parallel import modes
 from ddpkit.state.run import HeldGradients, RunState
 
 UNSCALE = "rt.unscale_gradients()"
@@ -40,9 +41,7 @@ FP16 = "fp16's division by its loss scale"
 
 def trained(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The step's trainable parameters, each once, in order: the models' and the optimizers'."""
-    params = [p for model in run.models for p in model.parameters()]
-    params += [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-    return list({id(p): p for p in params if p.requires_grad}.values())
+    return modes.trainable(run.models, optimizers)
 
 
 def _known(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:

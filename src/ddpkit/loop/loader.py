@@ -165,6 +165,15 @@ class LoaderPosition:
     whole_batch: Any = None
     """The batch in hand as handed out (what ``rt.shards`` finds the shards' parts of)."""
 
+    _user_collate: Callable[[list[Any]], Any] | None = None
+    """The script's ``collate_fn`` (None: torch's default, whose shards cut from a batch are alike)."""
+
+    def _local_shards(self) -> int:
+        """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
+        if self._user_collate is None or self.local_shards is None:
+            return 0
+        return self.local_shards()
+
     def _take_parts(self, batch: Any) -> Any:
         """The batch of a :class:`Collated`, its shards kept (on the device) for ``rt.shards``."""
         if not isinstance(batch, Collated):
@@ -270,6 +279,7 @@ class ShardedLoader(LoaderPosition):
         workers = num_workers > 0
         self._keyed = _KeyedDataset(dataset, seed, sampler.rank, worker_init_fn)
         # (default_collate stacks: a shard cut from its batch is the one it makes of the shard's samples)
+        self._user_collate = collate_fn
         self._shard_collate = ShardCollate(collate_fn) if collate_fn is not None else None
         self._loader = DataLoader(
             self._keyed,
@@ -311,12 +321,6 @@ class ShardedLoader(LoaderPosition):
             # Run out, or left by ``break``: either way the script's next pass is a new one.
             if this_pass == self._passes:
                 self.finished = True
-
-    def _local_shards(self) -> int:
-        """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
-        if self._shard_collate is None or self.local_shards is None:
-            return 0
-        return self.local_shards()
 
     def __repr__(self) -> str:
         return f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, position={self.position})"

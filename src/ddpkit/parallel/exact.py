@@ -71,6 +71,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ddpkit import _torch
 from ddpkit.errors import UsageError, translate_uncaught
 from ddpkit.observe.collectives import counted_wait
+from ddpkit.parallel import modes
 from ddpkit.parallel.exact_exchange import TreeExchange
 from ddpkit.parallel.exact_tree import (
     _add_grads,
@@ -153,11 +154,8 @@ class Exact:
             norm.register_forward_hook(self._make_post_hook(index))
 
     def _trainable(self) -> list[torch.Tensor]:
-        """The parameters that train now: the model's and its optimizer's (a group added since), once each."""
-        params = list(self._model.parameters())
-        if self._optimizer is not None:
-            params += [p for group in self._optimizer.param_groups for p in group["params"]]
-        return [p for p in {id(p): p for p in params}.values() if p.requires_grad]
+        """The parameters that train now: the model's and its optimizer's (a group added since)."""
+        return modes.trainable([self._model], [self._optimizer] if self._optimizer is not None else [])
 
     def _hook_ready(self) -> None:
         for p in self.params:
@@ -207,8 +205,8 @@ class Exact:
             self.stats = {}
         else:
             self._follow_trainable()
-        if not self.cut and not self._probing:
-            self._buffer_versions = [_torch.version_of(buffer) for _, buffer in self.own_buffers]
+            if not self._probing:
+                self._buffer_versions = [_torch.version_of(buffer) for _, buffer in self.own_buffers]
         full = active.sampler.global_batch_size
         if full < self.micro_shards:
             raise UsageError(

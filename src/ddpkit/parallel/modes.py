@@ -16,7 +16,7 @@ Which combinations are refused, and why, is decided in one place: :func:`check_c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -400,6 +400,14 @@ def check_combination(
         )
 
 
+def trainable(models: Iterable[torch.nn.Module], optimizers: Iterable[Any]) -> list[torch.Tensor]:
+    """The parameters that train now, each once, in order: the models', then the optimizers' (a group
+    added since set-up, a parameter outside the models), those with ``requires_grad``."""
+    params = [p for model in models for p in model.parameters()]
+    params += [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    return [p for p in {id(p): p for p in params}.values() if p.requires_grad]
+
+
 def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
     """The names of ``model``'s modules that make sparse gradients (``nn.Embedding``/``nn.EmbeddingBag``
     with ``sparse=True``)."""
@@ -457,4 +465,5 @@ __all__ = [
     "check_combination",
     "refuse_sparse",
     "sparse_gradient_modules",
+    "trainable",
 ]

@@ -166,12 +166,6 @@ class StreamLoader(LoaderPosition):
         )
 
     # -- iteration --------------------------------------------------------------------------
-    def _local_shards(self) -> int:
-        """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
-        if self._user_collate is None or self.local_shards is None:
-            return 0
-        return self.local_shards()
-
     def _collate(self, samples: RawSamples, shards: int) -> Any:
         """The rank's batch collated here from its samples as they are (and each micro-shard alone):
         a ``ddpkit.Shards`` stream lays the shards end to end, a plain one deals them out in turn."""
