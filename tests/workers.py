@@ -1394,3 +1394,69 @@ def evaluate_padded(batch_size: int = 4) -> dict:
         ragged = str(exc)
     ddpkit.current().close()
     return {"metrics": metrics, "rows": rows, "ragged": ragged}
+
+
+def model_copies(
+    setup: dict | None = None, checkpoint_dir: str | None = None, stop_after: int | None = None
+) -> dict | None:
+    """The copies of a float64 BatchNorm model that scripts keep: the best epoch's (``copy.deepcopy``
+    after ``ddpkit.evaluate``), SWA's (``AveragedModel(model)``, its statistics recomputed by
+    ``update_bn`` at the end) and an EMA of ``model.module`` with its buffers (torchvision's
+    ``--model-ema``), the last two checkpointed each epoch with ``resume="auto"`` where
+    ``checkpoint_dir`` is given, stopping after ``stop_after`` epochs. Each copy's state in plain
+    names and its accuracy, on every rank; with ``micro_shards``, ``update_bn``'s error instead."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    rt = ddpkit.init(seed=0, **({"checkpoint_dir": checkpoint_dir, "resume": "auto"} if checkpoint_dir else {}))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    ).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer, **(setup or {}))
+    micro_shards = bool((setup or {}).get("micro_shards"))
+    swa = AveragedModel(model)
+    ema = AveragedModel(ddpkit._torch.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (64,), generator=g)
+    )
+    loader = rt.loader(data, global_batch_size=16, shuffle=True)
+    state = {"model": model, "optimizer": optimizer, "swa": swa, "ema": ema}
+    rt.resume(state)
+    best, best_accuracy = None, -1.0
+    for epoch in rt.epochs(3):
+        for x, y in loader:
+            for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
+                rt.backward(F.cross_entropy(model(xs), ys))
+            rt.step(optimizer)
+            ema.update_parameters(model)
+        swa.update_parameters(model)
+        accuracy = ddpkit.evaluate(model, data, num_classes=3)["accuracy"]
+        if accuracy > best_accuracy:
+            best, best_accuracy = copy.deepcopy(model), accuracy
+        if checkpoint_dir:
+            rt.checkpoint(state)
+        if stop_after is not None and epoch + 1 == stop_after:
+            rt.close()
+            return None
+    copies = {"best": best, "swa": swa, "ema": ema}
+    found: dict[str, Any] = {}
+    try:
+        update_bn(loader, swa)
+    except ddpkit.UsageError as exc:
+        found["update_bn"] = str(exc)
+    for name, held in copies.items():
+        found[name] = {
+            "accuracy": ddpkit.evaluate(held, data, num_classes=3)["accuracy"],
+            "state": {
+                k.removeprefix("module."): v.clone()
+                for k, v in ddpkit.checkpoint.user_state({name: held})[name].items()
+                if torch.is_tensor(v)
+            },
+        }
+    rt.close()
+    return found

@@ -96,6 +96,7 @@ def save(
         "save", peers.save_timeout, b"1" if peers.is_main else collectives.object_bytes(light)
     )
     # after the meeting: a long write in flight on rank 0 is never taken for a rank that did not come
+    lazy_buffers.average_copies(state)  # a copy's statistics (an EMA's), equal on every rank (collectives)
     failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
     path = Path(path)
     target = target_of(path, run.loop.step)

@@ -608,6 +608,13 @@ class Exact:
         def pre_hook(module: _BatchNorm, args: Any) -> None:
             if not (module.training and module.track_running_stats) or self._probing:
                 return
+            if module is not self.norms[index]:  # a copy's layer: copy.deepcopy shares the closure
+                raise UsageError(
+                    "micro_shards keeps the BatchNorm statistics of the model rt.setup returned; a copy of it "
+                    "(AveragedModel, copy.deepcopy) ran in training mode (torch.optim.swa_utils.update_bn?), which "
+                    "would give it statistics that depend on the number of processes: average the statistics "
+                    "with the weights (AveragedModel(model, use_buffers=True)), or call .eval() on the copy"
+                )
             if self.current is None:
                 raise UsageError(
                     "with micro_shards, a training-mode forward of a BatchNorm model runs inside "

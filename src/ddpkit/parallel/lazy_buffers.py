@@ -17,10 +17,17 @@ are read or kept:
 
 Only layers trained since the last average are averaged, so equal statistics are never
 touched. Models with any other buffer keep DDP's broadcast (their forward may read it).
+
+A copy of the model (``copy.deepcopy`` of the best epoch's, ``AveragedModel``'s for SWA, an EMA
+of ``model.module`` with its buffers) holds each rank's own statistics too, and gets a syncer of
+its own layers: ``ddpkit.evaluate``/``predict``, an eval-mode forward through a copied DDP model
+and ``rt.checkpoint`` average all of its statistics (an EMA writes them with no forward to mark),
+in place, so every rank reads and saves the same copy.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable
@@ -38,6 +45,8 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
 _SYNCERS: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
+_BY_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
+"""Every tracked layer's syncer, a copy's layers included (how :func:`of` finds a copy's)."""
 
 _STATS = ("running_mean", "running_var")  # num_batches_tracked counts forwards: equal on every rank
 
@@ -69,9 +78,22 @@ def candidates(module: torch.nn.Module) -> list[tuple[str, _BatchNorm]] | None:
 class LazyBuffers:
     """Which BatchNorm layers of one model trained since their statistics were last averaged."""
 
-    def __init__(self, layers: list[tuple[str, _BatchNorm]]) -> None:
+    def __init__(self, layers: list[tuple[str, _BatchNorm]], *, copied: bool = False) -> None:
         self.layers = layers
         self.dirty: set[int] = set()
+        self.copied = copied
+        """A copy's (:meth:`__deepcopy__`): written where no forward marks it (an EMA of the buffers),
+        so every layer counts as trained apart."""
+        for _, layer in layers:
+            _BY_LAYER[layer] = self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LazyBuffers:
+        """The syncer of a copy of the model: the copy's layers (``copy.deepcopy`` reaches this
+        through their hooks, which :func:`install` makes objects rather than closures)."""
+        copied = LazyBuffers.__new__(LazyBuffers)
+        memo[id(self)] = copied  # the layers' hooks lead back here
+        LazyBuffers.__init__(copied, [(name, copy.deepcopy(layer, memo)) for name, layer in self.layers], copied=True)
+        return copied
 
     def mark(self, index: int, layer: _BatchNorm) -> None:
         """Record that layer ``index`` is about to train (a forward pre-hook; no collective)."""
@@ -126,6 +148,8 @@ class LazyBuffers:
 
     def average(self) -> None:
         """Replace every statistic dirty on any rank by its cross-rank average, in place (collectives)."""
+        if self.copied:
+            self.dirty = set(range(len(self.layers)))
         self.agree()
         values = self.averaged()
         with torch.no_grad():
@@ -238,21 +262,59 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
         dist.broadcast(buffer, 0)
 
 
+class _Mark:
+    """A tracked layer's forward pre-hook: it notes that the layer trains (never a collective)."""
+
+    def __init__(self, syncer: LazyBuffers, index: int) -> None:
+        self.syncer, self.index = syncer, index
+
+    def __call__(self, module: _BatchNorm, args: Any) -> None:
+        self.syncer.mark(self.index, module)
+
+
+class _BeforeForward:
+    """The DDP model's forward pre-hook: :meth:`LazyBuffers.before_forward`."""
+
+    def __init__(self, syncer: LazyBuffers) -> None:
+        self.syncer = syncer
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.syncer.before_forward()
+
+
 def install(ddp_model: DistributedDataParallel, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
-    """Track ``layers`` of the DDP model (built with buffer broadcasting off)."""
+    """Track ``layers`` of the DDP model (built with buffer broadcasting off).
+
+    The hooks are objects that hold the syncer, so a copy of the model copies them with a syncer
+    of the copy's layers (:meth:`LazyBuffers.__deepcopy__`); closures would tie the copy to these.
+    """
     syncer = LazyBuffers(layers)
     for index, (_, layer) in enumerate(layers):
         # marks every forward, also one through model.module; never a collective here
-        layer.register_forward_pre_hook(lambda module, args, i=index: syncer.mark(i, module))
-    ddp_model.register_forward_pre_hook(lambda module, args: syncer.before_forward())
+        layer.register_forward_pre_hook(_Mark(syncer, index))
+    ddp_model.register_forward_pre_hook(_BeforeForward(syncer))
     _SYNCERS[ddp_model.module] = syncer
     return syncer
 
 
 def of(model: Any) -> LazyBuffers | None:
-    """The syncer of ``model`` (DDP, compiled or plain), or None."""
+    """The syncer of ``model`` (DDP, compiled or plain), or of the copy it is or holds, or None."""
     inner = unwrap(model)
-    return _SYNCERS.get(inner) if isinstance(inner, torch.nn.Module) else None
+    if not isinstance(inner, torch.nn.Module):
+        return None
+    found = _SYNCERS.get(inner)
+    if found is not None:
+        return found
+    return next((_BY_LAYER[m] for m in inner.modules() if m in _BY_LAYER), None)
+
+
+def average_copies(state: Any) -> None:
+    """Average the statistics of each copy of a model among ``state``'s values (``rt.checkpoint``'s
+    state, on every rank): in place, so every rank saves, and a resumed run loads, the same."""
+    for value in state.values():
+        syncer = of(value) if isinstance(value, torch.nn.Module) else None
+        if syncer is not None and syncer.copied:
+            syncer.average()
 
 
 def sync_buffers(model: Any) -> None:

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -155,6 +156,16 @@ class SyncBatchNorm(_BatchNorm):
         self.place = 0
         """This layer's place among the model's (:func:`convert_over`): a fault-tolerant replica checks
         the layers' collectives once a run, a model call's or a backward pass's."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
+        """A copy (``copy.deepcopy``, ``AveragedModel``'s, an EMA's) that shares the process group:
+        a group cannot be copied, and the copy's statistics travel between the same ranks."""
+        if self.process_group is not None:
+            memo.setdefault(id(self.process_group), self.process_group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
