@@ -1460,3 +1460,60 @@ def model_copies(
         }
     rt.close()
     return found
+
+
+class _Counting(torch.nn.Module):
+    """A BatchNorm MLP with a buffer of its own (samples seen in training): DDP keeps broadcasting its buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        )
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += x.shape[0]
+        return self.net(x)
+
+
+def differing_ranks(case: str) -> dict:
+    """Scripts whose ranks may hold different models. ``"loaded-on-main"``: weights loaded on rank 0
+    alone after ``rt.setup``; ``"loaded-everywhere"``: on every rank. ``"unseeded"``: a model built
+    with each rank's own seed, evaluated without ``rt.setup``; ``"seeded"``: the same seed. ``"ema"``:
+    an EMA updated each step of a model that syncs every 2 steps (local SGD). ``"buffers"``: a
+    :class:`_Counting` model under DDP. Steps taken, the first error, evaluate's and predict's
+    results, rank 0's state."""
+    import torch.nn.functional as F
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(rt.rank if case == "unseeded" else 0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    found: dict[str, Any] = {"steps": 0, "error": None}
+    model: torch.nn.Module = _Counting() if case == "buffers" else torch.nn.Linear(8, 3)
+    try:
+        if case not in ("unseeded", "seeded"):
+            setup = {"sync": "local-sgd", "sync_every": 2} if case == "ema" else {}
+            model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), **setup)
+            if case.startswith("loaded"):
+                weights = {"weight": torch.ones(3, 8), "bias": torch.zeros(3)}
+                if rt.is_main or case == "loaded-everywhere":
+                    ddpkit._torch.unwrap(model).load_state_dict(weights)
+            ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+            for x, y in rt.loader(data, global_batch_size=16, shuffle=True):
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+                ema.update_parameters(model)
+                found["steps"] += 1
+            if case == "ema":
+                model = ema
+        found["metrics"] = ddpkit.evaluate(model, data, num_classes=3)
+        found["predicted"] = ddpkit.predict(model, data, to="all")
+    except ddpkit.UsageError as exc:
+        found["error"] = str(exc)
+    found["state"] = {k: v.clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return found

@@ -37,6 +37,15 @@ def _inner(obj: torch.nn.Module) -> torch.nn.Module | None:
     return inner if isinstance(inner, torch.nn.Module) else None
 
 
+def wrapped_ddp(obj: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DDP model ``obj`` is or holds inside its wrappers (``torch.compile``'s), or None."""
+    while isinstance(obj, torch.nn.Module):
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+            return obj
+        obj = _inner(obj)
+    return None
+
+
 def unwrap(obj: Any) -> Any:
     """The module inside DDP / DataParallel / ``torch.compile``, so checkpoints hold plain names.
 

@@ -28,7 +28,7 @@ from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import shard_range
 from ddpkit.loop.streams.evaluation import StreamShard, first_sample
 from ddpkit.observe import heartbeats
-from ddpkit.parallel import lazy_buffers, periodic
+from ddpkit.parallel import lazy_buffers, periodic, same_model
 from ddpkit.parallel.fsdp import is_sharded
 from ddpkit.rng import private_generator
 
@@ -115,13 +115,16 @@ def _stream_shard(
 
 
 @contextlib.contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+def _eval_mode(module: torch.nn.Module, check: str | None = None) -> Iterator[None]:
     """``module`` in eval mode with gradients off (and the synced weights in place where it syncs
-    infrequently) for the block, then back in the mode it was in."""
+    infrequently) for the block, then back in the mode it was in; ``check``: the call that first
+    makes sure every rank holds this model (:mod:`ddpkit.parallel.same_model`, a collective)."""
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), periodic.synced_weights(module):  # never one rank's local weights
+            if check is not None and not is_sharded(module):  # fsdp's ranks hold their own shards
+                same_model.check(module, check)
             yield
     finally:
         module.train(was_training)
@@ -193,7 +196,7 @@ def evaluate(
         metric.reset()
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     batches = _shard_batches(dataset, batch_size, num_workers, stream, collate_fn=collate_fn)
-    with _eval_mode(module):
+    with _eval_mode(module, check="ddpkit.evaluate"):
         for inputs, targets in _lockstep(batches, module, dataset, collate_fn):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
@@ -302,7 +305,7 @@ def _run_shard(
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
     device = _device_of(module)
     batches = _shard_batches(dataset, batch_size, num_workers, stream, positions, collate_fn)
-    with _eval_mode(module):
+    with _eval_mode(module, check="ddpkit.predict"):
         for batch in _lockstep(batches, module, dataset, collate_fn):
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
             with autocast() if autocast is not None else contextlib.nullcontext():

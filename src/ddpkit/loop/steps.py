@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from ddpkit._torch import unwrap
 from ddpkit.checkpoint import background
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
 from ddpkit.loop import counted, gradients
 from ddpkit.observe.heartbeats import beat
+from ddpkit.parallel import same_model
 from ddpkit.parallel.modes import Mode
 from ddpkit.state.run import RunState
 
@@ -140,6 +142,9 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         return False
     beat("optimizer")
     gradients.check(run, "rt.step", optimizers)
+    if not run.checked_weights:
+        run.checked_weights = True
+        _same_weights(run)
     background.WRITER.copied()  # the modes below may change weights before the optimizers' own wait
     params = gradients.trained(run, optimizers)
     for mode in run.modes:
@@ -166,6 +171,23 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if not run.uses_backward:
         run.precision.flush()  # no rt.backward will come to apply the scaler update
     return stepped
+
+
+def _same_weights(run: RunState) -> None:
+    """Refuse, on every rank, a first step whose set-up models' weights differ between ranks (a
+    checkpoint loaded on rank 0 alone after ``rt.setup``): each rank would train its own from here on."""
+    if not run.world.same_weights:
+        return
+    for entry in run.entries:
+        if not entry.mode.same_weights:
+            continue
+        where = same_model.differs(unwrap(entry.model), buffers=False)  # BatchNorm statistics are each rank's
+        if where is not None:
+            raise UsageError(
+                f"rt.step: the model's weights differ between ranks at the first step ({where}), so each rank "
+                "would train its own from here on: load weights before rt.setup (which starts every rank from "
+                "rank 0's) or on every rank (rt.resume does), not on rank 0 alone"
+            )
 
 
 def _plain_backward(run: RunState) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit._torch import unwrap
+from ddpkit._torch import unwrap, wrapped_ddp
 from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
 if TYPE_CHECKING:
@@ -322,8 +322,17 @@ def sync_buffers(model: Any) -> None:
 
     ``ddpkit.sync_buffers(model)``: call it on every rank before an evaluation of your own that
     runs ``model.module`` (``ddpkit.evaluate``/``predict`` and an eval-mode forward through
-    the DDP model do it already). A no-op for models whose statistics are not synced lazily.
+    the DDP model do it already). A DDP model that keeps torch's broadcast of its buffers (other
+    buffers than BatchNorm's, a compiled model) takes rank 0's, as its next forward would. A
+    no-op for models whose statistics are not synced lazily.
     """
+    if not dist.is_initialized():
+        return
     syncer = of(model)
-    if syncer is not None and dist.is_initialized():
+    if syncer is not None:
         syncer.average()
+        return
+    ddp = wrapped_ddp(model)
+    if ddp is not None and ddp.broadcast_buffers:  # what its next forward does first: take rank 0's buffers
+        for buffer in ddp.module.buffers():
+            dist.broadcast(buffer, dist.get_global_rank(ddp.process_group, 0), group=ddp.process_group)

@@ -48,6 +48,10 @@ class Mode:
     name = "replicated"
     """How the mode is named in messages and checkpoints."""
 
+    same_weights = False
+    """Every rank holds the same weights at each step's start (DDP, micro-shards, over one process
+    group): ``rt.step`` checks it at the run's first step (:mod:`ddpkit.parallel.same_model`)."""
+
     @property
     def replica(self) -> int | None:
         """Which replica of a fault-tolerant job this process is (None: not one)."""
@@ -191,10 +195,13 @@ class ProcessGroup(Mode):
     """How the processes of every run but a fault-tolerant one meet: one process group."""
 
     name = "process-group"
+    same_weights = True
 
 
 class Replicated(Mode):
     """DDP (or one process), with a gradient compression hook (:mod:`ddpkit.parallel.compression`) or none."""
+
+    same_weights = True
 
     def __init__(self, compressor: Any = None) -> None:
         self.compressor = compressor
@@ -290,6 +297,7 @@ class MicroShards(Mode):
     """``micro_shards=M``: the same bits on any power-of-two world size dividing M."""
 
     name = "micro-shards"
+    same_weights = True
 
     def __init__(self, exact: Any) -> None:
         self.exact = exact

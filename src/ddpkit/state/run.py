@@ -82,6 +82,8 @@ class RunState:
     uses_backward: bool = False
     """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
     warned_plain_backward: bool = False
+    checked_weights: bool = False
+    """``rt.step`` checked at this process's first step that every rank holds the same weights."""
     """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""

@@ -1,0 +1,83 @@
+"""Whether every rank holds the same model: each tensor's bits summed as integers, compared across ranks.
+
+An evaluation or a prediction over every rank's shard is one model's only when every rank holds
+that model. A checkpoint loaded on rank 0 alone after ``rt.setup``, a model built unseeded and
+evaluated without ``rt.setup``, an EMA of weights that replicas train apart: each rank then scores
+its shard with another model and the joined metric belongs to none, silently. :func:`check` finds
+it with one small all-gather: the sum of each parameter's and buffer's bits as integers (exact in
+any order, so equal tensors agree on any device and thread count; float sums could part in the
+last place and raise a false alarm).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ddpkit.distributed import collectives
+from ddpkit.errors import UsageError
+
+_AS_INTEGERS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+"""An element's bytes read as integers of this kind (8-byte elements as two int32s)."""
+
+
+def _bits_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum, in int64, of ``tensor``'s bits read as integers (a 0-d tensor on its device)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.sum(dtype=torch.int64)
+    return flat.view(_AS_INTEGERS[flat.element_size()]).sum(dtype=torch.int64)
+
+
+def fingerprint(module: torch.nn.Module, *, buffers: bool = True) -> tuple[list[str], torch.Tensor]:
+    """The names of ``module``'s parameters (and buffers) and each one's bits sum (int64, on the CPU)."""
+    named = list(itertools.chain(module.named_parameters(), module.named_buffers() if buffers else ()))
+    if not named:
+        return [], torch.zeros(0, dtype=torch.int64)
+    return [name for name, _ in named], torch.stack([_bits_sum(t) for _, t in named]).cpu()
+
+
+def differs(module: torch.nn.Module, *, buffers: bool = True) -> str | None:
+    """Where ranks hold different ``module``\\ s (``"rank 1's 0.weight is not rank 0's"``), else None; a
+    collective, the same answer on every rank.
+
+    Args:
+        module: the model as it runs (unwrapped, the synced weights in place where it syncs infrequently).
+        buffers: compare the buffers too (not where each rank's BatchNorm statistics are its own by design).
+    """
+    if collectives.world_size() == 1:
+        return None
+    names, sums = fingerprint(module, buffers=buffers)
+    mine = torch.cat([torch.tensor([len(names)], dtype=torch.int64), sums])
+    table = collectives.all_gather(mine)  # every rank's count, then its sums, rank after rank
+    rows, at = [], 0
+    while at < len(table):
+        count = int(table[at])
+        rows.append(table[at + 1 : at + 1 + count])
+        at += 1 + count
+    differing = [rank for rank, row in enumerate(rows) if not torch.equal(row, rows[0])]
+    if not differing:
+        return None
+    rank, more = differing[0], (f"; {len(differing) - 1} more rank(s) differ" if len(differing) > 1 else "")
+    if len(rows[rank]) != len(rows[0]):
+        return f"rank {rank}'s has {len(rows[rank])} tensors, rank 0's {len(rows[0])}{more}"
+    index = int((rows[rank] != rows[0]).nonzero()[0])
+    return f"rank {rank}'s {names[index]} is not rank 0's{more}"
+
+
+def check(module: torch.nn.Module, what: str) -> None:
+    """Raise on every rank, in one line, when ranks hold different ``module``\\ s (a collective).
+
+    Args:
+        module: the model as it will run (unwrapped, its synced weights in place).
+        what: the call that checks, for the message (``"ddpkit.evaluate"``).
+    """
+    where = differs(module)
+    if where is not None:
+        raise UsageError(
+            f"{what}: the model differs between ranks ({where}), so its result would join several models' "
+            "shards: give every rank the same weights (load a checkpoint on every rank, not on rank 0 alone; "
+            "seed before building the model, or pass it through rt.setup, which starts every rank from rank "
+            "0's; a copy of a model that syncs infrequently holds each replica's own weights)"
+        )
