@@ -206,7 +206,9 @@ def small_tmpfs(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("saves, reported_by", [(3, "the next save"), (2, "the end of the script")])
+@pytest.mark.parametrize(
+    "saves, reported_by", [pytest.param(3, "the next save", marks=pytest.mark.slow), (2, "the end of the script")]
+)
 def test_a_full_disk_fails_the_run_in_one_line_and_keeps_the_checkpoint_before(
     small_tmpfs, tmp_path, saves, reported_by
 ):

@@ -343,7 +343,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("start_method", [pytest.param("spawn", marks=pytest.mark.slow), "forkserver"])
 def test_children_of_a_sigkilled_launch_parent_end_within_seconds(tmp_path, start_method):
     """torch's spawn sends its children SIGINT when the parent dies, which a script handling Ctrl-C
     ignores; ddpkit's children get SIGKILL. A forkserver's children are not the launcher's: they die

@@ -476,7 +476,7 @@ def test_rt_shards_refuses_a_batch_rt_loader_did_not_cut_and_an_uneven_shards_st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["plain", "shards"])
+@pytest.mark.parametrize("kind", ["plain", pytest.param("shards", marks=pytest.mark.slow)])
 def test_streams_end_at_the_same_bits_on_one_and_two_processes(kind):
     """A plain IterableDataset (every rank reads it whole, keeps every W-th sample) and a
     ddpkit.Shards stream (each rank reads its own columns: shards lie end to end, so the tree pairs

@@ -1024,6 +1024,7 @@ def _each_shard_once(events: list[dict]) -> collections.Counter:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # 17 s
 def test_replicas_with_micro_shards_end_at_one_processs_bits_through_a_redone_step(reference_shards, tmp_path):
     """3 replicas share 4 shards in every step (``--min-replicas 3``: a quorum of 3 cuts the tree into
     4 subtrees, one replica computes two), step 5 is redone, and the run ends bit for bit where one

@@ -69,6 +69,7 @@ def test_fsdp_x2_equals_ddp_x2_and_one_process_with_the_loop_features(one, two):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # 4 s
 def test_fsdp_x3_equals_fsdp_x2(two):
     three = ddpkit.launch(fw.compare, nprocs=3, args=(("fsdp",),))[0]
     _close(three["fsdp"]["weights"], two[0]["fsdp"]["weights"])

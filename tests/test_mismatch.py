@@ -317,8 +317,13 @@ def _check_report(stderr: str, reason: str, rows: list[str]) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     "case",
-    # (make test: a collective on some ranks only, other operations, and beside micro-shards' exchange)
-    [pytest.param(case, marks=pytest.mark.slow) if case in ("order", "shapes") else case for case in sorted(CASES)],
+    # (make test: a collective on some ranks only; other operations under ddpkit.launch below)
+    [
+        pytest.param(case, marks=pytest.mark.slow)
+        if case in ("order", "shapes", "operations", "micro_shards")
+        else case
+        for case in sorted(CASES)
+    ],
 )
 def test_a_collective_mismatch_is_named_under_ddpkit_run(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)
@@ -466,7 +471,7 @@ def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_
 @pytest.mark.parametrize(
     ("case", "reason", "rows"),
     [
-        (
+        pytest.param(  # make test-slow: against_ddp keeps the flight recorder's report in make test
             "skipped",  # rank 1 ends one exchange short: rank 0 waits in (or fails out of) DDP's last one
             r"rank 0 is in the default group's collective #\d+ by torch's flight recorder \(DDP's gradient exchange, "
             r"say\), which rank 1 never calls: it finished after #\d+",
@@ -474,6 +479,7 @@ def test_by_default_a_rank_stuck_while_its_peer_waits_in_ddps_gradient_exchange_
                 r"rank 0: (its collective|in) #\d+ gloo:all_reduce \[\[178\]\] Float of group 0 .*skipped\.py:14",
                 "rank 1: finished after",
             ],
+            marks=pytest.mark.slow,
         ),
         (
             "against_ddp",  # before, the adaptive timeout blamed rank 1 as stuck after 300 s
