@@ -59,8 +59,9 @@ def test_a_ddp_model_that_broadcasts_its_buffers_is_evaluated_with_rank_0s():
     expected = ddpkit.evaluate(model, torch.utils.data.TensorDataset(*_digits_like()), num_classes=3)
     for rank, found in runs.items():
         assert torch.equal(found["state"]["net.1.running_mean"], runs[0]["state"]["net.1.running_mean"]), rank
-        assert found["metrics"]["accuracy"] == expected["accuracy"], rank
-        assert found["metrics"]["loss"] == pytest.approx(expected["loss"], rel=1e-6), rank
+        for metrics in (found["inner_metrics"], found["metrics"]):  # model.module, then the DDP model
+            assert metrics["accuracy"] == expected["accuracy"], rank
+            assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-6), rank
 
 
 def _digits_like() -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,24 +69,43 @@ def _digits_like() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.complex128, torch.int64, torch.uint8, torch.bool]
+)
 def test_the_fingerprint_tells_one_bit_apart_in_any_order(dtype):
     base = torch.linspace(-3, 3, 101, dtype=torch.float64)
-    one = (base > 0) if dtype == torch.bool else (base * 1000 if dtype == torch.int64 else base).to(dtype)
+    one = (base > 0) if dtype == torch.bool else (base * 40 + 125 if not dtype.is_floating_point else base).to(dtype)
     other = one.clone()
     if dtype == torch.bool:
         other[0] = ~other[0]
-    elif dtype == torch.int64:
+    elif dtype.is_complex:  # its real part's next float
+        other.view(torch.float64)[0] = torch.nextafter(one.real[0], torch.tensor(10.0, dtype=torch.float64))
+    elif not dtype.is_floating_point:
         other[0] += 1
     else:
         other[0] = torch.nextafter(other[0], torch.tensor(10.0, dtype=dtype))  # the next float: one ulp
     module, moved = torch.nn.Module(), torch.nn.Module()
     module.register_buffer("t", one)
-    moved.register_buffer("t", one.flip(0))  # the same values in another order: the same integer sum
+    moved.register_buffer("t", one.flip(0))  # an exact sum: the order the threads add in cannot change it
     changed = torch.nn.Module()
     changed.register_buffer("t", other)
     names, sums = same_model.fingerprint(module)
-    assert names == ["t"] and sums.dtype == torch.int64
+    assert names == ["buffer t"] and sums.dtype == torch.int64
     assert torch.equal(same_model.fingerprint(moved)[1], sums)
     assert not torch.equal(same_model.fingerprint(changed)[1], sums)
     assert same_model.differs(module) is None  # one process: nothing to compare, no collective
+
+
+def test_the_fingerprint_names_buffers_and_leaves_out_parameters_not_made_yet():
+    module = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.BatchNorm1d(3))
+    names, sums = same_model.fingerprint(module)
+    assert names == [
+        "1.weight",
+        "1.bias",
+        "buffer 1.running_mean",
+        "buffer 1.running_var",
+        "buffer 1.num_batches_tracked",
+    ]
+    assert len(sums) == 5
+    module(torch.randn(4, 2))  # the forward makes the lazy layer's parameters
+    assert same_model.fingerprint(module, buffers=False)[0] == ["0.weight", "0.bias", "1.weight", "1.bias"]

@@ -1483,7 +1483,7 @@ def differing_ranks(case: str) -> dict:
     alone after ``rt.setup``; ``"loaded-everywhere"``: on every rank. ``"unseeded"``: a model built
     with each rank's own seed, evaluated without ``rt.setup``; ``"seeded"``: the same seed. ``"ema"``:
     an EMA updated each step of a model that syncs every 2 steps (local SGD). ``"buffers"``: a
-    :class:`_Counting` model under DDP. Steps taken, the first error, evaluate's and predict's
+    :class:`_Counting` model under DDP, evaluated as ``model.module`` too. Steps taken, the first error, evaluate's and predict's
     results, rank 0's state."""
     import torch.nn.functional as F
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -1510,6 +1510,8 @@ def differing_ranks(case: str) -> dict:
                 found["steps"] += 1
             if case == "ema":
                 model = ema
+        if case == "buffers":  # model.module first: each rank's buffers are still its own
+            found["inner_metrics"] = ddpkit.evaluate(ddpkit._torch.unwrap(model), data, num_classes=3)
         found["metrics"] = ddpkit.evaluate(model, data, num_classes=3)
         found["predicted"] = ddpkit.predict(model, data, to="all")
     except ddpkit.UsageError as exc:

@@ -143,6 +143,8 @@ def _distributed(
         lazy_buffers.broadcast_from_rank0(model.module)
     if lazy is not None:
         wrapped.buffers = lazy_buffers.install(model, lazy)
+    else:
+        lazy_buffers.broadcasts(model)
     if settle:
         wrapped.not_bitwise = settle_buckets(model, is_main=is_main)
     compressor = None

@@ -282,6 +282,16 @@ class _BeforeForward:
         self.syncer.before_forward()
 
 
+_BROADCASTING: weakref.WeakKeyDictionary[torch.nn.Module, DistributedDataParallel] = weakref.WeakKeyDictionary()
+"""The DDP model around each module whose buffers DDP broadcasts (:func:`broadcasts`), by that module."""
+
+
+def broadcasts(ddp_model: DistributedDataParallel) -> None:
+    """Note that ``ddp_model`` keeps DDP's broadcast of its buffers, so that :func:`sync_buffers` of
+    its ``module`` (an evaluation of ``model.module``) takes rank 0's too."""
+    _BROADCASTING[ddp_model.module] = ddp_model
+
+
 def install(ddp_model: DistributedDataParallel, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
     """Track ``layers`` of the DDP model (built with buffer broadcasting off).
 
@@ -332,7 +342,7 @@ def sync_buffers(model: Any) -> None:
     if syncer is not None:
         syncer.average()
         return
-    ddp = wrapped_ddp(model)
+    ddp = wrapped_ddp(model) or _BROADCASTING.get(unwrap(model))  # the DDP model, or the module it holds
     if ddp is not None and ddp.broadcast_buffers:  # what its next forward does first: take rank 0's buffers
         for buffer in ddp.module.buffers():
             dist.broadcast(buffer, dist.get_global_rank(ddp.process_group, 0), group=ddp.process_group)

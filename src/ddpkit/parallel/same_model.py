@@ -11,28 +11,30 @@ last place and raise a false alarm).
 
 from __future__ import annotations
 
-import itertools
-
 import torch
+from torch.nn.parameter import is_lazy
 
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError
 
-_AS_INTEGERS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-"""An element's bytes read as integers of this kind (8-byte elements as two int32s)."""
-
 
 def _bits_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum, in int64, of ``tensor``'s bits read as integers (a 0-d tensor on its device)."""
+    """The sum, in int64, of ``tensor``'s bits read as integers (a 0-d tensor on its device): elements of
+    4, 8 or 16 bytes as int32s, of 2 as int16s, of 1 as uint8s."""
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         return flat.sum(dtype=torch.int64)
-    return flat.view(_AS_INTEGERS[flat.element_size()]).sum(dtype=torch.int64)
+    size = flat.element_size()
+    kind = torch.int32 if size % 4 == 0 else torch.int16 if size == 2 else torch.uint8
+    return flat.view(kind).sum(dtype=torch.int64)
 
 
 def fingerprint(module: torch.nn.Module, *, buffers: bool = True) -> tuple[list[str], torch.Tensor]:
-    """The names of ``module``'s parameters (and buffers) and each one's bits sum (int64, on the CPU)."""
-    named = list(itertools.chain(module.named_parameters(), module.named_buffers() if buffers else ()))
+    """The names of ``module``'s parameters (and buffers: ``"buffer seen"``) and each one's bits sum
+    (int64, on the CPU). A lazy module's parameters that no forward has made yet are left out."""
+    named: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in module.named_parameters() if not is_lazy(t)]
+    if buffers:
+        named += [(f"buffer {name}", t) for name, t in module.named_buffers() if not is_lazy(t)]
     if not named:
         return [], torch.zeros(0, dtype=torch.int64)
     return [name for name, _ in named], torch.stack([_bits_sum(t) for _, t in named]).cpu()
@@ -79,5 +81,6 @@ def check(module: torch.nn.Module, what: str) -> None:
             f"{what}: the model differs between ranks ({where}), so its result would join several models' "
             "shards: give every rank the same weights (load a checkpoint on every rank, not on rank 0 alone; "
             "seed before building the model, or pass it through rt.setup, which starts every rank from rank "
-            "0's; a copy of a model that syncs infrequently holds each replica's own weights)"
+            "0's; a copy of a model that syncs infrequently holds each replica's own weights; a buffer each "
+            "rank updates on its own needs averaging first)"
         )
