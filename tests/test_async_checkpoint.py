@@ -235,8 +235,8 @@ rt = ddpkit.init(seed=0, checkpoint_dir=sys.argv[1], resume="auto", keep_checkpo
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 16384), torch.nn.ReLU(), torch.nn.Linear(16384, 10))  # 14 MB saved
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, optimizer = rt.setup(model, optimizer)
 data = torch.utils.data.TensorDataset(torch.randn(480, 64), torch.randint(0, 10, (480,)))
+model, optimizer = rt.setup(model, optimizer)
 state = {"model": model, "optimizer": optimizer}
 rt.resume(state)
 print("starts at", rt.global_step, flush=True)

@@ -866,8 +866,8 @@ _TWO = """
 import os, torch, ddpkit
 rt = ddpkit.init(seed=0)
 net = torch.nn.Linear(4, 2)
-model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
 data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
 for x, y in rt.loader(data, global_batch_size=8):
     rt.backward(torch.nn.functional.cross_entropy(model(x), y))
     rt.step(opt)

@@ -193,8 +193,8 @@ import ddpkit
 
 rt = ddpkit.init(seed=0)
 model = torch.nn.Linear(8, 2)
-model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 2, (96,)))
+model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 for features, labels in rt.loader(data, global_batch_size=24):
     loss = torch.nn.functional.cross_entropy(model(features), labels)
     rt.backward(loss)

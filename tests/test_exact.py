@@ -213,8 +213,8 @@ def test_a_buffer_of_the_models_own_changed_by_the_shards_forwards_is_refused_be
     try:
         norm = _RunningNorm()
         model = torch.nn.Sequential(norm, torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
         data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
         batches = iter(rt.loader(data, global_batch_size=8))
         x, y = next(batches)
         for xs, ys in rt.shards(x, y):

@@ -36,8 +36,8 @@ class Flattens(torch.nn.Module):
 def test_a_model_that_views_its_micro_shard_runs_on_one_process():
     rt = ddpkit.init(seed=0)
     model = Flattens()
-    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
     data = torch.utils.data.TensorDataset(torch.randn(8, 2, 3), torch.randint(0, 3, (8, 1)))
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
     for x, y in rt.loader(data, global_batch_size=4):
         for xs, ys in rt.shards(x, y):
             assert xs.is_contiguous() and ys.is_contiguous()

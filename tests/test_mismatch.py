@@ -239,8 +239,8 @@ MICRO_SHARDS = """
 import torch, torch.nn.functional as F, ddpkit
 rt = ddpkit.init(seed=0)
 model = torch.nn.Linear(4, 2)
-model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
 data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
 for i, (x, y) in enumerate(rt.loader(data, global_batch_size=8)):
     for xs, ys in rt.shards(x, y):  # line 8: the shards' exchange as the loop ends, on a group of its own
         rt.backward(F.cross_entropy(model(xs), ys))
@@ -401,8 +401,8 @@ DDP_LOOP = """
 import time, torch, torch.nn.functional as F, torch.distributed as dist, ddpkit
 rt = ddpkit.init(seed=0)
 net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
 data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
 def my_own_loop():
     while True:
         time.sleep(0.2)

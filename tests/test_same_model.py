@@ -18,7 +18,7 @@ def test_weights_loaded_on_rank_0_alone_after_setup_are_refused_at_the_first_ste
     for rank, found in ddpkit.launch(workers.differing_ranks, nprocs=2, args=("loaded-on-main",)).items():
         assert found["steps"] == 0, (rank, found)  # before the optimizer took a step
         assert found["error"].startswith(
-            "rt.step: the model's weights differ between ranks at the first step (rank 1's weight is not rank 0's)"
+            "rt.step: the model's weights differ between ranks at the first step (rank 1's weight differs from rank 0's)"
         ), found["error"]
         assert "not on rank 0 alone" in found["error"], found["error"]
     for rank, found in ddpkit.launch(workers.differing_ranks, nprocs=2, args=("loaded-everywhere",)).items():
@@ -32,7 +32,7 @@ def test_evaluate_and_predict_refuse_a_model_that_differs_between_ranks(case):
     name = "weight" if case == "unseeded" else "module.weight"
     for rank, found in runs.items():
         assert found["error"] is not None and found["error"].startswith(
-            f"ddpkit.evaluate: the model differs between ranks (rank 1's {name} is not rank 0's)"
+            f"ddpkit.evaluate: the model differs between ranks (rank 1's {name} differs from rank 0's)"
         ), (rank, found["error"])
         assert "metrics" not in found
     assert not torch.equal(runs[0]["state"][name], runs[1]["state"][name])  # they do differ
@@ -109,3 +109,66 @@ def test_the_fingerprint_names_buffers_and_leaves_out_parameters_not_made_yet():
     assert len(sums) == 5
     module(torch.randn(4, 2))  # the forward makes the lazy layer's parameters
     assert same_model.fingerprint(module, buffers=False)[0] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+HOW = "split or draw it before rt.setup, which gives each rank a random stream of its own"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case, part",
+    [
+        ("split", "dataset (a Subset: its indices)"),  # random_split after rt.setup
+        ("drawn", "dataset.tensors[0]"),  # torch.randn after rt.setup
+        ("length", "dataset length"),
+    ],
+)
+def test_a_dataset_each_rank_made_its_own_is_refused_by_the_loader_and_evaluate(case, part):
+    for rank, found in ddpkit.launch(workers.data_of_each_rank, nprocs=2, args=(case,)).items():
+        assert found["steps"] == 0, (rank, found)
+        for call in ("loader", "evaluate"):
+            what = "rt.loader" if call == "loader" else "ddpkit.evaluate"
+            assert found[call].startswith(
+                f"{what}: the dataset differs between ranks (rank 1's {part} differs from rank 0's)"
+            ), (rank, found[call])
+            assert HOW in found[call] and "generator=torch.Generator().manual_seed(0)" in found[call]
+
+
+@pytest.mark.timeout(120)
+def test_a_split_with_a_seeded_generator_trains_and_evaluates_every_sample_once():
+    for rank, found in ddpkit.launch(workers.data_of_each_rank, nprocs=2, args=("seeded-split",)).items():
+        assert found["loader"] is None and found["evaluate"] is None, (rank, found)
+        assert found["steps"] == 5 and found["metrics"]["count"] == 20, (rank, found)
+
+
+def test_the_dataset_fingerprint_follows_subsets_concatenations_and_arrays():
+    import numpy as np
+
+    class Arrays(torch.utils.data.Dataset):  # torchvision's CIFAR keeps .data as a numpy array, .targets a list
+        def __init__(self, data: np.ndarray) -> None:
+            self.data, self.targets = data, [0] * len(data)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+    from ddpkit.loop import same_data
+
+    base = torch.utils.data.TensorDataset(torch.arange(30.0).reshape(10, 3))
+    arrays = Arrays(np.arange(12, dtype=np.uint8).reshape(4, 3))
+    data = torch.utils.data.ConcatDataset([torch.utils.data.Subset(base, [3, 1, 2]), arrays])
+    names, sums = same_data.fingerprint(data)
+    assert names == [
+        "dataset length",
+        "dataset.datasets[0] (a Subset: its indices)",
+        "dataset.datasets[0] (a Subset: the indices' order)",
+        "dataset.datasets[0].dataset.tensors[0]",
+        "dataset.datasets[1].data",
+    ]
+    assert int(sums[0]) == 7 and int(sums[1]) == 6
+    reordered = torch.utils.data.ConcatDataset([torch.utils.data.Subset(base, [1, 3, 2]), arrays])
+    moved = same_data.fingerprint(reordered)[1]
+    assert torch.equal(moved[:2], sums[:2]) and not torch.equal(moved[2], sums[2])  # the order tells them apart
+    big = torch.zeros(3 << 16)
+    sampled = same_data.fingerprint(torch.utils.data.TensorDataset(big))[1]
+    big[3] = 1.0  # on the stride: 65,536 evenly spaced elements of the 196,608 are read
+    assert not torch.equal(same_data.fingerprint(torch.utils.data.TensorDataset(big))[1], sampled)

@@ -54,8 +54,8 @@ class Net(torch.nn.Module):
 
 rt = ddpkit.init(seed=0)
 model = Net()
-model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 for x, y in rt.loader(data, global_batch_size=16):   # torch's own backward and step, not rt's
     F.cross_entropy(model(x), y).backward()
     opt.step()

@@ -212,9 +212,9 @@ SCRIPT = textwrap.dedent('''
 
     hang_timeout, pause = float(sys.argv[1]), float(sys.argv[2])
     rt = ddpkit.init(seed=0, hang_timeout=hang_timeout)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
     model = rt.setup(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
     loader = rt.loader(data, global_batch_size=8)
     for epoch in rt.epochs(1):
         for inputs, targets in loader:

@@ -647,9 +647,9 @@ def exact_step_buffers(steps: int = 3) -> dict:
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 3)
     )
+    data = torch.utils.data.TensorDataset(torch.randn(16 * steps, 6), torch.randint(0, 3, (16 * steps,)))
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
     exact = next(mode.exact for mode in rt._run.modes if isinstance(mode, MicroShards))
-    data = torch.utils.data.TensorDataset(torch.randn(16 * steps, 6), torch.randint(0, 3, (16 * steps,)))
     buffers, grads, held, kept = [], [], [], []
     for x, y in rt.loader(data, global_batch_size=16):
         for xs, ys in rt.shards(x, y):
@@ -1517,5 +1517,40 @@ def differing_ranks(case: str) -> dict:
     except ddpkit.UsageError as exc:
         found["error"] = str(exc)
     found["state"] = {k: v.clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return found
+
+
+def data_of_each_rank(case: str) -> dict:
+    """Datasets made after ``rt.setup`` (each rank's own random stream from there). ``"split"``:
+    ``random_split`` unseeded; ``"seeded-split"``: with a seeded generator (fine); ``"drawn"``: a
+    ``TensorDataset`` of ``torch.randn``; ``"length"``: one sample fewer on rank 1. What ``rt.loader``
+    and ``ddpkit.evaluate`` said (None: nothing), and the steps taken."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    g = torch.Generator().manual_seed(1)
+    full = torch.utils.data.TensorDataset(torch.randn(100, 8, generator=g), torch.randint(0, 3, (100,), generator=g))
+    model = torch.nn.Linear(8, 3)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if case in ("split", "seeded-split"):
+        generator = torch.Generator().manual_seed(0) if case == "seeded-split" else None
+        train, test = torch.utils.data.random_split(full, [0.8, 0.2], generator=generator)
+    elif case == "drawn":
+        train = test = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    else:
+        train = test = torch.utils.data.Subset(full, range(100 - rt.rank))
+    found: dict[str, Any] = {"steps": 0, "loader": None, "evaluate": None}
+    try:
+        for x, y in rt.loader(train, global_batch_size=16, shuffle=True):
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+            found["steps"] += 1
+    except ddpkit.UsageError as exc:
+        found["loader"] = str(exc)
+    try:
+        found["metrics"] = ddpkit.evaluate(model, test, num_classes=3)
+    except ddpkit.UsageError as exc:
+        found["evaluate"] = str(exc)
     rt.close()
     return found

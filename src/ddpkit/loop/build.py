@@ -11,6 +11,7 @@ from typing import Any, TypedDict
 import torch
 
 from ddpkit.errors import UsageError
+from ddpkit.loop import same_data
 from ddpkit.loop.loader import QuorumLoader, ShardedLoader
 from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
 from ddpkit.loop.streams.loader import StreamLoader
@@ -100,6 +101,7 @@ def build_loader(
         watch: registers a probe of samples read by workers, as progress for the watchdog.
     """
     total = check_batch_sizes(world_size, options.batch_size, options.global_batch_size)
+    same_data.check(dataset, "rt.loader")  # every rank cuts the same dataset (a collective; not a stream)
     seed = run.seed or 0
     common = _CommonOptions(
         device=device,

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.loop import same_data
 from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import shard_range
 from ddpkit.loop.streams.evaluation import StreamShard, first_sample
@@ -187,6 +188,7 @@ def evaluate(
             f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
             "(B, C, T)) or -1 ((B, T, C)); give 1 or -1"
         )
+    same_data.check(dataset, "ddpkit.evaluate")
     lazy_buffers.sync_buffers(model)  # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
@@ -345,6 +347,7 @@ def predict(
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:
         raise UsageError("predict: the dataset is empty")
+    same_data.check(dataset, "ddpkit.predict")
     lazy_buffers.sync_buffers(model)
     module = unwrap(model)
     positions: list[list[int]] = []

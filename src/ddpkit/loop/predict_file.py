@@ -12,6 +12,7 @@ from ddpkit._files import atomic_path
 from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError
+from ddpkit.loop import same_data
 from ddpkit.loop.evaluate import _empty_output, _run_shard
 from ddpkit.parallel import lazy_buffers
 
@@ -41,6 +42,7 @@ def predict_to_file(
             "predict_to_file needs a map-style dataset; for a stream use ddpkit.predict, "
             "which returns the outputs in stream order"
         )
+    same_data.check(dataset, "ddpkit.predict_to_file")
     path = Path(path)
     rank, world = collectives.rank(), collectives.world_size()
     part = path.with_name(f".{path.name}.rank{rank}.part")
