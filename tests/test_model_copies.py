@@ -109,3 +109,23 @@ def test_a_copy_of_syncbatchnorm_shares_its_process_group():
     assert held.process_group is group
     assert held.running_mean is not layer.running_mean and torch.equal(held.running_mean, layer.running_mean)
     assert not dist.is_initialized()
+
+
+def test_a_copy_thrown_away_is_freed():
+    """The best epoch's copy is replaced each time the accuracy improves: the syncers' registry must
+    not keep the old ones alive (its values hold the layers it is keyed by)."""
+    import gc
+    import weakref
+
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    wrapped = _Wrapper(inner)
+    candidates = lazy_buffers.candidates(inner)
+    assert candidates is not None
+    lazy_buffers.install(wrapped, candidates)  # type: ignore[arg-type]
+    held = copy.deepcopy(wrapped)
+    gone = weakref.ref(held)
+    layer = weakref.ref(held.module[1])
+    assert lazy_buffers.of(held) is not None
+    del held
+    gc.collect()
+    assert gone() is None and layer() is None

@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
 _SYNCERS: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
-_BY_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, LazyBuffers] = weakref.WeakKeyDictionary()
-"""Every tracked layer's syncer, a copy's layers included (how :func:`of` finds a copy's)."""
+_BY_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[LazyBuffers]] = weakref.WeakKeyDictionary()
+"""Every tracked layer's syncer, a copy's layers included (how :func:`of` finds a copy's); held weakly,
+as the syncer holds the layer: a copy thrown away (the best epoch's, replaced) is freed."""
 
 _STATS = ("running_mean", "running_var")  # num_batches_tracked counts forwards: equal on every rank
 
@@ -85,7 +86,7 @@ class LazyBuffers:
         """A copy's (:meth:`__deepcopy__`): written where no forward marks it (an EMA of the buffers),
         so every layer counts as trained apart."""
         for _, layer in layers:
-            _BY_LAYER[layer] = self
+            _BY_LAYER[layer] = weakref.ref(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LazyBuffers:
         """The syncer of a copy of the model: the copy's layers (``copy.deepcopy`` reaches this
@@ -282,14 +283,17 @@ class _BeforeForward:
         self.syncer.before_forward()
 
 
-_BROADCASTING: weakref.WeakKeyDictionary[torch.nn.Module, DistributedDataParallel] = weakref.WeakKeyDictionary()
-"""The DDP model around each module whose buffers DDP broadcasts (:func:`broadcasts`), by that module."""
+_BROADCASTING: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[DistributedDataParallel]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The DDP model around each module whose buffers DDP broadcasts (:func:`broadcasts`), by that module
+(held weakly: the DDP model holds the module)."""
 
 
 def broadcasts(ddp_model: DistributedDataParallel) -> None:
     """Note that ``ddp_model`` keeps DDP's broadcast of its buffers, so that :func:`sync_buffers` of
     its ``module`` (an evaluation of ``model.module``) takes rank 0's too."""
-    _BROADCASTING[ddp_model.module] = ddp_model
+    _BROADCASTING[ddp_model.module] = weakref.ref(ddp_model)
 
 
 def install(ddp_model: DistributedDataParallel, layers: list[tuple[str, _BatchNorm]]) -> LazyBuffers:
@@ -315,7 +319,12 @@ def of(model: Any) -> LazyBuffers | None:
     found = _SYNCERS.get(inner)
     if found is not None:
         return found
-    return next((_BY_LAYER[m] for m in inner.modules() if m in _BY_LAYER), None)
+    return next((found for m in inner.modules() if (found := _layer_syncer(m)) is not None), None)
+
+
+def _layer_syncer(module: torch.nn.Module) -> LazyBuffers | None:
+    held = _BY_LAYER.get(module)
+    return None if held is None else held()
 
 
 def average_copies(state: Any) -> None:
@@ -342,7 +351,8 @@ def sync_buffers(model: Any) -> None:
     if syncer is not None:
         syncer.average()
         return
-    ddp = wrapped_ddp(model) or _BROADCASTING.get(unwrap(model))  # the DDP model, or the module it holds
+    held = _BROADCASTING.get(unwrap(model))
+    ddp = wrapped_ddp(model) or (held() if held is not None else None)  # the DDP model, or the module it holds
     if ddp is not None and ddp.broadcast_buffers:  # what its next forward does first: take rank 0's buffers
         for buffer in ddp.module.buffers():
             dist.broadcast(buffer, dist.get_global_rank(ddp.process_group, 0), group=ddp.process_group)
