@@ -114,6 +114,7 @@ def test_predict_rejects_bad_arguments(tmp_path):
         ddpkit.predict(workers.LogitsOnly(), workers.indexed_dataset(0))
     with pytest.raises(ddpkit.UsageError, match="one tensor"):
         predict_to_file(workers.IndexedModel(), workers.indexed_dataset(3), tmp_path / "x.npy")
+    assert list(tmp_path.iterdir()) == []  # nothing written: no part file left beside the output
 
     class Named(torch.nn.Module):
         def forward(self, x):

@@ -49,13 +49,17 @@ def predict_to_file(
     lazy_buffers.sync_buffers(model)
     module = unwrap(model)
     rows, tail, dtype = 0, None, None
-    with open(part, "wb") as handle:
-        for out in _run_shard(module, dataset, batch_size, num_workers):
-            if not isinstance(out, torch.Tensor):
-                raise UsageError("predict_to_file needs a model that returns one tensor")
-            array = out.numpy()
-            rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
-            handle.write(np.ascontiguousarray(array).tobytes())
+    try:
+        with open(part, "wb") as handle:
+            for out in _run_shard(module, dataset, batch_size, num_workers):
+                if not isinstance(out, torch.Tensor):
+                    raise UsageError("predict_to_file needs a model that returns one tensor")
+                array = out.numpy()
+                rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
+                handle.write(np.ascontiguousarray(array).tobytes())
+    except BaseException:  # a refused model or output, a failed forward: no part file left beside the output
+        part.unlink(missing_ok=True)
+        raise
     if tail is None:
         probe = _empty_output(module, dataset).numpy()
         tail, dtype = probe.shape[1:], probe.dtype
