@@ -1554,3 +1554,23 @@ def data_of_each_rank(case: str) -> dict:
         found["evaluate"] = str(exc)
     rt.close()
     return found
+
+
+def loader_made_local_main_first() -> int:
+    """``rt.loader`` built inside ``rt.local_main_first()`` (local rank 0 runs the block alone first);
+    the steps taken."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with rt.local_main_first():
+        loader = rt.loader(data, global_batch_size=8)
+    steps = 0
+    for x, y in loader:
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.step(optimizer)
+        steps += 1
+    rt.close()
+    return steps

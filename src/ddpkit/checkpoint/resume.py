@@ -242,7 +242,7 @@ def _users_of_buffers(run: RunState, state: Mapping[str, Any]) -> dict[str, int]
     its syncer in ``run.buffers`` by key (its checkpoint entry gets the averages)."""
     found = {}
     for key, value in state.items():
-        syncer = lazy_buffers.of(value)
+        syncer = lazy_buffers.of(value, copies=False)  # a set-up model's own entry: its averages go in by name
         index = next((i for i, b in enumerate(run.buffers) if syncer is not None and b is syncer), None)
         if index is not None:
             found[key] = index

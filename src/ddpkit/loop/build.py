@@ -101,7 +101,8 @@ def build_loader(
         watch: registers a probe of samples read by workers, as progress for the watchdog.
     """
     total = check_batch_sizes(world_size, options.batch_size, options.global_batch_size)
-    same_data.check(dataset, "rt.loader")  # every rank cuts the same dataset (a collective; not a stream)
+    if not run.local_first:  # (there local rank 0 runs the block alone: a collective would wait for the others)
+        same_data.check(dataset, "rt.loader")  # every rank cuts the same dataset (a collective; not a stream)
     seed = run.seed or 0
     common = _CommonOptions(
         device=device,

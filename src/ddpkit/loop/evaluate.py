@@ -116,16 +116,17 @@ def _stream_shard(
 
 
 @contextlib.contextmanager
-def _eval_mode(module: torch.nn.Module, check: str | None = None) -> Iterator[None]:
+def _eval_mode(module: torch.nn.Module, check: str | None = None, given: Any = None) -> Iterator[None]:
     """``module`` in eval mode with gradients off (and the synced weights in place where it syncs
     infrequently) for the block, then back in the mode it was in; ``check``: the call that first
-    makes sure every rank holds this model (:mod:`ddpkit.parallel.same_model`, a collective)."""
+    makes sure every rank holds this model (:mod:`ddpkit.parallel.same_model`, a collective), ``given``
+    as the script passed it."""
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), periodic.synced_weights(module):  # never one rank's local weights
             if check is not None and not is_sharded(module):  # fsdp's ranks hold their own shards
-                same_model.check(module, check)
+                same_model.check(module, check, given)
             yield
     finally:
         module.train(was_training)
@@ -198,7 +199,7 @@ def evaluate(
         metric.reset()
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     batches = _shard_batches(dataset, batch_size, num_workers, stream, collate_fn=collate_fn)
-    with _eval_mode(module, check="ddpkit.evaluate"):
+    with _eval_mode(module, check="ddpkit.evaluate", given=model):
         for inputs, targets in _lockstep(batches, module, dataset, collate_fn):
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
@@ -303,11 +304,15 @@ def _run_shard(
     stream: Any = None,
     positions: list[list[int]] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    *,
+    what: str = "ddpkit.predict",
+    given: Any = None,
 ) -> Iterator[Any]:
-    """The model's outputs (on the CPU) for each batch of this rank's shard, in order."""
+    """The model's outputs (on the CPU) for each batch of this rank's shard, in order (``what`` and
+    ``given``: the call and the model as passed, for the check that every rank holds it)."""
     device = _device_of(module)
     batches = _shard_batches(dataset, batch_size, num_workers, stream, positions, collate_fn)
-    with _eval_mode(module, check="ddpkit.predict"):
+    with _eval_mode(module, check=what, given=given):
         for batch in _lockstep(batches, module, dataset, collate_fn):
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
             with autocast() if autocast is not None else contextlib.nullcontext():
@@ -344,14 +349,16 @@ def predict(
     """
     if to not in ("main", "all"):
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
+    same_data.check(dataset, "ddpkit.predict")  # first: a rank whose dataset alone is empty is named there
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:
         raise UsageError("predict: the dataset is empty")
-    same_data.check(dataset, "ddpkit.predict")
     lazy_buffers.sync_buffers(model)
     module = unwrap(model)
     positions: list[list[int]] = []
-    outputs = list(_run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions, collate_fn))
+    outputs = list(
+        _run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions, collate_fn, given=model)
+    )
     if stream is not None and stream.total() == 0:
         raise UsageError("predict: the stream is empty")
     local = _joined(outputs, collate_fn) if outputs else _empty_output(module, dataset, collate_fn)

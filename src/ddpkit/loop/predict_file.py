@@ -51,18 +51,19 @@ def predict_to_file(
     rows, tail, dtype = 0, None, None
     try:
         with open(part, "wb") as handle:
-            for out in _run_shard(module, dataset, batch_size, num_workers):
+            shard = _run_shard(module, dataset, batch_size, num_workers, what="ddpkit.predict_to_file", given=model)
+            for out in shard:
                 if not isinstance(out, torch.Tensor):
                     raise UsageError("predict_to_file needs a model that returns one tensor")
                 array = out.numpy()
                 rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
                 handle.write(np.ascontiguousarray(array).tobytes())
+        if tail is None:
+            probe = _empty_output(module, dataset).numpy()
+            tail, dtype = probe.shape[1:], probe.dtype
     except BaseException:  # a refused model or output, a failed forward: no part file left beside the output
         part.unlink(missing_ok=True)
         raise
-    if tail is None:
-        probe = _empty_output(module, dataset).numpy()
-        tail, dtype = probe.shape[1:], probe.dtype
     counts = collectives.all_gather_object(rows)  # also: every part file is complete
     if rank == 0:
         _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)], counts, tail, dtype)

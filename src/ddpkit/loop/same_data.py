@@ -33,7 +33,10 @@ def _tensor_sum(value: Any) -> torch.Tensor | None:
             return None
         if type(value).__name__ == "memmap":  # on disk: a strided sample would read a page an element
             return None
-        value = torch.from_numpy(value)
+        try:
+            value = torch.from_numpy(value)
+        except (TypeError, ValueError):  # strings, negative strides, big-endian, datetimes, numpy scalars
+            return None
     flat = value.detach().reshape(-1)
     if flat.numel() > _SAMPLE:
         flat = flat[:: flat.numel() // _SAMPLE]

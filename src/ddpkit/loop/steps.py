@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ddpkit._torch import unwrap
 from ddpkit.checkpoint import background
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, warn
@@ -181,7 +180,7 @@ def _same_weights(run: RunState) -> None:
     for entry in run.entries:
         if not entry.mode.same_weights:
             continue
-        where = same_model.differs(unwrap(entry.model), buffers=False)  # BatchNorm statistics are each rank's
+        where = same_model.differs(entry.model, buffers=False)  # BatchNorm statistics are each rank's
         if where is not None:
             raise UsageError(
                 f"rt.step: the model's weights differ between ranks at the first step ({where}), so each rank "

@@ -39,6 +39,7 @@ from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit._torch import unwrap, wrapped_ddp
+from ddpkit.distributed import collectives
 from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
 if TYPE_CHECKING:
@@ -128,9 +129,8 @@ class LazyBuffers:
 
     def agree(self) -> None:
         """Make the dirty set the union over ranks (a small collective), so all average alike."""
-        device_mask = self._mask().to(_device_of(self.layers))
-        dist.all_reduce(device_mask, op=dist.ReduceOp.MAX)
-        self.dirty = {i for i, flag in enumerate(device_mask.tolist()) if flag}
+        mask = collectives.all_reduce(self._mask(), "max")  # on the backend's device (a copy may be on the CPU)
+        self.dirty = {i for i, flag in enumerate(mask.tolist()) if flag}
 
     def averaged(self) -> dict[str, torch.Tensor]:
         """The cross-rank average of every dirty statistic, as new tensors (a collective per dtype).
@@ -142,8 +142,7 @@ class LazyBuffers:
             return {}
 
         def summed(dtype: torch.dtype, flat: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(flat)  # one allreduce per dtype
-            return flat
+            return collectives.all_reduce(flat)  # one allreduce per dtype, on the backend's device
 
         return _mean_by_dtype(stats, summed, dist.get_world_size())
 
@@ -311,13 +310,14 @@ def install(ddp_model: DistributedDataParallel, layers: list[tuple[str, _BatchNo
     return syncer
 
 
-def of(model: Any) -> LazyBuffers | None:
-    """The syncer of ``model`` (DDP, compiled or plain), or of the copy it is or holds, or None."""
+def of(model: Any, *, copies: bool = True) -> LazyBuffers | None:
+    """The syncer of ``model`` (DDP, compiled or plain), or None; ``copies``: also of the copy it is or
+    holds, or of the set-up model it is part of (found through its layers)."""
     inner = unwrap(model)
     if not isinstance(inner, torch.nn.Module):
         return None
     found = _SYNCERS.get(inner)
-    if found is not None:
+    if found is not None or not copies:
         return found
     return next((found for m in inner.modules() if (found := _layer_syncer(m)) is not None), None)
 

@@ -11,9 +11,13 @@ last place and raise a false alarm).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
 import torch
 from torch.nn.parameter import is_lazy
 
+from ddpkit._torch import unwrap, wrapped_ddp
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError
 
@@ -29,28 +33,41 @@ def bits_sum(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(kind).sum(dtype=torch.int64)
 
 
-def fingerprint(module: torch.nn.Module, *, buffers: bool = True) -> tuple[list[str], torch.Tensor]:
+def fingerprint(
+    module: torch.nn.Module, *, buffers: bool = True, ignore: Collection[str] = ()
+) -> tuple[list[str], torch.Tensor]:
     """The names of ``module``'s parameters (and buffers: ``"buffer seen"``) and each one's bits sum
-    (int64, on the CPU). A lazy module's parameters that no forward has made yet are left out."""
-    named: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in module.named_parameters() if not is_lazy(t)]
+    (int64, on the CPU). Left out: a lazy module's parameters that no forward has made yet, the
+    names in ``ignore`` (what DDP is told to leave alone), and BatchNorm's ``num_batches_tracked``
+    (it counts training forwards, which no evaluation reads)."""
+    named: list[tuple[str, torch.Tensor]] = [
+        (n, t) for n, t in module.named_parameters() if not is_lazy(t) and n not in ignore
+    ]
     if buffers:
-        named += [(f"buffer {name}", t) for name, t in module.named_buffers() if not is_lazy(t)]
+        named += [
+            (f"buffer {n}", t)
+            for n, t in module.named_buffers()
+            if not is_lazy(t) and n not in ignore and not n.endswith("num_batches_tracked")
+        ]
     if not named:
         return [], torch.zeros(0, dtype=torch.int64)
-    return [name for name, _ in named], torch.stack([bits_sum(t) for _, t in named]).cpu()
+    return [name for name, _ in named], torch.stack([bits_sum(t).cpu() for _, t in named])  # any device each
 
 
-def differs(module: torch.nn.Module, *, buffers: bool = True) -> str | None:
+def differs(module: torch.nn.Module, *, buffers: bool = True, given: Any = None) -> str | None:
     """Where ranks hold different ``module``\\ s (``"rank 1's 0.weight differs from rank 0's"``), else None; a
     collective, the same answer on every rank.
 
     Args:
         module: the model as it runs (unwrapped, the synced weights in place where it syncs infrequently).
         buffers: compare the buffers too (not where each rank's BatchNorm statistics are its own by design).
+        given: the model as the script passed it (DDP around ``module``: what it is told to ignore is left out).
     """
-    if collectives.world_size() == 1:
-        return None
-    return compare(*fingerprint(module, buffers=buffers))
+    if collectives.world_size() == 1 or any(type(p).__name__ == "DTensor" for p in module.parameters()):
+        return None  # (a sharded model's ranks hold their own shards, fsdp inside a copy too)
+    ddp = wrapped_ddp(given if given is not None else module)
+    ignore = getattr(ddp, "parameters_to_ignore", ()) if ddp is not None else ()
+    return compare(*fingerprint(unwrap(module), buffers=buffers, ignore=ignore or ()))
 
 
 def compare(names: list[str], sums: torch.Tensor) -> str | None:
@@ -74,19 +91,20 @@ def compare(names: list[str], sums: torch.Tensor) -> str | None:
         return None
     rank, more = differing[0], (f"; {len(differing) - 1} more rank(s) differ" if len(differing) > 1 else "")
     if len(rows[rank]) != len(rows[0]):
-        return f"rank {rank}'s has {len(rows[rank])} parts, rank 0's {len(rows[0])}{more}"
+        return f"rank {rank} holds {len(rows[rank])} parts, rank 0 {len(rows[0])}{more}"
     index = int((rows[rank] != rows[0]).nonzero()[0])
     return f"rank {rank}'s {names[index]} differs from rank 0's{more}"
 
 
-def check(module: torch.nn.Module, what: str) -> None:
+def check(module: torch.nn.Module, what: str, given: Any = None) -> None:
     """Raise on every rank, in one line, when ranks hold different ``module``\\ s (a collective).
 
     Args:
         module: the model as it will run (unwrapped, its synced weights in place).
         what: the call that checks, for the message (``"ddpkit.evaluate"``).
+        given: the model as the script passed it (see :func:`differs`).
     """
-    where = differs(module)
+    where = differs(module, given=given)
     if where is not None:
         raise UsageError(
             f"{what}: the model differs between ranks ({where}), so its result would join several models' "

@@ -171,8 +171,12 @@ class Runtime:
             yield
             return
         self._local_first_count += 1
-        with store_sync.local_main_first(self._env.node_rank, self._env.local_rank == 0, self._local_first_count):
-            yield
+        self._run.local_first = True  # rt.loader skips its collective check: local rank 0 is here alone
+        try:
+            with store_sync.local_main_first(self._env.node_rank, self._env.local_rank == 0, self._local_first_count):
+                yield
+        finally:
+            self._run.local_first = False
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Sum, mean, max or min of ``value`` across ranks (see :func:`ddpkit.all_reduce`)."""

@@ -82,9 +82,11 @@ class RunState:
     uses_backward: bool = False
     """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
     warned_plain_backward: bool = False
+    """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
     checked_weights: bool = False
     """``rt.step`` checked at this process's first step that every rank holds the same weights."""
-    """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
+    local_first: bool = False
+    """Inside ``rt.local_main_first()``, where ranks run the block one after another."""
     unscaled: set[int] = field(default_factory=set)
     """Optimizers (by id) whose fp16 gradients are unscaled this step."""
     held: HeldGradients | None = None
