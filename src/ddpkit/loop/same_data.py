@@ -8,8 +8,8 @@ data drawn at random after it, is each rank's own. The shards then overlap and m
 the validation set holds training samples, and the metric says "every sample once" of a dataset
 that no rank holds, silently. :func:`check` compares, in one small all-reduce: the length, every
 ``Subset``'s indices (through ``ConcatDataset`` and nested subsets), and the bits of a
-``TensorDataset``'s tensors or a dataset's ``data``/``targets`` arrays in memory (a strided sample
-of at most 65,536 elements each, so a large dataset costs a millisecond).
+``TensorDataset``'s tensors or a dataset's ``data``/``targets`` arrays in memory (an evenly
+strided sample of 65,536 to 131,071 elements each, so a large dataset costs a millisecond).
 """
 
 from __future__ import annotations
@@ -26,8 +26,16 @@ _SAMPLE = 1 << 16
 differs in every element, so a sample finds it, and a large dataset costs no more than a small one."""
 
 
+def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The bits sum of ``tensor`` (a strided sample of fewer than twice :data:`_SAMPLE` elements), on the CPU."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() > _SAMPLE:
+        flat = flat[:: flat.numel() // _SAMPLE]
+    return same_model.bits_sum(flat).cpu()
+
+
 def _tensor_sum(value: Any) -> torch.Tensor | None:
-    """The bits sum of a tensor or numpy array (a strided sample of a large one), else None."""
+    """The bits sum of a tensor or a numpy array in memory (:func:`_sample_sum`), else None."""
     if not isinstance(value, torch.Tensor):
         if type(value).__module__ != "numpy" or not hasattr(value, "dtype") or value.dtype.hasobject:
             return None
@@ -37,10 +45,7 @@ def _tensor_sum(value: Any) -> torch.Tensor | None:
             value = torch.from_numpy(value)
         except (TypeError, ValueError):  # strings, negative strides, big-endian, datetimes, numpy scalars
             return None
-    flat = value.detach().reshape(-1)
-    if flat.numel() > _SAMPLE:
-        flat = flat[:: flat.numel() // _SAMPLE]
-    return same_model.bits_sum(flat).cpu()
+    return _sample_sum(value)
 
 
 def fingerprint(dataset: Any) -> tuple[list[str], torch.Tensor]:
@@ -61,7 +66,7 @@ def fingerprint(dataset: Any) -> tuple[list[str], torch.Tensor]:
         elif isinstance(data, torch.utils.data.TensorDataset):
             for i, tensor in enumerate(data.tensors):
                 names.append(f"{where}.tensors[{i}]")
-                sums.append(same_model.bits_sum(tensor.reshape(-1)[:: max(1, tensor.numel() // _SAMPLE)]).cpu())
+                sums.append(_sample_sum(tensor))
         else:
             for attribute in ("data", "targets"):
                 found = _tensor_sum(getattr(data, attribute, None))

@@ -251,11 +251,6 @@ def _mean_by_dtype(
     return found
 
 
-def _device_of(layers: list[tuple[str, _BatchNorm]]) -> torch.device:
-    """Where the statistics live (NCCL reduces only CUDA tensors)."""
-    return next(t.device for _, layer in layers for t in layer.buffers(recurse=False))
-
-
 def broadcast_from_rank0(module: torch.nn.Module) -> None:
     """Copy every buffer from rank 0 (what DDP's construction does when buffer syncing is on)."""
     for buffer in module.buffers():

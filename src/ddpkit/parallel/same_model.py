@@ -4,9 +4,9 @@ An evaluation or a prediction over every rank's shard is one model's only when e
 that model. A checkpoint loaded on rank 0 alone after ``rt.setup``, a model built unseeded and
 evaluated without ``rt.setup``, an EMA of weights that replicas train apart: each rank then scores
 its shard with another model and the joined metric belongs to none, silently. :func:`check` finds
-it with one small all-gather: the sum of each parameter's and buffer's bits as integers (exact in
-any order, so equal tensors agree on any device and thread count; float sums could part in the
-last place and raise a false alarm).
+it with one small all-reduce (an all-gather more, to name the tensor, only where they differ): the
+sum of each parameter's and buffer's bits as integers (exact in any order, so equal tensors agree
+on any device and thread count; float sums could part in the last place and raise a false alarm).
 """
 
 from __future__ import annotations
