@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -1574,3 +1575,82 @@ def loader_made_local_main_first() -> int:
         steps += 1
     rt.close()
     return steps
+
+
+@dataclasses.dataclass
+class HfOutput:
+    """What a Hugging Face model returns: a dataclass with ``loss`` (None without labels) and ``logits``."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class HfClassifier(torch.nn.Module):
+    """A Hugging Face-style sequence classifier: ``model(input_ids=..., attention_mask=..., labels=...)``,
+    mean-pooled embeddings with dropout, an output with ``loss`` and ``logits``."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):  # noqa: ANN001, ANN201
+        import torch.nn.functional as F
+
+        hidden = self.embed(input_ids)
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).unsqueeze(-1).to(hidden)
+        logits = self.head(self.dropout((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)))
+        return HfOutput(None if labels is None else F.cross_entropy(logits, labels), logits)
+
+
+def hf_encoding(**items: Any) -> Any:
+    """``items`` in a stand-in for Hugging Face's ``BatchEncoding``: a ``UserDict`` with attribute access."""
+    import collections
+
+    class BatchEncoding(collections.UserDict):
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return self.data[name]
+            except KeyError:
+                raise AttributeError(name) from None
+
+    return BatchEncoding(items)
+
+
+def hf_dataset(n: int, seed: int) -> Any:
+    """``n`` tokenized samples as a ``datasets.Dataset`` in torch format: input_ids, attention_mask, labels."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (n, 12), generator=g)
+    lengths = torch.randint(3, 13, (n,), generator=g)
+    mask = (torch.arange(12) < lengths[:, None]).long()
+    data = {"input_ids": (ids * mask).tolist(), "attention_mask": mask.tolist(), "labels": (ids[:, 0] % 3).tolist()}
+    return datasets.Dataset.from_dict(data).with_format("torch")
+
+
+def hf_dicts(built: bool = False) -> dict:
+    """The Hugging Face loop: a ``datasets.Dataset`` of dicts through ``rt.loader``, ``model(**shard)``
+    under ``micro_shards=2``, then ``ddpkit.evaluate`` and ``ddpkit.predict`` of the dict samples.
+    ``built``: the script builds its batch itself as a tokenizer does (a ``BatchEncoding``, a
+    ``UserDict``) from the loader's tensors and hands that to ``rt.shards``."""
+    train, val = hf_dataset(64, 0), hf_dataset(30, 1)  # batches of 5 alike on 1 and 2 processes: the same bits
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    model = HfClassifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = rt.setup(model, optimizer, micro_shards=2)
+    loader = rt.loader(train, global_batch_size=16, shuffle=True)
+    for _ in rt.epochs(2):
+        for batch in loader:
+            if built:
+                batch = hf_encoding(**{key: value.clone() for key, value in batch.items()})
+            for shard in rt.shards(batch):
+                rt.backward(model(**shard).loss)
+            rt.step(optimizer)
+    metrics = ddpkit.evaluate(model, val, num_classes=3, batch_size=5)
+    predicted = ddpkit.predict(model, val, batch_size=5, to="all")
+    state = {key: value.detach().clone() for key, value in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return {"state": state, "metrics": metrics, "predicted": predicted}

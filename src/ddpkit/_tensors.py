@@ -1,4 +1,5 @@
-"""A tensor's bytes without numpy (which an image with CUDA torch alone, ``make gpu-check``'s, may lack).
+"""A tensor's bytes without numpy (which an image with CUDA torch alone, ``make gpu-check``'s, may lack),
+and a mapping of a batch rebuilt in its own type.
 
 A base module (it imports nothing of ddpkit).
 
@@ -10,6 +11,8 @@ Example:
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -27,4 +30,21 @@ def raw_bytes(tensor: torch.Tensor) -> bytes:
     return ctypes.string_at(flat.data_ptr(), flat.numel())
 
 
-__all__ = ["raw_bytes"]
+def remapped(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` (``mapping``'s keys with new values) in ``mapping``'s type where that is not a dict.
+
+    A dict, or a subclass of one (an ``OrderedDict``, Hugging Face's ``ModelOutput``), comes back as a
+    plain dict. Another mapping (a ``UserDict`` such as Hugging Face's ``BatchEncoding``, which a
+    tokenizer or a data collator returns) is rebuilt as ``type(mapping)(items)``, so attribute access
+    such as ``batch.input_ids`` keeps working; a mapping type whose constructor does not take a dict
+    comes back as a plain dict.
+    """
+    if isinstance(mapping, dict):
+        return items
+    try:
+        return type(mapping)(items)
+    except TypeError:  # a constructor that takes no dict: the items as a plain dict (documented above)
+        return items
+
+
+__all__ = ["raw_bytes", "remapped"]

@@ -1,27 +1,31 @@
 """Batches as nested structures of tensors: map over them, join them, empty them, move them.
 
-A batch is what a ``collate_fn`` makes: tensors, or dicts, lists, tuples and namedtuples of them.
+A batch is what a ``collate_fn`` makes: tensors, or dicts (and other mappings, such as Hugging Face's
+``BatchEncoding``, which keep their type), lists, tuples and namedtuples of them.
 The loaders (:mod:`ddpkit.loop.loader`, :mod:`ddpkit.loop.streams`) and evaluation
 (:mod:`ddpkit.loop.evaluate`) handle them through these functions only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ddpkit._tensors import remapped
+
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool = False) -> Any:
-    """Apply ``fn`` to every tensor of a (nested) batch: tensors, dicts, lists, tuples, namedtuples.
+    """Apply ``fn`` to every tensor of a (nested) batch: tensors, dicts and other mappings, lists, tuples,
+    namedtuples.
 
     Other leaves come back unchanged, or raise ``TypeError`` with ``strict=True``.
     """
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        return {key: map_tensors(fn, value, strict=strict) for key, value in batch.items()}
+    if isinstance(batch, Mapping):
+        return remapped(batch, {key: map_tensors(fn, value, strict=strict) for key, value in batch.items()})
     if isinstance(batch, (list, tuple)):
         mapped = [map_tensors(fn, value, strict=strict) for value in batch]
         return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
@@ -35,8 +39,8 @@ def concat_batches(batches: list[Any]) -> Any:
     first = batches[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(batches)
-    if isinstance(first, dict):
-        return {key: concat_batches([b[key] for b in batches]) for key in first}
+    if isinstance(first, Mapping):
+        return remapped(first, {key: concat_batches([b[key] for b in batches]) for key in first})
     if isinstance(first, (list, tuple)):
         if all(not isinstance(v, (torch.Tensor, dict, list, tuple)) for b in batches for v in b):
             return type(first)([v for b in batches for v in b])  # a per-sample list (strings)

@@ -14,6 +14,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
+from ddpkit._tensors import remapped
 from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
@@ -137,6 +140,74 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+_TARGET_KEYS = ("labels", "label")  # Hugging Face's: its collators rename "label" to "labels"
+
+
+def _target_key(batch: Mapping[Any, Any], target_key: str | None) -> Any:
+    """The key of a mapping batch's targets: ``target_key``, else ``"labels"`` or ``"label"``; None: not there."""
+    if target_key is not None:
+        return target_key if target_key in batch else None
+    return next((key for key in _TARGET_KEYS if key in batch), None)
+
+
+def _inputs(batch: Any, target_key: str | None) -> Any:
+    """A batch's inputs: a tuple's or list's first item, a mapping without its targets, else the batch."""
+    if isinstance(batch, (list, tuple)):
+        return batch[0]
+    if isinstance(batch, Mapping):
+        key = _target_key(batch, target_key)
+        return remapped(batch, {k: v for k, v in batch.items() if k != key})
+    return batch
+
+
+def _inputs_and_targets(batch: Any, target_key: str | None) -> tuple[Any, Any]:
+    """(inputs, targets) of an ``(input, target)`` batch or of a mapping's (its targets under a key)."""
+    if isinstance(batch, Mapping):
+        key = _target_key(batch, target_key)
+        if key is None:
+            wanted = repr(target_key) if target_key is not None else "'labels' or 'label'"
+            raise UsageError(
+                f"evaluate: the samples are dicts with keys {sorted(map(str, batch))} and none is {wanted}, "
+                "the targets; pass target_key= the key of the targets"
+            )
+        return _inputs(batch, key), batch[key]
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    shape = f"a {type(batch).__name__} of {len(batch)} items" if isinstance(batch, (list, tuple)) else "not a pair"
+    raise UsageError(
+        f"evaluate: a batch is {shape}; evaluate takes (input, target) samples, or dicts whose targets "
+        "are under 'labels' (or target_key=)"
+    )
+
+
+def _forward(module: torch.nn.Module, inputs: Any) -> Any:
+    """The model on a batch's inputs: a mapping's items as keyword arguments where ``forward`` takes
+    them all by name (Hugging Face's ``model(**batch)``), else the inputs as its one argument."""
+    if isinstance(inputs, Mapping) and _takes_keywords(module, inputs):
+        return module(**inputs)
+    return module(inputs)
+
+
+def _takes_keywords(module: torch.nn.Module, inputs: Mapping[Any, Any]) -> bool:
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): a mapping's items by name
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return True
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return all(isinstance(key, str) and key in named for key in inputs)
+
+
+def _scores(outputs: Any) -> Any:
+    """A model's scores: its output when a tensor, else the output's ``logits`` (Hugging Face's outputs,
+    a dict or an object with that attribute) where it has them, else the output as it is."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else outputs
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -151,6 +222,7 @@ def evaluate(
     ignore_index: int = -100,
     class_dim: int = 1,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str | None = None,
 ) -> dict[str, Any]:
     """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
 
@@ -167,7 +239,8 @@ def evaluate(
 
     Args:
         model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
-        dataset: ``(input, target)`` samples: a map-style dataset, or a stream (an ``IterableDataset``).
+        dataset: ``(input, target)`` samples, or dicts (Hugging Face's) whose targets are under
+            ``target_key``: a map-style dataset, or a stream (an ``IterableDataset``).
         num_classes: classes of the targets: the width of the outputs and of the confusion matrix.
         batch_size: samples per forward on each rank.
         loss_fn: called as ``loss_fn(output, target, reduction="sum")`` (with ``ignore_index`` too when
@@ -183,6 +256,10 @@ def evaluate(
         class_dim: the outputs' dimension of the classes: 1 (torch's convention) or -1 (``(B, T, C)``).
         collate_fn: makes a batch of samples, as a DataLoader's does (one that pads each batch to its
             longest sequence, with ``ignore_index`` in the targets' padding); None: torch's default.
+        target_key: in dict samples, the key of the targets; None: ``"labels"``, else ``"label"``. The
+            other items are the inputs, passed as keyword arguments (``model(**inputs)``) where the
+            model's ``forward`` takes them all by name, else as one dict; a model output that is not a
+            tensor gives its ``logits`` (Hugging Face's outputs).
     """
     if class_dim not in (1, -1):
         raise UsageError(
@@ -200,10 +277,11 @@ def evaluate(
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     batches = _shard_batches(dataset, batch_size, num_workers, stream, collate_fn=collate_fn)
     with _eval_mode(module, check="ddpkit.evaluate", given=model):
-        for inputs, targets in _lockstep(batches, module, dataset, collate_fn):
+        for batch in _lockstep(batches, module, dataset, collate_fn):
+            inputs, targets = _inputs_and_targets(batch, target_key)
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             with autocast() if autocast is not None else contextlib.nullcontext():
-                outputs = module(inputs)
+                outputs = _scores(_forward(module, inputs))
             if isinstance(outputs, torch.Tensor) and outputs.device != device:
                 # fsdp's cpu_offload: the shards (the first parameter) on the host, the forward on the GPU
                 device = outputs.device
@@ -239,7 +317,8 @@ def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int)
     if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise UsageError(
             f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
-            f"{type(targets).__name__}; evaluate takes a tensor of scores and a tensor of class indices"
+            f"{type(targets).__name__}; evaluate takes a tensor of scores (or an output with a logits "
+            "tensor) and a tensor of class indices"
         )
     if outputs.dim() < 2:
         raise UsageError(
@@ -307,6 +386,7 @@ def _run_shard(
     *,
     what: str = "ddpkit.predict",
     given: Any = None,
+    target_key: str | None = None,
 ) -> Iterator[Any]:
     """The model's outputs (on the CPU) for each batch of this rank's shard, in order (``what`` and
     ``given``: the call and the model as passed, for the check that every rank holds it)."""
@@ -314,9 +394,9 @@ def _run_shard(
     batches = _shard_batches(dataset, batch_size, num_workers, stream, positions, collate_fn)
     with _eval_mode(module, check=what, given=given):
         for batch in _lockstep(batches, module, dataset, collate_fn):
-            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+            inputs = _inputs(batch, target_key)
             with autocast() if autocast is not None else contextlib.nullcontext():
-                outputs = module(to_device(inputs, device))
+                outputs = _forward(module, to_device(inputs, device))
             yield _map(lambda t: t.detach().cpu(), outputs)
 
 
@@ -329,16 +409,20 @@ def predict(
     num_workers: int = 0,
     autocast: Callable[[], Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str | None = None,
 ) -> Any:
     """Outputs for every sample exactly once, in dataset order: first dimension ``len(dataset)``.
 
     Works for models returning a tensor, or a tuple/list/dict of tensors (the same
-    structure comes back, each leaf gathered). Every rank must call it.
+    structure comes back, each leaf gathered; a dataclass, such as a Hugging Face output, comes
+    back as a dict of its tensor fields). Every rank must call it.
 
     Args:
         model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
         dataset: a map-style dataset, or a stream (an ``IterableDataset``); a sample's first item
-            is the input when it is a tuple or list, else the sample is.
+            is the input when it is a tuple or list; a dict's items but its targets are (Hugging Face's
+            samples), passed as keyword arguments where ``forward`` takes them all by name, else as
+            one dict; anything else is the input whole.
         batch_size: samples per forward on each rank.
         to: ``"main"`` returns the result on rank 0 and None elsewhere; ``"all"`` on every rank.
         num_workers: DataLoader workers per rank (0: the main process reads).
@@ -346,6 +430,8 @@ def predict(
         collate_fn: makes a batch of samples, as a DataLoader's does; None: torch's default. The
             outputs of every batch must agree beyond their first dimension (one row per sample, or
             padded to a fixed length), as they are joined.
+        target_key: in dict samples, the key of the targets, which the model is not given; None:
+            ``"labels"``, else ``"label"``.
     """
     if to not in ("main", "all"):
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
@@ -357,11 +443,22 @@ def predict(
     module = unwrap(model)
     positions: list[list[int]] = []
     outputs = list(
-        _run_shard(module, dataset, batch_size, num_workers, autocast, stream, positions, collate_fn, given=model)
+        _run_shard(
+            module,
+            dataset,
+            batch_size,
+            num_workers,
+            autocast,
+            stream,
+            positions,
+            collate_fn,
+            given=model,
+            target_key=target_key,
+        )
     )
     if stream is not None and stream.total() == 0:
         raise UsageError("predict: the stream is empty")
-    local = _joined(outputs, collate_fn) if outputs else _empty_output(module, dataset, collate_fn)
+    local = _joined(outputs, collate_fn) if outputs else _empty_output(module, dataset, collate_fn, target_key)
     collect = collectives.all_gather if to == "all" else collectives.gather
     gathered = _map(collect, local)
     if stream is None:  # contiguous shards concatenated in rank order are the dataset order
@@ -377,6 +474,10 @@ def predict(
 
 
 def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, (type, Mapping)):
+        value = {
+            f.name: getattr(value, f.name) for f in dataclasses.fields(value) if getattr(value, f.name) is not None
+        }
     try:
         return map_tensors(fn, value, strict=True)
     except TypeError as exc:
@@ -385,17 +486,17 @@ def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
         ) from None
 
 
-def _empty_output(module: torch.nn.Module, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
+def _empty_output(
+    module: torch.nn.Module,
+    dataset: Any,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str | None = None,
+) -> Any:
     """Zero rows with the right trailing shape, from one sample (a rank with an empty shard)."""
     sample = _first_sample(dataset)
-    if collate_fn is not None:
-        batch = collate_fn([sample])
-        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-    else:
-        inputs = sample[0] if isinstance(sample, (list, tuple)) else sample
-        inputs = map_tensors(lambda t: t.unsqueeze(0), inputs)
+    inputs = _inputs((collate_fn or default_collate)([sample]), target_key)
     with _eval_mode(module):
-        out = module(to_device(inputs, _device_of(module)))
+        out = _forward(module, to_device(inputs, _device_of(module)))
     return _map(lambda t: t.detach().cpu()[:0], out)
 
 

@@ -18,21 +18,31 @@ from ddpkit.parallel import lazy_buffers
 
 
 def predict_to_file(
-    model: torch.nn.Module, dataset: Any, path: str | os.PathLike, *, batch_size: int = 256, num_workers: int = 0
+    model: torch.nn.Module,
+    dataset: Any,
+    path: str | os.PathLike,
+    *,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    target_key: str | None = None,
 ) -> Path | None:
     """Stream predictions larger than memory into one ``.npy`` file, in dataset order.
 
     Each rank appends its shard's outputs to its own part file as it goes; rank 0 then
     copies the parts, in rank order, into ``path`` chunk by chunk. Only a model returning a
-    single tensor is supported here. Returns the path on rank 0, None elsewhere.
+    single tensor (or an output whose one tensor is its ``logits``, as Hugging Face's) is supported here.
+    Returns the path on rank 0, None elsewhere.
 
     Args:
-        model: the model as ``rt.setup`` returned it, or a plain one; it must return one tensor.
-        dataset: a map-style dataset (a stream goes to :func:`predict`); a sample's first item is the
-            input when it is a tuple or list, else the sample is.
+        model: the model as ``rt.setup`` returned it, or a plain one; it must return one tensor, or an
+            output whose one tensor is its ``logits``.
+        dataset: a map-style dataset (a stream goes to :func:`predict`); its samples' inputs as
+            :func:`ddpkit.predict` takes them (a tuple's first item, a dict's items but its targets).
         path: the ``.npy`` file rank 0 writes; the part files ``.NAME.rankN.part`` lie beside it meanwhile.
         batch_size: samples per forward on each rank.
         num_workers: DataLoader workers per rank (0: the main process reads).
+        target_key: in dict samples, the key of the targets, which the model is not given; None:
+            ``"labels"``, else ``"label"``.
     """
     import numpy as np
     from torch.utils.data import IterableDataset
@@ -51,15 +61,21 @@ def predict_to_file(
     rows, tail, dtype = 0, None, None
     try:
         with open(part, "wb") as handle:
-            shard = _run_shard(module, dataset, batch_size, num_workers, what="ddpkit.predict_to_file", given=model)
+            shard = _run_shard(
+                module,
+                dataset,
+                batch_size,
+                num_workers,
+                what="ddpkit.predict_to_file",
+                given=model,
+                target_key=target_key,
+            )
             for out in shard:
-                if not isinstance(out, torch.Tensor):
-                    raise UsageError("predict_to_file needs a model that returns one tensor")
-                array = out.numpy()
+                array = _one_tensor(out).numpy()
                 rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
                 handle.write(np.ascontiguousarray(array).tobytes())
         if tail is None:
-            probe = _empty_output(module, dataset).numpy()
+            probe = _one_tensor(_empty_output(module, dataset, target_key=target_key)).numpy()
             tail, dtype = probe.shape[1:], probe.dtype
     except BaseException:  # a refused model or output, a failed forward: no part file left beside the output
         part.unlink(missing_ok=True)
@@ -70,6 +86,20 @@ def predict_to_file(
     collectives.barrier()
     part.unlink(missing_ok=True)
     return path if rank == 0 else None
+
+
+def _one_tensor(out: Any) -> torch.Tensor:
+    """The one tensor a model returned: itself, or an output's (a dict, or a dataclass such as Hugging
+    Face's, as :func:`ddpkit.predict` maps them) that holds its ``logits`` and no other tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and list(out) == ["logits"] and isinstance(out["logits"], torch.Tensor):
+        return out["logits"]
+    held = f" (it returned {sorted(map(str, out))})" if isinstance(out, dict) else ""
+    raise UsageError(
+        f"predict_to_file needs a model that returns one tensor, or an output whose one tensor is its "
+        f"logits{held}; ddpkit.predict returns several"
+    )
 
 
 def _merge_parts(path: Path, parts: list[Path], counts: list[int], tail: tuple, dtype: Any) -> None:

@@ -7,12 +7,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddpkit._tensors import remapped
 from ddpkit.distributed.host import usable_cores
 from ddpkit.errors import UsageError
 from ddpkit.parallel import lazy_buffers
@@ -161,8 +162,8 @@ def _take(item: Any, j: int, every: int, rows: int | None = None) -> Any:
         return (item[j::every] if rows is None else item[j * rows : (j + 1) * rows]).contiguous()
     if isinstance(item, (list, tuple)):
         return type(item)(_take(x, j, every, rows) for x in item)
-    if isinstance(item, dict):
-        return {k: _take(v, j, every, rows) for k, v in item.items()}
+    if isinstance(item, Mapping):  # a dict, or a UserDict such as a tokenizer's BatchEncoding, kept in its type
+        return remapped(item, {k: _take(v, j, every, rows) for k, v in item.items()})
     return item
 
 
@@ -171,7 +172,7 @@ def _path_of(item: Any, batch: Any, path: tuple[Any, ...] = ()) -> tuple[Any, ..
     if item is batch:
         return path
     children = (
-        batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (list, tuple)) else ()
+        batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else ()
     )
     for key, child in children:
         found = _path_of(item, child, (*path, key))
@@ -191,7 +192,7 @@ def _cut_alike(whole: Any, parts: list[Any]) -> bool:
     that stacks, or pads to a fixed length): a shard cut from the batch is then the same."""
     if isinstance(whole, torch.Tensor):
         return all(isinstance(p, torch.Tensor) and p.shape[1:] == whole.shape[1:] for p in parts)
-    if isinstance(whole, dict):
+    if isinstance(whole, Mapping):
         return all(_cut_alike(v, [p[k] for p in parts]) for k, v in whole.items())
     if isinstance(whole, (list, tuple)):
         return all(_cut_alike(v, [p[i] for p in parts]) for i, v in enumerate(whole))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -357,7 +357,7 @@ def fingerprint(sample: Any) -> int:
             flat = value.detach().cpu().contiguous().reshape(-1)
             digest.update(repr((flat.dtype, tuple(value.shape))).encode())
             digest.update(raw_bytes(flat))
-        elif isinstance(value, dict):
+        elif isinstance(value, Mapping):
             for key in sorted(value, key=repr):
                 digest.update(repr(key).encode())
                 add(value[key])
