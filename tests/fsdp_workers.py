@@ -24,14 +24,17 @@ class Toy(Dataset):
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, checkpointed: bool = False):
         super().__init__()
         self.body = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU()
         )
         self.head = torch.nn.Linear(32, 3)
+        self.checkpointed = checkpointed  # the body's activations recomputed in the backward
 
     def forward(self, x):
+        if self.checkpointed:
+            return self.head(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False))
         return self.head(self.body(x))
 
 
@@ -45,9 +48,14 @@ def _train(
     clip: float | None = None,
     epochs: int = 2,
     cpu_offload: bool = False,
+    checkpointed: str | None = None,
 ) -> dict:
     torch.manual_seed(0)
-    net = Net()
+    net = Net(checkpointed == "function")
+    if checkpointed == "wrapper":  # torchtitan's way: each layer wrapped before it is sharded
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(net, check_fn=lambda module: isinstance(module, torch.nn.Linear))
     kwargs = {"strategy": strategy}
     if strategy == "fsdp":
         kwargs.update(fsdp_units=[torch.nn.Linear], cpu_offload=cpu_offload)
@@ -86,9 +94,19 @@ class _nothing:
 
 
 def compare(
-    variants: tuple[str, ...] = ("ddp", "fsdp", "fsdp-after", "ddp-acc", "fsdp-acc", "fsdp-offload-acc"),
+    variants: tuple[str, ...] = (
+        "ddp",
+        "fsdp",
+        "fsdp-after",
+        "ddp-acc",
+        "fsdp-acc",
+        "fsdp-offload-acc",
+        "fsdp-checkpointed-function",
+        "fsdp-checkpointed-wrapper",
+    ),
 ) -> dict:
-    """Several trainings in one world: DDP and FSDP, optimizer before/after, accumulate + clip, offload."""
+    """Several trainings in one world: DDP and FSDP, optimizer before/after, accumulate + clip, offload,
+    activation checkpointing (``torch.utils.checkpoint`` in the forward, or each layer wrapped)."""
     rt = ddpkit.init(seed=0)
     out = {}
     for variant in variants:
@@ -100,6 +118,8 @@ def compare(
             options["cpu_offload"] = True
         if variant.endswith("-acc"):
             options.update(accumulate=2, clip=0.5)
+        if "-checkpointed" in variant:
+            options["checkpointed"] = variant.rsplit("-", 1)[1]
         out[variant] = _train(rt, strategy, variant, **options)
     return out
 

@@ -177,3 +177,15 @@ def test_a_collate_that_pads_each_batch_evaluates_and_predicts_every_sample_once
     said = [r["ragged"] for r in (one, *three.values())]
     assert all(s.startswith("predict: the outputs of the batches differ beyond their first dimension") for s in said)
     assert all("\n" not in s for s in said)
+
+
+def test_a_float64_model_is_scored_in_float64():
+    """The loss was taken of the outputs cast to float32: a float64 run's loss was float32's (3e-8 off)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6, generator=g, dtype=torch.float64), torch.arange(40) % 4)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+    metrics = ddpkit.evaluate(model, data, num_classes=4, batch_size=40)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(data.tensors[0]), data.tensors[1], reduction="sum")
+    assert expected.dtype == torch.float64 and metrics["loss"] == float(expected) / 40

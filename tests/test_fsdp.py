@@ -68,6 +68,20 @@ def test_fsdp_x2_equals_ddp_x2_and_one_process_with_the_loop_features(one, two):
     assert not torch.equal(run["fsdp"]["weights"]["head.weight"], run["fsdp-acc"]["weights"]["head.weight"])
 
 
+def test_activation_checkpointing_under_fsdp_trains_to_the_same_bits_with_plain_names(two):
+    """torch.utils.checkpoint(..., use_reentrant=False) in the forward, or each layer wrapped by
+    apply_activation_checkpointing before rt.setup shards it: the backward recomputes the same values."""
+    for rank, run in two.items():
+        for variant in ("fsdp-checkpointed-function", "fsdp-checkpointed-wrapper"):
+            assert run[variant]["metrics"] == run["fsdp"]["metrics"], (rank, variant)
+            assert torch.equal(run[variant]["predicted"], run["fsdp"]["predicted"]), (rank, variant)
+    for variant in ("fsdp-checkpointed-function", "fsdp-checkpointed-wrapper"):
+        weights = two[0][variant]["weights"]
+        assert list(weights) == list(two[0]["fsdp"]["weights"])  # no _checkpoint_wrapped_module in the names
+        for key, value in two[0]["fsdp"]["weights"].items():
+            assert torch.equal(weights[key], value), (variant, key)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.slow  # 4 s
 def test_fsdp_x3_equals_fsdp_x2(two):

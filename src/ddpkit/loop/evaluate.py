@@ -297,10 +297,12 @@ def evaluate(
                     f"({ignore_index})"
                 )
             extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
-            loss_sum += loss_fn(outputs.float(), targets, reduction="sum", **extra).double()
+            if outputs.dtype not in (torch.float32, torch.float64):  # half precision: the loss in float32
+                outputs = outputs.float()  # float64 outputs keep their precision
+            loss_sum += loss_fn(outputs, targets, reduction="sum", **extra).double()
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
-                metric.update(outputs.float(), targets)
+                metric.update(outputs, targets)
     if stream is not None:
         stream.total()  # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)

@@ -367,7 +367,9 @@ def _unused_message(names: list[str], when: str) -> str:
         f"DDP: {len(names)} trainable parameter{'s' if len(names) != 1 else ''} of the model got no gradient "
         f"{when} ({shown}), and DDP exchanges gradients only once every trainable parameter has one: "
         "freeze what the loss does not use (p.requires_grad_(False) before rt.setup), or pass "
-        "rt.setup(..., find_unused_parameters=True) if it is used on some steps only"
+        "rt.setup(..., find_unused_parameters=True) if it is used on some steps only (layers run through "
+        "torch.utils.checkpoint(..., use_reentrant=True) on inputs that need no gradient get none: pass "
+        "use_reentrant=False)"
     )
 
 
