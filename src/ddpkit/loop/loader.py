@@ -16,6 +16,7 @@ into checkpoints and hands saved positions back through :meth:`ShardedLoader.res
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -168,6 +169,9 @@ class LoaderPosition:
     _user_collate: Callable[[list[Any]], Any] | None = None
     """The script's ``collate_fn`` (None: torch's default, whose shards cut from a batch are alike)."""
 
+    epochs_driven: Callable[[], bool] | None = None
+    """The loop state's: whether ``rt.epochs`` sets the epochs (then a pass never moves on by itself)."""
+
     def _local_shards(self) -> int:
         """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
         if self._user_collate is None or self.local_shards is None:
@@ -192,21 +196,54 @@ class LoaderPosition:
         self.global_count = 0  # samples of all ranks in the current batch
         self._resume: int | None = None  # a saved position the next passes start from
         self._passes = 0  # passes started; an older iterator leaves no mark
+        self._pass_trained = False  # a batch of the current pass fed a backward
+        self._epoch_set = False  # the epoch was set (set_epoch, a resume) since the current pass began
         self._on_batch = on_batch
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass read ``epoch`` (ddpkit's ``epochs()`` calls this for you)."""
+        """Make the next pass read ``epoch`` (``rt.epochs`` calls this for you; without it, a pass after
+        one that fed training reads the next epoch by itself)."""
+        self._epoch_set = True
         if epoch != self.epoch:
             self.epoch, self.position, self.finished = epoch, 0, False
             self._resume = None
 
-    def resume_at(self, epoch: int, position: int) -> None:
-        """Continue ``epoch`` at batch ``position`` in the next passes, until one is trained on."""
+    def resume_at(self, epoch: int, position: int, *, ended: bool = False, trained: bool = False) -> None:
+        """Continue ``epoch`` at batch ``position`` in the next passes, until one is trained on.
+
+        Args:
+            epoch: the epoch of the saved pass.
+            position: the batches of it already handed out.
+            ended: the pass was over when it was saved (read to its end, or left), so the next pass
+                begins as it would have after it, not at ``position``.
+            trained: a batch of the ended pass fed a backward: the next pass then reads the next
+                epoch, where ``rt.epochs`` does not set the epochs.
+        """
+        if ended:
+            self.epoch, self.position, self.finished = epoch, position, True
+            self._resume, self._pass_trained, self._epoch_set = None, trained, False
+            return
         self.epoch, self.position, self.finished = epoch, position, False
         self._resume = position
+        self._epoch_set = True
+
+    def _begin_pass(self) -> tuple[int, int]:
+        """(first batch, number) of a new pass. It reads the next epoch when the pass before fed a
+        backward and nothing set the epoch since: a loop without ``rt.epochs`` or ``set_epoch`` (``for
+        epoch in range(n)``, or ``next(it)`` with a new ``iter(loader)`` at its end) shuffles each pass
+        anew, where torch's ``DistributedSampler`` would repeat the first epoch's order."""
+        driven = self.epochs_driven is not None and self.epochs_driven()
+        if self._pass_trained and not self._epoch_set and not driven:
+            self.epoch += 1
+            self._resume = None
+        start = self._resume or 0
+        self._passes += 1
+        self.position, self.finished = start, False
+        self._pass_trained = self._epoch_set = False
+        return start, self._passes
 
     def _check_pass(self, this_pass: int) -> None:
         """Refuse to go on with an iterator that a newer ``iter(loader)`` replaced."""
@@ -218,7 +255,7 @@ class LoaderPosition:
 
     def mark_trained(self) -> None:
         """A batch of the current pass fed a backward: a pending resume point is used up."""
-        self.trained = True
+        self.trained = self._pass_trained = True
         self._resume = None
 
     def batch_weight(self) -> float:
@@ -238,7 +275,13 @@ class LoaderPosition:
     def position_record(self) -> dict[str, Any]:
         """Where the current pass stands, for a checkpoint (plain data)."""
         done = self.finished or (self.length_known and self.position >= len(self))
-        return {"epoch": self.epoch, "position": self.position, "finished": done, "signature": self.signature()}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "finished": done,
+            "pass_trained": self._pass_trained,
+            "signature": self.signature(),
+        }
 
 
 class ShardedLoader(LoaderPosition):
@@ -273,6 +316,7 @@ class ShardedLoader(LoaderPosition):
     ):
         self.dataset = dataset
         self.sampler = sampler
+        sampler.loader = weakref.ref(self)  # loader.sampler.set_epoch(epoch), torch's habit, sets this loader's
         self.device = device
         self._start_positions(name, on_batch)
         self._plan: list[tuple[list[int], int]] = []  # (local part, global size) of each batch left
@@ -294,10 +338,7 @@ class ShardedLoader(LoaderPosition):
         )
 
     def __iter__(self) -> Iterator[Any]:
-        start = self._resume or 0
-        self._passes += 1
-        this_pass = self._passes
-        self.position, self.finished = start, False
+        start, this_pass = self._begin_pass()
         self._keyed.start_epoch = self.epoch
         # One permutation per pass: the DataLoader's batch sampler reads this plan too.
         if self.reversed_slots is not None:  # decided a pass at a time (rt.setup may come after rt.loader)
@@ -350,10 +391,7 @@ class QuorumLoader(ShardedLoader):
         return self._order[1][index * size : (index + 1) * size]
 
     def __iter__(self) -> Iterator[Any]:
-        start = self._resume or 0
-        self._passes += 1
-        this_pass = self._passes
-        self.position, self.finished = start, False
+        start, this_pass = self._begin_pass()
         try:
             while True:
                 rank, world = self.replica.quorum()  # may heal: epoch and position become the peer's

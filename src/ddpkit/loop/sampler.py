@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,19 @@ class GlobalBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+
+    loader: Callable[[], Any] | None = None
+    """A weak reference to the loader that reads this sampler (set by the loader)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """torch's ``DistributedSampler.set_epoch``, as scripts call it on ``loader.sampler``: sets the
+        epoch of the loader that reads this sampler (``rt.epochs`` does it for you)."""
+        owner = self.loader() if self.loader is not None else None
+        if owner is None:
+            raise UsageError(
+                "sampler.set_epoch: this sampler belongs to no ddpkit loader; call loader.set_epoch(epoch)"
+            )
+        owner.set_epoch(epoch)
 
     def __len__(self) -> int:
         """Steps per epoch (the same on every rank)."""

@@ -40,6 +40,7 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
     A run resumed from a checkpoint written after its last epoch (a restart after the final save)
     has no epoch left: it says so in one line, since code after the loop runs without the loop's
     variables."""
+    run.loop.driven = True  # the loaders' passes read the epochs set here, not their own
     for mode in run.modes:
         mode.begin_epochs()  # (a fault-tolerant replica heals or resumes here, in its first quorum)
     if run.loop.epoch >= n and run.loop.resumed_from is not None:
@@ -156,6 +157,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         return False
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
         _plain_backward(run)
+    if run.active is not None:  # its pass fed a step (also through a plain loss.backward())
+        run.active.mark_trained()
     stepped = True
     for optimizer in optimizers:
         if optimizer not in run.optimizers:

@@ -9,6 +9,10 @@ before or after ``load``: a loader made later picks up its saved position when i
 
 Only loaders that fed a backward are saved: a validation loader read halfway, or not at all,
 never makes an end-of-epoch checkpoint look mid-epoch.
+
+``rt.epochs`` sets the epochs (:attr:`LoopState.driven`); a loop without it (``for epoch in
+range(n)``, a step-based loop) lets each loader's pass after a trained one read the next epoch, and
+its checkpoints keep each training loader's epoch and position, ended or not.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class LoopState:
         self.resumed_from: str | None = None
         self.resumed_step: int | None = None  # the step the loaded checkpoint was saved at
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
+        self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
         self._strict = True
@@ -52,6 +57,7 @@ class LoopState:
             raise DdpkitError(f"two live loaders are named {name!r}; give each its own name=")
         loader.name = key
         self._loaders[key] = loader
+        loader.epochs_driven = self._driven
         loader.set_epoch(self.epoch)
         saved = self._pending.pop(key, None)
         if saved is None and name is None:
@@ -61,6 +67,9 @@ class LoopState:
         if saved is not None:
             self._apply(loader, saved)
         return key
+
+    def _driven(self) -> bool:
+        return self.driven
 
     def loaders(self) -> list[Any]:
         """The registered loaders still alive, in registration order."""
@@ -74,7 +83,12 @@ class LoopState:
                 "build the loader as it was saved, or give it another name=",
             )
             return
-        loader.resume_at(int(saved["epoch"]), int(saved["position"]))
+        loader.resume_at(
+            int(saved["epoch"]),
+            int(saved["position"]),
+            ended=bool(saved["finished"]),
+            trained=bool(saved.get("pass_trained", True)),
+        )
 
     def check_pending(self) -> None:
         """Called when training resumes: a saved mid-epoch position nobody claimed is an error."""
@@ -97,16 +111,23 @@ class LoopState:
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: where the loop stands and where each training loader's pass is."""
+        """Plain data: where the loop stands and where each training loader's pass is (under ``rt.epochs``
+        the passes of its epoch not yet over; without it, every training loader's, ended or not, as
+        each loader's passes then move on by themselves)."""
         training = {key: made.position_record() for key, made in self._loaders.items() if made.trained}
+        if not self.driven:  # each loader's passes move on by themselves: where each stands, ended or not
+            return self._state(epoch_done=False, loaders=training)
         current = [rec for rec in training.values() if rec["epoch"] == self.epoch]
         epoch_done = bool(current) and all(rec["finished"] for rec in current)
         mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["finished"]}
+        return self._state(epoch_done=epoch_done, loaders=mid)
+
+    def _state(self, *, epoch_done: bool, loaders: dict[str, Any]) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "step": self.step,
             "epoch_done": epoch_done,
-            "loaders": mid,
+            "loaders": loaders,
             "micro_step": self.micro_step,
             "group": list(self.group),
             "not_bitwise": self.not_bitwise,

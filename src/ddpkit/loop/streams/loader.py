@@ -176,10 +176,7 @@ class StreamLoader(LoaderPosition):
         return self._take_parts(collate_shards(self._user_collate, list(samples), shards, runs))
 
     def __iter__(self) -> Iterator[Any]:
-        start = self._resume or 0
-        self._passes += 1
-        this_pass = self._passes
-        self.position, self.finished = start, False
+        start, this_pass = self._begin_pass()
         shards = self._local_shards()
         # a collate of the script's runs here where a batch is joined from several workers' pieces or
         # cut into micro-shards: each piece padded to its own longest sample would not join, or cut alike
