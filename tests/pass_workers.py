@@ -51,3 +51,74 @@ def step_based(checkpoint_dir: str, max_steps: int, stop_at: int | None = None) 
     weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     rt.close()
     return {"weights": weights, "seen": seen, "step": step}
+
+
+def zipped(checkpoint_dir: str, driven: bool, stop_at: int | None = None) -> dict:
+    """Semi-supervised training on ``zip(labeled, unlabeled)`` (6 and 10 batches a pass) for 3 epochs,
+    under ``rt.epochs`` (``driven``) or ``range``, with ``micro_shards=2``; ``stop_at``: checkpoint that
+    step and return. The weights, and the first batch each loader handed out in each epoch."""
+    g = torch.Generator().manual_seed(0)
+    labeled = torch.utils.data.TensorDataset(
+        torch.randn(24, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (24,), generator=g)
+    )
+    unlabeled = torch.utils.data.TensorDataset(torch.randn(40, 8, generator=g, dtype=torch.float64))
+    rt = ddpkit.init(seed=0, checkpoint_dir=checkpoint_dir, resume="auto")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+    first = rt.loader(labeled, global_batch_size=4, shuffle=True, name="labeled")
+    second = rt.loader(unlabeled, global_batch_size=4, shuffle=True, name="unlabeled")
+    state = {"model": model, "optimizer": optimizer}
+    rt.resume(state)
+    firsts = []
+    for _ in rt.epochs(3) if driven else range(rt.global_step // len(first), 3):  # 6 steps an epoch
+        for i, ((x, y), (u,)) in enumerate(zip(first, second)):
+            if i == 0:
+                firsts.append((x.tolist(), u.tolist()))
+            for xs, ys, us in rt.shards(x, y, u):
+                pseudo = model(us).detach().argmax(-1)  # pseudo-labels of the unlabeled shard
+                rt.backward(F.cross_entropy(model(xs), ys) + 0.1 * F.cross_entropy(model(us), pseudo))
+            rt.step(optimizer)
+            if rt.global_step == stop_at:
+                rt.checkpoint(state, blocking=True)
+                rt.close()
+                return {"stopped": stop_at}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return {"weights": weights, "firsts": firsts}
+
+
+def validation_iterator(checkpoint_dir: str, stop_after_epoch: int | None = None) -> dict:
+    """Under ``rt.epochs``, a validation loss on one batch after every step from an iterator kept across
+    steps (a new ``iter(val)`` when it runs out), and a checkpoint at each epoch's end; ``stop_after_epoch``:
+    return after that epoch's checkpoint. The weights, and the validation losses."""
+    data = _data()
+    val = torch.utils.data.TensorDataset(data.tensors[0][:12] + 1, data.tensors[1][:12])
+    rt = ddpkit.init(seed=0, checkpoint_dir=checkpoint_dir, resume="auto")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+    train = rt.loader(data, global_batch_size=8, shuffle=True)
+    held = rt.loader(val, global_batch_size=8)
+    state = {"model": model, "optimizer": optimizer}
+    rt.resume(state)
+    losses, batches = [], iter(held)
+    for epoch in rt.epochs(3):
+        for x, y in train:
+            for xs, ys in rt.shards(x, y):
+                rt.backward(F.cross_entropy(model(xs), ys))
+            rt.step(optimizer)
+            try:
+                vx, vy = next(batches)
+            except StopIteration:
+                batches = iter(held)
+                vx, vy = next(batches)
+            with torch.no_grad():
+                losses.append(float(F.cross_entropy(model(vx), vy)))
+        rt.checkpoint(state, blocking=True)
+        if epoch == stop_after_epoch:
+            rt.close()
+            return {"stopped": epoch}
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return {"weights": weights, "losses": losses, "steps": rt.global_step}

@@ -40,7 +40,11 @@ def _pairs(data) -> torch.utils.data.TensorDataset:  # noqa: ANN001
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("built", [False, True], ids=["loader-dicts", "tokenizer-built-userdict"])
+@pytest.mark.parametrize(
+    "built",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # the built batch's run reads the loader's dicts too
+    ids=["loader-dicts", "tokenizer-built-userdict"],
+)
 def test_the_hugging_face_loop_on_two_processes_ends_at_one_process_bits(built):
     one = workers.hf_dicts(built)
     runs = ddpkit.launch(workers.hf_dicts, nprocs=2, args=(built,))

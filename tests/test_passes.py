@@ -81,7 +81,11 @@ def test_passes_that_train_nothing_and_a_probe_do_not_move_the_epoch_on(rt):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stop_at", [7, 10], ids=["mid-pass", "after-a-pass-last-batch"])
+@pytest.mark.parametrize(
+    "stop_at",
+    [pytest.param(7, marks=pytest.mark.slow), 10],  # 5 s each; the pass's end is the harder one
+    ids=["mid-pass", "after-a-pass-last-batch"],
+)
 def test_a_step_based_loop_resumes_exactly_on_any_world_size(tmp_path, stop_at):
     """5 batches a pass: step 7 stops inside the second pass, step 10 after its last batch, before
     the new iter(loader) that the uninterrupted run begins the third pass with (epoch 2)."""
@@ -94,3 +98,94 @@ def test_a_step_based_loop_resumes_exactly_on_any_world_size(tmp_path, stop_at):
     assert resumed["step"] == 17 and len(resumed["seen"]) == 17 - stop_at  # from the checkpoint of step stop_at
     for key, value in whole["weights"].items():
         assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("driven", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["rt.epochs", "range"])
+def test_two_zipped_loaders_both_move_on_and_resume_exactly(tmp_path, driven):
+    """zip(labeled, unlabeled): only the loader whose batch came last was training's, so the other's
+    position was not saved (a resumed run read its epoch from the start) and, without rt.epochs, it
+    read the first epoch's order every epoch."""
+    whole = ddpkit.launch(pass_workers.zipped, nprocs=2, args=(str(tmp_path / "whole"), driven))[0]
+    for loader in (0, 1):  # each epoch's first batch of each loader: three orders
+        assert len({str(first[loader]) for first in whole["firsts"]}) == 3, loader
+    # inside the second epoch; under rt.epochs also at its last step, the labeled loader read to its end
+    # (without rt.epochs a checkpoint there cannot tell zip's end from two iterators read on apart)
+    for stop_at in (8, 12) if driven else (8,):
+        stopped = str(tmp_path / f"stopped{stop_at}")
+        ddpkit.launch(pass_workers.zipped, nprocs=2, args=(stopped, driven, stop_at))
+        resumed = ddpkit.launch(pass_workers.zipped, nprocs=2, args=(stopped, driven))[0]
+        for key, value in whole["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), (stop_at, key)
+
+
+@pytest.mark.timeout(240)
+def test_a_validation_iterator_kept_across_steps_leaves_an_epoch_end_checkpoint_at_the_epoch_end(tmp_path):
+    """Its batches come between steps as a zipped loader's do, so its position is saved too; the
+    checkpoint after the training loader's pass still starts the next epoch on resume."""
+    whole = pass_workers.validation_iterator(str(tmp_path / "whole"))
+    assert whole["steps"] == 15
+    pass_workers.validation_iterator(str(tmp_path / "stopped"), 0)
+    resumed = pass_workers.validation_iterator(str(tmp_path / "stopped"))
+    assert resumed["steps"] == 15 and len(resumed["losses"]) == 10  # epochs 1 and 2, not 0 again
+    for key, value in whole["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.parametrize("name", [None, "train"])
+def test_a_loader_rebuilt_each_epoch_goes_on_to_the_next_epoch(rt, name):
+    """A loader built anew each epoch (``loader = rt.loader(...)`` inside the loop) read the first
+    epoch's order every epoch without rt.epochs, and under a name= it was refused as a second live
+    loader of that name while the one it replaces was still bound to the variable."""
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+    net = torch.nn.Embedding(12, 2)
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    orders = []
+    for _ in range(3):
+        loader = rt.loader(data, global_batch_size=4, shuffle=True, name=name)
+        order = []
+        for x, y in loader:
+            order += x.tolist()
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+        orders.append(order)
+    assert loader.name == (name or "TensorDataset")  # each took its predecessor's key
+    live = iter(loader)
+    next(live)  # mid-pass: a loader built now is a second one, not its successor
+    if name is None:
+        assert rt.loader(data, global_batch_size=4, shuffle=True).name == "TensorDataset#2"
+    else:
+        with pytest.raises(ddpkit.DdpkitError, match="two live loaders are named 'train'"):
+            rt.loader(data, global_batch_size=4, shuffle=True, name="train")
+    del live
+    rt.close()
+    with ddpkit.init(seed=0) as again:
+        assert _orders(again, "rt.epochs") == orders  # epochs 0, 1, 2
+
+
+def test_a_checkpoint_keeps_where_a_rebuilt_loader_goes_on_after_the_one_it_replaced_is_gone(tmp_path):
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+
+    def run(rt, epochs: range) -> list:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        state = {"model": model, "optimizer": optimizer}
+        if epochs.start:
+            rt.load(tmp_path / "ckpt.pt", state)
+        orders = []
+        for _ in epochs:
+            orders.append([])
+            for x, y in rt.loader(data, global_batch_size=4, shuffle=True):  # gone after its pass
+                orders[-1] += x.tolist()
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+            rt.save(tmp_path / "ckpt.pt", state)
+        return orders
+
+    with ddpkit.init(seed=0) as rt:
+        whole = run(rt, range(3))
+    with ddpkit.init(seed=0) as rt:
+        assert run(rt, range(2)) == whole[:2]
+    with ddpkit.init(seed=0) as rt:
+        assert run(rt, range(2, 3)) == whole[2:]  # epoch 2, not epoch 0 again
+    assert len({str(order) for order in whole}) == 3

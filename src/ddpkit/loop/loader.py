@@ -172,6 +172,9 @@ class LoaderPosition:
     epochs_driven: Callable[[], bool] | None = None
     """The loop state's: whether ``rt.epochs`` sets the epochs (then a pass never moves on by itself)."""
 
+    on_trained: Callable[[Any], None] | None = None
+    """The loop state's: told each time a batch of this loader feeds a backward or a step."""
+
     def _local_shards(self) -> int:
         """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
         if self._user_collate is None or self.local_shards is None:
@@ -198,6 +201,7 @@ class LoaderPosition:
         self._passes = 0  # passes started; an older iterator leaves no mark
         self._pass_trained = False  # a batch of the current pass fed a backward
         self._epoch_set = False  # the epoch was set (set_epoch, a resume) since the current pass began
+        self.live = False  # an iterator of a pass is out and not yet run out or left
         self._on_batch = on_batch
 
     def __len__(self) -> int:
@@ -230,6 +234,11 @@ class LoaderPosition:
         self._resume = position
         self._epoch_set = True
 
+    def _end_pass(self, this_pass: int) -> None:
+        """A pass ran out or was left (``break``): the script's next pass is a new one."""
+        if this_pass == self._passes:
+            self.finished, self.live = True, False
+
     def _begin_pass(self) -> tuple[int, int]:
         """(first batch, number) of a new pass. It reads the next epoch when the pass before fed a
         backward and nothing set the epoch since: a loop without ``rt.epochs`` or ``set_epoch`` (``for
@@ -241,7 +250,7 @@ class LoaderPosition:
             self._resume = None
         start = self._resume or 0
         self._passes += 1
-        self.position, self.finished = start, False
+        self.position, self.finished, self.live = start, False, True
         self._pass_trained = self._epoch_set = False
         return start, self._passes
 
@@ -257,6 +266,8 @@ class LoaderPosition:
         """A batch of the current pass fed a backward: a pending resume point is used up."""
         self.trained = self._pass_trained = True
         self._resume = None
+        if self.on_trained is not None:
+            self.on_trained(self)
 
     def batch_weight(self) -> float:
         """Factor that turns this rank's mean loss into its share of the global-batch mean.
@@ -274,11 +285,12 @@ class LoaderPosition:
 
     def position_record(self) -> dict[str, Any]:
         """Where the current pass stands, for a checkpoint (plain data)."""
-        done = self.finished or (self.length_known and self.position >= len(self))
+        read_out = self.length_known and self.position >= len(self)
         return {
             "epoch": self.epoch,
             "position": self.position,
-            "finished": done,
+            "finished": self.finished or read_out,
+            "read_out": read_out,
             "pass_trained": self._pass_trained,
             "signature": self.signature(),
         }
@@ -360,8 +372,7 @@ class ShardedLoader(LoaderPosition):
                 yield batch
         finally:
             # Run out, or left by ``break``: either way the script's next pass is a new one.
-            if this_pass == self._passes:
-                self.finished = True
+            self._end_pass(this_pass)
 
     def __repr__(self) -> str:
         return f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, position={self.position})"
@@ -420,8 +431,7 @@ class QuorumLoader(ShardedLoader):
                     self._at_pass_end()  # in a quorum of its own, if anything is due
                     break
         finally:
-            if this_pass == self._passes:
-                self.finished = True
+            self._end_pass(this_pass)
 
     def _at_pass_end(self) -> None:
         """What is due between steps (an infrequent sync's exchange), once a save still copying the
@@ -441,7 +451,7 @@ class QuorumLoader(ShardedLoader):
         epoch as this one does."""
         record = super().position_record()
         if self._ending:
-            record["finished"] = False
+            record["finished"] = record["read_out"] = False
         return record
 
     def step_back(self) -> None:

@@ -27,6 +27,7 @@ from ddpkit.state.run import RunState
 def on_batch(run: RunState, loader: Any) -> None:
     """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
     run.active = loader
+    run.fed.add(loader)
     if any(mode.changes_weights_on_batch() for mode in run.modes):
         background.WRITER.copied()  # a save may still be copying the weights the exchange changes
     for mode in run.modes:
@@ -97,14 +98,25 @@ def _begin_step(run: RunState) -> None:
     run.counted.new_step()
 
 
+def _mark_fed(run: RunState) -> list[Any]:
+    """The loaders that fed this step are training's (their positions are saved, their next pass moves
+    on): the one whose batch is in hand, and any other whose pass handed out a batch since the last step
+    and is not over (``zip(labeled, unlabeled)``; a validation pass left by ``break`` is over)."""
+    marked = [loader for loader in run.fed if loader is run.active or loader.live]
+    if run.active is not None and run.active not in marked:
+        marked.append(run.active)
+    for loader in marked:
+        loader.mark_trained()
+    return marked
+
+
 def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
     """Backward of the mean loss of this rank's batch, weighted by its true sample count (``count``:
     by its units, which the step divides by every rank's: :mod:`ddpkit.loop.counted`)."""
     beat("backward")
     weight: Any = 1.0
     active = run.active
-    if active is not None:
-        active.mark_trained()
+    _mark_fed(run)
     run.loop.check_pending()
     if not run.backward_since_step:
         _begin_step(run)
@@ -157,8 +169,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         return False
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
         _plain_backward(run)
-    if run.active is not None:  # its pass fed a step (also through a plain loss.backward())
-        run.active.mark_trained()
+    run.loop.last_fed = {loader.name for loader in _mark_fed(run)}  # also through a plain loss.backward()
+    run.fed.clear()
     stepped = True
     for optimizer in optimizers:
         if optimizer not in run.optimizers:

@@ -35,8 +35,10 @@ class LoopState:
         self.resumed_step: int | None = None  # the step the loaded checkpoint was saved at
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
         self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
+        self.last_fed: set[str] = set()  # the loaders that fed the last step (whose passes end an epoch)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
+        self._last_pass: dict[str, int] = {}  # each key's epoch of its latest trained pass (a loader rebuilt goes on)
         self._strict = True
 
     # -- loaders --------------------------------------------------------------------------
@@ -46,19 +48,24 @@ class LoopState:
         The key is ``name`` when given, else the dataset's type name (``#2``, ``#3`` for further
         live loaders of the same type, in the order the script builds them), so the same script
         finds the same key in every attempt, whatever the order of ``rt.load`` and ``rt.loader``.
-        A saved position whose length, batch size or seed differ from the loader's is refused.
+        A loader rebuilt (each epoch, say) takes the key of the one it replaces once that one's pass
+        is over, and without ``rt.epochs`` its first pass reads the epoch after that one's last
+        trained pass. A saved position whose length, batch size or seed differ from the loader's is
+        refused.
         """
         base = name or type(loader.dataset).__name__
         key, count = base, 1
-        while key in self._loaders and name is None:  # a second live loader of the same kind
+        while not self._free(key, loader, named=name is not None):  # a second live loader of the same kind
+            if name is not None:
+                raise DdpkitError(f"two live loaders are named {name!r}; give each its own name=")
             count += 1
             key = f"{base}#{count}"
-        if name is not None and name in self._loaders:
-            raise DdpkitError(f"two live loaders are named {name!r}; give each its own name=")
         loader.name = key
         self._loaders[key] = loader
         loader.epochs_driven = self._driven
+        loader.on_trained = self._trained
         loader.set_epoch(self.epoch)
+        self._go_on(key, loader)
         saved = self._pending.pop(key, None)
         if saved is None and name is None:
             # A loader rebuilt every epoch can be "#2" in one attempt and the first in another.
@@ -70,6 +77,22 @@ class LoopState:
 
     def _driven(self) -> bool:
         return self.driven
+
+    def _trained(self, loader: Any) -> None:
+        self._last_pass[loader.name] = loader.epoch
+
+    def _free(self, key: str, loader: Any, *, named: bool) -> bool:
+        """Whether ``loader`` may take ``key``: nobody holds it, or a loader rebuilt from the one holding it
+        (its pass over, and under no name the same sizes, seed and flags) replaces that one."""
+        held = self._loaders.get(key)
+        if held is None:
+            return True
+        return held._passes > 0 and not held.live and (named or held.signature() == loader.signature())
+
+    def _go_on(self, key: str, loader: Any) -> None:
+        """Without ``rt.epochs``, a loader whose key trained a pass reads the epoch after it next."""
+        if not self.driven and key in self._last_pass:
+            loader.resume_at(self._last_pass[key], 0, ended=True, trained=True)
 
     def loaders(self) -> list[Any]:
         """The registered loaders still alive, in registration order."""
@@ -117,8 +140,12 @@ class LoopState:
         training = {key: made.position_record() for key, made in self._loaders.items() if made.trained}
         if not self.driven:  # each loader's passes move on by themselves: where each stands, ended or not
             return self._state(epoch_done=False, loaders=training)
-        current = [rec for rec in training.values() if rec["epoch"] == self.epoch]
-        epoch_done = bool(current) and all(rec["finished"] for rec in current)
+        # the epoch is over when a pass that fed its last step was read to its end (zip(a, b) ends with the
+        # shorter, the longer still mid-pass; an iterator kept across steps may be too), or all were left
+        current = [rec for key, rec in training.items() if rec["epoch"] == self.epoch and key in self.last_fed]
+        epoch_done = bool(current) and (
+            any(rec["read_out"] for rec in current) or all(rec["finished"] for rec in current)
+        )
         mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["finished"]}
         return self._state(epoch_done=epoch_done, loaders=mid)
 
@@ -131,6 +158,7 @@ class LoopState:
             "micro_step": self.micro_step,
             "group": list(self.group),
             "not_bitwise": self.not_bitwise,
+            "passes": dict(self._last_pass),
         }
 
     def restore(self, saved: dict[str, Any], *, source: str, strict: bool = True) -> None:
@@ -141,8 +169,10 @@ class LoopState:
         self.micro_step = int(saved.get("micro_step", 0))
         self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
         self._pending = {} if saved["epoch_done"] else {k: dict(v) for k, v in saved["loaders"].items()}
+        self._last_pass = {str(k): int(v) for k, v in saved.get("passes", {}).items()}
         for key, made in list(self._loaders.items()):
             made.set_epoch(self.epoch)
+            self._go_on(key, made)
             if key in self._pending:
                 self._apply(made, self._pending.pop(key))
         if saved.get("not_bitwise"):

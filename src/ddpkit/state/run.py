@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ class RunState:
     """From a load on the same world size: this rank's saved statistics per model."""
     active: Any = None
     """The loader whose batch is in hand."""
+    fed: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    """The loaders that handed out a batch since the last step (``zip(labeled, unlabeled)`` two)."""
     accumulation: tuple[float, bool] | None = None
     """Inside ``rt.accumulate``: (divisor, whether this micro-step is the group's last)."""
     backward_since_step: bool = False

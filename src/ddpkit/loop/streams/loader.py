@@ -204,8 +204,7 @@ class StreamLoader(LoaderPosition):
             elif expected != len(self):
                 raise DdpkitError(f"internal: the stream pass ended after {expected} of {len(self)} batches")
         finally:
-            if this_pass == self._passes:
-                self.finished = True
+            self._end_pass(this_pass)
 
     def _agree(self, more: int, seen: int, digest: int) -> None:
         """Ranks of a plain stream check they read the same: as much of it, and the same first
