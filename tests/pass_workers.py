@@ -88,10 +88,13 @@ def zipped(checkpoint_dir: str, driven: bool, stop_at: int | None = None) -> dic
     return {"weights": weights, "firsts": firsts}
 
 
-def validation_iterator(checkpoint_dir: str, stop_after_epoch: int | None = None) -> dict:
+def validation_iterator(
+    checkpoint_dir: str, stop_after_epoch: int | None = None, stop_at_step: int | None = None
+) -> dict:
     """Under ``rt.epochs``, a validation loss on one batch after every step from an iterator kept across
-    steps (a new ``iter(val)`` when it runs out), and a checkpoint at each epoch's end; ``stop_after_epoch``:
-    return after that epoch's checkpoint. The weights, and the validation losses."""
+    steps (2 batches, a new ``iter(val)`` when it runs out), and a checkpoint at each epoch's end;
+    ``stop_after_epoch``: return after that epoch's checkpoint; ``stop_at_step``: checkpoint that step
+    (mid-epoch) and return. The weights, and the validation losses."""
     data = _data()
     val = torch.utils.data.TensorDataset(data.tensors[0][:12] + 1, data.tensors[1][:12])
     rt = ddpkit.init(seed=0, checkpoint_dir=checkpoint_dir, resume="auto")
@@ -115,6 +118,10 @@ def validation_iterator(checkpoint_dir: str, stop_after_epoch: int | None = None
                 vx, vy = next(batches)
             with torch.no_grad():
                 losses.append(float(F.cross_entropy(model(vx), vy)))
+            if rt.global_step == stop_at_step:
+                rt.checkpoint(state, blocking=True)
+                rt.close()
+                return {"stopped": stop_at_step}
         rt.checkpoint(state, blocking=True)
         if epoch == stop_after_epoch:
             rt.close()

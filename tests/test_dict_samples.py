@@ -110,7 +110,14 @@ def test_a_model_that_takes_the_dict_whole_is_given_it_whole():
         def forward(self, batch):  # noqa: ANN001, ANN201
             return self.linear(torch.stack([batch["a"], batch["b"]], dim=1))
 
+    class WholeWithOptions(Whole):
+        def forward(self, batch, **options):  # noqa: ANN001, ANN003, ANN201
+            return super().forward(batch)
+
     samples = [{"a": torch.tensor(float(i)), "b": torch.tensor(1.0), "labels": torch.tensor(i % 3)} for i in range(7)]
+    torch.manual_seed(0)
+    with_options = WholeWithOptions()  # **options, but `batch` is not a key: the dict is its one argument
+    assert ddpkit.predict(with_options, samples, batch_size=3).shape == (7, 3)
     model = Whole()
     metrics = ddpkit.evaluate(model, samples, num_classes=3, batch_size=3)
     with torch.no_grad():

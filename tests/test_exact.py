@@ -741,3 +741,18 @@ def test_a_rounds_sends_and_receives_go_as_one_batch_as_nccl_needs(monkeypatch):
     exchange._swap([(torch.ones(4), into[:4]), (torch.ones(0), into[4:4])], partner=1, bucket=3)
     assert batches == [[("isend", 4, 6), ("irecv", 4, 6)]]  # one batch; the empty pair sent nothing
     assert into.tolist() == [7.0] * 4 + [0.0, 0.0]
+
+
+@pytest.mark.timeout(240)
+def test_accumulation_by_hand_ends_at_the_same_bits_on_one_and_two_processes():
+    """rt.backward(loss / k) on each batch and rt.step every k batches, without rt.accumulate: the
+    second batch's backward wrote into the exchange's buffer (torch refused its aliasing, a traceback);
+    now each batch's tree sum is added to the one before, as .grad accumulates."""
+    one = workers.accumulated_by_hand(2)
+    two = ddpkit.launch(workers.accumulated_by_hand, nprocs=2, args=(2,))[0]
+    assert one["steps"] == two["steps"] == 4  # 6 batches an epoch, 3 a step
+    assert _same(one["state"], two["state"]) == []
+    grouped = workers.accumulated_by_hand(2, 3, False)  # rt.accumulate: each batch its own dropout, BatchNorm in turn
+    assert grouped["steps"] == 4
+    for key, value in grouped["state"].items():  # the same sums, added in another order
+        torch.testing.assert_close(one["state"][key], value, rtol=1e-12, atol=1e-12)

@@ -472,7 +472,6 @@ def test_a_replica_healing_in_the_quorum_at_a_passs_end_does_what_is_due_there_a
     for _ in loader:
         loader.mark_trained()
         loop.step += 1
-        loop.last_fed = {loader.name}  # what rt.step records
     assert loop.step == 3 and len(inside) == 1 and loader.finished
     assert inside[0]["epoch_done"] is False and inside[0]["loaders"]["TensorDataset"]["position"] == 3
     after = loop.state_dict()

@@ -130,6 +130,12 @@ def test_a_validation_iterator_kept_across_steps_leaves_an_epoch_end_checkpoint_
     assert resumed["steps"] == 15 and len(resumed["losses"]) == 10  # epochs 1 and 2, not 0 again
     for key, value in whole["weights"].items():
         assert torch.equal(resumed["weights"][key], value), key
+    # mid-epoch, just as the validation iterator handed out its last batch: still mid-epoch
+    pass_workers.validation_iterator(str(tmp_path / "mid"), None, 3)
+    resumed = pass_workers.validation_iterator(str(tmp_path / "mid"))
+    assert resumed["steps"] == 15 and len(resumed["losses"]) == 12
+    for key, value in whole["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
 
 
 @pytest.mark.parametrize("name", [None, "train"])
@@ -189,3 +195,82 @@ def test_a_checkpoint_keeps_where_a_rebuilt_loader_goes_on_after_the_one_it_repl
     with ddpkit.init(seed=0) as rt:
         assert run(rt, range(2, 3)) == whole[2:]  # epoch 2, not epoch 0 again
     assert len({str(order) for order in whole}) == 3
+
+
+def test_a_loop_without_rt_epochs_resumes_without_rebuilding_a_loader_whose_pass_was_over(tmp_path):
+    """Its checkpoint keeps every training loader's pass, ended ones too: a warm-up loader the resumed
+    script no longer builds is not a loader it owes (only a pass saved mid-way is)."""
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+    with ddpkit.init(seed=0) as rt:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for name in ("warmup", "main"):
+            for x, y in rt.loader(data, global_batch_size=4, shuffle=True, name=name):
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+        rt.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer})
+    with ddpkit.init(seed=0) as rt:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        rt.load(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer})
+        loader = rt.loader(data, global_batch_size=4, shuffle=True, name="main")
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))  # no "continues the epoch of loader 'warmup'"
+            rt.step(optimizer)
+        assert loader.epoch == 1  # the pass after the saved one
+
+
+def test_an_optimizer_stepped_directly_still_ends_the_epoch_of_a_checkpoint(tmp_path):
+    """rt.backward, then optimizer.step() and zero_grad() as torch has it: a checkpoint at the epoch's
+    end starts the next epoch on resume."""
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+    with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path)) as rt:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = rt.loader(data, global_batch_size=4, shuffle=True)
+        for _ in rt.epochs(2):
+            for x, y in loader:
+                rt.backward(F.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            rt.checkpoint({"model": model, "optimizer": optimizer}, blocking=True)
+            break
+    with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path), resume="auto") as rt:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = rt.loader(data, global_batch_size=4, shuffle=True)
+        rt.resume({"model": model, "optimizer": optimizer})
+        assert list(rt.epochs(2)) == [1]  # epoch 0 was over
+
+
+def test_a_stream_resumed_after_its_last_batch_goes_on_to_its_next_epoch(tmp_path):
+    """A plain stream (its length unknown) checkpointed after its last batch, before the iterator said
+    so: the resumed pass has nothing left, and the step-based loop's next iter(loader) reads on."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter([(torch.tensor([i]), torch.tensor(i % 2)) for i in range(12)])
+
+    def run(rt, steps: int, save_at: int | None = None) -> int:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = rt.loader(Stream(), global_batch_size=4)
+        state = {"model": model, "optimizer": optimizer}
+        rt.resume(state)
+        batches = iter(loader)
+        while rt.global_step < steps:
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                batches = iter(loader)
+                x, y = next(batches)
+            rt.backward(F.cross_entropy(model(x).squeeze(1), y))
+            rt.step(optimizer)
+            if rt.global_step == save_at:
+                rt.checkpoint(state, blocking=True)
+        return rt.global_step
+
+    with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path), resume="auto") as rt:
+        assert run(rt, 3, save_at=3) == 3  # 3 batches a pass: saved after the last
+    with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path), resume="auto") as rt:
+        assert run(rt, 7) == 7  # the saved pass is over; the next ones read on

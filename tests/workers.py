@@ -1654,3 +1654,33 @@ def hf_dicts(built: bool = False) -> dict:
     state = {key: value.detach().clone() for key, value in ddpkit._torch.unwrap(model).state_dict().items()}
     rt.close()
     return {"state": state, "metrics": metrics, "predicted": predicted}
+
+
+def accumulated_by_hand(micro_shards: int | None, k: int = 3, by_hand: bool = True) -> dict:
+    """Hugging Face's accumulation written by hand: ``rt.backward(loss / k)`` on every batch and
+    ``rt.step`` every ``k`` batches (``by_hand=False``: ``rt.accumulate(model, k)`` instead); float64
+    with BatchNorm and dropout. The weights."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (48,), generator=g)
+    )
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3)
+    ).double()
+    setup = {"micro_shards": micro_shards} if micro_shards else {}
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9), **setup)
+    loader = rt.loader(data, global_batch_size=8, shuffle=True)  # 6 batches: 2 groups of 3
+    for _ in rt.epochs(2):
+        for i, (x, y) in enumerate(loader):
+            with contextlib.nullcontext() if by_hand else rt.accumulate(model, k):
+                for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
+                    rt.backward(F.cross_entropy(model(xs), ys) / (k if by_hand else 1))
+                if not by_hand or (i + 1) % k == 0:
+                    rt.step(optimizer)
+    state = {key: value.detach().clone() for key, value in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return {"state": state, "steps": rt.global_step}

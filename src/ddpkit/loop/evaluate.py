@@ -193,6 +193,11 @@ def _takes_keywords(module: torch.nn.Module, inputs: Mapping[Any, Any]) -> bool:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): a mapping's items by name
         return True
+    required = {
+        p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    if not required <= set(inputs):  # forward(self, batch): the dict is its one argument
+        return False
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return True
     named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

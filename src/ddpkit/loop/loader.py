@@ -16,6 +16,7 @@ into checkpoints and hands saved positions back through :meth:`ShardedLoader.res
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -146,6 +147,9 @@ class _EpochBatches:
             yield keys + [(SHARDS, shards)] if shards > 1 and local else keys
 
 
+_PASSES = itertools.count()  # passes begun by every loader, in order
+
+
 class LoaderPosition:
     """Where a loader's passes stand: what the loop state saves and restores, for any kind of data.
 
@@ -202,6 +206,9 @@ class LoaderPosition:
         self._pass_trained = False  # a batch of the current pass fed a backward
         self._epoch_set = False  # the epoch was set (set_epoch, a resume) since the current pass began
         self.live = False  # an iterator of a pass is out and not yet run out or left
+        self._began: int | None = None  # the current pass's place among every loader's passes
+        self._pass_epoch = 0  # the epoch the current pass read as it began
+        self._resume_trained = False  # a saved pass continued by the next: whether it had fed a step
         self._on_batch = on_batch
 
     def __len__(self) -> int:
@@ -231,13 +238,16 @@ class LoaderPosition:
             self._resume, self._pass_trained, self._epoch_set = None, trained, False
             return
         self.epoch, self.position, self.finished = epoch, position, False
-        self._resume = position
+        self._resume, self._resume_trained = position, trained
         self._epoch_set = True
 
     def _end_pass(self, this_pass: int) -> None:
         """A pass ran out or was left (``break``): the script's next pass is a new one."""
-        if this_pass == self._passes:
-            self.finished, self.live = True, False
+        if this_pass != self._passes:
+            return
+        self.finished, self.live = True, False
+        if self._resume is not None and self.position == self._resume:  # a resumed pass with nothing left
+            self._resume, self._pass_trained = None, self._resume_trained  # (a stream's end, a heal at it)
 
     def _begin_pass(self) -> tuple[int, int]:
         """(first batch, number) of a new pass. It reads the next epoch when the pass before fed a
@@ -251,6 +261,7 @@ class LoaderPosition:
         start = self._resume or 0
         self._passes += 1
         self.position, self.finished, self.live = start, False, True
+        self._began, self._pass_epoch = next(_PASSES), self.epoch
         self._pass_trained = self._epoch_set = False
         return start, self._passes
 
@@ -292,6 +303,8 @@ class LoaderPosition:
             "finished": self.finished or read_out,
             "read_out": read_out,
             "pass_trained": self._pass_trained,
+            "began": self._began if self._pass_trained else None,  # which pass of several began an epoch
+            "pass_epoch": self._pass_epoch,
             "signature": self.signature(),
         }
 

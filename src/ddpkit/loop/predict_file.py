@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,9 @@ def _one_tensor(out: Any) -> torch.Tensor:
     Face's, as :func:`ddpkit.predict` maps them) that holds its ``logits`` and no other tensor."""
     if isinstance(out, torch.Tensor):
         return out
-    if isinstance(out, dict) and list(out) == ["logits"] and isinstance(out["logits"], torch.Tensor):
+    if isinstance(out, Mapping) and list(out) == ["logits"] and isinstance(out["logits"], torch.Tensor):
         return out["logits"]
-    held = f" (it returned {sorted(map(str, out))})" if isinstance(out, dict) else ""
+    held = f" (it returned {sorted(map(str, out))})" if isinstance(out, Mapping) else ""
     raise UsageError(
         f"predict_to_file needs a model that returns one tensor, or an output whose one tensor is its "
         f"logits{held}; ddpkit.predict returns several"

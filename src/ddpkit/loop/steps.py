@@ -169,7 +169,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         return False
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
         _plain_backward(run)
-    run.loop.last_fed = {loader.name for loader in _mark_fed(run)}  # also through a plain loss.backward()
+    _mark_fed(run)  # also through a plain loss.backward()
     run.fed.clear()
     stepped = True
     for optimizer in optimizers:

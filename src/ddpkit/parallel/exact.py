@@ -136,6 +136,8 @@ class Exact:
         self.batch_count = 0  # samples of the global batch in hand
         self.group: tuple[int, bool] | None = None  # rt.accumulate: (samples of the group, its last batch)
         self.batches = 0  # batches cut since the last step (several in an accumulation group)
+        self.reduced = False  # the batch's gradients were summed into .grad, and no step followed yet
+        self.carried: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, the sum before this batch)
         self.halves = False  # the step's shards lie end to end (a ddpkit.Shards stream), not interleaved
         self.reversed_slots = False  # interleaved, rank r read the strided part reversed_bits(r) (see shards)
         self.group_stats: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []  # earlier batches'
@@ -200,6 +202,14 @@ class Exact:
                 "rt.shards: a batch came before every shard of the previous one ran rt.backward; "
                 "finish the `for shard in rt.shards(...)` loop first"
             )
+        if self.reduced:  # accumulating by hand (loss / k, rt.step every k batches): as .grad accumulates in
+            if self.quorum is not None:  # torch, this batch's sum is added to the one before at its end
+                raise UsageError(
+                    "rt.shards: a batch after the previous one's gradients were summed, with no rt.step between "
+                    "(accumulating by hand), under --fault-tolerant: a step a replica's death drops would lose "
+                    "the batches before it; step every batch"
+                )
+            self._carry()
         if self.cut:  # the next batch of an accumulation group: its statistics follow the last one's
             self.group_stats.append(self.stats)
             self.stats = {}
@@ -392,6 +402,8 @@ class Exact:
     def after_step(self) -> None:
         """The optimizer has stepped: let autograd's gradients of the last shard go."""
         self._held = []
+        self.reduced, self.carried = False, []
+        self.batches = 0  # (not at the sum: batches accumulated by hand each draw a random stream of their own)
 
     def _ready_hook(self, param: torch.Tensor) -> None:
         """A parameter's gradient is ready in the last shard's backward: its bucket goes once full."""
@@ -478,13 +490,25 @@ class Exact:
                     torch.cuda.synchronize(self.device)
             self.exchange_seconds += time.perf_counter() - start
             self.exchange_calls = self.exchange.calls_per_step + (1 if self.norms else 0)
+        carried = {id(p): grad for p, grad in self.carried}
+        self.carried = []
         for p, grad in zip(self.params, total if total is not None else [None] * len(self.params)):
-            p.grad = grad
+            before = carried.get(id(p))
+            p.grad = before if grad is None else grad if before is None else before + grad
+        self.reduced = True
         self._update_running(gathered_stats)
+
+    def _carry(self) -> None:
+        """Keep the gradients the last batch's sum left in ``.grad`` (a copy: the exchange's buffer holds
+        them, and the next exchange writes it), and clear ``.grad`` for this batch's shards."""
+        self.carried = [(p, p.grad.detach().clone()) for p in self.params if p.grad is not None]
+        for p in self.params:
+            p.grad = None
+        self.reduced = False
 
     def _forget_step(self) -> None:
         self.leaves, self.stats, self.group_stats, self.expected, self.done = {}, {}, [], [], set()
-        self.cut, self.batches = False, 0
+        self.cut = False
 
     def _share(self, stats: list[list[Any]]) -> tuple[list[Any] | None, list[Any]]:
         """A fault-tolerant step: each subtree's sum and each shard's statistics from the replica that

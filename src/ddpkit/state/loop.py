@@ -35,7 +35,6 @@ class LoopState:
         self.resumed_step: int | None = None  # the step the loaded checkpoint was saved at
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
         self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
-        self.last_fed: set[str] = set()  # the loaders that fed the last step (whose passes end an epoch)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
         self._last_pass: dict[str, int] = {}  # each key's epoch of its latest trained pass (a loader rebuilt goes on)
@@ -83,11 +82,12 @@ class LoopState:
 
     def _free(self, key: str, loader: Any, *, named: bool) -> bool:
         """Whether ``loader`` may take ``key``: nobody holds it, or a loader rebuilt from the one holding it
-        (its pass over, and under no name the same sizes, seed and flags) replaces that one."""
+        (its pass over, the same sizes, seed and flags, and under no name the same dataset) replaces that one."""
         held = self._loaders.get(key)
         if held is None:
             return True
-        return held._passes > 0 and not held.live and (named or held.signature() == loader.signature())
+        over = held._passes > 0 and not held.live
+        return over and held.signature() == loader.signature() and (named or held.dataset is loader.dataset)
 
     def _go_on(self, key: str, loader: Any) -> None:
         """Without ``rt.epochs``, a loader whose key trained a pass reads the epoch after it next."""
@@ -115,12 +115,14 @@ class LoopState:
 
     def check_pending(self) -> None:
         """Called when training resumes: a saved mid-epoch position nobody claimed is an error."""
-        if not self._pending:
+        # a pass that was over when saved (a loop without rt.epochs keeps those too) need not be rebuilt
+        mid = {key: rec for key, rec in self._pending.items() if not rec.get("finished")}
+        self._pending = {}
+        if not mid:
             return
         left = ", ".join(
-            f"{key!r} ({_describe(rec['signature'])}, batch {rec['position']})" for key, rec in self._pending.items()
+            f"{key!r} ({_describe(rec['signature'])}, batch {rec['position']})" for key, rec in mid.items()
         )
-        self._pending = {}
         self._complain(
             f"checkpoint {self.resumed_from} continues the epoch of loader(s) {left}, but no "
             "loader with that identity was built before training went on",
@@ -140,12 +142,13 @@ class LoopState:
         training = {key: made.position_record() for key, made in self._loaders.items() if made.trained}
         if not self.driven:  # each loader's passes move on by themselves: where each stands, ended or not
             return self._state(epoch_done=False, loaders=training)
-        # the epoch is over when a pass that fed its last step was read to its end (zip(a, b) ends with the
-        # shorter, the longer still mid-pass; an iterator kept across steps may be too), or all were left
-        current = [rec for key, rec in training.items() if rec["epoch"] == self.epoch and key in self.last_fed]
-        epoch_done = bool(current) and (
-            any(rec["read_out"] for rec in current) or all(rec["finished"] for rec in current)
-        )
+        # the epoch is over when the pass that began it is: of the passes begun in this epoch that fed a
+        # step, the first (zip's first loader; not a validation iterator begun later, or kept from an
+        # epoch before); where none was begun so (a resumed pass), when every pass of this epoch is
+        current = [rec for rec in training.values() if rec["epoch"] == self.epoch]
+        begun = [rec for rec in current if rec.get("began") is not None and rec["pass_epoch"] == self.epoch]
+        first = min(begun, key=lambda rec: rec["began"]) if begun else None
+        epoch_done = first["finished"] if first is not None else bool(current) and all(r["finished"] for r in current)
         mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["finished"]}
         return self._state(epoch_done=epoch_done, loaders=mid)
 

@@ -13,6 +13,7 @@ on different ranks (one that splits itself by rank) is one clear error, never a 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,6 +53,15 @@ class StreamPlan:
     def signature(self) -> dict[str, Any]:
         """What must match for a saved position to name the same batches again (plain data)."""
         return dict(self._signature)
+
+    loader: Callable[[], Any] | None = None
+    """A weak reference to the loader that reads this plan (set by the loader)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """``loader.sampler.set_epoch(epoch)``, torch's habit: sets the epoch of the loader reading this plan."""
+        owner = self.loader() if self.loader is not None else None
+        if owner is not None:
+            owner.set_epoch(epoch)
 
 
 class StreamLoader(LoaderPosition):
@@ -131,6 +141,7 @@ class StreamLoader(LoaderPosition):
             if rank == 0:
                 warn_plain_stream(dataset, world_size, num_workers, "and keeps its share")
         self.sampler = StreamPlan(layout, global_batch_size, rank, world_size, signature)
+        self.sampler.loader = weakref.ref(self)
         self._parts = max(1, num_workers) if self.is_shards else 1
         workers = num_workers > 0
         self._pieces.user_worker_init = worker_init_fn
