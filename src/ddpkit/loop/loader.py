@@ -296,12 +296,11 @@ class LoaderPosition:
 
     def position_record(self) -> dict[str, Any]:
         """Where the current pass stands, for a checkpoint (plain data)."""
-        read_out = self.length_known and self.position >= len(self)
+        done = self.finished or (self.length_known and self.position >= len(self))
         return {
             "epoch": self.epoch,
             "position": self.position,
-            "finished": self.finished or read_out,
-            "read_out": read_out,
+            "finished": done,
             "pass_trained": self._pass_trained,
             "began": self._began if self._pass_trained else None,  # which pass of several began an epoch
             "pass_epoch": self._pass_epoch,
@@ -464,7 +463,7 @@ class QuorumLoader(ShardedLoader):
         epoch as this one does."""
         record = super().position_record()
         if self._ending:
-            record["finished"] = record["read_out"] = False
+            record["finished"] = False
         return record
 
     def step_back(self) -> None:

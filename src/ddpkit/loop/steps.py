@@ -98,16 +98,14 @@ def _begin_step(run: RunState) -> None:
     run.counted.new_step()
 
 
-def _mark_fed(run: RunState) -> list[Any]:
+def _mark_fed(run: RunState) -> None:
     """The loaders that fed this step are training's (their positions are saved, their next pass moves
     on): the one whose batch is in hand, and any other whose pass handed out a batch since the last step
     and is not over (``zip(labeled, unlabeled)``; a validation pass left by ``break`` is over)."""
-    marked = [loader for loader in run.fed if loader is run.active or loader.live]
-    if run.active is not None and run.active not in marked:
-        marked.append(run.active)
-    for loader in marked:
+    for loader in [loader for loader in run.fed if loader.live and loader is not run.active]:
         loader.mark_trained()
-    return marked
+    if run.active is not None:
+        run.active.mark_trained()
 
 
 def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
