@@ -527,17 +527,20 @@ def test_without_sync_every_the_period_is_chosen_once_from_the_link_and_a_resume
     assert decision is not None and decision == stopped[1]["decision"]  # one choice, the same on every rank
     assert stopped[0]["every"] == decision["every"] >= 2 and stopped[0]["delay"] == decision["delay"] >= 1
     # the rule applied to what was measured: a busy machine's loopback may be slow enough to set the
-    # period, and then int8 or sparse is the right choice; where bf16 gives the shortest period, bf16
-    from ddpkit.parallel.periodic_parts import MIN_EVERY, choose_exchange, packet_bytes
+    # period, and then int8 or sparse is the right choice; where bf16 gives the shortest period whole, bf16
+    from ddpkit.parallel.periodic_parts import MAX_DELAY, MIN_EVERY, choose_exchange, packet_bytes
 
     elements = sum(t.numel() for t in stopped[0]["synced"]) + 2 * 32  # the weights, then BatchNorm's statistics
-    measured = {k: decision[k] for k in ("step_s", "link_bytes_per_s", "latency_s")}
+    # as the run chose: an exchange behind MAX_DELAY steps at most, in fragments beyond
+    measured = {k: decision[k] for k in ("step_s", "link_bytes_per_s", "latency_s")} | {"max_delay": MAX_DELAY}
     rule = choose_exchange(elements=elements, dtype="bf16", dtype_given=False, world=2, **measured)
-    assert [decision[k] for k in ("every", "delay", "dtype")] == [rule[k] for k in ("every", "delay", "dtype")]
+    assert [decision[k] for k in ("every", "delay", "fragments", "dtype")] == [
+        rule[k] for k in ("every", "delay", "fragments", "dtype")
+    ]
     assert decision.get("density") == rule.get("density")
     assert decision["exchange_bytes"] == packet_bytes(decision["dtype"], elements, decision.get("density"))
     bf16 = choose_exchange(elements=elements, dtype="bf16", dtype_given=True, world=2, **measured)
-    if bf16["every"] == MIN_EVERY:  # the link does not set the period: nothing to gain from int8
+    if (bf16["every"], bf16["fragments"]) == (MIN_EVERY, 1):  # the link sets neither period nor fragments
         assert decision["dtype"] == "bf16" and decision["exchange_bytes"] == 2 * elements
     # the outer step: the ranks' average change, times sqrt(2) for Adam's inner steps, and no momentum
     assert (decision["outer_lr"], decision["outer_momentum"]) == (math.sqrt(2), 0.0)
