@@ -148,6 +148,49 @@ def accumulation(mode: str, checkpoint: str, stop_after_batch: int = 4) -> dict:
     return result
 
 
+def saved_before_its_step(checkpoint_dir: str, where: str) -> dict:
+    """Accumulation by hand (``rt.backward(loss / 2)``, ``rt.step`` every 2 batches) with a save at
+    ``where``: ``"mid-group"`` (after the group's first backward), ``"tail"`` (after a pass whose odd
+    last batch left its gradients for the next pass), ``"stepped"`` (right after a step) or
+    ``"dropped"`` (the first backward's gradients dropped by ``optimizer.zero_grad()``). Returns the
+    error each rank raised (None: saved) and the checkpoints written."""
+    import os
+
+    rt = ddpkit.init(seed=5, checkpoint_dir=checkpoint_dir)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer}
+    train = rt.loader(Toy(12), global_batch_size=4)  # 3 batches a pass: the last one opens a group
+    raised = None
+    try:
+        for epoch in rt.epochs(2):
+            for i, (x, y) in enumerate(train):
+                rt.backward(F.cross_entropy(model(x), y) / 2)
+                if where == "dropped" and epoch == 0 and i == 0:
+                    optimizer.zero_grad()
+                    rt.checkpoint(state)
+                    raise StopIteration
+                if where == "mid-group" and epoch == 0 and i == 0:
+                    rt.checkpoint(state)
+                if i % 2 == 1:
+                    rt.step(optimizer)
+                    if where == "stepped":
+                        rt.checkpoint(state)
+                        raise StopIteration
+            if where == "tail":
+                rt.checkpoint(state)
+    except ddpkit.UsageError as exc:
+        raised = str(exc)
+    except StopIteration:
+        pass
+    rt.close()
+    written = (
+        sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".pt")) if os.path.isdir(checkpoint_dir) else []
+    )
+    return {"raised": raised, "written": written}
+
+
 def failed_write(checkpoint_dir: str, blocking: bool = True) -> dict:
     """Rank 0 cannot write (a file stands where a directory should): every rank must raise, at
     this save (``blocking``) or, written in the background, at the next one."""

@@ -919,9 +919,9 @@ def test_the_gpu_check_runs_on_an_image_with_torch_and_pytest_alone(tmp_path):
     listed = runs(*collect, *(str(root / name) for name in check.GPU_TESTS))
     assert "error" not in listed.lower() and listed.count("test_gpu.py::") >= 5, listed[-3000:]
     report: list[str] = []
-    slow = [sys.executable, "-c", "import time; print('reached the slow part', flush=True); time.sleep(30)"]
-    assert check._run("A part", slow, 2, tmp_path, report) is False
-    assert "reached the slow part" in (tmp_path / "a-part.log").read_text() and "(stopped after 2 s)" in report[4]
+    slow = [sys.executable, "-I", "-S", "-c", "import time; print('reached the slow part', flush=True); time.sleep(60)"]
+    assert check._run("A part", slow, 8, tmp_path, report) is False  # 8 s: a bare start on a busy machine
+    assert "reached the slow part" in (tmp_path / "a-part.log").read_text() and "(stopped after 8 s)" in report[4]
     assert report[0].startswith("### A part: FAILED (exit 124)")
 
 

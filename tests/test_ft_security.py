@@ -83,7 +83,7 @@ def test_a_signed_state_round_trips_and_an_unsigned_request_is_refused_at_once(p
     # anyone without the secret: 403 at once, for the step served and for a future one (nothing parks)
     for step in (7, 8):
         status, seconds = _get(f"{sender.metadata()}{step}")
-        assert status == 403 and seconds < 2.0
+        assert status == 403 and seconds < 5.0  # not parked for the 10 s a step waits
     status, _ = _get(f"{sender.metadata()}7", {"X-Ddpkit-Auth": "00:" + "0" * 64})
     assert status == 403
 

@@ -247,6 +247,30 @@ def test_save_inside_an_accumulation_group_resumes_bitwise(tmp_path):
     assert resumed["weights"] == full["weights"]
 
 
+@pytest.mark.timeout(240)
+def test_a_save_between_a_backward_and_its_step_is_refused_on_every_rank_in_one_line(tmp_path):
+    """Accumulation by hand: a checkpoint would hold the last step's weights without the gradients
+    gathered since, so a resumed run would not continue this one. Refused before anything is written,
+    on every rank (no rank left waiting for the save); after the step, or once they are dropped, it saves."""
+    runs = {
+        where: ddpkit.launch(loop_workers.saved_before_its_step, nprocs=2, args=(str(tmp_path / where), where))
+        for where in ("mid-group", "stepped")
+    }
+    for rank in (0, 1):
+        said = runs["mid-group"][rank]["raised"]
+        assert said is not None and said.startswith("rt.checkpoint at step 0: the gradients of rt.backward since")
+        assert "rt.accumulate(model, k)" in said and "\n" not in said
+    assert runs["mid-group"][0]["written"] == []
+    assert [r["raised"] for r in runs["stepped"].values()] == [None, None]
+    assert runs["stepped"][0]["written"] == ["ckpt-step00000001.pt"]
+    # one process: a pass whose odd last batch carries its gradients into the next; gradients dropped
+    tail = loop_workers.saved_before_its_step(str(tmp_path / "tail"), "tail")
+    assert tail["raised"] is not None and tail["raised"].startswith("rt.checkpoint at step 1:")
+    assert tail["written"] == []
+    dropped = loop_workers.saved_before_its_step(str(tmp_path / "dropped"), "dropped")
+    assert dropped == {"raised": None, "written": ["ckpt-step00000000.pt"]}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("blocking", [True, False])
 def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path, blocking):

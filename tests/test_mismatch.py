@@ -523,9 +523,9 @@ def evaluate_on_my_own(seconds):
     while time.monotonic() < end:
         x = torch.tanh(x @ x.T / 64)  # every rank busy, no ddpkit call, no collective
     return float(x.sum())
-evaluate_on_my_own(6)  # past the floor the test sets
+evaluate_on_my_own(11)  # past the floor the test sets
 if rt.is_main:  # rank 0 alone, telling ddpkit it is busy; rank 1 waits in DDP's exchange meanwhile
-    for _ in range(12):
+    for _ in range(22):
         time.sleep(0.5)
         rt.heartbeat("eval")
 train_step()
@@ -534,13 +534,15 @@ sys.stdout.write(f"finished {rt.rank}\\n")  # one write: print's pieces from two
 """
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.slow  # 25 s: phases past the floor
+@pytest.mark.timeout(180)
 def test_a_long_phase_on_every_rank_is_never_a_hang(tmp_path):
     path = tmp_path / "busy.py"
     path.write_text(textwrap.dedent(EVERY_RANK_BUSY))
-    # floor 4: rank 1 waits ~6 s, past it, while rank 0 beats every 0.5 s (0.5 s beats, published
-    # each second: ~1.6 s without progress as a peer reads it, against a floor less its slack of 3 s)
-    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="4"), timeout=120)
+    # floor 8: every rank busy 11 s, then rank 1 waits ~11 s, past it, while rank 0 beats every 0.5 s
+    # (published each second: ~1.6 s without progress as a peer reads it, against a floor less its
+    # slack of 7 s: a starved watchdog thread has seconds to spare)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="8"), timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(re.findall(r"finished \d", result.stdout)) == ["finished 0", "finished 1"], (
         result.stdout[-2000:] + "\n--- stderr ---\n" + result.stderr[-3000:]

@@ -142,8 +142,10 @@ def save(
         except Exception as exc:
             store_sync.share_outcome(meeting_point, f"could not copy checkpoint {target}: {exc}", peers.timeout_s)
             raise
+        # a peer's death now waits for this write before the agent's SIGTERM ends us: held before the
+        # peers learn the outcome, since one may leave (and the agent send SIGTERM) right after
+        background.hold_term()
         store_sync.share_outcome(meeting_point, None, peers.timeout_s)
-        background.hold_term()  # a peer's death now waits for this write before the agent's SIGTERM ends us
         held = background.nbytes(copied) + background.nbytes(light) + sum(map(len, others))
         # the snapshot stays as taken (the next one's spare): what the write adds goes into new containers
         background.WRITER.submit(str(target), lambda: write(copied), held_bytes=held, data=copied, later=later)
@@ -156,6 +158,29 @@ def save(
         raise
     store_sync.share_outcome(meeting_point, None, peers.timeout_s)
     return target
+
+
+def refuse_unapplied(run: RunState, call: str) -> None:
+    """Refuse, on every rank, a save between ``rt.backward`` and the step that applies its gradients
+    outside an ``rt.accumulate`` group (whose checkpoints keep the group's gradients): accumulation by
+    hand (``rt.backward(loss / k)``, ``rt.step`` every k batches), a save before ``rt.step``, or a pass
+    that ends mid-group and carries its gradients into the next. The checkpoint would hold the weights
+    of the last step without those gradients, so a run resumed from it would not continue this one.
+
+    Raises:
+        UsageError: gradients of a backward wait for their step.
+    """
+    if not run.backward_since_step or run.loop.micro_step:
+        return
+    if not any(p.grad is not None for model in run.models for p in model.parameters()):
+        return  # dropped (optimizer.zero_grad()) without a step: nothing is lost
+    raise UsageError(
+        f"{call} at step {run.loop.step}: the gradients of rt.backward since the last rt.step are not "
+        "applied yet, and a checkpoint here would hold the last step's weights without them, so a run "
+        "resumed from it would not continue this one; save after rt.step (step at a pass's last batch too, or call "
+        "optimizer.zero_grad() to drop them), or accumulate with rt.accumulate(model, k), whose "
+        "checkpoints keep an open group"
+    )
 
 
 def _optimizers(run: RunState, state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:

@@ -297,7 +297,7 @@ def choose_period(
         "delay": delay,
         "fragments": fragments,
         "exchange_s": round(exchange, 6),
-        "step_s": round(step_s, 6),
+        "step_s": step_s,  # as the period was chosen from it (shown rounded)
         "exchange_bytes": int(exchange_bytes),
         "link_bytes_per_s": link_bytes_per_s,
         "latency_s": latency_s,

@@ -49,6 +49,7 @@ def save(
     """
     if isinstance(state, torch.nn.Module):
         return weights.save(Path(path), self.full_state_dict(state), is_main=self.is_main)
+    resuming.refuse_unapplied(self._run, "rt.save")
     if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
         return resuming.target_of(path, self._run.loop.step)
     blocking = blocking or self.preempted  # the exit with 75 says "saved": it must be on disk
@@ -106,6 +107,7 @@ def checkpoint(self: Runtime, state: Mapping[str, Any], *, blocking: bool = Fals
     """
     if self._checkpoint_dir is None:
         raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
+    resuming.refuse_unapplied(self._run, "rt.checkpoint")
     return self.save(self._checkpoint_dir, state, blocking=blocking)
 
 
