@@ -365,6 +365,7 @@ time.sleep(3600)
 """
 
 
+@pytest.mark.slow  # 6 s: make test keeps the ddpkit run launcher's
 @pytest.mark.timeout(240)
 def test_everything_a_sigkilled_fault_tolerant_launcher_started_ends_within_seconds(tmp_path):
     """ddpkit run --fault-tolerant SIGKILLed: its control plane (torchft's lighthouse), each replica's

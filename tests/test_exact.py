@@ -240,6 +240,7 @@ def _same_bits(a: dict, b: dict) -> bool:
     )
 
 
+@pytest.mark.slow  # 5 s: make test keeps the stream's (the same cut)
 @pytest.mark.timeout(240)
 def test_a_collate_that_pads_to_the_longest_makes_each_shard_as_one_process_does():
     """A collate_fn that pads each batch to its longest sample (Hugging Face's DataCollatorWithPadding)
@@ -434,7 +435,7 @@ def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_
     assert row["comm"]["calls_per_step"] == 1 + buckets
     assert row["comm_overlap"] is not None
     # a tiny payload on loopback: its call may time no longer than the latency call (transfer 0)
-    assert row["comm"]["payload_call_s"] > 0 and row["comm"]["transfer_s"] >= 0 and row["breakdown"]["backward"] > 0
+    assert row["comm"]["allreduce_seconds"] > 0 and row["comm"]["transfer_s"] >= 0 and row["breakdown"]["backward"] > 0
     assert 0.25 < row["compute_scaling_2x"] < 8.0  # a shard's compute on twice the shard, probed (ms on 2 busy cores)
 
 

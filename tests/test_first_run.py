@@ -105,6 +105,7 @@ def test_predict_keeps_sequence_outputs_in_order():
 
 
 # -- loss.backward() left in place ------------------------------------------------------------------------
+@pytest.mark.slow  # 6 s: make test-slow
 @pytest.mark.timeout(120)
 def test_loss_backward_in_place_of_rt_backward_is_said_once_at_the_step_it_changes():
     plain = ddpkit.launch(frw.plain_backward, nprocs=2, args=(False,))

@@ -35,7 +35,11 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "nprocs,workers",
-    [(1, 0), (2, 0), pytest.param(1, 1, marks=pytest.mark.slow)],  # workers: 5 s, make test-slow
+    [
+        pytest.param(1, 0, marks=pytest.mark.slow),
+        (2, 0),
+        pytest.param(1, 1, marks=pytest.mark.slow),
+    ],  # 1 process, workers: slow
 )
 def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers):
     ckpt = str(tmp_path / "ckpt.pt")

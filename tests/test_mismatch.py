@@ -359,7 +359,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", ["operations"])
+@pytest.mark.parametrize("case", [pytest.param("operations", marks=pytest.mark.slow)])  # 8 s: make test-slow
 def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)
     launcher = tmp_path / "launcher.py"
@@ -382,6 +382,7 @@ rt.barrier()
 """
 
 
+@pytest.mark.slow  # 10 s: make test keeps the rank stuck while its peer waits in DDP's exchange
 @pytest.mark.timeout(150)
 def test_by_default_a_rank_stuck_in_its_own_code_while_others_wait_is_named_with_its_stack(tmp_path):
     path = tmp_path / "stuck.py"
@@ -893,6 +894,7 @@ if rt.is_main:
 """
 
 
+@pytest.mark.slow  # 7 s: make test-slow
 @pytest.mark.timeout(150)
 def test_ddpkit_run_turns_the_flight_recorder_on_unless_the_user_set_it(tmp_path):
     import json

@@ -268,7 +268,11 @@ def namespaces():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("told", [True, False], ids=["GLOO_SOCKET_IFNAME given", "ddpkit picks the interface"])
+@pytest.mark.parametrize(
+    "told",
+    [pytest.param(True, marks=pytest.mark.slow), False],  # given: 5 s, make test-slow
+    ids=["GLOO_SOCKET_IFNAME given", "ddpkit picks the interface"],
+)
 def test_two_hosts_in_network_namespaces(namespaces, told):
     # The host name resolves to 127.0.0.1 in both namespaces (/etc/hosts): left to itself, gloo would
     # bind loopback there and the hosts could not connect. ddpkit binds the interface of the route to

@@ -130,6 +130,7 @@ def test_bad_input(digits_checkpoint, tmp_path):
     )
 
 
+@pytest.mark.slow  # 7 s: make test-slow
 @pytest.mark.timeout(150)
 def test_the_forward_runs_in_the_precision_the_checkpoint_was_trained_in(tmp_path):
     from ddpkit.recipes.datasets import load_dataset

@@ -418,6 +418,7 @@ def _slow_stream(mode: str):
     return python(str(Path(__file__).parent / "scripts" / "slow_stream.py"), mode, timeout=60)
 
 
+@pytest.mark.slow  # 8 s: make test-slow, beside its stalled twin
 @pytest.mark.timeout(90)
 def test_the_watchdog_counts_stream_reads_in_workers_as_progress():
     done = _slow_stream("steady")
