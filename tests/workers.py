@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -1684,3 +1685,56 @@ def accumulated_by_hand(micro_shards: int | None, k: int = 3, by_hand: bool = Tr
     state = {key: value.detach().clone() for key, value in ddpkit._torch.unwrap(model).state_dict().items()}
     rt.close()
     return {"state": state, "steps": rt.global_step}
+
+
+class PairBatch(typing.NamedTuple):
+    """A collate_fn's batch as a namedtuple."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class ClassBatch:
+    """A collate_fn's batch as a dataclass, with a value for the whole batch."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    source: str = "train"
+
+
+def _pair_data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(n, 10, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+    return [(xs[i], ys[i]) for i in range(n)]
+
+
+def collate_pairs(samples: list) -> PairBatch:
+    return PairBatch(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
+
+
+def batch_kinds(kind: str) -> dict:
+    """``micro_shards=2`` over batches a ``collate_fn`` makes as a namedtuple (``kind="namedtuple"``:
+    the loader's batch handed to ``rt.shards`` whole) or a dataclass the script builds from it
+    (``"dataclass"``: not the loader's object, so the shards are cut from it); then ``evaluate`` and
+    ``predict`` given the loaders themselves. The weights, metrics and predictions."""
+    import torch.nn.functional as F
+
+    rt = ddpkit.init(seed=1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4))
+    model, optimizer = rt.setup(net.double(), torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+    loader = rt.loader(_pair_data(64), global_batch_size=16, shuffle=True, collate_fn=collate_pairs)
+    for _ in rt.epochs(2):
+        for batch in loader:
+            given = batch if kind == "namedtuple" else ClassBatch(batch.x * 1.0, batch.y + 0)
+            for shard in rt.shards(given):
+                assert type(shard) is type(given) and len(shard.x) <= 8
+                rt.backward(F.cross_entropy(model(shard.x), shard.y))
+            rt.step(optimizer)
+    val = rt.loader(_pair_data(30), global_batch_size=6, collate_fn=collate_pairs)
+    metrics = ddpkit.evaluate(model, val, num_classes=4, batch_size=3)  # forwards alike on 1 and 2 processes
+    predicted = ddpkit.predict(model, val, batch_size=3, to="all")
+    state = {key: value.detach().clone() for key, value in ddpkit._torch.unwrap(model).state_dict().items()}
+    rt.close()
+    return {"state": state, "metrics": metrics, "predicted": predicted}

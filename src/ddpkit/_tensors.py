@@ -47,4 +47,16 @@ def remapped(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
         return items
 
 
-__all__ = ["raw_bytes", "remapped"]
+def resequenced(sequence: list[Any] | tuple[Any, ...], items: Any) -> Any:
+    """``items`` in ``sequence``'s type: a namedtuple's fields by position, a list or tuple (or a
+    subclass taking an iterable) from the items.
+
+    >>> from collections import namedtuple
+    >>> Pair = namedtuple("Pair", "x y")
+    >>> resequenced(Pair(1, 2), iter([3, 4])), resequenced((1, 2), iter([3, 4]))
+    (Pair(x=3, y=4), (3, 4))
+    """
+    return type(sequence)(*items) if hasattr(sequence, "_fields") else type(sequence)(items)
+
+
+__all__ = ["raw_bytes", "remapped", "resequenced"]

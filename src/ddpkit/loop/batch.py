@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ddpkit._tensors import remapped
+from ddpkit._tensors import remapped, resequenced
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool = False) -> Any:
@@ -28,7 +28,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool =
         return remapped(batch, {key: map_tensors(fn, value, strict=strict) for key, value in batch.items()})
     if isinstance(batch, (list, tuple)):
         mapped = [map_tensors(fn, value, strict=strict) for value in batch]
-        return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
+        return resequenced(batch, mapped)
     if strict:
         raise TypeError(type(batch).__name__)
     return batch
@@ -42,10 +42,11 @@ def concat_batches(batches: list[Any]) -> Any:
     if isinstance(first, Mapping):
         return remapped(first, {key: concat_batches([b[key] for b in batches]) for key in first})
     if isinstance(first, (list, tuple)):
-        if all(not isinstance(v, (torch.Tensor, dict, list, tuple)) for b in batches for v in b):
+        per_sample = not hasattr(first, "_fields")  # a namedtuple's fields are not samples
+        if per_sample and all(not isinstance(v, (torch.Tensor, dict, list, tuple)) for b in batches for v in b):
             return type(first)([v for b in batches for v in b])  # a per-sample list (strings)
         joined = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
-        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+        return resequenced(first, joined)
     raise TypeError(f"cannot join batches of {type(first).__name__} from several workers")
 
 

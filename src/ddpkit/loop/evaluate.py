@@ -140,6 +140,60 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+DEFAULT_BATCH = 256
+"""Samples per forward on each rank where neither the call nor a loader it was given says."""
+
+
+def unloaded(
+    data: Any, what: str, batch_size: int | None, num_workers: int, collate_fn: Callable[[list[Any]], Any] | None
+) -> tuple[Any, int, int, Callable[[list[Any]], Any] | None]:
+    """``(dataset, batch_size, num_workers, collate_fn)`` for ``data``: a dataset as it is, or a loader
+    (``rt.loader``'s, or a torch ``DataLoader``) read for its dataset, its batch a rank, its workers and
+    its collate (where the call gives none). Evaluation takes every sample of the dataset exactly once,
+    whatever order or padding the loader has; a loader that reads a part of its dataset is refused.
+
+    Args:
+        data: a dataset, or a loader of one.
+        what: the call, for the message (``"ddpkit.evaluate"``).
+        batch_size, num_workers, collate_fn: as the call was given them (None, 0, None: not given).
+
+    Raises:
+        UsageError: a loader that draws by weight, reads a subset (a sampler of its own), or does not batch.
+    """
+    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ddpkit.loop.loader import LoaderPosition
+
+    fix = f"pass {what} the dataset itself ({what}(model, Subset(data, indices)) for a part)"
+    if isinstance(data, LoaderPosition):  # rt.loader's
+        sampler = getattr(data, "sampler", None)
+        if getattr(sampler, "weights", None) is not None:
+            raise UsageError(f"{what}: this rt.loader draws samples by weight (weights=); {fix}")
+        full, world = getattr(sampler, "global_batch_size", 0), max(1, getattr(sampler, "world_size", 1))
+        per_rank = -(-full // world) or DEFAULT_BATCH  # its batch a rank (the larger share)
+        return data.dataset, batch_size or per_rank, num_workers or data.num_workers, collate_fn or data.collate_fn
+    if isinstance(data, DataLoader):
+        sampler = data.sampler
+        whole = (
+            isinstance(data.dataset, torch.utils.data.IterableDataset)  # a stream: read whole
+            or isinstance(sampler, (SequentialSampler, DistributedSampler))
+            or isinstance(sampler, RandomSampler)
+            and not sampler.replacement
+            and sampler.num_samples == len(sampler.data_source)
+        )
+        if data.batch_size is None or not whole:
+            reads = (
+                "does not batch (batch_size=None)"
+                if data.batch_size is None
+                else (f"reads the samples its {type(data.sampler).__name__} picks, not every sample once")
+            )
+            raise UsageError(f"{what}: this DataLoader {reads}; {fix}")
+        own = None if data.collate_fn is default_collate else data.collate_fn
+        return data.dataset, batch_size or data.batch_size, num_workers or data.num_workers, collate_fn or own
+    return data, batch_size or DEFAULT_BATCH, num_workers, collate_fn
+
+
 _TARGET_KEYS = ("labels", "label")  # Hugging Face's: its collators rename "label" to "labels"
 
 
@@ -219,7 +273,7 @@ def evaluate(
     dataset: Any,
     *,
     num_classes: int,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
     num_workers: int = 0,
     autocast: Callable[[], Any] | None = None,
@@ -245,9 +299,11 @@ def evaluate(
     Args:
         model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
         dataset: ``(input, target)`` samples, or dicts (Hugging Face's) whose targets are under
-            ``target_key``: a map-style dataset, or a stream (an ``IterableDataset``).
+            ``target_key``: a map-style dataset, or a stream (an ``IterableDataset``). A loader
+            (``rt.loader``'s, or a ``DataLoader`` that reads every sample) is read for its dataset, with
+            its batch a rank, workers and ``collate_fn`` where the call gives none.
         num_classes: classes of the targets: the width of the outputs and of the confusion matrix.
-        batch_size: samples per forward on each rank.
+        batch_size: samples per forward on each rank (None: a given loader's, else 256).
         loss_fn: called as ``loss_fn(output, target, reduction="sum")`` (with ``ignore_index`` too when
             it is ``F.cross_entropy`` or ``F.nll_loss``) and summed in float64; the ``loss`` returned is
             that sum divided by the samples (or tokens) counted.
@@ -271,6 +327,9 @@ def evaluate(
             f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
             "(B, C, T)) or -1 ((B, T, C)); give 1 or -1"
         )
+    dataset, batch_size, num_workers, collate_fn = unloaded(
+        dataset, "ddpkit.evaluate", batch_size, num_workers, collate_fn
+    )
     same_data.check(dataset, "ddpkit.evaluate")
     lazy_buffers.sync_buffers(model)  # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
@@ -411,7 +470,7 @@ def predict(
     model: torch.nn.Module,
     dataset: Any,
     *,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     to: str = "main",
     num_workers: int = 0,
     autocast: Callable[[], Any] | None = None,
@@ -429,8 +488,10 @@ def predict(
         dataset: a map-style dataset, or a stream (an ``IterableDataset``); a sample's first item
             is the input when it is a tuple or list; a dict's items but its targets are (Hugging Face's
             samples), passed as keyword arguments where ``forward`` takes them all by name, else as
-            one dict; anything else is the input whole.
-        batch_size: samples per forward on each rank.
+            one dict; anything else is the input whole. A loader (``rt.loader``'s, or a ``DataLoader``
+            that reads every sample) is read for its dataset, in dataset order, with its batch a rank,
+            workers and ``collate_fn`` where the call gives none.
+        batch_size: samples per forward on each rank (None: a given loader's, else 256).
         to: ``"main"`` returns the result on rank 0 and None elsewhere; ``"all"`` on every rank.
         num_workers: DataLoader workers per rank (0: the main process reads).
         autocast: makes the context each forward runs in (e.g. ``rt.autocast``), as in training.
@@ -442,6 +503,9 @@ def predict(
     """
     if to not in ("main", "all"):
         raise UsageError(f"predict(to={to!r}): use 'main' or 'all'")
+    dataset, batch_size, num_workers, collate_fn = unloaded(
+        dataset, "ddpkit.predict", batch_size, num_workers, collate_fn
+    )
     same_data.check(dataset, "ddpkit.predict")  # first: a rank whose dataset alone is empty is named there
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
     if stream is None and len(dataset) == 0 or stream is not None and stream.known_length == 0:

@@ -157,8 +157,16 @@ class LoaderPosition:
     """
 
     sampler: Any
+    dataset: Any
     device: torch.device
     length_known = True
+    num_workers = 0
+    """DataLoader workers of this rank (``ddpkit.evaluate(model, loader)`` reads with as many)."""
+
+    @property
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """The script's ``collate_fn`` (None: torch's default), as ``DataLoader.collate_fn`` tells it."""
+        return self._user_collate
 
     local_shards: Callable[[], int] | None = None
     """Asked at each pass's start: the micro-shards this rank computes of a batch (0: none), which a
@@ -348,6 +356,7 @@ class ShardedLoader(LoaderPosition):
         self._keyed = _KeyedDataset(dataset, seed, sampler.rank, worker_init_fn)
         # (default_collate stacks: a shard cut from its batch is the one it makes of the shard's samples)
         self._user_collate = collate_fn
+        self.num_workers = num_workers
         self._shard_collate = ShardCollate(collate_fn) if collate_fn is not None else None
         self._loader = DataLoader(
             self._keyed,

@@ -14,7 +14,7 @@ from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError
 from ddpkit.loop import same_data
-from ddpkit.loop.evaluate import _empty_output, _run_shard
+from ddpkit.loop.evaluate import _empty_output, _run_shard, unloaded
 from ddpkit.parallel import lazy_buffers
 
 
@@ -23,7 +23,7 @@ def predict_to_file(
     dataset: Any,
     path: str | os.PathLike,
     *,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     num_workers: int = 0,
     target_key: str | None = None,
 ) -> Path | None:
@@ -38,9 +38,10 @@ def predict_to_file(
         model: the model as ``rt.setup`` returned it, or a plain one; it must return one tensor, or an
             output whose one tensor is its ``logits``.
         dataset: a map-style dataset (a stream goes to :func:`predict`); its samples' inputs as
-            :func:`ddpkit.predict` takes them (a tuple's first item, a dict's items but its targets).
+            :func:`ddpkit.predict` takes them (a tuple's first item, a dict's items but its targets); a
+            loader is read for its dataset, as :func:`ddpkit.predict` reads it.
         path: the ``.npy`` file rank 0 writes; the part files ``.NAME.rankN.part`` lie beside it meanwhile.
-        batch_size: samples per forward on each rank.
+        batch_size: samples per forward on each rank (None: a given loader's, else 256).
         num_workers: DataLoader workers per rank (0: the main process reads).
         target_key: in dict samples, the key of the targets, which the model is not given; None:
             ``"labels"``, else ``"label"``.
@@ -48,6 +49,9 @@ def predict_to_file(
     import numpy as np
     from torch.utils.data import IterableDataset
 
+    dataset, batch_size, num_workers, collate_fn = unloaded(
+        dataset, "ddpkit.predict_to_file", batch_size, num_workers, None
+    )
     if isinstance(dataset, IterableDataset):
         raise UsageError(
             "predict_to_file needs a map-style dataset; for a stream use ddpkit.predict, "
@@ -67,6 +71,7 @@ def predict_to_file(
                 dataset,
                 batch_size,
                 num_workers,
+                collate_fn=collate_fn,
                 what="ddpkit.predict_to_file",
                 given=model,
                 target_key=target_key,

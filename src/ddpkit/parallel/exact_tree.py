@@ -7,13 +7,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit._tensors import remapped
+from ddpkit._tensors import remapped, resequenced
 from ddpkit.distributed.host import usable_cores
 from ddpkit.errors import UsageError
 from ddpkit.parallel import lazy_buffers
@@ -161,10 +162,19 @@ def _take(item: Any, j: int, every: int, rows: int | None = None) -> Any:
     if isinstance(item, torch.Tensor):
         return (item[j::every] if rows is None else item[j * rows : (j + 1) * rows]).contiguous()
     if isinstance(item, (list, tuple)):
-        return type(item)(_take(x, j, every, rows) for x in item)
+        return resequenced(item, (_take(x, j, every, rows) for x in item))  # a namedtuple too
     if isinstance(item, Mapping):  # a dict, or a UserDict such as a tokenizer's BatchEncoding, kept in its type
         return remapped(item, {k: _take(v, j, every, rows) for k, v in item.items()})
-    return item
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):  # a collate_fn's batch class
+        cut = {f.name: _take(getattr(item, f.name), j, every, rows) for f in dataclasses.fields(item) if f.init}
+        return dataclasses.replace(item, **cut)
+    if any(isinstance(v, torch.Tensor) for v in getattr(item, "__dict__", {}).values()):
+        raise UsageError(
+            f"rt.shards cannot cut a {type(item).__name__} (its tensors are attributes of an object it does not "
+            "know), and each shard would get all of it; pass its tensors, e.g. rt.shards(batch.x, batch.y), "
+            "or make it a dataclass, a namedtuple or a dict"
+        )
+    return item  # a value for the whole batch (a string, a number): every shard's
 
 
 def _path_of(item: Any, batch: Any, path: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
@@ -196,6 +206,9 @@ def _cut_alike(whole: Any, parts: list[Any]) -> bool:
         return all(_cut_alike(v, [p[k] for p in parts]) for k, v in whole.items())
     if isinstance(whole, (list, tuple)):
         return all(_cut_alike(v, [p[i] for p in parts]) for i, v in enumerate(whole))
+    if dataclasses.is_dataclass(whole) and not isinstance(whole, type):
+        names = [f.name for f in dataclasses.fields(whole)]
+        return all(_cut_alike(getattr(whole, n), [getattr(p, n) for p in parts]) for n in names)
     return True
 
 

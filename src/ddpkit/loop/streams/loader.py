@@ -93,6 +93,7 @@ class StreamLoader(LoaderPosition):
         self.dataset = dataset
         self.device = device
         self._user_collate = collate_fn
+        self.num_workers = num_workers
         self._start_positions(None, on_batch)
         self.positions: list[int] = []  # stream indices of this rank's current batch
         self.is_shards = isinstance(dataset, Shards)
