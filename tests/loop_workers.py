@@ -234,3 +234,36 @@ def weighted_batches(num_samples: int) -> list:
         seen.append(sorted(i for part in parts for i in part))
     rt.close()
     return seen
+
+
+class Augmented(torch.utils.data.Dataset):
+    """A transform that draws from torch's global generator, as torchvision's random transforms do."""
+
+    def __init__(self, draws: bool = True) -> None:
+        self.draws = draws
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        noise = float(torch.rand(1)) if self.draws else 0.0
+        return torch.tensor([float(index), noise], dtype=torch.float64)
+
+
+def global_draws(num_workers: int, draws: bool = True) -> dict:
+    """Each sample's draw from torch's global generator in ``__getitem__``, by (epoch, index), over
+    every rank; and the loop's own draws after each batch (the stream outside the reads)."""
+    rt = ddpkit.init(seed=4)
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = rt.loader(Augmented(draws), global_batch_size=8, shuffle=True, num_workers=num_workers)
+    seen, outside = {}, []
+    for epoch in rt.epochs(2):
+        for batch in loader:
+            seen.update({f"{epoch},{int(row[0])}": float(row[1]) for row in batch})
+            outside.append(float(torch.rand(1)))
+            model(torch.zeros(1, 2)).sum().backward()
+            rt.step(optimizer)
+    merged = {key: value for part in ddpkit.all_gather_object(seen) for key, value in part.items()}
+    rt.close()
+    return {"seen": merged, "outside": outside}

@@ -210,6 +210,19 @@ def test_worker_global_rng_differs_across_ranks_and_epochs():
 
 
 @pytest.mark.timeout(120)
+def test_a_transform_drawing_from_torchs_global_generator_draws_alike_on_any_world_size_and_workers():
+    """torchvision's random transforms draw from torch's global generator: inside a sample's read it
+    is keyed by (seed, epoch, index), and put back after, so the loop's own stream is untouched."""
+    one = loop_workers.global_draws(0)
+    two = ddpkit.launch(loop_workers.global_draws, nprocs=2, args=(2,))[0]  # 2 processes, 2 workers each
+    assert len(one["seen"]) == 2 * 32 and one["seen"] == two["seen"]
+    assert all(one["seen"][f"0,{i}"] != one["seen"][f"1,{i}"] for i in range(32))  # each epoch anew
+    assert len(set(one["seen"].values())) == 64
+    quiet = loop_workers.global_draws(0, draws=False)  # a dataset that draws nothing
+    assert one["outside"] == quiet["outside"]  # the reads left the main process's stream as it was
+
+
+@pytest.mark.timeout(120)
 def test_save_on_rank_0_only_fails_with_one_line_naming_save(tmp_path):
     with pytest.raises(ddpkit.LaunchError) as caught:
         ddpkit.launch(loop_workers.rank0_only_save, nprocs=2, args=(str(tmp_path / "c.pt"),))

@@ -6,9 +6,11 @@ nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
 
 * after :meth:`ddpkit.Runtime.load`, the next pass continues the saved epoch mid-way, and
   keeps doing so (a probe or two) until a batch of it is trained on;
-* with ``num_workers > 0``, the global torch / numpy / ``random`` generators in each worker are
-  seeded from (seed, epoch, rank, worker id), so ranks draw different numbers; per-sample
-  randomness that must not depend on the world size comes from :func:`ddpkit.sample_rng`.
+* while a sample is read, torch's global generator is keyed by (seed, epoch, index)
+  (:func:`ddpkit.rng.reading`: torchvision's random transforms draw alike on any world size); with
+  ``num_workers > 0``, the global numpy / ``random`` generators in each worker are seeded from
+  (seed, epoch, rank, worker id), so ranks draw different numbers; other per-sample randomness
+  that must not depend on the world size comes from :func:`ddpkit.sample_rng`.
 
 The loop state (:mod:`ddpkit.state.loop`) reads each loader's :meth:`ShardedLoader.position_record`
 into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.
