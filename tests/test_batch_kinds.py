@@ -86,8 +86,10 @@ def test_a_loader_that_reads_a_part_of_its_dataset_is_refused_in_one_line():
         weighted = rt.loader(data, global_batch_size=4, weights=[1.0] * 30)
         unbatched = torch.utils.data.DataLoader(data, batch_size=None)
         drawn = torch.utils.data.DataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(data, True))
+        bucketed = torch.utils.data.DataLoader(data, batch_sampler=[[0, 1], [2, 3]])  # a batch sampler of its own
         for loader, says in (
             (part, "reads the samples its SubsetRandomSampler picks, not every sample once"),
+            (bucketed, "reads the batches its list makes, which may leave samples out"),
             (weighted, "this rt.loader draws samples by weight"),
             (unbatched, "does not batch"),
             (drawn, "reads the samples its RandomSampler picks"),

@@ -160,7 +160,7 @@ def unloaded(
     Raises:
         UsageError: a loader that draws by weight, reads a subset (a sampler of its own), or does not batch.
     """
-    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
 
     from ddpkit.loop.loader import LoaderPosition
@@ -172,7 +172,8 @@ def unloaded(
             raise UsageError(f"{what}: this rt.loader draws samples by weight (weights=); {fix}")
         full, world = getattr(sampler, "global_batch_size", 0), max(1, getattr(sampler, "world_size", 1))
         per_rank = -(-full // world) or DEFAULT_BATCH  # its batch a rank (the larger share)
-        return data.dataset, batch_size or per_rank, num_workers or data.num_workers, collate_fn or data.collate_fn
+        given = batch_size if batch_size is not None else per_rank
+        return data.dataset, given, num_workers or data.num_workers, collate_fn or data.collate_fn
     if isinstance(data, DataLoader):
         sampler = data.sampler
         whole = (
@@ -182,16 +183,20 @@ def unloaded(
             and not sampler.replacement
             and sampler.num_samples == len(sampler.data_source)
         )
-        if data.batch_size is None or not whole:
+        batches = type(data.batch_sampler)
+        if data.batch_sampler is None or not whole or batches is not BatchSampler:
             reads = (
                 "does not batch (batch_size=None)"
-                if data.batch_size is None
-                else (f"reads the samples its {type(data.sampler).__name__} picks, not every sample once")
+                if data.batch_sampler is None
+                else f"reads the batches its {batches.__name__} makes, which may leave samples out"
+                if whole
+                else f"reads the samples its {type(data.sampler).__name__} picks, not every sample once"
             )
             raise UsageError(f"{what}: this DataLoader {reads}; {fix}")
         own = None if data.collate_fn is default_collate else data.collate_fn
-        return data.dataset, batch_size or data.batch_size, num_workers or data.num_workers, collate_fn or own
-    return data, batch_size or DEFAULT_BATCH, num_workers, collate_fn
+        given = batch_size if batch_size is not None else data.batch_size or DEFAULT_BATCH
+        return data.dataset, given, num_workers or data.num_workers, collate_fn or own
+    return data, batch_size if batch_size is not None else DEFAULT_BATCH, num_workers, collate_fn
 
 
 _TARGET_KEYS = ("labels", "label")  # Hugging Face's: its collators rename "label" to "labels"
