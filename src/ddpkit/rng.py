@@ -79,6 +79,21 @@ def global_seed(key: SampleKey) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+_torch_keyed = True
+"""This process keys torch's global generator while a sample is read: False in a loader worker whose
+``worker_init_fn`` (the script's) seeded torch itself, whose stream then wins, as the script asked."""
+
+
+def run_worker_init(worker_init_fn: Any, worker_id: int) -> None:
+    """Run the script's ``worker_init_fn`` after ddpkit's seeding of the worker; one that seeds torch's
+    global generator itself (``torch.manual_seed``) keeps it for the samples' reads too."""
+    global _torch_keyed
+    before = torch.initial_seed()
+    worker_init_fn(worker_id)
+    if torch.initial_seed() != before:
+        _torch_keyed = False
+
+
 @contextlib.contextmanager
 def reading(key: SampleKey | None) -> Iterator[None]:
     """Mark the sample ``key`` as the one being read for the block (what :func:`sample_rng` keys on).
@@ -92,12 +107,14 @@ def reading(key: SampleKey | None) -> Iterator[None]:
     mid-epoch the numbers an uninterrupted run drew. The generator's state is put back after, so the
     stream outside the read (the main process's dropout, a worker's ``collate_fn``) goes on as before.
     numpy's and ``random``'s global generators stay the worker's (:func:`seed_worker_globals`): saving
-    numpy's state costs tens of microseconds a sample; draw from :func:`sample_rng` there.
+    numpy's state costs tens of microseconds a sample; draw from :func:`sample_rng` there. A worker
+    whose ``worker_init_fn`` seeded torch itself keeps its own stream (:func:`run_worker_init`).
     """
     global _current_key
     _current_key = key
-    outside = torch.default_generator.get_state() if key is not None else None
-    if key is not None:
+    keyed = key is not None and _torch_keyed
+    outside = torch.default_generator.get_state() if keyed else None
+    if keyed:
         torch.default_generator.manual_seed(global_seed(key))
     try:
         yield

@@ -114,7 +114,7 @@ class _KeyedDataset(Dataset):
         """DataLoader's ``worker_init_fn``: ddpkit's seeding first, then the user's function."""
         self._seed_globals(self.start_epoch, worker_id)
         if self.user_worker_init is not None:
-            self.user_worker_init(worker_id)
+            rng.run_worker_init(self.user_worker_init, worker_id)
 
     def _seed_globals(self, epoch: int, worker_id: int) -> None:
         rng.seed_worker_globals(self.seed, epoch, self.rank, worker_id)

@@ -74,7 +74,7 @@ class Pieces(IterableDataset):
         """DataLoader's ``worker_init_fn``: ddpkit's seeding first, then the user's function."""
         self._seed(int(self.control[0]), worker_id)
         if self.user_worker_init is not None:
-            self.user_worker_init(worker_id)
+            rng.run_worker_init(self.user_worker_init, worker_id)
 
     def _seed(self, epoch: int, worker: int) -> None:
         """Seed a worker's global generators from (seed, epoch, rank, worker), as map-style loaders do."""
