@@ -47,10 +47,15 @@ class SampleKey:
 _current_key: SampleKey | None = None
 
 
+def _seed_of(text: str) -> int:
+    """A 63-bit seed hashed from ``text``."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 63-bit seed for one sample in one epoch, independent of rank, worker and world size."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return _seed_of(f"{seed}:{epoch}:{index}")
 
 
 def sample_rng(device: str | torch.device = "cpu") -> torch.Generator:
@@ -75,8 +80,7 @@ def sample_rng(device: str | torch.device = "cpu") -> torch.Generator:
 def global_seed(key: SampleKey) -> int:
     """The seed of torch's global generator while sample ``key`` is read: keyed as :func:`sample_seed`,
     apart from :func:`sample_rng`'s stream (a script that draws from both gets two streams)."""
-    digest = hashlib.blake2b(f"{key.seed}:{key.epoch}:{key.index}:global".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return _seed_of(f"{key.seed}:{key.epoch}:{key.index}:global")
 
 
 _torch_keyed = True
