@@ -12,7 +12,7 @@ import torch
 import ddpkit
 import workers
 from ddpkit.errors import UsageError
-from ddpkit.loop.batch import concat_batches, map_tensors
+from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
 from ddpkit.parallel.exact_tree import _cut_alike, _take
 
 
@@ -31,6 +31,19 @@ def test_a_namedtuple_and_a_dataclass_are_cut_moved_and_joined_in_their_type():
         workers.ClassBatch(torch.zeros(1, 3), torch.zeros(1)),
     ]
     assert not _cut_alike(made, padded) and _cut_alike(made, [_take(made, j, 2) for j in (0, 1)])
+
+
+def test_a_dataclass_batch_is_moved_and_joined_field_by_field_in_its_type():
+    made = workers.ClassBatch(torch.arange(6.0).view(3, 2), torch.arange(3), source="val")
+    moved = to_device(made, torch.device("meta"))  # where a GPU would take it: every tensor field goes
+    assert type(moved) is workers.ClassBatch and moved.x.is_meta and moved.y.is_meta and moved.source == "val"
+    doubled = map_tensors(lambda t: t * 2, made)
+    assert doubled.x.tolist() == [[0, 2], [4, 6], [8, 10]] and made.x[1, 0] == 2  # a new batch, not the old
+    joined = concat_batches([made, workers.ClassBatch(torch.ones(1, 2), torch.tensor([7]), source="val")])
+    assert type(joined) is workers.ClassBatch and joined.y.tolist() == [0, 1, 2, 7] and joined.x.shape == (4, 2)
+    with pytest.raises(TypeError, match="str"):  # strict: a leaf that is not a tensor
+        map_tensors(lambda t: t, made, strict=True)
+    assert zero_rows(made).x.shape == (0, 2)
 
 
 def test_an_object_whose_tensors_rt_shards_cannot_see_is_refused_in_one_line():

@@ -1,5 +1,5 @@
 """A tensor's bytes without numpy (which an image with CUDA torch alone, ``make gpu-check``'s, may lack),
-and a mapping of a batch rebuilt in its own type.
+and a mapping, sequence or dataclass of a batch rebuilt in its own type.
 
 A base module (it imports nothing of ddpkit).
 
@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,4 +60,21 @@ def resequenced(sequence: list[Any] | tuple[Any, ...], items: Any) -> Any:
     return type(sequence)(*items) if hasattr(sequence, "_fields") else type(sequence)(items)
 
 
-__all__ = ["raw_bytes", "remapped", "resequenced"]
+def init_fields(value: Any) -> dict[str, Any] | None:
+    """A dataclass instance's fields that its constructor takes, by name (what ``dataclasses.replace``
+    rebuilds it from); None for anything else (a dataclass itself too).
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Batch:
+    ...     x: int
+    ...     y: int
+    >>> init_fields(Batch(1, 2)), init_fields(Batch), init_fields((1, 2))
+    ({'x': 1, 'y': 2}, None, None)
+    """
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return None
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+
+
+__all__ = ["init_fields", "raw_bytes", "remapped", "resequenced"]

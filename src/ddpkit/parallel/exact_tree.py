@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit._tensors import remapped, resequenced
+from ddpkit._tensors import init_fields, remapped, resequenced
 from ddpkit.distributed.host import usable_cores
 from ddpkit.errors import UsageError
 from ddpkit.parallel import lazy_buffers
@@ -165,9 +165,9 @@ def _take(item: Any, j: int, every: int, rows: int | None = None) -> Any:
         return resequenced(item, (_take(x, j, every, rows) for x in item))  # a namedtuple too
     if isinstance(item, Mapping):  # a dict, or a UserDict such as a tokenizer's BatchEncoding, kept in its type
         return remapped(item, {k: _take(v, j, every, rows) for k, v in item.items()})
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):  # a collate_fn's batch class
-        cut = {f.name: _take(getattr(item, f.name), j, every, rows) for f in dataclasses.fields(item) if f.init}
-        return dataclasses.replace(item, **cut)
+    fields = init_fields(item)
+    if fields is not None:  # a collate_fn's batch class
+        return dataclasses.replace(item, **{name: _take(v, j, every, rows) for name, v in fields.items()})
     if any(isinstance(v, torch.Tensor) for v in getattr(item, "__dict__", {}).values()):
         raise UsageError(
             f"rt.shards cannot cut a {type(item).__name__} (its tensors are attributes of an object it does not "
@@ -206,9 +206,9 @@ def _cut_alike(whole: Any, parts: list[Any]) -> bool:
         return all(_cut_alike(v, [p[k] for p in parts]) for k, v in whole.items())
     if isinstance(whole, (list, tuple)):
         return all(_cut_alike(v, [p[i] for p in parts]) for i, v in enumerate(whole))
-    if dataclasses.is_dataclass(whole) and not isinstance(whole, type):
-        names = [f.name for f in dataclasses.fields(whole)]
-        return all(_cut_alike(getattr(whole, n), [getattr(p, n) for p in parts]) for n in names)
+    fields = init_fields(whole)
+    if fields is not None:
+        return all(_cut_alike(v, [getattr(p, n) for p in parts]) for n, v in fields.items())
     return True
 
 
