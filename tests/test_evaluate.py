@@ -189,3 +189,17 @@ def test_a_float64_model_is_scored_in_float64():
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(data.tensors[0]), data.tensors[1], reduction="sum")
     assert expected.dtype == torch.float64 and metrics["loss"] == float(expected) / 40
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch_size", [None, 7])
+def test_under_micro_shards_evaluate_and_predict_give_the_same_bits_on_any_world_size(batch_size):
+    """Each batch holds the same samples on any world size (a forward's bits depend on the rows it is
+    given: 7 rows apart on one process) and the loss is summed exactly, so 1, 2 and 4 processes agree to
+    the bit: a dataset, a plain stream, a ``ddpkit.Shards`` and an ``rt.loader``."""
+    runs = {n: ddpkit.launch(workers.evaluated_alike, nprocs=n, args=(batch_size,))[0] for n in (1, 2, 4)}
+    for kind, one in runs[1].items():
+        assert one["metrics"]["count"] == 101 and one["predicted"].shape == (101, 10)
+        for n in (2, 4):
+            assert runs[n][kind]["metrics"] == one["metrics"], (kind, n)  # the loss's last bit too
+            assert torch.equal(runs[n][kind]["predicted"], one["predicted"]), (kind, n)

@@ -220,7 +220,7 @@ def evaluate_everything(stream_dir: str | None = None) -> dict:
             "all": everywhere,
             "metrics": metrics,
             "streamed": streamed,
-            "shard": len(ddpkit.loop.sampler.shard_range(length, rt.rank, rt.world_size)),
+            "shard": len(ddpkit.loop.sampler.batch_shard(length, 64, rt.rank, rt.world_size)),
         }
     return results
 
@@ -1738,3 +1738,54 @@ def batch_kinds(kind: str) -> dict:
     state = {key: value.detach().clone() for key, value in ddpkit._torch.unwrap(model).state_dict().items()}
     rt.close()
     return {"state": state, "metrics": metrics, "predicted": predicted}
+
+
+class _Rows(torch.utils.data.Dataset):
+    """101 samples (64 features, a class of 10): rows whose outputs depend on the batch they are in."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(101, 64, generator=generator)
+        self.y = torch.randint(0, 10, (101,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+class _RowStream(torch.utils.data.IterableDataset):
+    """:class:`_Rows` as a plain stream."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        rows = _Rows()
+        return iter([rows[i] for i in range(len(rows))])
+
+
+def _row_shard(shard: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shard ``shard`` of :class:`_Rows` in shards of 20 (the last of 1)."""
+    rows = _Rows()
+    yield from (rows[i] for i in range(shard * 20, min(len(rows), (shard + 1) * 20)))
+
+
+def evaluated_alike(batch_size: int | None) -> dict:
+    """Under ``micro_shards=4``: ``evaluate`` and ``predict`` of a dataset, a plain stream, a
+    ``ddpkit.Shards`` and an ``rt.loader`` (its batch then a micro-shard's), with ``batch_size`` (None:
+    the default, or the loader's). Rank 0's metrics (the loss included) and predictions."""
+    rt = ddpkit.init(seed=1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model, _ = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=4)
+    kinds = {
+        "map": _Rows(),
+        "stream": _RowStream(),
+        "shards": ddpkit.Shards(list(range(6)), _row_shard, lengths=[20] * 5 + [1], cache=False),
+        "loader": rt.loader(_Rows(), global_batch_size=40),
+    }
+    found = {}
+    for kind, data in kinds.items():
+        metrics = ddpkit.evaluate(model, data, num_classes=10, batch_size=batch_size)
+        found[kind] = {"metrics": metrics, "predicted": ddpkit.predict(model, data, batch_size=batch_size)}
+    rt.close()
+    return found

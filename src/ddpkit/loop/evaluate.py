@@ -1,9 +1,10 @@
 """Exact evaluation and order-preserving prediction over a whole dataset, on any world size.
 
-Each rank reads one contiguous shard of the dataset (sizes differ by at most one, a rank
-may hold none, nothing is padded or read twice). No collective runs inside the per-batch
-loop, so uneven shards cannot hang; counts are reduced once at the end as integers, so they
-equal a single-process run exactly.
+Each rank reads one contiguous shard of the dataset in whole batches laid from its first sample
+(batch counts differ by at most one, a rank may hold none, nothing is padded or read twice), so each
+batch, and each forward's bits, is the same on any world size. No collective runs inside the per-batch
+loop, so uneven shards cannot hang; counts are reduced once at the end as integers, and the loss as the
+exactly rounded sum of the batches' sums (``math.fsum``), so both equal a single-process run's bits.
 
 Example:
     >>> metrics = evaluate(model, test_set, num_classes=10)          # doctest: +SKIP
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,7 +31,7 @@ from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop import same_data
 from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
-from ddpkit.loop.sampler import shard_range
+from ddpkit.loop.sampler import batch_shard
 from ddpkit.loop.streams.evaluation import StreamShard, first_sample
 from ddpkit.observe import heartbeats
 from ddpkit.parallel import lazy_buffers, periodic, same_model
@@ -53,7 +55,7 @@ def _shard_batches(
     if stream is not None:
         batches = stream.batches()
     else:
-        indices = shard_range(len(dataset), collectives.rank(), collectives.world_size())
+        indices = batch_shard(len(dataset), batch_size, collectives.rank(), collectives.world_size())
         batches = (
             (None, b)
             for b in DataLoader(
@@ -171,7 +173,9 @@ def unloaded(
         if getattr(sampler, "weights", None) is not None:
             raise UsageError(f"{what}: this rt.loader draws samples by weight (weights=); {fix}")
         full, world = getattr(sampler, "global_batch_size", 0), max(1, getattr(sampler, "world_size", 1))
-        per_rank = -(-full // world) or DEFAULT_BATCH  # its batch a rank (the larger share)
+        local = data.local_shards() if data.local_shards is not None else 0
+        shares = local * world or world  # micro-shards: a shard's samples, the same on any world size
+        per_rank = -(-full // shares) or DEFAULT_BATCH  # else its batch a rank (the larger share)
         given = batch_size if batch_size is not None else per_rank
         return data.dataset, given, num_workers or data.num_workers, collate_fn or data.collate_fn
     if isinstance(data, DataLoader):
@@ -306,12 +310,14 @@ def evaluate(
         dataset: ``(input, target)`` samples, or dicts (Hugging Face's) whose targets are under
             ``target_key``: a map-style dataset, or a stream (an ``IterableDataset``). A loader
             (``rt.loader``'s, or a ``DataLoader`` that reads every sample) is read for its dataset, with
-            its batch a rank, workers and ``collate_fn`` where the call gives none.
+            its batch a rank (a micro-shard's under ``micro_shards``), workers and ``collate_fn`` where
+            the call gives none.
         num_classes: classes of the targets: the width of the outputs and of the confusion matrix.
         batch_size: samples per forward on each rank (None: a given loader's, else 256).
-        loss_fn: called as ``loss_fn(output, target, reduction="sum")`` (with ``ignore_index`` too when
-            it is ``F.cross_entropy`` or ``F.nll_loss``) and summed in float64; the ``loss`` returned is
-            that sum divided by the samples (or tokens) counted.
+        loss_fn: called as ``loss_fn(output, target, reduction="sum")`` on each batch (with
+            ``ignore_index`` too when it is ``F.cross_entropy`` or ``F.nll_loss``); the batches' sums are
+            added exactly (``math.fsum``, in any order), and the ``loss`` returned is that sum divided by
+            the samples (or tokens) counted.
         num_workers: DataLoader workers per rank (0: the main process reads).
         autocast: makes the context each forward runs in (e.g. ``rt.autocast``); None: none.
         extra_metrics: torchmetrics metrics by name: each is reset first (a metric reused every epoch
@@ -339,7 +345,7 @@ def evaluate(
     lazy_buffers.sync_buffers(model)  # BatchNorm statistics trained apart are averaged first
     module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    loss_sums: list[torch.Tensor] = []  # each batch's, summed exactly once every rank's are in
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
     for metric in (extra_metrics or {}).values():
         metric.reset()
@@ -354,7 +360,7 @@ def evaluate(
             if isinstance(outputs, torch.Tensor) and outputs.device != device:
                 # fsdp's cpu_offload: the shards (the first parameter) on the host, the forward on the GPU
                 device = outputs.device
-                loss_sum, confusion = loss_sum.to(device), confusion.to(device)
+                confusion = confusion.to(device)
             targets = to_device(targets, device)
             outputs = _classes_first(outputs, targets, num_classes, class_dim)
             counted = targets != ignore_index
@@ -368,19 +374,27 @@ def evaluate(
             extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
             if outputs.dtype not in (torch.float32, torch.float64):  # half precision: the loss in float32
                 outputs = outputs.float()  # float64 outputs keep their precision
-            loss_sum += loss_fn(outputs, targets, reduction="sum", **extra).double()
+            loss_sums.append(loss_fn(outputs, targets, reduction="sum", **extra).double().reshape(()))
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs, targets)
     if stream is not None:
         stream.total()  # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
-    loss_total = float(collectives.all_reduce(loss_sum.cpu()))
+    loss_total = _exact_sum(torch.stack([t.cpu() for t in loss_sums]).tolist() if loss_sums else [])
     result = _metrics(confusion, loss_total)
     for name, metric in (extra_metrics or {}).items():
         value = metric.compute()  # torchmetrics syncs its states across ranks here
         result[name] = value.tolist() if isinstance(value, torch.Tensor) else value
     return result
+
+
+def _exact_sum(values: list[float]) -> float:
+    """The sum of every rank's ``values``, exactly rounded: the same bits whatever order they come in and
+    however the ranks split them (a float sum of partial sums depends on both)."""
+    if collectives.world_size() > 1:
+        values = [value for part in collectives.all_gather_object(values) for value in part]
+    return math.fsum(values)
 
 
 def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:

@@ -170,6 +170,26 @@ def shard_range(length: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def batch_shard(length: int, batch_size: int, rank: int, world_size: int) -> range:
+    """This rank's samples for evaluation: a contiguous run of whole batches of ``batch_size`` laid from
+    sample 0, the batches split as :func:`shard_range` splits samples (counts differ by at most one).
+
+    Every batch holds the same samples on any world size, so each forward gives the same bits (a
+    kernel's result for a row can depend on how many rows it is given):
+
+    >>> [batch_shard(10, 4, r, 2) for r in range(2)], [batch_shard(10, 4, r, 1) for r in range(1)]
+    ([range(0, 8), range(8, 10)], [range(0, 10)])
+
+    Args:
+        length: samples in the dataset.
+        batch_size: samples per batch (the last batch may hold fewer).
+        rank: this process's rank.
+        world_size: processes that share the batches.
+    """
+    batches = shard_range(-(-length // batch_size), rank, world_size)
+    return range(min(length, batches.start * batch_size), min(length, batches.stop * batch_size))
+
+
 def rows_per_rank(length: int, world_size: int) -> Sequence[int]:
     """Sizes of :func:`shard_range` for every rank."""
     return [len(shard_range(length, r, world_size)) for r in range(world_size)]

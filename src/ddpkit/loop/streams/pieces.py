@@ -12,8 +12,9 @@ the shard, not a worker's traceback).
   worker sends one piece per global batch and the main process joins them.
 * A plain ``IterableDataset``: every rank and worker reads all of it; worker ``w`` of ``k``
   sends the rank's strided part of global batches ``b % k == w``.
-* Evaluation reads chunks of ``batch_size``: contiguous per rank for Shards, round robin over
-  ranks and workers for a plain stream.
+* Evaluation reads chunks of ``batch_size`` laid from the stream's start (each the same on any world
+  size): contiguous runs of them per rank for Shards, round robin over ranks and workers for a plain
+  stream.
 """
 
 from __future__ import annotations
@@ -165,9 +166,11 @@ class Pieces(IterableDataset):
     def _shard_eval(self, worker: int, workers: int) -> Iterator[dict[str, Any]]:
         shards = self.source
         order = EpochOrder(shards.lengths, shuffle=False, seed=self.seed, epoch=0)
-        rank_part = shard_range(order.length, self.rank, self.world_size)
+        # whole batches laid from the stream's start, so each batch is the same on any world size
+        size = self.batch_size
+        rank_part = shard_range(-(-order.length // size), self.rank, self.world_size)
         part = shard_range(len(rank_part), worker, workers)
-        first, stop = rank_part.start + part.start, rank_part.start + part.stop
+        first, stop = (rank_part.start + part.start) * size, min(order.length, (rank_part.start + part.stop) * size)
         chunk: list[tuple[int, Any]] = []
         for item in read_range(shards, order, first, stop, seed=self.seed, progress=self.tick):
             chunk.append(item)
