@@ -161,7 +161,11 @@ def test_the_dataset_fingerprint_follows_subsets_concatenations_and_arrays():
         "dataset.datasets[0] (a Subset: its indices)",
         "dataset.datasets[0] (a Subset: the indices' order)",
         "dataset.datasets[0].dataset.tensors[0]",
+        "dataset.datasets[0].dataset.tensors[0] (its order)",
         "dataset.datasets[1].data",
+        "dataset.datasets[1].data (its order)",
+        "dataset.datasets[1].targets",  # a list of labels: its length, then a hash of its items
+        "dataset.datasets[1].targets (its order)",
     ]
     assert int(sums[0]) == 7 and int(sums[1]) == 6
     reordered = torch.utils.data.ConcatDataset([torch.utils.data.Subset(base, [1, 3, 2]), arrays])
@@ -171,6 +175,49 @@ def test_the_dataset_fingerprint_follows_subsets_concatenations_and_arrays():
     sampled = same_data.fingerprint(torch.utils.data.TensorDataset(big))[1]
     big[3] = 1.0  # on the stride: 65,536 evenly spaced elements of the 196,608 are read
     assert not torch.equal(same_data.fingerprint(torch.utils.data.TensorDataset(big))[1], sampled)
+
+
+def test_the_dataset_fingerprint_tells_a_shuffle_and_a_file_list_in_another_order():
+    from ddpkit.loop import same_data
+
+    class Folder(torch.utils.data.Dataset):  # ImageFolder's samples, or a list of files read as listed
+        def __init__(self, root: str, order: list[int], attribute: str = "samples") -> None:
+            setattr(self, attribute, [(f"{root}/class{i % 3}/img{i}.png", i % 3) for i in order])
+
+        def __len__(self) -> int:
+            return 40
+
+    def sums(data: object) -> torch.Tensor:
+        return same_data.fingerprint(data)[1]
+
+    rows = torch.randn(40, 16)  # 640 elements: every one read, so the plain sum alone cannot tell a shuffle
+    shuffled = rows[torch.randperm(40)]
+    plain, other = sums(torch.utils.data.TensorDataset(rows)), sums(torch.utils.data.TensorDataset(shuffled))
+    assert plain[1] == other[1] and plain[2] != other[2]  # the same bits, in another order
+    listed = sums(Folder("/data", list(range(40))))
+    assert not torch.equal(listed, sums(Folder("/data", list(range(40))[::-1])))
+    assert not torch.equal(listed, sums(Folder("/data", list(range(1, 41)))))  # another file
+    assert torch.equal(listed, sums(Folder("/scratch/node7/data", list(range(40)))))  # each host's own directory
+    names = same_data.fingerprint(Folder("/data", list(range(40)), "files"))[0]
+    assert names == ["dataset length", "dataset.files", "dataset.files (its order)"]
+
+    class Objects(torch.utils.data.Dataset):  # a list of the script's objects: not hashed
+        samples = [object(), object()]
+
+        def __len__(self) -> int:
+            return 2
+
+    assert same_data.fingerprint(Objects())[0] == ["dataset length"]
+
+
+@pytest.mark.timeout(120)
+def test_datasets_shuffled_or_listed_in_each_ranks_own_order_are_refused_in_one_line():
+    found = ddpkit.launch(workers.datasets_in_each_ranks_order, nprocs=2)
+    for rank in (0, 1):
+        assert set(found[rank]) == {"tensors", "files", "arrays"}
+        for message in found[rank].values():
+            assert message.startswith("rt.loader: the dataset differs between ranks (rank 1's dataset."), message
+            assert "(its order) differs from rank 0's" in message and "\n" not in message, message
 
 
 @pytest.mark.timeout(120)

@@ -1789,3 +1789,49 @@ def evaluated_alike(batch_size: int | None) -> dict:
         found[kind] = {"metrics": metrics, "predicted": ddpkit.predict(model, data, batch_size=batch_size)}
     rt.close()
     return found
+
+
+class _Listed(torch.utils.data.Dataset):
+    """File names in the order this process lists them (``os.listdir`` order differs between hosts)."""
+
+    def __init__(self, order: torch.Tensor) -> None:
+        self.files = [f"/data/img_{int(i):05d}.png" for i in order]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(float(index))
+
+
+class _CifarLike(torch.utils.data.Dataset):
+    """torchvision's CIFAR layout: ``data`` a numpy array, ``targets`` a list, here in this rank's own order."""
+
+    def __init__(self, order: torch.Tensor) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.data = torch.randn(200, 3, 4, 4, generator=generator).numpy()[order.numpy()]
+        self.targets = [int(t) for t in torch.randint(0, 10, (200,), generator=generator)[order]]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def datasets_in_each_ranks_order() -> dict:
+    """The same samples in each rank's own order, drawn after ``rt.setup``: a ``TensorDataset``, a list of
+    files, CIFAR's arrays. The message ``rt.loader`` refused each with."""
+    rt = ddpkit.init(seed=1)
+    rt.setup(torch.nn.Linear(2, 2))
+    rows = torch.randn(100, 16, generator=torch.Generator().manual_seed(0))
+    made = {
+        "tensors": lambda: torch.utils.data.TensorDataset(rows[torch.randperm(100)]),
+        "files": lambda: _Listed(torch.randperm(500)),
+        "arrays": lambda: _CifarLike(torch.randperm(200)),
+    }
+    found = {}
+    for kind, make in made.items():
+        try:
+            rt.loader(make(), global_batch_size=10)
+        except ddpkit.errors.UsageError as refused:
+            found[kind] = str(refused)
+    rt.close()
+    return found

@@ -7,13 +7,19 @@ differs between ranks): a ``random_split`` or a ``Subset`` of random indices dra
 data drawn at random after it, is each rank's own. The shards then overlap and miss samples,
 the validation set holds training samples, and the metric says "every sample once" of a dataset
 that no rank holds, silently. :func:`check` compares, in one small all-reduce: the length, every
-``Subset``'s indices (through ``ConcatDataset`` and nested subsets), and the bits of a
+``Subset``'s indices (through ``ConcatDataset`` and nested subsets), the bits of a
 ``TensorDataset``'s tensors or a dataset's ``data``/``targets`` arrays in memory (an evenly
-strided sample of 65,536 to 131,071 elements each, so a large dataset costs a millisecond).
+strided sample of 65,536 to 131,071 elements each, so a large dataset costs a millisecond), summed
+and weighted by place (the same rows shuffled on each rank differ), and a hash of the lists a
+dataset reads from (``samples``, ``imgs``, ``files``, ``paths``, CIFAR's ``targets``: file names by
+their last part, an evenly strided 4,096 to 8,191 items), which finds a file list in each host's
+own ``os.listdir`` order.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any
 
 import torch
@@ -27,15 +33,59 @@ differs in every element, so a sample finds it, and a large dataset costs no mor
 
 
 def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The bits sum of ``tensor`` (a strided sample of fewer than twice :data:`_SAMPLE` elements), on the CPU."""
+    """The bits sum of ``tensor`` (a strided sample of fewer than twice :data:`_SAMPLE` elements) and the
+    same sum weighted by each element's place, which a shuffle changes (the same rows in each rank's own
+    order), as two int64s on the CPU."""
     flat = tensor.detach().reshape(-1)
     if flat.numel() > _SAMPLE:
         flat = flat[:: flat.numel() // _SAMPLE]
-    return same_model.bits_sum(flat).cpu()
+    flat = flat.cpu().contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    size = flat.element_size()
+    kind = torch.int32 if size % 4 == 0 else torch.int16 if size == 2 else torch.uint8
+    bits = flat.view(kind).to(torch.int64)  # (a wider element: its int32 halves, the places of those)
+    places = torch.arange(len(bits), dtype=torch.int64) % 251 + 1  # < 2**8: the weighted sum fits in int64
+    return torch.stack([bits.sum(), (bits * places).sum() % _PRIME])
+
+
+_PRIME = (1 << 31) - 1
+"""The place-weighted sum is kept below it, so the digest of every part (:func:`same_model.compare`) fits too."""
+
+
+_LISTS = 1 << 12
+"""Items of a list read at most (evenly strided over it), each written out in full."""
+
+
+def _list_sum(value: Any) -> torch.Tensor | None:
+    """A hash of a list's items in order (an evenly strided sample of fewer than twice :data:`_LISTS`)
+    where they are plain values (file names, ``(path, class)`` pairs, labels), as two int64s; else None."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    picked = [_plain(item) for item in value[:: max(1, len(value) // _LISTS)]]
+    if any(item is _NOT_PLAIN for item in picked):
+        return None
+    digest = hashlib.blake2b(repr(picked).encode(), digest_size=4).digest()
+    return torch.tensor([len(value), int.from_bytes(digest, "little")], dtype=torch.int64)
+
+
+_NOT_PLAIN = object()
+
+
+def _plain(item: Any) -> Any:
+    """``item`` as the hash takes it: a number or None as it is, a string or a path by its last part (the
+    same files under each host's own directory are the same data), a tuple or list item by item;
+    :data:`_NOT_PLAIN` for anything else (a tensor, an object of the script's)."""
+    if isinstance(item, (tuple, list)):
+        parts = [_plain(part) for part in item]
+        return _NOT_PLAIN if any(part is _NOT_PLAIN for part in parts) else parts
+    if isinstance(item, (str, os.PathLike)):
+        return os.path.basename(os.fspath(item))
+    return item if item is None or isinstance(item, (bytes, int, float, bool)) else _NOT_PLAIN
 
 
 def _tensor_sum(value: Any) -> torch.Tensor | None:
-    """The bits sum of a tensor or a numpy array in memory (:func:`_sample_sum`), else None."""
+    """The sums of a tensor or a numpy array in memory (:func:`_sample_sum`), else None."""
     if not isinstance(value, torch.Tensor):
         if type(value).__module__ != "numpy" or not hasattr(value, "dtype") or value.dtype.hasobject:
             return None
@@ -65,17 +115,26 @@ def fingerprint(dataset: Any) -> tuple[list[str], torch.Tensor]:
                 walk(part, f"{where}.datasets[{i}]")
         elif isinstance(data, torch.utils.data.TensorDataset):
             for i, tensor in enumerate(data.tensors):
-                names.append(f"{where}.tensors[{i}]")
-                sums.append(_sample_sum(tensor))
+                add(f"{where}.tensors[{i}]", _sample_sum(tensor))
         else:
-            for attribute in ("data", "targets"):
-                found = _tensor_sum(getattr(data, attribute, None))
-                if found is not None:
-                    names.append(f"{where}.{attribute}")
-                    sums.append(found)
+            for attribute in _ATTRIBUTES:
+                value = getattr(data, attribute, None)
+                found = _tensor_sum(value)
+                add(f"{where}.{attribute}", found if found is not None else _list_sum(value))
+
+    def add(name: str, found: torch.Tensor | None) -> None:
+        if found is not None:  # its content, then its order (or its length, then its items' hash)
+            names.extend([name, f"{name} (its order)"])
+            sums.extend(found)
 
     walk(dataset, "dataset")
     return names, torch.stack(sums)
+
+
+_ATTRIBUTES = ("data", "targets", "samples", "imgs", "files", "paths")
+"""A dataset's attributes that hold its samples or what they are read from: arrays and tensors (torchvision's
+MNIST and CIFAR ``data``), lists of labels (CIFAR's ``targets``), of ``(path, class)`` (``ImageFolder``'s
+``samples`` and ``imgs``) or of file names."""
 
 
 def check(dataset: Any, what: str) -> None:
@@ -91,7 +150,8 @@ def check(dataset: Any, what: str) -> None:
     if where is not None:
         raise UsageError(
             f"{what}: the dataset differs between ranks ({where}), so the ranks' shards would overlap and miss "
-            "samples: split or draw it before rt.setup, which gives each rank a random stream of its own, or "
-            "with a generator seeded alike on every rank "
-            "(random_split(data, lengths, generator=torch.Generator().manual_seed(0)))"
+            "samples: split or draw it before rt.setup, which gives each rank a random stream of its own (shuffle "
+            "its rows or files there too), or with a generator seeded alike on every rank "
+            "(random_split(data, lengths, generator=torch.Generator().manual_seed(0))), and sort a list of "
+            "files (os.listdir and glob give each host its own order)"
         )
