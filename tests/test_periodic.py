@@ -464,6 +464,22 @@ def test_an_exchange_capped_at_one_steps_delay_goes_in_fragments_only_where_a_wh
     # a whole exchange that hides behind one step is not split; nor where the link sets nothing
     assert choose_period(exchange_bytes=50_000, max_delay=1, **link)["fragments"] == 1
     assert choose_period(exchange_bytes=2_000_000, max_delay=1, **{**link, "link_bytes_per_s": None})["every"] == 2
+    assert not capped["waits"] and not free["waits"]
+    slow_call = choose_period(exchange_bytes=2_000_000, max_delay=1, **{**link, "latency_s": 0.09})
+    assert slow_call["waits"] and slow_call["delay"] == 1  # 90 ms a call against 80 ms a step hides: none hides
+    from types import SimpleNamespace
+
+    from ddpkit.parallel.periodic import PeriodicSync
+
+    def notice(decision: dict) -> str:
+        run = SimpleNamespace(name="diloco", every=decision["every"], delay=1, meet=None, outer_chosen=False)
+        return PeriodicSync._notice(run, {**decision, "dtype": "bf16"}, link["latency_s"], 1.25e6)  # type: ignore[arg-type]
+
+    assert notice(capped).endswith("each behind the next 1 step(s)")
+    assert notice(slow_call).endswith(
+        "which do not hide it: a call's latency alone outlasts the 1 step(s) an "
+        "exchange may run behind, so the steps wait for each"
+    )
 
     def chosen(mbit: float, **kwargs) -> dict:
         return choose_exchange(

@@ -275,6 +275,12 @@ class PeriodicSync:
                 else f"in {fragments} fragments, each behind the next {self.delay} step(s)"
             )
             + (
+                f", which do not hide it: a call's latency alone outlasts the {self.delay} step(s) an exchange "
+                "may run behind, so the steps wait for each"
+                if decision.get("waits")
+                else ""
+            )
+            + (
                 f"; outer step {decision['outer_lr']:.3g}x the ranks' average change (sqrt of "
                 f"{self._choice_world()} {'replicas' if self.meet is not None else 'ranks'}' adaptive inner steps)"
                 if self.outer_chosen and decision.get("outer_lr", 1.0) != 1.0

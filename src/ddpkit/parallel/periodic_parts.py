@@ -285,17 +285,19 @@ def choose_period(
     exchange = moving + latency_s
     room = LINK_SHARE * max(step_s, 1e-9)  # what one step hides
     steps = math.ceil(exchange / room) if exchange > 0 else 0
-    delay, fragments = max(1, steps), 1
+    delay, fragments, waits = max(1, steps), 1, False
     every = max(MIN_EVERY, delay + 1)
     if max_delay is not None and delay > max_delay:
         # fragments each sent ``max_delay`` steps apart, their latency paid each time: as few as hide
         hidden = room * max_delay - latency_s
         fragments = max(2, math.ceil(moving / hidden)) if hidden > 0 else steps
         delay, every = max_delay, max(MIN_EVERY, fragments * max_delay)
+        waits = hidden <= 0  # a call's latency alone outlasts what the steps hide: no fragment hides
     return {
         "every": every,
         "delay": delay,
         "fragments": fragments,
+        "waits": waits,
         "exchange_s": round(exchange, 6),
         "step_s": step_s,  # as the period was chosen from it (shown rounded)
         "exchange_bytes": int(exchange_bytes),
