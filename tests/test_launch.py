@@ -272,6 +272,56 @@ def test_a_launch_from_a_scripts_unguarded_top_level_is_one_line_before_any_work
         assert done.stdout.startswith("{0: ") and "1: " in done.stdout, done.stdout  # in rank order
 
 
+FUNCTIONS = """
+import ddpkit
+
+try:
+    def kept(scale):  # bound when the script is imported (a top-level try): every worker has it
+        return scale * 2
+except ImportError:
+    pass
+
+def outer():
+    def nested(scale):
+        return scale
+    return nested
+
+if __name__ == "__main__":
+    def guarded(scale):
+        return scale
+    print(ddpkit.launch({fn}, nprocs=2, args=(3,)))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fn,refused",
+    [
+        ("guarded", 'guarded is defined under `if __name__ == "__main__":` in train.py, which the workers do not run'),
+        ("lambda scale: scale", "<lambda> is a lambda, which the workers cannot import"),
+        ("outer()", "outer.<locals>.nested is defined inside a function, which the workers cannot import"),
+        ("kept", None),
+    ],
+    ids=["under-the-guard", "lambda", "nested", "top-level"],
+)
+def test_a_function_the_spawned_workers_cannot_import_is_one_line_before_any_worker_starts(tmp_path, fn, refused):
+    """A function defined under the script's main guard reached each worker as "Can't get attribute", in a
+    traceback a worker and torch's launcher's log; a lambda as a PicklingError."""
+    from helpers import ROOT, clean_env, python
+
+    script = tmp_path / "train.py"
+    script.write_text(FUNCTIONS.format(fn=fn))
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    done = python(str(script), env=clean_env(PYTHONPATH=path))
+    if refused is None:
+        assert done.returncode == 0 and done.stdout.strip() == "{0: 6, 1: 6}", done.stderr[-2000:]
+        return
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"ddpkit.launch: {refused}" in last and "define it with def at the top level of a module" in last, last
+    assert "Can't get attribute" not in done.stderr and "rank 0 failed" not in done.stderr  # no worker ran
+
+
 def test_a_worker_that_failed_before_the_function_says_so_rather_than_none():
     from types import SimpleNamespace
 

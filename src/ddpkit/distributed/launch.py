@@ -78,6 +78,7 @@ def launch(
     method = start_method or _start_method(fn)
     if method in ("spawn", "forkserver"):
         _refuse_an_unguarded_call(method)
+        _refuse_what_children_cannot_import(fn, method)
     if method == "fork" and _cuda_started():
         raise UsageError(
             'ddpkit.launch: this process has used CUDA already, and a forked child cannot ("Cannot '
@@ -157,6 +158,57 @@ def _refuse_an_unguarded_call(method: str) -> None:
         f"runs again when it imports the script (start method {method!r}); put that code under "
         '`if __name__ == "__main__":`'
     )
+
+
+def _refuse_what_children_cannot_import(fn: Callable[..., Any], method: str) -> None:
+    """Refuse, in one line, a function a spawned child cannot get: it is sent by name and imported there.
+
+    A lambda or a function defined inside another has no name to import (pickle says "Can't pickle
+    local object"); a function the script defines under ``if __name__ == "__main__":`` has one, but the
+    child imports the script without running that block, and every worker failed before it reached the
+    function with "Can't get attribute" in two tracebacks a worker. A script that cannot be read or
+    parsed is not refused.
+    """
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    how = f"(start method {method!r}): define it with def at the top level of a module"
+    if "<lambda>" in name or "<locals>" in name:
+        kind = "a lambda" if name.endswith("<lambda>") else "defined inside a function"
+        raise UsageError(f"ddpkit.launch: {name} is {kind}, which the workers cannot import {how}")
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(fn, "__module__", None) != "__main__" or not path:
+        return
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    if name.split(".")[0] not in _names_an_import_binds(tree.body):
+        raise UsageError(
+            f'ddpkit.launch: {name} is defined under `if __name__ == "__main__":` in {Path(path).name}, which the '
+            f"workers do not run when they import the script {how}, above that block"
+        )
+
+
+def _names_an_import_binds(body: list[ast.stmt]) -> set[str]:
+    """The names a module's statements bind when it is imported: its definitions, assignments and imports,
+    inside its ``if``/``try``/``with`` blocks too, but not under ``if __name__ == "__main__":``."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If) and not _is_main_guard(node.test):
+            names |= _names_an_import_binds(node.body) | _names_an_import_binds(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                names |= _names_an_import_binds(block)
+        elif isinstance(node, (ast.With, ast.For, ast.While)):
+            names |= _names_an_import_binds(node.body)
+    return names
 
 
 def _is_main_guard(test: ast.expr) -> bool:
