@@ -237,7 +237,8 @@ def weighted_batches(num_samples: int) -> list:
 
 
 class Augmented(torch.utils.data.Dataset):
-    """A transform that draws from torch's global generator, as torchvision's random transforms do."""
+    """A transform that draws from torch's, numpy's and ``random``'s global generators, as torchvision's
+    random transforms, albumentations and ``random.random() < 0.5`` flips do."""
 
     def __init__(self, draws: bool = True) -> None:
         self.draws = draws
@@ -246,22 +247,42 @@ class Augmented(torch.utils.data.Dataset):
         return 32
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        noise = float(torch.rand(1)) if self.draws else 0.0
-        return torch.tensor([float(index), noise], dtype=torch.float64)
+        import random
+
+        import numpy as np
+
+        noise = [float(torch.rand(1)), float(np.random.rand()), random.random()] if self.draws else [0.0] * 3
+        return torch.tensor([float(index), *noise], dtype=torch.float64)
 
 
-def global_draws(num_workers: int, draws: bool = True) -> dict:
-    """Each sample's draw from torch's global generator in ``__getitem__``, by (epoch, index), over
-    every rank; and the loop's own draws after each batch (the stream outside the reads)."""
+class AugmentedStream(torch.utils.data.IterableDataset):
+    """:class:`Augmented` as a plain stream: each sample's draws are made as the stream reaches it."""
+
+    def __init__(self, draws: bool = True) -> None:
+        self.samples = Augmented(draws)
+
+    def __iter__(self):
+        return (self.samples[i] for i in range(len(self.samples)))
+
+
+def global_draws(num_workers: int, draws: bool = True, stream: bool = False) -> dict:
+    """Each sample's draws from torch's, numpy's and ``random``'s global generators in ``__getitem__``,
+    by (epoch, index), over every rank; and the loop's own draws from the three after each batch (the
+    streams outside the reads)."""
+    import random
+
+    import numpy as np
+
     rt = ddpkit.init(seed=4)
     model = torch.nn.Linear(2, 2)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    loader = rt.loader(Augmented(draws), global_batch_size=8, shuffle=True, num_workers=num_workers)
+    data = AugmentedStream(draws) if stream else Augmented(draws)
+    loader = rt.loader(data, global_batch_size=8, shuffle=True, num_workers=num_workers)
     seen, outside = {}, []
     for epoch in rt.epochs(2):
         for batch in loader:
-            seen.update({f"{epoch},{int(row[0])}": float(row[1]) for row in batch})
-            outside.append(float(torch.rand(1)))
+            seen.update({f"{epoch},{int(row[0])}": row[1:].tolist() for row in batch})
+            outside.append([float(torch.rand(1)), float(np.random.rand()), random.random()])
             model(torch.zeros(1, 2)).sum().backward()
             rt.step(optimizer)
     merged = {key: value for part in ddpkit.all_gather_object(seen) for key, value in part.items()}

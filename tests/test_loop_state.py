@@ -210,16 +210,44 @@ def test_worker_global_rng_differs_across_ranks_and_epochs():
 
 
 @pytest.mark.timeout(120)
-def test_a_transform_drawing_from_torchs_global_generator_draws_alike_on_any_world_size_and_workers():
-    """torchvision's random transforms draw from torch's global generator: inside a sample's read it
-    is keyed by (seed, epoch, index), and put back after, so the loop's own stream is untouched."""
-    one = loop_workers.global_draws(0)
-    two = ddpkit.launch(loop_workers.global_draws, nprocs=2, args=(2,))[0]  # 2 processes, 2 workers each
+@pytest.mark.parametrize("stream", [False, True], ids=["map-style", "stream"])
+def test_a_transform_drawing_from_the_global_generators_draws_alike_on_any_world_size_and_workers(stream):
+    """torchvision's random transforms draw from torch's global generator, albumentations from numpy's,
+    a flip written by hand from ``random``'s: inside a sample's read each is keyed by (seed, epoch,
+    index), and put back after, so the loop's own streams are untouched."""
+    one = loop_workers.global_draws(0, stream=stream)
+    two = ddpkit.launch(loop_workers.global_draws, nprocs=2, args=(2, True, stream))[0]  # 2 processes, 2 workers each
     assert len(one["seen"]) == 2 * 32 and one["seen"] == two["seen"]
-    assert all(one["seen"][f"0,{i}"] != one["seen"][f"1,{i}"] for i in range(32))  # each epoch anew
-    assert len(set(one["seen"].values())) == 64
-    quiet = loop_workers.global_draws(0, draws=False)  # a dataset that draws nothing
-    assert one["outside"] == quiet["outside"]  # the reads left the main process's stream as it was
+    assert all(
+        one["seen"][f"0,{i}"][k] != one["seen"][f"1,{i}"][k] for i in range(32) for k in range(3)
+    )  # each epoch anew
+    assert all(len({v[k] for v in one["seen"].values()}) == 64 for k in range(3))  # every sample its own, in each
+    quiet = loop_workers.global_draws(0, draws=False, stream=stream)  # a dataset that draws nothing
+    assert one["outside"] == quiet["outside"]  # the reads left the main process's streams as they were
+
+
+def test_only_datasets_that_run_no_code_of_the_scripts_skip_the_keyed_reads():
+    from torch.utils.data import ConcatDataset, Subset, TensorDataset
+
+    from ddpkit.loop.loader import draws_nothing
+    from ddpkit.recipes.datasets import InMemoryDataset, TokenSequences
+
+    tensors = TensorDataset(torch.zeros(4, 2))
+    images = InMemoryDataset(torch.zeros(4, 1, 2, 2, dtype=torch.uint8), torch.zeros(4))
+    assert draws_nothing(tensors) and draws_nothing(Subset(ConcatDataset([tensors, images]), [0, 5]))
+    assert draws_nothing(TokenSequences(torch.zeros(4, 3, dtype=torch.long)))
+
+    class Flipped(InMemoryDataset):  # a subclass may draw: it is keyed
+        def __getitem__(self, index: int):
+            x, y = super().__getitem__(index)
+            return (x.flip(-1) if torch.rand(()) < 0.5 else x), y
+
+    class Noisy(TensorDataset):
+        pass
+
+    flipped = Flipped(torch.zeros(4, 1, 2, 2, dtype=torch.uint8), torch.zeros(4))
+    assert not draws_nothing(flipped) and not draws_nothing(Noisy(torch.zeros(2)))
+    assert not draws_nothing(ConcatDataset([tensors, flipped])) and not draws_nothing(loop_workers.Augmented())
 
 
 @pytest.mark.timeout(120)
@@ -373,15 +401,24 @@ class _SeenByWorker(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         import os
+        import random
 
-        return torch.tensor([float(os.environ.get("DDPKIT_TEST_WORKER_INIT", "-1")), float(torch.rand(()))])
+        import numpy as np
+
+        drawn = [float(torch.rand(())), float(np.random.rand()), random.random()]
+        return torch.tensor([float(os.environ.get("DDPKIT_TEST_WORKER_INIT", "-1")), *drawn], dtype=torch.float64)
 
 
 def _user_worker_init(worker_id: int) -> None:
     import os
+    import random
+
+    import numpy as np
 
     os.environ["DDPKIT_TEST_WORKER_INIT"] = str(worker_id + 10)
     torch.manual_seed(1234)  # the user's seeding runs after ddpkit's, and wins
+    np.random.seed(5678)  # (the usual fix for workers that drew alike)
+    random.seed(91)
 
 
 def test_worker_init_fn_prefetch_and_persistent_workers_reach_the_dataloader(monkeypatch):
@@ -408,3 +445,10 @@ def test_worker_init_fn_prefetch_and_persistent_workers_reach_the_dataloader(mon
     assert [row[0] for row in rows] == [10.0] * 4  # the user's function ran in the worker
     torch.manual_seed(1234)
     assert [row[1] for row in rows] == [float(torch.rand(())) for _ in range(4)]  # and seeded last
+    import random
+
+    import numpy as np
+
+    np.random.seed(5678)
+    random.seed(91)
+    assert [row[2:] for row in rows] == [[float(np.random.rand()), random.random()] for _ in range(4)]  # numpy, random

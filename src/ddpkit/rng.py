@@ -87,15 +87,28 @@ _torch_keyed = True
 """This process keys torch's global generator while a sample is read: False in a loader worker whose
 ``worker_init_fn`` (the script's) seeded torch itself, whose stream then wins, as the script asked."""
 
+_numpy_keyed = True
+"""The same for numpy's global generator (``np.random.seed`` in the script's ``worker_init_fn``)."""
+
+_random_keyed = True
+"""The same for ``random``'s (``random.seed`` in the script's ``worker_init_fn``)."""
+
 
 def run_worker_init(worker_init_fn: Any, worker_id: int) -> None:
-    """Run the script's ``worker_init_fn`` after ddpkit's seeding of the worker; one that seeds torch's
-    global generator itself (``torch.manual_seed``) keeps it for the samples' reads too."""
-    global _torch_keyed
+    """Run the script's ``worker_init_fn`` after ddpkit's seeding of the worker; one that seeds a global
+    generator itself (``torch.manual_seed``, ``np.random.seed``, ``random.seed``, the usual fix for
+    workers that drew alike) keeps it for the samples' reads too."""
+    global _torch_keyed, _numpy_keyed, _random_keyed
     before = torch.initial_seed()
+    numpy_before = np.random.get_state()[1][:8].tolist() if np is not None else None
+    random_before = random.getstate()[1][:8]  # a draw moves the position, a seed the words
     worker_init_fn(worker_id)
     if torch.initial_seed() != before:
         _torch_keyed = False
+    if np is not None and np.random.get_state()[1][:8].tolist() != numpy_before:
+        _numpy_keyed = False
+    if random.getstate()[1][:8] != random_before:
+        _random_keyed = False
 
 
 @contextlib.contextmanager
@@ -105,14 +118,15 @@ def reading(key: SampleKey | None) -> Iterator[None]:
     The one place the current sample is set: the loaders, the stream readers and the shard
     readers all read a sample inside it, and it is cleared after, also when the read fails.
 
-    For the block, torch's global CPU generator draws from the sample's own seed (:func:`global_seed`):
-    a transform that draws from it (torchvision's ``RandomCrop``, ``RandomHorizontalFlip``, their v2
-    kin) gives each sample the same numbers on any number of processes or workers, and a run resumed
-    mid-epoch the numbers an uninterrupted run drew. The generator's state is put back after, so the
-    stream outside the read (the main process's dropout, a worker's ``collate_fn``) goes on as before.
-    numpy's and ``random``'s global generators stay the worker's (:func:`seed_worker_globals`): saving
-    numpy's state costs tens of microseconds a sample; draw from :func:`sample_rng` there. A worker
-    whose ``worker_init_fn`` seeded torch itself keeps its own stream (:func:`run_worker_init`).
+    For the block, torch's, numpy's and ``random``'s global generators draw from the sample's own seeds
+    (:func:`global_seed`, apart for each): a transform that draws from them (torchvision's
+    ``RandomCrop``, albumentations' numpy draws, ``random.random() < 0.5``) gives each sample the same
+    numbers on any number of processes or workers, and a run resumed mid-epoch the numbers an
+    uninterrupted run drew. torch's state is put back after each read, so the stream outside the read
+    (the main process's dropout, a worker's ``collate_fn``) goes on as before; numpy's and ``random``'s
+    are put back where the main process reads (a worker's own streams serve no one else), once a batch
+    inside :func:`holding` (numpy's state costs about 90 us to save and put back). A worker whose
+    ``worker_init_fn`` seeded a generator itself keeps that generator's stream (:func:`run_worker_init`).
     """
     global _current_key
     _current_key = key
@@ -120,12 +134,67 @@ def reading(key: SampleKey | None) -> Iterator[None]:
     outside = torch.default_generator.get_state() if keyed else None
     if keyed:
         torch.default_generator.manual_seed(global_seed(key))
+    held = None
+    if key is not None and (_numpy_keyed or _random_keyed):
+        held = None if _holds or _in_worker() else _globals_state()
+        _seed_globals_for(key)
     try:
         yield
     finally:
         _current_key = None
         if outside is not None:
             torch.default_generator.set_state(outside)
+        if held is not None:
+            _put_globals_back(held)
+
+
+_holds = 0
+"""Open :func:`holding` blocks: numpy's and ``random``'s states are put back at the outermost one's end."""
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[None]:
+    """Reads of several samples (a batch) in the block, with numpy's and ``random``'s global states put
+    back once at its end rather than after each read (:func:`reading`); nothing in a loader worker."""
+    global _holds
+    if _in_worker() or not (_numpy_keyed or _random_keyed):
+        yield
+        return
+    held = _globals_state() if _holds == 0 else None
+    _holds += 1
+    try:
+        yield
+    finally:
+        _holds -= 1
+        if held is not None:
+            _put_globals_back(held)
+
+
+def _in_worker() -> bool:
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _globals_state() -> tuple[Any, Any]:
+    return (np.random.get_state() if np is not None and _numpy_keyed else None), (
+        random.getstate() if _random_keyed else None
+    )
+
+
+def _put_globals_back(state: tuple[Any, Any]) -> None:
+    numpy, python = state
+    if numpy is not None:
+        np.random.set_state(numpy)
+    if python is not None:
+        random.setstate(python)
+
+
+def _seed_globals_for(key: SampleKey) -> None:
+    """numpy's and ``random``'s global generators at sample ``key``'s own seeds (each its own stream)."""
+    text = f"{key.seed}:{key.epoch}:{key.index}"
+    if np is not None and _numpy_keyed:
+        np.random.seed(_seed_of(f"{text}:numpy") % 2**32)
+    if _random_keyed:
+        random.seed(_seed_of(f"{text}:random"))
 
 
 def current_sample() -> SampleKey | None:

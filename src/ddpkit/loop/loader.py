@@ -6,11 +6,12 @@ nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
 
 * after :meth:`ddpkit.Runtime.load`, the next pass continues the saved epoch mid-way, and
   keeps doing so (a probe or two) until a batch of it is trained on;
-* while a sample is read, torch's global generator is keyed by (seed, epoch, index)
-  (:func:`ddpkit.rng.reading`: torchvision's random transforms draw alike on any world size); with
-  ``num_workers > 0``, the global numpy / ``random`` generators in each worker are seeded from
-  (seed, epoch, rank, worker id), so ranks draw different numbers; other per-sample randomness
-  that must not depend on the world size comes from :func:`ddpkit.sample_rng`.
+* while a sample is read, torch's, numpy's and ``random``'s global generators are keyed by (seed,
+  epoch, index) (:func:`ddpkit.rng.reading`: torchvision's random transforms, albumentations and
+  ``random.random()`` flips draw alike on any world size and number of workers; not for a dataset
+  that runs no code of the script's, :func:`draws_nothing`); with ``num_workers > 0``, each worker's
+  generators are seeded from (seed, epoch, rank, worker id) as it starts, so what it draws outside a
+  read differs between ranks; :func:`ddpkit.sample_rng` is a per-sample generator of its own.
 
 The loop state (:mod:`ddpkit.state.loop`) reads each loader's :meth:`ShardedLoader.position_record`
 into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.
@@ -18,6 +19,7 @@ into checkpoints and hands saved positions back through :meth:`ShardedLoader.res
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
@@ -106,6 +108,7 @@ class _KeyedDataset(Dataset):
         self.start_epoch = 0  # the epoch being read when workers start
         self.user_worker_init = worker_init_fn
         self._seeded_epoch: int | None = None
+        self.draws_nothing = draws_nothing(dataset)  # its reads need no keyed generators
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -127,8 +130,31 @@ class _KeyedDataset(Dataset):
         worker = get_worker_info()
         if worker is not None and self._seeded_epoch != epoch:
             self._seed_globals(epoch, worker.id)  # a persistent worker reading a new epoch
+        if self.draws_nothing:
+            return self.dataset[index]
         with rng.reading(rng.SampleKey(self.seed, epoch, index)):
             return self.dataset[index]
+
+    def __getitems__(self, keys: list[tuple[Any, int]]) -> list[Any]:
+        """A batch's samples (DataLoader's fetch of one batch), the global generators' states put back
+        once for all of them where the main process reads (:func:`ddpkit.rng.holding`)."""
+        with contextlib.nullcontext() if self.draws_nothing else rng.holding():
+            return [self[key] for key in keys]
+
+
+def draws_nothing(dataset: Any) -> bool:
+    """Whether reading ``dataset`` runs no code that could draw a random number: a ``TensorDataset``, a
+    ``Subset`` or ``ConcatDataset`` of such, or a class that says so in its own body (``_draws_nothing =
+    True``: ddpkit's in-memory datasets; a subclass, which may add a transform, does not inherit it).
+    Its reads skip keying the global generators (about 12 us a sample)."""
+    kind = type(dataset)
+    if kind is torch.utils.data.TensorDataset or kind.__dict__.get("_draws_nothing", False):
+        return True
+    if kind is torch.utils.data.Subset:
+        return draws_nothing(dataset.dataset)
+    if kind is torch.utils.data.ConcatDataset:
+        return all(draws_nothing(part) for part in dataset.datasets)
+    return False
 
 
 class _EpochBatches:

@@ -65,6 +65,8 @@ class InMemoryDataset(Dataset):
     unchanged.
     """
 
+    _draws_nothing = True  # its reads need no keyed generators (:func:`ddpkit.loop.loader.draws_nothing`)
+
     def __init__(
         self,
         images: torch.Tensor,
@@ -294,6 +296,8 @@ def _load_synthetic(split: str, size: int, image_size: int | None) -> DatasetInf
 
 class TokenSequences(Dataset):
     """Token sequences ``[N, T + 1]``; item ``i`` is ``(tokens[:-1], tokens[1:])``: inputs and next tokens."""
+
+    _draws_nothing = True
 
     def __init__(self, tokens: torch.Tensor) -> None:
         self.tokens = tokens

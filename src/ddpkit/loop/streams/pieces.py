@@ -39,6 +39,21 @@ from ddpkit.loop.streams.shards import ShardError, Shards, read_range
 PLAIN_WINDOW = 256  # shuffle window of a plain stream with shuffle=True
 
 
+def _held(pieces: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``pieces``, each read inside :func:`ddpkit.rng.holding` (the global generators' states put back
+    once a piece, where the main process reads), and closed with the caller (its readers' files)."""
+    try:
+        while True:
+            with rng.holding():
+                piece = next(pieces, None)
+            if piece is None:
+                return
+            yield piece
+    finally:
+        if isinstance(pieces, Generator):
+            pieces.close()
+
+
 class Pieces(IterableDataset):
     """The dataset a stream loader hands to its DataLoader (see the module docstring).
 
@@ -110,7 +125,7 @@ class Pieces(IterableDataset):
                     if self.mode == "train"
                     else self._plain_eval(worker, workers)
                 )
-            yield from pieces
+            yield from _held(pieces)
         except ShardError as exc:  # StreamError too
             yield _failed(str(exc))
 
