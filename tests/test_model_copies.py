@@ -129,3 +129,17 @@ def test_a_copy_thrown_away_is_freed():
     del held
     gc.collect()
     assert gone() is None and layer() is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch_size", [16, 64])
+def test_copies_whose_forwards_meet_evaluate_where_ranks_hold_different_numbers_of_batches(batch_size):
+    """Each rank evaluates whole batches, so their counts differ; a copy whose every forward ran a
+    collective (DDP's broadcast of buffers inside an ``AveragedModel``, lazily synced statistics)
+    left the rank with more batches waiting, or gloo aborting with "Received data size doesn't match"."""
+    one = workers.copies_on_uneven_ranks(batch_size)
+    two = ddpkit.launch(workers.copies_on_uneven_ranks, nprocs=2, args=(batch_size,))
+    for name in ("broadcasting", "lazy"):
+        assert two[0][name]["metrics"] == two[1][name]["metrics"] and two[0][name]["metrics"]["count"] == 40
+        assert two[0][name]["predicted"].shape == (40, 3) and two[1][name]["predicted"] is None
+        assert one[name]["metrics"]["count"] == 40

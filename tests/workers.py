@@ -1835,3 +1835,34 @@ def datasets_in_each_ranks_order() -> dict:
             found[kind] = str(refused)
     rt.close()
     return found
+
+
+def copies_on_uneven_ranks(batch_size: int) -> dict:
+    """Copies whose forwards ran a collective (an ``AveragedModel`` of a DDP model that broadcasts its
+    buffers at its first forward, one of a model whose BatchNorm statistics sync lazily at each),
+    evaluated and predicted where the ranks hold different numbers of batches (40 samples in batches
+    of 16: 2 and 1; of 64: 1 and none)."""
+    import torch.nn.functional as F
+    from torch.optim.swa_utils import AveragedModel
+
+    rt = ddpkit.init(seed=1)
+    torch.manual_seed(0)
+    broadcasting, _ = rt.setup(_Counting().double(), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    lazy_net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+    lazy, optimizer = rt.setup(lazy_net.double(), torch.optim.SGD(lazy_net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(40, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (40,), generator=g)
+    )
+    for x, y in rt.loader(data, global_batch_size=8):
+        rt.backward(F.cross_entropy(lazy(x), y))  # (each rank's statistics apart, averaged lazily)
+        rt.step(optimizer)
+    found = {}
+    for name, model in {"broadcasting": broadcasting, "lazy": lazy}.items():
+        copied = AveragedModel(model)
+        found[name] = {
+            "metrics": ddpkit.evaluate(copied, data, num_classes=3, batch_size=batch_size),
+            "predicted": ddpkit.predict(copied, data, batch_size=batch_size),
+        }
+    rt.close()
+    return found

@@ -80,9 +80,14 @@ def _lockstep(
     dataset: Any,
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Iterator[Any]:
-    """Under ``strategy="fsdp"`` every forward all-gathers parameters, a collective: ranks agree
-    before each batch whether any still has one, and a rank that ran out forwards zero rows."""
-    if not is_sharded(module) or collectives.world_size() == 1:
+    """Where every forward runs a collective (``strategy="fsdp"`` all-gathers parameters, a DDP model
+    held inside a copy such as ``AveragedModel(model)`` broadcasts its buffers), ranks agree before each
+    batch whether any still has one, and a rank that ran out forwards zero rows (each rank holds whole
+    batches: their counts differ by one)."""
+    forward_meets = is_sharded(module) or any(
+        isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in module.modules()
+    )
+    if not forward_meets or collectives.world_size() == 1:
         yield from batches
         return
     empty = None
@@ -129,7 +134,8 @@ def _eval_mode(module: torch.nn.Module, check: str | None = None, given: Any = N
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), periodic.synced_weights(module):  # never one rank's local weights
+        # never one rank's local weights; statistics averaged once before, not at each forward
+        with torch.no_grad(), periodic.synced_weights(module), lazy_buffers.quiet(module):
             if check is not None and not is_sharded(module):  # fsdp's ranks hold their own shards
                 same_model.check(module, check, given)
             yield

@@ -27,10 +27,11 @@ in place, so every rank reads and saves the same copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +103,9 @@ class LazyBuffers:
         if layer.training:
             self.dirty.add(index)
 
+    paused = False
+    """Inside :func:`quiet`: the forwards average nothing (an evaluation, averaged once before)."""
+
     def before_forward(self) -> None:
         """Average first when a layer in eval mode may read statistics that ranks trained apart.
 
@@ -109,6 +113,8 @@ class LazyBuffers:
         may differ (a forward through ``model.module`` on one rank), so :meth:`average` agrees
         on that first.
         """
+        if self.paused:
+            return
         if any(not layer.training for _, layer in self.layers):
             self.average()
 
@@ -329,6 +335,22 @@ def average_copies(state: Any) -> None:
         syncer = of(value) if isinstance(value, torch.nn.Module) else None
         if syncer is not None and syncer.copied:
             syncer.average()
+
+
+@contextlib.contextmanager
+def quiet(model: Any) -> Iterator[None]:
+    """The block's forwards of ``model`` (or of a copy of it) average no statistics, so none runs a
+    collective: an evaluation, whose eval mode trains nothing, after :func:`sync_buffers` averaged
+    them once. Its ranks may then forward different numbers of batches."""
+    syncer = of(model)
+    if syncer is None:
+        yield
+        return
+    was, syncer.paused = syncer.paused, True
+    try:
+        yield
+    finally:
+        syncer.paused = was
 
 
 def sync_buffers(model: Any) -> None:
