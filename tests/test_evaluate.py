@@ -192,7 +192,7 @@ def test_a_float64_model_is_scored_in_float64():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("batch_size", [None, 7])
+@pytest.mark.parametrize("batch_size", [pytest.param(None, marks=pytest.mark.slow), 7])  # (7: rows apart)
 def test_under_micro_shards_evaluate_and_predict_give_the_same_bits_on_any_world_size(batch_size):
     """Each batch holds the same samples on any world size (a forward's bits depend on the rows it is
     given: 7 rows apart on one process) and the loss is summed exactly, so 1, 2 and 4 processes agree to

@@ -132,7 +132,7 @@ def test_a_copy_thrown_away_is_freed():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("batch_size", [16, 64])
+@pytest.mark.parametrize("batch_size", [pytest.param(16, marks=pytest.mark.slow), 64])  # 64: a rank holds none
 def test_copies_whose_forwards_meet_evaluate_where_ranks_hold_different_numbers_of_batches(batch_size):
     """Each rank evaluates whole batches, so their counts differ; a copy whose every forward ran a
     collective (DDP's broadcast of buffers inside an ``AveragedModel``, lazily synced statistics)
