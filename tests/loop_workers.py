@@ -265,10 +265,31 @@ class AugmentedStream(torch.utils.data.IterableDataset):
         return (self.samples[i] for i in range(len(self.samples)))
 
 
-def global_draws(num_workers: int, draws: bool = True, stream: bool = False) -> dict:
+def drawing_worker_init(worker_id: int) -> None:
+    """A ``worker_init_fn`` that draws (a shuffle, a number to log) and seeds nothing."""
+    import random
+
+    import numpy as np
+
+    random.shuffle(list(range(10)))
+    np.random.randint(10)
+
+
+def recipe_worker_init(worker_id: int) -> None:
+    """PyTorch's reproducibility notes' ``seed_worker``: numpy and ``random`` from torch's worker seed."""
+    import random
+
+    import numpy as np
+
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+def global_draws(num_workers: int, draws: bool = True, stream: bool = False, worker_init: str | None = None) -> dict:
     """Each sample's draws from torch's, numpy's and ``random``'s global generators in ``__getitem__``,
     by (epoch, index), over every rank; and the loop's own draws from the three after each batch (the
-    streams outside the reads)."""
+    streams outside the reads). ``worker_init``: the name of a ``worker_init_fn`` here."""
     import random
 
     import numpy as np
@@ -277,7 +298,8 @@ def global_draws(num_workers: int, draws: bool = True, stream: bool = False) -> 
     model = torch.nn.Linear(2, 2)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     data = AugmentedStream(draws) if stream else Augmented(draws)
-    loader = rt.loader(data, global_batch_size=8, shuffle=True, num_workers=num_workers)
+    given = {"worker_init_fn": globals()[worker_init]} if worker_init else {}
+    loader = rt.loader(data, global_batch_size=8, shuffle=True, num_workers=num_workers, **given)
     seen, outside = {}, []
     for epoch in rt.epochs(2):
         for batch in loader:

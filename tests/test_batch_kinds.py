@@ -5,6 +5,9 @@ namedtuple from one generator (a traceback on 2 processes) and gave every micro-
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import InitVar
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +47,18 @@ def test_a_dataclass_batch_is_moved_and_joined_field_by_field_in_its_type():
     with pytest.raises(TypeError, match="str"):  # strict: a leaf that is not a tensor
         map_tensors(lambda t: t, made, strict=True)
     assert zero_rows(made).x.shape == (0, 2)
+
+    @dataclasses.dataclass
+    class Scaled:  # an InitVar that dataclasses.replace cannot give again: copied, its fields set
+        x: torch.Tensor
+        scale: InitVar[float]
+
+        def __post_init__(self, scale: float) -> None:
+            self.x = self.x * scale
+
+    moved = to_device(Scaled(torch.ones(2), 3.0), torch.device("meta"))
+    assert type(moved) is Scaled and moved.x.is_meta
+    assert concat_batches([Scaled(torch.ones(2), 3.0)] * 2).x.tolist() == [3.0] * 4  # scaled once, not again
 
 
 def test_an_object_whose_tensors_rt_shards_cannot_see_is_refused_in_one_line():

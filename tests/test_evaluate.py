@@ -203,3 +203,28 @@ def test_under_micro_shards_evaluate_and_predict_give_the_same_bits_on_any_world
         for n in (2, 4):
             assert runs[n][kind]["metrics"] == one["metrics"], (kind, n)  # the loss's last bit too
             assert torch.equal(runs[n][kind]["predicted"], one["predicted"]), (kind, n)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_reads_no_batch_evaluates_and_predicts_with_the_others(tmp_path):
+    """Ranks hold whole batches, so one may hold none (40 samples in one batch of 64 on 2 processes).
+    That rank synced a list-state metric as an empty float tensor, skipped predict's check of the
+    batches' shapes (where a collate_fn is given), and probed predict_to_file's shape with torch's
+    default collate: each a hang or an abort beside the ranks that read."""
+    one = workers.uneven_ranks(str(tmp_path / "one"))
+    two = ddpkit.launch(workers.uneven_ranks, nprocs=2, args=(str(tmp_path / "two"),))[0]
+    assert two["metrics"] == one["metrics"] and 0.0 < two["metrics"]["auroc"] <= 1.0
+    assert torch.equal(two["predicted"], one["predicted"]) and two["predicted"].shape == (40, 3)
+    assert two["rows"] == one["rows"] and len(two["rows"]) == 40
+
+
+@pytest.mark.parametrize("size", [0, -4, 2.5, True])
+def test_a_batch_size_that_is_not_a_positive_integer_is_one_line(size):
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
+    model = torch.nn.Linear(2, 2)
+    for call in (ddpkit.evaluate, ddpkit.predict):
+        kwargs = {"num_classes": 2} if call is ddpkit.evaluate else {}
+        with pytest.raises(ddpkit.UsageError) as refused:
+            call(model, data, batch_size=size, **kwargs)
+        assert str(refused.value).endswith("give the samples of each forward, a positive integer")
+        assert f"(batch_size={size!r})" in str(refused.value) and "\n" not in str(refused.value)

@@ -226,6 +226,15 @@ def test_a_transform_drawing_from_the_global_generators_draws_alike_on_any_world
     assert one["outside"] == quiet["outside"]  # the reads left the main process's streams as they were
 
 
+def test_a_worker_init_fn_that_draws_or_follows_pytorchs_seed_worker_keeps_the_reads_keyed():
+    """Only a seed of the script's own takes a generator out of the keyed reads (the test above): one
+    draw right after ddpkit seeds the worker regenerates numpy's and ``random``'s words, which a check
+    of the words took for a seeding; PyTorch's ``seed_worker`` recipe asks for workers that draw apart."""
+    keyed = loop_workers.global_draws(2)["seen"]
+    assert loop_workers.global_draws(2, worker_init="drawing_worker_init")["seen"] == keyed
+    assert loop_workers.global_draws(2, worker_init="recipe_worker_init")["seen"] == keyed
+
+
 def test_only_datasets_that_run_no_code_of_the_scripts_skip_the_keyed_reads():
     from torch.utils.data import ConcatDataset, Subset, TensorDataset
 

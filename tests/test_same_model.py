@@ -164,8 +164,8 @@ def test_the_dataset_fingerprint_follows_subsets_concatenations_and_arrays():
         "dataset.datasets[0].dataset.tensors[0] (its order)",
         "dataset.datasets[1].data",
         "dataset.datasets[1].data (its order)",
-        "dataset.datasets[1].targets",  # a list of labels: its length, then a hash of its items
-        "dataset.datasets[1].targets (its order)",
+        "dataset.datasets[1].targets (its length)",  # a list of labels: its length, then a hash of its items
+        "dataset.datasets[1].targets",
     ]
     assert int(sums[0]) == 7 and int(sums[1]) == 6
     reordered = torch.utils.data.ConcatDataset([torch.utils.data.Subset(base, [1, 3, 2]), arrays])
@@ -199,7 +199,10 @@ def test_the_dataset_fingerprint_tells_a_shuffle_and_a_file_list_in_another_orde
     assert not torch.equal(listed, sums(Folder("/data", list(range(1, 41)))))  # another file
     assert torch.equal(listed, sums(Folder("/scratch/node7/data", list(range(40)))))  # each host's own directory
     names = same_data.fingerprint(Folder("/data", list(range(40)), "files"))[0]
-    assert names == ["dataset length", "dataset.files", "dataset.files (its order)"]
+    assert names == ["dataset length", "dataset.files (its length)", "dataset.files"]
+    other_class = Folder("/data", list(range(40)))
+    other_class.samples[0] = ("/data/class9/img0.png", 0)  # the same file name in another class's folder
+    assert not torch.equal(listed, sums(other_class))
 
     class Objects(torch.utils.data.Dataset):  # a list of the script's objects: not hashed
         samples = [object(), object()]
@@ -213,11 +216,18 @@ def test_the_dataset_fingerprint_tells_a_shuffle_and_a_file_list_in_another_orde
 @pytest.mark.timeout(120)
 def test_datasets_shuffled_or_listed_in_each_ranks_own_order_are_refused_in_one_line():
     found = ddpkit.launch(workers.datasets_in_each_ranks_order, nprocs=2)
+    differing = {
+        "tensors": "dataset.tensors[0] (its order)",
+        "files": "dataset.files",
+        "arrays": "dataset.data (its order)",
+    }
     for rank in (0, 1):
-        assert set(found[rank]) == {"tensors", "files", "arrays"}
-        for message in found[rank].values():
-            assert message.startswith("rt.loader: the dataset differs between ranks (rank 1's dataset."), message
-            assert "(its order) differs from rank 0's" in message and "\n" not in message, message
+        assert set(found[rank]) == set(differing)
+        for kind, message in found[rank].items():
+            assert message.startswith(
+                f"rt.loader: the dataset differs between ranks (rank 1's {differing[kind]} differs"
+            ), message
+            assert "sort a list of files" in message and "\n" not in message, message
 
 
 @pytest.mark.timeout(120)

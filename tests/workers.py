@@ -1866,3 +1866,36 @@ def copies_on_uneven_ranks(batch_size: int) -> dict:
         }
     rt.close()
     return found
+
+
+def _listed_rows(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A collate the samples need: their features are lists (torch's default would transpose them)."""
+    return torch.tensor([s[0] for s in samples], dtype=torch.float64), torch.tensor([s[1] for s in samples])
+
+
+def uneven_ranks(directory: str) -> dict:
+    """40 samples in one batch of 64, so rank 1 reads none: ``evaluate`` with a torchmetrics metric whose
+    states are lists (AUROC), ``predict`` with the ``collate_fn`` the samples need, ``predict_to_file``
+    of an ``rt.loader`` with it. Rank 0's results and the file's rows."""
+    import os
+
+    import numpy as np
+    from torchmetrics.classification import MulticlassAUROC
+
+    os.makedirs(directory, exist_ok=True)
+    rt = ddpkit.init(seed=1)
+    torch.manual_seed(0)
+    model = rt.setup(torch.nn.Linear(8, 3).double())
+    g = torch.Generator().manual_seed(2)
+    features, labels = torch.randn(40, 8, generator=g, dtype=torch.float64), torch.arange(40) % 3
+    data = [(features[i].tolist(), int(labels[i])) for i in range(40)]
+    auroc = MulticlassAUROC(num_classes=3)
+    metrics = ddpkit.evaluate(
+        model, data, num_classes=3, batch_size=64, collate_fn=_listed_rows, extra_metrics={"auroc": auroc}
+    )
+    predicted = ddpkit.predict(model, data, batch_size=64, collate_fn=_listed_rows)
+    loader = rt.loader(data, global_batch_size=64, collate_fn=_listed_rows)
+    written = ddpkit.predict_to_file(model, loader, f"{directory}/out.npy")
+    rows = np.load(written).tolist() if written is not None else None
+    rt.close()
+    return {"metrics": metrics, "predicted": predicted, "rows": rows}

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 from collections.abc import Mapping
@@ -77,4 +78,26 @@ def init_fields(value: Any) -> dict[str, Any] | None:
     return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
 
 
-__all__ = ["init_fields", "raw_bytes", "remapped", "resequenced"]
+def replaced(value: Any, changes: dict[str, Any]) -> Any:
+    """A copy of the dataclass instance ``value`` with ``changes`` to its fields: ``dataclasses.replace``
+    (its ``__post_init__`` runs on the new values), else, for a class with an ``InitVar`` that
+    ``replace`` cannot give again, a shallow copy with the fields set.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Pair:
+    ...     x: int
+    ...     y: int
+    >>> replaced(Pair(1, 2), {"x": 5})
+    Pair(x=5, y=2)
+    """
+    try:
+        return dataclasses.replace(value, **changes)
+    except ValueError:  # "InitVar 'scale' must be specified with replace()"
+        copied = copy.copy(value)
+        for name, field in changes.items():
+            object.__setattr__(copied, name, field)  # (a frozen dataclass's too)
+        return copied
+
+
+__all__ = ["init_fields", "raw_bytes", "remapped", "replaced", "resequenced"]

@@ -96,18 +96,43 @@ _random_keyed = True
 
 def run_worker_init(worker_init_fn: Any, worker_id: int) -> None:
     """Run the script's ``worker_init_fn`` after ddpkit's seeding of the worker; one that seeds a global
-    generator itself (``torch.manual_seed``, ``np.random.seed``, ``random.seed``, the usual fix for
-    workers that drew alike) keeps it for the samples' reads too."""
+    generator itself (``torch.manual_seed``, ``np.random.seed``, ``random.seed``, or sets its state)
+    keeps that generator's stream for the samples' reads too. Seeding numpy and ``random`` from
+    ``torch.initial_seed()``, as PyTorch's reproducibility notes do so that workers draw apart, asks for
+    nothing the keyed reads do not give, and keeps them keyed. A draw is not a seeding."""
     global _torch_keyed, _numpy_keyed, _random_keyed
     before = torch.initial_seed()
-    numpy_before = np.random.get_state()[1][:8].tolist() if np is not None else None
-    random_before = random.getstate()[1][:8]  # a draw moves the position, a seed the words
-    worker_init_fn(worker_id)
+    calls: set[str] = set()
+    recipe = before % 2**32  # the notes' `worker_seed = torch.initial_seed() % 2**32`
+
+    def watched(module: Any, name: str, kind: str) -> Any:
+        original = getattr(module, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not (name == "seed" and len(args) == 1 and not kwargs and args[0] == recipe):
+                calls.add(kind)
+            return original(*args, **kwargs)
+
+        return original, call
+
+    targets = [(random, "seed", "random"), (random, "setstate", "random")]
+    if np is not None:
+        targets += [(np.random, "seed", "numpy"), (np.random, "set_state", "numpy")]
+    originals = []
+    for module, name, kind in targets:
+        original, call = watched(module, name, kind)
+        originals.append((module, name, original))
+        setattr(module, name, call)
+    try:
+        worker_init_fn(worker_id)
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
     if torch.initial_seed() != before:
         _torch_keyed = False
-    if np is not None and np.random.get_state()[1][:8].tolist() != numpy_before:
+    if "numpy" in calls:
         _numpy_keyed = False
-    if random.getstate()[1][:8] != random_before:
+    if "random" in calls:
         _random_keyed = False
 
 
@@ -120,7 +145,8 @@ def reading(key: SampleKey | None) -> Iterator[None]:
 
     For the block, torch's, numpy's and ``random``'s global generators draw from the sample's own seeds
     (:func:`global_seed`, apart for each): a transform that draws from them (torchvision's
-    ``RandomCrop``, albumentations' numpy draws, ``random.random() < 0.5``) gives each sample the same
+    ``RandomCrop``, ``np.random`` draws, ``random.random() < 0.5``; not recent albumentations, which
+    keeps a generator of its own) gives each sample the same
     numbers on any number of processes or workers, and a run resumed mid-epoch the numbers an
     uninterrupted run drew. torch's state is put back after each read, so the stream outside the read
     (the main process's dropout, a worker's ``collate_fn``) goes on as before; numpy's and ``random``'s

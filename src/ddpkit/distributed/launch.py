@@ -191,7 +191,8 @@ def _refuse_what_children_cannot_import(fn: Callable[..., Any], method: str) -> 
 
 def _names_an_import_binds(body: list[ast.stmt]) -> set[str]:
     """The names a module's statements bind when it is imported: its definitions, assignments and imports,
-    inside its ``if``/``try``/``with`` blocks too, but not under ``if __name__ == "__main__":``."""
+    inside its ``if``/``try``/``with``/``for``/``while``/``match`` blocks too, but not under
+    ``if __name__ == "__main__":`` (its ``else:`` does run)."""
     names: set[str] = set()
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -201,13 +202,20 @@ def _names_an_import_binds(body: list[ast.stmt]) -> set[str]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
-        elif isinstance(node, ast.If) and not _is_main_guard(node.test):
-            names |= _names_an_import_binds(node.body) | _names_an_import_binds(node.orelse)
-        elif isinstance(node, ast.Try):
+        elif isinstance(node, ast.If):  # the main guard's `else:` runs on import; its body does not
+            names |= _names_an_import_binds(node.orelse)
+            if not _is_main_guard(node.test):
+                names |= _names_an_import_binds(node.body)
+        elif isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
             for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
                 names |= _names_an_import_binds(block)
-        elif isinstance(node, (ast.With, ast.For, ast.While)):
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            names |= _names_an_import_binds(node.body) | _names_an_import_binds(node.orelse)
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
             names |= _names_an_import_binds(node.body)
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                names |= _names_an_import_binds(case.body)
     return names
 
 

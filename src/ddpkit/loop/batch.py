@@ -8,18 +8,17 @@ The loaders (:mod:`ddpkit.loop.loader`, :mod:`ddpkit.loop.streams`) and evaluati
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ddpkit._tensors import init_fields, remapped, resequenced
+from ddpkit._tensors import init_fields, remapped, replaced, resequenced
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool = False) -> Any:
     """Apply ``fn`` to every tensor of a (nested) batch: tensors, dicts and other mappings, lists, tuples,
-    namedtuples, dataclasses (rebuilt with ``dataclasses.replace``).
+    namedtuples, dataclasses (rebuilt with ``dataclasses.replace``, :func:`ddpkit._tensors.replaced`).
 
     Other leaves come back unchanged, or raise ``TypeError`` with ``strict=True``.
     """
@@ -32,7 +31,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any, *, strict: bool =
         return resequenced(batch, mapped)
     fields = init_fields(batch)
     if fields is not None:  # a collate_fn's batch class
-        return dataclasses.replace(batch, **{name: map_tensors(fn, v, strict=strict) for name, v in fields.items()})
+        return replaced(batch, {name: map_tensors(fn, v, strict=strict) for name, v in fields.items()})
     if strict:
         raise TypeError(type(batch).__name__)
     return batch
@@ -54,9 +53,7 @@ def concat_batches(batches: list[Any]) -> Any:
         return resequenced(first, joined)
     fields = init_fields(first)
     if fields is not None:
-        return dataclasses.replace(
-            first, **{name: concat_batches([getattr(b, name) for b in batches]) for name in fields}
-        )
+        return replaced(first, {name: concat_batches([getattr(b, name) for b in batches]) for name in fields})
     if isinstance(first, (str, bytes, int, float, bool, type(None))) and all(b == first for b in batches):
         return first  # a value for the whole batch (a dataclass's name of its split): alike in each
     raise TypeError(f"cannot join batches of {type(first).__name__} from several workers")

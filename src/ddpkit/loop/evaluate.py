@@ -166,13 +166,16 @@ def unloaded(
         batch_size, num_workers, collate_fn: as the call was given them (None, 0, None: not given).
 
     Raises:
-        UsageError: a loader that draws by weight, reads a subset (a sampler of its own), or does not batch.
+        UsageError: a loader that draws by weight, reads a subset (a sampler of its own), or does not batch;
+            a ``batch_size`` that is not a positive integer.
     """
     from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
 
     from ddpkit.loop.loader import LoaderPosition
 
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise UsageError(f"{what}(batch_size={batch_size!r}): give the samples of each forward, a positive integer")
     fix = f"pass {what} the dataset itself ({what}(model, Subset(data, indices)) for a part)"
     if isinstance(data, LoaderPosition):  # rt.loader's
         sampler = getattr(data, "sampler", None)
@@ -384,10 +387,14 @@ def evaluate(
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs, targets)
+        if extra_metrics and not loss_sums:  # this rank read no batch (whole batches: their counts differ)
+            _update_with_no_rows(extra_metrics, module, dataset, device, collate_fn, target_key, autocast,
+                                 num_classes, class_dim)  # fmt: skip
     if stream is not None:
         stream.total()  # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
-    loss_total = _exact_sum(torch.stack([t.cpu() for t in loss_sums]).tolist() if loss_sums else [])
+    where = loss_sums[-1].device if loss_sums else device  # (one copy to the host, not one a batch)
+    loss_total = _exact_sum(torch.stack([t.to(where) for t in loss_sums]).cpu().tolist() if loss_sums else [])
     result = _metrics(confusion, loss_total)
     for name, metric in (extra_metrics or {}).items():
         value = metric.compute()  # torchmetrics syncs its states across ranks here
@@ -395,12 +402,49 @@ def evaluate(
     return result
 
 
+def _update_with_no_rows(
+    metrics: Mapping[str, Any],
+    module: torch.nn.Module,
+    dataset: Any,
+    device: torch.device,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    target_key: str | None,
+    autocast: Callable[[], Any] | None,
+    num_classes: int,
+    class_dim: int,
+) -> None:
+    """Update each metric with zero rows of the outputs and targets a batch gives (one sample's forward,
+    cut to none): a torchmetrics list state never updated syncs as an empty float32 ``(0,)``, which the
+    ranks that read batches cannot gather with their ``(N, C)`` scores and ``(N,)`` classes.
+
+    Args:
+        metrics: the call's ``extra_metrics``.
+        module: the model, in eval mode.
+        dataset: the dataset (its first sample is read).
+        device: where the model runs.
+        collate_fn, target_key, autocast, num_classes, class_dim: as :func:`evaluate` was given them.
+    """
+    inputs, targets = _inputs_and_targets((collate_fn or default_collate)([_first_sample(dataset)]), target_key)
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        outputs = _scores(_forward(module, to_device(inputs, device)))
+    where = outputs.device if isinstance(outputs, torch.Tensor) else device
+    targets = to_device(targets, where)
+    outputs = _classes_first(outputs, targets, num_classes, class_dim)
+    if outputs.dtype not in (torch.float32, torch.float64):
+        outputs = outputs.float()
+    for metric in metrics.values():
+        metric.update(outputs[:0], targets[:0])
+
+
 def _exact_sum(values: list[float]) -> float:
     """The sum of every rank's ``values``, exactly rounded: the same bits whatever order they come in and
     however the ranks split them (a float sum of partial sums depends on both)."""
     if collectives.world_size() > 1:
         values = [value for part in collectives.all_gather_object(values) for value in part]
-    return math.fsum(values)
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):  # +inf and -inf, or a sum past the largest float: as a plain sum
+        return float(sum(values))
 
 
 def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:
@@ -554,7 +598,9 @@ def predict(
     )
     if stream is not None and stream.total() == 0:
         raise UsageError("predict: the stream is empty")
-    local = _joined(outputs, collate_fn) if outputs else _empty_output(module, dataset, collate_fn, target_key)
+    local = _joined(outputs, collate_fn)  # on every rank: each takes part in its check of the shapes
+    if local is None:  # this rank read no batch
+        local = _empty_output(module, dataset, collate_fn, target_key)
     collect = collectives.all_gather if to == "all" else collectives.gather
     gathered = _map(collect, local)
     if stream is None:  # contiguous shards concatenated in rank order are the dataset order
@@ -609,11 +655,12 @@ def _trailing(batch: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def _joined(outputs: list[Any], collate_fn: Callable[[list[Any]], Any] | None) -> Any:
-    """This rank's outputs, one batch after another; with a ``collate_fn`` of the script's, every
-    rank first learns whether all batches of all ranks agree beyond their first dimension (a collate
-    that pads each batch to its own longest makes them differ), so each refuses in the same line."""
+    """This rank's outputs, one batch after another (None: it read none); with a ``collate_fn`` of the
+    script's, every rank, one that read no batch too, first learns whether all batches of all ranks agree
+    beyond their first dimension (a collate that pads each batch to its own longest makes them differ), so
+    each refuses in the same line."""
     if collate_fn is None:
-        return concat_batches(outputs)
+        return concat_batches(outputs) if outputs else None
     shapes = {_trailing(batch) for batch in outputs}
     if collectives.world_size() > 1:
         shapes = set().union(*collectives.all_gather_object(shapes))
@@ -624,4 +671,4 @@ def _joined(outputs: list[Any], collate_fn: Callable[[list[Any]], Any] | None) -
             "collate_fn that pads each batch to its own longest makes them; pad to a fixed length, or "
             "return one row per sample"
         )
-    return concat_batches(outputs)
+    return concat_batches(outputs) if outputs else None

@@ -7,11 +7,12 @@ nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
 * after :meth:`ddpkit.Runtime.load`, the next pass continues the saved epoch mid-way, and
   keeps doing so (a probe or two) until a batch of it is trained on;
 * while a sample is read, torch's, numpy's and ``random``'s global generators are keyed by (seed,
-  epoch, index) (:func:`ddpkit.rng.reading`: torchvision's random transforms, albumentations and
+  epoch, index) (:func:`ddpkit.rng.reading`: torchvision's random transforms, ``np.random`` draws and
   ``random.random()`` flips draw alike on any world size and number of workers; not for a dataset
   that runs no code of the script's, :func:`draws_nothing`); with ``num_workers > 0``, each worker's
-  generators are seeded from (seed, epoch, rank, worker id) as it starts, so what it draws outside a
-  read differs between ranks; :func:`ddpkit.sample_rng` is a per-sample generator of its own.
+  generators are seeded from (seed, epoch, rank, worker id) as it starts, and after a read go on
+  from the last sample's keyed streams (what a ``collate_fn`` draws there); :func:`ddpkit.sample_rng`
+  is a per-sample generator of its own.
 
 The loop state (:mod:`ddpkit.state.loop`) reads each loader's :meth:`ShardedLoader.position_record`
 into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.

@@ -80,14 +80,15 @@ def predict_to_file(
                 array = _one_tensor(out).numpy()
                 rows, tail, dtype = rows + array.shape[0], array.shape[1:], array.dtype
                 handle.write(np.ascontiguousarray(array).tobytes())
-        if tail is None:
-            probe = _one_tensor(_empty_output(module, dataset, target_key=target_key)).numpy()
+        if tail is None and rank == 0:  # (only rank 0 merges: another with no batch needs no shape)
+            probe = _one_tensor(_empty_output(module, dataset, collate_fn, target_key)).numpy()
             tail, dtype = probe.shape[1:], probe.dtype
     except BaseException:  # a refused model or output, a failed forward: no part file left beside the output
         part.unlink(missing_ok=True)
         raise
     counts = collectives.all_gather_object(rows)  # also: every part file is complete
     if rank == 0:
+        assert tail is not None  # rank 0 read a batch, or probed one sample
         _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)], counts, tail, dtype)
     collectives.barrier()
     part.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ own ``os.listdir`` order.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from typing import Any
 
@@ -45,12 +46,12 @@ def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
     size = flat.element_size()
     kind = torch.int32 if size % 4 == 0 else torch.int16 if size == 2 else torch.uint8
     bits = flat.view(kind).to(torch.int64)  # (a wider element: its int32 halves, the places of those)
-    places = torch.arange(len(bits), dtype=torch.int64) % 251 + 1  # < 2**8: the weighted sum fits in int64
+    places = torch.arange(1, len(bits) + 1, dtype=torch.int64)  # (a sum past int64 wraps alike on every rank)
     return torch.stack([bits.sum(), (bits * places).sum() % _PRIME])
 
 
 _PRIME = (1 << 31) - 1
-"""The place-weighted sum is kept below it, so the digest of every part (:func:`same_model.compare`) fits too."""
+"""The place-weighted sum is kept below it, so the digest of every part (:func:`same_model.compare`) stays small."""
 
 
 _LISTS = 1 << 12
@@ -73,15 +74,21 @@ _NOT_PLAIN = object()
 
 
 def _plain(item: Any) -> Any:
-    """``item`` as the hash takes it: a number or None as it is, a string or a path by its last part (the
-    same files under each host's own directory are the same data), a tuple or list item by item;
-    :data:`_NOT_PLAIN` for anything else (a tensor, an object of the script's)."""
+    """``item`` as the hash takes it: a number (a numpy scalar as Python's) or None as it is, a string or a
+    path by its last two parts (a class's folder and the file: the same files under each host's own
+    directory are the same data), a tuple or list item by item; :data:`_NOT_PLAIN` for anything else (a
+    tensor, an object of the script's)."""
     if isinstance(item, (tuple, list)):
         parts = [_plain(part) for part in item]
         return _NOT_PLAIN if any(part is _NOT_PLAIN for part in parts) else parts
     if isinstance(item, (str, os.PathLike)):
-        return os.path.basename(os.fspath(item))
-    return item if item is None or isinstance(item, (bytes, int, float, bool)) else _NOT_PLAIN
+        text = os.fspath(item)
+        return os.path.join(os.path.basename(os.path.dirname(text)), os.path.basename(text))
+    if isinstance(item, bool) or item is None or isinstance(item, bytes):
+        return item
+    if isinstance(item, (int, float)):  # (np.float64 is a float whose repr differs by numpy's version)
+        return int(item) if isinstance(item, int) else float(item)
+    return _NOT_PLAIN
 
 
 def _tensor_sum(value: Any) -> torch.Tensor | None:
@@ -115,17 +122,21 @@ def fingerprint(dataset: Any) -> tuple[list[str], torch.Tensor]:
                 walk(part, f"{where}.datasets[{i}]")
         elif isinstance(data, torch.utils.data.TensorDataset):
             for i, tensor in enumerate(data.tensors):
-                add(f"{where}.tensors[{i}]", _sample_sum(tensor))
+                add([f"{where}.tensors[{i}]", f"{where}.tensors[{i}] (its order)"], _sample_sum(tensor))
         else:
             for attribute in _ATTRIBUTES:
-                value = getattr(data, attribute, None)
-                found = _tensor_sum(value)
-                add(f"{where}.{attribute}", found if found is not None else _list_sum(value))
+                name = f"{where}.{attribute}"
+                found = _tensor_sum(getattr(data, attribute, None)) if attribute in ("data", "targets") else None
+                if found is not None:
+                    add([name, f"{name} (its order)"], found)
+                    continue
+                listed = _list_sum(inspect.getattr_static(data, attribute, None))  # (no property of the script's runs)
+                if listed is not None:
+                    add([f"{name} (its length)", name], listed)
 
-    def add(name: str, found: torch.Tensor | None) -> None:
-        if found is not None:  # its content, then its order (or its length, then its items' hash)
-            names.extend([name, f"{name} (its order)"])
-            sums.extend(found)
+    def add(named: list[str], found: torch.Tensor) -> None:
+        names.extend(named)
+        sums.extend(found)
 
     walk(dataset, "dataset")
     return names, torch.stack(sums)

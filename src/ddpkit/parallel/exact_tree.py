@@ -7,14 +7,13 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit._tensors import init_fields, remapped, resequenced
+from ddpkit._tensors import init_fields, remapped, replaced, resequenced
 from ddpkit.distributed.host import usable_cores
 from ddpkit.errors import UsageError
 from ddpkit.parallel import lazy_buffers
@@ -167,7 +166,7 @@ def _take(item: Any, j: int, every: int, rows: int | None = None) -> Any:
         return remapped(item, {k: _take(v, j, every, rows) for k, v in item.items()})
     fields = init_fields(item)
     if fields is not None:  # a collate_fn's batch class
-        return dataclasses.replace(item, **{name: _take(v, j, every, rows) for name, v in fields.items()})
+        return replaced(item, {name: _take(v, j, every, rows) for name, v in fields.items()})
     if any(isinstance(v, torch.Tensor) for v in getattr(item, "__dict__", {}).values()):
         raise UsageError(
             f"rt.shards cannot cut a {type(item).__name__} (its tensors are attributes of an object it does not "
