@@ -226,6 +226,27 @@ def test_a_transform_drawing_from_the_global_generators_draws_alike_on_any_world
     assert one["outside"] == quiet["outside"]  # the reads left the main process's streams as they were
 
 
+def test_a_persistent_workers_own_seeding_goes_on_into_the_next_epoch():
+    """A persistent worker reading a new epoch was seeded again from (seed, epoch, rank, worker), over
+    the streams its worker_init_fn seeded (torch's persistent workers run it once and go on)."""
+    import random
+
+    import numpy as np
+
+    rt = ddpkit.init(seed=0)
+    loader = rt.loader(
+        _SeenByWorker(), batch_size=2, num_workers=1, persistent_workers=True, worker_init_fn=_user_worker_init
+    )
+    rows = [row for _ in rt.epochs(2) for batch in loader for row in batch.tolist()]
+    torch.manual_seed(1234)
+    np.random.seed(5678)
+    random.seed(91)
+    assert [row[1:] for row in rows] == [
+        [float(torch.rand(())), float(np.random.rand()), random.random()] for _ in range(8)
+    ]
+    rt.close()
+
+
 def test_a_worker_init_fn_that_draws_or_follows_pytorchs_seed_worker_keeps_the_reads_keyed():
     """Only a seed of the script's own takes a generator out of the keyed reads (the test above): one
     draw right after ddpkit seeds the worker regenerates numpy's and ``random``'s words, which a check

@@ -248,9 +248,13 @@ def seed_worker_globals(seed: int, epoch: int, rank: int, worker: int) -> None:
         worker: the DataLoader worker's id on that rank (0 to ``num_workers - 1``).
     """
     value = sample_seed(seed, epoch, -1 - (rank * 4096 + worker))
-    random.seed(value)
-    torch.manual_seed(value)
-    if np is not None:
+    # a generator the script's worker_init_fn seeded (run_worker_init) keeps its stream: a persistent
+    # worker reading a new epoch goes on with it, as torch's persistent workers do
+    if _random_keyed:
+        random.seed(value)
+    if _torch_keyed:
+        torch.manual_seed(value)
+    if np is not None and _numpy_keyed:
         np.random.seed(value % 2**32)
 
 
