@@ -214,6 +214,9 @@ def test_a_rank_that_reads_no_batch_evaluates_and_predicts_with_the_others(tmp_p
     one = workers.uneven_ranks(str(tmp_path / "one"))
     two = ddpkit.launch(workers.uneven_ranks, nprocs=2, args=(str(tmp_path / "two"),))[0]
     assert two["metrics"] == one["metrics"] and 0.0 < two["metrics"]["auroc"] <= 1.0
+    assert two["strict"].startswith("evaluate: a rank read no batch (each reads whole batches), and extra_metrics")
+    assert "['strict'], whose states are lists, cannot take zero rows there (ValueError: no rows)" in two["strict"]
+    assert one["strict"] is None  # (one process reads every batch)
     assert torch.equal(two["predicted"], one["predicted"]) and two["predicted"].shape == (40, 3)
     assert two["rows"] == one["rows"] and len(two["rows"]) == 40
 

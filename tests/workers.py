@@ -1880,7 +1880,7 @@ def uneven_ranks(directory: str) -> dict:
     import os
 
     import numpy as np
-    from torchmetrics.classification import MulticlassAUROC
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
     os.makedirs(directory, exist_ok=True)
     rt = ddpkit.init(seed=1)
@@ -1889,13 +1889,43 @@ def uneven_ranks(directory: str) -> dict:
     g = torch.Generator().manual_seed(2)
     features, labels = torch.randn(40, 8, generator=g, dtype=torch.float64), torch.arange(40) % 3
     data = [(features[i].tolist(), int(labels[i])) for i in range(40)]
-    auroc = MulticlassAUROC(num_classes=3)
-    metrics = ddpkit.evaluate(
-        model, data, num_classes=3, batch_size=64, collate_fn=_listed_rows, extra_metrics={"auroc": auroc}
-    )
+    given = {"auroc": MulticlassAUROC(num_classes=3), "accuracy": MulticlassAccuracy(num_classes=3)}  # lists, counts
+    metrics = ddpkit.evaluate(model, data, num_classes=3, batch_size=64, collate_fn=_listed_rows, extra_metrics=given)
     predicted = ddpkit.predict(model, data, batch_size=64, collate_fn=_listed_rows)
     loader = rt.loader(data, global_batch_size=64, collate_fn=_listed_rows)
     written = ddpkit.predict_to_file(model, loader, f"{directory}/out.npy")
     rows = np.load(written).tolist() if written is not None else None
+    strict = None
+    try:  # a list-state metric of the script's that refuses zero rows: every rank says so
+        ddpkit.evaluate(
+            model,
+            data,
+            num_classes=3,
+            batch_size=64,
+            collate_fn=_listed_rows,
+            extra_metrics={"strict": _strict_metric()},
+        )
+    except ddpkit.UsageError as refused:
+        strict = str(refused)
     rt.close()
-    return {"metrics": metrics, "predicted": predicted, "rows": rows}
+    return {"metrics": metrics, "predicted": predicted, "rows": rows, "strict": strict}
+
+
+def _strict_metric() -> Any:
+    """A torchmetrics metric whose state is a list and whose update refuses zero rows."""
+    import torchmetrics
+
+    class Strict(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("rows", default=[], dist_reduce_fx="cat")
+
+        def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+            if not len(preds):
+                raise ValueError("no rows")
+            self.rows.append(preds)
+
+        def compute(self) -> torch.Tensor:
+            return torchmetrics.utilities.dim_zero_cat(self.rows).sum()
+
+    return Strict()

@@ -387,9 +387,9 @@ def evaluate(
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs, targets)
-        if extra_metrics and not loss_sums:  # this rank read no batch (whole batches: their counts differ)
-            _update_with_no_rows(extra_metrics, module, dataset, device, collate_fn, target_key, autocast,
-                                 num_classes, class_dim)  # fmt: skip
+        if extra_metrics and collectives.world_size() > 1:
+            _fill_empty_lists(extra_metrics, not loss_sums, module, dataset, device, collate_fn, target_key,
+                              autocast, num_classes, class_dim)  # fmt: skip
     if stream is not None:
         stream.total()  # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
@@ -400,6 +400,39 @@ def evaluate(
         value = metric.compute()  # torchmetrics syncs its states across ranks here
         result[name] = value.tolist() if isinstance(value, torch.Tensor) else value
     return result
+
+
+def _fill_empty_lists(metrics: Mapping[str, Any], empty: bool, *probe: Any) -> None:
+    """Where this rank read no batch (``empty``; whole batches: their counts differ by one), give each
+    metric whose states are lists (AUROC's scores) zero rows of a batch's outputs and targets, on every
+    rank deciding alike: a metric that cannot take zero rows is refused in one line on every rank, not
+    left to hang the others in its sync. Metrics of tensor states (counts) sync as they are.
+
+    Args:
+        metrics: the call's ``extra_metrics``.
+        empty: whether this rank read no batch.
+        probe: :func:`_update_with_no_rows`'s arguments after ``metrics``.
+    """
+    listed = {
+        name: metric
+        for name, metric in metrics.items()
+        if any(isinstance(state, list) for state in getattr(metric, "metric_state", {}).values())
+    }
+    if not listed:
+        return
+    failed = None
+    if empty:
+        try:
+            _update_with_no_rows(listed, *probe)
+        except Exception as exc:  # the metric's own check: said on every rank below
+            failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    said = [text for text in collectives.all_gather_object(failed) if text is not None]
+    if said:
+        raise UsageError(
+            f"evaluate: a rank read no batch (each reads whole batches), and extra_metrics "
+            f"{sorted(listed)}, whose states are lists, cannot take zero rows there ({said[0]}); pass a "
+            "smaller batch_size, so that every rank reads a batch"
+        )
 
 
 def _update_with_no_rows(
