@@ -12,7 +12,7 @@ that no rank holds, silently. :func:`check` compares, in one small all-reduce: t
 strided sample of 65,536 to 131,071 elements each, so a large dataset costs a millisecond), summed
 and weighted by place (the same rows shuffled on each rank differ), and a hash of the lists a
 dataset reads from (``samples``, ``imgs``, ``files``, ``paths``, CIFAR's ``targets``: file names by
-their last part, an evenly strided 4,096 to 8,191 items), which finds a file list in each host's
+their last two parts, an evenly strided 4,096 to 8,191 items), which finds a file list in each host's
 own ``os.listdir`` order.
 """
 
@@ -40,12 +40,7 @@ def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     if flat.numel() > _SAMPLE:
         flat = flat[:: flat.numel() // _SAMPLE]
-    flat = flat.cpu().contiguous()
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    size = flat.element_size()
-    kind = torch.int32 if size % 4 == 0 else torch.int16 if size == 2 else torch.uint8
-    bits = flat.view(kind).to(torch.int64)  # (a wider element: its int32 halves, the places of those)
+    bits = same_model.as_integers(flat.cpu()).to(torch.int64)  # (a wider element: its int32 halves, their places)
     places = torch.arange(1, len(bits) + 1, dtype=torch.int64)  # (a sum past int64 wraps alike on every rank)
     return torch.stack([bits.sum(), (bits * places).sum() % _PRIME])
 

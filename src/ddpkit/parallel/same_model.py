@@ -23,14 +23,18 @@ from ddpkit.errors import UsageError
 
 
 def bits_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum, in int64, of ``tensor``'s bits read as integers (a 0-d tensor on its device): elements of
-    4, 8 or 16 bytes as int32s, of 2 as int16s, of 1 as uint8s."""
+    """The sum, in int64, of ``tensor``'s bits read as integers (:func:`as_integers`; a 0-d tensor on its
+    device)."""
+    return as_integers(tensor).sum(dtype=torch.int64)
+
+
+def as_integers(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bits, flat, read as integers: elements of 4, 8 or 16 bytes as int32s, of 2 as int16s,
+    of 1 (bools too) as uint8s."""
     flat = tensor.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.sum(dtype=torch.int64)
     size = flat.element_size()
     kind = torch.int32 if size % 4 == 0 else torch.int16 if size == 2 else torch.uint8
-    return flat.view(kind).sum(dtype=torch.int64)
+    return flat.view(kind)
 
 
 def fingerprint(
