@@ -32,7 +32,7 @@ from ddpkit._tensors import raw_bytes
 from ddpkit._torch import worker_info_hidden
 from ddpkit.errors import warn
 from ddpkit.loop.batch import concat_batches, zero_rows
-from ddpkit.loop.sampler import shard_range
+from ddpkit.loop.sampler import batch_shard
 from ddpkit.loop.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.loop.streams.shards import ShardError, Shards, read_range
 
@@ -182,10 +182,9 @@ class Pieces(IterableDataset):
         shards = self.source
         order = EpochOrder(shards.lengths, shuffle=False, seed=self.seed, epoch=0)
         # whole batches laid from the stream's start, so each batch is the same on any world size
-        size = self.batch_size
-        rank_part = shard_range(-(-order.length // size), self.rank, self.world_size)
-        part = shard_range(len(rank_part), worker, workers)
-        first, stop = (rank_part.start + part.start) * size, min(order.length, (rank_part.start + part.stop) * size)
+        rank_part = batch_shard(order.length, self.batch_size, self.rank, self.world_size)
+        part = batch_shard(len(rank_part), self.batch_size, worker, workers)  # (rank_part starts a batch)
+        first, stop = rank_part.start + part.start, rank_part.start + part.stop
         chunk: list[tuple[int, Any]] = []
         for item in read_range(shards, order, first, stop, seed=self.seed, progress=self.tick):
             chunk.append(item)
