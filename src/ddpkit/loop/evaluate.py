@@ -362,16 +362,11 @@ def evaluate(
     batches = _shard_batches(dataset, batch_size, num_workers, stream, collate_fn=collate_fn)
     with _eval_mode(module, check="ddpkit.evaluate", given=model):
         for batch in _lockstep(batches, module, dataset, collate_fn):
-            inputs, targets = _inputs_and_targets(batch, target_key)
-            inputs, targets = to_device(inputs, device), to_device(targets, device)
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                outputs = _scores(_forward(module, inputs))
-            if isinstance(outputs, torch.Tensor) and outputs.device != device:
+            outputs, targets = _scored(module, batch, device, target_key, autocast, num_classes, class_dim)
+            if outputs.device != device:
                 # fsdp's cpu_offload: the shards (the first parameter) on the host, the forward on the GPU
                 device = outputs.device
                 confusion = confusion.to(device)
-            targets = to_device(targets, device)
-            outputs = _classes_first(outputs, targets, num_classes, class_dim)
             counted = targets != ignore_index
             truth, predicted = targets[counted], outputs.argmax(dim=1)[counted]
             if truth.numel() and not 0 <= int(truth.min()) <= int(truth.max()) < num_classes:
@@ -381,15 +376,13 @@ def evaluate(
                     f"({ignore_index})"
                 )
             extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
-            if outputs.dtype not in (torch.float32, torch.float64):  # half precision: the loss in float32
-                outputs = outputs.float()  # float64 outputs keep their precision
             loss_sums.append(loss_fn(outputs, targets, reduction="sum", **extra).double().reshape(()))
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
             for metric in (extra_metrics or {}).values():
                 metric.update(outputs, targets)
         if extra_metrics and collectives.world_size() > 1:
-            _fill_empty_lists(extra_metrics, not loss_sums, module, dataset, device, collate_fn, target_key,
-                              autocast, num_classes, class_dim)  # fmt: skip
+            probe = None if loss_sums else lambda: (collate_fn or default_collate)([_first_sample(dataset)])
+            _fill_empty_lists(extra_metrics, probe, module, device, target_key, autocast, num_classes, class_dim)
     if stream is not None:
         stream.total()  # a plain stream read alike on every rank, or one clear error
     confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
@@ -402,16 +395,18 @@ def evaluate(
     return result
 
 
-def _fill_empty_lists(metrics: Mapping[str, Any], empty: bool, *probe: Any) -> None:
-    """Where this rank read no batch (``empty``; whole batches: their counts differ by one), give each
-    metric whose states are lists (AUROC's scores) zero rows of a batch's outputs and targets, on every
-    rank deciding alike: a metric that cannot take zero rows is refused in one line on every rank, not
-    left to hang the others in its sync. Metrics of tensor states (counts) sync as they are.
+def _fill_empty_lists(metrics: Mapping[str, Any], probe: Callable[[], Any] | None, *scoring: Any) -> None:
+    """Where this rank read no batch (``probe``: makes a batch of one sample, else None; whole batches:
+    their counts differ by one), give each metric whose states are lists (AUROC's scores) zero rows of a
+    batch's outputs and targets, on every rank deciding alike: a metric that cannot take zero rows is
+    refused in one line on every rank, not left to hang the others in its sync. Metrics of tensor
+    states (counts) sync as they are. A torchmetrics list state never updated syncs as an empty float32
+    ``(0,)``, which the ranks that read batches cannot gather with their ``(N, C)`` scores.
 
     Args:
         metrics: the call's ``extra_metrics``.
-        empty: whether this rank read no batch.
-        probe: :func:`_update_with_no_rows`'s arguments after ``metrics``.
+        probe: makes a batch of one sample where this rank read no batch; None where it read one.
+        scoring: :func:`_scored`'s arguments after the batch.
     """
     listed = {
         name: metric
@@ -421,9 +416,11 @@ def _fill_empty_lists(metrics: Mapping[str, Any], empty: bool, *probe: Any) -> N
     if not listed:
         return
     failed = None
-    if empty:
+    if probe is not None:
         try:
-            _update_with_no_rows(listed, *probe)
+            outputs, targets = _scored(scoring[0], probe(), *scoring[1:])
+            for metric in listed.values():
+                metric.update(outputs[:0], targets[:0])
         except Exception as exc:  # the metric's own check: said on every rank below
             failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
     said = [text for text in collectives.all_gather_object(failed) if text is not None]
@@ -435,38 +432,33 @@ def _fill_empty_lists(metrics: Mapping[str, Any], empty: bool, *probe: Any) -> N
         )
 
 
-def _update_with_no_rows(
-    metrics: Mapping[str, Any],
+def _scored(
     module: torch.nn.Module,
-    dataset: Any,
+    batch: Any,
     device: torch.device,
-    collate_fn: Callable[[list[Any]], Any] | None,
     target_key: str | None,
     autocast: Callable[[], Any] | None,
     num_classes: int,
     class_dim: int,
-) -> None:
-    """Update each metric with zero rows of the outputs and targets a batch gives (one sample's forward,
-    cut to none): a torchmetrics list state never updated syncs as an empty float32 ``(0,)``, which the
-    ranks that read batches cannot gather with their ``(N, C)`` scores and ``(N,)`` classes.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's scores, classes in dimension 1 and in float32 or float64 (half precision's in float32),
+    and its targets on the scores' device (fsdp's ``cpu_offload`` forwards elsewhere than ``device``, where
+    the model's first parameter lies).
 
     Args:
-        metrics: the call's ``extra_metrics``.
         module: the model, in eval mode.
-        dataset: the dataset (its first sample is read).
-        device: where the model runs.
-        collate_fn, target_key, autocast, num_classes, class_dim: as :func:`evaluate` was given them.
+        batch: a collated batch.
+        device: where the model's first parameter lies: the inputs go there.
+        target_key, autocast, num_classes, class_dim: as :func:`evaluate` was given them.
     """
-    inputs, targets = _inputs_and_targets((collate_fn or default_collate)([_first_sample(dataset)]), target_key)
+    inputs, targets = _inputs_and_targets(batch, target_key)
     with autocast() if autocast is not None else contextlib.nullcontext():
         outputs = _scores(_forward(module, to_device(inputs, device)))
-    where = outputs.device if isinstance(outputs, torch.Tensor) else device
-    targets = to_device(targets, where)
+    targets = to_device(targets, outputs.device if isinstance(outputs, torch.Tensor) else device)
     outputs = _classes_first(outputs, targets, num_classes, class_dim)
-    if outputs.dtype not in (torch.float32, torch.float64):
-        outputs = outputs.float()
-    for metric in metrics.values():
-        metric.update(outputs[:0], targets[:0])
+    if outputs.dtype not in (torch.float32, torch.float64):  # half precision: the loss in float32
+        outputs = outputs.float()  # float64 outputs keep their precision
+    return outputs, targets
 
 
 def _exact_sum(values: list[float]) -> float:
