@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+import torchmetrics
 
 import ddpkit
 import workers
@@ -202,7 +204,9 @@ def test_under_micro_shards_evaluate_and_predict_give_the_same_bits_on_any_world
         assert one["metrics"]["count"] == 101 and one["predicted"].shape == (101, 10)
         for n in (2, 4):
             assert runs[n][kind]["metrics"] == one["metrics"], (kind, n)  # the loss's last bit too
+            assert runs[n][kind]["values"] == one["values"], (kind, n)  # without num_classes
             assert torch.equal(runs[n][kind]["predicted"], one["predicted"]), (kind, n)
+    assert runs[1]["map"]["values"]["count"] == 1010 and runs[1]["map"]["values"]["loss"] > 0  # every element
 
 
 @pytest.mark.timeout(180)
@@ -231,3 +235,31 @@ def test_a_batch_size_that_is_not_a_positive_integer_is_one_line(size):
             call(model, data, batch_size=size, **kwargs)
         assert str(refused.value).endswith("give the samples of each forward, a positive integer")
         assert f"(batch_size={size!r})" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_without_num_classes_the_targets_are_values_and_the_loss_is_their_mean_over_every_term():
+    """A regression's loss over the whole set (``F.mse_loss``: every target element a term), soft labels
+    scored by cross-entropy (a term a sample), and the two mistakes each in one line."""
+    torch.manual_seed(0)
+    inputs, values = torch.randn(37, 5), torch.randn(37, 2)
+    model = torch.nn.Linear(5, 2)
+    data = torch.utils.data.TensorDataset(inputs, values)
+    mse = torchmetrics.MeanSquaredError()
+    found = ddpkit.evaluate(model, data, loss_fn=F.mse_loss, batch_size=37, extra_metrics={"mse": mse})
+    with torch.no_grad():
+        expected = F.mse_loss(model(inputs), values, reduction="none").double().sum().item() / 74
+    assert found["count"] == 74 and found["loss"] == expected and set(found) == {"count", "loss", "mse"}
+    assert found["mse"] == pytest.approx(expected, rel=1e-5)
+    batched = ddpkit.evaluate(model, data, loss_fn=F.mse_loss, batch_size=8)
+    assert batched["count"] == 74 and batched["loss"] == pytest.approx(expected, rel=1e-6)
+    soft = torch.softmax(torch.randn(37, 2), dim=1)
+    labelled = ddpkit.evaluate(model, torch.utils.data.TensorDataset(inputs, soft), batch_size=37)
+    with torch.no_grad():
+        assert labelled["count"] == 37 and labelled["loss"] == pytest.approx(
+            F.cross_entropy(model(inputs), soft).item()
+        )
+    classes = torch.utils.data.TensorDataset(inputs, torch.randint(0, 2, (37,)))
+    with pytest.raises(ddpkit.UsageError, match=r"class indices .* num_classes is not given: pass num_classes=2 "):
+        ddpkit.evaluate(model, classes)
+    with pytest.raises(ddpkit.UsageError, match=r"values \(a regression's\): leave num_classes out$"):
+        ddpkit.evaluate(model, data, num_classes=2, loss_fn=F.mse_loss)

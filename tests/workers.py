@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import ddpkit
 import ddpkit._torch
@@ -1769,10 +1770,16 @@ def _row_shard(shard: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     yield from (rows[i] for i in range(shard * 20, min(len(rows), (shard + 1) * 20)))
 
 
+def _one_hot_squares(outputs: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """A regression's loss on class targets: the squared distance of the outputs to the one-hot rows."""
+    return F.mse_loss(outputs, F.one_hot(targets, outputs.shape[1]).to(outputs.dtype), reduction=reduction)
+
+
 def evaluated_alike(batch_size: int | None) -> dict:
     """Under ``micro_shards=4``: ``evaluate`` and ``predict`` of a dataset, a plain stream, a
     ``ddpkit.Shards`` and an ``rt.loader`` (its batch then a micro-shard's), with ``batch_size`` (None:
-    the default, or the loader's). Rank 0's metrics (the loss included) and predictions."""
+    the default, or the loader's). Rank 0's metrics (the loss included) and predictions, and the loss
+    alone of targets scored as values (no ``num_classes``)."""
     rt = ddpkit.init(seed=1)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -1787,6 +1794,7 @@ def evaluated_alike(batch_size: int | None) -> dict:
     for kind, data in kinds.items():
         metrics = ddpkit.evaluate(model, data, num_classes=10, batch_size=batch_size)
         found[kind] = {"metrics": metrics, "predicted": ddpkit.predict(model, data, batch_size=batch_size)}
+        found[kind]["values"] = ddpkit.evaluate(model, data, loss_fn=_one_hot_squares, batch_size=batch_size)
     rt.close()
     return found
 

@@ -43,20 +43,24 @@ def _restore_sharded(
     _restore_entries(state, own["user"], [k for k in dcp.plain_entries(state) if k in own["user"]], target)
     run.precision.load_state_dict(own["precision"])
     run.loop.restore(own["loop"], source=str(target), strict=strict)
-    _restore_rng(peers, own, target)
+    _restore_rng(run, peers, own, target)
     _restore_tracking(run, own)
     return target
 
 
-def _restore_rng(peers: Peers, own: Mapping[str, Any], target: Path) -> None:
+def _restore_rng(run: RunState, peers: Peers, own: Mapping[str, Any], target: Path) -> None:
     saved_world = int(own.get("world_size", 1))
     if saved_world == peers.world_size:
         rng.set_rng_state(own["rng"][peers.rank])
     elif peers.is_main:
+        afresh = (  # a micro-shard's draws (its dropout) are keyed by step and shard, not by process
+            "draws outside rt.shards start afresh"
+            if run.micro_shards
+            else "per-process random streams (dropout) start afresh; micro_shards keeps them too"
+        )
         warn(
             f"checkpoint {target} was written by {saved_world} process(es) and resumes on "
-            f"{peers.world_size}: the data order and per-sample randomness continue exactly, "
-            "per-process random streams (dropout) start afresh"
+            f"{peers.world_size}: the data order and per-sample randomness continue exactly, {afresh}"
         )
 
 
@@ -132,7 +136,7 @@ def _restore(
     for index in range(len(run.models)):
         _restore_compression(run, index, peers.is_main)
         _restore_buffers(run, index)
-    _restore_rng(peers, own, target)
+    _restore_rng(run, peers, own, target)
     _restore_tracking(run, own)
     return target
 

@@ -290,7 +290,7 @@ def evaluate(
     model: torch.nn.Module,
     dataset: Any,
     *,
-    num_classes: int,
+    num_classes: int | None = None,
     batch_size: int | None = None,
     loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
     num_workers: int = 0,
@@ -314,6 +314,13 @@ def evaluate(
         metrics = ddpkit.evaluate(model, val_set, num_classes=vocab_size, class_dim=-1)
         metrics["loss"]          # cross-entropy per token, over every token of val_set once
 
+    Without ``num_classes`` the targets are values (a regression's, or soft labels) and only the loss
+    is scored: ``loss`` is ``loss_fn``'s mean over the whole dataset, as ``reduction="mean"`` would give
+    it on one batch of every sample, and ``count`` the terms it averages (``F.mse_loss``: every target
+    element)::
+
+        metrics = ddpkit.evaluate(model, val_set, loss_fn=F.mse_loss)   # {"count", "loss"}
+
     Args:
         model: the model as ``rt.setup`` returned it, or a plain one; left in the mode it was in.
         dataset: ``(input, target)`` samples, or dicts (Hugging Face's) whose targets are under
@@ -321,12 +328,14 @@ def evaluate(
             (``rt.loader``'s, or a ``DataLoader`` that reads every sample) is read for its dataset, with
             its batch a rank (a micro-shard's under ``micro_shards``), workers and ``collate_fn`` where
             the call gives none.
-        num_classes: classes of the targets: the width of the outputs and of the confusion matrix.
+        num_classes: classes of the targets: the width of the outputs and of the confusion matrix. None:
+            the targets are values, and ``count`` and ``loss`` (and ``extra_metrics``) are returned.
         batch_size: samples per forward on each rank (None: a given loader's, else 256).
         loss_fn: called as ``loss_fn(output, target, reduction="sum")`` on each batch (with
             ``ignore_index`` too when it is ``F.cross_entropy`` or ``F.nll_loss``); the batches' sums are
             added exactly (``math.fsum``, in any order), and the ``loss`` returned is that sum divided by
-            the samples (or tokens) counted.
+            the samples (or tokens) counted. Without ``num_classes``, called with ``reduction="none"``,
+            and its terms are summed and counted.
         num_workers: DataLoader workers per rank (0: the main process reads).
         autocast: makes the context each forward runs in (e.g. ``rt.autocast``); None: none.
         extra_metrics: torchmetrics metrics by name: each is reset first (a metric reused every epoch
@@ -355,7 +364,9 @@ def evaluate(
     module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
     loss_sums: list[torch.Tensor] = []  # each batch's, summed exactly once every rank's are in
-    confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
+    classes = num_classes or 0  # 0: values, no confusion matrix
+    confusion = torch.zeros(classes * classes, dtype=torch.long, device=device)
+    terms = 0  # without classes: the loss's terms, this rank's
     for metric in (extra_metrics or {}).values():
         metric.reset()
     stream = _stream_shard(dataset, batch_size, num_workers, collate_fn)
@@ -367,6 +378,19 @@ def evaluate(
                 # fsdp's cpu_offload: the shards (the first parameter) on the host, the forward on the GPU
                 device = outputs.device
                 confusion = confusion.to(device)
+            for metric in (extra_metrics or {}).values():
+                metric.update(outputs, targets)
+            if num_classes is None:
+                if loss_fn in (F.cross_entropy, F.nll_loss) and not targets.is_floating_point():
+                    raise UsageError(
+                        f"evaluate: the targets are class indices (dtype {targets.dtype}) and num_classes "
+                        f"is not given: pass num_classes={outputs.shape[1] if outputs.dim() > 1 else 'C'} for "
+                        "accuracy and the confusion matrix, or a loss_fn of your own to score the loss alone"
+                    )
+                values = loss_fn(outputs, targets, reduction="none")
+                terms += values.numel()
+                loss_sums.append(values.double().sum().reshape(()))
+                continue
             counted = targets != ignore_index
             truth, predicted = targets[counted], outputs.argmax(dim=1)[counted]
             if truth.numel() and not 0 <= int(truth.min()) <= int(truth.max()) < num_classes:
@@ -378,17 +402,18 @@ def evaluate(
             extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
             loss_sums.append(loss_fn(outputs, targets, reduction="sum", **extra).double().reshape(()))
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
-            for metric in (extra_metrics or {}).values():
-                metric.update(outputs, targets)
         if extra_metrics and collectives.world_size() > 1:
             probe = None if loss_sums else lambda: (collate_fn or default_collate)([_first_sample(dataset)])
             _fill_empty_lists(extra_metrics, probe, module, device, target_key, autocast, num_classes, class_dim)
     if stream is not None:
         stream.total()  # a plain stream read alike on every rank, or one clear error
-    confusion = collectives.all_reduce(confusion.cpu()).view(num_classes, num_classes)
     where = loss_sums[-1].device if loss_sums else device  # (one copy to the host, not one a batch)
     loss_total = _exact_sum(torch.stack([t.to(where) for t in loss_sums]).cpu().tolist() if loss_sums else [])
-    result = _metrics(confusion, loss_total)
+    if num_classes is None:
+        count = int(collectives.all_reduce(torch.tensor([terms], dtype=torch.long)).item())
+        result: dict[str, Any] = {"count": count, "loss": loss_total / count if count else 0.0}
+    else:
+        result = _metrics(collectives.all_reduce(confusion.cpu()).view(classes, classes), loss_total)
     for name, metric in (extra_metrics or {}).items():
         value = metric.compute()  # torchmetrics syncs its states across ranks here
         result[name] = value.tolist() if isinstance(value, torch.Tensor) else value
@@ -438,7 +463,7 @@ def _scored(
     device: torch.device,
     target_key: str | None,
     autocast: Callable[[], Any] | None,
-    num_classes: int,
+    num_classes: int | None,
     class_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's scores, classes in dimension 1 and in float32 or float64 (half precision's in float32),
@@ -455,7 +480,10 @@ def _scored(
     with autocast() if autocast is not None else contextlib.nullcontext():
         outputs = _scores(_forward(module, to_device(inputs, device)))
     targets = to_device(targets, outputs.device if isinstance(outputs, torch.Tensor) else device)
-    outputs = _classes_first(outputs, targets, num_classes, class_dim)
+    if num_classes is None:
+        outputs = _values(outputs, targets)
+    else:
+        outputs = _classes_first(outputs, targets, num_classes, class_dim)
     if outputs.dtype not in (torch.float32, torch.float64):  # half precision: the loss in float32
         outputs = outputs.float()  # float64 outputs keep their precision
     return outputs, targets
@@ -470,6 +498,17 @@ def _exact_sum(values: list[float]) -> float:
         return math.fsum(values)
     except (ValueError, OverflowError):  # +inf and -inf, or a sum past the largest float: as a plain sum
         return float(sum(values))
+
+
+def _values(outputs: Any, targets: Any) -> torch.Tensor:
+    """Outputs scored against targets that are values (no ``num_classes``), checked in one line each."""
+    if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise UsageError(
+            f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
+            f"{type(targets).__name__}; evaluate takes a tensor of outputs (or an output with a logits "
+            "tensor) and a tensor of targets"
+        )
+    return outputs
 
 
 def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:
@@ -501,6 +540,7 @@ def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int)
             f"evaluate: targets of shape {tuple(targets.shape)} and dtype {targets.dtype} do not "
             f"go with outputs of shape {tuple(outputs.shape)} (classes in dimension 1): give one "
             f"integer class per sample, shape {wanted}{hint}"
+            + ("; values (a regression's): leave num_classes out" if targets.is_floating_point() else "")
         )
     if outputs.shape[1] != num_classes:
         raise UsageError(
