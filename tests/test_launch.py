@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 
 import pytest
 
@@ -320,6 +322,31 @@ def test_a_function_the_spawned_workers_cannot_import_is_one_line_before_any_wor
     last = done.stderr.strip().splitlines()[-1]
     assert f"ddpkit.launch: {refused}" in last and "define it with def at the top level of a module" in last, last
     assert "Can't get attribute" not in done.stderr and "rank 0 failed" not in done.stderr  # no worker ran
+
+
+TYPED = """
+import ddpkit, torch
+
+def summed(scale):  # typed in: a __main__ with no file a spawned child could run again
+    rt = ddpkit.init()
+    total = ddpkit.all_reduce(torch.ones(1) * (rt.rank + 1))
+    rt.close()
+    return int(total) * scale
+
+print(ddpkit.launch(summed, nprocs=2, args=(5,)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_function_typed_into_python_on_its_standard_input_runs_by_fork():
+    """``python - < script`` names its __main__ "<stdin>", a file that is not there: spawned children ran
+    it again and every worker failed with FileNotFoundError ('<stdin>') before it reached the function."""
+    from helpers import ROOT, clean_env, run
+
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    command = f"{shlex.quote(sys.executable)} - <<'EOF'\n{TYPED}\nEOF\n"
+    done = run(["bash", "-c", command], env=clean_env(PYTHONPATH=path))
+    assert done.returncode == 0 and done.stdout.strip() == "{0: 15, 1: 15}", done.stderr[-2000:]
 
 
 def test_a_worker_that_failed_before_the_function_says_so_rather_than_none():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import os
 import pickle
 import sys
 import tempfile
@@ -55,7 +56,8 @@ def launch(
         args: positional arguments of ``fn``, the same in every process.
         max_restarts: times the elastic agent restarts every process after one fails.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``; None: ``"fork"`` for a function
-            of an interactive ``__main__`` (a notebook, a REPL), which spawned children cannot import, else ``"spawn"``.
+            of an interactive ``__main__`` (a notebook, a REPL, ``python -c`` or ``python -``), which spawned
+            children cannot import, else ``"spawn"``.
             ``"forkserver"`` with ``multiprocessing.set_forkserver_preload(["torch", ...])`` starts
             each process without importing torch again; every launch's children still get the
             environment, stdout and stderr of that launch, not those the server started with.
@@ -236,10 +238,11 @@ def _cuda_started() -> bool:
 
 
 def _start_method(fn: Callable[..., Any]) -> str:
-    # Functions typed into a notebook or REPL live in a __main__ that spawned children
-    # cannot import; fork them instead. Everything else gets the safe default, spawn.
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+    # Functions typed into a notebook, a REPL, `python -c` or `python -` (whose __file__ is "<stdin>",
+    # no file a spawned child can run again) live in a __main__ that spawned children cannot import;
+    # fork them instead. Everything else gets the safe default, spawn.
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if getattr(fn, "__module__", None) == "__main__" and not (path and os.path.isfile(path)):
         return "fork"
     return "spawn"
 
