@@ -49,6 +49,7 @@ def gpu_ddp_steps(steps: int = 4) -> dict:
         "losses": losses,
         "weights": weights,
         "param_devices": sorted({str(p.device) for p in model.parameters()}),
+        "returned_on_gpu": {"first": next(model.parameters()), "loss": loss.detach()},  # comes back on the host
     }
 
 
@@ -157,4 +158,5 @@ def gpu_micro_shards(steps: int = 6) -> dict:
     out = {"state": state, "deterministic": deterministic, "device": str(next(model.parameters()).device)}
     rt.close()
     out["deterministic_after_close"] = torch.are_deterministic_algorithms_enabled()
+    out["cudnn_after_close"] = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     return out

@@ -319,3 +319,14 @@ def test_a_checkpoint_of_an_earlier_ddpkit_resumes_to_the_same_bits(tmp_path):
             assert torch.allclose(torch.tensor(found["weights"][name]), torch.tensor(values), rtol=1e-5, atol=1e-6), (
                 name
             )
+
+
+def test_a_plain_tensor_entry_comes_back_on_the_device_the_runs_own_was_on():
+    """A checkpoint loads on the host: a GPU run's ``{"best": tensor on cuda}`` came back on the CPU,
+    and the run's next comparison with a GPU tensor of more than one element failed (here: meta)."""
+    from ddpkit.checkpoint.state import restore_user_state
+
+    state = {"best": torch.zeros(3, device="meta"), "note": "kept as saved"}
+    restore_user_state(state, {"best": torch.ones(3), "note": "saved"}, "ckpt.pt")
+    assert state["best"].device == torch.device("meta") and state["best"].shape == (3,)
+    assert state["note"] == "saved"

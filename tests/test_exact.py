@@ -572,6 +572,29 @@ def test_torchs_no_deterministic_kernel_error_becomes_one_line_and_exit_2(tmp_pa
         )
     )
     assert said is not None and "and _histc_cuda with floating point input has none;" in str(said)
+    # a language model's F.cross_entropy on (N, C, T) scores: nll_loss2d adds with atomicAdd
+    said = no_deterministic_kernel(
+        RuntimeError("nll_loss2d_forward_out_cuda_template does not have a deterministic implementation, but you set")
+    )
+    assert said is not None and "flatten per-position scores (N, C, T) to rows for F.cross_entropy" in str(said)
+
+
+def test_per_position_scores_as_rows_give_cross_entropys_loss_and_gradient():
+    """What ddpkit's own losses and evaluate's per-token loss use, so that micro_shards' deterministic
+    CUDA kernels take a language model (nll_loss2d, for (N, C, T), has none)."""
+    from ddpkit._tensors import position_rows
+
+    torch.manual_seed(0)
+    scores = torch.randn(3, 7, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (3, 5))
+    targets[0, :2] = -100  # padding
+    direct = torch.nn.functional.cross_entropy(scores, targets)
+    (grad_direct,) = torch.autograd.grad(direct, scores)
+    rows = torch.nn.functional.cross_entropy(*position_rows(scores, targets))
+    (grad_rows,) = torch.autograd.grad(rows, scores)
+    assert rows.item() == pytest.approx(direct.item(), rel=1e-14) and torch.allclose(grad_rows, grad_direct)
+    flat = torch.randn(4, 7)
+    assert position_rows(flat, targets[0, :4])[0] is flat
 
 
 def test_bench_compare_exact_puts_a_micro_shard_twin_beside_each_plain_ddp_row():

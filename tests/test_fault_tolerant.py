@@ -1788,3 +1788,29 @@ def test_under_srun_the_nodes_node_rank_and_master_come_from_slurm(monkeypatch):
     assert env[ft.REPLICA_ENV] == "5" and env[ft.REPLICAS_ENV] == "8" and env[ft.HOST_ENV] == "10.0.0.3"
     assert env["GLOO_SOCKET_IFNAME"] == "eth0"
     assert detect(env).launcher == "none"  # the replica's one-process ddpkit run meets alone
+
+
+def test_each_replica_of_a_node_is_shown_a_gpu_of_its_own_and_one_that_would_share_refuses_cuda(monkeypatch):
+    """Each replica is a one-process ``ddpkit run`` (local rank 0): on a GPU node every replica took
+    GPU 0, which NCCL refuses at the first quorum ("Duplicate GPU detected")."""
+    from ddpkit.cli.run import fault_tolerant_spec, parser, split
+    from ddpkit.distributed import ft_launch
+
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    spec = fault_tolerant_spec(parser().parse_args(split(["--fault-tolerant", "-n", "3", "train.py"])[0]), [])
+    shown = [
+        ft_launch.replica_env(spec, index, "http://h:1", "file:/x", environ={}, gpus=["4", "6", "7"])
+        for index in range(3)
+    ]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in shown] == ["4", "6", "7"]
+    assert not any(ft.SHARED_GPU_ENV in env for env in shown)
+    assert "CUDA_VISIBLE_DEVICES" not in ft_launch.replica_env(spec, 0, "http://h:1", "file:/x", environ={})
+    shared = [ft_launch.replica_env(spec, i, "http://h:1", "file:/x", environ={}, gpus=["0", "1"]) for i in range(3)]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in shared] == ["0", "1", "0"]
+    with pytest.raises(ddpkit.UsageError) as refused:
+        ft.Replica(dict, print, device=torch.device("cuda"), seeded=True, environ=shared[2])
+    assert str(refused.value) == (
+        "ddpkit run --fault-tolerant: 3 replicas share this node's 2 GPU(s), and NCCL cannot run two replicas on "
+        "one GPU: start at most 2 a node (-n 2), or train with device='cpu'"
+    )

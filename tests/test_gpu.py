@@ -38,6 +38,9 @@ def test_ddp_on_nccl_trains_on_each_ranks_own_gpu():
         assert run["param_devices"] == [own] and run["batch_devices"] == [own], run
         assert len(run["losses"]) == 4 and all(torch.isfinite(torch.tensor(run["losses"]))), run["losses"]
         assert run["rank_sum"] == sum(range(nprocs))
+        returned = run["returned_on_gpu"]
+        assert returned["first"].device.type == "cpu" and isinstance(returned["first"], torch.nn.Parameter)
+        assert returned["loss"].device.type == "cpu" and returned["loss"].item() == run["losses"][-1]
     for name, value in runs[0]["weights"].items():  # DDP keeps the replicas identical
         assert all(runs[r]["weights"][name] == value for r in runs), name
 
@@ -183,6 +186,29 @@ def test_bench_data_parallel_drives_every_gpu(bench):
     assert dp["samples_per_second"] > 0 and dp["peak_cuda_mb"] > 0
 
 
+@two_gpus
+@pytest.mark.timeout(120)
+def test_data_parallels_replicas_run_under_the_callers_bf16_not_their_threads_float16():
+    from ddpkit.recipes.models import DataParallel
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.linear(x)
+            seen.append(out.dtype)
+            return out
+
+    model = DataParallel(Probe().cuda())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(torch.randn(8, 4, device="cuda"))
+    assert len(seen) == min(GPUS, 8) and set(seen) == {torch.bfloat16}, seen
+
+
 @pytest.mark.timeout(300)
 def test_micro_shards_on_one_gpu_end_at_the_same_bits_on_one_process_and_two_sharing_it():
     """Deterministic CUDA kernels (cuDNN, cuBLAS's workspace, torch's switch): one process and two
@@ -191,7 +217,7 @@ def test_micro_shards_on_one_gpu_end_at_the_same_bits_on_one_process_and_two_sha
     two = ddpkit.launch(gpu_workers.gpu_micro_shards, nprocs=2)[0]
     assert one["device"] == two["device"] == "cuda:0"
     assert one["deterministic"] and two["deterministic"]
-    assert not one["deterministic_after_close"]
+    assert not one["deterministic_after_close"] and one["cudnn_after_close"] == (False, False)  # torch's defaults
     differ = [k for k in one["state"] if not torch.equal(one["state"][k], two["state"][k])]
     assert differ == []
 
@@ -224,6 +250,7 @@ if rt.rank == 0:
     dist.all_reduce(t)
 else:
     dist.broadcast(t, src=0)
+t.sum().item()  # NCCL returns once queued: wait here with the collective in flight, as a real script's next step does
 """
 
 

@@ -7,6 +7,7 @@ import shlex
 import sys
 
 import pytest
+import torch
 
 import ddpkit
 import workers
@@ -349,6 +350,21 @@ def test_a_function_typed_into_python_on_its_standard_input_runs_by_fork():
     assert done.returncode == 0 and done.stdout.strip() == "{0: 15, 1: 15}", done.stderr[-2000:]
 
 
+def test_a_forked_worker_whose_cuda_cannot_start_says_the_parent_started_it_and_what_to_do():
+    """A notebook's ``torch.cuda.is_available()`` starts the CUDA driver without torch initializing
+    itself, so the launch cannot refuse it beforehand; each forked worker then fails with CUDA's
+    "initialization error", which now says why and what to do."""
+    from ddpkit.distributed import launch
+
+    failed = launch.LaunchError(1, "RuntimeError: CUDA error: initialization error", "Traceback ...")
+    said = launch._after_cuda_in_the_parent(failed, "fork")
+    assert str(said).startswith("rank 1 failed: RuntimeError: CUDA error: initialization error; this process had")
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" in said.message and said.child_traceback == "Traceback ..."
+    assert launch._after_cuda_in_the_parent(failed, "spawn") is failed  # a spawned worker starts its own
+    other = launch.LaunchError(0, "ValueError: bad")
+    assert launch._after_cuda_in_the_parent(other, "fork") is other
+
+
 def test_a_worker_that_failed_before_the_function_says_so_rather_than_none():
     from types import SimpleNamespace
 
@@ -357,3 +373,18 @@ def test_a_worker_that_failed_before_the_function_says_so_rather_than_none():
     failure = SimpleNamespace(exitcode=1, error_file_data={"message": "<NONE>"})
     error = launch._launch_error(0, failure)
     assert str(error) == "rank 0 failed: exit code 1, before it reached the function; its output above says why"
+
+
+def test_what_a_worker_returns_comes_back_whole_with_host_tensors_as_they_were():
+    """Returned values are pickled by ddpkit's own pickler (GPU tensors come back on the host: see
+    test_gpu's DDP test); host tensors, parameters and their flag, and plain values are unchanged."""
+    import pickle
+
+    from ddpkit.distributed.entry import _by_value
+
+    weight = torch.nn.Parameter(torch.arange(4.0), requires_grad=False)
+    value = {"w": weight, "rows": [torch.ones(2, 3)], "note": ("kept", 3)}
+    back = pickle.loads(_by_value(print, value))
+    assert isinstance(back["w"], torch.nn.Parameter) and not back["w"].requires_grad
+    assert torch.equal(back["w"], weight) and torch.equal(back["rows"][0], torch.ones(2, 3))
+    assert back["note"] == ("kept", 3)

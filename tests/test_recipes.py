@@ -323,3 +323,25 @@ def test_unknown_dataset_and_split():
         load_dataset("imagenet")
     with pytest.raises(UsageError, match="unknown split 'val'.*train, test"):
         load_dataset("digits", "val")
+
+
+def test_a_replica_called_in_another_thread_runs_under_the_callers_autocast_dtype():
+    """DataParallel calls each replica in a thread of its own, where autocast's dtype is that thread's
+    (torch keeps it per thread): under bf16 the replicas ran float16 on CUDA. Here on the CPU, whose
+    autocast is the same kind of state."""
+    import threading
+
+    from ddpkit.recipes.models import _UnderAutocast
+
+    linear = torch.nn.Linear(4, 4)
+    found: dict[str, torch.dtype] = {}
+
+    def in_a_thread(name: str, call) -> None:
+        worker = threading.Thread(target=lambda: found.__setitem__(name, call(torch.randn(2, 4)).dtype))
+        worker.start()
+        worker.join()
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        in_a_thread("plain", lambda x: linear(x))  # the caller's autocast is not the thread's
+        in_a_thread("wrapped", _UnderAutocast(linear, "cpu", torch.float16))
+    assert found == {"plain": torch.float32, "wrapped": torch.float16}

@@ -159,12 +159,14 @@ def test_position_at_the_end_marks_a_finished_epoch():
 
 
 class _FakeCuda:
-    """torch.cuda on a machine with ``visible`` GPUs, this process on GPU ``current``: each generator a number."""
+    """torch.cuda on a machine with ``visible`` GPUs, this process on GPU ``current``: each generator a number.
+    ``started``: whether this process has started CUDA (a CPU run on a GPU host has not)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, visible: int, current: int) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, visible: int, current: int, started: bool = True) -> None:
         self.states = {d: torch.tensor([d], dtype=torch.uint8) for d in range(visible)}
         self.visible, self.current = visible, current
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[device].clone())
         monkeypatch.setattr(torch.cuda, "set_rng_state", self.set)
@@ -197,6 +199,20 @@ def test_a_processs_cuda_generator_is_its_own_devices_and_resumes_where_fewer_gp
     wider = _FakeCuda(monkeypatch, visible=4, current=3)
     rng.set_rng_state(fewer)  # not among them: left as it is, no IndexError
     assert wider.states[3].tolist() == [3]
+
+
+def test_a_process_that_has_not_started_cuda_saves_and_restores_no_cuda_generator(monkeypatch):
+    """Reading a CUDA generator starts CUDA: a CPU run on a GPU host made a context on GPU 0 in every
+    rank at its first checkpoint, which a GPU in exclusive-process mode refuses."""
+    from ddpkit import rng
+
+    cpu_run = _FakeCuda(monkeypatch, visible=2, current=0, started=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("CUDA started"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": pytest.fail("CUDA started"))
+    state = rng.rng_state()
+    assert "cuda" not in state
+    rng.set_rng_state({**state, "cuda": torch.tensor([9], dtype=torch.uint8)})  # saved by a GPU run
+    assert cpu_run.states[0].tolist() == [0]
 
 
 def test_a_fault_tolerant_step_that_does_not_commit_puts_the_cuda_generator_back(monkeypatch):

@@ -1,5 +1,5 @@
 """A tensor's bytes without numpy (which an image with CUDA torch alone, ``make gpu-check``'s, may lack),
-and a mapping, sequence or dataclass of a batch rebuilt in its own type.
+a mapping, sequence or dataclass of a batch rebuilt in its own type, and per-position scores as rows.
 
 A base module (it imports nothing of ddpkit).
 
@@ -30,6 +30,22 @@ def raw_bytes(tensor: torch.Tensor) -> bytes:
         return b""
     # `flat` stays referenced for the read: its memory is alive and holds exactly these bytes
     return ctypes.string_at(flat.data_ptr(), flat.numel())
+
+
+def position_rows(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``(N, C, d1, ...)`` and targets ``(N, d1, ...)`` as rows ``(N * d1 * ..., C)`` and targets
+    ``(N * d1 * ...,)``; scores ``(N, C)`` as they are.
+
+    ``F.cross_entropy`` and ``F.nll_loss`` give the same loss either way, but on CUDA the first runs
+    ``nll_loss2d``, whose sum and mean add with atomicAdd, which ``torch.use_deterministic_algorithms``
+    (``micro_shards`` on a GPU) refuses; the rows' one-dimensional kernel is deterministic.
+
+    >>> [tuple(t.shape) for t in position_rows(torch.zeros(2, 5, 3), torch.zeros(2, 3, dtype=torch.long))]
+    [(6, 5), (6,)]
+    """
+    if outputs.dim() <= 2:
+        return outputs, targets
+    return outputs.movedim(1, -1).reshape(-1, outputs.shape[1]), targets.reshape(-1)
 
 
 def remapped(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:

@@ -277,13 +277,15 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def torch_state() -> dict[str, Any]:
-    """torch's generator and, where CUDA is available, the generator of this process's own device.
+    """torch's generator and, where this process has started CUDA, the generator of its own device.
 
     Its own device's only, not every visible GPU's: a resume where each process sees another number
-    of GPUs (``srun --gpus-per-task=1`` after 8 GPUs a node) would otherwise index past them.
+    of GPUs (``srun --gpus-per-task=1`` after 8 GPUs a node) would otherwise index past them. A process
+    that has not started CUDA has drawn nothing there, and reading the state would start it: a context
+    on GPU 0 in every rank of a CPU run on a GPU host, which a GPU in exclusive-process mode refuses.
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
@@ -296,7 +298,7 @@ def set_torch_state(state: Mapping[str, Any]) -> None:
     """
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
-    if cuda is None or not torch.cuda.is_available():
+    if cuda is None or not torch.cuda.is_initialized():  # a process that has not started CUDA draws nothing there
         return
     device = torch.cuda.current_device()
     if isinstance(cuda, (list, tuple)):

@@ -34,7 +34,7 @@ import torch
 
 from ddpkit._files import write_text_atomic
 from ddpkit.bench import netsim
-from ddpkit.bench.run import HOST_PORT
+from ddpkit.bench.run import HOST_PORT, gpus_of_host
 from ddpkit.distributed import ft_heal
 from ddpkit.distributed.host import usable_cores
 
@@ -135,7 +135,7 @@ def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], ho
                     master,
                     *worker,
                 ],
-                env=env,
+                env={**env, **gpus_of_host(host, settings.nproc[0])},  # each host's replicas their own GPUs
                 stdout=logs[host],
                 stderr=subprocess.STDOUT,
             )

@@ -24,7 +24,7 @@ from ddpkit.bench.outputs import row_label, verified_line
 from ddpkit.bench.plan import BenchSettings, Configuration, plan
 from ddpkit.bench.summary import not_applicable, summarize, with_speedup
 from ddpkit.bench.workload import bench_dataset
-from ddpkit.distributed.host import usable_cores
+from ddpkit.distributed.host import usable_cores, visible_gpus
 from ddpkit.distributed.torchrun import RunSpec, run
 from ddpkit.errors import DdpkitError, UsageError
 
@@ -153,7 +153,7 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
                     target,
                     *args,
                 ],
-                env={**env, **_gpus_of_host(host, config.nproc)},
+                env={**env, **gpus_of_host(host, config.nproc)},
             )
             for host in range(config.hosts)
         ]
@@ -170,15 +170,10 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
     return next((code for code in codes if code not in (None, 0)), 0 if None not in codes else 1)
 
 
-def _gpus_of_host(host: int, nproc: int) -> dict[str, str]:
+def gpus_of_host(host: int, nproc: int) -> dict[str, str]:
     """On a GPU machine each simulated host sees its own GPUs (local ranks count from 0 on each)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])}
+    ids = visible_gpus()
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])} if ids else {}
 
 
 def compare_raw(settings: BenchSettings, config: Configuration, runs: Path) -> dict[str, Any]:

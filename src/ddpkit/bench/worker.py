@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
+from ddpkit._tensors import position_rows
 from ddpkit.bench import wire
 from ddpkit.bench.stopwatch import backward_alone, compute_scaling, mark, rank_stats, state_bytes, write_result
 from ddpkit.bench.workload import bench_dataset, make_optimizer, powersgd_start, worker_parser
 from ddpkit.parallel.modes import MicroShards
 from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
-from ddpkit.recipes.models import build_model
+from ddpkit.recipes.models import DataParallel, build_model
 
 
 def _batches(rt: Any, loader: Any) -> Iterator[Any]:
@@ -71,7 +72,7 @@ def _micro_shard_step(
     for shard_inputs, shard_targets in rt.shards(inputs, targets):
         begin = mark(device)
         with rt.autocast():
-            loss = F.cross_entropy(model(shard_inputs), shard_targets)
+            loss = F.cross_entropy(*position_rows(model(shard_inputs), shard_targets))  # deterministic on CUDA
         middle = mark(device)
         rt.backward(loss)
         forward, backward = forward + middle - begin, backward + mark(device) - middle
@@ -122,7 +123,7 @@ def train(opts: argparse.Namespace) -> None:
     compressor = getattr(mode, "compressor", None) or getattr(mode, "syncer", None)
     exact = mode.exact if isinstance(mode, MicroShards) else None
     if opts.data_parallel:
-        model = torch.nn.DataParallel(model)
+        model = DataParallel(model)  # replicas under the run's autocast dtype (bf16 stays bf16)
     data = info.dataset
     if opts.data_format == "shards":  # the same samples, read as a stream of 16 shards
         data = ddpkit.Shards.from_dataset(data, shards=16)

@@ -159,7 +159,8 @@ class _PlainValues:
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         file = Path(self.reader.path) / _torch.dcp_item_file(self.reader, read_item.storage_index)
-        loaded = safe_load(value, f"{file} (entry {read_item.dest_index.fqn})", map_location=None)
+        # on the host: a tensor among the values was saved on its rank's GPU, which this host may not have
+        loaded = safe_load(value, f"{file} (entry {read_item.dest_index.fqn})", map_location="cpu")
         plain = io.BytesIO()
         torch.save(loaded, plain)
         plain.seek(0)

@@ -69,6 +69,8 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
                 raise
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {one_line(str(exc), 200)}") from None
+        elif isinstance(target, torch.Tensor) and isinstance(saved[key], torch.Tensor):
+            state[key] = saved[key].to(target.device)  # a file loads on the host; the run's tensor was on its GPU
         else:
             state[key] = saved[key]
 

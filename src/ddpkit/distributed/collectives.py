@@ -122,10 +122,7 @@ def gather(tensor: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
     """
     if world_size() == 1:
         return tensor.detach().clone()
-    if dist.get_backend() == "nccl":  # nccl has no gather; all_gather and drop elsewhere
-        gathered = all_gather(tensor)
-        return gathered if rank() == dst else None
-    padded, sizes = _padded_rows(tensor, torch.device("cpu"))
+    padded, sizes = _padded_rows(tensor, _comm_device())  # (NCCL has had gather since torch 1.11)
     chunks = [torch.empty_like(padded) for _ in sizes] if rank() == dst else None
     dist.gather(padded, gather_list=chunks, dst=dst)
     return _unpadded(chunks, sizes).to(tensor.device) if rank() == dst else None

@@ -311,11 +311,27 @@ def _by_value(fn: Callable[..., Any], result: Any) -> bytes:
     descriptors served by a listener thread of this child; the exit steps, which run before the
     hand-off, stop that listener. Plain bytes need no listener. Failing here, with a clear error,
     also beats failing after :func:`_leave_after_handoff` chose the status of a success.
+
+    Tensors on a GPU come back on the host: unpickled as they were, each would start CUDA in the
+    parent on this rank's device (which a notebook's next forked launch cannot survive).
     """
+    import io
     import pickle
 
+    import torch
+
+    class _OnTheHost(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if not isinstance(obj, torch.Tensor) or obj.device.type in ("cpu", "meta"):
+                return NotImplemented
+            host = obj.detach().cpu()
+            kept = torch.nn.Parameter(host, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else host
+            return kept.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
     try:
-        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _OnTheHost(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(result)
+        return buffer.getvalue()
     except Exception as exc:
         raise TypeError(
             f"{getattr(fn, '__qualname__', fn)} returned a value that cannot be sent back "

@@ -63,6 +63,9 @@ DONE_KEY = "ddpkit/ft/done"
 """The key a finished replica sets in the job's store."""
 QUORUM_TIMEOUT_ENV = "DDPKIT_FT_QUORUM_TIMEOUT"
 """Seconds a replica waits for a quorum of ``--min-replicas`` before it stops."""
+SHARED_GPU_ENV = "DDPKIT_FT_SHARED_GPUS"
+"""Set where a node's replicas outnumber its GPUs, as ``REPLICAS:GPUS``: they share GPUs round robin,
+which a replica training on CUDA refuses (NCCL runs one rank a GPU)."""
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """How long the lighthouse waits for a replica's heartbeat before it leaves it out of quorums."""
@@ -169,11 +172,18 @@ class Replica:
         timeout_s: float = 60.0,
         environ: Mapping[str, str] | None = None,
     ) -> None:
+        environ = os.environ if environ is None else environ
+        if device.type == "cuda" and environ.get(SHARED_GPU_ENV):
+            replicas, _, gpus = environ[SHARED_GPU_ENV].partition(":")
+            raise UsageError(
+                f"ddpkit run --fault-tolerant: {replicas} replicas share this node's {gpus} GPU(s), and NCCL "
+                f"cannot run two replicas on one GPU: start at most {gpus} a node (-n {gpus}), or train "
+                "with device='cpu'"
+            )
         check_installed()
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        environ = os.environ if environ is None else environ
         manager_log = logging.getLogger("torchft.manager")
         if device.type != "cuda":  # its warning that NCCL's flight recorder cannot reset, each quorum
             manager_log.setLevel(logging.ERROR)

@@ -34,7 +34,7 @@ from typing import Any
 
 from ddpkit.distributed import ft, ft_control, ft_heal, stores
 from ddpkit.distributed.ft_watch import NODE_JOIN_S, end_lighthouse, stop_replicas, wait_for_nodes, watch
-from ddpkit.distributed.host import host_port, local_address
+from ddpkit.distributed.host import host_port, local_address, visible_gpus
 from ddpkit.distributed.parent import launcher_env
 from ddpkit.distributed.torchrun import parse_master
 from ddpkit.errors import EXIT_MISMATCH, UsageError
@@ -219,8 +219,14 @@ def replica_env(
     sockets: dict[str, str] | None = None,
     secret: str = "",
     private: str = "",
+    gpus: Sequence[str] = (),
 ) -> dict[str, str]:
     """The environment of replica ``index``.
+
+    Each replica is a one-process ``ddpkit run`` (local rank 0), so on a GPU node it is shown one GPU
+    of the node's, its own where there are enough: without, every replica took GPU 0, and NCCL refuses
+    two ranks on one GPU at the first quorum. Where replicas outnumber the GPUs they share them round
+    robin, and a replica that trains on CUDA refuses that in one line (:data:`ft.SHARED_GPU_ENV`).
 
     Args:
         spec: the job.
@@ -232,6 +238,7 @@ def replica_env(
         sockets: the interface gloo and NCCL use (default: loopback, one machine).
         secret: the job's secret file.
         private: one machine: the job's private directory, where its control plane and stores are.
+        gpus: the node's GPUs, as ``CUDA_VISIBLE_DEVICES`` names them (:func:`visible_gpus`); empty: none.
     """
     env = dict(os.environ if environ is None else environ)
     for name in ("SLURM_STEP_ID", "SLURM_STEPID"):  # the replica's own ddpkit run is one process, not srun's task
@@ -249,6 +256,11 @@ def replica_env(
         }
     )
     env.pop(ft_control.CONTROL_ENV, None)
+    env.pop(ft.SHARED_GPU_ENV, None)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[(index - spec.node_rank * spec.replicas) % len(gpus)]
+        if spec.replicas > len(gpus):
+            env[ft.SHARED_GPU_ENV] = f"{spec.replicas}:{len(gpus)}"
     if private:
         env[ft_control.CONTROL_ENV] = private
     env.update(sockets if sockets is not None else {"GLOO_SOCKET_IFNAME": "lo"})
@@ -310,12 +322,21 @@ def run(spec: FaultTolerantSpec) -> int:
 
     previous = {number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGINT)}
     first = spec.node_rank * spec.replicas
+    gpus = visible_gpus()
     try:
         replicas = [
             subprocess.Popen(
                 replica_command(spec),
                 env=replica_env(
-                    spec, first + index, address, job, host=host, sockets=sockets, secret=secret, private=private
+                    spec,
+                    first + index,
+                    address,
+                    job,
+                    host=host,
+                    sockets=sockets,
+                    secret=secret,
+                    private=private,
+                    gpus=gpus,
                 ),
             )
             for index in range(spec.replicas)

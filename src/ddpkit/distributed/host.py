@@ -25,6 +25,19 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may give its children, as ``CUDA_VISIBLE_DEVICES`` names them (its own
+    value's items where set, else every device's index); empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [item.strip() for item in given.split(",") if item.strip()]
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, which containers and SLURM narrow)."""
     if hasattr(os, "sched_getaffinity"):

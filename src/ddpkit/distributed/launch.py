@@ -31,6 +31,7 @@ class LaunchError(DdpkitError):
 
     def __init__(self, rank: int, message: str, traceback: str = ""):
         self.rank = rank
+        self.message = message
         self.child_traceback = traceback
         text = f"rank {rank} failed: {message}"
         super().__init__(text + (f"\n\nTraceback from rank {rank}:\n{traceback}" if traceback else ""))
@@ -113,7 +114,8 @@ def launch(
                 call = elastic_launch(config, entry.call_and_record)
                 returned = call(fn, error_dir, config.start_method, launcher, *args)
             except ChildFailedError as exc:
-                raise _earliest_error(error_dir) or _launch_error(*root_failure(exc.failures)) from None
+                failed = _earliest_error(error_dir) or _launch_error(*root_failure(exc.failures))
+                raise _after_cuda_in_the_parent(failed, method) from None
     # bytes: see entry._by_value; in rank order, whichever rank finished first
     return {rank: pickle.loads(value) for rank, value in sorted(returned.items())}
 
@@ -231,6 +233,13 @@ def _is_main_guard(test: ast.expr) -> bool:
     return names == ["__name__"] and texts == ["__main__"]
 
 
+def _interactive() -> bool:
+    """Whether ``__main__`` is no file a spawned child could run again: a notebook, a REPL, ``python -c``
+    or ``python -`` (whose ``__file__`` is ``"<stdin>"``)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return not (path and os.path.isfile(path))
+
+
 def _cuda_started() -> bool:
     import torch
 
@@ -241,10 +250,26 @@ def _start_method(fn: Callable[..., Any]) -> str:
     # Functions typed into a notebook, a REPL, `python -c` or `python -` (whose __file__ is "<stdin>",
     # no file a spawned child can run again) live in a __main__ that spawned children cannot import;
     # fork them instead. Everything else gets the safe default, spawn.
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if getattr(fn, "__module__", None) == "__main__" and not (path and os.path.isfile(path)):
+    if getattr(fn, "__module__", None) == "__main__" and _interactive():
         return "fork"
     return "spawn"
+
+
+FORKED_AFTER_CUDA = (
+    "; this process had started CUDA before the fork (torch.cuda.is_available() does, unless "
+    "PYTORCH_NVML_BASED_CUDA_CHECK=1 is set before it), which forked workers cannot use: restart the "
+    "notebook's kernel and set os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'] = '1' in its first cell, or "
+    "define the function in a .py file and import it, which starts by spawn"
+)
+
+
+def _after_cuda_in_the_parent(error: LaunchError, method: str) -> LaunchError:
+    """``error`` with what to do where a forked worker's CUDA failed to start ("CUDA error: initialization
+    error"): the parent's ``torch.cuda.is_available()`` starts the driver, which :func:`_cuda_started`
+    cannot see (torch has not initialized itself), and a fork cannot use it."""
+    if method != "fork" or "initialization error" not in str(error) or "CUDA" not in str(error):
+        return error
+    return LaunchError(error.rank, f"{error.message}{FORKED_AFTER_CUDA}", error.child_traceback)
 
 
 def _launch_error(rank: int, failure: Any) -> LaunchError:

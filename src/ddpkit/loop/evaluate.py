@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from ddpkit._tensors import remapped
+from ddpkit._tensors import position_rows, remapped
 from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
@@ -399,8 +399,11 @@ def evaluate(
                     f"outside 0 to num_classes - 1 ({num_classes - 1}) and not ignore_index "
                     f"({ignore_index})"
                 )
-            extra = {"ignore_index": ignore_index} if loss_fn in (F.cross_entropy, F.nll_loss) else {}
-            loss_sums.append(loss_fn(outputs, targets, reduction="sum", **extra).double().reshape(()))
+            if loss_fn in (F.cross_entropy, F.nll_loss):  # per position as rows: a deterministic CUDA kernel
+                loss = loss_fn(*position_rows(outputs, targets), reduction="sum", ignore_index=ignore_index)
+            else:
+                loss = loss_fn(outputs, targets, reduction="sum")
+            loss_sums.append(loss.double().reshape(()))
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
         if extra_metrics and collectives.world_size() > 1:
             probe = None if loss_sums else lambda: (collate_fn or default_collate)([_first_sample(dataset)])

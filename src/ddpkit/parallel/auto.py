@@ -60,6 +60,7 @@ class AutoCompressor(Compressor):
         self.powersgd_bytes = 4 * payload_elements([p.shape for p in params], rank)
         self.latency_s, self.link_bytes_per_s = link(min(self.grad_bytes, PROBE_BYTES), device)
         self.model, self.make = model, make
+        self.device = device
         self.chosen: Compressor | None = None
         self.decision: dict[str, Any] | None = None
         self.step_ends: list[float] = []
@@ -83,6 +84,8 @@ class AutoCompressor(Compressor):
         """Time the step; after :data:`MEASURE_STEPS` of them, choose (every rank, the same step)."""
         if self.decision is not None:
             return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's kernels, not only their launch (link() waits too)
         self.step_ends.append(time.perf_counter())
         if len(self.step_ends) > MEASURE_STEPS:
             self._decide()

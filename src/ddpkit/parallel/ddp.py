@@ -17,6 +17,7 @@ import torch
 
 from ddpkit import _torch
 from ddpkit._torch import ready_order_ddp
+from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, translate_uncaught, warn
 from ddpkit.parallel import lazy_buffers
 from ddpkit.parallel.auto import AutoCompressor
@@ -314,9 +315,7 @@ def average_unbucketed(params: Sequence[torch.Tensor]) -> None:
     """
     import torch.distributed as dist
 
-    device = params[0].device
-    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    flags = collectives.all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.int32), op="max")
     present = [p for p, flag in zip(params, flags.tolist()) if flag]
     if any(p.grad is not None and p.grad.is_sparse for p in present):
         raise UsageError(
@@ -324,14 +323,15 @@ def average_unbucketed(params: Sequence[torch.Tensor]) -> None:
             "unfreeze it before rt.setup"
         )
     world = dist.get_world_size()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    # by device too: a learned loss weight the optimizer holds may stay on the host beside a GPU model,
+    # and NCCL takes CUDA tensors only (collectives.all_reduce sends each where the backend reduces)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in present:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         p.grad = grad
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat)
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for grads in by_kind.values():
+        flat = collectives.all_reduce(torch.cat([grad.reshape(-1) for grad in grads]))
         flat.div_(world)
         offset = 0
         for grad in grads:

@@ -600,15 +600,17 @@ class Exact:
     threads_before: int | None = None
     """The process's intra-op thread count before :func:`setup` fixed the shards' (``rt.close`` restores it)."""
 
-    deterministic_before: bool | None = None
-    """Whether torch's deterministic algorithms were on before :func:`setup` turned them on for CUDA (None: not CUDA)."""
+    deterministic_before: tuple[bool, bool, bool] | None = None
+    """torch's deterministic algorithms, cuDNN's ``deterministic`` and ``benchmark`` before :func:`setup` set
+    them for CUDA (None: not CUDA)."""
 
     def restore_threads(self) -> None:
         """Give the process back the thread count and deterministic setting it had before the run, and stop the exchange's thread."""
         if self.exchange is not None:
             self.exchange.close()
-        if self.deterministic_before is not None:
-            torch.use_deterministic_algorithms(self.deterministic_before)
+        if self.deterministic_before is not None:  # (a notebook's next cells run as before the run)
+            algorithms, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self.deterministic_before
+            torch.use_deterministic_algorithms(algorithms)
             self.deterministic_before = None
         if self.threads_before is not None:
             torch.set_num_threads(self.threads_before)
@@ -713,7 +715,11 @@ def setup(
     model.to(device)
     deterministic_before = None
     if device.type == "cuda":
-        deterministic_before = torch.are_deterministic_algorithms_enabled()
+        deterministic_before = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+        )
         deterministic_cuda()
     if world_size > 1:
         broadcast_from_rank0(model)
@@ -756,9 +762,15 @@ def no_deterministic_kernel(exc: BaseException) -> UsageError | None:
     found = _NO_KERNEL.match(str(exc)) if isinstance(exc, RuntimeError) else None
     if found is None:
         return None
+    instead = (
+        "flatten per-position scores (N, C, T) to rows for F.cross_entropy (logits.movedim(1, -1).reshape(-1, C), "
+        "targets.reshape(-1)), whose kernel is deterministic"
+        if found.group(1).startswith("nll_loss2d")
+        else "replace that op"
+    )
     return UsageError(
         f"micro_shards runs deterministic CUDA kernels only, and {found.group(1)} has none; train this model "
-        "with micro_shards on the CPU, replace that op, or drop micro_shards"
+        f"with micro_shards on the CPU, {instead}, or drop micro_shards"
     )
 
 

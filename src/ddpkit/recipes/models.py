@@ -7,6 +7,8 @@ identical.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -90,6 +92,34 @@ class TinyLM(nn.Module):
         hidden = self.blocks(self.embed(tokens) + self.position[: tokens.shape[1]], mask=causal, is_causal=True)
         logits = self.head(hidden)
         return logits.transpose(1, 2) if self.classes_first else logits
+
+
+class _UnderAutocast:
+    """A replica called under autocast of ``dtype`` on ``device_type``, in whatever thread calls it."""
+
+    def __init__(self, replica: Any, device_type: str, dtype: torch.dtype) -> None:
+        self.replica, self.device_type, self.dtype = replica, device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.replica(*args, **kwargs)
+
+
+class DataParallel(nn.DataParallel):
+    """torch's ``DataParallel`` (the seeds' one-process, several-GPU baseline) whose replicas run under
+    the caller's autocast dtype.
+
+    torch's ``parallel_apply`` enters autocast again in each replica's thread, where the dtype is that
+    thread's own (it is thread-local): float16 on CUDA. Under bf16 autocast every replica ran float16,
+    which no loss scaling guards. Here each replica enters the caller's dtype itself.
+    """
+
+    def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> Any:
+        """torch's, each replica under the calling thread's CUDA autocast dtype where autocast is on."""
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+            replicas = [_UnderAutocast(replica, "cuda", dtype) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
 
 def _check_sizes(name: str, num_classes: int, in_channels: int, image_size: int) -> None:

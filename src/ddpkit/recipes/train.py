@@ -19,13 +19,14 @@ import torch.nn.functional as F
 import ddpkit
 from ddpkit import checkpoint
 from ddpkit._files import atomic_path
+from ddpkit._tensors import position_rows
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop.evaluate import evaluate
 from ddpkit.observe.progress import Progress
 from ddpkit.parallel import periodic as periodic_sync
 from ddpkit.recipes.config import TrainConfig
 from ddpkit.recipes.datasets import DatasetInfo, load_dataset
-from ddpkit.recipes.models import build_model
+from ddpkit.recipes.models import DataParallel, build_model
 
 
 def recipe_of(config: TrainConfig, info: DatasetInfo) -> dict[str, Any]:
@@ -83,7 +84,7 @@ def build(config: TrainConfig, rt: ddpkit.Runtime) -> tuple[Any, ...]:
             **periodic,
         )
     if config.data_parallel:  # the seeds' single-process multi-GPU baseline
-        model = torch.nn.DataParallel(model)
+        model = DataParallel(model)
     sizes = (
         {"batch_size": config.batch_size}
         if config.batch_size is not None and rt.replica is None
@@ -239,13 +240,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 summed = torch.zeros((), dtype=torch.float64)  # this process's samples' losses, summed
                 if config.micro_shards is None:
                     with rt.autocast():
-                        loss = F.cross_entropy(model(inputs), targets)
+                        loss = F.cross_entropy(*position_rows(model(inputs), targets))
                     rt.backward(loss)
                     summed += loss.detach().double().cpu() * loader.local_count
                 else:
                     for shard_inputs, shard_targets in rt.shards(inputs, targets):
                         with rt.autocast():
-                            shard_loss = F.cross_entropy(model(shard_inputs), shard_targets)
+                            shard_loss = F.cross_entropy(*position_rows(model(shard_inputs), shard_targets))
                         rt.backward(shard_loss)
                         summed += shard_loss.detach().double().cpu() * len(shard_targets)
                     loss = summed / max(1, loader.local_count)
