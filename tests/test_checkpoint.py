@@ -326,7 +326,11 @@ def test_a_plain_tensor_entry_comes_back_on_the_device_the_runs_own_was_on():
     and the run's next comparison with a GPU tensor of more than one element failed (here: meta)."""
     from ddpkit.checkpoint.state import restore_user_state
 
-    state = {"best": torch.zeros(3, device="meta"), "note": "kept as saved"}
-    restore_user_state(state, {"best": torch.ones(3), "note": "saved"}, "ckpt.pt")
+    state = {"best": torch.zeros(3, device="meta"), "scale": torch.zeros(1, device="meta"), "note": "kept as saved"}
+    saved = {"best": torch.ones(3), "scale": torch.nn.Parameter(torch.ones(1)), "note": "saved"}
+    restore_user_state(state, saved, "ckpt.pt")
     assert state["best"].device == torch.device("meta") and state["best"].shape == (3,)
     assert state["note"] == "saved"
+    scale = state["scale"]  # a learned scalar the script keeps beside its model: still a leaf to optimize
+    assert isinstance(scale, torch.nn.Parameter) and scale.is_leaf and scale.requires_grad
+    assert scale.device == torch.device("meta")

@@ -171,9 +171,17 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
 
 
 def gpus_of_host(host: int, nproc: int) -> dict[str, str]:
-    """On a GPU machine each simulated host sees its own GPUs (local ranks count from 0 on each)."""
+    """On a GPU machine each simulated host sees its own GPUs (local ranks count from 0 on each); a host
+    past the last GPU is refused in one line (it would train on the CPU beside hosts on CUDA)."""
     ids = visible_gpus()
-    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])} if ids else {}
+    if not ids:
+        return {}
+    if len(ids) < (host + 1) * nproc:
+        raise UsageError(
+            f"ddpkit bench: simulated host {host} needs GPUs {host * nproc} to {(host + 1) * nproc - 1} "
+            f"({nproc} a host), and {len(ids)} are visible; use fewer --hosts or processes, or --device cpu"
+        )
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])}
 
 
 def compare_raw(settings: BenchSettings, config: Configuration, runs: Path) -> dict[str, Any]:

@@ -70,9 +70,18 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {one_line(str(exc), 200)}") from None
         elif isinstance(target, torch.Tensor) and isinstance(saved[key], torch.Tensor):
-            state[key] = saved[key].to(target.device)  # a file loads on the host; the run's tensor was on its GPU
+            state[key] = _on_device(saved[key], target.device)  # a file loads on the host; the run's was on its GPU
         else:
             state[key] = saved[key]
+
+
+def _on_device(saved: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``saved`` on ``device``, a leaf as it was loaded (a ``Parameter`` stays one, its flag kept): a plain
+    ``.to`` would record the copy, and an optimizer refuses the non-leaf it returns."""
+    moved = saved.detach().to(device)
+    if isinstance(saved, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=saved.requires_grad)
+    return moved.requires_grad_(saved.requires_grad)
 
 
 def check_model_state(model: torch.nn.Module, saved: Mapping[str, Any], where: str) -> None:

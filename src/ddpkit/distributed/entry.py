@@ -324,8 +324,11 @@ def _by_value(fn: Callable[..., Any], result: Any) -> bytes:
         def reducer_override(self, obj: Any) -> Any:
             if not isinstance(obj, torch.Tensor) or obj.device.type in ("cpu", "meta"):
                 return NotImplemented
+            if obj.requires_grad and not obj.is_leaf:
+                return NotImplemented  # pickle refuses it as it is, in its own words
             host = obj.detach().cpu()
             kept = torch.nn.Parameter(host, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else host
+            kept.requires_grad_(obj.requires_grad)
             return kept.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
     try:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -301,7 +302,8 @@ def evaluate(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     target_key: str | None = None,
 ) -> dict[str, Any]:
-    """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset``.
+    """Loss, accuracy, confusion matrix and per-class precision/recall/F1 over all of ``dataset`` (the loss
+    alone without ``num_classes``).
 
     Every rank must call it. Returns plain Python numbers and lists, identical on every rank.
 
@@ -356,6 +358,11 @@ def evaluate(
             f"evaluate(class_dim={class_dim}): the classes are in dimension 1 (torch's convention, "
             "(B, C, T)) or -1 ((B, T, C)); give 1 or -1"
         )
+    if num_classes is None and class_dim != 1:
+        raise UsageError(
+            "evaluate(class_dim=-1) without num_classes: the outputs are scored as loss_fn takes them; give "
+            "num_classes for class scores, or a loss_fn that takes (B, T, C) outputs"
+        )
     dataset, batch_size, num_workers, collate_fn = unloaded(
         dataset, "ddpkit.evaluate", batch_size, num_workers, collate_fn
     )
@@ -364,7 +371,7 @@ def evaluate(
     module = unwrap(model)  # DDP's forward may broadcast buffers: a collective per batch
     device = _device_of(module)
     loss_sums: list[torch.Tensor] = []  # each batch's, summed exactly once every rank's are in
-    classes = num_classes or 0  # 0: values, no confusion matrix
+    classes = 0 if num_classes is None else num_classes  # 0: values, no confusion matrix
     confusion = torch.zeros(classes * classes, dtype=torch.long, device=device)
     terms = 0  # without classes: the loss's terms, this rank's
     for metric in (extra_metrics or {}).values():
@@ -378,18 +385,12 @@ def evaluate(
                 # fsdp's cpu_offload: the shards (the first parameter) on the host, the forward on the GPU
                 device = outputs.device
                 confusion = confusion.to(device)
-            for metric in (extra_metrics or {}).values():
-                metric.update(outputs, targets)
             if num_classes is None:
-                if loss_fn in (F.cross_entropy, F.nll_loss) and not targets.is_floating_point():
-                    raise UsageError(
-                        f"evaluate: the targets are class indices (dtype {targets.dtype}) and num_classes "
-                        f"is not given: pass num_classes={outputs.shape[1] if outputs.dim() > 1 else 'C'} for "
-                        "accuracy and the confusion matrix, or a loss_fn of your own to score the loss alone"
-                    )
-                values = loss_fn(outputs, targets, reduction="none")
+                values = _value_terms(loss_fn, outputs, targets)
                 terms += values.numel()
                 loss_sums.append(values.double().sum().reshape(()))
+                for metric in (extra_metrics or {}).values():
+                    metric.update(outputs, targets)
                 continue
             counted = targets != ignore_index
             truth, predicted = targets[counted], outputs.argmax(dim=1)[counted]
@@ -405,6 +406,8 @@ def evaluate(
                 loss = loss_fn(outputs, targets, reduction="sum")
             loss_sums.append(loss.double().reshape(()))
             confusion += torch.bincount(truth * num_classes + predicted, minlength=num_classes**2)
+            for metric in (extra_metrics or {}).values():
+                metric.update(outputs, targets)
         if extra_metrics and collectives.world_size() > 1:
             probe = None if loss_sums else lambda: (collate_fn or default_collate)([_first_sample(dataset)])
             _fill_empty_lists(extra_metrics, probe, module, device, target_key, autocast, num_classes, class_dim)
@@ -469,7 +472,7 @@ def _scored(
     num_classes: int | None,
     class_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's scores, classes in dimension 1 and in float32 or float64 (half precision's in float32),
+    """A batch's scores (with ``num_classes``: classes in dimension 1), in float32 or float64 (half precision's in float32),
     and its targets on the scores' device (fsdp's ``cpu_offload`` forwards elsewhere than ``device``, where
     the model's first parameter lies).
 
@@ -503,25 +506,47 @@ def _exact_sum(values: list[float]) -> float:
         return float(sum(values))
 
 
-def _values(outputs: Any, targets: Any) -> torch.Tensor:
-    """Outputs scored against targets that are values (no ``num_classes``), checked in one line each."""
-    if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise UsageError(
-            f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
-            f"{type(targets).__name__}; evaluate takes a tensor of outputs (or an output with a logits "
-            "tensor) and a tensor of targets"
-        )
-    return outputs
-
-
-def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:
-    """The outputs with the classes in dimension 1, checked against the targets in one line each."""
+def _tensors(outputs: Any, targets: Any, kind: str) -> None:
+    """Refuse, in one line, outputs or targets that are not tensors (``kind``: what the targets should hold)."""
     if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise UsageError(
             f"evaluate: the model returned a {type(outputs).__name__} and the targets are a "
             f"{type(targets).__name__}; evaluate takes a tensor of scores (or an output with a logits "
-            "tensor) and a tensor of class indices"
+            f"tensor) and a tensor of {kind}"
         )
+
+
+def _values(outputs: Any, targets: Any) -> torch.Tensor:
+    """Outputs scored against targets that are values (no ``num_classes``), checked in one line."""
+    _tensors(outputs, targets, "targets")
+    return outputs
+
+
+def _value_terms(loss_fn: Callable[..., torch.Tensor], outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``loss_fn``'s terms (``reduction="none"``) for targets that are values, with the two mistakes
+    refused in one line each: class indices given no ``num_classes``, and shapes that broadcast
+    (``(N, 1)`` outputs against ``(N,)`` targets: ``F.mse_loss`` pairs every output with every target)."""
+    if loss_fn in (F.cross_entropy, F.nll_loss) and not targets.is_floating_point():
+        raise UsageError(
+            f"evaluate: the targets are class indices (dtype {targets.dtype}) and num_classes "
+            f"is not given: pass num_classes={outputs.shape[1] if outputs.dim() > 1 else 'C'} for "
+            "accuracy and the confusion matrix, or a loss_fn of your own to score the loss alone"
+        )
+    with warnings.catch_warnings():  # torch's own "Using a target size ... that is different": said below
+        warnings.simplefilter("ignore", UserWarning)
+        values = loss_fn(outputs, targets, reduction="none")
+    if values.numel() > max(outputs.numel(), targets.numel()):
+        raise UsageError(
+            f"evaluate: outputs of shape {tuple(outputs.shape)} and targets of shape {tuple(targets.shape)} "
+            f"broadcast to {values.numel()} loss terms, every output against every target; give the targets "
+            "the outputs' shape (targets.view_as(outputs) in the dataset or collate_fn)"
+        )
+    return values
+
+
+def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:
+    """The outputs with the classes in dimension 1, checked against the targets in one line each."""
+    _tensors(outputs, targets, "class indices")
     if outputs.dim() < 2:
         raise UsageError(
             f"evaluate: outputs of shape {tuple(outputs.shape)} have no class dimension; return "

@@ -308,7 +308,7 @@ def _unbucketed_message(unfrozen: list[str], outside: list[torch.Tensor]) -> str
 def average_unbucketed(params: Sequence[torch.Tensor]) -> None:
     """Average the gradients of ``params`` over the processes in place, as DDP averages the ones in
     its buckets: one all-reduce of flags (a parameter with a gradient on some rank only counts zero
-    elsewhere; one with none on any stays without), then one of the gradients a dtype.
+    elsewhere; one with none on any stays without), then one of the gradients a device and dtype.
 
     Raises:
         UsageError: a sparse gradient among them (``nn.Embedding(sparse=True)`` unfrozen after set-up).

@@ -600,17 +600,19 @@ class Exact:
     threads_before: int | None = None
     """The process's intra-op thread count before :func:`setup` fixed the shards' (``rt.close`` restores it)."""
 
-    deterministic_before: tuple[bool, bool, bool] | None = None
-    """torch's deterministic algorithms, cuDNN's ``deterministic`` and ``benchmark`` before :func:`setup` set
-    them for CUDA (None: not CUDA)."""
+    deterministic_before: tuple[bool, bool, bool, bool] | None = None
+    """torch's deterministic algorithms (and their ``warn_only``), cuDNN's ``deterministic`` and ``benchmark``
+    before :func:`setup` set them for CUDA (None: not CUDA)."""
 
     def restore_threads(self) -> None:
         """Give the process back the thread count and deterministic setting it had before the run, and stop the exchange's thread."""
         if self.exchange is not None:
             self.exchange.close()
         if self.deterministic_before is not None:  # (a notebook's next cells run as before the run)
-            algorithms, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self.deterministic_before
-            torch.use_deterministic_algorithms(algorithms)
+            algorithms, warn_only, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = (
+                self.deterministic_before
+            )
+            torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
             self.deterministic_before = None
         if self.threads_before is not None:
             torch.set_num_threads(self.threads_before)
@@ -717,6 +719,7 @@ def setup(
     if device.type == "cuda":
         deterministic_before = (
             torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
             torch.backends.cudnn.deterministic,
             torch.backends.cudnn.benchmark,
         )
