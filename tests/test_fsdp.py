@@ -401,3 +401,30 @@ def test_a_failed_background_fsdp_write_fails_the_next_save_and_keeps_the_checkp
         rt.checkpoint(state)
     assert ddpkit.checkpoint.latest(tmp_path).name == "ckpt-step00000001"
     rt.close()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_rt_clip_grad_norm_of_fsdp_shards_is_torchs_clip_of_the_whole_gradients(norm_type, monkeypatch):
+    """fsdp's gradient shards are clipped with ddpkit's own reduction of their norms (torch's reduces
+    over the mesh's group, which NCCL refuses where ``cpu_offload`` keeps the shards on the host): the
+    same total norm and clipped gradients as torch's ``clip_grad_norm_`` of the unsharded model."""
+    import copy
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    plain = copy.deepcopy(net)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with ddpkit.init(seed=0) as rt:
+        model, _ = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy="fsdp")
+        rt.backward(F.cross_entropy(model(x), y))
+        with monkeypatch.context() as patched:  # not torch's reduction over the mesh
+            patched.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: pytest.fail("torch's clip"))
+            norm = rt.clip_grad_norm_(model, 0.05, norm_type=norm_type)
+        clipped = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    F.cross_entropy(plain(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type=norm_type)
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6) and float(expected) > 0.05
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(clipped[name], p.grad, rtol=1e-6, atol=1e-8)

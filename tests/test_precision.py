@@ -147,3 +147,34 @@ def test_loading_fp16_state_into_bf16_run_is_refused() -> None:
         Precision("bf16", CPU).load_state_dict(loaded)
     with pytest.raises(DdpkitError, match="no precision state"):
         Precision("fp16", CPU).load_state_dict({"scale": 2.0})
+
+
+def test_a_sharded_scaler_asks_every_rank_for_inf_before_a_fused_optimizer_steps(monkeypatch, tmp_path) -> None:
+    """Under fsdp a fused optimizer (``AdamW(fused=True)``, common on CUDA) made ``scaler.step`` look for
+    inf/nan in this rank's own gradient shards only (``_check_inf_per_device``), not ``ShardedGradScaler``'s
+    ``unscale_``, which all-reduces what it finds: one rank skipped the step while the others took it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        _sharded_scaler_steps(monkeypatch)
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_scaler_steps(monkeypatch) -> None:
+    precision = Precision("fp16", CPU)
+    precision.shard()
+    model, _ = _model_and_optimizer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    assert optimizer._step_supports_amp_scaling  # the branch that skipped unscale_
+    asked = []
+    real = type(precision.scaler).unscale_
+    monkeypatch.setattr(type(precision.scaler), "unscale_", lambda self, opt: asked.append(opt) or real(self, opt))
+    assert _train_step(precision, model, optimizer, _batch(0)) is True
+    assert asked == [optimizer]
+    precision.flush()
+    asked.clear()
+    precision.backward(model(_batch(1)).pow(2).mean())
+    precision.unscale_(optimizer)  # the script unscaled already (to clip): not a second time
+    assert precision.step(optimizer) is True and len(asked) == 1

@@ -284,3 +284,23 @@ def test_a_world_of_one_watches_its_own_main_thread(tmp_path):
     assert result.returncode == EXIT_HANG, result.stderr[-3000:]
     assert "rank 0 made no progress for" in result.stderr and "at step 0 (phase eval)" in result.stderr
     assert re.search(r'File ".*alone\.py", line \d+ in wait_for_nothing', result.stderr)
+
+
+def test_the_watching_thread_takes_the_ranks_cuda_device_before_it_reads_anything(monkeypatch):
+    """A new thread's CUDA device is GPU 0: the flight recorder's dump (it queries CUDA events) from the
+    watchdog's thread made a context on GPU 0 for every rank, hundreds of MB each."""
+    import torch
+
+    from ddpkit.observe.watchdog import Watchdog
+
+    taken = []
+    monkeypatch.setattr(torch.cuda, "set_device", taken.append)
+    dog = Watchdog(None, rank=1, world_size=2, device=torch.device("cuda", 1))
+    dog._stop.set()  # one pass of the thread's body: the device first, then nothing to watch
+    dog._run()
+    assert taken == [torch.device("cuda", 1)]
+    taken.clear()
+    on_the_host = Watchdog(None, rank=1, world_size=2, device=torch.device("cpu"))
+    on_the_host._stop.set()
+    on_the_host._run()
+    assert taken == []

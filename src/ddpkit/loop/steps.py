@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -284,7 +284,43 @@ def clip_grad_norm_(
     params = [p for p in model.parameters() if p.grad is not None]
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return _clip_with_sparse(params, max_norm, norm_type)
+    if params and all(_sharded_on_dim_0(p.grad) for p in params):
+        return _clip_sharded(params, max_norm, norm_type)
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def _sharded_on_dim_0(grad: Any) -> bool:
+    """Whether ``grad`` is fsdp's: a DTensor sharded along its first dimension over the whole world."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (
+        isinstance(grad, DTensor)
+        and grad.device_mesh.ndim == 1
+        and grad.device_mesh.size() == collectives.world_size()
+        and list(grad.placements) == [Shard(0)]
+    )
+
+
+def _clip_sharded(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for fsdp's gradient shards: each rank's sum of powers (its maximum, for the inf
+    norm) reduced through :func:`ddpkit.distributed.collectives.all_reduce`.
+
+    torch's own reduces the DTensors' partial norms over their mesh's group: under ``cpu_offload`` the
+    shards lie on the host while the mesh is CUDA's, and NCCL refuses host tensors ("No backend type
+    associated with device type cpu", pytorch#148532); ddpkit's collective sends them through the GPU.
+    """
+    local = [cast(Any, p.grad).to_local() for p in params if p.grad is not None]  # (DTensors: the shards themselves)
+    where = local[0].device
+    if norm_type == float("inf"):
+        mine = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in local]).max()
+        total = collectives.all_reduce(mine.to(where, torch.float64), "max")
+    else:
+        powers = torch.stack([torch.linalg.vector_norm(g, norm_type).double() ** norm_type for g in local]).sum()
+        total = collectives.all_reduce(powers.to(where), "sum") ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in local:
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total.to(local[0].dtype)
 
 
 def _clip_with_sparse(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:

@@ -126,8 +126,12 @@ class Watchdog:
         store: Any = None,
         interval: float | None = None,
         log: collectives.CollectiveLog | None = None,
+        device: Any = None,
     ):
         check_timeout(hang_timeout)
+        self.device = device
+        """This rank's device: a CUDA one is this thread's too, so that reading NCCL's flight recorder
+        (which queries CUDA events) makes no context on GPU 0, a thread's default."""
         self.adaptive = hang_timeout is None
         self.floor = floor_seconds() if self.adaptive else 0.0
         self.hang_timeout = self.floor if hang_timeout is None else float(hang_timeout)
@@ -254,6 +258,10 @@ class Watchdog:
 
     # -- the watchdog thread ------------------------------------------------------------
     def _run(self) -> None:
+        if getattr(self.device, "type", None) == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
         while not self._stop.is_set():
             try:
                 self._tick()
@@ -692,7 +700,9 @@ def _own_connection(store: Any) -> Any:
     return own
 
 
-def watch(hang_timeout: float | None, *, rank: int, world_size: int, step: int = 0) -> Watchdog | None:
+def watch(
+    hang_timeout: float | None, *, rank: int, world_size: int, step: int = 0, device: Any = None
+) -> Watchdog | None:
     """Start a :class:`Watchdog` over the calling thread, through the group's store if any.
 
     Args:
@@ -702,10 +712,11 @@ def watch(hang_timeout: float | None, *, rank: int, world_size: int, step: int =
         rank: this process's global rank.
         world_size: processes of the job.
         step: the optimizer step the watch starts at.
+        device: this rank's device (a CUDA one becomes the watching thread's).
     """
     check_timeout(hang_timeout)
     if hang_timeout == 0 or (hang_timeout is None and world_size < 2):
         return None
     store = group_store()
     log = collectives.CollectiveLog() if store is not None and world_size > 1 else None
-    return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=store, log=log).start(step)
+    return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=store, log=log, device=device).start(step)

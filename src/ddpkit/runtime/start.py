@@ -184,7 +184,7 @@ def init(
             config=trackers_mod.run_config(asdict(settings), settings.config, env.world_size),
             deferred=settings.checkpoint_dir is not None,
         )
-    dog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size)
+    dog = watchdog.watch(hang_timeout, rank=env.rank, world_size=env.world_size, device=chosen_device)
     out_dir = Path(settings.out_dir) if settings.out_dir is not None else None
     reporter = Reporter(out_dir, settings.trackers, dog)
     runtime = Runtime(

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ddpkit._torch import scaler_found_inf
+from ddpkit._torch import scaler_found_inf, scaler_unscaled
 from ddpkit.errors import DdpkitError, UsageError
 
 __all__ = ["PRECISIONS", "Precision"]
@@ -100,6 +100,13 @@ class Precision:
         sharded.load_state_dict(self.scaler.state_dict())
         self.scaler = sharded
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the loss scaler is torch's ``ShardedGradScaler`` (:meth:`shard`)."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return isinstance(self.scaler, ShardedGradScaler)
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale now, e.g. before clipping them.
 
@@ -124,6 +131,10 @@ class Precision:
             stepped = True
         else:
             with _quiet_sharded_found_inf():
+                if self.sharded and not scaler_unscaled(self.scaler, optimizer):
+                    # a fused optimizer (AdamW(fused=True)) makes scaler.step look for inf/nan in this
+                    # rank's shards alone (_check_inf_per_device); unscale_ asks every rank
+                    self.scaler.unscale_(optimizer)
                 self.scaler.step(optimizer)
             stepped = not scaler_found_inf(self.scaler, optimizer)
             self._update_due = True
