@@ -334,3 +334,10 @@ def test_a_plain_tensor_entry_comes_back_on_the_device_the_runs_own_was_on():
     scale = state["scale"]  # a learned scalar the script keeps beside its model: still a leaf to optimize
     assert isinstance(scale, torch.nn.Parameter) and scale.is_leaf and scale.requires_grad
     assert scale.device == torch.device("meta")
+    # where the shapes agree the values go into the run's own tensor: the optimizer holding it sees them
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    state = {"weight": weight}
+    restore_user_state(state, {"weight": torch.nn.Parameter(torch.tensor([3.0, 4.0]))}, "ckpt.pt")
+    assert state["weight"] is weight and weight.tolist() == [3.0, 4.0] and weight.is_leaf
+    assert optimizer.param_groups[0]["params"][0] is weight

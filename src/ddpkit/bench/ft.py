@@ -34,7 +34,7 @@ import torch
 
 from ddpkit._files import write_text_atomic
 from ddpkit.bench import netsim
-from ddpkit.bench.run import HOST_PORT, gpus_of_host
+from ddpkit.bench.run import HOST_PORT, gpus_of_hosts
 from ddpkit.distributed import ft_heal
 from ddpkit.distributed.host import usable_cores
 
@@ -115,6 +115,7 @@ def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], ho
         secret = out / "secret"
         ft_heal.write_secret(str(secret))
         launcher += ["--secret-file", str(secret)]
+    gpus = gpus_of_hosts(hosts, settings.nproc[0])  # each host's replicas their own GPUs
     with netsim.SimulatedHosts(hosts, float(settings.link_mbit)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"
         logs = [open(out / f"node{host}.log", "w") for host in range(hosts)]
@@ -135,7 +136,7 @@ def _launch_on_hosts(kind: str, settings: Any, out: Path, command: list[str], ho
                     master,
                     *worker,
                 ],
-                env={**env, **gpus_of_host(host, settings.nproc[0])},  # each host's replicas their own GPUs
+                env={**env, **gpus[host]},
                 stdout=logs[host],
                 stderr=subprocess.STDOUT,
             )

@@ -127,6 +127,7 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
     import sys
     import time
 
+    gpus = gpus_of_hosts(config.hosts, config.nproc)
     with netsim.SimulatedHosts(config.hosts, float(config.link_mbit or settings.link_mbit or 0)) as sim:
         master = f"{sim.addresses[0]}:{HOST_PORT}"
         # NCCL would reach another GPU of this machine over shared memory or NVLink: the link is the point.
@@ -153,7 +154,7 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
                     target,
                     *args,
                 ],
-                env={**env, **gpus_of_host(host, config.nproc)},
+                env={**env, **gpus[host]},
             )
             for host in range(config.hosts)
         ]
@@ -170,18 +171,20 @@ def _run_on_hosts(config: Configuration, settings: BenchSettings, target: str, a
     return next((code for code in codes if code not in (None, 0)), 0 if None not in codes else 1)
 
 
-def gpus_of_host(host: int, nproc: int) -> dict[str, str]:
-    """On a GPU machine each simulated host sees its own GPUs (local ranks count from 0 on each); a host
-    past the last GPU is refused in one line (it would train on the CPU beside hosts on CUDA)."""
+def gpus_of_hosts(hosts: int, nproc: int) -> list[dict[str, str]]:
+    """Each simulated host's environment on a GPU machine: GPUs of its own (local ranks count from 0 on
+    each). Hosts past the last GPU are refused in one line before any starts (they would train on the
+    CPU beside hosts on CUDA)."""
     ids = visible_gpus()
     if not ids:
-        return {}
-    if len(ids) < (host + 1) * nproc:
+        return [{} for _ in range(hosts)]
+    if len(ids) < hosts * nproc:
         raise UsageError(
-            f"ddpkit bench: simulated host {host} needs GPUs {host * nproc} to {(host + 1) * nproc - 1} "
-            f"({nproc} a host), and {len(ids)} are visible; use fewer --hosts or processes, or --device cpu"
+            f"ddpkit bench: {hosts} simulated hosts of {nproc} process(es) need {hosts * nproc} GPUs, and "
+            f"{len(ids)} are visible; use fewer hosts or processes, or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+            "to bench on the CPU"
         )
-    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])}
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[host * nproc : (host + 1) * nproc])} for host in range(hosts)]
 
 
 def compare_raw(settings: BenchSettings, config: Configuration, runs: Path) -> dict[str, Any]:

@@ -70,15 +70,21 @@ def restore_user_state(state: MutableMapping[str, Any], saved: Mapping[str, Any]
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise DdpkitError(f"checkpoint {path}: cannot load {key!r}: {one_line(str(exc), 200)}") from None
         elif isinstance(target, torch.Tensor) and isinstance(saved[key], torch.Tensor):
-            state[key] = _on_device(saved[key], target.device)  # a file loads on the host; the run's was on its GPU
+            state[key] = _into(target, saved[key])
         else:
             state[key] = saved[key]
 
 
-def _on_device(saved: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``saved`` on ``device``, a leaf as it was loaded (a ``Parameter`` stays one, its flag kept): a plain
-    ``.to`` would record the copy, and an optimizer refuses the non-leaf it returns."""
-    moved = saved.detach().to(device)
+def _into(target: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """A plain tensor entry restored: copied into the run's own tensor where the shapes agree, so the
+    script's variable and an optimizer holding it (a learned loss weight) see the resumed values, on
+    the device it was on (a file loads on the host); else ``saved`` on that device, a leaf as it was
+    loaded (a ``Parameter`` stays one)."""
+    if target.shape == saved.shape and not target.is_meta:
+        with torch.no_grad():
+            target.copy_(saved)
+        return target
+    moved = saved.detach().to(target.device)
     if isinstance(saved, torch.nn.Parameter):
         return torch.nn.Parameter(moved, requires_grad=saved.requires_grad)
     return moved.requires_grad_(saved.requires_grad)

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -524,24 +523,27 @@ def _values(outputs: Any, targets: Any) -> torch.Tensor:
 
 def _value_terms(loss_fn: Callable[..., torch.Tensor], outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``loss_fn``'s terms (``reduction="none"``) for targets that are values, with the two mistakes
-    refused in one line each: class indices given no ``num_classes``, and shapes that broadcast
-    (``(N, 1)`` outputs against ``(N,)`` targets: ``F.mse_loss`` pairs every output with every target)."""
+    refused in one line each: class indices given no ``num_classes``, and shapes that broadcast both
+    ways (``(N, 1)`` outputs against ``(N,)`` targets: ``F.mse_loss`` pairs every output with every
+    target). A loss whose terms outnumber its inputs (a contrastive one's ``N x N``) is taken as it is."""
     if loss_fn in (F.cross_entropy, F.nll_loss) and not targets.is_floating_point():
         raise UsageError(
             f"evaluate: the targets are class indices (dtype {targets.dtype}) and num_classes "
             f"is not given: pass num_classes={outputs.shape[1] if outputs.dim() > 1 else 'C'} for "
             "accuracy and the confusion matrix, or a loss_fn of your own to score the loss alone"
         )
-    with warnings.catch_warnings():  # torch's own "Using a target size ... that is different": said below
-        warnings.simplefilter("ignore", UserWarning)
-        values = loss_fn(outputs, targets, reduction="none")
-    if values.numel() > max(outputs.numel(), targets.numel()):
-        raise UsageError(
-            f"evaluate: outputs of shape {tuple(outputs.shape)} and targets of shape {tuple(targets.shape)} "
-            f"broadcast to {values.numel()} loss terms, every output against every target; give the targets "
-            "the outputs' shape (targets.view_as(outputs) in the dataset or collate_fn)"
-        )
-    return values
+    if outputs.shape != targets.shape:
+        try:
+            both = torch.broadcast_shapes(outputs.shape, targets.shape)
+        except RuntimeError:  # shapes a loss_fn of the script's may take as they are
+            both = None
+        if both is not None and both not in (outputs.shape, targets.shape):
+            raise UsageError(
+                f"evaluate: outputs of shape {tuple(outputs.shape)} and targets of shape "
+                f"{tuple(targets.shape)} broadcast to {tuple(both)}, every output against every target; "
+                "give the targets the outputs' shape (targets.view_as(outputs) in the dataset or collate_fn)"
+            )
+    return loss_fn(outputs, targets, reduction="none")
 
 
 def _classes_first(outputs: Any, targets: Any, num_classes: int, class_dim: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ heartbeats through :func:`ddpkit.observe.heartbeats.beat`, so nothing here knows
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -284,13 +285,15 @@ def clip_grad_norm_(
     params = [p for p in model.parameters() if p.grad is not None]
     if any(p.grad is not None and p.grad.is_sparse for p in params):
         return _clip_with_sparse(params, max_norm, norm_type)
-    if params and all(_sharded_on_dim_0(p.grad) for p in params):
-        return _clip_sharded(params, max_norm, norm_type)
+    if params and float(norm_type) > 0 and all(_sharded_on_dim_0(p.grad) for p in params):
+        return _clip_sharded(params, max_norm, float(norm_type))
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
 
 def _sharded_on_dim_0(grad: Any) -> bool:
     """Whether ``grad`` is fsdp's: a DTensor sharded along its first dimension over the whole world."""
+    if type(grad) is torch.Tensor:  # (DDP's, one process's: torch.distributed.tensor not imported)
+        return False
     from torch.distributed.tensor import DTensor, Shard
 
     return (
@@ -301,6 +304,7 @@ def _sharded_on_dim_0(grad: Any) -> bool:
     )
 
 
+@torch.no_grad()
 def _clip_sharded(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
     """``clip_grad_norm_`` for fsdp's gradient shards: each rank's sum of powers (its maximum, for the inf
     norm) reduced through :func:`ddpkit.distributed.collectives.all_reduce`.
@@ -308,6 +312,7 @@ def _clip_sharded(params: Sequence[torch.Tensor], max_norm: float, norm_type: fl
     torch's own reduces the DTensors' partial norms over their mesh's group: under ``cpu_offload`` the
     shards lie on the host while the mesh is CUDA's, and NCCL refuses host tensors ("No backend type
     associated with device type cpu", pytorch#148532); ddpkit's collective sends them through the GPU.
+    The total comes back as a plain tensor, the same on every rank (torch's is a replicated DTensor).
     """
     local = [cast(Any, p.grad).to_local() for p in params if p.grad is not None]  # (DTensors: the shards themselves)
     where = local[0].device
@@ -318,9 +323,9 @@ def _clip_sharded(params: Sequence[torch.Tensor], max_norm: float, norm_type: fl
         powers = torch.stack([torch.linalg.vector_norm(g, norm_type).double() ** norm_type for g in local]).sum()
         total = collectives.all_reduce(powers.to(where), "sum") ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in local:
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
-    return total.to(local[0].dtype)
+    for grad in local:  # in float32, as torch's: a small coefficient would round to 0 in fp16
+        grad.mul_(coefficient.to(grad.device, torch.float32))
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in local]))
 
 
 def _clip_with_sparse(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:

@@ -261,7 +261,10 @@ class Watchdog:
         if getattr(self.device, "type", None) == "cuda":
             import torch
 
-            torch.cuda.set_device(self.device)
+            try:
+                torch.cuda.set_device(self.device)
+            except RuntimeError as exc:  # watch on: a flight-recorder read may then land on GPU 0
+                self._store_error = f"cannot take {self.device}: {exc}".splitlines()[0]
         while not self._stop.is_set():
             try:
                 self._tick()

@@ -59,6 +59,8 @@ class Precision:
         self.device = torch.device(device)
         self.scaler: torch.amp.GradScaler | None = torch.amp.GradScaler(self.device.type) if name == "fp16" else None
         self._update_due = False  # an optimizer stepped since the scaler last updated
+        self.sharded = False
+        """Whether the loss scaler is torch's ``ShardedGradScaler`` (:meth:`shard`)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,14 +100,7 @@ class Precision:
             return
         sharded = ShardedGradScaler(self.device.type)
         sharded.load_state_dict(self.scaler.state_dict())
-        self.scaler = sharded
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the loss scaler is torch's ``ShardedGradScaler`` (:meth:`shard`)."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return isinstance(self.scaler, ShardedGradScaler)
+        self.scaler, self.sharded = sharded, True
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale now, e.g. before clipping them.
