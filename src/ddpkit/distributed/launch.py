@@ -247,9 +247,8 @@ def _cuda_started() -> bool:
 
 
 def _start_method(fn: Callable[..., Any]) -> str:
-    # Functions typed into a notebook, a REPL, `python -c` or `python -` (whose __file__ is "<stdin>",
-    # no file a spawned child can run again) live in a __main__ that spawned children cannot import;
-    # fork them instead. Everything else gets the safe default, spawn.
+    # A function of an interactive __main__ cannot be imported by a spawned child: fork it.
+    # Everything else gets the safe default, spawn.
     if getattr(fn, "__module__", None) == "__main__" and _interactive():
         return "fork"
     return "spawn"

@@ -485,8 +485,8 @@ def _scored(
     with autocast() if autocast is not None else contextlib.nullcontext():
         outputs = _scores(_forward(module, to_device(inputs, device)))
     targets = to_device(targets, outputs.device if isinstance(outputs, torch.Tensor) else device)
-    if num_classes is None:
-        outputs = _values(outputs, targets)
+    if num_classes is None:  # values: scored as loss_fn takes them
+        _tensors(outputs, targets, "targets")
     else:
         outputs = _classes_first(outputs, targets, num_classes, class_dim)
     if outputs.dtype not in (torch.float32, torch.float64):  # half precision: the loss in float32
@@ -513,12 +513,6 @@ def _tensors(outputs: Any, targets: Any, kind: str) -> None:
             f"{type(targets).__name__}; evaluate takes a tensor of scores (or an output with a logits "
             f"tensor) and a tensor of {kind}"
         )
-
-
-def _values(outputs: Any, targets: Any) -> torch.Tensor:
-    """Outputs scored against targets that are values (no ``num_classes``), checked in one line."""
-    _tensors(outputs, targets, "targets")
-    return outputs
 
 
 def _value_terms(loss_fn: Callable[..., torch.Tensor], outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
