@@ -223,11 +223,16 @@ def bucket_views(as_views: bool | None = None) -> dict:
     return {"storages": [len(s) for s in storages], "cleared": cleared}
 
 
-def weighted_batches(num_samples: int) -> list:
-    """The global batches a weighted loader gives, gathered from every rank."""
+def weighted_batches(num_samples: int, dataloader: bool = False) -> list:
+    """The global batches a weighted loader gives, gathered from every rank; ``dataloader``: given as a
+    DataLoader with a ``WeightedRandomSampler``."""
     rt = ddpkit.init(seed=9)
     weights = [0.0] * 5 + [1.0] * 5 + [8.0] * 2
-    loader = rt.loader(list(range(12)), global_batch_size=4, weights=weights, num_samples=num_samples)
+    if dataloader:
+        sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples)
+        loader = rt.loader(torch.utils.data.DataLoader(list(range(12)), batch_size=4, sampler=sampler))
+    else:
+        loader = rt.loader(list(range(12)), global_batch_size=4, weights=weights, num_samples=num_samples)
     seen = []
     for batch in loader:
         parts = ddpkit.all_gather_object(batch.tolist())

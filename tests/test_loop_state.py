@@ -4,13 +4,17 @@ several optimizers, accumulation, early stop, worker RNG, save on one rank."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, RandomSampler, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
 
 import ddpkit
+from ddpkit.errors import UsageError
 from ddpkit.state.loop import LoopState
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -378,6 +382,67 @@ def test_weighted_sampling_is_the_same_for_any_world_size():
     assert one == two and len(one) == 2
     drawn = [i for batch in one for i in batch]
     assert not any(i < 5 for i in drawn)  # zero weight: never drawn
+    # a DataLoader with a WeightedRandomSampler draws the same, on one process and on two
+    assert ddpkit.launch(loop_workers.weighted_batches, nprocs=2, args=(8, True))[0] == one
+    assert loop_workers.weighted_batches(8, True) == one
+
+
+def _batches(loader) -> list[list[int]]:
+    return [batch.tolist() for batch in loader]
+
+
+def test_a_dataloader_given_to_rt_loader_reads_its_dataset_with_its_batch_size_as_the_global_batch():
+    data = list(range(11))
+    twice = lambda samples: torch.tensor(samples) * 2  # noqa: E731 - a collate_fn of the script's
+    rt = ddpkit.init(seed=4)
+    try:
+        plain = DataLoader(data, batch_size=4)
+        assert _batches(rt.loader(plain)) == _batches(plain)  # in order: the DataLoader's own batches
+        shuffled = rt.loader(DataLoader(data, batch_size=4, shuffle=True, drop_last=True, collate_fn=twice))
+        alike = rt.loader(data, global_batch_size=4, shuffle=True, drop_last=True, collate_fn=twice, name="alike")
+        assert _batches(shuffled) == _batches(alike) and len(_batches(alike)) == 2
+        assert sorted(i for b in _batches(alike) for i in b) != [2 * i for i in range(8)]  # shuffled, doubled
+        assert all(i % 2 == 0 for b in _batches(alike) for i in b)
+        # what the script gives beside it wins: 3 a process here
+        assert [len(b) for b in _batches(rt.loader(plain, batch_size=3, name="three"))] == [3, 3, 3, 2]
+        uniform = torch.utils.data.RandomSampler(data, replacement=True, num_samples=6)
+        drawn = _batches(rt.loader(DataLoader(data, batch_size=3, sampler=uniform), name="uniform"))
+        assert [len(b) for b in drawn] == [3, 3]  # num_samples a epoch, drawn with replacement
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda d: DataLoader(d, batch_size=None), "does not batch (batch_size=None)"),
+        (
+            lambda d: DataLoader(d, batch_sampler=[[0, 1], [2]]),
+            "makes its batches with its list, and rt.loader cuts the global batches itself",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=2, sampler=DistributedSampler(d, num_replicas=2, rank=0)),
+            "DistributedSampler splits the data over the ranks, and rt.loader splits it itself",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=2, sampler=WeightedRandomSampler([1.0] * 6, 4, replacement=False)),
+            "WeightedRandomSampler draws without replacement",
+        ),
+        (
+            lambda d: DataLoader(d, batch_size=2, sampler=RandomSampler(d, num_samples=3)),
+            "RandomSampler draws without replacement",
+        ),
+        (lambda d: DataLoader(d, batch_size=2, sampler=[5, 4, 3]), "list picks its samples"),
+    ],
+)
+def test_a_dataloader_whose_samples_rt_loader_cannot_draw_alike_is_refused_in_one_line(make, said):
+    rt = ddpkit.init()
+    try:
+        with pytest.raises(UsageError, match=re.escape(said)) as refused:
+            rt.loader(make(list(range(6))))
+        assert "\n" not in str(refused.value) and "rt.loader(loader.dataset, " in str(refused.value)
+    finally:
+        rt.close()
 
 
 def test_fresh_run_in_a_used_out_dir_starts_its_metrics_anew(tmp_path):

@@ -71,8 +71,14 @@ def loader_options(given: dict[str, Any]) -> LoaderOptions:
     known = {f.name for f in fields(LoaderOptions)}
     unknown = sorted(set(given) - known)
     if unknown:
+        hint = (
+            " (rt.loader draws the samples itself: shuffle=True for a RandomSampler, weights= and num_samples= "
+            "for a WeightedRandomSampler; or pass it a DataLoader that has the sampler)"
+            if unknown[0] in ("sampler", "batch_sampler")
+            else ""
+        )
         raise TypeError(
-            f"rt.loader() got an unexpected keyword argument {unknown[0]!r}; it takes {', '.join(sorted(known))}"
+            f"rt.loader() got an unexpected keyword argument {unknown[0]!r}; it takes {', '.join(sorted(known))}{hint}"
         )
     return LoaderOptions(**given)
 

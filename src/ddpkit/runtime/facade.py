@@ -23,7 +23,7 @@ from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, process_group, store_sync
 from ddpkit.distributed.environment import Environment
 from ddpkit.errors import DdpkitError, called_from_user_code, warn
-from ddpkit.loop import build
+from ddpkit.loop import build, dataloaders
 from ddpkit.loop import steps as loop_steps
 from ddpkit.observe import heartbeats, progress
 from ddpkit.observe.metrics import as_floats
@@ -274,10 +274,14 @@ class Runtime:
         continues the saved one. An ``IterableDataset`` is read as a stream.
 
         Args:
-            dataset: a map-style dataset or an ``IterableDataset``.
+            dataset: a map-style dataset or an ``IterableDataset``; or a ``DataLoader``, whose batch size
+                is then the global batch and whose sampler, collate_fn and workers become the options
+                (:mod:`ddpkit.loop.dataloaders`; those given here win).
             **options: the fields of :class:`ddpkit.loop.build.LoaderOptions`, each documented there
                 (``global_batch_size``, ``shuffle``, ``num_workers``, ``name``, ...).
         """
+        if isinstance(dataset, torch.utils.data.DataLoader):
+            dataset, options = dataloaders.from_dataloader(dataset, options)
         return build.build_loader(
             self._run,
             dataset,
