@@ -13,6 +13,7 @@ import ddpkit
 import workers
 from ddpkit.distributed.environment import Environment
 from ddpkit.distributed.host import threads_per_process
+from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH
 from ddpkit.distributed.torchrun import AGENT_ENV, RunSpec, parse_master, torchrun_args, validate
 from ddpkit.errors import UsageError
 
@@ -169,9 +170,11 @@ def test_uneven_all_gather_and_reductions():
 
 
 @pytest.mark.timeout(120)
-def test_launch_raises_first_failure_with_rank_and_traceback():
+def test_launch_raises_first_failure_with_rank_and_traceback(capfd):
     with pytest.raises(ddpkit.LaunchError) as info:
         ddpkit.launch(workers.fail_on_rank_one, nprocs=2)
+    # the failed rank closed as failed: rank 0, left in its barrier, reports no collective mismatch
+    assert "collective mismatch" not in capfd.readouterr().err
     assert info.value.rank == 1
     assert "ValueError: rank one refuses" in str(info.value)
     assert "fail_on_rank_one" in info.value.child_traceback
@@ -388,3 +391,19 @@ def test_what_a_worker_returns_comes_back_whole_with_host_tensors_as_they_were()
     assert isinstance(back["w"], torch.nn.Parameter) and not back["w"].requires_grad
     assert torch.equal(back["w"], weight) and torch.equal(back["rows"][0], torch.ones(2, 3))
     assert back["note"] == ("kept", 3)
+
+
+def test_a_rank_ended_by_the_watchdog_is_the_launchs_error_with_its_exit_code():
+    from types import SimpleNamespace
+
+    from ddpkit.distributed import launch
+
+    ended = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=EXIT_MISMATCH)}
+    error = launch._watchdogs_verdict(ended)
+    assert error is not None and error.rank == 1 and error.exit_code == EXIT_MISMATCH
+    assert str(error) == f"rank 1 failed: exit code {EXIT_MISMATCH}: the ranks called different collectives; " + (
+        "the report above names each rank's call and line"
+    )
+    hung = launch._watchdogs_verdict({0: SimpleNamespace(exitcode=EXIT_HANG)})
+    assert hung is not None and hung.exit_code == EXIT_HANG and "the job hung" in str(hung)
+    assert launch._watchdogs_verdict({0: SimpleNamespace(exitcode=1)}) is None

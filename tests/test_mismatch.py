@@ -249,6 +249,23 @@ for i, (x, y) in enumerate(rt.loader(data, global_batch_size=8)):
         rt.all_reduce(torch.ones(1))  # line 12: a metric, on the main process only
 """
 
+# one rank leaves the loop on its own shard's loss and evaluates while the other trains on: gloo finds
+# the sizes differ in its transport thread and throws there, which ends the process in C++
+EARLY_STOP = """
+import torch, torch.nn.functional as F, ddpkit
+rt = ddpkit.init(seed=0)
+data, net = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), torch.nn.Linear(8, 3)
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+loader = rt.loader(data, global_batch_size=16)
+for epoch in range(3):
+    for x, y in loader:
+        rt.backward(F.cross_entropy(model(x), y))  # line 9: DDP's exchange, in C++
+        rt.step(opt)
+    if rt.rank == 1 and epoch == 0:
+        break  # its own loss stopped improving: it leaves the loop alone
+print(ddpkit.evaluate(model, data, num_classes=3)["accuracy"])  # line 13
+"""
+
 CASES = {
     # script, the reason's words, a line each rank's row must hold
     "only_main": (
@@ -278,6 +295,15 @@ CASES = {
         [
             r"rank 0: in its collective #\d+: all_reduce\(float32\[1\]\) at .*micro_shards\.py:12",
             r"rank 1: in its collective #\d+: micro_shards_exchange\(\) at .*micro_shards\.py:8",
+        ],
+    ),
+    "early_stop": (
+        EARLY_STOP,
+        "by torch's flight recorder, as different calls",
+        [
+            r"rank 0: in #\d+ gloo:all_reduce \[\[27\]\] Float of group 0 \(by torch's flight recorder\) at "
+            r".*early_stop\.py:9",
+            r"rank 1: in its collective #\d+: all_reduce\(int64\[\d+\]\) at .*early_stop\.py:13",
         ],
     ),
     "order": (
@@ -359,7 +385,12 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", [pytest.param("operations", marks=pytest.mark.slow)])  # 8 s: make test-slow
+@pytest.mark.parametrize(
+    "case",
+    # early_stop: a peer's collective fails as the reporting rank leaves, and the launch's error says
+    # what the report says, not that peer's "connection reset"; 8 s each, operations in make test-slow
+    [pytest.param("operations", marks=pytest.mark.slow), "early_stop"],
+)
 def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)
     launcher = tmp_path / "launcher.py"
@@ -367,6 +398,10 @@ def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
     result = python(str(launcher), str(path), env=_cpu(), timeout=120)
     assert result.returncode != 0
     _check_report(result.stderr, reason, rows)
+    assert re.search(
+        r"LaunchError: rank \d failed: exit code 123: the ranks called different collectives", result.stderr
+    )
+    assert "Connection reset" not in result.stderr.split("LaunchError")[-1]
 
 
 STUCK = """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import types
 import warnings
 
@@ -555,3 +556,37 @@ def test_without_the_reducers_check_the_step_warns_once_and_goes_on():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mode.complete([])  # once
+
+
+TERMINATE = """
+import ctypes, os, sys
+import torch
+from ddpkit import _torch
+
+terminate = ctypes.CDLL("libstdc++.so.6")._ZSt9terminatev  # what an exception no C++ frame caught calls
+undo = _torch.on_cpp_terminate(lambda: print("handler ran", flush=True))
+if sys.argv[1] == "undone":
+    undo()
+terminate()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch runs on libstdc++ on Linux")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["set", "undone"])
+def test_on_cpp_terminate_runs_the_handler_then_the_c_runtimes_own_which_aborts(tmp_path, mode):
+    import signal
+    import subprocess
+
+    script = tmp_path / "terminate.py"
+    script.write_text(TERMINATE)
+    done = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=50)
+    assert done.returncode == -signal.SIGABRT  # it still ends as it would have
+    assert ("handler ran" in done.stdout) == (mode == "set")
+    assert "terminate called without an active exception" in done.stderr  # libstdc++'s own handler, after ours
+
+
+def test_on_cpp_terminate_is_loud_where_no_c_runtime_has_it(monkeypatch):
+    monkeypatch.setattr(_torch, "_TERMINATE_SYMBOL", "_ZSt13no_such_thingv")
+    with pytest.raises(_torch.PrivateApiChanged, match="std::set_terminate"):
+        _torch.on_cpp_terminate(lambda: None)

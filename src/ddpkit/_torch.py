@@ -7,6 +7,7 @@ whether a missing API is an error or a warned, recorded loss (never a silent one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -571,3 +572,59 @@ def scale_add_(targets: list[torch.Tensor], sources: list[torch.Tensor], keep: f
     if targets:
         mul(targets, keep)
         add(targets, sources, alpha=alpha)
+
+
+_TERMINATE_SYMBOL = "_ZSt13set_terminatePFvvE"  # std::set_terminate(void (*)()), as the Itanium C++ ABI names it
+_CXX_RUNTIMES = (None, "libstdc++.so.6", "libc++abi.dylib", "libc++abi.so.1")
+"""Where ``std::set_terminate`` is looked up: the process's own symbols, then libstdc++ (torch's on Linux),
+then libc++ (macOS's); a runtime already loaded is the one returned."""
+
+
+def on_cpp_terminate(handler: Callable[[], None]) -> Callable[[], None]:
+    """Run ``handler`` when torch's C++ ends the process by ``std::terminate``, before the handler that
+    was there (which prints the exception and aborts); returns the undo.
+
+    ``std::terminate`` is what a C++ exception that no frame catches ends in: gloo's size check
+    ("Received data size doesn't match expected size") throws in its transport thread, which only
+    the C++ runtime sees. ``handler`` runs in that thread, with the GIL (ctypes takes it); a handler
+    that ends the process itself (``os._exit``) never comes back. Not torch's API but the C++
+    runtime's (``std::set_terminate``, through ctypes), kept here beside torch's: as private to Python
+    as they are.
+
+    Raises:
+        PrivateApiChanged: no C++ runtime of this process has ``std::set_terminate``.
+    """
+    import ctypes
+
+    setter = None
+    for library in _CXX_RUNTIMES:
+        try:
+            setter = getattr(ctypes.CDLL(library), _TERMINATE_SYMBOL)
+            break
+        except (OSError, AttributeError):
+            continue
+    if setter is None:
+        raise PrivateApiChanged("std::set_terminate", "no C++ runtime of this process has it")
+    setter.restype, setter.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    kind = ctypes.CFUNCTYPE(None)
+
+    def terminating() -> None:
+        try:
+            handler()
+        finally:  # the handler that was there prints the exception and aborts; without one, abort
+            if previous:
+                kind(previous)()
+            ctypes.CDLL(None).abort()
+
+    callback = kind(terminating)
+    ours = ctypes.cast(callback, ctypes.c_void_p).value
+    previous = setter(ours)
+
+    def undo() -> None:
+        now = setter(previous)
+        if now != ours:  # a handler set after ours stays
+            setter(now)
+        undo.__dict__.pop("callback", None)  # (ctypes calls through it until here)
+
+    undo.__dict__["callback"] = callback
+    return undo

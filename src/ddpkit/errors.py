@@ -183,6 +183,25 @@ def translate_uncaught(translator: Callable[[BaseException], DdpkitError | None]
         _TRANSLATORS.append(translator)
 
 
+_FAILURE_NOTES: list[Callable[[BaseException], None]] = []
+
+
+def note_failures(note: Callable[[BaseException], None]) -> Callable[[], None]:
+    """Have ``note(exc)`` called when the script ends by the exception ``exc``; returns the undo.
+
+    Python's excepthook calls it for a script; :func:`ddpkit.launch`'s children, which catch what
+    the function raised to send it to the parent, call it through :func:`script_failed`.
+    """
+    _FAILURE_NOTES.append(note)
+    return lambda: _FAILURE_NOTES.remove(note) if note in _FAILURE_NOTES else None
+
+
+def script_failed(exc: BaseException) -> None:
+    """The script ends by ``exc``: tell every note of :func:`note_failures`."""
+    for note in list(_FAILURE_NOTES):
+        note(exc)
+
+
 def translated(exc: BaseException) -> DdpkitError | None:
     """What a translator registered by :func:`translate_uncaught` makes of ``exc`` (None: nothing)."""
     for translator in _TRANSLATORS:

@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 from ddpkit import _torch
 from ddpkit.distributed import stores
 from ddpkit.distributed.parent import die_with_launcher
-from ddpkit.errors import DdpkitError, translated
+from ddpkit.errors import DdpkitError, script_failed, translated
 
 _USAGE = "usage: python -m ddpkit.entry SCRIPT [ARGS...] | -m MODULE [ARGS...]\n"
 
@@ -236,6 +236,7 @@ def call_and_record(
             raise
         result = _by_value(fn, None)  # as torch's record() treats sys.exit(0)
     except BaseException as exc:
+        script_failed(exc)  # as Python's excepthook would tell the run: it closes as failed
         _record(error_dir, exc)
         _leave_after_handoff(start_method, 1)
         raise

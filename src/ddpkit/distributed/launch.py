@@ -16,14 +16,14 @@ import pickle
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ddpkit.distributed import entry, stores
 from ddpkit.distributed.failures import describe, is_secondary, root_failure
 from ddpkit.distributed.torchrun import AGENT_ENV, _thread_env, private_job
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH, DdpkitError, UsageError
 
 
 class LaunchError(DdpkitError):
@@ -114,10 +114,33 @@ def launch(
                 call = elastic_launch(config, entry.call_and_record)
                 returned = call(fn, error_dir, config.start_method, launcher, *args)
             except ChildFailedError as exc:
-                failed = _earliest_error(error_dir) or _launch_error(*root_failure(exc.failures))
+                # a rank's own error first; then the watchdog's verdict, which a peer's lost collective follows
+                earliest = _earliest_error(error_dir)
+                own = earliest if earliest is not None and not is_secondary(earliest.message) else None
+                failed = (
+                    own or _watchdogs_verdict(exc.failures) or earliest or _launch_error(*root_failure(exc.failures))
+                )
                 raise _after_cuda_in_the_parent(failed, method) from None
     # bytes: see entry._by_value; in rank order, whichever rank finished first
     return {rank: pickle.loads(value) for rank, value in sorted(returned.items())}
+
+
+_VERDICTS = {
+    EXIT_MISMATCH: "the ranks called different collectives; the report above names each rank's call and line",
+    EXIT_HANG: "the job hung; the report above names the stuck rank and shows its stack",
+}
+
+
+def _watchdogs_verdict(failures: Mapping[int, Any]) -> LaunchError | None:
+    """The watchdog's verdict where a rank ended by it (exit code 123 or 124), as the error, with that exit
+    code; None where none did. A peer's error (its collective lost the rank that reported) is its consequence."""
+    ended = {rank: f.exitcode for rank, f in failures.items() if getattr(f, "exitcode", None) in _VERDICTS}
+    if not ended:
+        return None
+    rank = min(ended)
+    error = LaunchError(rank, f"exit code {ended[rank]}: {_VERDICTS[ended[rank]]}")
+    error.exit_code = ended[rank]
+    return error
 
 
 def _earliest_error(error_dir: str) -> LaunchError | None:

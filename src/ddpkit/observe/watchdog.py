@@ -55,8 +55,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpkit._torch import PrivateApiChanged, default_store
-from ddpkit.errors import UsageError, raised_at, user_line
+from ddpkit._torch import PrivateApiChanged, default_store, on_cpp_terminate
+from ddpkit.errors import UsageError, raised_at, user_line, warn
 from ddpkit.observe import collectives
 from ddpkit.observe.heartbeats import (
     CLOSED,
@@ -157,6 +157,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._probes: list[list[Any]] = []  # [probe, last value]: reads in DataLoader workers
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
+        self._undo_terminate: Callable[[], None] | None = None
 
     def limit(self) -> float:
         """Seconds a rank may wait in one collective (adaptive) or all may go without progress (explicit)."""
@@ -204,6 +205,7 @@ class Watchdog:
             self.log.thread = self._watched
             self.log.on_failure = self._collective_failed
             collectives.install(self.log)
+            self._undo_terminate = _on_gloo_abort(self._terminating)
         self._thread.start()
         return self
 
@@ -215,6 +217,9 @@ class Watchdog:
         self._failed = failed
         if self.log is not None:
             collectives.uninstall()
+        if self._undo_terminate is not None:
+            self._undo_terminate()
+            self._undo_terminate = None
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + _STORE_TIMEOUT_S)
@@ -474,6 +479,12 @@ class Watchdog:
         except (RuntimeError, OSError):
             return  # the store is gone with the peers: nothing more to learn
 
+    def _terminating(self) -> None:
+        """torch's C++ is ending this process (:func:`_on_gloo_abort`), in a thread of its own: before it
+        aborts, end the job with the mismatch report if the peers' heartbeats show one."""
+        if not self._stop.is_set():
+            self._collective_failed()
+
     def uncaught(self, error: BaseException) -> None:
         """The script is ending by ``error``: where a backend raised it because a peer left (a call the
         log does not count, such as DDP's gradient exchange), end the job with the mismatch report if
@@ -615,6 +626,28 @@ def _backend_failure(error: BaseException) -> bool:
     if backend_error is not None and isinstance(error, backend_error):
         return True
     return isinstance(error, RuntimeError) and any(words in str(error) for words in _PEER_GONE)
+
+
+def _on_gloo_abort(handler: Callable[[], None]) -> Callable[[], None] | None:
+    """Run ``handler`` before torch's C++ aborts this process, where the default group is gloo's; returns
+    the undo, or None (another backend, or a C++ runtime ddpkit cannot reach, said once).
+
+    gloo checks each message's size against the receiving buffer in its transport thread and, where
+    ranks called collectives of different sizes, throws there ("Received data size doesn't match
+    expected size"): an exception no frame catches, which ends the process before any Python runs.
+    Not on NCCL, whose watchdog thread ends a timed-out process the same way on purpose, and
+    where the main thread may hold the GIL while it waits on the GPU (``loss.item()``): the handler
+    needs the GIL, so it would keep that process alive.
+    """
+    import torch.distributed as dist
+
+    if "gloo" not in str(dist.get_backend()):
+        return None
+    try:
+        return on_cpp_terminate(handler)
+    except PrivateApiChanged as exc:
+        warn(f"{exc}: a rank that gloo aborts is not named in a mismatch report")
+        return None
 
 
 def _finished_apart(beats: Mapping[int, Heartbeat | None], me: int) -> str | None:

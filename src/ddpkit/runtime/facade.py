@@ -22,7 +22,7 @@ from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, process_group, store_sync
 from ddpkit.distributed.environment import Environment
-from ddpkit.errors import DdpkitError, called_from_user_code, warn
+from ddpkit.errors import DdpkitError, called_from_user_code, note_failures, script_failed, warn
 from ddpkit.loop import build, dataloaders
 from ddpkit.loop import steps as loop_steps
 from ddpkit.observe import heartbeats, progress
@@ -67,15 +67,20 @@ class Runtime:
         if run.tracking is not None:
             run.tracking.outcome = lambda: self._outcome or ("FAILED" if self._failed else "FINISHED")
         previous = sys.excepthook
+        self._forget_failures = note_failures(self._note_failure)  # ddpkit.launch's children call it too
 
         def note_failure(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
-            if not issubclass(kind, SystemExit):
-                self._failed = True  # close at exit ends the tracker runs as failed
-                if self._reporter.watchdog is not None:  # a peer that left: a mismatch the report names
-                    self._reporter.watchdog.uncaught(value)
+            script_failed(value)
             previous(kind, value, traceback)
 
         sys.excepthook = note_failure
+
+    def _note_failure(self, error: BaseException) -> None:
+        """The script ends by ``error``: close as failed (no peer takes its missing calls for a mismatch)."""
+        if not isinstance(error, SystemExit):
+            self._failed = True  # close at exit ends the tracker runs as failed
+            if self._reporter.watchdog is not None:  # a peer that left: a mismatch the report names
+                self._reporter.watchdog.uncaught(error)
 
     @property
     def rank(self) -> int:
@@ -437,6 +442,7 @@ class Runtime:
             entry.leave(1)  # an atexit handler cannot set the exit status otherwise
 
     def _close(self) -> None:
+        self._forget_failures()
         self._reporter.close(failed=self._failed)
         if self._run.tracking is not None:
             self._run.tracking.close(self._outcome or ("FAILED" if self._failed else "FINISHED"))
