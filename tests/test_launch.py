@@ -13,9 +13,8 @@ import ddpkit
 import workers
 from ddpkit.distributed.environment import Environment
 from ddpkit.distributed.host import threads_per_process
-from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH
 from ddpkit.distributed.torchrun import AGENT_ENV, RunSpec, parse_master, torchrun_args, validate
-from ddpkit.errors import UsageError
+from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH, UsageError
 
 PRIVATE = "/private/ddpkit-job-x"
 
