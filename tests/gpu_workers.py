@@ -161,3 +161,20 @@ def gpu_micro_shards(steps: int = 6) -> dict:
     out["deterministic_after_close"] = torch.are_deterministic_algorithms_enabled()
     out["cudnn_after_close"] = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     return out
+
+
+def fsdp_offload_setup_peak() -> tuple[int, int]:
+    """The GPU memory that fsdp's set-up with cpu_offload peaks at, above where it began, and one unit's bytes."""
+    rt = ddpkit.init(seed=0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 8 units of 4 MiB
+    unit = sum(p.numel() * p.element_size() for p in net[0].parameters())
+    torch.cuda.reset_peak_memory_stats(rt.device)
+    before = torch.cuda.memory_allocated(rt.device)
+    rt.setup(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        strategy="fsdp",
+        fsdp_units=[torch.nn.Linear],
+        cpu_offload=True,
+    )
+    return torch.cuda.max_memory_allocated(rt.device) - before, unit

@@ -98,6 +98,13 @@ def test_fsdp_on_nccl_shards_on_the_gpu_or_offloads_and_reloads(precision, cpu_o
 
 
 @pytest.mark.timeout(120)
+def test_fsdp_with_cpu_offload_never_holds_the_whole_model_on_the_gpu_while_it_shards():
+    """A model larger than the GPU is what cpu_offload is for: set-up moves a unit at a time."""
+    peak, unit = ddpkit.launch(gpu_workers.fsdp_offload_setup_peak, nprocs=1)[0]
+    assert peak < 4 * unit, (peak, unit)  # the whole model is 8 units
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_pins_memory_and_hands_out_cuda_batches(monkeypatch, num_workers):
     pinned = []

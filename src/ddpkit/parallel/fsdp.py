@@ -98,7 +98,7 @@ def shard(
     cpu_offload: bool = False,
     min_unit_params: int = MIN_UNIT_PARAMS,
 ) -> torch.nn.Module:
-    """Shard ``model`` in place (moved to ``device`` first) and rebind ``optimizers`` to its new parameters.
+    """Shard ``model`` in place, unit by unit onto ``device``, and rebind ``optimizers`` to its new parameters.
 
     Under bf16 and fp16 the units compute with parameters in that dtype and reduce gradients in
     fp32 into fp32 shards (the master weights).
@@ -124,7 +124,9 @@ def shard(
                 "the optimizer has state already (it stepped); build it before training, "
                 "then call rt.setup(model, optimizer, strategy='fsdp')"
             )
-    model.to(device)
+    # no model.to(device) first: each fully_shard moves only the parameters and buffers of its unit to the
+    # mesh's device and shards them there, so the whole model is never on the GPU at once (cpu_offload's
+    # models, larger than the GPU, included); the root's call moves what no unit holds
     names = {id(p): name for name, p in model.named_parameters()}
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
