@@ -72,7 +72,8 @@ def adopt(
         model = options.compiled(model)  # after the shards' hooks are on its BatchNorm layers, which it traces
         index = run.adopt(model, optimizer, mode=mode)
     else:
-        model = run.world.prepare(model.to(device), options)
+        # fsdp moves a unit at a time as it shards (fsdp.shard): the whole model need not fit on the GPU
+        model = run.world.prepare(model if options.strategy == "fsdp" else model.to(device), options)
         wrapped = wrap(
             model,
             optimizer,
