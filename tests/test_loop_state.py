@@ -405,6 +405,9 @@ def test_a_dataloader_given_to_rt_loader_reads_its_dataset_with_its_batch_size_a
         assert all(i % 2 == 0 for b in _batches(alike) for i in b)
         # what the script gives beside it wins: 3 a process here
         assert [len(b) for b in _batches(rt.loader(plain, batch_size=3, name="three"))] == [3, 3, 3, 2]
+        # workers given up beside it: the DataLoader's worker options go too (torch refuses them alone)
+        workers = DataLoader(data, batch_size=4, num_workers=2, prefetch_factor=4, persistent_workers=True)
+        assert _batches(rt.loader(workers, num_workers=0, name="inline")) == _batches(plain)
         uniform = torch.utils.data.RandomSampler(data, replacement=True, num_samples=6)
         drawn = _batches(rt.loader(DataLoader(data, batch_size=3, sampler=uniform), name="uniform"))
         assert [len(b) for b in drawn] == [3, 3]  # num_samples a epoch, drawn with replacement

@@ -968,3 +968,19 @@ def test_only_a_flight_recorder_dump_with_something_in_it_is_kept(tmp_path, monk
     (kept,) = kept_root.iterdir()
     assert [p.name for p in kept.iterdir()] == ["flight-recorder-rank-0"]
     assert str(kept) in capsys.readouterr().err
+
+
+def test_the_hook_on_cs_terminate_reports_from_the_rank_only_and_only_while_it_watches():
+    from ddpkit.observe.watchdog import Watchdog
+
+    watchdog = Watchdog(None, rank=0, world_size=2)
+    looked: list[int] = []
+    watchdog._collective_failed = lambda: looked.append(os.getpid())  # type: ignore[method-assign]
+    watchdog._terminating()
+    assert looked == [os.getpid()]  # the rank: it publishes where it is and looks for a mismatch
+    watchdog._pid = os.getpid() + 1  # as in a DataLoader worker forked from the rank, which inherits the hook
+    watchdog._terminating()
+    watchdog._pid = os.getpid()
+    watchdog._stop.set()  # stopped watching: the process ends as it would have
+    watchdog._terminating()
+    assert looked == [os.getpid()]

@@ -187,10 +187,9 @@ _FAILURE_NOTES: list[Callable[[BaseException], None]] = []
 
 
 def note_failures(note: Callable[[BaseException], None]) -> Callable[[], None]:
-    """Have ``note(exc)`` called when the script ends by the exception ``exc``; returns the undo.
-
-    Python's excepthook calls it for a script; :func:`ddpkit.launch`'s children, which catch what
-    the function raised to send it to the parent, call it through :func:`script_failed`.
+    """Have ``note(exc)`` called where :func:`ddpkit.launch`'s children catch what their function raised
+    (to send it to the parent), before Python's excepthook could see it; returns the undo. A script's
+    own excepthook calls what it needs itself.
     """
     _FAILURE_NOTES.append(note)
     return lambda: _FAILURE_NOTES.remove(note) if note in _FAILURE_NOTES else None

@@ -91,4 +91,4 @@ def from_dataloader(loader: Any, given: dict[str, Any]) -> tuple[Any, dict[str, 
         options["worker_init_fn"] = loader.worker_init_fn
     if "batch_size" in given:
         del options["global_batch_size"]
-    return loader.dataset, {**options, **given}
+    return loader.dataset, {**options, **given}  # (rt.loader drops workers' options where there are none)

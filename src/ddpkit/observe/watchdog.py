@@ -481,8 +481,9 @@ class Watchdog:
 
     def _terminating(self) -> None:
         """torch's C++ is ending this process (:func:`_on_gloo_abort`), in a thread of its own: before it
-        aborts, end the job with the mismatch report if the peers' heartbeats show one."""
-        if not self._stop.is_set():
+        aborts, end the job with the mismatch report if the peers' heartbeats show one. Not in a process
+        forked from the rank (a DataLoader worker), which inherits the hook but is not the rank."""
+        if not self._stop.is_set() and os.getpid() == self._pid:
             self._collective_failed()
 
     def uncaught(self, error: BaseException) -> None:

@@ -22,7 +22,7 @@ from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, process_group, store_sync
 from ddpkit.distributed.environment import Environment
-from ddpkit.errors import DdpkitError, called_from_user_code, note_failures, script_failed, warn
+from ddpkit.errors import DdpkitError, called_from_user_code, note_failures, warn
 from ddpkit.loop import build, dataloaders
 from ddpkit.loop import steps as loop_steps
 from ddpkit.observe import heartbeats, progress
@@ -70,7 +70,7 @@ class Runtime:
         self._forget_failures = note_failures(self._note_failure)  # ddpkit.launch's children call it too
 
         def note_failure(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
-            script_failed(value)
+            self._note_failure(value)
             previous(kind, value, traceback)
 
         sys.excepthook = note_failure
