@@ -338,6 +338,9 @@ class LoaderPosition:
             "epoch": self.epoch,
             "position": self.position,
             "finished": done,
+            # its iterator ran out or was left; not so a pass that handed out its last batch and is still
+            # read (zip's second loader, whose StopIteration ends the zip at the first's next batch)
+            "ran_out": self.finished,
             "pass_trained": self._pass_trained,
             "began": self._began if self._pass_trained else None,  # which pass of several began an epoch
             "pass_epoch": self._pass_epoch,
@@ -501,7 +504,7 @@ class QuorumLoader(ShardedLoader):
         epoch as this one does."""
         record = super().position_record()
         if self._ending:
-            record["finished"] = False
+            record["finished"] = record["ran_out"] = False
         return record
 
     def step_back(self) -> None:

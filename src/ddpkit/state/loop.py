@@ -109,7 +109,7 @@ class LoopState:
         loader.resume_at(
             int(saved["epoch"]),
             int(saved["position"]),
-            ended=bool(saved["finished"]),
+            ended=bool(saved.get("ran_out", saved["finished"])),  # at its last batch, still read: resumed there
             trained=bool(saved.get("pass_trained", True)),
         )
 
@@ -149,7 +149,8 @@ class LoopState:
         begun = [rec for rec in current if rec.get("began") is not None and rec["pass_epoch"] == self.epoch]
         first = min(begun, key=lambda rec: rec["began"]) if begun else None
         epoch_done = first["finished"] if first is not None else bool(current) and all(r["finished"] for r in current)
-        mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["finished"]}
+        # the passes of this epoch that go on, those at their last batch and still read included
+        mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["ran_out"]}
         return self._state(epoch_done=epoch_done, loaders=mid)
 
     def _state(self, *, epoch_done: bool, loaders: dict[str, Any]) -> dict[str, Any]:
