@@ -140,9 +140,9 @@ class _GlobalRandom(torch.utils.data.Dataset):
         return torch.tensor([float(torch.rand(())), float(np.random.rand()), random.random()])
 
 
-def rank0_only_save(checkpoint: str) -> dict:
+def rank0_only_save(checkpoint: str, hang_timeout: float | None = None) -> dict:
     """The README habit gone wrong: ``if rt.is_main: rt.save(...)``."""
-    rt = ddpkit.init(seed=0, save_timeout=5)
+    rt = ddpkit.init(seed=0, save_timeout=5 if hang_timeout == 0 else 60, hang_timeout=hang_timeout)
     model = torch.nn.Linear(2, 1)
     model = rt.setup(model)
     if rt.is_main:

@@ -298,12 +298,23 @@ def test_only_datasets_that_run_no_code_of_the_scripts_skip_the_keyed_reads():
 
 
 @pytest.mark.timeout(120)
-def test_save_on_rank_0_only_fails_with_one_line_naming_save(tmp_path):
+def test_save_on_rank_0_only_is_a_mismatch_naming_save_in_seconds(tmp_path, capfd):
     with pytest.raises(ddpkit.LaunchError) as caught:
         ddpkit.launch(loop_workers.rank0_only_save, nprocs=2, args=(str(tmp_path / "c.pt"),))
+    assert "exit code 123: the ranks called different collectives" in str(caught.value)
+    said = capfd.readouterr().err
+    assert re.search(r"rank 0: in its collective #\d+: rt\.save\(\) at .*loop_workers\.py:\d+", said), said[-2000:]
+    assert "rt.save must be called on every rank (it gathers each rank's random state; ddpkit writes" in said
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.timeout(120)
+def test_save_on_rank_0_only_without_the_watchdog_fails_with_one_line_naming_save(tmp_path):
+    with pytest.raises(ddpkit.LaunchError) as caught:
+        ddpkit.launch(loop_workers.rank0_only_save, nprocs=2, args=(str(tmp_path / "c.pt"), 0))
     message = str(caught.value).splitlines()[0]
     assert "rank 0" in message and "rt.save must be called on every rank" in message
-    assert "rank(s) 1 did not reach it" in message
+    assert "rank(s) 1 did not reach it" in message  # the store's check, after save_timeout
     assert not (tmp_path / "c.pt").exists()
 
 
@@ -476,7 +487,7 @@ def test_fresh_run_in_a_used_out_dir_starts_its_metrics_anew(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_save_on_rank_0_only_under_ddpkit_run_with_default_settings_fails_within_90_s(tmp_path):
+def test_save_on_rank_0_only_under_ddpkit_run_with_default_settings_is_named_in_seconds(tmp_path):
     from helpers import ddpkit as ddpkit_cli
 
     script = tmp_path / "rank0_save.py"
@@ -488,9 +499,10 @@ def test_save_on_rank_0_only_under_ddpkit_run_with_default_settings_fails_within
         f"    rt.save({str(tmp_path / 'c.pt')!r}, {{'model': model}})\n"
     )
     result = ddpkit_cli("run", "-n", "2", str(script), timeout=170)
-    assert result.returncode != 0
-    # the store check's default 60 s, not the 600 s collective timeout, ended it
-    assert "rt.save must be called on every rank, but rank(s) 1 did not reach it within 60 s" in result.stderr
+    assert result.returncode == 123, result.stderr[-2000:]
+    # the watchdog's mismatch report, not the 600 s collective timeout (nor the store's 60 s), ended it
+    assert re.search(r"rank 0: in its collective #1: rt\.save\(\) at .*rank0_save\.py:5", result.stderr)
+    assert "rank 0 waits in its collective #1, which rank 1 never calls: it finished after 0" in result.stderr
 
 
 def test_model_compiled_before_setup_checkpoints_plain_names(tmp_path):

@@ -67,6 +67,39 @@ def test_a_rank_waiting_in_a_collective_a_finished_rank_never_called_is_a_mismat
     assert find_mismatch(beats, NOW, grace=3.0, silent_after=5.0) is None
 
 
+def test_a_rank_in_the_groups_collective_that_a_peer_waiting_outside_the_group_never_reached_is_a_mismatch():
+    def in_ddp(seq, pending_for=4.0, **more):  # rank 1, in DDP's exchange (a call the log does not count)
+        return dataclasses.replace(
+            beat(1, 5, **more),
+            pending="x",
+            pending_seq=seq,
+            pending_call="gloo:all_reduce [[387]] Float",
+            pending_for=pending_for,
+            flight_last=seq - 1,
+        )
+
+    saving = dataclasses.replace(beat(0, 2, "rt.save()", waited=4.0), flight_last=13)  # nothing in flight
+    beats = {0: saving, 1: in_ddp(14)}
+    assert find_mismatch(beats, NOW, grace=3.0, silent_after=5.0) == (
+        "rank 1 is in the default group's collective #14 by torch's flight recorder, which rank 0 has not "
+        "reached: it waits in rt.save(), its #2"
+    )
+    # the peer recorded that collective already: the exchange's last bytes are on their way
+    assert (
+        find_mismatch({0: dataclasses.replace(saving, flight_last=14), 1: in_ddp(14)}, NOW, grace=3.0, silent_after=5.0)
+        is None
+    )
+    # the peer's wait is in the group itself (in flight there): the rule of one numbered collective decides
+    in_group = dataclasses.replace(saving, pending="x", pending_seq=14, pending_call="gloo:all_reduce [[387]] Float")
+    assert find_mismatch({0: in_group, 1: in_ddp(14)}, NOW, grace=3.0, silent_after=5.0) is None
+    # not yet for the grace period on either side, or no recorder on the waiting peer: nothing yet
+    assert find_mismatch({0: saving, 1: in_ddp(14, pending_for=1.0)}, NOW, grace=3.0, silent_after=5.0) is None
+    short = dataclasses.replace(beat(0, 2, "rt.save()", waited=1.0), flight_last=13)
+    assert find_mismatch({0: short, 1: in_ddp(14)}, NOW, grace=3.0, silent_after=5.0) is None
+    unread = dataclasses.replace(saving, flight_last=0)
+    assert find_mismatch({0: unread, 1: in_ddp(14)}, NOW, grace=3.0, silent_after=5.0) is None
+
+
 def test_ranks_waiting_at_once_in_different_collectives_are_a_mismatch_the_same_one_is_not():
     same = {0: beat(0, 7, "all_reduce(float32[3])", waited=5.0), 1: beat(1, 7, "all_reduce(float32[3])", waited=4.0)}
     assert find_mismatch(same, NOW, grace=3.0, silent_after=5.0) is None  # slow, not mismatched
@@ -266,6 +299,20 @@ for epoch in range(3):
 print(ddpkit.evaluate(model, data, num_classes=3)["accuracy"])  # line 13
 """
 
+# each rank reads batches of its own, rank 1 one more (uneven inputs): rank 0 reaches the end-of-epoch
+# checkpoint, whose meeting is outside the process group, while rank 1 is in DDP's exchange
+UNEVEN = """
+import torch, torch.nn.functional as F, ddpkit
+rt = ddpkit.init(seed=0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+mine = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(5 + rt.rank)]
+for x, y in mine:
+    rt.backward(F.cross_entropy(model(x), y))  # line 8
+    rt.step(opt)
+rt.save("unused.pt", {"model": model, "opt": opt})  # line 10
+"""
+
 CASES = {
     # script, the reason's words, a line each rank's row must hold
     "only_main": (
@@ -304,6 +351,14 @@ CASES = {
             r"rank 0: in #\d+ gloo:all_reduce \[\[27\]\] Float of group 0 \(by torch's flight recorder\) at "
             r".*early_stop\.py:9",
             r"rank 1: in its collective #\d+: all_reduce\(int64\[\d+\]\) at .*early_stop\.py:13",
+        ],
+    ),
+    "uneven": (
+        UNEVEN,
+        "rank 1 is in the default group's collective #",
+        [
+            r"rank 0: in its collective #\d+: rt\.save\(\) at .*uneven\.py:10",
+            r"rank 1: in #\d+ gloo:all_reduce \[\[387\]\] Float of group 0 \(by torch's flight recorder\) at .*uneven\.py:8",
         ],
     ),
     "order": (

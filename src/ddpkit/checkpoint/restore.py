@@ -12,8 +12,8 @@ from typing import Any
 
 from ddpkit import checkpoint, rng
 from ddpkit.checkpoint import dcp
-from ddpkit.checkpoint.resume import Peers
-from ddpkit.distributed import collectives, store_sync
+from ddpkit.checkpoint.resume import Peers, meet
+from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, warn
 from ddpkit.parallel.periodic_parts import SYNCS
 from ddpkit.state.run import RunState
@@ -81,7 +81,7 @@ def load(
         state: the user's objects by name, restored in place.
         strict: a saved loader position that matches no loader is an error (else a warning).
     """
-    store_sync.all_arrive("load", peers.save_timeout)
+    meet("load", peers.save_timeout)
     target = Path(path)
     if target.is_dir() and not dcp.is_dcp(target):
         found = newest_agreed(peers, target)

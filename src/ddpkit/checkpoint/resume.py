@@ -28,10 +28,20 @@ from ddpkit._version import __version__
 from ddpkit.checkpoint import background, dcp
 from ddpkit.distributed import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.observe.collectives import counted_wait
 from ddpkit.observe.heartbeats import beat
 from ddpkit.parallel import lazy_buffers, periodic
 from ddpkit.parallel.modes import ProcessGroup
 from ddpkit.state.run import RunState
+
+
+def meet(what: str, timeout_s: float, part: bytes = b"1") -> str:
+    """:func:`~ddpkit.distributed.store_sync.all_arrive` at ``rt.<what>``, waited in as a collective of
+    every rank's (:func:`~ddpkit.observe.collectives.counted_wait`): a rank that waits here while a
+    peer waits in another collective (DDP's exchange, on a rank with one more batch of its own) is a
+    mismatch named in seconds, with both lines, not a peer that missed ``rt.<what>`` after a minute."""
+    with counted_wait(f"rt.{what}"):
+        return store_sync.all_arrive(what, timeout_s, part)
 
 
 @dataclass(frozen=True)
@@ -92,9 +102,7 @@ def save(
     light = {"rng": rng.rng_state(), "buffers": [None if b is None else b.captured() for b in run.buffers]}
     # each rank brings its RNG states and statistics to the meeting (the launcher's store keeps them
     # when a rank dies right after), so rank 0 writes them behind the loop with no collective
-    meeting_point = store_sync.all_arrive(
-        "save", peers.save_timeout, b"1" if peers.is_main else collectives.object_bytes(light)
-    )
+    meeting_point = meet("save", peers.save_timeout, b"1" if peers.is_main else collectives.object_bytes(light))
     # after the meeting: a long write in flight on rank 0 is never taken for a rank that did not come
     lazy_buffers.average_copies(state)  # a copy's statistics (an EMA's), equal on every rank (collectives)
     failed = settle(run)  # at most one write in flight (rank 0's, in all but a fault-tolerant replica)
@@ -314,7 +322,7 @@ def _save_sharded(run: RunState, peers: Peers, path: Path, state: Mapping[str, A
             "rt.save inside an accumulation group under strategy='fsdp' is not supported; "
             "save at the step that ends a group"
         )
-    meeting_point = store_sync.all_arrive("save", peers.save_timeout)
+    meeting_point = meet("save", peers.save_timeout)
     failed = settle(run)  # every rank's shards of the previous save, and rank 0's seal (after the meeting)
     target = checkpoint.step_dir(path, run.loop.step)
     rngs = collectives.all_gather_object(rng.rng_state())

@@ -274,6 +274,10 @@ def find_mismatch(
     * by torch's flight recorder, a rank is in the default group's collective (in flight ``grace``
       seconds, or failed for rank ``me`` when ``failing``) past the last one a finished rank
       recorded: DDP's gradient exchange, which the counted rules above do not see;
+    * by that recorder, a rank is in the default group's collective (in flight ``grace`` seconds) that
+      a waiting peer has not reached, while that peer's own wait is outside the group with nothing in
+      flight there (``rt.save``'s meeting, while a rank with one more batch of its own is in DDP's
+      exchange);
     * by that recorder, two ranks are in the default group's collective of one number, in flight
       ``grace`` seconds, as other operations or shapes (an NCCL collective returns once queued, so
       the counted calls do not show the wait; gloo mostly fails such a pair at once);
@@ -323,6 +327,15 @@ def find_mismatch(
         if ahead is not None:
             return f"rank {rank} {ahead}"
     in_flight = {r: b for r, b in fresh.items() if b.pending_seq and b.pending_call and b.pending_at(now) >= grace}
+    for rank, beat in sorted(in_flight.items()):
+        for peer, other in waiting.items():
+            # the peer waits in a call of its own outside the group (rt.save's meeting, the micro-shards'
+            # exchange) with nothing in flight there, short of this collective: neither can go on
+            if peer != rank and not other.pending_seq and 0 < other.flight_last < beat.pending_seq:
+                return (
+                    f"rank {rank} is in the default group's collective #{beat.pending_seq} by torch's flight "
+                    f"recorder, which rank {peer} has not reached: it waits in {other.call}, its #{other.calls}"
+                )
     for rank, beat in sorted(in_flight.items()):
         for peer, other in sorted(in_flight.items()):
             if (
@@ -407,7 +420,16 @@ def format_mismatch(
         "ddpkit: every rank must call the same collectives in the same order with the same shapes and dtypes; "
         "a collective under `if rank == 0` (or rt.is_main) is the usual cause"
     )
+    for meeting in sorted({b.call for b in heartbeats.values() if b is not None and b.call in _MEETINGS}):
+        lines.append(
+            f"ddpkit: {meeting.removesuffix('()')} must be called on every rank (it gathers each rank's random "
+            "state; ddpkit writes on rank 0 only): call it outside `if rt.is_main:`"
+        )
     return "\n".join(lines)
+
+
+_MEETINGS = ("rt.save()", "rt.load()")
+"""The counted waits of ddpkit's checkpoints (:func:`ddpkit.checkpoint.resume.meet`), which every rank calls."""
 
 
 def _collectives(count: int) -> str:
