@@ -87,36 +87,6 @@ def variations(mode: str, checkpoint: str, stop_at: int = 20, num_workers: int =
     return result
 
 
-def zipped(mode: str, checkpoint: str, stop_at: int) -> dict:
-    """Two loaders of different lengths read with ``zip`` (a multi-task loop): 5 batches of the second
-    against 8 of the first, so each epoch ends at the first's 6th, when the second runs out. ``mode`` as
-    in :func:`variations`."""
-    rt = ddpkit.init(seed=3)
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = rt.setup(model, optimizer)
-    state = {"model": model, "optimizer": optimizer}
-    if mode == "resume":
-        rt.load(checkpoint, state)
-    first = rt.loader(Toy(32), global_batch_size=GLOBAL_BATCH, shuffle=True)
-    second = rt.loader(Held(20), global_batch_size=GLOBAL_BATCH, shuffle=True)
-    steps_per_epoch = []
-    for _ in rt.epochs(2):
-        steps = 0
-        for (x, y), (hx, hy) in zip(first, second):
-            rt.backward(F.cross_entropy(model(x), y) + F.cross_entropy(model(hx), hy))
-            rt.step(optimizer)
-            steps += 1
-            if mode == "stop" and rt.global_step == stop_at:
-                rt.save(checkpoint, state)
-                rt.close()
-                return {"stopped": rt.global_step}
-        steps_per_epoch.append(steps)
-    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
-    rt.close()
-    return {"weights": weights, "steps_per_epoch": steps_per_epoch}
-
-
 def worker_draws(num_workers: int) -> dict:
     """Numbers the global torch / numpy / random generators give inside ``__getitem__``."""
     rt = ddpkit.init(seed=7)

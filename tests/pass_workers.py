@@ -53,10 +53,12 @@ def step_based(checkpoint_dir: str, max_steps: int, stop_at: int | None = None) 
     return {"weights": weights, "seen": seen, "step": step}
 
 
-def zipped(checkpoint_dir: str, driven: bool, stop_at: int | None = None) -> dict:
+def zipped(checkpoint_dir: str, driven: bool, stop_at: int | None = None, shorter_second: bool = False) -> dict:
     """Semi-supervised training on ``zip(labeled, unlabeled)`` (6 and 10 batches a pass) for 3 epochs,
     under ``rt.epochs`` (``driven``) or ``range``, with ``micro_shards=2``; ``stop_at``: checkpoint that
-    step and return. The weights, and the first batch each loader handed out in each epoch."""
+    step and return; ``shorter_second``: ``zip(unlabeled, labeled)``, so each epoch ends at the
+    unlabeled loader's 7th batch, when the labeled one runs out. The weights, the steps, and the first
+    batch each loader handed out in each epoch."""
     g = torch.Generator().manual_seed(0)
     labeled = torch.utils.data.TensorDataset(
         torch.randn(24, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (24,), generator=g)
@@ -72,7 +74,8 @@ def zipped(checkpoint_dir: str, driven: bool, stop_at: int | None = None) -> dic
     rt.resume(state)
     firsts = []
     for _ in rt.epochs(3) if driven else range(rt.global_step // len(first), 3):  # 6 steps an epoch
-        for i, ((x, y), (u,)) in enumerate(zip(first, second)):
+        pairs = ((a, b) for (b, a) in zip(second, first)) if shorter_second else zip(first, second)
+        for i, ((x, y), (u,)) in enumerate(pairs):
             if i == 0:
                 firsts.append((x.tolist(), u.tolist()))
             for xs, ys, us in rt.shards(x, y, u):
@@ -85,7 +88,7 @@ def zipped(checkpoint_dir: str, driven: bool, stop_at: int | None = None) -> dic
                 return {"stopped": stop_at}
     weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     rt.close()
-    return {"weights": weights, "firsts": firsts}
+    return {"weights": weights, "firsts": firsts, "step": rt.global_step}
 
 
 def validation_iterator(

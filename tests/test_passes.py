@@ -120,6 +120,22 @@ def test_two_zipped_loaders_both_move_on_and_resume_exactly(tmp_path, driven):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("stop_at", [5, 6])
+def test_zipped_loaders_saved_as_the_shorter_second_hands_out_its_last_batch_resume_exactly(tmp_path, stop_at):
+    """zip(unlabeled, labeled): at step 6 the labeled loader has handed out its last batch and is still
+    read, and the zip ends at the unlabeled one's next batch. Saved there, the resumed run began the
+    labeled loader's epoch anew (4 more steps in epoch 0, other weights)."""
+    whole = pass_workers.zipped(str(tmp_path / "whole"), True, None, True)
+    assert whole["step"] == 18  # 6 steps an epoch
+    stopped = str(tmp_path / f"stopped{stop_at}")
+    assert pass_workers.zipped(stopped, True, stop_at, True) == {"stopped": stop_at}
+    resumed = pass_workers.zipped(stopped, True, None, True)
+    assert resumed["step"] == whole["step"]
+    for key, value in whole["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.timeout(240)
 def test_a_validation_iterator_kept_across_steps_leaves_an_epoch_end_checkpoint_at_the_epoch_end(tmp_path):
     """Its batches come between steps as a zipped loader's do, so its position is saved too; the
     checkpoint after the training loader's pass still starts the next epoch on resume."""
