@@ -93,6 +93,8 @@ CASES = [
     ("run-master-no-port", lambda f: ["run", "--master", "nohost", HELLO], "has no port"),
     ("run-port-range", lambda f: ["run", "--master", "h:65536", HELLO], "out of range"),
     ("run-missing-script", lambda f: ["run", "nope.py"], "script 'nope.py' not found"),
+    ("run-missing-module", lambda f: ["run", "-n", "2", "-m", "nope_ddpkit"], "module 'nope_ddpkit' not found"),
+    ("ft-missing-script", lambda f: ["run", "--fault-tolerant", "-n", "2", "nope.py"], "script 'nope.py' not found"),
     (
         "run-node-rank-outside",
         lambda f: ["run", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", HELLO],

@@ -146,6 +146,18 @@ def test_validate_rejects_bad_specs(tmp_path):
         validate(RunSpec(str(script), max_restarts=-1))
 
 
+def test_a_module_is_looked_for_as_python_m_would_from_the_current_directory_without_running_it(tmp_path, monkeypatch):
+    package = tmp_path / "mine_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise SystemExit('imported')\n")  # finding it must not run it
+    monkeypatch.chdir(tmp_path)
+    validate(RunSpec("mine_pkg", module=True))
+    validate(RunSpec("mine_pkg.train", module=True))  # its submodules are the workers' to find
+    validate(RunSpec("json.tool", module=True))
+    with pytest.raises(UsageError, match="module 'not_mine.train' not found: no 'not_mine' in the current directory"):
+        validate(RunSpec("not_mine.train", module=True))
+
+
 def test_threads_are_shared_among_processes():
     assert threads_per_process(2, cpu_count=8) == 4
     assert threads_per_process(3, cpu_count=2) == 1

@@ -36,7 +36,7 @@ from ddpkit.distributed import ft, ft_control, ft_heal, stores
 from ddpkit.distributed.ft_watch import NODE_JOIN_S, end_lighthouse, stop_replicas, wait_for_nodes, watch
 from ddpkit.distributed.host import host_port, local_address, visible_gpus
 from ddpkit.distributed.parent import launcher_env
-from ddpkit.distributed.torchrun import parse_master
+from ddpkit.distributed.torchrun import check_target, parse_master
 from ddpkit.errors import EXIT_MISMATCH, UsageError
 
 HOST = "127.0.0.1"
@@ -102,6 +102,7 @@ def refuse_alone(min_replicas: int | None, quorum_timeout: float | None, secret_
 def validate(spec: FaultTolerantSpec) -> None:
     """Refuse what cannot run, in one line."""
     ft.check_installed()
+    check_target(spec.target, module=spec.module)
     if spec.replicas < 1:
         raise UsageError(f"--fault-tolerant needs -n of at least 1 replica, got {spec.replicas}")
     if spec.max_restarts < 0:

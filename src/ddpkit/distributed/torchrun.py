@@ -314,8 +314,28 @@ def validate(spec: RunSpec) -> None:
         raise UsageError(f"--node-rank {spec.node_rank} is outside 0..{spec.nnodes - 1}")
     if spec.master is not None:
         resolve_master(*parse_master(spec.master))  # last: a resolver may take its 5 s
-    if not spec.module and not os.path.isfile(spec.target):
-        raise UsageError(f"script {spec.target!r} not found; give the path of a Python file or use -m MODULE")
+    check_target(spec.target, module=spec.module)
+
+
+def check_target(target: str, *, module: bool) -> None:
+    """Refuse, before any process starts, a script that is not a file or a module whose top package
+    ``python -m`` would not find (from the current directory, as the workers start)."""
+    if not module:
+        if not os.path.isfile(target):
+            raise UsageError(f"script {target!r} not found; give the path of a Python file or use -m MODULE")
+        return
+    import importlib.machinery
+    import importlib.util
+
+    top = target.partition(".")[0]
+    # finding a top-level name runs none of its code (a dotted one would import its packages)
+    if top in sys.modules or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is not None:
+        return
+    if importlib.util.find_spec(top) is None:  # built-in and frozen modules
+        raise UsageError(
+            f"module {target!r} not found: no {top!r} in the current directory or on sys.path; "
+            "run from the directory that holds it, or add it to PYTHONPATH"
+        )
 
 
 @contextlib.contextmanager
