@@ -213,6 +213,46 @@ def test_a_checkpoint_keeps_where_a_rebuilt_loader_goes_on_after_the_one_it_repl
     assert len({str(order) for order in whole}) == 3
 
 
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("name", [None, "train"])
+def test_a_curriculums_loader_built_each_epoch_over_a_larger_part_resumes_mid_epoch(tmp_path, keep, name):
+    """A new loader each epoch over another part of the data (easy samples first), under rt.epochs: a
+    checkpoint in epoch 2 kept the loaders of epochs 0 and 1 (still alive, their epoch set to 2, nothing
+    of it read) as passes that go on, and the resumed run refused its one loader ("saved for 4 samples,
+    but this loader has 12"); under a name= the second loader was refused as a second live loader of
+    that name. ``keep`` holds every loader built, as a script's list of them would."""
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+
+    def run(rt, stop: int | None) -> list:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        state = {"model": model, "optimizer": optimizer}
+        if stop is None:
+            rt.load(tmp_path / "ckpt.pt", state)
+        reads, kept = [], []
+        for epoch in rt.epochs(4):
+            part = torch.utils.data.Subset(data, list(range(4 * min(epoch + 1, 3))))
+            loader = rt.loader(part, global_batch_size=2, shuffle=True, name=name)
+            kept += [loader] if keep else []
+            for x, y in loader:
+                reads.append((epoch, x.tolist()))
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+                if rt.global_step == stop:
+                    rt.save(tmp_path / "ckpt.pt", state)
+                    return reads
+        return reads + [net.weight.detach().clone()]
+
+    with ddpkit.init(seed=0) as rt:
+        whole = run(rt, stop=-1)
+    with ddpkit.init(seed=0) as rt:
+        first = run(rt, stop=8)  # epoch 2's second batch (2 + 4 steps before it)
+    with ddpkit.init(seed=0) as rt:
+        rest = run(rt, stop=None)
+    assert first[-1][0] == 2 and first + rest[:-1] == whole[:-1]
+    assert torch.equal(rest[-1], whole[-1])
+
+
 def test_a_loop_without_rt_epochs_resumes_without_rebuilding_a_loader_whose_pass_was_over(tmp_path):
     """Its checkpoint keeps every training loader's pass, ended ones too: a warm-up loader the resumed
     script no longer builds is not a loader it owes (only a pass saved mid-way is)."""

@@ -81,13 +81,14 @@ class LoopState:
         self._last_pass[loader.name] = loader.epoch
 
     def _free(self, key: str, loader: Any, *, named: bool) -> bool:
-        """Whether ``loader`` may take ``key``: nobody holds it, or a loader rebuilt from the one holding it
-        (its pass over, the same sizes, seed and flags, and under no name the same dataset) replaces that one."""
+        """Whether ``loader`` may take ``key``: nobody holds it, or it replaces the one holding it, whose pass
+        is over: under a name, whatever it reads (a curriculum's larger part); under none, when rebuilt from
+        it (the same dataset, sizes, seed and flags)."""
         held = self._loaders.get(key)
         if held is None:
             return True
         over = held._passes > 0 and not held.live
-        return over and held.signature() == loader.signature() and (named or held.dataset is loader.dataset)
+        return over and (named or (held.signature() == loader.signature() and held.dataset is loader.dataset))
 
     def _go_on(self, key: str, loader: Any) -> None:
         """Without ``rt.epochs``, a loader whose key trained a pass reads the epoch after it next."""
@@ -149,8 +150,16 @@ class LoopState:
         begun = [rec for rec in current if rec.get("began") is not None and rec["pass_epoch"] == self.epoch]
         first = min(begun, key=lambda rec: rec["began"]) if begun else None
         epoch_done = first["finished"] if first is not None else bool(current) and all(r["finished"] for r in current)
-        # the passes of this epoch that go on, those at their last batch and still read included
-        mid = {key: rec for key, rec in training.items() if rec["epoch"] == self.epoch and not rec["ran_out"]}
+        # the passes of this epoch that go on, those at their last batch and still read included; not a
+        # loader that read nothing of it (one an earlier epoch's pass left behind: a curriculum's loader
+        # built anew each epoch over another part), which any loader built for this epoch reads afresh
+        mid = {
+            key: rec
+            for key, rec in training.items()
+            if rec["epoch"] == self.epoch
+            and not rec["ran_out"]
+            and (rec["position"] > 0 or rec["pass_epoch"] == self.epoch)
+        }
         return self._state(epoch_done=epoch_done, loaders=mid)
 
     def _state(self, *, epoch_done: bool, loaders: dict[str, Any]) -> dict[str, Any]:
