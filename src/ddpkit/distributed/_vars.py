@@ -1,7 +1,9 @@
-"""Reading one launcher variable: an integer or a port, each failure one line naming the variable.
+"""Reading one launcher variable: an integer, a port or a comma list, each failure one line naming the
+variable.
 
-Shared by the launcher readers of :mod:`ddpkit.distributed.environment` and the SLURM helpers of
-:mod:`ddpkit.distributed.slurm_env`, which both import it (neither imports the other's readers).
+Shared by the launcher readers of :mod:`ddpkit.distributed.environment`, the SLURM helpers of
+:mod:`ddpkit.distributed.slurm_env` and :mod:`ddpkit.distributed.host`'s GPU list, which all import it
+(none imports the others' readers).
 """
 
 from __future__ import annotations
@@ -38,3 +40,9 @@ def read_port(environ: Mapping[str, str], name: str, default: int) -> int:
     if not 0 < port < 65536:
         raise UsageError(f"{name}={port} is not a valid port; use 1-65535")
     return port
+
+
+def read_list(environ: Mapping[str, str], name: str) -> list[str]:
+    """``environ[name]``'s comma-separated items, blanks dropped (``CUDA_VISIBLE_DEVICES``,
+    ``SLURM_STEP_GPUS``); empty when it is unset."""
+    return [item.strip() for item in environ.get(name, "").split(",") if item.strip()]

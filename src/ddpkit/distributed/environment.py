@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ddpkit.distributed._vars import read_int as _int
+from ddpkit.distributed._vars import read_list
 from ddpkit.distributed._vars import read_port as _port
 from ddpkit.distributed.slurm_env import expand_nodelist, slurm_port, slurm_tasks_on_node
 from ddpkit.errors import UsageError
@@ -197,14 +198,14 @@ def _own_gpus(launcher: str, environ: Mapping[str, str]) -> bool:
     sites often wrap each rank in a script that does the same. torchrun cannot (its workers
     inherit one ``CUDA_VISIBLE_DEVICES``), and without the variable every process sees every GPU.
     """
-    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = read_list(environ, "CUDA_VISIBLE_DEVICES")
     if launcher not in ("slurm", "mpi") or not visible:
         return False
     if launcher == "slurm" and not environ.get("SLURM_GPUS_PER_TASK"):
         # Without per-task binding every task of the step sees the node's whole allocation.
-        allocated = environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS")
+        allocated = read_list(environ, "SLURM_STEP_GPUS") or read_list(environ, "SLURM_JOB_GPUS")
         if allocated:
-            return len(visible) < len([d for d in allocated.split(",") if d.strip()])
+            return len(visible) < len(allocated)
     return True
 
 

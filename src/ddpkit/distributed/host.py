@@ -12,6 +12,8 @@ import os
 import socket
 from typing import Any
 
+from ddpkit.distributed._vars import read_list
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -32,9 +34,8 @@ def visible_gpus() -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    given = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if given is not None:
-        return [item.strip() for item in given.split(",") if item.strip()]
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return read_list(os.environ, "CUDA_VISIBLE_DEVICES")
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
