@@ -22,7 +22,30 @@ from typing import Any
 
 from ddpkit.errors import UsageError
 
-__all__ = ["from_dataloader"]
+__all__ = ["from_dataloader", "reads"]
+
+
+def reads(loader: Any) -> str:
+    """What a ``DataLoader``'s sampler reads of its dataset, for ``rt.loader`` and ``ddpkit.evaluate``
+    alike: ``"stream"`` (an ``IterableDataset``), ``"in order"`` (a ``SequentialSampler``),
+    ``"shuffled"`` (a ``RandomSampler`` of every sample once), ``"split"`` (a ``DistributedSampler``: a
+    rank's share), ``"drawn"`` (with replacement: a ``RandomSampler``'s or a ``WeightedRandomSampler``'s
+    draws), else ``"picked"`` (a sampler of its own, or one drawing a part without replacement)."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler, WeightedRandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = loader.sampler
+    if isinstance(loader.dataset, IterableDataset):
+        return "stream"
+    if type(sampler) is SequentialSampler:
+        return "in order"
+    if isinstance(sampler, DistributedSampler):
+        return "split"
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(loader.dataset):
+        return "shuffled"
+    if type(sampler) in (RandomSampler, WeightedRandomSampler) and sampler.replacement:
+        return "drawn"
+    return "picked"
 
 
 def from_dataloader(loader: Any, given: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -36,15 +59,8 @@ def from_dataloader(loader: Any, given: dict[str, Any]) -> tuple[Any, dict[str, 
         UsageError: a DataLoader that does not batch, makes its batches with a batch sampler of its
             own, or picks its samples with a sampler ``rt.loader`` cannot draw alike.
     """
-    from torch.utils.data import (
-        BatchSampler,
-        IterableDataset,
-        RandomSampler,
-        SequentialSampler,
-        WeightedRandomSampler,
-    )
+    from torch.utils.data import BatchSampler
     from torch.utils.data._utils.collate import default_collate
-    from torch.utils.data.distributed import DistributedSampler
 
     size = loader.batch_size
     instead = f"rt.loader(loader.dataset, global_batch_size={size or 'N'}, ...)"
@@ -56,19 +72,19 @@ def from_dataloader(loader: Any, given: dict[str, Any]) -> tuple[Any, dict[str, 
             f"and rt.loader cuts the global batches itself (the same on any world size); pass {instead}"
         )
     options: dict[str, Any] = {"global_batch_size": size}
-    sampler = loader.sampler
-    if isinstance(loader.dataset, IterableDataset) or type(sampler) is SequentialSampler:
+    sampler, kind = loader.sampler, reads(loader)
+    if kind in ("stream", "in order"):
         pass
-    elif isinstance(sampler, DistributedSampler):
+    elif kind == "split":
         raise UsageError(
             f"rt.loader: this DataLoader's DistributedSampler splits the data over the ranks, and rt.loader "
             f"splits it itself (the same batches on any world size); pass the dataset: "
             f"rt.loader(loader.dataset, batch_size={size}, shuffle={sampler.shuffle}) for {size} a process, "
             f"or global_batch_size= for the same batches on any number of processes"
         )
-    elif type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(loader.dataset):
+    elif kind == "shuffled":
         options["shuffle"] = True
-    elif type(sampler) in (RandomSampler, WeightedRandomSampler) and sampler.replacement:
+    elif kind == "drawn":
         weights = getattr(sampler, "weights", None)  # a RandomSampler's are uniform
         options["weights"] = [1.0] * len(loader.dataset) if weights is None else weights
         options["num_samples"] = sampler.num_samples

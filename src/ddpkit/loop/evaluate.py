@@ -169,9 +169,9 @@ def unloaded(
         UsageError: a loader that draws by weight, reads a subset (a sampler of its own), or does not batch;
             a ``batch_size`` that is not a positive integer.
     """
-    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
-    from torch.utils.data.distributed import DistributedSampler
+    from torch.utils.data import BatchSampler
 
+    from ddpkit.loop.dataloaders import reads
     from ddpkit.loop.loader import LoaderPosition
 
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
@@ -188,24 +188,17 @@ def unloaded(
         given = batch_size if batch_size is not None else per_rank
         return data.dataset, given, num_workers or data.num_workers, collate_fn or data.collate_fn
     if isinstance(data, DataLoader):
-        sampler = data.sampler
-        whole = (
-            isinstance(data.dataset, torch.utils.data.IterableDataset)  # a stream: read whole
-            or isinstance(sampler, (SequentialSampler, DistributedSampler))
-            or isinstance(sampler, RandomSampler)
-            and not sampler.replacement
-            and sampler.num_samples == len(sampler.data_source)
-        )
+        whole = reads(data) in ("stream", "in order", "shuffled", "split")  # (a rank's share: the dataset is whole)
         batches = type(data.batch_sampler)
         if data.batch_sampler is None or not whole or batches is not BatchSampler:
-            reads = (
+            problem = (
                 "does not batch (batch_size=None)"
                 if data.batch_sampler is None
                 else f"reads the batches its {batches.__name__} makes, which may leave samples out"
                 if whole
                 else f"reads the samples its {type(data.sampler).__name__} picks, not every sample once"
             )
-            raise UsageError(f"{what}: this DataLoader {reads}; {fix}")
+            raise UsageError(f"{what}: this DataLoader {problem}; {fix}")
         own = None if data.collate_fn is default_collate else data.collate_fn
         given = batch_size if batch_size is not None else data.batch_size or DEFAULT_BATCH
         return data.dataset, given, num_workers or data.num_workers, collate_fn or own
