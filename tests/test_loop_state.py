@@ -562,3 +562,43 @@ def test_worker_init_fn_prefetch_and_persistent_workers_reach_the_dataloader(mon
     np.random.seed(5678)
     random.seed(91)
     assert [row[2:] for row in rows] == [[float(np.random.rand()), random.random()] for _ in range(4)]  # numpy, random
+
+
+def test_resume_says_on_rank_0_where_it_goes_on_from(tmp_path, capsys):
+    """As Lightning's "Restored all states from the checkpoint at ...": one line naming the file, the
+    step and whether the epoch goes on; nothing where there was nothing to resume."""
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randint(0, 2, (8,)))
+
+    def attempt(stop: int) -> str:
+        with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path), resume="auto") as rt:
+            net = torch.nn.Linear(2, 2)
+            model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            state = {"model": model, "optimizer": optimizer}
+            rt.resume(state)
+            said = capsys.readouterr().err
+            for _ in rt.epochs(2):
+                for x, y in rt.loader(data, global_batch_size=4):
+                    rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                    rt.step(optimizer)
+                    if rt.global_step == stop:
+                        rt.checkpoint(state, blocking=True)
+                        return said
+        return said
+
+    assert "ddpkit: resumed" not in attempt(stop=1)
+    assert f"ddpkit: resumed from {tmp_path / 'ckpt-step00000001.pt'}: step 1, inside epoch 0\n" in attempt(stop=2)
+    assert f"ddpkit: resumed from {tmp_path / 'ckpt-step00000002.pt'}: step 2, at the start of epoch 1\n" in attempt(0)
+
+
+def test_a_restart_is_said_on_rank_0_with_the_restarts_left():
+    from ddpkit.runtime.start import _restart_line
+
+    line = _restart_line(1, {"TORCHELASTIC_MAX_RESTARTS": "3"})
+    assert (
+        line
+        == "ddpkit: restart 1 of 3 (--max-restarts): a worker failed (its output is above); every worker starts again"
+    )
+    replica = _restart_line(2, {"DDPKIT_FT_REPLICA": "1"})
+    assert replica.startswith("ddpkit: restart 2 (--max-restarts)") and replica.endswith(
+        "replica 1's workers start again"
+    )

@@ -58,7 +58,12 @@ def _elastic(tmp_path: Path, name: str, *extra: str, note: str = "", restarts: i
         timeout=140,
     )
     assert result.returncode == 0, f"{note}\n{result.stderr[-4000:]}"
-    return {"weights": torch.load(result_file, weights_only=True), "stdout": result.stdout, "ckpt": ckpt}
+    return {
+        "weights": torch.load(result_file, weights_only=True),
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "ckpt": ckpt,
+    }
 
 
 def _assert_bitwise(a: dict, b: dict, where: str = "") -> None:
@@ -90,6 +95,12 @@ def test_sigkill_at_a_random_step_resumes_bitwise(uninterrupted, tmp_path, kill)
     # died with the one before still being written in the background
     assert _resumed_at(killed["stdout"]) in ({step - 2}, {step - 1}, {step}), where
     _assert_bitwise(killed["weights"], uninterrupted["weights"], where)
+    # said once, by rank 0: the restart (torch says it only at INFO), and where the run goes on from
+    said = killed["stderr"]
+    assert said.count("ddpkit: restart 1 of 2 (--max-restarts): a worker failed") == 1, said[-3000:]
+    (resumed,) = re.findall(r"ddpkit: resumed from (\S+): step (\d+), (?:inside|at the start of) epoch \d+\n", said)
+    assert Path(resumed[0]).parent == killed["ckpt"] and {int(resumed[1])} == _resumed_at(killed["stdout"]), said
+    assert "ddpkit: restart" not in uninterrupted["stderr"] and "ddpkit: resumed" not in uninterrupted["stderr"]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Every rank loads; the user's objects, the loop position, every RNG, the precisio
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -219,8 +220,13 @@ def resume(
         found = None if directory is None else newest_agreed(peers, directory)
         if found is None:
             return None
-        return _restore(run, peers, found, state, verified=True, strict=strict)
-    return load(run, peers, source, state, strict=strict)
+        loaded = _restore(run, peers, found, state, verified=True, strict=strict)
+    else:
+        loaded = load(run, peers, source, state, strict=strict)
+    if peers.is_main:  # as Lightning's "Restored all states from the checkpoint at ..."
+        where = "inside" if run.loop.resumed_mid_epoch else "at the start of"
+        sys.stderr.write(f"ddpkit: resumed from {loaded}: step {run.loop.step}, {where} epoch {run.loop.epoch}\n")
+    return loaded
 
 
 def restore_pending(run: RunState, index: int, *, is_main: bool) -> None:

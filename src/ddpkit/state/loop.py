@@ -33,6 +33,7 @@ class LoopState:
         self.group: tuple[int, float] = (1, 1.0)  # (batches, divisor) of that group
         self.resumed_from: str | None = None
         self.resumed_step: int | None = None  # the step the loaded checkpoint was saved at
+        self.resumed_mid_epoch = False  # the loaded checkpoint was saved inside its epoch
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
         self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -179,6 +180,7 @@ class LoopState:
         self.resumed_from, self._strict = source, strict
         self.step = self.resumed_step = int(saved["step"])
         self.epoch = int(saved["epoch"]) + (1 if saved["epoch_done"] else 0)
+        self.resumed_mid_epoch = not saved["epoch_done"]
         self.micro_step = int(saved.get("micro_step", 0))
         self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
         self._pending = {} if saved["epoch_done"] else {k: dict(v) for k, v in saved["loaders"].items()}
