@@ -352,6 +352,41 @@ print(ddpkit.launch(summed, nprocs=2, args=(5,)))
 """
 
 
+PACKAGE_MAIN = """
+import ddpkit, torch
+
+def summed(scale):
+    rt = ddpkit.init()
+    total = ddpkit.all_reduce(torch.ones(1) * (rt.rank + 1))
+    rt.close()
+    return int(total) * scale
+
+print(ddpkit.launch(summed, nprocs=2, args=(7,){method}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", [None, "spawn"])
+def test_a_function_of_a_packages_main_run_by_python_m_runs_by_fork(tmp_path, method):
+    """``python -m pkg`` runs pkg/__main__.py as __main__, which multiprocessing's spawned children never
+    import: every worker failed with "Can't get attribute 'summed'" before it reached the function."""
+    from helpers import ROOT, clean_env, python
+
+    package = tmp_path / "mine_launch"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    asked = "" if method is None else f", start_method={method!r}"
+    (package / "__main__.py").write_text(PACKAGE_MAIN.format(method=asked))
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    done = python("-m", "mine_launch", env=clean_env(PYTHONPATH=path), cwd=tmp_path)
+    if method is None:
+        assert done.returncode == 0 and done.stdout.strip() == "{0: 21, 1: 21}", done.stderr[-2000:]
+        return
+    last = done.stderr.strip().splitlines()[-1]
+    assert "summed is defined in mine_launch's __main__.py (python -m mine_launch)" in last, done.stderr[-2000:]
+    assert "Can't get attribute" not in done.stderr  # refused before any worker started
+
+
 @pytest.mark.timeout(120)
 def test_a_function_typed_into_python_on_its_standard_input_runs_by_fork():
     """``python - < script`` names its __main__ "<stdin>", a file that is not there: spawned children ran

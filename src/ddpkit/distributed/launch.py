@@ -57,8 +57,9 @@ def launch(
         args: positional arguments of ``fn``, the same in every process.
         max_restarts: times the elastic agent restarts every process after one fails.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``; None: ``"fork"`` for a function
-            of an interactive ``__main__`` (a notebook, a REPL, ``python -c`` or ``python -``), which spawned
-            children cannot import, else ``"spawn"``.
+            of an interactive ``__main__`` (a notebook, a REPL, ``python -c`` or ``python -``) or of a
+            package's ``__main__.py`` (``python -m pkg``), which spawned children cannot import, else
+            ``"spawn"``.
             ``"forkserver"`` with ``multiprocessing.set_forkserver_preload(["torch", ...])`` starts
             each process without importing torch again; every launch's children still get the
             environment, stdout and stderr of that launch, not those the server started with.
@@ -165,6 +166,8 @@ def _refuse_an_unguarded_call(method: str) -> None:
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
+    if _package_main() is not None:  # its children never import it: the function is what they miss
+        return
     frame = sys._getframe(1)
     while frame is not None and not (
         frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
@@ -205,6 +208,13 @@ def _refuse_what_children_cannot_import(fn: Callable[..., Any], method: str) -> 
     path = getattr(main, "__file__", None)
     if getattr(fn, "__module__", None) != "__main__" or not path:
         return
+    package = _package_main()
+    if package is not None:
+        raise UsageError(
+            f"ddpkit.launch: {name} is defined in {package}'s __main__.py (python -m {package}), which "
+            f"workers started by {method!r} never import; define it in another module of {package} and "
+            "import it, or leave start_method unset (a package's __main__ starts its workers by fork)"
+        )
     try:
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
@@ -269,10 +279,18 @@ def _cuda_started() -> bool:
     return torch.cuda.is_initialized()
 
 
+def _package_main() -> str | None:
+    """The package whose ``__main__.py`` runs as ``__main__`` (``python -m pkg``), else None: spawned
+    children never import it (multiprocessing leaves a package's ``__main__`` out)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None) or ""
+    return name.removesuffix(".__main__") if name.endswith(".__main__") else None
+
+
 def _start_method(fn: Callable[..., Any]) -> str:
-    # A function of an interactive __main__ cannot be imported by a spawned child: fork it.
-    # Everything else gets the safe default, spawn.
-    if getattr(fn, "__module__", None) == "__main__" and _interactive():
+    # A function of an interactive __main__, or of a package's __main__.py, cannot be imported by a
+    # spawned child: fork it. Everything else gets the safe default, spawn.
+    if getattr(fn, "__module__", None) == "__main__" and (_interactive() or _package_main()):
         return "fork"
     return "spawn"
 
