@@ -253,6 +253,62 @@ def test_a_curriculums_loader_built_each_epoch_over_a_larger_part_resumes_mid_ep
     assert torch.equal(rest[-1], whole[-1])
 
 
+@pytest.mark.parametrize("name", [None, "train"])
+@pytest.mark.parametrize("loop", ["rt.epochs", "range"])
+def test_a_second_loader_over_the_training_data_built_after_its_pass_leaves_training_as_it_was(tmp_path, name, loop):
+    """A look at the training data after each pass (a hand loop over ``rt.loader(train_data, ...)`` with
+    the training loader's settings) took the training loader's key: under rt.epochs the training loader
+    then read epoch 0's order in every epoch (its epoch no longer set), and a checkpoint in the next
+    epoch kept no position, so the resumed run read that epoch again from its start."""
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+
+    def run(rt, stop: int | None) -> list:
+        net = torch.nn.Embedding(12, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        state = {"model": model, "optimizer": optimizer}
+        if stop is None:
+            rt.load(tmp_path / "ckpt.pt", state)
+        train = rt.loader(data, global_batch_size=4, shuffle=True, name=name)
+        reads = []
+        for _ in rt.epochs(3) if loop == "rt.epochs" else iter(lambda: rt.global_step < 9, False):  # 3 passes
+            for x, y in train:
+                reads.append(x.tolist())
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+                if rt.global_step == stop:
+                    rt.save(tmp_path / "ckpt.pt", state)
+                    return reads
+            with torch.no_grad():  # the training data's accuracy, by hand
+                for x, _ in rt.loader(data, global_batch_size=4, shuffle=True, name=name):
+                    model(x)
+        return reads
+
+    with ddpkit.init(seed=0) as rt:
+        whole = run(rt, stop=-1)
+    assert len({str(sorted(whole[i : i + 3])) for i in (0, 3, 6)}) == 3  # each epoch its own order
+    with ddpkit.init(seed=0) as rt:
+        first = run(rt, stop=5)  # epoch 1's second batch
+    with ddpkit.init(seed=0) as rt:
+        assert first + run(rt, stop=None) == whole
+
+
+def test_two_loaders_of_one_name_feeding_one_step_are_refused_in_one_line(rt):
+    """A name= given to two loaders that then train together (one built after the other's pass, so it
+    took that name): a checkpoint could keep only one position, so the step is refused."""
+    data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
+    net = torch.nn.Embedding(12, 2)
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    first = rt.loader(data, global_batch_size=4, shuffle=True, name="train")
+    for x, y in first:
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.step(optimizer)
+    second = rt.loader(data, global_batch_size=6, name="train")  # first's pass is over: it takes the name
+    with pytest.raises(ddpkit.DdpkitError, match="two loaders under the name 'train' feed training in one pass"):
+        for (x, y), (u, v) in zip(first, second):
+            rt.backward(F.cross_entropy(model(torch.cat([x, u])), torch.cat([y, v])))
+            rt.step(optimizer)
+
+
 def test_a_loop_without_rt_epochs_resumes_without_rebuilding_a_loader_whose_pass_was_over(tmp_path):
     """Its checkpoint keeps every training loader's pass, ended ones too: a warm-up loader the resumed
     script no longer builds is not a loader it owes (only a pass saved mid-way is)."""

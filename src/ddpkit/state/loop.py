@@ -37,6 +37,7 @@ class LoopState:
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
         self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # every live loader, whichever holds its key
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
         self._last_pass: dict[str, int] = {}  # each key's epoch of its latest trained pass (a loader rebuilt goes on)
         self._strict = True
@@ -62,6 +63,7 @@ class LoopState:
             key = f"{base}#{count}"
         loader.name = key
         self._loaders[key] = loader
+        self._made.add(loader)
         loader.epochs_driven = self._driven
         loader.on_trained = self._trained
         loader.set_epoch(self.epoch)
@@ -79,6 +81,15 @@ class LoopState:
         return self.driven
 
     def _trained(self, loader: Any) -> None:
+        """``loader`` fed a backward: it holds its key again where a loader built after its pass took it (a
+        look at the training data with the same settings), so a checkpoint keeps the position that trains."""
+        held = self._loaders.get(loader.name)
+        if held is not loader:
+            if held is not None and held.live and held._pass_trained:
+                raise DdpkitError(
+                    f"two loaders under the name {loader.name!r} feed training in one pass; give each its own name="
+                )
+            self._loaders[loader.name] = loader
         self._last_pass[loader.name] = loader.epoch
 
     def _free(self, key: str, loader: Any, *, named: bool) -> bool:
@@ -97,8 +108,9 @@ class LoopState:
             loader.resume_at(self._last_pass[key], 0, ended=True, trained=True)
 
     def loaders(self) -> list[Any]:
-        """The registered loaders still alive, in registration order."""
-        return list(self._loaders.values())
+        """Every loader still alive, those whose key a loader built after them took included (``rt.epochs``
+        sets each one's epoch)."""
+        return list(self._made)
 
     def _apply(self, loader: Any, saved: dict[str, Any]) -> None:
         if saved["signature"] != loader.signature():
