@@ -213,6 +213,35 @@ def test_a_checkpoint_keeps_where_a_rebuilt_loader_goes_on_after_the_one_it_repl
     assert len({str(order) for order in whole}) == 3
 
 
+def _trainer(rt, ckpt, stop: int | None):
+    """An embedding trained by SGD, loaded from ``ckpt`` where ``stop`` is None, and its step: backward and
+    step of a batch, then a save at step ``stop``, where it returns True (the loop stops there)."""
+    net = torch.nn.Embedding(12, 2)
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = {"model": model, "optimizer": optimizer}
+    if stop is None:
+        rt.load(ckpt, state)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> bool:
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.step(optimizer)
+        if rt.global_step != stop:
+            return False
+        rt.save(ckpt, state)
+        return True
+
+    return net, step
+
+
+def _whole_first_rest(run, stop: int) -> tuple[list, list, list]:
+    """What ``run(rt, stop)`` returns uninterrupted, stopped at step ``stop``, and resumed from there."""
+    attempts = []
+    for attempt_stop in (-1, stop, None):
+        with ddpkit.init(seed=0) as rt:
+            attempts.append(run(rt, attempt_stop))
+    return attempts[0], attempts[1], attempts[2]
+
+
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("name", [None, "train"])
 def test_a_curriculums_loader_built_each_epoch_over_a_larger_part_resumes_mid_epoch(tmp_path, keep, name):
@@ -224,11 +253,7 @@ def test_a_curriculums_loader_built_each_epoch_over_a_larger_part_resumes_mid_ep
     data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
 
     def run(rt, stop: int | None) -> list:
-        net = torch.nn.Embedding(12, 2)
-        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        state = {"model": model, "optimizer": optimizer}
-        if stop is None:
-            rt.load(tmp_path / "ckpt.pt", state)
+        net, step = _trainer(rt, tmp_path / "ckpt.pt", stop)
         reads, kept = [], []
         for epoch in rt.epochs(4):
             part = torch.utils.data.Subset(data, list(range(4 * min(epoch + 1, 3))))
@@ -236,19 +261,11 @@ def test_a_curriculums_loader_built_each_epoch_over_a_larger_part_resumes_mid_ep
             kept += [loader] if keep else []
             for x, y in loader:
                 reads.append((epoch, x.tolist()))
-                rt.backward(F.cross_entropy(model(x), y))
-                rt.step(optimizer)
-                if rt.global_step == stop:
-                    rt.save(tmp_path / "ckpt.pt", state)
+                if step(x, y):
                     return reads
         return reads + [net.weight.detach().clone()]
 
-    with ddpkit.init(seed=0) as rt:
-        whole = run(rt, stop=-1)
-    with ddpkit.init(seed=0) as rt:
-        first = run(rt, stop=8)  # epoch 2's second batch (2 + 4 steps before it)
-    with ddpkit.init(seed=0) as rt:
-        rest = run(rt, stop=None)
+    whole, first, rest = _whole_first_rest(run, stop=8)  # epoch 2's second batch (2 + 4 steps before it)
     assert first[-1][0] == 2 and first + rest[:-1] == whole[:-1]
     assert torch.equal(rest[-1], whole[-1])
 
@@ -263,33 +280,22 @@ def test_a_second_loader_over_the_training_data_built_after_its_pass_leaves_trai
     data = torch.utils.data.TensorDataset(torch.arange(12), torch.arange(12) % 2)
 
     def run(rt, stop: int | None) -> list:
-        net = torch.nn.Embedding(12, 2)
-        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        state = {"model": model, "optimizer": optimizer}
-        if stop is None:
-            rt.load(tmp_path / "ckpt.pt", state)
+        net, step = _trainer(rt, tmp_path / "ckpt.pt", stop)
         train = rt.loader(data, global_batch_size=4, shuffle=True, name=name)
         reads = []
         for _ in rt.epochs(3) if loop == "rt.epochs" else iter(lambda: rt.global_step < 9, False):  # 3 passes
             for x, y in train:
                 reads.append(x.tolist())
-                rt.backward(F.cross_entropy(model(x), y))
-                rt.step(optimizer)
-                if rt.global_step == stop:
-                    rt.save(tmp_path / "ckpt.pt", state)
+                if step(x, y):
                     return reads
             with torch.no_grad():  # the training data's accuracy, by hand
                 for x, _ in rt.loader(data, global_batch_size=4, shuffle=True, name=name):
-                    model(x)
+                    net(x)
         return reads
 
-    with ddpkit.init(seed=0) as rt:
-        whole = run(rt, stop=-1)
+    whole, first, rest = _whole_first_rest(run, stop=5)  # epoch 1's second batch
     assert len({str(sorted(whole[i : i + 3])) for i in (0, 3, 6)}) == 3  # each epoch its own order
-    with ddpkit.init(seed=0) as rt:
-        first = run(rt, stop=5)  # epoch 1's second batch
-    with ddpkit.init(seed=0) as rt:
-        assert first + run(rt, stop=None) == whole
+    assert first + rest == whole
 
 
 def test_two_loaders_of_one_name_feeding_one_step_are_refused_in_one_line(rt):
