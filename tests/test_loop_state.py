@@ -602,3 +602,41 @@ def test_a_restart_is_said_on_rank_0_with_the_restarts_left():
     assert replica.startswith("ddpkit: restart 2 (--max-restarts)") and replica.endswith(
         "replica 1's workers start again"
     )
+
+
+class _Pool(torch.utils.data.Dataset):
+    """Active learning's labeled pool: samples are added between epochs."""
+
+    def __init__(self) -> None:
+        self.labeled = list(range(8))
+
+    def __len__(self) -> int:
+        return len(self.labeled)
+
+    def __getitem__(self, i: int):
+        return torch.tensor(self.labeled[i]), torch.tensor(self.labeled[i] % 2)
+
+
+@pytest.mark.parametrize("rebuilt", [False, True])
+def test_a_dataset_that_grows_between_epochs_is_read_whole_or_refused_in_one_line(rebuilt):
+    """A loader built once over a pool that grew read only its first 8 samples every epoch, silently,
+    where a DataLoader's RandomSampler reads the new ones too. Built anew each epoch, it reads them all."""
+    pool = _Pool()
+    with ddpkit.init(seed=0) as rt:
+        net = torch.nn.Embedding(40, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = rt.loader(pool, global_batch_size=4, shuffle=True)
+        for epoch in rt.epochs(3):
+            if rebuilt:
+                loader = rt.loader(pool, global_batch_size=4, shuffle=True)
+            elif epoch == 1:
+                with pytest.raises(UsageError, match="its dataset holds 16 samples now and held 8 when the loader"):
+                    iter(loader).__next__()
+                return
+            seen = []
+            for x, y in loader:
+                seen += x.tolist()
+                rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                rt.step(optimizer)
+            assert sorted(seen) == list(range(8 * (epoch + 1)))
+            pool.labeled += list(range(len(pool), len(pool) + 8))

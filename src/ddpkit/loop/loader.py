@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_in
 
 from ddpkit import rng
 from ddpkit.checkpoint import background
+from ddpkit.errors import UsageError
 from ddpkit.loop.batch import map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import GlobalBatchSampler
 
@@ -403,6 +404,7 @@ class ShardedLoader(LoaderPosition):
         )
 
     def __iter__(self) -> Iterator[Any]:
+        self._check_length()
         start, this_pass = self._begin_pass()
         self._keyed.start_epoch = self.epoch
         # One permutation per pass: the DataLoader's batch sampler reads this plan too.
@@ -426,6 +428,18 @@ class ShardedLoader(LoaderPosition):
         finally:
             # Run out, or left by ``break``: either way the script's next pass is a new one.
             self._end_pass(this_pass)
+
+    def _check_length(self) -> None:
+        """Refuse a pass over a dataset that grew or shrank since the loader was built (samples labeled
+        in active learning): the loader's batches cover the samples it was built for, so a DataLoader's
+        ``RandomSampler`` would read the new ones where this pass silently would not."""
+        now, built = len(self.dataset), self.sampler.dataset_length
+        if now != built:
+            raise UsageError(
+                f"rt.loader {self.name!r}: its dataset holds {now} samples now and held {built} when the loader "
+                "was built, and a loader reads the samples it was built for; build a new rt.loader over it "
+                "after it changes (loader = rt.loader(...) inside the epoch loop)"
+            )
 
     def __repr__(self) -> str:
         return f"ShardedLoader(name={self.name!r}, batches={len(self)}, epoch={self.epoch}, position={self.position})"
