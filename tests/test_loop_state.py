@@ -640,3 +640,44 @@ def test_a_dataset_that_grows_between_epochs_is_read_whole_or_refused_in_one_lin
                 rt.step(optimizer)
             assert sorted(seen) == list(range(8 * (epoch + 1)))
             pool.labeled += list(range(len(pool), len(pool) + 8))
+
+
+def _children() -> int:
+    import os
+
+    mine = str(os.getpid())
+    count = 0
+    for entry in os.listdir("/proc"):
+        try:
+            count += entry.isdigit() and open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1] == mine
+        except OSError:  # (gone meanwhile)
+            pass
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="counts child processes through /proc")
+@pytest.mark.timeout(120)
+def test_a_loader_built_anew_each_epoch_frees_its_persistent_workers_with_it():
+    """The loader of the epoch before was held by rt.epochs across its yield, and by a cycle through its
+    DataLoader that only the cyclic collector frees: persistent workers piled up, two more processes an
+    epoch (10 after 5 epochs). Now each is freed when the script drops it, by reference counting alone."""
+    import gc
+    import weakref
+
+    data = torch.utils.data.TensorDataset(torch.arange(16), torch.arange(16) % 2)
+    before, built = _children(), []
+    gc.disable()  # nothing but reference counting frees them
+    try:
+        with ddpkit.init(seed=0) as rt:
+            net = torch.nn.Embedding(16, 2)
+            model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for _ in rt.epochs(4):
+                loader = rt.loader(data, global_batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+                built.append(weakref.ref(loader))
+                for x, y in loader:
+                    rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                    rt.step(optimizer)
+                assert [made() is not None for made in built[:-1]] == [False] * (len(built) - 1)
+                assert _children() - before == 2  # this epoch's loader's workers only
+    finally:
+        gc.enable()

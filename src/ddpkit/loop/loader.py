@@ -160,18 +160,29 @@ def draws_nothing(dataset: Any) -> bool:
 
 
 class _EpochBatches:
-    """The batch sampler handed to DataLoader: the loader's plan for the pass it is starting."""
+    """The batch sampler handed to DataLoader: the loader's plan for the pass it is starting.
+
+    It holds its loader weakly: a strong reference would close a cycle (loader, DataLoader, this), which
+    only the cyclic collector frees, so a loader built anew each epoch kept its persistent workers alive
+    for many epochs (two more processes an epoch)."""
 
     def __init__(self, loader: ShardedLoader):
-        self.loader = loader
+        self._loader = weakref.ref(loader)
+
+    @property
+    def loader(self) -> ShardedLoader:
+        loader = self._loader()
+        assert loader is not None, "a DataLoader read after its ddpkit loader was freed"
+        return loader
 
     def __len__(self) -> int:
         return len(self.loader.sampler)
 
     def __iter__(self) -> Iterator[list[tuple[Any, int]]]:
-        epoch = self.loader.epoch
-        shards = self.loader._local_shards()
-        for local, _ in self.loader._plan:
+        loader = self.loader
+        epoch = loader.epoch
+        shards = loader._local_shards()
+        for local, _ in loader._plan:
             # An empty part still reads one sample so collate sees a batch; it is cut away later.
             keys: list[tuple[Any, int]] = [(epoch, index) for index in (local or [0])]
             yield keys + [(SHARDS, shards)] if shards > 1 and local else keys

@@ -51,8 +51,7 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
             "loop does not run; code after it must not use the loop's variables (or give a larger n)"
         )
     while run.loop.epoch < n:
-        for made in run.loop.loaders():
-            made.set_epoch(run.loop.epoch)  # a no-op for a loader already there
+        run.loop.set_epochs()  # (no loader is held here across the yield: one built anew each epoch is freed)
         yield run.loop.epoch + start
         run.loop.epoch += 1
     end_training(run)  # ran to its end (not left by break): the training is over

@@ -107,10 +107,11 @@ class LoopState:
         if not self.driven and key in self._last_pass:
             loader.resume_at(self._last_pass[key], 0, ended=True, trained=True)
 
-    def loaders(self) -> list[Any]:
-        """Every loader still alive, those whose key a loader built after them took included (``rt.epochs``
-        sets each one's epoch)."""
-        return list(self._made)
+    def set_epochs(self) -> None:
+        """Set every live loader's epoch to this one (``rt.epochs``; a no-op for a loader already there),
+        those whose key a loader built after them took included."""
+        for made in list(self._made):
+            made.set_epoch(self.epoch)
 
     def _apply(self, loader: Any, saved: dict[str, Any]) -> None:
         if saved["signature"] != loader.signature():
