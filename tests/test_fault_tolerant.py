@@ -1208,8 +1208,16 @@ def test_a_replica_killed_mid_epoch_with_micro_shards_the_survivors_compute_its_
     out = tmp_path / "killed"
     # steps of 1 s more: the killed replica restarts (10-20 s on a busy machine) well before the end
     extra = ("--micro-shards", "4", "--kill", f"{replica}:{step}", "--step-sleep", "1.0")
-    _replicas(out, 3, "--min-replicas", "2", epochs=1, extra=extra, restarts=1, timeout=300)
+    done = _replicas(out, 3, "--min-replicas", "2", epochs=1, extra=extra, restarts=1, timeout=300)
     assert _same_bits(reference_shards, out) == [], note
+    # said: the restart (torch's agent says it only at INFO) and the heal, with where the replica goes on
+    said = done.stdout + done.stderr
+    assert (
+        f"ddpkit: restart 1 of 1 (--max-restarts): a worker failed (its output is above); replica {replica}'s" in said
+    )
+    assert re.search(
+        rf"ddpkit: replica {replica} healed from replica [0-2]: step \d+, (?:inside|at the start of) epoch 0\n", said
+    ), note
     events = _events(out)
     quorums = _each_shard_once(events)
     # the two survivors computed its shards, then it came back, healed from a peer and took them back

@@ -224,8 +224,7 @@ def resume(
     else:
         loaded = load(run, peers, source, state, strict=strict)
     if peers.is_main:  # as Lightning's "Restored all states from the checkpoint at ..."
-        where = "inside" if run.loop.resumed_mid_epoch else "at the start of"
-        sys.stderr.write(f"ddpkit: resumed from {loaded}: step {run.loop.step}, {where} epoch {run.loop.epoch}\n")
+        sys.stderr.write(f"ddpkit: resumed from {loaded}: {run.loop.resumed_at()}\n")
     return loaded
 
 

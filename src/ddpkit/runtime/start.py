@@ -239,9 +239,17 @@ def _replica(run: RunState, peers: resuming.Peers, settings: Settings, device: t
         )
     if env.world_size != 1:
         raise UsageError("--fault-tolerant runs one process per replica; start it with ddpkit run --fault-tolerant")
+
+    def healed(saved: Mapping[str, Any]) -> None:
+        heal.apply_heal(run, mode.state, saved)
+        said = (
+            f"ddpkit: replica {ft.replica_index()} healed from replica {saved.get('replica')}: {run.loop.resumed_at()}"
+        )
+        sys.stderr.write(said + "\n")
+
     manager = ft.Replica(
         lambda: heal.heal_state(run, mode.state, ft.replica_index()),
-        lambda saved: heal.apply_heal(run, mode.state, saved),
+        healed,
         device=device,
         seeded=settings.seed is not None,
         timeout_s=min(settings.timeout, 30.0),

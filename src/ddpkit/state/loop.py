@@ -188,6 +188,11 @@ class LoopState:
             "passes": dict(self._last_pass),
         }
 
+    def resumed_at(self) -> str:
+        """Where a restored run goes on, for the line that says so: ``step 12, inside epoch 2``."""
+        where = "inside" if self.resumed_mid_epoch else "at the start of"
+        return f"step {self.step}, {where} epoch {self.epoch}"
+
     def restore(self, saved: dict[str, Any], *, source: str, strict: bool = True) -> None:
         """Continue from ``saved``: the next epoch if it ended, else mid-epoch where it stood."""
         self.resumed_from, self._strict = source, strict
