@@ -179,10 +179,9 @@ class _EpochBatches:
         return len(self.loader.sampler)
 
     def __iter__(self) -> Iterator[list[tuple[Any, int]]]:
-        loader = self.loader
-        epoch = loader.epoch
-        shards = loader._local_shards()
-        for local, _ in loader._plan:
+        # what the pass needs, read now: a pass left by break keeps this generator, which must not hold its loader
+        epoch, shards, plan = self.loader.epoch, self.loader._local_shards(), self.loader._plan
+        for local, _ in plan:
             # An empty part still reads one sample so collate sees a batch; it is cut away later.
             keys: list[tuple[Any, int]] = [(epoch, index) for index in (local or [0])]
             yield keys + [(SHARDS, shards)] if shards > 1 and local else keys
