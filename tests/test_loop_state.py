@@ -586,6 +586,9 @@ def test_resume_says_on_rank_0_where_it_goes_on_from(tmp_path, capsys):
         return said
 
     assert "ddpkit: resumed" not in attempt(stop=1)
+    state = LoopState()
+    state.restore({**LoopState().state_dict(), "step": 7, "driven": False}, source="x")
+    assert state.resumed_at() == "step 7"  # a step-based loop's epochs are each loader's own
     assert f"ddpkit: resumed from {tmp_path / 'ckpt-step00000001.pt'}: step 1, inside epoch 0\n" in attempt(stop=2)
     assert f"ddpkit: resumed from {tmp_path / 'ckpt-step00000002.pt'}: step 2, at the start of epoch 1\n" in attempt(0)
 

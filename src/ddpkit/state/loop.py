@@ -34,6 +34,7 @@ class LoopState:
         self.resumed_from: str | None = None
         self.resumed_step: int | None = None  # the step the loaded checkpoint was saved at
         self.resumed_mid_epoch = False  # the loaded checkpoint was saved inside its epoch
+        self.resumed_epochs = True  # ... under rt.epochs (else its epochs were each loader's own)
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
         self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -186,10 +187,14 @@ class LoopState:
             "group": list(self.group),
             "not_bitwise": self.not_bitwise,
             "passes": dict(self._last_pass),
+            "driven": self.driven,
         }
 
     def resumed_at(self) -> str:
-        """Where a restored run goes on, for the line that says so: ``step 12, inside epoch 2``."""
+        """Where a restored run goes on, for the line that says so: ``step 12, inside epoch 2`` (``step 12``
+        where ``rt.epochs`` did not set the epochs: a step-based loop's)."""
+        if not self.resumed_epochs:
+            return f"step {self.step}"
         where = "inside" if self.resumed_mid_epoch else "at the start of"
         return f"step {self.step}, {where} epoch {self.epoch}"
 
@@ -199,6 +204,7 @@ class LoopState:
         self.step = self.resumed_step = int(saved["step"])
         self.epoch = int(saved["epoch"]) + (1 if saved["epoch_done"] else 0)
         self.resumed_mid_epoch = not saved["epoch_done"]
+        self.resumed_epochs = bool(saved.get("driven", True))
         self.micro_step = int(saved.get("micro_step", 0))
         self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
         self._pending = {} if saved["epoch_done"] else {k: dict(v) for k, v in saved["loaders"].items()}
