@@ -234,4 +234,4 @@ def test_ddpkit_train_saves_by_itself_when_preempted_and_resumes(tmp_path):
         timeout=180,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoints' / f'ckpt-step{saved:08d}.pt'}" in resumed.stdout
+    assert f"ddpkit: resumed from {out / 'checkpoints' / f'ckpt-step{saved:08d}.pt'}: step {saved}," in resumed.stderr

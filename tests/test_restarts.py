@@ -248,7 +248,7 @@ def test_ddpkit_train_survives_a_killed_worker(tmp_path, kill):
     assert killed_at is not None, f"no worker was killed (target step {target}, {kill.note})\n{output[-3000:]}"
     where = f"killed {killed_at} ({kill.note})"
     assert proc.returncode == 0, f"{where}\n{output[-3000:]}"
-    assert "resuming from" in output, where
+    assert "ddpkit: resumed from" in output, where
     summary, weights = _final_weights(out)
     _assert_bitwise(weights, reference, where)
     assert summary["test_loss"] == reference_summary["test_loss"]

@@ -224,9 +224,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     train_info, test_info, model, optimizer, loader, config = build(config, rt)
     epoch_loss = EpochLoss(rt)
     state = {"model": model, "optimizer": optimizer, "recipe": recipe_of(config, train_info), "epoch_loss": epoch_loss}
-    resumed = _resume(rt, state, config)
-    if resumed is not None:
-        rt.print(f"resuming from {resumed}")
+    _resume(rt, state, config)  # rank 0 says where it goes on from ("ddpkit: resumed from ...")
 
     final_checkpoint, metrics, seen, train_seconds = None, {}, 0, 0.0
     replicated = rt.replica is not None  # a fault-tolerant replica: each step's quorum holds its batch
