@@ -313,6 +313,25 @@ for x, y in mine:
 rt.save("unused.pt", {"model": model, "opt": opt})  # line 10
 """
 
+# the blog posts' validation on rank 0 only, through the DDP model with BatchNorm in eval mode: its forward
+# averages the ranks' statistics first (DDP's first eval forward broadcasts buffers: the same trap there)
+MAIN_EVAL = """
+import torch, torch.nn as nn, torch.nn.functional as F, ddpkit
+rt = ddpkit.init(seed=0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randint(0, 2, (64,)))
+net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for epoch in rt.epochs(2):
+    model.train()
+    for x, y in rt.loader(data, global_batch_size=16, shuffle=True):  # line 9
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.step(opt)
+    if rt.is_main:
+        model.eval()
+        with torch.no_grad():
+            print((model(data.tensors[0]).argmax(1) == data.tensors[1]).float().mean())  # line 15
+"""
+
 CASES = {
     # script, the reason's words, a line each rank's row must hold
     "only_main": (
@@ -359,6 +378,16 @@ CASES = {
         [
             r"rank 0: in its collective #\d+: rt\.save\(\) at .*uneven\.py:10",
             r"rank 1: in #\d+ gloo:all_reduce \[\[387\]\] Float of group 0 \(by torch's flight recorder\) at .*uneven\.py:8",
+        ],
+    ),
+    "main_eval": (
+        MAIN_EVAL,
+        "called different collectives as their #",
+        [
+            r"rank 0: in its collective #\d+: batchnorm_average_before_an_eval_forward\(\) at .*main_eval\.py:15",
+            r"rank 1: in its collective #\d+: all_reduce\(int64\[\d+\]\) at .*main_eval\.py:9",
+            r"ddpkit: a forward of the DDP model in eval mode first averages the ranks' BatchNorm statistics .* "
+            r"or on one rank through model\.module",
         ],
     ),
     "order": (

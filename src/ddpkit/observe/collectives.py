@@ -314,6 +314,11 @@ def uninstall() -> None:
     _active.clear()
 
 
+EVAL_FORWARD = "batchnorm_average_before_an_eval_forward"
+"""The counted wait of an eval-mode forward through a DDP model whose BatchNorm statistics each rank keeps
+(:mod:`ddpkit.parallel.lazy_buffers`): it averages them first, a collective of every rank's."""
+
+
 def counted_wait(op: str) -> contextlib.AbstractContextManager[None]:
     """A wait of ddpkit's own that every rank makes at the same point of the script, outside the default
     group (micro-shards' exchange, on a group of its own): counted as a call of the installed log
@@ -329,6 +334,7 @@ def counted_wait(op: str) -> contextlib.AbstractContextManager[None]:
 __all__ = [
     "CollectiveLog",
     "DUMP_ON_TIMEOUT",
+    "EVAL_FORWARD",
     "FLIGHT_RECORDER_ENV",
     "Flight",
     "MARK_EVERY",

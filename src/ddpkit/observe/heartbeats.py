@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ddpkit.errors import EXIT_HANG, EXIT_MISMATCH
+from ddpkit.observe.collectives import EVAL_FORWARD
 
 # Within one value of ``global_step`` (it grows at the end of ``step()``), the order in which
 # a training loop crosses these boundaries: evaluation and saving come after the previous
@@ -421,15 +422,22 @@ def format_mismatch(
         "a collective under `if rank == 0` (or rt.is_main) is the usual cause"
     )
     for meeting in sorted({b.call for b in heartbeats.values() if b is not None and b.call in _MEETINGS}):
-        lines.append(
-            f"ddpkit: {meeting.removesuffix('()')} must be called on every rank (it gathers each rank's random "
-            "state; ddpkit writes on rank 0 only): call it outside `if rt.is_main:`"
-        )
+        lines.append(f"ddpkit: {_MEETINGS[meeting]}")
     return "\n".join(lines)
 
 
-_MEETINGS = ("rt.save()", "rt.load()")
-"""The counted waits of ddpkit's checkpoints (:func:`ddpkit.checkpoint.resume.meet`), which every rank calls."""
+_MEETINGS = {
+    **{
+        f"{call}()": f"{call} must be called on every rank (it gathers each rank's random state; ddpkit writes on "
+        "rank 0 only): call it outside `if rt.is_main:`"
+        for call in ("rt.save", "rt.load")
+    },
+    f"{EVAL_FORWARD}()": "a forward of the DDP model in eval mode first averages the ranks' BatchNorm statistics "
+    "(as DDP's first eval forward broadcasts its buffers), so every rank must run it: evaluate on every rank "
+    "(ddpkit.evaluate counts every sample once), or on one rank through model.module (its own statistics)",
+}
+"""ddpkit's counted waits that every rank calls (:func:`~ddpkit.observe.collectives.counted_wait`), and what the
+report says of each: the checkpoints' meeting (:func:`ddpkit.checkpoint.resume.meet`), an eval-mode forward."""
 
 
 def _collectives(count: int) -> str:

@@ -41,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit._torch import unwrap, wrapped_ddp
 from ddpkit.distributed import collectives
+from ddpkit.observe.collectives import EVAL_FORWARD, counted_wait
 from ddpkit.parallel.sync_batchnorm import SyncBatchNorm
 
 if TYPE_CHECKING:
@@ -116,7 +117,8 @@ class LazyBuffers:
         if self.paused:
             return
         if any(not layer.training for _, layer in self.layers):
-            self.average()
+            with counted_wait(EVAL_FORWARD):  # one call of every rank's, as the mismatch report names it
+                self.average()
 
     def _dirty_stats(self) -> list[tuple[str, torch.Tensor]]:
         return [
