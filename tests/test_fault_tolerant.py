@@ -391,6 +391,17 @@ def _quorum_loader(replica: _PassEndQuorum):
     return loop, made
 
 
+def test_a_replicas_loader_over_a_dataset_that_changed_length_is_refused_at_its_next_pass():
+    """As a loader of one process (test_loop_state's growing pool): the pass read the samples it was
+    built for, and the quorum's replicas each their share of them."""
+    _, made = _quorum_loader(_PassEndQuorum())
+    made.dataset.tensors = (torch.arange(16.0),)  # four samples more, after the loader was built
+    with pytest.raises(
+        ddpkit.UsageError, match="its dataset holds 16 samples now and held 12 when the loader was built"
+    ):
+        next(iter(made))
+
+
 class _Quorums:
     """torchft's manager, counting the quorums a replica starts and their commits; a peer ahead
     (step 30) heals the replica at its first."""

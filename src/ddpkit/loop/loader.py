@@ -479,6 +479,7 @@ class QuorumLoader(ShardedLoader):
         return self._order[1][index * size : (index + 1) * size]
 
     def __iter__(self) -> Iterator[Any]:
+        self._check_length()
         start, this_pass = self._begin_pass()
         try:
             while True:
