@@ -315,3 +315,35 @@ def global_draws(num_workers: int, draws: bool = True, stream: bool = False, wor
     merged = {key: value for part in ddpkit.all_gather_object(seen) for key, value in part.items()}
     rt.close()
     return {"seen": merged, "outside": outside}
+
+
+class Corrupt(torch.utils.data.Dataset):
+    """Samples of which every seventh comes as None (a file that fails to decode)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int):
+        if index % 7 == 3:
+            return None
+        generator = torch.Generator().manual_seed(index)
+        return torch.randn(4, generator=generator), torch.tensor(index % 2)
+
+
+def skip_none(samples: list) -> object:
+    """The usual collate for such a dataset: the samples that came, stacked."""
+    return torch.utils.data.default_collate([sample for sample in samples if sample is not None])
+
+
+def corrupt_samples(counted: bool, micro_shards: int = 0) -> dict:
+    """A loop over :class:`Corrupt` with :func:`skip_none`: ``counted`` weighs each backward by its samples."""
+    with ddpkit.init(seed=0) as rt:
+        net = torch.nn.Linear(4, 2)
+        options = {"micro_shards": micro_shards} if micro_shards else {}
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), **options)
+        for x, y in rt.loader(Corrupt(), global_batch_size=8, collate_fn=skip_none):
+            for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
+                loss = F.cross_entropy(model(xs), ys)
+                rt.backward(loss, count=len(ys)) if counted else rt.backward(loss)
+            rt.step(optimizer)
+        return {name: tensor.clone() for name, tensor in net.state_dict().items()}

@@ -687,3 +687,35 @@ def test_a_loader_built_anew_each_epoch_frees_its_persistent_workers_with_it(lea
                 assert _children() - before == 2  # this epoch's loader's workers only
     finally:
         gc.enable()
+
+
+def test_samples_a_collate_fn_left_out_are_refused_in_one_line_and_counted_train_alike_on_any_world_size():
+    """A dataset that returns None for a sample that fails to decode, and a collate_fn that leaves those
+    out: rt.backward weighed the batch's mean loss by the samples its loader handed out, so 1 and 2
+    processes ended 8e-3 apart, silently. Now rt.backward says so; with count=len(y) they agree (bitwise
+    under micro_shards)."""
+    with pytest.raises(UsageError, match=r"rt\.backward: 1 of this rank's 8 samples came as None and the collate_fn"):
+        loop_workers.corrupt_samples(counted=False)
+    for micro_shards in (0, 2):
+        one = loop_workers.corrupt_samples(True, micro_shards)
+        two = ddpkit.launch(loop_workers.corrupt_samples, nprocs=2, args=(True, micro_shards))[0]
+        if micro_shards:
+            _assert_bitwise(one, two)
+        else:
+            assert all(torch.allclose(one[key], two[key], rtol=0, atol=1e-6) for key in one)
+
+
+def test_predict_refuses_outputs_that_are_not_one_row_per_sample_where_a_collate_fn_left_samples_out(tmp_path):
+    """predict returned 27 rows for 32 samples "in dataset order", and predict_to_file wrote them: row i
+    was no longer sample i. Both now refuse in one line, on every rank, leaving no file."""
+    with ddpkit.init(seed=0) as rt:
+        model = rt.setup(torch.nn.Linear(4, 2))
+        data = loop_workers.Corrupt()
+        with pytest.raises(UsageError, match=r"^predict: the outputs hold 27 rows for the 32 samples read, so they"):
+            ddpkit.predict(model, data, collate_fn=loop_workers.skip_none, batch_size=8)
+        out = tmp_path / "preds.npy"
+        with pytest.raises(UsageError, match=r"^predict_to_file: the outputs hold 27 rows for the 32 samples read"):
+            ddpkit.predict_to_file(model, DataLoader(data, batch_size=8, collate_fn=loop_workers.skip_none), out)
+        assert list(tmp_path.iterdir()) == []
+        kept = ddpkit.predict(model, torch.utils.data.Subset(data, [0, 1, 2, 4]), collate_fn=loop_workers.skip_none)
+        assert kept.shape == (4, 2)  # one row a sample: as before

@@ -683,6 +683,11 @@ def predict(
     local = _joined(outputs, collate_fn)  # on every rank: each takes part in its check of the shapes
     if local is None:  # this rank read no batch
         local = _empty_output(module, dataset, collate_fn, target_key)
+    if stream is None:
+        read = len(batch_shard(len(dataset), batch_size, collectives.rank(), collectives.world_size()))
+    else:
+        read = sum(len(part) for part in positions)
+    _one_row_per_sample(local, read)
     collect = collectives.all_gather if to == "all" else collectives.gather
     gathered = _map(collect, local)
     if stream is None:  # contiguous shards concatenated in rank order are the dataset order
@@ -695,6 +700,26 @@ def predict(
     if not torch.equal(where[order], torch.arange(len(where))):
         raise DdpkitError(f"internal: predict read stream indices {where.tolist()[:20]}..., not each once")
     return _map(lambda t: t[order], gathered)
+
+
+def _one_row_per_sample(local: Any, read: int) -> None:
+    """Refuse, on every rank alike, outputs that are not one row per sample read: they cannot be put in
+    dataset order (a collate_fn that leaves out samples read as None made 27 rows of 32, silently)."""
+    rows: list[int] = []
+    map_tensors(lambda t: rows.append(t.shape[0] if t.dim() else 1), local)
+    counts = torch.tensor([min(rows, default=read), read, int(any(r != read for r in rows))], dtype=torch.long)
+    totals = collectives.all_reduce(counts)
+    if int(totals[2]):
+        raise rows_refused("predict", int(totals[0]), int(totals[1]))
+
+
+def rows_refused(what: str, rows: int, samples: int) -> UsageError:
+    """The one line of ``predict`` and ``predict_to_file`` for outputs that are not one row per sample."""
+    return UsageError(
+        f"{what}: the outputs hold {rows} rows for the {samples} samples read, so they cannot be put in dataset "
+        "order (a collate_fn that leaves out samples read as None makes fewer; a model whose outputs are not one "
+        "row per sample, other counts); return one row per sample (a placeholder for a sample that failed to read)"
+    )
 
 
 def _map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:

@@ -57,7 +57,15 @@ class ShardCollate:
         shards = 0
         if samples and isinstance(samples[-1], _ShardCount):
             shards, samples = samples[-1].shards, samples[:-1]
-        return collate_shards(self.collate, samples, shards)
+        batch = collate_shards(self.collate, samples, shards)
+        # a sample read as None (a file that failed to decode) is one the script's collate left out
+        missing = sum(sample is None for sample in samples)
+        if not missing:
+            return batch
+        if isinstance(batch, Collated):
+            batch.missing = missing
+            return batch
+        return Collated(batch, None, missing)
 
 
 def collate_shards(
@@ -88,15 +96,17 @@ class _ShardCount:
 
 
 class Collated:
-    """A batch and its local micro-shards, each collated on its own (:class:`ShardCollate`)."""
+    """A batch and its local micro-shards, each collated on its own (:class:`ShardCollate`; None: not
+    cut), and how many of its samples came as None, which the script's collate left out."""
 
-    def __init__(self, whole: Any, parts: list[Any]) -> None:
-        self.whole, self.parts = whole, parts
+    def __init__(self, whole: Any, parts: list[Any] | None, missing: int = 0) -> None:
+        self.whole, self.parts, self.missing = whole, parts, missing
 
     def pin_memory(self) -> Collated:
         """DataLoader's ``pin_memory`` thread calls it."""
         pin = lambda batch: None if batch is None else map_tensors(lambda t: t.pin_memory(), batch)  # noqa: E731
-        return Collated(pin(self.whole), [pin(part) for part in self.parts])
+        parts = None if self.parts is None else [pin(part) for part in self.parts]
+        return Collated(pin(self.whole), parts, self.missing)
 
 
 class _KeyedDataset(Dataset):
@@ -215,6 +225,9 @@ class LoaderPosition:
     shard_batches: list[Any] | None = None
     """The batch in hand's local micro-shards, each collated on its own (None: cut from the batch)."""
 
+    missing = 0
+    """Samples of the batch in hand that came as None, which the script's ``collate_fn`` left out."""
+
     whole_batch: Any = None
     """The batch in hand as handed out (what ``rt.shards`` finds the shards' parts of)."""
 
@@ -236,9 +249,13 @@ class LoaderPosition:
     def _take_parts(self, batch: Any) -> Any:
         """The batch of a :class:`Collated`, its shards kept (on the device) for ``rt.shards``."""
         if not isinstance(batch, Collated):
-            self.shard_batches = None
+            self.shard_batches, self.missing = None, 0
             return batch
-        self.shard_batches = [None if part is None else to_device(part, self.device) for part in batch.parts]
+        self.missing = batch.missing
+        if batch.parts is None:
+            self.shard_batches = None
+        else:
+            self.shard_batches = [None if part is None else to_device(part, self.device) for part in batch.parts]
         return batch.whole
 
     def _start_positions(self, name: str | None, on_batch: Callable[[Any], None] | None) -> None:

@@ -14,7 +14,7 @@ from ddpkit._torch import unwrap
 from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError
 from ddpkit.loop import same_data
-from ddpkit.loop.evaluate import _empty_output, _run_shard, unloaded
+from ddpkit.loop.evaluate import _empty_output, _run_shard, rows_refused, unloaded
 from ddpkit.parallel import lazy_buffers
 
 
@@ -87,6 +87,9 @@ def predict_to_file(
         part.unlink(missing_ok=True)
         raise
     counts = collectives.all_gather_object(rows)  # also: every part file is complete
+    if sum(counts) != len(dataset):  # (every rank alike)
+        part.unlink(missing_ok=True)
+        raise rows_refused("predict_to_file", sum(counts), len(dataset))
     if rank == 0:
         assert tail is not None  # rank 0 read a batch, or probed one sample
         _merge_parts(path, [path.with_name(f".{path.name}.rank{r}.part") for r in range(world)], counts, tail, dtype)

@@ -126,6 +126,13 @@ def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
             mode.refuse(counted.CALL)
         loss, weight = counted.weigh(run.counted, loss, count, run.modes)
     else:
+        if active is not None and active.missing:
+            raise UsageError(
+                f"rt.backward: {active.missing} of this rank's {active.local_count} samples came as None and the "
+                f"collate_fn left them out, so weighing its mean loss as {active.local_count} of the batch's "
+                f"{active.global_count} samples would count samples it does not hold, and 1 and 2 processes would "
+                "train apart; weigh it by the samples it holds: rt.backward(loss, count=len(y))"
+            )
         if active is not None and active.global_count:
             weight = active.batch_weight()
             if run.accumulation is not None:  # a share of the group's samples, not the batch's
