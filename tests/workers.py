@@ -1937,3 +1937,27 @@ def _strict_metric() -> Any:
             return torchmetrics.utilities.dim_zero_cat(self.rows).sum()
 
     return Strict()
+
+
+def mixup_numpy(micro_shards: int = 2) -> dict:
+    """Mixup drawn as scripts draw it, inside ``rt.shards``: its weight from numpy's global generator, its
+    pairing from torch's, a coin from ``random``'s; and a numpy draw outside the shards after the loop."""
+    import random
+
+    import numpy as np
+
+    with ddpkit.init(seed=0) as rt:
+        generator = torch.Generator().manual_seed(3)
+        data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=generator), torch.arange(48) % 3)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=micro_shards)
+        np.random.seed(7)  # the script's own seeding, after which its draws outside the shards go on
+        for x, y in rt.loader(data, global_batch_size=16, shuffle=True):
+            for xs, ys in rt.shards(x, y):
+                lam = float(np.random.beta(0.4, 0.4)) if random.random() < 0.9 else 1.0
+                perm = torch.randperm(len(xs))
+                out = model(lam * xs + (1 - lam) * xs[perm])
+                rt.backward(lam * F.cross_entropy(out, ys) + (1 - lam) * F.cross_entropy(out, ys[perm]))
+            rt.step(optimizer)
+        weights = {name: tensor.clone() for name, tensor in net.state_dict().items()}
+        return {"weights": weights, "after": float(np.random.rand())}

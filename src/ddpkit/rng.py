@@ -223,6 +223,21 @@ def _seed_globals_for(key: SampleKey) -> None:
         random.seed(_seed_of(f"{text}:random"))
 
 
+@contextlib.contextmanager
+def keyed_globals(key: int) -> Iterator[None]:
+    """numpy's and ``random``'s global generators draw from ``key``'s own seeds in the block, and go on from
+    where they were after it: a micro-shard's draws in the training loop (``np.random.beta`` for mixup,
+    ``random.random() < p``), as torch's do there (:meth:`ddpkit.parallel.exact.Exact.shards`)."""
+    saved = (np.random.get_state() if np is not None else None), random.getstate()
+    if np is not None:
+        np.random.seed(_seed_of(f"{key}:numpy") % 2**32)
+    random.seed(_seed_of(f"{key}:random"))
+    try:
+        yield
+    finally:
+        _put_globals_back(saved)
+
+
 def current_sample() -> SampleKey | None:
     """The (seed, epoch, index) of the sample being read, or None outside a ddpkit loader."""
     return _current_key

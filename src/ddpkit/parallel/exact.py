@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit import _torch
+from ddpkit import _torch, rng
 from ddpkit.errors import UsageError, translate_uncaught
 from ddpkit.observe.collectives import counted_wait
 from ddpkit.parallel import modes
@@ -355,8 +355,9 @@ class Exact:
             yield
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed((self.seed * 1_000_003 + step * 65_537 + shard + in_group * 1_000_000_007) % (2**63))
+        key = (self.seed * 1_000_003 + step * 65_537 + shard + in_group * 1_000_000_007) % (2**63)
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), rng.keyed_globals(key):
+            torch.manual_seed(key)  # numpy's and random's too: mixup's np.random.beta drew per rank
             yield
 
     def weight(self) -> float:
