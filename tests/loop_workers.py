@@ -335,13 +335,23 @@ def skip_none(samples: list) -> object:
     return torch.utils.data.default_collate([sample for sample in samples if sample is not None])
 
 
-def corrupt_samples(counted: bool, micro_shards: int = 0) -> dict:
-    """A loop over :class:`Corrupt` with :func:`skip_none`: ``counted`` weighs each backward by its samples."""
+class CorruptStream(torch.utils.data.IterableDataset):
+    """:class:`Corrupt`'s samples as a stream."""
+
+    def __iter__(self):
+        samples = Corrupt()
+        return (samples[index] for index in range(len(samples)))
+
+
+def corrupt_samples(counted: bool, micro_shards: int = 0, stream: bool = False, num_workers: int = 0) -> dict:
+    """A loop over :class:`Corrupt` (``stream``: :class:`CorruptStream`) with :func:`skip_none`: ``counted``
+    weighs each backward by its samples."""
     with ddpkit.init(seed=0) as rt:
         net = torch.nn.Linear(4, 2)
         options = {"micro_shards": micro_shards} if micro_shards else {}
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), **options)
-        for x, y in rt.loader(Corrupt(), global_batch_size=8, collate_fn=skip_none):
+        data = CorruptStream() if stream else Corrupt()
+        for x, y in rt.loader(data, global_batch_size=8, collate_fn=skip_none, num_workers=num_workers):
             for xs, ys in rt.shards(x, y) if micro_shards else [(x, y)]:
                 loss = F.cross_entropy(model(xs), ys)
                 rt.backward(loss, count=len(ys)) if counted else rt.backward(loss)

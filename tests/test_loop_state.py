@@ -694,8 +694,10 @@ def test_samples_a_collate_fn_left_out_are_refused_in_one_line_and_counted_train
     out: rt.backward weighed the batch's mean loss by the samples its loader handed out, so 1 and 2
     processes ended 8e-3 apart, silently. Now rt.backward says so; with count=len(y) they agree (bitwise
     under micro_shards)."""
-    with pytest.raises(UsageError, match=r"rt\.backward: 1 of this rank's 8 samples came as None and the collate_fn"):
-        loop_workers.corrupt_samples(counted=False)
+    # a stream collated by its one worker, or by the main process from two workers' pieces cut into shards
+    for stream, num_workers, micro_shards in ((False, 0, 0), (True, 0, 0), (True, 1, 0), (True, 2, 2)):
+        with pytest.raises(UsageError, match=r"rt\.backward: 1 of this rank's 8 samples came as None and the collate"):
+            loop_workers.corrupt_samples(False, micro_shards, stream, num_workers)
     for micro_shards in (0, 2):
         one = loop_workers.corrupt_samples(True, micro_shards)
         two = ddpkit.launch(loop_workers.corrupt_samples, nprocs=2, args=(True, micro_shards))[0]

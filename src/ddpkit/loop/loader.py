@@ -57,22 +57,15 @@ class ShardCollate:
         shards = 0
         if samples and isinstance(samples[-1], _ShardCount):
             shards, samples = samples[-1].shards, samples[:-1]
-        batch = collate_shards(self.collate, samples, shards)
-        # a sample read as None (a file that failed to decode) is one the script's collate left out
-        missing = sum(sample is None for sample in samples)
-        if not missing:
-            return batch
-        if isinstance(batch, Collated):
-            batch.missing = missing
-            return batch
-        return Collated(batch, None, missing)
+        return collate_shards(self.collate, samples, shards)
 
 
 def collate_shards(
     collate: Callable[[list[Any]], Any], samples: list[Any], shards: int, runs: int | None = None
 ) -> Any:
     """``collate(samples)``; with more than one local micro-shard, a :class:`Collated` of it and of each
-    shard's samples collated alone, as ``rt.shards`` cuts the batch.
+    shard's samples collated alone, as ``rt.shards`` cuts the batch; a :class:`Collated` too where samples
+    came as None (which the collate leaves out), with their count.
 
     Args:
         collate: the script's ``collate_fn``.
@@ -82,10 +75,11 @@ def collate_shards(
             many (a ``ddpkit.Shards`` stream lays its shards end to end).
     """
     whole = collate(samples)
+    missing = sum(sample is None for sample in samples)  # read as None (failed to decode): the collate left them out
     if shards <= 1:
-        return whole
+        return Collated(whole, None, missing) if missing else whole
     parts = [samples[j::shards] if runs is None else samples[j * runs : (j + 1) * runs] for j in range(shards)]
-    return Collated(whole, [collate(part) if part else None for part in parts])
+    return Collated(whole, [collate(part) if part else None for part in parts], missing)
 
 
 class _ShardCount:

@@ -24,7 +24,7 @@ from ddpkit import rng
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError
 from ddpkit.loop.batch import to_device
-from ddpkit.loop.loader import LoaderPosition, collate_shards
+from ddpkit.loop.loader import LoaderPosition, ShardCollate, collate_shards
 from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.order import Layout
 from ddpkit.loop.streams.pieces import Pieces, RawSamples, as_is, join, warn_once, warn_plain_stream
@@ -114,7 +114,7 @@ class StreamLoader(LoaderPosition):
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
-            collate_fn=collate_fn or default_collate,
+            collate_fn=ShardCollate(collate_fn) if collate_fn is not None else default_collate,  # (counts Nones)
         )
         if watch is not None:
             progress = self._pieces.progress
