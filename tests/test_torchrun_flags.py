@@ -52,6 +52,15 @@ def test_torchrun_flags_map_onto_ddpkits(torchrun, ours):
     assert _agent_args([*torchrun, HELLO]) == _agent_args([*ours, HELLO])
 
 
+def test_a_double_dash_ends_the_options_and_the_script_comes_next_as_under_torchrun():
+    """``torchrun -n 2 -- train.py --lr 0.1`` was refused by ddpkit run ("unknown option '--'")."""
+    spec = spec_of(["--nproc_per_node", "2", "--", HELLO, "-n", "5", "--", "--help"])
+    assert spec == spec_of(["-n", "2", HELLO, "-n", "5", "--", "--help"])
+    assert spec.target == HELLO and spec.target_args == ["-n", "5", "--", "--help"]
+    with pytest.raises(UsageError, match="needs a SCRIPT or -m MODULE"):
+        spec_of(["-n", "2", "--"])
+
+
 def test_nproc_words_and_rdzv_id():
     assert spec_of(["--nproc_per_node", "auto", HELLO]).nproc_per_node is None  # ddpkit's default
     assert spec_of(["--nproc-per-node", "cpu", HELLO]).nproc_per_node >= 1

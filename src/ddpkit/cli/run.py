@@ -77,6 +77,9 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while index < len(argv):
         token = argv[index]
         name = token.split("=", 1)[0]
+        if token == "--":  # the end of the options, as torchrun's argparse takes it: the script comes next
+            rest = list(argv[index + 1 :])
+            return ours + rest[:1], rest[1:]
         if name in ("-m", "--module"):
             take = 1 if "=" in token else 2
             return ours + list(argv[index : index + take]), list(argv[index + take :])
