@@ -222,3 +222,14 @@ def test_a_compiled_ddp_model_takes_counts_and_its_reducer_check(one_process):
     reducer's check that every parameter got a gradient does not refuse a compiled backward."""
     compiled = ddpkit.launch(workers.counted_lm_compiled, nprocs=2)[0]
     assert compiled["steps"] == 12 and _relative(compiled, one_process) < 1e-12
+
+
+@pytest.mark.timeout(120)
+def test_a_class_weighted_mean_counts_its_weights_and_trains_alike_on_one_and_two_processes():
+    """F.cross_entropy(weight=w) divides by w[y].sum(), not by the samples: weighed by samples, 1 and 2
+    processes end 2.6e-2 apart (training.md says so); with count=w[y].sum(), a float, within rounding."""
+    one = workers.class_weighted(True)
+    two = ddpkit.launch(workers.class_weighted, nprocs=2, args=(True,))[0]
+    assert _relative(one, two) < 1e-6
+    plain = workers.class_weighted(False), ddpkit.launch(workers.class_weighted, nprocs=2, args=(False,))[0]
+    assert _relative(*plain) > 1e-3

@@ -1961,3 +1961,21 @@ def mixup_numpy(micro_shards: int = 2) -> dict:
             rt.step(optimizer)
         weights = {name: tensor.clone() for name, tensor in net.state_dict().items()}
         return {"weights": weights, "after": float(np.random.rand())}
+
+
+def class_weighted(counted: bool) -> dict:
+    """A 3-class MLP trained on a class-weighted cross-entropy (weights 0.2, 1, 3), whose mean divides by
+    its samples' weights: ``counted`` passes that sum as the backward's count (a float)."""
+    with ddpkit.init(seed=0) as rt:
+        generator = torch.Generator().manual_seed(3)
+        x = torch.randn(96, 6, generator=generator)
+        data = torch.utils.data.TensorDataset(x, (torch.rand(96, generator=generator) * 3).long().clamp(max=2))
+        weight = torch.tensor([0.2, 1.0, 3.0])
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for _ in rt.epochs(2):
+            for xs, ys in rt.loader(data, global_batch_size=16, shuffle=True):
+                loss = F.cross_entropy(model(xs), ys, weight=weight)
+                rt.backward(loss, count=weight[ys].sum()) if counted else rt.backward(loss)
+                rt.step(optimizer)
+        return {"weights": {name: tensor.clone() for name, tensor in net.state_dict().items()}}
