@@ -226,7 +226,7 @@ def _restart_line(count: int, environ: Mapping[str, str]) -> str:
     allowed = environ.get("TORCHELASTIC_MAX_RESTARTS", "")
     of = f" of {allowed}" if allowed.isdigit() else ""
     whose = f"replica {environ[ft.REPLICA_ENV]}'s workers start" if ft.REPLICA_ENV in environ else "every worker starts"
-    return f"ddpkit: restart {count}{of} (--max-restarts): a worker failed (its output is above); {whose} again"
+    return f"ddpkit: restart {count}{of}: a worker failed (its output is above); {whose} again"
 
 
 def _replica(run: RunState, peers: resuming.Peers, settings: Settings, device: torch.device, env: Environment) -> Any:
