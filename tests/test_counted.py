@@ -233,3 +233,15 @@ def test_a_class_weighted_mean_counts_its_weights_and_trains_alike_on_one_and_tw
     assert _relative(one, two) < 1e-6
     plain = workers.class_weighted(False), ddpkit.launch(workers.class_weighted, nprocs=2, args=(False,))[0]
     assert _relative(*plain) > 1e-3
+
+
+@pytest.mark.timeout(120)
+def test_a_summed_loss_divided_by_its_samples_with_the_learning_rate_times_the_batch_trains_alike():
+    """A loss summed over the batch is weighed as a mean of the rank's samples: 2 processes stepped with
+    half of one's gradient (SGD: 7.7e-3 apart). Divided by its samples, with the learning rate times the
+    global batch, it takes one process's summed steps (bitwise on one) on any world size."""
+    summed = workers.summed_loss(False), ddpkit.launch(workers.summed_loss, nprocs=2, args=(False,))[0]
+    assert _relative(*summed) > 1e-3
+    mean_one = workers.summed_loss(True)
+    assert _equal(mean_one, summed[0])  # lr x 16 over the mean is the sum's step (a power of two: exact)
+    assert _relative(mean_one, ddpkit.launch(workers.summed_loss, nprocs=2, args=(True,))[0]) < 1e-6

@@ -1979,3 +1979,19 @@ def class_weighted(counted: bool) -> dict:
                 rt.backward(loss, count=weight[ys].sum()) if counted else rt.backward(loss)
                 rt.step(optimizer)
         return {"weights": {name: tensor.clone() for name, tensor in net.state_dict().items()}}
+
+
+def summed_loss(as_mean: bool) -> dict:
+    """pytorch/examples' VAE reduces its loss by a sum; ``as_mean`` divides it by the batch's samples and
+    multiplies SGD's learning rate by the global batch (16): the same steps, on any world size."""
+    with ddpkit.init(seed=0) as rt:
+        generator = torch.Generator().manual_seed(2)
+        data = torch.utils.data.TensorDataset(torch.rand(64, 12, generator=generator))
+        net = torch.nn.Sequential(torch.nn.Linear(12, 4), torch.nn.ReLU(), torch.nn.Linear(4, 12))
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=1e-3 * (16 if as_mean else 1)))
+        for _ in rt.epochs(2):
+            for (x,) in rt.loader(data, global_batch_size=16, shuffle=True):
+                loss = F.binary_cross_entropy_with_logits(model(x), x, reduction="sum")
+                rt.backward(loss / len(x) if as_mean else loss)
+                rt.step(optimizer)
+        return {"weights": {name: tensor.clone() for name, tensor in net.state_dict().items()}}
