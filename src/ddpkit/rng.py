@@ -163,7 +163,7 @@ def reading(key: SampleKey | None) -> Iterator[None]:
     held = None
     if key is not None and (_numpy_keyed or _random_keyed):
         held = None if _holds or _in_worker() else _globals_state()
-        _seed_globals_for(key)
+        _seed_globals(f"{key.seed}:{key.epoch}:{key.index}")  # the sample's own seeds
     try:
         yield
     finally:
@@ -200,10 +200,15 @@ def _in_worker() -> bool:
     return torch.utils.data.get_worker_info() is not None
 
 
-def _globals_state() -> tuple[Any, Any]:
-    return (np.random.get_state() if np is not None and _numpy_keyed else None), (
-        random.getstate() if _random_keyed else None
-    )
+def _keyed(every: bool) -> tuple[bool, bool]:
+    """Whether numpy's and ``random``'s global generators are keyed: both (``every``: a micro-shard's draws),
+    else those a loader worker's ``worker_init_fn`` left to ddpkit."""
+    return (True, True) if every else (_numpy_keyed, _random_keyed)
+
+
+def _globals_state(*, every: bool = False) -> tuple[Any, Any]:
+    numpy, python = _keyed(every)
+    return (np.random.get_state() if np is not None and numpy else None), (random.getstate() if python else None)
 
 
 def _put_globals_back(state: tuple[Any, Any]) -> None:
@@ -214,12 +219,12 @@ def _put_globals_back(state: tuple[Any, Any]) -> None:
         random.setstate(python)
 
 
-def _seed_globals_for(key: SampleKey) -> None:
-    """numpy's and ``random``'s global generators at sample ``key``'s own seeds (each its own stream)."""
-    text = f"{key.seed}:{key.epoch}:{key.index}"
-    if np is not None and _numpy_keyed:
+def _seed_globals(text: str, *, every: bool = False) -> None:
+    """numpy's and ``random``'s global generators at ``text``'s own seeds (each its own stream)."""
+    numpy, python = _keyed(every)
+    if np is not None and numpy:
         np.random.seed(_seed_of(f"{text}:numpy") % 2**32)
-    if _random_keyed:
+    if python:
         random.seed(_seed_of(f"{text}:random"))
 
 
@@ -228,10 +233,8 @@ def keyed_globals(key: int) -> Iterator[None]:
     """numpy's and ``random``'s global generators draw from ``key``'s own seeds in the block, and go on from
     where they were after it: a micro-shard's draws in the training loop (``np.random.beta`` for mixup,
     ``random.random() < p``), as torch's do there (:meth:`ddpkit.parallel.exact.Exact.shards`)."""
-    saved = (np.random.get_state() if np is not None else None), random.getstate()
-    if np is not None:
-        np.random.seed(_seed_of(f"{key}:numpy") % 2**32)
-    random.seed(_seed_of(f"{key}:random"))
+    saved = _globals_state(every=True)
+    _seed_globals(str(key), every=True)
     try:
         yield
     finally:
