@@ -421,12 +421,12 @@ def format_mismatch(
         "ddpkit: every rank must call the same collectives in the same order with the same shapes and dtypes; "
         "a collective under `if rank == 0` (or rt.is_main) is the usual cause"
     )
-    for meeting in sorted({b.call for b in heartbeats.values() if b is not None and b.call in _MEETINGS}):
-        lines.append(f"ddpkit: {_MEETINGS[meeting]}")
+    for call in sorted({b.call for b in heartbeats.values() if b is not None and b.call in _EVERY_RANKS}):
+        lines.append(f"ddpkit: {_EVERY_RANKS[call]}")
     return "\n".join(lines)
 
 
-_MEETINGS = {
+_EVERY_RANKS = {
     **{
         f"{call}()": f"{call} must be called on every rank (it gathers each rank's random state; ddpkit writes on "
         "rank 0 only): call it outside `if rt.is_main:`"
