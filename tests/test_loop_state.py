@@ -594,11 +594,13 @@ def test_resume_says_on_rank_0_where_it_goes_on_from(tmp_path, capsys):
 
 
 def test_a_restart_is_said_on_rank_0_with_the_restarts_left():
+    from ddpkit.distributed.environment import Environment, detect
     from ddpkit.runtime.start import _restart_line
 
-    line = _restart_line(1, {"TORCHELASTIC_MAX_RESTARTS": "3"})
+    elastic = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    line = _restart_line(detect(elastic), {})
     assert line == "ddpkit: restart 1 of 3: a worker failed (its output is above); every worker starts again"
-    replica = _restart_line(2, {"DDPKIT_FT_REPLICA": "1"})
+    replica = _restart_line(Environment(restart_count=2), {"DDPKIT_FT_REPLICA": "1"})
     assert replica.startswith("ddpkit: restart 2: a worker failed") and replica.endswith(
         "replica 1's workers start again"
     )

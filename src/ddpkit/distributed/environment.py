@@ -49,6 +49,7 @@ class Environment:
         master_port: port of the rendezvous store.
         run_id: the launcher's job id (TorchElastic run id), if any.
         restart_count: how often the elastic agent restarted the group before this attempt.
+        max_restarts: how often it may (``--max-restarts``), where it says; None: it does not.
         agent_store: the elastic agent hosts the store at master_addr:master_port.
         store_dir: the private directory of a one-machine ``ddpkit run`` / ``ddpkit.launch`` job,
             which holds its stores as files (empty: the stores are sockets).
@@ -66,6 +67,7 @@ class Environment:
     master_port: int = DEFAULT_MASTER_PORT
     run_id: str = ""
     restart_count: int = 0
+    max_restarts: int | None = None
     agent_store: bool = False
     own_gpus: bool = False
     store_dir: str = ""
@@ -127,6 +129,7 @@ def _from_torchelastic(environ: Mapping[str, str]) -> Environment | None:
         master_port=_port(environ, "MASTER_PORT", DEFAULT_MASTER_PORT),
         run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=int(allowed) if (allowed := environ.get("TORCHELASTIC_MAX_RESTARTS", "")).isdigit() else None,
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         store_dir=environ.get(STORE_DIR_ENV, ""),
     )

@@ -216,17 +216,16 @@ def join(settings: Settings) -> tuple[Environment, torch.device, str]:
         process_group.init(env, backend, device, settings.timeout)
         store_sync.begin(collectives.broadcast_object(uuid.uuid4().hex if env.rank == 0 else None))
     if env.restart_count and env.rank == 0:
-        sys.stderr.write(_restart_line(env.restart_count, os.environ) + "\n")
+        sys.stderr.write(_restart_line(env, os.environ) + "\n")
     return env, device, backend
 
 
-def _restart_line(count: int, environ: Mapping[str, str]) -> str:
+def _restart_line(env: Environment, environ: Mapping[str, str]) -> str:
     """What rank 0 says as torch's elastic agent starts the workers again after one failed (torch says
-    it only at INFO, which torchrun does not show)."""
-    allowed = environ.get("TORCHELASTIC_MAX_RESTARTS", "")
-    of = f" of {allowed}" if allowed.isdigit() else ""
+    it only at INFO, which torchrun does not show); ``environ`` tells a fault-tolerant replica's."""
+    of = f" of {env.max_restarts}" if env.max_restarts is not None else ""
     whose = f"replica {environ[ft.REPLICA_ENV]}'s workers start" if ft.REPLICA_ENV in environ else "every worker starts"
-    return f"ddpkit: restart {count}{of}: a worker failed (its output is above); {whose} again"
+    return f"ddpkit: restart {env.restart_count}{of}: a worker failed (its output is above); {whose} again"
 
 
 def _replica(run: RunState, peers: resuming.Peers, settings: Settings, device: torch.device, env: Environment) -> Any:
