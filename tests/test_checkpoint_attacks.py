@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import itertools
 import json
 import pathlib
 import pickle
@@ -27,7 +28,7 @@ import torch
 import ddpkit
 from ddpkit import checkpoint
 from ddpkit.checkpoint import dcp_reader
-from ddpkit.errors import DdpkitError, UnsafeCheckpoint, one_line
+from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint, one_line
 from helpers import ddpkit as ddpkit_cli
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -284,6 +285,94 @@ def test_an_attacked_single_file_checkpoint_is_refused_on_every_path(tmp_path):
     predicted = ddpkit_cli("predict", "--checkpoint", str(path.parent), "--out", str(tmp_path / "p.csv"))
     _assert_cli_refused(predicted, "predict", str(path), "builtins.exec")
     assert not marker.exists()
+
+
+# -- plain data of another shape: refused before anything is restored -------------------------
+
+CRAFTED = [  # (field of payload["ddpkit"], crafted value, what the refusal names)
+    ("loop.step", torch.tensor([1, 2, 3]), "ddpkit.loop.step: expected a whole number of at least 0, found a tensor"),
+    ("loop.driven", torch.ones(3), "ddpkit.loop.driven: expected True or False"),
+    ("loop.epoch", "x", "ddpkit.loop.epoch: expected a whole number"),
+    ("loop.micro_step", -5, "ddpkit.loop.micro_step: expected a whole number of at least 0, found -5"),
+    ("loop.group", [1], "ddpkit.loop.group: expected [size, weight] or []"),
+    ("loop.passes", 3, "ddpkit.loop.passes: expected a dict"),
+    (
+        "loop.loaders",
+        {"train": {"epoch": 0, "position": "7", "finished": False, "signature": {}}},
+        "ddpkit.loop.loaders['train'].position: expected a whole number",
+    ),
+    ("loop", None, "ddpkit.loop: expected a dict"),
+    ("world_size", "a", "ddpkit.world_size: expected a whole number of at least 1"),
+    ("rng", [], "ddpkit.rng: expected a list of 1, one per process"),
+    ("rng.0.torch", torch.zeros(3, dtype=torch.uint8), "ddpkit.rng[0].torch: expected a generator's state"),
+    ("rng.0.python", [3, [1, 2], None], "ddpkit.rng[0].python: expected a generator's state"),
+    ("precision.scaler", {"scale": "x"}, "ddpkit.precision.scaler['scale']: expected a number"),
+    ("compression", [None, None], "ddpkit.compression: expected a list of 1"),
+]
+
+
+def _craft(own: dict, field: str, value: object) -> None:
+    *parents, last = field.split(".")
+    for part in parents:
+        own = own[int(part)] if isinstance(own, list) else own[part]
+    if isinstance(own, list):
+        own[int(last)] = value
+    else:
+        own[last] = value
+
+
+def _craft_single_file(tmp_path: Path, field: str, value: object):
+    """A one-process checkpoint taken mid-epoch, its ddpkit state crafted and its checksum written anew."""
+    rt = ddpkit.init(seed=0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(torch.utils.data.TensorDataset(torch.randn(16, 3)), global_batch_size=4, shuffle=True)
+    for (x,) in itertools.islice(loader, 2):
+        rt.backward(model(x).sum())
+        rt.step(optimizer)
+    path = rt.save(tmp_path / "ckpts", {"model": model, "optimizer": optimizer}, blocking=True)
+    rt.close()
+    payload = torch.load(path, weights_only=True)
+    _craft(payload["ddpkit"], field, value)
+    torch.save(payload, path)
+    data = path.read_bytes()
+    path.with_name(path.name + ".sha256").write_text(
+        json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+    )
+    return path
+
+
+@pytest.mark.parametrize(("field", "value", "named"), CRAFTED, ids=[c[0] for c in CRAFTED])
+def test_a_crafted_ddpkit_state_is_one_line_before_anything_is_restored(tmp_path, field, value, named):
+    path = _craft_single_file(tmp_path, field, value)
+    rt = ddpkit.init(seed=1)
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    generator = torch.get_rng_state()
+    state = {"model": model, "optimizer": optimizer}
+    for load in (lambda: rt.load(path, state), lambda: rt.load(path.parent, state)):
+        with pytest.raises(DamagedCheckpoint) as caught:
+            load()
+        said = str(caught.value)
+        assert "\n" not in said and said == one_line(said), said
+        assert f"checkpoint {path} holds a malformed ddpkit state (" in said, said
+        assert named in said, said
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was restored
+    assert torch.equal(generator, torch.get_rng_state()) and rt.global_step == 0
+    rt.close()
+
+
+def test_a_crafted_ddpkit_state_of_a_sharded_checkpoint_is_refused(made, tmp_path):
+    step = shutil.copytree(made["clean"], tmp_path / made["clean"].name)
+    own = torch.load(step / "ddpkit.pt", weights_only=True)
+    own["loop"]["step"] = torch.tensor([1, 2, 3])
+    torch.save(own, step / "ddpkit.pt")
+    _reseal(step)
+    [said] = load_each([str(step)])
+    assert said is not None and "\n" not in said, said
+    assert f"checkpoint {step} holds a malformed ddpkit state (ddpkit.loop.step: expected a whole number" in said
 
 
 # -- what must still work, and the allowlist ---------------------------------------------------

@@ -294,6 +294,31 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(_to_tuples(state["python"]))
 
 
+def check_state(state: Mapping[str, Any]) -> None:
+    """Try what :func:`set_rng_state` would restore on generators of each kind that nobody draws from.
+
+    Raises:
+        ValueError: naming the part (``"torch"``, ``"python"``, ``"numpy"``, ``"cuda"``) that no
+            generator of its kind takes.
+    """
+    tries = {
+        "torch": lambda: torch.Generator().set_state(state["torch"]),
+        "python": lambda: random.Random().setstate(_to_tuples(state["python"])),
+    }
+    if np is not None and state.get("numpy") is not None:
+        tries["numpy"] = lambda: np.random.RandomState().set_state(numpy_state_tuple(state["numpy"]))
+    for part, call in tries.items():
+        try:
+            call()
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError, OverflowError, AttributeError):
+            raise ValueError(part) from None
+    cuda = state.get("cuda")  # a CUDA generator's state is a byte tensor (a list of them before)
+    if cuda is not None and not all(
+        isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in (cuda if isinstance(cuda, list) else [cuda])
+    ):
+        raise ValueError("cuda")
+
+
 def torch_state() -> dict[str, Any]:
     """torch's generator and, where this process has started CUDA, the generator of its own device.
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpkit import checkpoint, rng
 from ddpkit.checkpoint import dcp
+from ddpkit.checkpoint.own import check as checked_own
 from ddpkit.checkpoint.resume import Peers, meet
 from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, warn
@@ -39,7 +40,7 @@ def _restore_sharded(
     problem = collectives.broadcast_object(problem)
     if problem is not None:
         raise DdpkitError(problem)
-    own = dcp.load_own(target)
+    own = checked_own(dcp.load_own(target), target)
     dcp.load(target, state)
     _restore_entries(state, own["user"], [k for k in dcp.plain_entries(state) if k in own["user"]], target)
     run.precision.load_state_dict(own["precision"])
@@ -98,13 +99,14 @@ def _restore(
     if dcp.is_dcp(target):  # a sharded checkpoint: rank 0 verifies it for everyone
         return _restore_sharded(run, peers, target, state, strict, verified=verified)
     payload = checkpoint.read(target, verified=verified)
-    own = payload["ddpkit"]
-    if "loop" not in own:
+    found = payload.get("ddpkit")
+    if isinstance(found, dict) and "loop" not in found:
         raise DdpkitError(
             f"checkpoint {target} was written by ddpkit {payload.get('ddpkit_version', '?')}, "
             "before loader positions were keyed by name: its weights load with "
             "ddpkit.checkpoint.read(path)['user'], but it cannot resume a loop"
         )
+    own = checked_own(found, target)
     saved_world = int(own.get("world_size", 1))
     if own["loop"].get("micro_step") and saved_world != peers.world_size:  # before anything changes
         raise DdpkitError(
