@@ -22,7 +22,8 @@ from ddpkit.errors import UsageError, translate_uncaught, warn
 from ddpkit.parallel import lazy_buffers
 from ddpkit.parallel.auto import AutoCompressor
 from ddpkit.parallel.compression import attach
-from ddpkit.parallel.modes import Replicated, sparse_gradient_modules
+from ddpkit.parallel.exact_tree import broadcast_from_rank0
+from ddpkit.parallel.modes import Frozen, Replicated, frozen, sparse_gradient_modules
 from ddpkit.parallel.options import SetupOptions, Wrapped
 from ddpkit.parallel.sync_batchnorm import convert_sync_batchnorm
 
@@ -50,6 +51,9 @@ def replicate(
 ) -> Wrapped:
     """Move ``model`` to ``device``, convert BatchNorm if asked, wrap it in DDP when world > 1, compile.
 
+    A model with no parameter that requires a gradient is not wrapped: every rank takes rank 0's weights
+    and buffers, as DDP's set-up would give (:class:`~ddpkit.parallel.modes.Frozen`).
+
     ``options.grad_compression`` (checked by :meth:`SetupOptions.check`) registers its hook on the
     DDP model; with one process nothing is sent, and it is left out with a warning.
 
@@ -69,7 +73,11 @@ def replicate(
         model = convert_sync_batchnorm(model, device, _statistics_group(device, timeout_s))
     elif device.type != "cuda" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
         model = convert_sync_batchnorm(model, device)  # torch's of the script's own, which refuses a CPU module
-    if world_size > 1:
+    if frozen(model):  # nothing to average, and DDP refuses such a model: every rank takes rank 0's weights
+        wrapped.mode = Frozen(model)
+        if world_size > 1:
+            broadcast_from_rank0(model)
+    elif world_size > 1:
         model = _distributed(
             model, options, wrapped, device=device, is_main=is_main, timeout_s=timeout_s, optimizer=optimizer
         )

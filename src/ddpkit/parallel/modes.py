@@ -7,6 +7,7 @@ ask which mode they hold. A run has one mode a set-up model, and one for how its
 - :class:`Sharded`: FSDP;
 - :class:`Periodic`: DiLoCo and local SGD (:mod:`ddpkit.parallel.periodic`);
 - :class:`MicroShards`: the same bits on any world size (:mod:`ddpkit.parallel.exact`);
+- :class:`Frozen`: a model that does not train (a distillation teacher), on every rank as rank 0 holds it;
 - :class:`~ddpkit.parallel.replica.FaultTolerant`: a replica of ``ddpkit run --fault-tolerant``;
   every other run meets in a process group (:class:`ProcessGroup`).
 
@@ -293,6 +294,41 @@ class Periodic(Mode):
         self.syncer.load_state_dict(saved, same_world=True, source=source)
 
 
+class Frozen(Mode):
+    """A model with no parameter that requires a gradient (a distillation teacher, a frozen encoder): nothing
+    of it is averaged, so nothing wraps it (DDP refuses such a model), and every rank holds rank 0's weights.
+
+    A parameter of it that trains later would keep each rank's own gradient: the step refuses it, on any
+    number of processes alike."""
+
+    name = "frozen"
+    same_weights = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        """Its parameters' names, by identity."""
+
+    def complete(self, params: Sequence[torch.Tensor], *, stepping: bool = False) -> None:
+        """Refuse a step that would apply a gradient to one of its parameters.
+
+        Raises:
+            UsageError: a parameter of the model was unfrozen after ``rt.setup`` and has a gradient.
+        """
+        trained = [self.names[id(p)] for p in params if id(p) in self.names and p.grad is not None]
+        if trained:
+            raise UsageError(
+                f"rt.step: {len(trained)} parameter(s) of a model set up with none that requires a gradient "
+                f"now train ({trained[0]}, ...), and ddpkit did not wrap that model, so their gradients would "
+                "stay each rank's own; set it up with the parameters that will train unfrozen (freeze others "
+                "after rt.setup), or keep it out of the optimizer"
+            )
+
+
+def frozen(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has no parameter that requires a gradient (nothing of it trains or is averaged)."""
+    return not any(p.requires_grad for p in model.parameters())
+
+
 class MicroShards(Mode):
     """``micro_shards=M``: the same bits on any power-of-two world size dividing M."""
 
@@ -465,6 +501,7 @@ def refuse_sparse(
 
 __all__ = [
     "Mode",
+    "Frozen",
     "MicroShards",
     "Periodic",
     "ProcessGroup",

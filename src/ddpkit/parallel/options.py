@@ -71,6 +71,21 @@ def _check_ddp_keywords(keywords: list[str], options: list[str]) -> None:
         )
 
 
+
+_TRAINING = (  # the options about how a model trains and is averaged (SetupOptions.check_frozen)
+    "micro_shards",
+    "grad_compression",
+    "strategy",
+    "sync",
+    "sync_every",
+    "outer_lr",
+    "outer_momentum",
+    "sync_dtype",
+    "sync_fragments",
+    "sync_delay",
+    "ddp_kwargs",
+)
+
 @dataclass(frozen=True)
 class SetupOptions:
     """How ``rt.setup`` wraps a model (its arguments besides the model and the optimizer)."""
@@ -145,6 +160,23 @@ class SetupOptions:
         kwargs = self.compile if isinstance(self.compile, dict) else {}
         # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
         return torch.compile(model, **kwargs)  # type: ignore[return-value]
+
+    def check_frozen(self) -> None:
+        """Refuse, in one line, options about training a model that has no parameter that requires a gradient.
+
+        Raises:
+            UsageError: naming the options given (``micro_shards=``, ``sync=``, a DDP keyword, ...).
+        """
+        default = SetupOptions()
+        given = [name for name in _TRAINING if getattr(self, name) != getattr(default, name)]
+        if not given:
+            return
+        named = [f"{k}=" for k in self.ddp_kwargs] if given == ["ddp_kwargs"] else [f"{g}=" for g in given]
+        raise UsageError(
+            f"rt.setup: this model has no parameter that requires a gradient, so nothing of it trains or is "
+            f"averaged and {', '.join(named)} would do nothing; set it up without them (a teacher or a frozen "
+            "encoder runs as it is on every rank), or unfreeze what trains before rt.setup"
+        )
 
     def check(self, model: torch.nn.Module, *, device: torch.device, backend: str | None, precision: str) -> None:
         """Refuse, in one line, options that cannot work for ``model`` here (before any collective).

@@ -47,14 +47,18 @@ def adopt(
     micro_shards = options.micro_shards
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     options.check(model, device=device, backend=backend, precision=run.precision.name)
-    modes.check_combination(
-        micro_shards=micro_shards,
-        options=options,
-        world_size=world_size,
-        model=model,
-        models_set_up=len(run.entries),
-        micro_shards_set_up=run.micro_shards,
-    )
+    frozen = modes.frozen(model)  # a teacher, a frozen encoder: nothing of it trains (modes.Frozen)
+    if frozen:
+        options.check_frozen()
+    else:
+        modes.check_combination(
+            micro_shards=micro_shards,
+            options=options,
+            world_size=world_size,
+            model=model,
+            models_set_up=sum(not isinstance(entry.mode, modes.Frozen) for entry in run.entries),
+            micro_shards_set_up=run.micro_shards,
+        )
     if micro_shards is not None:
         mode: modes.Mode = modes.MicroShards(
             exact.setup(
@@ -73,7 +77,8 @@ def adopt(
         index = run.adopt(model, optimizer, mode=mode)
     else:
         # fsdp moves a unit at a time as it shards (fsdp.shard): the whole model need not fit on the GPU
-        model = run.world.prepare(model if options.strategy == "fsdp" else model.to(device), options)
+        if not frozen:
+            model = run.world.prepare(model if options.strategy == "fsdp" else model.to(device), options)
         wrapped = wrap(
             model,
             optimizer,
