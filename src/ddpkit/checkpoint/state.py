@@ -39,6 +39,59 @@ def _in_own_names(model: torch.nn.Module, saved: Any) -> Any:
     return _renamed(saved, lambda name: own.get(name, name))
 
 
+_WRAPPERS = ("module.", "_orig_mod.")  # what DDP and torch.compile put before the names of what they wrap
+
+
+def load_any_wrapping(model: torch.nn.Module) -> None:
+    """Let the set-up ``model`` load a state dict saved by hand with any wrapping of it.
+
+    ``torch.save(model.state_dict(), path)`` on rank 0 names the entries ``module.0.weight`` on 2
+    processes (DDP's) and ``0.weight`` on one, and ``model.load_state_dict(torch.load(path))`` then
+    fails on the other number of processes. Through this hook an entry the model would not take is
+    renamed to the one it would, if the names differ by wrappers only: DDP's ``module.``, compile's
+    ``_orig_mod.``. Nothing is renamed onto an entry the file holds already, nor loaded that the
+    model's own names would not take anyway.
+    """
+    model.register_load_state_dict_pre_hook(_AnyWrapping(model))
+
+
+class _AnyWrapping:
+    def __init__(self, model: torch.nn.Module) -> None:
+        inner = unwrap(model)
+        self.path = next(name for name, sub in model.named_modules() if sub is inner)  # "" or "module", ...
+        self.inner = inner
+
+    def _own(self, plain: str) -> str:
+        return f"{self.path}.{plain}" if self.path and plain else self.path or plain
+
+    def __call__(self, model: torch.nn.Module, state: Any, prefix: str, *_: Any) -> None:
+        if prefix:  # loaded as a part of another module: that one's names
+            return
+        plain_keys = set(self.inner.state_dict())
+        own_keys = {self._own(key) for key in plain_keys}
+        modules = {name for name, _ in self.inner.named_modules()}
+        for key in [k for k in state if k not in own_keys]:
+            plain = _unwrapped(key, plain_keys)
+            if plain is not None and self._own(plain) not in state:
+                state[self._own(plain)] = state.pop(key)
+        metadata = getattr(state, "_metadata", None)  # each module's version, looked up by its name
+        if isinstance(metadata, dict):
+            for name in list(metadata):
+                plain = _unwrapped(name, modules)
+                if plain is not None and self._own(plain) not in metadata:
+                    metadata[self._own(plain)] = metadata.pop(name)
+
+
+def _unwrapped(name: str, plain: set[str]) -> str | None:
+    """``name`` without the wrappers' segments before it, if that is one of the ``plain`` names."""
+    while name not in plain:
+        wrapper = next((w for w in _WRAPPERS if name.startswith(w)), None)
+        if wrapper is None:
+            return None
+        name = name[len(wrapper) :]
+    return name
+
+
 def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> OrderedDict[str, Any]:
     """``state`` with its keys renamed, and the modules' versions torch keeps beside them (``_metadata``)."""
     out: OrderedDict[str, Any] = OrderedDict((rename(key), value) for key, value in state.items())

@@ -71,7 +71,6 @@ def _check_ddp_keywords(keywords: list[str], options: list[str]) -> None:
         )
 
 
-
 _TRAINING = (  # the options about how a model trains and is averaged (SetupOptions.check_frozen)
     "micro_shards",
     "grad_compression",
@@ -85,6 +84,7 @@ _TRAINING = (  # the options about how a model trains and is averaged (SetupOpti
     "sync_delay",
     "ddp_kwargs",
 )
+
 
 @dataclass(frozen=True)
 class SetupOptions:

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from ddpkit.checkpoint.state import load_any_wrapping
 from ddpkit.parallel import exact, modes
 from ddpkit.parallel.options import SetupOptions
 from ddpkit.parallel.wrap import wrap
@@ -94,6 +95,7 @@ def adopt(
             run.precision.shard()
         model = wrapped.model
         index = run.adopt(model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise)
+    load_any_wrapping(model)  # a state dict saved by hand on another number of processes loads too
     return model, index
 
 
