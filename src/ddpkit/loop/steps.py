@@ -159,6 +159,28 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         return False
     beat("optimizer")
     gradients.check(run, "rt.step", optimizers)
+    params = _before_optimizers(run, optimizers)
+    if not all(mode.commit(params, run.active) for mode in run.modes):
+        for mode in run.modes:
+            mode.step_dropped()
+        run.backward_since_step = False
+        return False
+    stepped = True
+    run.stepping = True  # the optimizers' own steps below are this one (watch_direct_steps)
+    try:
+        for optimizer in optimizers:
+            if optimizer not in run.optimizers:
+                run.optimizers.append(optimizer)
+            stepped = run.precision.step(optimizer) and stepped
+    finally:
+        run.stepping = False
+    _after_optimizers(run)
+    return stepped
+
+
+def _before_optimizers(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """What a step does before its optimizers step: the weights checked equal at the first, a save's copy
+    of them waited for, the gradients made whole and divided by the step's units; the trained parameters."""
     if not run.checked_weights:
         run.checked_weights = True
         _same_weights(run)
@@ -167,20 +189,16 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     for mode in run.modes:
         mode.complete(params, stepping=True)
     counted.scale(run.counted, params)
-    if not all(mode.commit(params, run.active) for mode in run.modes):
-        for mode in run.modes:
-            mode.step_dropped()
-        run.backward_since_step = False
-        return False
+    return params
+
+
+def _after_optimizers(run: RunState) -> None:
+    """What a step does once its optimizers stepped: the loaders that fed it marked as training's (their
+    positions are saved), the step counted, the modes told, a preemption agreed on."""
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
         _plain_backward(run)
     _mark_fed(run)  # also through a plain loss.backward()
     run.fed.clear()
-    stepped = True
-    for optimizer in optimizers:
-        if optimizer not in run.optimizers:
-            run.optimizers.append(optimizer)
-        stepped = run.precision.step(optimizer) and stepped
     if run.backward_since_step or not run.uses_backward:
         run.loop.step += 1
         run.backward_since_step = False
@@ -189,7 +207,70 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         _agree_on_preemption(run)
     if not run.uses_backward:
         run.precision.flush()  # no rt.backward will come to apply the scaler update
-    return stepped
+
+
+def watch_direct_steps(run: RunState) -> None:
+    """Make an ``optimizer.step()`` the script calls itself (``scaler.step(optimizer)`` of a hand-kept
+    GradScaler too) a step of the run, where it steps a set-up model's parameters outside ``rt.step``.
+
+    Without it such a loop trained, but its steps were not counted (``rt.global_step`` stayed 0, every
+    checkpoint took the name of step 0) and no loader was marked as training's, so a checkpoint kept
+    no position and a resumed run read its epoch again from the start, silently. Now the step does what
+    ``rt.step`` does around the optimizer's own; where that cannot hold (fp16's scaler, inside
+    ``rt.accumulate``, a fault-tolerant replica's commit) it is refused in one line. Hooks on every
+    optimizer of the process (torch's global ones), from the first ``rt.setup`` until ``rt.close``.
+    """
+    if run.step_hooks:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    run.step_hooks = [
+        register_optimizer_step_pre_hook(functools.partial(_direct_before, run)),
+        register_optimizer_step_post_hook(functools.partial(_direct_after, run)),
+    ]
+
+
+def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps outside ``rt.step`` and holds a parameter of a set-up model."""
+    if run.stepping:
+        return False
+    mine = {id(p) for model in run.models for p in model.parameters()}
+    return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+
+def _direct_before(run: RunState, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _direct(run, optimizer):
+        return
+    instead = "call rt.step(optimizer) instead of optimizer.step()"
+    if run.accumulation is not None:
+        raise UsageError(
+            f"optimizer.step() inside rt.accumulate: the group steps at its last micro-step only; {instead}"
+        )
+    if run.precision.scaler is not None:
+        raise UsageError(
+            "optimizer.step() under precision='fp16' steps on gradients that ddpkit's GradScaler scaled, "
+            f"skipping its unscaling and its check for inf; {instead}"
+        )
+    for mode in run.modes:
+        mode.refuse("optimizer.step()")
+    beat("optimizer")
+    _before_optimizers(run, [optimizer])
+    if optimizer not in run.optimizers:
+        run.optimizers.append(optimizer)
+    run.stepping = optimizer  # an optimizer it steps inside (ZeroRedundancyOptimizer's local one) is this step
+
+
+def _direct_after(run: RunState, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if run.stepping is optimizer:
+        run.stepping = False
+        _after_optimizers(run)
+
+
+def unwatch_direct_steps(run: RunState) -> None:
+    """Remove :func:`watch_direct_steps`' hooks (``rt.close``)."""
+    for handle in run.step_hooks:
+        handle.remove()
+    run.step_hooks = []
 
 
 def _same_weights(run: RunState) -> None:

@@ -117,6 +117,11 @@ class FaultTolerant(Mode):
     def refuse(self, call: str) -> None:
         """``rt.accumulate``, and the script's own collectives over ranks (a replica's quorum changes):
         an all-reduce is taken inside a step, over its quorum (:meth:`reduces_over`)."""
+        if call == "optimizer.step()":
+            raise UsageError(
+                "optimizer.step() under --fault-tolerant: a step applies only once the replicas' quorum commits "
+                "it, which rt.step asks; call rt.step(optimizer) instead of optimizer.step()"
+            )
         if call == "rt.accumulate":
             raise UsageError(
                 "rt.accumulate under --fault-tolerant is not built yet (a quorum forms each "

@@ -248,6 +248,7 @@ class Runtime:
             timeout_s=self._settings.timeout,
         )
         restore.restore_pending(self._run, index, is_main=self.is_main)
+        loop_steps.watch_direct_steps(self._run)  # a script's own optimizer.step() is a step of the run too
         self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
         if self._run.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
@@ -452,6 +453,7 @@ class Runtime:
         finished = not self._failed and self._outcome is None and self._run.loop.step > 0
         for mode in self._run.modes:
             mode.close(finished=finished)
+        loop_steps.unwatch_direct_steps(self._run)
         process_group.destroy()
         if self._on_close is not None:
             self._on_close(self)

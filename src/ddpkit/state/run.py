@@ -86,6 +86,11 @@ class RunState:
     """The script calls ``rt.backward`` (otherwise every ``rt.step`` counts as a step)."""
     warned_plain_backward: bool = False
     """``rt.step`` said once that a step's gradients came from ``loss.backward()`` on an uneven batch."""
+    stepping: bool | torch.optim.Optimizer = False
+    """Inside ``rt.step``'s optimizer steps (an ``optimizer.step()`` outside it is the script's own), or
+    the script's own optimizer whose step is in progress."""
+    step_hooks: list[Any] = field(default_factory=list)
+    """The optimizer step hooks that count a script's own ``optimizer.step()`` (:func:`ddpkit.loop.steps.watch_direct_steps`)."""
     checked_weights: bool = False
     """``rt.step`` checked at this process's first step that every rank holds the same weights."""
     local_first: bool = False
