@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -341,3 +343,83 @@ def test_a_plain_tensor_entry_comes_back_on_the_device_the_runs_own_was_on():
     restore_user_state(state, {"weight": torch.nn.Parameter(torch.tensor([3.0, 4.0]))}, "ckpt.pt")
     assert state["weight"] is weight and weight.tolist() == [3.0, 4.0] and weight.is_leaf
     assert optimizer.param_groups[0]["params"][0] is weight
+
+
+# -- what a checkpoint's state may hold: refused at the save, not at the resume after a crash ------
+
+_Point = collections.namedtuple("_Point", "x y")  # defined where pickle finds it: saves
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (np.float64(0.93), "numpy._core.multiarray.scalar, which ddpkit's load"),
+        (np.arange(3.0), "numpy._core.multiarray._reconstruct"),
+        (collections.deque([1, 2]), "collections.deque"),
+        (Path("/tmp"), "pathlib."),
+        ({"history": [1.0, {"best": range(3)}]}, "builtins.range"),
+        (_Point(1, 2), "_Point, which ddpkit's load"),
+        (type("Local", (), {})(), "cannot hold state['extra'] (Can't pickle"),
+    ],
+    ids=["np-float64", "np-array", "deque", "path", "nested-range", "namedtuple", "local-class"],
+)
+def test_a_state_a_checkpoint_could_not_give_back_is_refused_at_the_save(tmp_path, value, named):
+    """A metric's np.float64 saved beside the model used to be written, and refused only by the resume."""
+    rt = ddpkit.init(seed=0)
+    state = _state()
+    state["extra"] = value
+    _train_one_step(rt, state)
+    with pytest.raises(ddpkit.UsageError) as caught:
+        rt.save(tmp_path / "ckpts", state)
+    said = str(caught.value)
+    assert said.startswith("a checkpoint cannot hold state['extra']") and "\n" not in said, said
+    assert named.replace("numpy._core", "numpy") in said.replace("numpy._core", "numpy"), said
+    assert not (tmp_path / "ckpts").exists() or not list((tmp_path / "ckpts").iterdir())  # nothing written
+    rt.close()
+
+
+def test_plain_values_a_checkpoint_gives_back_are_saved_and_resumed(tmp_path):
+    values = {
+        "set": {1, 2},
+        "tuple": (1, "a", 2.5, None, b"x", 1 + 2j),
+        "ordered": collections.OrderedDict(a=[torch.ones(2), {"t": torch.zeros(1)}]),
+        "dtype": torch.float16,
+        "device": torch.device("cpu"),
+    }
+    rt = ddpkit.init(seed=0)
+    state = {**_state(), **values}
+    _train_one_step(rt, state)
+    path = rt.save(tmp_path / "ckpts", state, blocking=True)
+    rt.close()
+    rt = ddpkit.init(seed=0)
+    loaded = {**_state(), **{key: None for key in values}}
+    rt.load(path, loaded)
+    for key, value in values.items():
+        if key == "ordered":
+            assert torch.equal(loaded[key]["a"][0], torch.ones(2)) and torch.equal(
+                loaded[key]["a"][1]["t"], torch.zeros(1)
+            )
+        else:
+            assert loaded[key] == value, key
+    rt.close()
+
+
+def _refused_on_every_rank(where: str) -> str:
+    rt = ddpkit.init(seed=0)
+    state = _state()
+    state["best"] = np.float64(0.5)
+    try:
+        rt.save(where, state)
+    except ddpkit.UsageError as exc:
+        return str(exc)
+    finally:
+        rt.close()
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_refuses_the_state_so_none_waits_at_the_save(tmp_path):
+    said = ddpkit.launch(_refused_on_every_rank, nprocs=2, args=(str(tmp_path / "ckpts"),))
+    assert all(line.startswith("a checkpoint cannot hold state['best']: it holds numpy") for line in said.values()), (
+        said
+    )

@@ -25,7 +25,7 @@ import torch
 from ddpkit import checkpoint, rng
 from ddpkit._torch import unwrap
 from ddpkit._version import __version__
-from ddpkit.checkpoint import background, dcp
+from ddpkit.checkpoint import background, dcp, safe
 from ddpkit.distributed import collectives, store_sync
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.observe.collectives import counted_wait
@@ -97,6 +97,7 @@ def save(
         The checkpoint written (or being written).
     """
     beat("save")
+    safe.check_loadable(checkpoint.user_state(state))  # on every rank, before the meeting: none waits
     if run.sharded():
         return _save_sharded(run, peers, Path(path), state, keep, blocking)
     light = {"rng": rng.rng_state(), "buffers": [None if b is None else b.captured() for b in run.buffers]}

@@ -7,14 +7,17 @@ sharded checkpoint's ``ddpkit.pt`` and the non-tensor values of its ``.distcp`` 
 
 from __future__ import annotations
 
+import io
 import re
 import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ddpkit import _bounds
-from ddpkit.errors import UnsafeCheckpoint, one_line, refused, refused_global
+from ddpkit.errors import UnsafeCheckpoint, UsageError, one_line, refused, refused_global
 
 
 def safe_load(source: Any, where: Any, *, map_location: Any = "cpu") -> Any:
@@ -82,3 +85,68 @@ def reason(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     useful = [line for line in lines if not any(word in line.lower() for word in advice)]
     return one_line((useful or lines or [type(exc).__name__])[0])
+
+
+_HINTS = {
+    "numpy": "a numpy value: store float(x), x.tolist() or torch.from_numpy(x)",
+    "collections.deque": "a deque: store list(d)",
+    "collections.defaultdict": "a defaultdict: store dict(d)",
+    "pathlib": "a path: store str(p)",
+    "builtins.range": "a range: store list(r), or its bounds",
+    "builtins.slice": "a slice: store its bounds",
+}
+
+
+def check_loadable(entries: Mapping[str, Any]) -> None:
+    """Refuse in one line, before anything is written, an entry of the state that a checkpoint could hold
+    but not give back: ddpkit loads checkpoints with ``torch.load(weights_only=True)``, which refuses a
+    numpy value (``np.float64`` from a metric, an array), a ``deque``, a path, ... So such a save used to
+    succeed, and the run failed only when it was resumed, after the crash it was saved for.
+
+    What is tried is the entry's shape with each tensor left out: pickled, then read back as a
+    checkpoint is (tensors are always taken). Where the script allowed more with
+    ``torch.serialization.add_safe_globals``, that is taken here as on load.
+
+    Raises:
+        UsageError: naming the entry and what it holds that the load would refuse, or why it cannot be pickled.
+    """
+    for key, value in entries.items():
+        buffer = io.BytesIO()
+        try:
+            torch.save(_without_tensors(value), buffer)
+        except Exception as exc:  # noqa: BLE001 - pickle raises PicklingError, AttributeError, TypeError, ...
+            raise UsageError(
+                f"a checkpoint cannot hold state[{key!r}] ({one_line(str(exc), 160)}); keep numbers, strings, "
+                "tensors, and lists, tuples and dicts of them in a checkpoint's state"
+            ) from None
+        buffer.seek(0)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.load(buffer, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - what the load of the checkpoint would raise
+            wanted = refused_global(exc)
+            hint = next((h for prefix, h in _HINTS.items() if wanted and wanted.startswith(prefix)), None)
+            holds = f"holds {wanted}" if wanted else f"holds what a checkpoint is not made of ({reason(exc)})"
+            raise UsageError(
+                f"a checkpoint cannot hold state[{key!r}]: it {holds}, which ddpkit's load (torch.load with weights_only=True, which runs "
+                f"no code) would refuse, so the run could not resume from this checkpoint; "
+                f"{'it is ' + hint if hint else 'store plain values (numbers, strings, tensors, lists, dicts)'}"
+            ) from None
+
+
+def _without_tensors(value: Any) -> Any:
+    """``value`` without the tensors inside its plain containers (a tensor always loads): a dict's entry
+    of a tensor under a name or a number is left out (a state dict's all), another tensor is None."""
+    if isinstance(value, torch.Tensor):
+        return None
+    kind = type(value)
+    if kind in (dict, OrderedDict):  # (a state dict's _metadata, torch's own plain versions, is left out)
+        return kind(
+            (k, _without_tensors(v))
+            for k, v in value.items()
+            if not (isinstance(v, torch.Tensor) and type(k) in (str, int))
+        )
+    if kind in (list, tuple):
+        return kind(_without_tensors(v) for v in value)
+    return value
