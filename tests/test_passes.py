@@ -5,6 +5,9 @@ Each pass read the first epoch's order again, as torch's ``DistributedSampler`` 
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -392,3 +395,21 @@ def test_a_stream_resumed_after_its_last_batch_goes_on_to_its_next_epoch(tmp_pat
         assert run(rt, 3, save_at=3) == 3  # 3 batches a pass: saved after the last
     with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path), resume="auto") as rt:
         assert run(rt, 7) == 7  # the saved pass is over; the next ones read on
+
+
+@pytest.mark.parametrize(
+    ("length", "drop_last", "said"),
+    [(10, True, "its 10 sample(s) fill no global batch of 16"), (0, False, "its dataset holds no sample")],
+)
+def test_a_loader_that_makes_no_batch_says_so(length, drop_last, said):
+    """A dataset smaller than one global batch under drop_last (the batch raised for more processes), or
+    an empty split: a DataLoader's pass reads nothing, silently; rt.loader warns once, on rank 0."""
+    rt = ddpkit.init(seed=0)
+    data = torch.utils.data.TensorDataset(torch.randn(length, 3))
+    with pytest.warns(UserWarning, match=rf"^rt.loader: {re.escape(said)}.*so a pass over it reads nothing"):
+        loader = rt.loader(data, global_batch_size=16, shuffle=True, drop_last=drop_last)
+    assert len(loader) == 0 and list(loader) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one that makes a batch says nothing
+        rt.loader(torch.utils.data.TensorDataset(torch.randn(16, 3)), global_batch_size=16, drop_last=True)
+    rt.close()

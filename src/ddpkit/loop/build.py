@@ -10,7 +10,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, warn
 from ddpkit.loop import same_data
 from ddpkit.loop.loader import QuorumLoader, ShardedLoader
 from ddpkit.loop.sampler import GlobalBatchSampler, check_batch_sizes
@@ -180,8 +180,20 @@ def build_loader(
         # first, so the exchange's first rounds stay on a node (the same bits either way)
         made.reversed_slots = lambda: run.micro_shards
         made.local_shards = lambda: run.local_micro_shards  # a collate_fn of the script's makes each shard
+    if not _is_stream(dataset) and rank == 0 and len(made) == 0:
+        _say_empty(len(dataset), total, options.drop_last)
     run.loop.register(made, options.name)
     return made
+
+
+def _say_empty(length: int, total: int, drop_last: bool) -> None:
+    """Warn (rank 0) that a pass over the loader reads nothing, as a DataLoader of no batch would silently."""
+    if length == 0:
+        why, fix = "its dataset holds no sample", "check how the dataset was built or split"
+    else:
+        why = f"its {length} sample(s) fill no global batch of {total} and drop_last=True drops the rest"
+        fix = "give a smaller global_batch_size, or drop_last=False"
+    warn(f"rt.loader: {why}, so a pass over it reads nothing; {fix}")
 
 
 def _is_stream(dataset: Any) -> bool:
