@@ -27,7 +27,7 @@ import torch
 
 import ddpkit
 from ddpkit import checkpoint
-from ddpkit.checkpoint import dcp_reader
+from ddpkit.checkpoint import dcp_reader, safe
 from ddpkit.errors import DamagedCheckpoint, DdpkitError, UnsafeCheckpoint, one_line
 from helpers import ddpkit as ddpkit_cli
 
@@ -84,11 +84,13 @@ def made(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("made")
     marker = root / "MARKER-distcp"
-    made = {
-        "clean": _write_sharded(root / "clean"),
-        "distcp": _write_sharded(root / "distcp", Exec(marker)),
-        "distcp-marker": marker,
-    }
+    with pytest.MonkeyPatch.context() as patch:  # ddpkit refuses to save what its load would refuse:
+        patch.setattr(safe, "check_loadable", lambda entries: None)  # the attacker writes past that
+        made = {
+            "clean": _write_sharded(root / "clean"),
+            "distcp": _write_sharded(root / "distcp", Exec(marker)),
+            "distcp-marker": marker,
+        }
     assert not marker.exists()  # saving pickled the attack; nothing ran it
     return made
 
