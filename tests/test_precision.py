@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+import ddpkit
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.state.precision import PRECISIONS, Precision
 
@@ -178,3 +180,35 @@ def _sharded_scaler_steps(monkeypatch) -> None:
     precision.backward(model(_batch(1)).pow(2).mean())
     precision.unscale_(optimizer)  # the script unscaled already (to clip): not a second time
     assert precision.step(optimizer) is True and len(asked) == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_training_forward_outside_autocast_is_said_once(precision):
+    """precision='bf16' casts inside rt.autocast() only: a loop without it trained in fp32, silently."""
+    rt = ddpkit.init(seed=0, precision=precision)
+    model = rt.setup(torch.nn.Linear(3, 2))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 3))  # an evaluation first: not the training forward
+    with pytest.warns(
+        UserWarning, match=rf"^precision='{precision}' casts what runs inside `with rt.autocast\(\):`"
+    ) as said:
+        out = model(torch.randn(2, 3))
+    assert out.dtype == torch.float32 and said[0].filename == __file__  # the script's line, not torch's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 3))  # once
+    rt.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_training_forward_inside_autocast_says_nothing(precision):
+    rt = ddpkit.init(seed=0, precision=precision)
+    model = rt.setup(torch.nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with rt.autocast():
+            out = model(torch.randn(2, 3))
+        model(torch.randn(2, 3))  # the first was inside: nothing is watched after it
+    assert out.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    rt.close()

@@ -156,15 +156,16 @@ def _first_users(frames: Iterable[tuple[str, int]]) -> str:
     return ""
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
+def warn(message: str, category: type[Warning] = UserWarning, *, past_torch: bool = False) -> None:
     """``warnings.warn`` attributed to the first caller outside ddpkit: the user's line.
 
     However deep inside ddpkit the warning is raised (``rt.setup`` -> wrap -> replicate), it
     names the script's line that led there, as a library's warning should; and a warning
     filter keyed on the user's module works.
     """
+    skipped = _not_the_users() if past_torch else _PASSED  # past_torch: raised from a hook torch calls
     level, frame = 2, sys._getframe(1)  # level 2: the caller of warn
-    while frame is not None and frame.f_code.co_filename.startswith(_PASSED):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

@@ -96,6 +96,7 @@ def adopt(
         model = wrapped.model
         index = run.adopt(model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise)
     load_any_wrapping(model)  # a state dict saved by hand on another number of processes loads too
+    run.precision.watch_forward(model, warns=is_main)
     return model, index
 
 

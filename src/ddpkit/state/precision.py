@@ -37,6 +37,15 @@ from ddpkit.errors import DdpkitError, UsageError
 
 __all__ = ["PRECISIONS", "Precision"]
 
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` here (torch < 2.4 has a function per device)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,6 +81,33 @@ class Precision:
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def watch_forward(self, model: torch.nn.Module, *, warns: bool) -> None:
+        """Say once (``warns``: rank 0) when ``model``'s first training forward runs outside :meth:`autocast`.
+
+        ``ddpkit.init(precision="bf16")`` casts what runs inside ``with rt.autocast():``; a loop without
+        it trained in fp32, silently. A sharded model computes in the precision's dtype by itself (its
+        mixed-precision policy), and fp32 has nothing to cast: neither is watched.
+        """
+        if self.name == "fp32" or self.sharded:
+            return
+        handles: list[Any] = []
+
+        def first_forward(module: torch.nn.Module, args: Any) -> None:
+            if not torch.is_grad_enabled():  # an evaluation: not the training forward
+                return
+            for handle in handles:
+                handle.remove()
+            if warns and not _autocast_enabled(self.device.type):
+                from ddpkit.errors import warn
+
+                warn(
+                    f"precision={self.name!r} casts what runs inside `with rt.autocast():`, and this training "
+                    f"forward ran outside it, in fp32; put the forward and the loss inside it",
+                    past_torch=True,
+                )
+
+        handles.append(model.register_forward_pre_hook(first_forward))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss``, scaled for fp16 so small gradients do not flush to zero."""
