@@ -87,8 +87,8 @@ def test_nproc_words_and_rdzv_id():
         (["--nnodes", "two"], "--nnodes 'two': give a number of nodes"),
         (["--nproc_per_node", "many"], "give a number, auto, gpu or cpu"),
         (["--rdzv_backend", "etcd"], "--rdzv-backend 'etcd': ddpkit run rendezvouses with c10d"),
-        (["--tee", "3"], "--tee is a torchrun flag that ddpkit run does not take"),
-        (["--log_dir", "x"], "--log_dir is a torchrun flag that ddpkit run does not take"),
+        (["--run_path"], "--run_path is a torchrun flag that ddpkit run does not take"),
+        (["--no-python"], "--no-python is a torchrun flag that ddpkit run does not take"),
     ],
 )
 def test_conflicting_or_unsupported_flags_are_one_line(argv, message):
@@ -118,3 +118,41 @@ def test_a_conflict_on_the_command_line_exits_2_in_one_line():
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "ddpkit run: error: -n 2 and --nproc-per-node 3 disagree; give one of them"
     ]
+
+
+def test_torchruns_log_flags_are_handed_to_its_agent_in_either_spelling():
+    from ddpkit.distributed.torchrun import torchrun_args
+
+    for argv in (["--tee", "3", "--redirects", "1", "--log-dir", "L"], ["-t", "3", "-r=1", "--log_dir=L"]):
+        args = torchrun_args(spec_of([*argv, "-n", "2", HELLO]), store_dir="/tmp/x")
+        assert {"--tee=3", "--redirects=1", "--log-dir=L"} <= set(args), args
+    from ddpkit.cli.run import fault_tolerant_spec, parser, split
+
+    ours, rest = split(["--fault-tolerant", "--log-dir", "L", "-n", "2", HELLO])
+    with pytest.raises(UsageError, match="--log-dir is not taken with --fault-tolerant"):
+        fault_tolerant_spec(parser().parse_args(ours), rest)
+
+
+_FAILS = """
+import sys
+import ddpkit
+
+rt = ddpkit.init()
+print(f"hello from rank {rt.rank}", flush=True)
+if rt.rank == 1:
+    sys.exit(3)
+rt.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_whose_output_was_redirected_is_named_with_its_log(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(_FAILS)
+    logs = tmp_path / "logs"
+    result = ddpkit_cli("run", "-n", "2", "--redirects", "3", "--log-dir", str(logs), str(script))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"ddpkit run: rank 1 failed first (exit code 3); see its output in its log under {logs}" in result.stderr
+    assert "hello from rank" not in result.stdout  # redirected: in the files, not here
+    written = {path.parent.name: path.read_text() for path in logs.rglob("stdout.log")}
+    assert written["1"] == "hello from rank 1\n", written

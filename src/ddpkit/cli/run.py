@@ -48,8 +48,18 @@ _VALUED = {
     ("--local-ranks-filter", "--local_ranks_filter"): "local_ranks_filter",
     ("--monitor-interval", "--monitor_interval"): "monitor_interval",
     ("--role",): "role",
+    ("--tee", "-t"): "tee",
+    ("--redirects", "-r"): "redirects",
+    ("--log-dir", "--log_dir"): "log_dir",
 }
-_PASSED_ON = {"local_ranks_filter": "--local-ranks-filter", "monitor_interval": "--monitor-interval", "role": "--role"}
+_PASSED_ON = {
+    "local_ranks_filter": "--local-ranks-filter",
+    "monitor_interval": "--monitor-interval",
+    "role": "--role",
+    "tee": "--tee",
+    "redirects": "--redirects",
+    "log_dir": "--log-dir",
+}
 """torchrun flags ``ddpkit run`` hands to torch's agent as they are."""
 _FLAGS = {"-h", "--help", "--standalone", "--fault-tolerant"}
 _VALUE_OPTIONS = {name for names in _VALUED for name in names}
@@ -58,9 +68,6 @@ _VALUE_OPTIONS = {name for names in _VALUED for name in names}
 _NOT_TAKEN = {
     "--no-python": "ddpkit run starts Python scripts or modules (-m)",
     "--run-path": "give the script's path; ddpkit run uses runpy already",
-    "--tee": "every rank's output already reaches this terminal",
-    "--redirects": "every rank's output already reaches this terminal",
-    "--log-dir": "ranks print to this terminal; rt.print and rt.log write once, on rank 0",
     "--rdzv-conf": "ddpkit sets the rendezvous itself (node 0 hosts it)",
     "--start-method": "workers are started the way torchrun starts them by default",
     "--local-addr": "ddpkit picks this node's address on the route to the master",
@@ -209,6 +216,31 @@ def parser() -> argparse.ArgumentParser:
         help="torchrun's: how often the agent checks its workers",
     )
     add("--role", default=None, help="torchrun's: the workers' role name")
+    add(
+        "--tee",
+        "-t",
+        dest="tee",
+        default=None,
+        metavar="STREAMS",
+        help="torchrun's: also write these streams (1 stdout, 2 stderr, 3 both; or rank:streams,...) to "
+        "files under --log-dir",
+    )
+    add(
+        "--redirects",
+        "-r",
+        dest="redirects",
+        default=None,
+        metavar="STREAMS",
+        help="torchrun's: write these streams to files under --log-dir instead of this terminal",
+    )
+    add(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        default=None,
+        metavar="DIR",
+        help="torchrun's: where --tee and --redirects write (a directory of its own per run)",
+    )
     add("-m", "--module", default=None, help="run a module, like python -m")
     add("script", nargs="?", help="the Python script to run, followed by its arguments")
     return parser

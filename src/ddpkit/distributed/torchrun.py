@@ -380,6 +380,17 @@ def _signal_args() -> list[str]:
     return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"]
 
 
+def _where_output(agent_args: Sequence[str]) -> str:
+    """Where a worker's output went: this terminal, or its log files (torchrun's ``--redirects``)."""
+    given = dict(arg.split("=", 1) for arg in agent_args if "=" in arg)
+    if given.get("--redirects", "0") == "0":
+        return "above"
+    log_dir = given.get("--log-dir")
+    return (
+        f"in its log under {log_dir}" if log_dir else "in its log (under a temporary directory: --log-dir chooses it)"
+    )
+
+
 def run(spec: RunSpec) -> int:
     """Start ``spec`` under torch's elastic agent and wait; returns the exit code.
 
@@ -428,7 +439,8 @@ def run(spec: RunSpec) -> int:
                         return preemption.EXIT_CODE
                     rank, failure = root_failure(exc.failures)
                     sys.stderr.write(
-                        f"ddpkit run: rank {rank} failed first ({describe(failure)}); see its output above\n"
+                        f"ddpkit run: rank {rank} failed first ({describe(failure)}); see its output "
+                        f"{_where_output(spec.agent_args)}\n"
                     )
                     # every rank that exited by itself refused its input (argparse, ddpkit's one-line
                     # usage errors): a usage error, exit 2 too
