@@ -66,9 +66,11 @@ rt.close()
 
 
 @pytest.mark.timeout(180)
-def test_torchs_error_at_the_next_forward_is_one_line_with_the_parameters_names(tmp_path):
-    """A loop of torch's own loss.backward() and optimizer.step() never reaches rt.step: torch stops the
-    second forward, and its traceback (which counts the parameters in the reducer's order) becomes one line."""
+def test_a_loop_of_its_own_optimizer_step_gets_the_same_line_at_its_step(tmp_path):
+    """A loop of torch's own loss.backward() and optimizer.step(): its step is the run's too
+    (steps.watch_direct_steps), so the parameters are named there, before the optimizer steps on
+    gradients that were never exchanged, as at rt.step (before, torch stopped the second forward, and
+    its traceback became one line)."""
     script = tmp_path / "plain_loop.py"
     script.write_text(textwrap.dedent(PLAIN_LOOP))
     done = run_ddpkit("run", "-n", "2", str(script), timeout=150)
@@ -76,7 +78,7 @@ def test_torchs_error_at_the_next_forward_is_one_line_with_the_parameters_names(
     lines = [line for line in done.stderr.splitlines() if "ddpkit: error:" in line]
     assert lines, done.stderr[-3000:]
     for line in lines:
-        assert "4 trainable parameters of the model got no gradient in the previous step" in line, line
+        assert "4 trainable parameters of the model got no gradient in this step" in line, line
         assert "(a.weight, a.bias, c.weight, c.bias)" in line, line  # registration order, not the reducer's
     assert "Traceback" not in done.stderr and "Expected to have finished reduction" not in done.stderr
 
