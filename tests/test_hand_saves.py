@@ -94,3 +94,17 @@ def test_a_module_that_holds_the_set_up_model_loads_in_its_own_names(tmp_path: P
     average.load_state_dict(saved)
     assert all(torch.equal(saved[k], v) for k, v in average.state_dict().items())
     rt.close()
+
+
+def test_the_callers_state_dict_is_left_as_it_was(tmp_path):
+    """torch reads the caller's own ``_metadata`` (each module's version): renamed for the load, put back after."""
+    rt = ddpkit.init(seed=0)
+    model = rt.setup(_model())
+    plain = _model().state_dict()
+    wrapped = type(plain)((f"module.{k}", v) for k, v in plain.items())
+    wrapped._metadata = type(plain._metadata)((f"module.{k}" if k else "", v) for k, v in plain._metadata.items())
+    before = dict(wrapped._metadata)
+    model.load_state_dict(wrapped)
+    assert list(wrapped) == [f"module.{k}" for k in plain] and dict(wrapped._metadata) == before
+    assert torch.equal(unwrap(model)[0].weight, plain["0.weight"])
+    rt.close()

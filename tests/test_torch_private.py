@@ -590,3 +590,21 @@ def test_on_cpp_terminate_is_loud_where_no_c_runtime_has_it(monkeypatch):
     monkeypatch.setattr(_torch, "_TERMINATE_SYMBOL", "_ZSt13no_such_thingv")
     with pytest.raises(_torch.PrivateApiChanged, match="std::set_terminate"):
         _torch.on_cpp_terminate(lambda: None)
+
+
+def test_load_pre_hook_runs_before_a_load_through_the_public_or_the_private_registration(monkeypatch):
+    from ddpkit._torch import PrivateApiChanged, load_pre_hook
+
+    seen = []
+    module = torch.nn.Linear(2, 2)
+    load_pre_hook(module, lambda mod, state, prefix, *rest: seen.append((mod, sorted(state), prefix)))
+    module.load_state_dict(torch.nn.Linear(2, 2).state_dict())
+    assert seen == [(module, ["bias", "weight"], "")]
+    other = torch.nn.Linear(2, 2)  # torch 2.4: only the private registration, which the public one calls
+    monkeypatch.delattr(torch.nn.Module, "register_load_state_dict_pre_hook", raising=False)
+    load_pre_hook(other, lambda mod, state, prefix, *rest: seen.append((mod, sorted(state), prefix)))
+    other.load_state_dict(module.state_dict())
+    assert seen[-1] == (other, ["bias", "weight"], "")
+    monkeypatch.delattr(torch.nn.Module, "_register_load_state_dict_pre_hook")
+    with pytest.raises(PrivateApiChanged, match="_register_load_state_dict_pre_hook"):
+        load_pre_hook(torch.nn.Linear(2, 2), lambda *args: None)

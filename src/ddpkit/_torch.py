@@ -553,6 +553,22 @@ def version_of(tensor: torch.Tensor) -> int:
     return version
 
 
+def load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
+    """Register ``hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)``
+    to run before ``module`` loads a state dict; its handle.
+
+    ``Module.register_load_state_dict_pre_hook`` is public from torch 2.5; torch 2.4 has the private
+    ``_register_load_state_dict_pre_hook(hook, with_module=True)`` that the public one calls.
+    """
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(hook)
+    private = getattr(module, "_register_load_state_dict_pre_hook", None)
+    if private is None:
+        raise PrivateApiChanged("torch.nn.Module._register_load_state_dict_pre_hook")
+    return private(hook, with_module=True)
+
+
 def module_buffers(module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s own buffers by name, the dict itself (``Module._buffers``): a buffer put there is the
     one the module's forward reads, without ``Module.__setattr__``'s checks (micro-shards swap BatchNorm's

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ddpkit._torch import plain_name, unwrap, wrapper_segments
+from ddpkit._torch import load_pre_hook, plain_name, unwrap, wrapper_segments
 from ddpkit.errors import DdpkitError, UsageError, one_line
 
 
@@ -52,7 +52,9 @@ def load_any_wrapping(model: torch.nn.Module) -> None:
     ``_orig_mod.``. Nothing is renamed onto an entry the file holds already, nor loaded that the
     model's own names would not take anyway.
     """
-    model.register_load_state_dict_pre_hook(_AnyWrapping(model))
+    renaming = _AnyWrapping(model)
+    load_pre_hook(model, renaming)
+    model.register_load_state_dict_post_hook(renaming.undo)
 
 
 class _AnyWrapping:
@@ -60,6 +62,13 @@ class _AnyWrapping:
         inner = unwrap(model)
         self.path = next(name for name, sub in model.named_modules() if sub is inner)  # "" or "module", ...
         self.inner = inner
+        self.moved: list[tuple[dict[str, Any], str, str]] = []  # the caller's _metadata renamed, to put back
+
+    def undo(self, model: torch.nn.Module, incompatible: Any) -> None:
+        """Put the caller's ``_metadata`` back as it was (torch reads that very dict, so it is renamed in place)."""
+        for metadata, name, renamed in reversed(self.moved):
+            metadata[name] = metadata.pop(renamed)
+        self.moved = []
 
     def _own(self, plain: str) -> str:
         return f"{self.path}.{plain}" if self.path and plain else self.path or plain
@@ -80,6 +89,7 @@ class _AnyWrapping:
                 plain = _unwrapped(name, modules)
                 if plain is not None and self._own(plain) not in metadata:
                     metadata[self._own(plain)] = metadata.pop(name)
+                    self.moved.append((metadata, name, self._own(plain)))
 
 
 def _unwrapped(name: str, plain: set[str]) -> str | None:
