@@ -135,3 +135,28 @@ def test_rt_step_and_optimizers_outside_the_run_are_counted_once_or_not_at_all()
     rt.close()
     _one_step(rt, model, optimizer)  # after rt.close the hooks are gone: torch's own step, nothing else
     assert rt.global_step == 2
+
+
+def test_two_optimizers_stepped_after_one_plain_backward_are_one_step_and_a_raising_step_is_over():
+    """Muon + AdamW, or a model split over two optimizers: ``a.step(); b.step()`` after one backward is
+    one step of the run, as ``rt.step(a, b)`` is (it counted two, so a periodic sync met at half its period)."""
+    rt = ddpkit.init(seed=0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    model = rt.setup(model)
+    first = torch.optim.SGD(unwrap(model)[0].parameters(), lr=0.1)
+    second = torch.optim.AdamW(unwrap(model)[1].parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        first.step()
+        second.step()
+    assert rt.global_step == 3
+
+    def raising() -> float:
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        first.step(raising)  # its pre-hook ran, its post-hook never will
+    model(torch.randn(4, 6)).sum().backward()
+    first.step()  # not taken for a step inside the one that raised
+    assert rt.global_step == 4
+    rt.close()

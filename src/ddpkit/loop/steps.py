@@ -29,6 +29,8 @@ def on_batch(run: RunState, loader: Any) -> None:
     """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
     run.active = loader
     run.fed.add(loader)
+    if not isinstance(run.stepping, bool):  # a script's own optimizer.step() that raised, long over
+        run.stepping = False
     if any(mode.changes_weights_on_batch() for mode in run.modes):
         background.WRITER.copied()  # a save may still be copying the weights the exchange changes
     for mode in run.modes:
@@ -192,16 +194,21 @@ def _before_optimizers(run: RunState, optimizers: Sequence[torch.optim.Optimizer
     return params
 
 
-def _after_optimizers(run: RunState) -> None:
+def _after_optimizers(run: RunState, *, direct: bool = False) -> None:
     """What a step does once its optimizers stepped: the loaders that fed it marked as training's (their
-    positions are saved), the step counted, the modes told, a preemption agreed on."""
+    positions are saved), the step counted, the modes told, a preemption agreed on.
+
+    ``direct``: the script's own ``optimizer.step()``, counted after ``rt.backward`` or, in a loop of
+    plain backwards, after a forward of a set-up model: two optimizers stepped after one backward (a
+    GAN's after each its own) are one step (two), as ``rt.step(a, b)`` is."""
     if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
         _plain_backward(run)
     _mark_fed(run)  # also through a plain loss.backward()
     run.fed.clear()
-    if run.backward_since_step or not run.uses_backward:
+    plain = not run.uses_backward and (run.forward_since_step or not direct)
+    if run.backward_since_step or plain:
         run.loop.step += 1
-        run.backward_since_step = False
+        run.backward_since_step = run.forward_since_step = False
         for mode in run.modes:  # an infrequent sync counts the step, and meets every H
             mode.after_step()
         _agree_on_preemption(run)
@@ -230,8 +237,19 @@ def watch_direct_steps(run: RunState) -> None:
     ]
 
 
+def watch_forwards(run: RunState, model: torch.nn.Module) -> None:
+    """Note each forward of the set-up ``model`` (:attr:`RunState.forward_since_step`), until ``rt.close``."""
+
+    def forward(module: torch.nn.Module, args: Any) -> None:
+        run.forward_since_step = True
+
+    run.forward_hooks.append(model.register_forward_pre_hook(forward))
+
+
 def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` steps outside ``rt.step`` and holds a parameter of a set-up model."""
+    if run.stepping is optimizer:  # its last step raised before it ended (a closure that raised): over
+        run.stepping = False
     if run.stepping:
         return False
     mine = {id(p) for model in run.models for p in model.parameters()}
@@ -263,14 +281,14 @@ def _direct_before(run: RunState, optimizer: torch.optim.Optimizer, args: Any, k
 def _direct_after(run: RunState, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if run.stepping is optimizer:
         run.stepping = False
-        _after_optimizers(run)
+        _after_optimizers(run, direct=True)
 
 
 def unwatch_direct_steps(run: RunState) -> None:
-    """Remove :func:`watch_direct_steps`' hooks (``rt.close``)."""
-    for handle in run.step_hooks:
+    """Remove :func:`watch_direct_steps`' and :func:`watch_forwards`' hooks (``rt.close``)."""
+    for handle in run.step_hooks + run.forward_hooks:
         handle.remove()
-    run.step_hooks = []
+    run.step_hooks, run.forward_hooks = [], []
 
 
 def _same_weights(run: RunState) -> None:

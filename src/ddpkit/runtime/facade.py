@@ -249,6 +249,7 @@ class Runtime:
         )
         restore.restore_pending(self._run, index, is_main=self.is_main)
         loop_steps.watch_direct_steps(self._run)  # a script's own optimizer.step() is a step of the run too
+        loop_steps.watch_forwards(self._run, model)
         self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
         if self._run.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
@@ -443,6 +444,7 @@ class Runtime:
             entry.leave(1)  # an atexit handler cannot set the exit status otherwise
 
     def _close(self) -> None:
+        loop_steps.unwatch_direct_steps(self._run)  # first: torch's global hooks never outlive the run
         self._forget_failures()
         self._reporter.close(failed=self._failed)
         if self._run.tracking is not None:
@@ -453,7 +455,6 @@ class Runtime:
         finished = not self._failed and self._outcome is None and self._run.loop.step > 0
         for mode in self._run.modes:
             mode.close(finished=finished)
-        loop_steps.unwatch_direct_steps(self._run)
         process_group.destroy()
         if self._on_close is not None:
             self._on_close(self)

@@ -89,8 +89,13 @@ class RunState:
     stepping: bool | torch.optim.Optimizer = False
     """Inside ``rt.step``'s optimizer steps (an ``optimizer.step()`` outside it is the script's own), or
     the script's own optimizer whose step is in progress."""
+    forward_since_step: bool = False
+    """A set-up model ran forward since the last counted step (a script's own ``optimizer.step()`` after
+    ``loss.backward()`` counts once however many optimizers it steps)."""
     step_hooks: list[Any] = field(default_factory=list)
     """The optimizer step hooks that count a script's own ``optimizer.step()`` (:func:`ddpkit.loop.steps.watch_direct_steps`)."""
+    forward_hooks: list[Any] = field(default_factory=list)
+    """The set-up models' forward hooks that note :attr:`forward_since_step` (:func:`ddpkit.loop.steps.watch_forwards`)."""
     checked_weights: bool = False
     """``rt.step`` checked at this process's first step that every rank holds the same weights."""
     local_first: bool = False
