@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ddpkit.cli.run import spec_of
@@ -156,3 +158,19 @@ def test_a_failed_rank_whose_output_was_redirected_is_named_with_its_log(tmp_pat
     assert "hello from rank" not in result.stdout  # redirected: in the files, not here
     written = {path.parent.name: path.read_text() for path in logs.rglob("stdout.log")}
     assert written["1"] == "hello from rank 1\n", written
+
+
+def test_torchruns_stream_values_are_checked_and_short_forms_take_their_value_attached():
+    from ddpkit.distributed.torchrun import _where_output, torchrun_args
+
+    args = torchrun_args(spec_of(["-t3", "-r1", "-n2", HELLO]), store_dir="/tmp/x")
+    assert {"--tee=3", "--redirects=1", "--nproc-per-node=2"} <= set(args), args
+    for bad in ("4", "a:b", "3,", "0:3,"):
+        with pytest.raises(UsageError, match=rf"^--tee {re.escape(repr(bad))}: give the streams as torchrun takes"):
+            spec_of(["--tee", bad, HELLO])  # torch's agent raised ValueError from deep inside its launch
+    # a failed rank's error is in its log only where its stderr went there
+    assert _where_output(["--redirects=3", "--log-dir=L"], 1) == "in its log under L"
+    assert _where_output(["--redirects=1", "--log-dir=L"], 1) == "above"  # stdout alone: its traceback is here
+    assert _where_output(["--redirects=0:3,1:1", "--log-dir=L"], 1) == "above"
+    assert _where_output(["--redirects=0:1,1:2", "--log-dir=L"], 1) == "in its log under L"
+    assert _where_output(["--tee=3", "--log-dir=L"], 0) == "above"

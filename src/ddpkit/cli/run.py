@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,9 @@ _NOT_TAKEN = {
     "--local-addr": "ddpkit picks this node's address on the route to the master",
 }
 
+_STREAMS = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
+"""torchrun's --tee and --redirects: streams for every local rank, or per local rank."""
+
 TORCHRUN_MASTER_PORT = 29500  # torchrun's default for --master_port
 TORCHRUN_RDZV_PORT = 29400  # and for an --rdzv_endpoint without a port
 
@@ -94,8 +98,8 @@ def split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             take = 1 if "=" in token else 2
             ours += argv[index : index + take]
             index += take
-        elif name in _FLAGS:
-            ours.append(token)
+        elif name in _FLAGS or (name[:2] in _VALUE_OPTIONS and not name.startswith("--") and name[:2] != "-m"):
+            ours.append(token)  # (a short option with its value attached, -t3 as torchrun takes it)
             index += 1
         elif name.replace("_", "-") in _NOT_TAKEN:
             raise UsageError(
@@ -345,6 +349,12 @@ def spec_of(argv: Sequence[str]) -> RunSpec:
         raise UsageError(
             f"--rdzv-backend {opts.rdzv_backend!r}: ddpkit run rendezvouses with c10d; drop the flag or give c10d"
         )
+    for flag, value in (("--tee", opts.tee), ("--redirects", opts.redirects)):
+        if value is not None and not _STREAMS.fullmatch(value):
+            raise UsageError(
+                f"{flag} {value!r}: give the streams as torchrun takes them, 0 (none), 1 (stdout), 2 (stderr) "
+                "or 3 (both), or per local rank as 0:3,1:2"
+            )
     agent_args = [
         f"{flag}={getattr(opts, dest)}" for dest, flag in _PASSED_ON.items() if getattr(opts, dest) is not None
     ]

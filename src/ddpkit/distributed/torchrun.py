@@ -380,10 +380,14 @@ def _signal_args() -> list[str]:
     return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"]
 
 
-def _where_output(agent_args: Sequence[str]) -> str:
-    """Where a worker's output went: this terminal, or its log files (torchrun's ``--redirects``)."""
+def _where_output(agent_args: Sequence[str], local_rank: Any) -> str:
+    """Where a failed worker's error went: this terminal, or its log files (torchrun's ``--redirects`` of
+    its stderr: 2 or 3, for every local rank or for its own, ``0:3,1:2``)."""
     given = dict(arg.split("=", 1) for arg in agent_args if "=" in arg)
-    if given.get("--redirects", "0") == "0":
+    streams = given.get("--redirects", "0")
+    if ":" in streams:
+        streams = dict(part.split(":", 1) for part in streams.split(",")).get(str(local_rank), "0")
+    if streams not in ("2", "3"):
         return "above"
     log_dir = given.get("--log-dir")
     return (
@@ -440,7 +444,7 @@ def run(spec: RunSpec) -> int:
                     rank, failure = root_failure(exc.failures)
                     sys.stderr.write(
                         f"ddpkit run: rank {rank} failed first ({describe(failure)}); see its output "
-                        f"{_where_output(spec.agent_args)}\n"
+                        f"{_where_output(spec.agent_args, getattr(failure, 'local_rank', None))}\n"
                     )
                     # every rank that exited by itself refused its input (argparse, ddpkit's one-line
                     # usage errors): a usage error, exit 2 too
