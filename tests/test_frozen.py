@@ -9,6 +9,8 @@ trains later is refused at the step on one process as on two.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,3 +124,31 @@ def test_options_that_train_a_frozen_model_are_refused_in_one_line(options, name
         assert f"averaged and {named} would do nothing" in said, said
     finally:
         rt.close()
+
+
+def _sharded_teacher() -> dict:
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    teacher = rt.setup(teacher.requires_grad_(False), strategy="fsdp")  # a large teacher, sharded to save memory
+    with torch.no_grad():
+        out = teacher(torch.ones(4, 6, dtype=torch.float64))
+    found = {"sharded": type(teacher).__name__.startswith("FSDP"), "out": out.clone()}
+    rt.close()
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_teacher_may_still_be_sharded():
+    one = _sharded_teacher()
+    for found in [one, *ddpkit.launch(_sharded_teacher, nprocs=2).values()]:
+        assert found["sharded"] and torch.equal(found["out"], one["out"])
+
+
+def test_a_frozen_teachers_forward_outside_autocast_says_nothing():
+    rt = ddpkit.init(seed=0, precision="bf16")
+    teacher = rt.setup(_teacher(seed=0).float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        teacher(torch.randn(4, 6))  # grad enabled, no autocast: a teacher's forward is the script's to place
+    rt.close()

@@ -409,6 +409,14 @@ def test_a_loader_that_makes_no_batch_says_so(length, drop_last, said):
     with pytest.warns(UserWarning, match=rf"^rt.loader: {re.escape(said)}.*so a pass over it reads nothing"):
         loader = rt.loader(data, global_batch_size=16, shuffle=True, drop_last=drop_last)
     assert len(loader) == 0 and list(loader) == []
+    with pytest.warns(UserWarning, match=r"^rt.loader: its 10 sample\(s\) fill no global batch of 16"):
+        rt.loader(
+            torch.utils.data.TensorDataset(torch.randn(40, 3)),
+            global_batch_size=16,
+            weights=[1.0] * 40,
+            num_samples=10,
+            drop_last=True,
+        )  # the samples drawn an epoch, not the dataset's
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one that makes a batch says nothing
         rt.loader(torch.utils.data.TensorDataset(torch.randn(16, 3)), global_batch_size=16, drop_last=True)

@@ -181,7 +181,7 @@ def build_loader(
         made.reversed_slots = lambda: run.micro_shards
         made.local_shards = lambda: run.local_micro_shards  # a collate_fn of the script's makes each shard
     if not _is_stream(dataset) and rank == 0 and len(made) == 0:
-        _say_empty(len(dataset), total, options.drop_last)
+        _say_empty(made.sampler.length, total, options.drop_last)  # (num_samples=, where drawn)
     run.loop.register(made, options.name)
     return made
 

@@ -74,7 +74,6 @@ def _check_ddp_keywords(keywords: list[str], options: list[str]) -> None:
 _TRAINING = (  # the options about how a model trains and is averaged (SetupOptions.check_frozen)
     "micro_shards",
     "grad_compression",
-    "strategy",
     "sync",
     "sync_every",
     "outer_lr",

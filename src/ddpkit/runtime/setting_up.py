@@ -48,7 +48,8 @@ def adopt(
     micro_shards = options.micro_shards
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     options.check(model, device=device, backend=backend, precision=run.precision.name)
-    frozen = modes.frozen(model)  # a teacher, a frozen encoder: nothing of it trains (modes.Frozen)
+    # a teacher, a frozen encoder: nothing of it trains (modes.Frozen); sharded, it saves memory as fsdp does
+    frozen = modes.frozen(model) and options.strategy != "fsdp"
     if frozen:
         options.check_frozen()
     else:
@@ -96,7 +97,8 @@ def adopt(
         model = wrapped.model
         index = run.adopt(model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise)
     load_any_wrapping(model)  # a state dict saved by hand on another number of processes loads too
-    run.precision.watch_forward(model, warns=is_main)
+    if not frozen:  # a teacher's forward runs where the script likes: nothing of it trains
+        run.precision.watch_forward(model, warns=is_main)
     return model, index
 
 
