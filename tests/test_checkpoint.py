@@ -404,12 +404,12 @@ def test_plain_values_a_checkpoint_gives_back_are_saved_and_resumed(tmp_path):
     rt.close()
 
 
-def _refused_on_every_rank(where: str) -> str:
+def _refused_on_every_rank(where: str, numpy_on: tuple[int, ...]) -> str:
     rt = ddpkit.init(seed=0)
     state = _state()
-    state["best"] = np.float64(0.5)
+    state["best"] = np.float64(0.5) if rt.rank in numpy_on else 0.5  # rank 0's is the one written
     try:
-        rt.save(where, state)
+        rt.save(where, state, blocking=True)
     except ddpkit.UsageError as exc:
         return str(exc)
     finally:
@@ -418,8 +418,10 @@ def _refused_on_every_rank(where: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_every_rank_refuses_the_state_so_none_waits_at_the_save(tmp_path):
-    said = ddpkit.launch(_refused_on_every_rank, nprocs=2, args=(str(tmp_path / "ckpts"),))
-    assert all(line.startswith("a checkpoint cannot hold state['best']: it holds numpy") for line in said.values()), (
-        said
-    )
+@pytest.mark.parametrize("numpy_on", [(0, 1), (0,), (1,)], ids=["every-rank", "rank-0", "rank-1"])
+def test_every_rank_refuses_what_rank_0_would_write_so_none_waits_at_the_save(tmp_path, numpy_on):
+    said = ddpkit.launch(_refused_on_every_rank, nprocs=2, args=(str(tmp_path / "ckpts"), numpy_on))
+    if 0 in numpy_on:  # within the save's meeting, not after its timeout
+        assert all(line.startswith("a checkpoint cannot hold state['best']: it holds numpy") for line in said.values())
+    else:  # rank 1's own value is not what is written
+        assert said == {0: "saved", 1: "saved"}

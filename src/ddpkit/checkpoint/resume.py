@@ -97,8 +97,8 @@ def save(
         The checkpoint written (or being written).
     """
     beat("save")
-    safe.check_loadable(checkpoint.user_state(state))  # on every rank, before the meeting: none waits
     if run.sharded():
+        safe.check_loadable(checkpoint.user_state(state))  # on every rank, before the meeting: none waits
         return _save_sharded(run, peers, Path(path), state, keep, blocking)
     light = {"rng": rng.rng_state(), "buffers": [None if b is None else b.captured() for b in run.buffers]}
     # each rank brings its RNG states and statistics to the meeting (the launcher's store keeps them
@@ -132,6 +132,10 @@ def save(
     if failed is not None:  # the previous save's bytes never got there: every rank stops here
         store_sync.share_outcome(meeting_point, failed, peers.timeout_s)
         raise DdpkitError(failed)
+    problem = safe.unloadable(user)  # what the resume would refuse, in what rank 0 writes: every rank stops
+    if problem is not None:
+        store_sync.share_outcome(meeting_point, problem, peers.timeout_s, usage=True)
+        raise UsageError(problem)
 
     step = run.loop.step
 

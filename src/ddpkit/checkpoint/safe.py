@@ -98,27 +98,36 @@ _HINTS = {
 
 
 def check_loadable(entries: Mapping[str, Any]) -> None:
-    """Refuse in one line, before anything is written, an entry of the state that a checkpoint could hold
-    but not give back: ddpkit loads checkpoints with ``torch.load(weights_only=True)``, which refuses a
-    numpy value (``np.float64`` from a metric, an array), a ``deque``, a path, ... So such a save used to
-    succeed, and the run failed only when it was resumed, after the crash it was saved for.
+    """Refuse in one line what :func:`unloadable` finds.
+
+    Raises:
+        UsageError: naming the entry and what it holds that the load would refuse, or why it cannot be pickled.
+    """
+    problem = unloadable(entries)
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def unloadable(entries: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint could hold an entry of the state but not give it back (None: it gives all back).
+
+    ddpkit loads checkpoints with ``torch.load(weights_only=True)``, which refuses a numpy value
+    (``np.float64`` from a metric, an array), a ``deque``, a path, ... So such a save used to succeed,
+    and the run failed only when it was resumed, after the crash it was saved for.
 
     What is tried is the entry's shape with each tensor left out: pickled, then read back as a
     checkpoint is (tensors are always taken). Where the script allowed more with
     ``torch.serialization.add_safe_globals``, that is taken here as on load.
-
-    Raises:
-        UsageError: naming the entry and what it holds that the load would refuse, or why it cannot be pickled.
     """
     for key, value in entries.items():
         buffer = io.BytesIO()
         try:
             torch.save(_without_tensors(value), buffer)
         except Exception as exc:  # noqa: BLE001 - pickle raises PicklingError, AttributeError, TypeError, ...
-            raise UsageError(
+            return (
                 f"a checkpoint cannot hold state[{key!r}] ({one_line(str(exc), 160)}); keep numbers, strings, "
                 "tensors, and lists, tuples and dicts of them in a checkpoint's state"
-            ) from None
+            )
         buffer.seek(0)
         try:
             with warnings.catch_warnings():
@@ -128,11 +137,12 @@ def check_loadable(entries: Mapping[str, Any]) -> None:
             wanted = refused_global(exc)
             hint = next((h for prefix, h in _HINTS.items() if wanted and wanted.startswith(prefix)), None)
             holds = f"holds {wanted}" if wanted else f"holds what a checkpoint is not made of ({reason(exc)})"
-            raise UsageError(
-                f"a checkpoint cannot hold state[{key!r}]: it {holds}, which ddpkit's load (torch.load with weights_only=True, which runs "
-                f"no code) would refuse, so the run could not resume from this checkpoint; "
-                f"{'it is ' + hint if hint else 'store plain values (numbers, strings, tensors, lists, dicts)'}"
-            ) from None
+            return (
+                f"a checkpoint cannot hold state[{key!r}]: it {holds}, which ddpkit's load (torch.load with "
+                "weights_only=True, which runs no code) would refuse, so the run could not resume from this "
+                f"checkpoint; {'it is ' + hint if hint else 'store plain values (numbers, strings, tensors, lists, dicts)'}"
+            )
+    return None
 
 
 def _without_tensors(value: Any) -> Any:

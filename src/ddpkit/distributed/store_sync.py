@@ -86,11 +86,17 @@ def take_parts(prefix: str) -> list[bytes]:
     return found
 
 
-def share_outcome(prefix: str, error: str | None, timeout_s: float) -> None:
+_USAGE = "\x1fusage\x1f"  # an outcome that is the script's mistake: every rank says it as rank 0 does
+
+
+def share_outcome(prefix: str, error: str | None, timeout_s: float, *, usage: bool = False) -> None:
     """Rank 0 posts ``error`` (None: it went well); every other rank waits for it and raises on failure.
+
+    ``usage``: the error is the script's (a :class:`UsageError`, exit 2), raised the same on every rank.
 
     Raises:
         DdpkitError: on ranks other than 0, when rank 0 reported ``error``.
+        UsageError: the same, where rank 0 reported it as ``usage``.
     """
     if collectives.world_size() == 1:
         return
@@ -98,10 +104,12 @@ def share_outcome(prefix: str, error: str | None, timeout_s: float) -> None:
     store = default_store()
     key = f"{prefix}/outcome"
     if collectives.rank() == 0:
-        store.set(key, "" if error is None else error)
+        store.set(key, "" if error is None else (_USAGE if usage else "") + error)
         return
     store.wait([key], timedelta(seconds=timeout_s))
     text = store.get(key).decode()
+    if text.startswith(_USAGE):
+        raise UsageError(text[len(_USAGE) :])
     if text:
         raise DdpkitError(f"rank 0 failed: {text}")
 
