@@ -310,6 +310,14 @@ CRAFTED = [  # (field of payload["ddpkit"], crafted value, what the refusal name
     ("rng.0.python", [3, [1, 2], None], "ddpkit.rng[0].python: expected a generator's state"),
     ("precision.scaler", {"scale": "x"}, "ddpkit.precision.scaler['scale']: expected a number"),
     ("compression", [None, None], "ddpkit.compression: expected a list of 1"),
+    ("compression", [[3]], "ddpkit.compression[0][0]: expected a dict"),
+    ("accumulated_grads", [[["x"]]], "ddpkit.accumulated_grads[0][0][0]: expected a tensor"),
+    ("precision.scaler", {"scale": 1.0}, "ddpkit.precision.scaler['growth_factor']: expected a number, found None"),
+    (
+        "loop.loaders",
+        {"train": {"epoch": 0, "position": 1, "finished": False, "signature": {"seed": 0}}},
+        "ddpkit.loop.loaders['train'].signature.global_batch_size: expected a whole number of at least 1",
+    ),
 ]
 
 
@@ -345,7 +353,7 @@ def _craft_single_file(tmp_path: Path, field: str, value: object):
     return path
 
 
-@pytest.mark.parametrize(("field", "value", "named"), CRAFTED, ids=[c[0] for c in CRAFTED])
+@pytest.mark.parametrize(("field", "value", "named"), CRAFTED, ids=[f"{c[0]}-{i}" for i, c in enumerate(CRAFTED)])
 def test_a_crafted_ddpkit_state_is_one_line_before_anything_is_restored(tmp_path, field, value, named):
     path = _craft_single_file(tmp_path, field, value)
     rt = ddpkit.init(seed=1)

@@ -60,11 +60,13 @@ def _check(own: Any) -> None:
     _kind(precision.get("precision"), str, "ddpkit.precision.precision", "a name")
     scaler = precision.get("scaler")
     if scaler:
-        for key, value in _dict(scaler, "ddpkit.precision.scaler").items():
-            _kind(value, (int, float), f"ddpkit.precision.scaler[{key!r}]", "a number")
-    for field in ("accumulated_grads", "compression", "buffers"):
+        _dict(scaler, "ddpkit.precision.scaler")
+        for key in _SCALER:  # what GradScaler.load_state_dict reads
+            _kind(scaler.get(key), (int, float), f"ddpkit.precision.scaler[{key!r}]", "a number")
+    for field, each in (("accumulated_grads", _grads), ("compression", _per_model), ("buffers", _per_model)):
         if own.get(field) is not None:
-            _list(own[field], f"ddpkit.{field}", length=world)
+            for rank, part in enumerate(_list(own[field], f"ddpkit.{field}", length=world)):
+                each(part, f"ddpkit.{field}[{rank}]")
     trackers = own.get("trackers")
     if trackers is not None:
         _dict(trackers, "ddpkit.trackers")
@@ -105,7 +107,29 @@ def _check_position(record: Mapping[str, Any], field: str) -> None:
     for number in ("began", "pass_epoch"):
         if record.get(number) is not None:
             _int(record[number], f"{field}.{number}")
-    _dict(record.get("signature"), f"{field}.signature")
+    signature = _dict(record.get("signature"), f"{field}.signature")
+    _int(signature.get("global_batch_size"), f"{field}.signature.global_batch_size", least=1)
+    _kind(signature.get("seed"), int, f"{field}.signature.seed", "a whole number")
+    if signature.get("length") is not None:
+        _int(signature["length"], f"{field}.signature.length")
+
+
+_SCALER = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _per_model(part: Any, field: str) -> None:
+    """A rank's part per set-up model: a dict or None each (compression states, BatchNorm statistics)."""
+    for index, entry in enumerate(_list(part, field)):
+        if entry is not None:
+            _dict(entry, f"{field}[{index}]")
+
+
+def _grads(part: Any, field: str) -> None:
+    """A rank's part-accumulated gradients: per model, per parameter, a tensor or None."""
+    for index, grads in enumerate(_list(part, field)):
+        for number, grad in enumerate(_list(grads, f"{field}[{index}]")):
+            if grad is not None:
+                _kind(grad, torch.Tensor, f"{field}[{index}][{number}]", "a tensor")
 
 
 def _check_rng(state: Any, field: str) -> None:

@@ -16,7 +16,7 @@ from ddpkit.checkpoint import dcp
 from ddpkit.checkpoint.own import check as checked_own
 from ddpkit.checkpoint.resume import Peers, meet
 from ddpkit.distributed import collectives
-from ddpkit.errors import DdpkitError, warn
+from ddpkit.errors import DamagedCheckpoint, DdpkitError, warn
 from ddpkit.parallel.periodic_parts import SYNCS
 from ddpkit.state.run import RunState
 
@@ -107,6 +107,10 @@ def _restore(
             "ddpkit.checkpoint.read(path)['user'], but it cannot resume a loop"
         )
     own = checked_own(found, target)
+    if not isinstance(payload.get("user"), dict):
+        raise DamagedCheckpoint(
+            f"checkpoint {target} holds no dict of the script's entries under 'user'; it was not written so by ddpkit"
+        )
     saved_world = int(own.get("world_size", 1))
     if own["loop"].get("micro_step") and saved_world != peers.world_size:  # before anything changes
         raise DdpkitError(
@@ -184,6 +188,12 @@ def _restore_grads(run: RunState, peers: Peers, saved: list[list[Any]], target: 
             f"accumulation group; call rt.setup for each ({len(run.models)} so far) before load"
         )
     for model, grads in zip(run.models, saved):
+        for param, grad in zip(model.parameters(), grads):
+            if grad is not None and grad.shape != param.shape:
+                raise DdpkitError(
+                    f"checkpoint {target} holds an open accumulation group's gradient of shape {tuple(grad.shape)} "
+                    f"for a parameter of shape {tuple(param.shape)}; build the model as it was saved"
+                )
         for param, grad in zip(model.parameters(), grads):
             if grad is None:
                 param.grad = None
