@@ -92,7 +92,11 @@ _USAGE = "\x1fusage\x1f"  # an outcome that is the script's mistake: every rank 
 def share_outcome(prefix: str, error: str | None, timeout_s: float, *, usage: bool = False) -> None:
     """Rank 0 posts ``error`` (None: it went well); every other rank waits for it and raises on failure.
 
-    ``usage``: the error is the script's (a :class:`UsageError`, exit 2), raised the same on every rank.
+    Args:
+        prefix: the meeting's key in the store (its outcome goes under ``prefix/outcome``).
+        error: rank 0's outcome, None where it went well (ignored on the other ranks).
+        timeout_s: how long the other ranks wait for it.
+        usage: the error is the script's (a :class:`UsageError`, exit 2), raised the same on every rank.
 
     Raises:
         DdpkitError: on ranks other than 0, when rank 0 reported ``error``.
