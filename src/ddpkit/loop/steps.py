@@ -191,6 +191,8 @@ def _before_optimizers(run: RunState, optimizers: Sequence[torch.optim.Optimizer
     for mode in run.modes:
         mode.complete(params, stepping=True)
     counted.scale(run.counted, params)
+    if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
+        _plain_backward(run)  # (before the optimizers, which zero the gradients it looks at)
     return params
 
 
@@ -201,8 +203,6 @@ def _after_optimizers(run: RunState, *, direct: bool = False) -> None:
     ``direct``: the script's own ``optimizer.step()``, counted after ``rt.backward`` or, in a loop of
     plain backwards, after a forward of a set-up model: two optimizers stepped after one backward (a
     GAN's after each its own) are one step (two), as ``rt.step(a, b)`` is."""
-    if not run.backward_since_step and run.active is not None and not run.warned_plain_backward:
-        _plain_backward(run)
     _mark_fed(run)  # also through a plain loss.backward()
     run.fed.clear()
     plain = not run.uses_backward and (run.forward_since_step or not direct)
