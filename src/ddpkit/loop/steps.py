@@ -252,7 +252,9 @@ def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
         run.stepping = False
     if run.stepping:
         return False
-    mine = {id(p) for model in run.models for p in model.parameters()}
+    if run.parameter_ids[0] != len(run.entries):  # a model set up since: its parameters join (once, not a step)
+        run.parameter_ids = (len(run.entries), {id(p) for model in run.models for p in model.parameters()})
+    mine = run.parameter_ids[1]
     return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
 

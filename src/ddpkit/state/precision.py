@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ddpkit._torch import scaler_found_inf, scaler_unscaled
-from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.errors import DdpkitError, UsageError, warn
 
 __all__ = ["PRECISIONS", "Precision"]
 
@@ -99,8 +99,6 @@ class Precision:
             for handle in handles:
                 handle.remove()
             if warns and not _autocast_enabled(self.device.type):
-                from ddpkit.errors import warn
-
                 warn(
                     f"precision={self.name!r} casts what runs inside `with rt.autocast():`, and this training "
                     f"forward ran outside it, in fp32; put the forward and the loss inside it",

@@ -92,6 +92,9 @@ class RunState:
     forward_since_step: bool = False
     """A set-up model ran forward since the last counted step (a script's own ``optimizer.step()`` after
     ``loss.backward()`` counts once however many optimizers it steps)."""
+    parameter_ids: tuple[int, set[int]] = field(default_factory=lambda: (0, set()))
+    """(models set up, the ids of their parameters): what a script's own ``optimizer.step()`` is looked up
+    in, made again only when another model is set up, not at every step."""
     step_hooks: list[Any] = field(default_factory=list)
     """The optimizer step hooks that count a script's own ``optimizer.step()`` (:func:`ddpkit.loop.steps.watch_direct_steps`)."""
     forward_hooks: list[Any] = field(default_factory=list)
