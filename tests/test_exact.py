@@ -8,6 +8,8 @@ uninterrupted one-process run ends.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,6 +229,49 @@ def test_a_buffer_of_the_models_own_changed_by_the_shards_forwards_is_refused_be
             for xs, ys in rt.shards(x, y):
                 rt.backward(F.cross_entropy(model(xs), ys))
         assert "\n" not in str(caught.value) and rt.global_step == 1
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["rt.all_reduce", "rt.all_gather", "rt.log", "rt.barrier", "ddpkit.all_reduce", "ddpkit.all_gather_object"],
+)
+def test_the_scripts_collectives_and_rt_log_inside_a_shard_are_one_line_on_one_process_too(call):
+    """Inside a shard they would combine it with other ranks' shards (one process has none to combine),
+    and a rank with no shard of a short last batch would never call them: refused on any number of
+    processes, so one process tells what two would. After the shard loop they run."""
+    calls = {
+        "rt.all_reduce": lambda rt, loss: rt.all_reduce(loss.detach()),
+        "rt.all_gather": lambda rt, loss: rt.all_gather(loss.detach().reshape(1)),
+        "rt.log": lambda rt, loss: rt.log({"loss": loss}),
+        "rt.barrier": lambda rt, loss: rt.barrier(),
+        "ddpkit.all_reduce": lambda rt, loss: ddpkit.all_reduce(loss.detach()),
+        "ddpkit.all_gather_object": lambda rt, loss: ddpkit.all_gather_object(float(loss.detach())),
+    }
+    rt = ddpkit.init(seed=0, trackers=())
+    try:
+        model = torch.nn.Linear(6, 3)
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_shards=2)
+        batches = iter(rt.loader(_data(), global_batch_size=8))
+        x, y = next(batches)
+        total = torch.zeros(())
+        for xs, ys in rt.shards(x, y):
+            loss = F.cross_entropy(model(xs), ys)
+            rt.backward(loss)
+            total += loss.detach()
+        assert rt.step(optimizer)
+        calls[call](rt, total)  # after the shard loop: runs
+        x, y = next(batches)
+        with pytest.raises(
+            UsageError, match=rf"^{re.escape(call)} inside `for shard in rt\.shards\(\.\.\.\)`"
+        ) as caught:
+            for xs, ys in rt.shards(x, y):
+                loss = F.cross_entropy(model(xs), ys)
+                calls[call](rt, loss)
+        assert "\n" not in str(caught.value) and "call it once after the shard loop" in str(caught.value)
+        assert rt.global_step == 1
+        _drop_batch(rt)
     finally:
         rt.close()
 
@@ -781,6 +826,25 @@ def test_accumulation_by_hand_ends_at_the_same_bits_on_one_and_two_processes():
     assert grouped["steps"] == 4
     for key, value in grouped["state"].items():  # the same sums, added in another order
         torch.testing.assert_close(one["state"][key], value, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(240)
+def test_a_loss_over_a_batch_gathered_from_every_rank_inside_the_shards_is_one_line():
+    """CLIP's loss over embeddings gathered from every rank (``torch.distributed.nn.all_gather``, as
+    open_clip gathers them) inside ``rt.shards``: 1 and 2 processes ended 2.8 apart in their weights'
+    sum under micro_shards=2, silently. MoCo's keys gathered without a gradient the same. Both are refused
+    after the first shard, before any step, on every rank; torch's own all_reduce after the shard loop
+    runs, and that run ends at one process's bits."""
+    start = "micro_shards: a torch.distributed collective ran inside `for shard in rt.shards(...)`"
+    for where in ("loss", "keys"):
+        two = ddpkit.launch(workers.gathered_loss, nprocs=2, args=(where,))
+        assert [run["steps"] for run in two.values()] == [0, 0], where
+        assert all(run["refused"].startswith(start) and "\n" not in run["refused"] for run in two.values()), two
+    one = workers.gathered_loss("after")
+    two = ddpkit.launch(workers.gathered_loss, nprocs=2, args=("after",))[0]
+    assert one["steps"] == two["steps"] == 4
+    assert torch.equal(one["weight"], two["weight"])
+    assert one["summed"] == pytest.approx(two["summed"], rel=1e-12)
 
 
 @pytest.mark.timeout(120)

@@ -417,6 +417,21 @@ def test_the_collective_functions_live_in_distributed_c10d_with_group_and_tensor
     assert _torch.is_default_group(None)
 
 
+@pytest.mark.timeout(120)
+def test_the_default_groups_sequence_number_counts_each_call_on_it_and_none_of_another_group(tmp_path):
+    """micro_shards refuses a shard whose body ran a collective of the script's by this count: an
+    all_reduce, an all_gather, torch.distributed.nn's all_gather and a send or receive each add one; a
+    call on a group of the script's own adds none. A group of one process has none to count."""
+    runs = ddpkit.launch(workers.collective_sequences, nprocs=2)
+    for seen in runs.values():
+        assert [after - before for before, after in zip(seen, seen[1:])] == [1, 1, 1, 1, 0], seen
+    gone = ddpkit.launch(workers.collective_sequences, nprocs=2, args=(True,))
+    assert all("ProcessGroup._get_sequence_number_for_group" in said[0] for said in gone.values()), gone
+    assert _torch.collective_sequence() is None  # no group
+    _one_process_group(tmp_path)
+    assert _torch.collective_sequence() is None
+
+
 def test_the_flight_recorder_dump_lists_this_processs_collectives(tmp_path, monkeypatch):
     name = _torch.flight_recorder_buffer_variable()  # raises PrivateApiChanged if torch lost both names
     assert name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")

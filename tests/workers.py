@@ -1995,3 +1995,82 @@ def summed_loss(as_mean: bool) -> dict:
                 rt.backward(loss / len(x) if as_mean else loss)
                 rt.step(optimizer)
         return {"weights": {name: tensor.clone() for name, tensor in net.state_dict().items()}}
+
+
+def gathered_loss(where: str) -> dict:
+    """A contrastive loss (CLIP's, SimCLR's) over embeddings gathered from every rank, as open_clip
+    gathers them, under micro_shards=2: ``where`` the gather runs, "loss" (``torch.distributed.nn.all_gather``,
+    gradients through it), "keys" (MoCo's ``concat_all_gather``: no gradient) or "after" (a logged sum of
+    the shards' losses, reduced once after the shard loop). The refusal's text, or the step count and sum."""
+    import torch.distributed as dist
+    import torch.distributed.nn
+
+    def gather(z: torch.Tensor) -> torch.Tensor:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return z
+        if where == "keys":
+            with torch.no_grad():
+                parts = [torch.zeros_like(z) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, z)
+            return torch.cat(parts)
+        return torch.cat(torch.distributed.nn.all_gather(z))
+
+    with ddpkit.init(seed=0) as rt:
+        generator = torch.Generator().manual_seed(3)
+        a = torch.randn(32, 6, generator=generator)
+        data = torch.utils.data.TensorDataset(a, a + 0.1 * torch.randn(32, 6, generator=generator))
+        net = torch.nn.Linear(6, 8)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=2)
+        summed = 0.0
+        try:
+            for x, y in rt.loader(data, global_batch_size=8):
+                step_sum = torch.zeros((), dtype=torch.float64)
+                for xs, ys in rt.shards(x, y):
+                    zx, zy = F.normalize(model(xs), dim=-1), F.normalize(model(ys), dim=-1)
+                    keys = zy if where == "after" else gather(zy)
+                    logits = zx @ keys.t() / 0.1
+                    labels = torch.arange(len(zx)) + (rt.rank * len(zx) if len(keys) > len(zx) else 0)
+                    loss = F.cross_entropy(logits, labels)
+                    rt.backward(loss)
+                    step_sum += loss.detach().double() * len(xs)
+                rt.step(optimizer)
+                if dist.is_initialized():
+                    dist.all_reduce(step_sum)  # torch's own collective, after the shard loop
+                summed += float(step_sum)
+        except ddpkit.UsageError as refused:
+            return {"refused": str(refused), "steps": rt.global_step}
+        return {"steps": rt.global_step, "summed": summed, "weight": net.weight.detach().clone()}
+
+
+def collective_sequences(drop_api: bool = False) -> list:
+    """``ddpkit._torch.collective_sequence()`` before and after each kind of call on the default group of
+    a 2-process gloo job (and on a group of the script's own, which it does not count); ``drop_api``: the
+    exception it raises where the group has no sequence number API."""
+    import torch.distributed as dist
+    import torch.distributed.nn
+
+    with ddpkit.init() as rt:
+        if drop_api:
+            original = torch.distributed.ProcessGroup._get_sequence_number_for_group
+            del torch.distributed.ProcessGroup._get_sequence_number_for_group
+            try:
+                ddpkit._torch.collective_sequence()
+            except ddpkit._torch.PrivateApiChanged as changed:
+                return [str(changed)]
+            finally:
+                torch.distributed.ProcessGroup._get_sequence_number_for_group = original
+            return []
+        seen = [ddpkit._torch.collective_sequence()]
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)
+        seen.append(ddpkit._torch.collective_sequence())
+        dist.all_gather([torch.zeros(2), torch.zeros(2)], tensor)
+        seen.append(ddpkit._torch.collective_sequence())
+        torch.distributed.nn.all_gather(tensor.requires_grad_())
+        seen.append(ddpkit._torch.collective_sequence())
+        dist.send(tensor.detach(), 1) if rt.rank == 0 else dist.recv(tensor.detach(), 0)
+        seen.append(ddpkit._torch.collective_sequence())
+        own = dist.new_group([0, 1])
+        dist.all_reduce(tensor.detach(), group=own)
+        seen.append(ddpkit._torch.collective_sequence())
+        return seen

@@ -553,6 +553,29 @@ def version_of(tensor: torch.Tensor) -> int:
     return version
 
 
+def collective_sequence() -> int | None:
+    """How many collectives and point-to-point calls this process ran on the default process group:
+    its backend's sequence number, which gloo counts for every call and nccl for every collective.
+
+    None where no default group of more than one process is up, or its backend keeps no such count
+    (only gloo's and nccl's do); a group of one gathers nothing from another rank.
+
+    Raises:
+        PrivateApiChanged: the group has no ``_get_sequence_number_for_group``.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    group = dist.group.WORLD
+    if dist.get_backend(group) not in ("gloo", "nccl"):
+        return None
+    counted = getattr(group, "_get_sequence_number_for_group", None)
+    if counted is None:
+        raise PrivateApiChanged("torch.distributed.ProcessGroup._get_sequence_number_for_group")
+    return int(counted())
+
+
 def load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
     """Register ``hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)``
     to run before ``module`` loads a state dict; its handle.

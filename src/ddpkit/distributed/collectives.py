@@ -6,15 +6,41 @@ process group, so user code and ddpkit's own code never branch on the world size
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddpkit import _torch
 from ddpkit._tensors import raw_bytes
 from ddpkit.errors import DdpkitError, UsageError, refused_global
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_OWN = [0]  # calls ddpkit made on the default group inside ddpkits_own(), so far in this process
+
+
+@contextlib.contextmanager
+def ddpkits_own() -> Iterator[None]:
+    """Collectives ddpkit runs on the default group for its own bookkeeping inside the script's code
+    (the first counted ``rt.backward`` of a run, inside a micro-shard): counted apart from the script's
+    (:func:`script_collectives`)."""
+    before = _torch.collective_sequence()
+    try:
+        yield
+    finally:
+        after = _torch.collective_sequence() if before is not None else None
+        if before is not None and after is not None:
+            _OWN[0] += after - before
+
+
+def script_collectives() -> int | None:
+    """How many calls on the default group this process made so far, less ddpkit's own made inside
+    :func:`ddpkits_own`; None where they are not counted (no group of two or more, or a backend
+    other than gloo and nccl). Only the difference between two readings means anything."""
+    sequence = _torch.collective_sequence()
+    return None if sequence is None else sequence - _OWN[0]
 
 
 def world_size() -> int:

@@ -73,7 +73,8 @@ def weigh(counted: Counted, loss: torch.Tensor, count: Any, modes: Sequence[Any]
     """
     units = _units(count)
     if counted.scale is None:  # once a run: the same power of two on every rank
-        largest = float(collectives.all_reduce(units.to("cpu"), "max"))
+        with collectives.ddpkits_own():  # inside a micro-shard, not the script's
+            largest = float(collectives.all_reduce(units.to("cpu"), "max"))
         counted.scale = 2.0 ** math.floor(math.log2(largest)) if largest >= 1 else 1.0
     counted.total = units if counted.total is None else counted.total + units.to(counted.total.device)
     averaged = 1 if any(mode.sums_gradients() for mode in modes) else collectives.world_size()

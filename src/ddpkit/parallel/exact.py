@@ -69,6 +69,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit import _torch, rng
+from ddpkit.distributed import collectives
 from ddpkit.errors import UsageError, translate_uncaught
 from ddpkit.observe.collectives import counted_wait
 from ddpkit.parallel import modes
@@ -269,6 +270,47 @@ class Exact:
             "samples), or pad to a fixed length"
         )
 
+    def refuse_inside_shard(self, call: str) -> None:
+        """Refuse ``call`` (``rt.all_reduce``, ``rt.log``, ...) while a shard is in hand.
+
+        Its result would combine this shard with other ranks' shards, where one process computing
+        every shard combines none, so the run's bits would depend on the number of processes; and a
+        rank whose shards of a short last batch are all empty never calls it, so the others would wait.
+
+        Raises:
+            UsageError: naming the call and what to do instead.
+        """
+        if self.current is not None:
+            raise UsageError(
+                f"{call} inside `for shard in rt.shards(...)`: it would combine this shard with other ranks' "
+                "shards (one process combines none), so the bits would depend on the number of processes, and "
+                "a rank whose shards of a short last batch are empty would never call it; sum what the shards "
+                "give and call it once after the shard loop"
+            )
+
+    def _refuse_script_collectives(self, before: int | None) -> None:
+        """Refuse a shard whose body ran a ``torch.distributed`` collective of the script's own on the
+        default group: a loss over the batch gathered from every rank (CLIP's, SimCLR's negatives,
+        ``torch.distributed.nn.all_gather``), MoCo's queue of gathered keys. On 2 processes it gathers
+        other ranks' shards; on one, nothing: the runs part silently (1 and 2 processes ended 2.8
+        apart in their weights' sum). Counted by the group's sequence number (gloo, nccl), less
+        ddpkit's own calls; a group of the script's own is not seen.
+
+        Raises:
+            UsageError: after the first shard that did.
+        """
+        if before is None or self._probing:
+            return
+        after = collectives.script_collectives()
+        if after is not None and after != before:
+            raise UsageError(
+                "micro_shards: a torch.distributed collective ran inside `for shard in rt.shards(...)` (a loss "
+                "over the batch gathered from every rank, say): it combines this shard with other ranks' shards "
+                "where one process combines none, so the bits would depend on the number of processes; compute "
+                "each shard's loss from its own samples and call collectives after the shard loop, or train "
+                "without micro_shards (a loss over the gathered batch then runs as under torchrun)"
+            )
+
     def _refuse_changed_buffers(self) -> None:
         """Refuse a step whose shards' forwards changed a buffer of the model's own in place.
 
@@ -337,6 +379,7 @@ class Exact:
             else:
                 parts = tuple(_take(item, j, self.local_shards, rows) for item in batch)
             self.current = (j, s, sizes[s])
+            before = collectives.script_collectives()
             try:
                 with self._random_stream(step, s, in_group):
                     yield parts[0] if len(parts) == 1 else parts
@@ -347,6 +390,7 @@ class Exact:
                     "rt.shards: a shard went by without rt.backward; call rt.backward(loss) "
                     "once for every shard it hands out"
                 )
+            self._refuse_script_collectives(before)
 
     @contextlib.contextmanager
     def _random_stream(self, step: int, shard: int, in_group: int = 0) -> Iterator[None]:

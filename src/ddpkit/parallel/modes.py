@@ -360,6 +360,18 @@ class MicroShards(Mode):
         """This rank's micro-shards of the batch, each with its threads, random stream and BatchNorm."""
         return self.exact.shards(active, step, batch)
 
+    def refuse(self, call: str) -> None:
+        """A collective of the script's (``rt.all_reduce``, ``rt.log``, ...) inside a shard: refused."""
+        if call.rpartition(".")[2] in (
+            "all_reduce",
+            "all_gather",
+            "all_gather_object",
+            "broadcast_object",
+            "barrier",
+            "log",
+        ):
+            self.exact.refuse_inside_shard(call)
+
     def loss_weight(self, weight: Any, *, counted: bool = False) -> Any:
         """The micro-shard's share of the global batch (the tree sums the shards); counted: its units' weight."""
         share = self.exact.weight()  # a micro-shard: its share of the global batch, summed by the tree

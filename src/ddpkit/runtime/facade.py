@@ -159,6 +159,7 @@ class Runtime:
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
+        self._refuse("rt.barrier")
         collectives.barrier()
 
     @contextlib.contextmanager
@@ -394,6 +395,7 @@ class Runtime:
         reduces nothing (its group is itself): the replica ranked first in the step's quorum writes its
         own values, so sum a metric over the quorum first with ``rt.all_reduce`` inside the step.
         """
+        self._refuse("rt.log")
         values = as_floats(metrics)
         if reduce is not None and self.world_size > 1 and values:
             reduced = collectives.all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), reduce)
