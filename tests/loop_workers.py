@@ -357,3 +357,44 @@ def corrupt_samples(counted: bool, micro_shards: int = 0, stream: bool = False, 
                 rt.backward(loss, count=len(ys)) if counted else rt.backward(loss)
             rt.step(optimizer)
         return {name: tensor.clone() for name, tensor in net.state_dict().items()}
+
+
+def stages(checkpoint_dir: str, stop_at: int | None = None, break_after: int | None = None) -> dict:
+    """A warm-up stage (``rt.epochs(2)``) then a fine-tuning one at a lower rate (``rt.epochs(3)``),
+    checkpoints every 4 steps, resumed where one is; ``stop_at``: closes after that step, as a crash
+    would end it; ``break_after``: leaves the warm-up by ``break`` after that many batches. What each
+    loop yielded, ``rt.epoch`` at each, and the weights."""
+    rt = ddpkit.init(seed=5, checkpoint_dir=checkpoint_dir, resume="auto")
+    model = _model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    state = {"model": model, "optimizer": optimizer}
+    rt.resume(state)
+    train = rt.loader(Toy(40), global_batch_size=8, shuffle=True)
+    seen: list = []
+
+    def one_epoch(stage: str, epoch: int) -> bool:
+        seen.append((stage, epoch, rt.epoch))
+        for batch, (x, y) in enumerate(train):
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+            if rt.global_step % 4 == 0:
+                rt.checkpoint(state)
+            if rt.global_step == stop_at:
+                return False
+            if stage == "warm-up" and batch + 1 == break_after:
+                return False
+        return True
+
+    for epoch in rt.epochs(2):
+        if not one_epoch("warm-up", epoch):
+            break
+    if rt.global_step != stop_at:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.02
+        for epoch in rt.epochs(3):
+            if not one_epoch("fine-tuning", epoch):
+                break
+    weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+    result = {"seen": seen, "steps": rt.global_step, "weights": weights}
+    rt.close()
+    return result

@@ -298,6 +298,8 @@ CRAFTED = [  # (field of payload["ddpkit"], crafted value, what the refusal name
     ("loop.micro_step", -5, "ddpkit.loop.micro_step: expected a whole number of at least 0, found -5"),
     ("loop.group", [1], "ddpkit.loop.group: expected [size, weight] or []"),
     ("loop.passes", 3, "ddpkit.loop.passes: expected a dict"),
+    ("loop.stage", -1, "ddpkit.loop.stage: expected a whole number of at least 0, found -1"),
+    ("loop.stage_start", 10**6, "ddpkit.loop.stage_start: expected an epoch no later than ddpkit.loop.epoch"),
     (
         "loop.loaders",
         {"train": {"epoch": 0, "position": "7", "finished": False, "signature": {}}},

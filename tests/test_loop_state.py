@@ -61,6 +61,25 @@ def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers)
 
 
 @pytest.mark.timeout(240)
+def test_each_rt_epochs_loop_runs_its_own_epochs_and_a_resume_skips_the_loops_before_its_own(tmp_path):
+    """A warm-up's rt.epochs(2), then a fine-tuning's rt.epochs(3): the second loop ran one epoch, not 3
+    (it went on from the first's count), silently. Each loop now runs its own epochs, numbered from 0,
+    while rt.epoch (the loaders' shuffles) goes on; after a break, the next loop begins at the next epoch.
+    Stopped inside either stage on 2 processes, the run resumes in it at the same bits."""
+    full = ddpkit.launch(loop_workers.stages, nprocs=2, args=(str(tmp_path / "full"),))[0]
+    stages = [("warm-up", 0, 0), ("warm-up", 1, 1), ("fine-tuning", 0, 2), ("fine-tuning", 1, 3), ("fine-tuning", 2, 4)]
+    assert full["seen"] == stages and full["steps"] == 5 * 5
+    for stop in (9, 18):  # saved at step 8, in the warm-up's second epoch; at 16, in the fine-tuning's second
+        where = str(tmp_path / f"stopped{stop}")
+        assert ddpkit.launch(loop_workers.stages, nprocs=2, args=(where, stop))[0]["steps"] == stop
+        resumed = ddpkit.launch(loop_workers.stages, nprocs=2, args=(where,))[0]
+        assert resumed["seen"] == stages[(stop // 4 * 4) // 5 :] and resumed["steps"] == full["steps"]
+        _assert_bitwise(resumed["weights"], full["weights"])
+    left = loop_workers.stages(str(tmp_path / "left"), None, 2)  # warm-up left by break in its first epoch
+    assert left["seen"] == [("warm-up", 0, 0), ("fine-tuning", 0, 1), ("fine-tuning", 1, 2), ("fine-tuning", 2, 3)]
+
+
+@pytest.mark.timeout(240)
 def test_end_of_epoch_checkpoint_with_half_read_validation_goes_on_with_the_next_epoch(tmp_path):
     full = loop_workers.variations("full", str(tmp_path / "run.pt"))
     end_of_epoch_0 = str(tmp_path / "run.pt.epoch0")

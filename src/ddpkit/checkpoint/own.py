@@ -80,6 +80,9 @@ def _check_loop(loop: Mapping[str, Any]) -> None:
     _bool(loop.get("epoch_done"), "ddpkit.loop.epoch_done")
     _int(loop.get("micro_step", 0), "ddpkit.loop.micro_step")
     _bool(loop.get("driven", True), "ddpkit.loop.driven")
+    _int(loop.get("stage", 0), "ddpkit.loop.stage")
+    if _int(loop.get("stage_start", 0), "ddpkit.loop.stage_start") > loop["epoch"]:
+        raise _Malformed("ddpkit.loop.stage_start", "an epoch no later than ddpkit.loop.epoch", loop["stage_start"])
     group = _list(loop.get("group", []), "ddpkit.loop.group")
     if group:
         if len(group) != 2:

@@ -41,21 +41,34 @@ def on_batch(run: RunState, loader: Any) -> None:
 def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
     """``n`` epochs numbered from ``start``, from where a loaded checkpoint left off; sets every loader's epoch.
 
-    A run resumed from a checkpoint written after its last epoch (a restart after the final save)
-    has no epoch left: it says so in one line, since code after the loop runs without the loop's
-    variables."""
-    run.loop.driven = True  # the loaders' passes read the epochs set here, not their own
+    Each ``rt.epochs`` loop of a script is a stage of its own (a warm-up's 2 epochs, then a
+    fine-tuning's 3): it runs its ``n`` epochs, numbered from ``start`` again, while the run's epoch
+    (the loaders' shuffles, ``rt.epoch``) goes on counting, after an epoch a ``break`` left too. A run
+    resumed inside a later stage skips the loops before it. A run resumed from a checkpoint written
+    after its last epoch has no epoch left: it says so in one line, since code after the loop runs
+    without the loop's variables."""
+    loop = run.loop
+    loop.driven = True  # the loaders' passes read the epochs set here, not their own
     for mode in run.modes:
         mode.begin_epochs()  # (a fault-tolerant replica heals or resumes here, in its first quorum)
-    if run.loop.epoch >= n and run.loop.resumed_from is not None:
+    index, loop.stages_called = loop.stages_called, loop.stages_called + 1
+    if index < loop.stage:  # a loop the resumed run had left before its checkpoint
+        return
+    if index > loop.stage:  # the script's next loop: its epochs begin after the last one handed out
+        if loop.epoch_begun:
+            loop.epoch += 1
+        loop.stage, loop.stage_start, loop.epoch_begun = index, loop.epoch, False
+    if loop.epoch - loop.stage_start >= n and loop.resumed_from is not None:
         warn(
-            f"rt.epochs({n}): the run resumed from {run.loop.resumed_from} had trained all {n} epochs, so the "
-            "loop does not run; code after it must not use the loop's variables (or give a larger n)"
+            f"rt.epochs({n}): the run resumed from {loop.resumed_from} had trained all {n} epochs of this loop, so "
+            "it does not run; code after it must not use the loop's variables (or give a larger n)"
         )
-    while run.loop.epoch < n:
-        run.loop.set_epochs()  # (no loader is held here across the yield: one built anew each epoch is freed)
-        yield run.loop.epoch + start
-        run.loop.epoch += 1
+    while loop.epoch - loop.stage_start < n:
+        loop.set_epochs()  # (no loader is held here across the yield: one built anew each epoch is freed)
+        loop.epoch_begun = True
+        yield loop.epoch - loop.stage_start + start
+        loop.epoch += 1
+        loop.epoch_begun = False
     end_training(run)  # ran to its end (not left by break): the training is over
 
 

@@ -306,7 +306,9 @@ class Runtime:
 
         ``for epoch in rt.epochs(10, start=1)`` yields 1 to 10, as ``range(1, 11)`` does; a run
         resumed after epoch 4 yields 5 to 10. A run resumed from a checkpoint written after its
-        last epoch yields nothing, and says so in one line.
+        last epoch yields nothing, and says so in one line. Each loop of a script is a stage of its
+        own (a warm-up's ``rt.epochs(2)``, then a fine-tuning's ``rt.epochs(3)`` yields 0 to 2), while
+        ``rt.epoch`` goes on counting; a run resumed inside a later loop skips the ones before it.
         """
         return loop_steps.epochs(self._run, n, start)
 

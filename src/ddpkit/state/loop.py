@@ -37,6 +37,10 @@ class LoopState:
         self.resumed_epochs = True  # ... under rt.epochs (else its epochs were each loader's own)
         self.not_bitwise: str | None = None  # why a resume of this run is not bitwise
         self.driven = False  # rt.epochs sets the epochs (else each loader's passes move on by themselves)
+        self.stage = 0  # which rt.epochs loop of the script the run is in (a warm-up's, then a fine-tuning's)
+        self.stage_start = 0  # the epoch that loop began at: its first yields start + 0
+        self.stages_called = 0  # rt.epochs loops this process began (a resumed run's first are skipped)
+        self.epoch_begun = False  # the epoch was handed out and not run to its end (left by break)
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # every live loader, whichever holds its key
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
@@ -188,6 +192,8 @@ class LoopState:
             "not_bitwise": self.not_bitwise,
             "passes": dict(self._last_pass),
             "driven": self.driven,
+            "stage": self.stage,
+            "stage_start": self.stage_start,
         }
 
     def resumed_at(self) -> str:
@@ -205,6 +211,8 @@ class LoopState:
         self.epoch = int(saved["epoch"]) + (1 if saved["epoch_done"] else 0)
         self.resumed_mid_epoch = not saved["epoch_done"]
         self.resumed_epochs = bool(saved.get("driven", True))
+        self.stage, self.stage_start = int(saved.get("stage", 0)), int(saved.get("stage_start", 0))
+        self.epoch_begun = False
         self.micro_step = int(saved.get("micro_step", 0))
         self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
         self._pending = {} if saved["epoch_done"] else {k: dict(v) for k, v in saved["loaders"].items()}
