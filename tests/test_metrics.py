@@ -220,3 +220,21 @@ def test_resume_drops_rows_a_crash_undid(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [__import__("json").loads(line)["step"] for line in lines] == [10, 20, 25]
     assert (tmp_path / "metrics.csv").read_text().splitlines()[1:] == ["10,1.0", "20,2.0", "25,2.5"]
+
+
+@pytest.mark.timeout(120)
+def test_a_batchs_loss_logs_as_one_processs_mean_over_the_global_batch_on_two(tmp_path):
+    """rt.log's mean of each rank's batch loss: on 2 processes a short last batch whose one sample is rank
+    0's logged NaN (rank 1's mean of no sample), and batches split unevenly logged a mean of means. Each
+    rank's value now weighs by its samples of the batch in hand: the rows are one process's (float64, to
+    rounding); a value the same on every rank logs as it is; after the pass each rank counts the same."""
+    import ddpkit
+    import workers
+
+    one = workers.logged_losses(str(tmp_path / "one"))
+    two = ddpkit.launch(workers.logged_losses, nprocs=2, args=(str(tmp_path / "two"),))
+    assert two[0]["returned"] == two[1]["returned"]  # every rank is handed the values written
+    for a, b in zip(one["returned"][:-1], two[0]["returned"][:-1]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-12) and a["lr"] == b["lr"] == 0.1 / 3
+    assert two[0]["returned"][-1] == {"rank": 0.5}
+    assert [row["loss"] for row in two[0]["rows"] if "loss" in row] == [r["loss"] for r in two[0]["returned"][:-1]]

@@ -2074,3 +2074,29 @@ def collective_sequences(drop_api: bool = False) -> list:
         dist.all_reduce(tensor.detach(), group=own)
         seen.append(ddpkit._torch.collective_sequence())
         return seen
+
+
+def logged_losses(out_dir: str) -> dict:
+    """``rt.log({"loss": ..., "lr": ...})`` after each step over 97 samples in global batches of 48 (on 2
+    processes the last batch's one sample is rank 0's: rank 1's mean loss is NaN), then a value of each
+    rank's own after the pass. What rt.log returned, and the rows of metrics.jsonl."""
+    import json
+    import pathlib
+
+    with ddpkit.init(seed=0, out_dir=out_dir, trackers=()) as rt:
+        generator = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(97, 8, generator=generator), torch.randint(0, 3, (97,), generator=generator)
+        )
+        net = torch.nn.Linear(8, 3).double()
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        returned = []
+        for x, y in rt.loader(data, global_batch_size=48):
+            loss = F.cross_entropy(model(x.double()), y)
+            rt.backward(loss)
+            rt.step(optimizer)
+            returned.append(rt.log({"loss": loss.item(), "lr": 0.1 / 3}))
+        returned.append(rt.log({"rank": float(rt.rank)}))
+        main = rt.is_main
+    written = (pathlib.Path(out_dir) / "metrics.jsonl").read_text().splitlines() if main else []
+    return {"returned": returned, "rows": [json.loads(line) for line in written]}

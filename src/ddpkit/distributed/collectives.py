@@ -7,6 +7,7 @@ process group, so user code and ddpkit's own code never branch on the world size
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,6 +99,34 @@ def all_reduce(value: Any, op: str = "sum", *, over: Any = None) -> Any:
     if is_tensor:
         return tensor
     return tensor.item() if tensor.dim() == 0 else tensor.tolist()
+
+
+def weighted_mean(values: list[float], weight: float) -> list[float]:
+    """Each of ``values``' mean over the ranks, each rank's weighed by ``weight`` (its samples of the
+    batch in hand: a rank with none adds nothing, the NaN mean of its no sample included); a value the
+    same on every rank (a learning rate) comes back as it is. One gather; identity in a world of one.
+
+    Example:
+        >>> weighted_mean([0.5, 0.1], 3.0)
+        [0.5, 0.1]
+    """
+    if world_size() == 1:
+        return list(values)
+    row = torch.tensor([*values, weight], dtype=torch.float64, device=_comm_device())
+    rows = [torch.empty_like(row) for _ in range(world_size())]
+    dist.all_gather(rows, row)
+    table = torch.stack(rows).cpu().tolist()
+    weights = [line[-1] for line in table]
+    means = []
+    for index in range(len(values)):
+        column = [line[index] for line in table]
+        if all(value == column[0] for value in column):  # (NaN equals nothing: weighed below)
+            means.append(column[0])
+            continue
+        kept = [(value, w) for value, w in zip(column, weights) if w > 0]
+        total = sum(w for _, w in kept)
+        means.append(sum(value * w for value, w in kept) / total if total > 0 else math.nan)
+    return means
 
 
 _control: tuple[Any, Any] | None = None  # (the default group it was made for, its gloo group)

@@ -393,13 +393,24 @@ class Runtime:
         """Write metrics on rank 0 (``out_dir``/metrics.jsonl, .csv, TensorBoard).
 
         Every rank must call it: values are reduced across ranks (``reduce="mean"``, ``"sum"``,
-        ``"max"`` or None to keep rank 0's). Returns the values written. A fault-tolerant replica
+        ``"max"`` or None to keep rank 0's). Returns the values written. While a batch of
+        ``rt.loader`` is in hand (its pass not over), the mean weighs each rank's value by its samples
+        of that batch, so a batch's mean loss logs as one process's mean over the global batch (a rank
+        with no sample of a short last batch adds nothing, its NaN included); a value the same on
+        every rank logs as it is. Elsewhere (after the pass) each rank counts the same. A fault-tolerant replica
         reduces nothing (its group is itself): the replica ranked first in the step's quorum writes its
         own values, so sum a metric over the quorum first with ``rt.all_reduce`` inside the step.
         """
         self._refuse("rt.log")
         values = as_floats(metrics)
-        if reduce is not None and self.world_size > 1 and values:
+        active = self._run.active
+        if reduce == "mean" and self.world_size > 1 and values and active is not None and active.live:
+            # a batch of rt.loader in hand: each rank's value weighs by its samples of it, as one
+            # process's mean over the global batch does (a rank with none of a short last batch adds
+            # nothing: its loss is the NaN mean of no sample)
+            weighted = collectives.weighted_mean(list(values.values()), float(active.local_count))
+            values = dict(zip(values, weighted))
+        elif reduce is not None and self.world_size > 1 and values:
             reduced = collectives.all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), reduce)
             values = dict(zip(values, reduced.tolist()))
         if self.is_main:
