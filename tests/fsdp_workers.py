@@ -205,3 +205,37 @@ def resumable(mode: str, checkpoint_dir: str, strategy: str = "fsdp", stop_at: i
                 saved = rt.save(checkpoint_dir, state)
                 return {"stopped": rt.global_step, "path": str(saved)}
     return {"weights": rt.full_state_dict(model), "steps": rt.global_step, "lr": sched.get_last_lr()}
+
+
+def second_optimizer(strategy: str, how: str = "rt.step") -> dict:
+    """Two optimizers built before ``rt.setup`` on parts of one model: the head's given to it, the
+    body's not (a discriminative fine-tune's). ``how`` the body's steps: ``"rt.step"`` (``rt.step(head,
+    body)``), ``"own"`` (``body.step()`` by hand after ``rt.step(head)``) or ``"stepped"`` (it stepped
+    once before ``rt.setup``: the refusal's text). The full weights (rank 0) and the initial ones."""
+    import ddpkit.errors
+
+    rt = ddpkit.init(seed=0)
+    torch.manual_seed(0)
+    net = Net().double()
+    first = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    head = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    body = torch.optim.SGD(net.body.parameters(), lr=0.1, momentum=0.9)
+    if how == "stepped":
+        net(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+        body.step()
+    model, head = rt.setup(net, head, **({"strategy": strategy} if strategy != "ddp" else {}))
+    try:
+        for x, y in rt.loader(Toy(48), global_batch_size=GLOBAL_BATCH):
+            rt.backward(torch.nn.functional.cross_entropy(model(x.double()), y))
+            if how == "own":
+                rt.step(head)
+                body.step()
+                body.zero_grad()
+            else:
+                rt.step(head, body)
+    except ddpkit.errors.UsageError as refused:
+        rt.close()
+        return {"refused": str(refused)}
+    weights = rt.full_state_dict(model)
+    rt.close()
+    return {"weights": weights, "first": first}

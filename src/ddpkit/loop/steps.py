@@ -173,6 +173,9 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
+    for optimizer in optimizers:
+        for mode in run.modes:
+            mode.rebind(optimizer)
     gradients.check(run, "rt.step", optimizers)
     params = _before_optimizers(run, optimizers)
     if not all(mode.commit(params, run.active) for mode in run.modes):
@@ -265,6 +268,8 @@ def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
         run.stepping = False
     if run.stepping:
         return False
+    for mode in run.modes:
+        mode.rebind(optimizer)
     if run.parameter_ids[0] != len(run.entries):  # a model set up since: its parameters join (once, not a step)
         run.parameter_ids = (len(run.entries), {id(p) for model in run.models for p in model.parameters()})
     mine = run.parameter_ids[1]

@@ -4,7 +4,8 @@ Each *unit* (the user's ``fsdp_units`` classes, else every child of the model, o
 ``Sequential``/``ModuleList`` children, holding at least ``min_unit_params`` parameters) is
 sharded on its own, then the root: one all-gather per unit in forward and backward. FSDP2
 replaces every parameter with a new ``DTensor`` parameter, so an optimizer made before
-``setup`` would silently train nothing; ddpkit rebinds it to the sharded parameters by name.
+``setup`` would silently train nothing; ddpkit rebinds it to the sharded parameters by name (one
+given to ``rt.setup`` there, another at its first step: :meth:`ddpkit.parallel.modes.Sharded.rebind`).
 
 Gradients are reduce-scattered and averaged over the world, as DDP's all-reduce averages them,
 so ddpkit's loss weighting keeps results independent of the world size.

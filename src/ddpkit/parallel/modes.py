@@ -144,6 +144,10 @@ class Mode:
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def rebind(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer about to step: a mode that replaced the model's parameters at ``rt.setup`` (fsdp)
+        points one built before it, and not given to it, at the new ones (else it would train nothing)."""
+
     def commit(self, params: Sequence[torch.Tensor], active: Any) -> bool:
         """Whether the step in hand is applied (False: nothing of it is; the batch comes again)."""
         return True
@@ -227,6 +231,39 @@ class Sharded(Mode):
     """FSDP: parameters, gradients and optimizer state sharded (:mod:`ddpkit.parallel.fsdp`)."""
 
     name = "sharded"
+
+    def __init__(self, replaced: dict[int, tuple[Any, torch.nn.Parameter]] | None = None) -> None:
+        self.replaced = replaced or {}
+        """The model's parameters before sharding, by ``id``: (a weak reference to it, its sharded parameter)."""
+
+    def rebind(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer built on the model's parameters before ``rt.setup`` and not given to it (a second
+        one, over part of the model) steps the sharded parameters, as the one given was rebound: it
+        stepped parameters the model no longer held, and trained nothing, silently.
+
+        Raises:
+            UsageError: it stepped those parameters already (its state is theirs).
+        """
+        if not self.replaced:
+            return
+        for group in optimizer.param_groups:
+            params = group["params"]
+            if not any(id(p) in self.replaced for p in params):
+                continue
+            bound = []
+            for p in params:
+                entry = self.replaced.get(id(p))
+                if entry is None or entry[0]() is not p:
+                    bound.append(p)
+                    continue
+                if optimizer.state.get(p):
+                    raise UsageError(
+                        "an optimizer that stepped the model's parameters before rt.setup(..., strategy='fsdp') "
+                        "replaced them steps again: build it before training, or after rt.setup from the set-up "
+                        "model's parameters"
+                    )
+                bound.append(entry[1])
+            group["params"] = bound
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """FSDP's own: gradients kept unsharded and unreduced until the last micro-step."""

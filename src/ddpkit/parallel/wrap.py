@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ddpkit._torch import unwrap
@@ -52,6 +54,7 @@ def wrap(
     """
     if options.strategy == "fsdp":
         units = [options.fsdp_units] if isinstance(options.fsdp_units, type) else options.fsdp_units
+        before = dict(model.named_parameters())
         sharded = fsdp.shard(
             model,
             [optimizer] if optimizer is not None else [],
@@ -61,7 +64,14 @@ def wrap(
             reshard_after_forward=options.reshard_after_forward,
             cpu_offload=options.cpu_offload,
         )
-        return Wrapped(sharded, sharded=True, mode=Sharded())
+        after = dict(sharded.named_parameters())
+        # another optimizer built on the old ones steps the sharded ones (Sharded.rebind)
+        replaced = {
+            id(p): (weakref.ref(p), after[name])
+            for name, p in before.items()
+            if after.get(name) is not None and after[name] is not p
+        }
+        return Wrapped(sharded, sharded=True, mode=Sharded(replaced))
     if options.sync != "every-step":
         return _train_apart(model, optimizer, options, device=device, is_main=is_main)
 
