@@ -210,8 +210,9 @@ def resumable(mode: str, checkpoint_dir: str, strategy: str = "fsdp", stop_at: i
 def second_optimizer(strategy: str, how: str = "rt.step") -> dict:
     """Two optimizers built before ``rt.setup`` on parts of one model: the head's given to it, the
     body's not (a discriminative fine-tune's). ``how`` the body's steps: ``"rt.step"`` (``rt.step(head,
-    body)``), ``"own"`` (``body.step()`` by hand after ``rt.step(head)``) or ``"stepped"`` (it stepped
-    once before ``rt.setup``: the refusal's text). The full weights (rank 0) and the initial ones."""
+    body)``), ``"own"`` (``body.step()`` by hand after ``rt.step(head)``), ``"given"`` (given to
+    ``rt.setup`` too) or ``"stepped"`` (it stepped once before ``rt.setup``: the refusal's text). The full
+    weights (rank 0) and the initial ones."""
     import ddpkit.errors
 
     rt = ddpkit.init(seed=0)
@@ -223,8 +224,12 @@ def second_optimizer(strategy: str, how: str = "rt.step") -> dict:
     if how == "stepped":
         net(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
         body.step()
-    model, head = rt.setup(net, head, **({"strategy": strategy} if strategy != "ddp" else {}))
+    options = {"strategy": strategy} if strategy != "ddp" else {}
     try:
+        if how == "given":
+            model, head, body = rt.setup(net, head, body, **options)
+        else:
+            model, head = rt.setup(net, head, **options)
         for x, y in rt.loader(Toy(48), global_batch_size=GLOBAL_BATCH):
             rt.backward(torch.nn.functional.cross_entropy(model(x.double()), y))
             if how == "own":

@@ -116,7 +116,7 @@ def test_a_second_optimizer_built_before_setup_and_not_given_to_it_trains_its_pa
     rounding); one that stepped before setup is refused in one line."""
     ddp = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("ddp",))[0]
     assert not torch.equal(ddp["weights"]["body.0.weight"], ddp["first"]["body.0.weight"])
-    for how in ("rt.step", "own"):
+    for how in ("rt.step", "own", "given"):
         fsdp = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", how))[0]
         for name, value in ddp["weights"].items():
             assert torch.allclose(fsdp["weights"][name], value, rtol=1e-12, atol=1e-14), (how, name)

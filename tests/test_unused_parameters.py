@@ -160,6 +160,52 @@ def test_a_parameter_of_the_optimizers_outside_the_model_is_averaged_as_the_mode
     assert furthest == 0.0 if setup else furthest < 1e-12
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("setup", [{}, {"micro_shards": 2}])
+def test_a_parameter_outside_the_model_in_an_optimizer_of_its_own_is_exchanged_when_given_to_setup(setup):
+    """The learned loss weights in an optimizer of their own, stepped by rt.step(optimizer, its_own):
+    nothing exchanged their gradients, so the ranks' weights parted and 2 processes ended away from one
+    (under micro_shards too), silently. Given to rt.setup(model, optimizer, its_own) they are exchanged as
+    the first optimizer's are (one process's bits under micro_shards); not given, the step is refused
+    in one line on one process as on two."""
+    grouped = workers.loss_weights(setup)  # one process, one optimizer of two groups: the same SGD
+    one = ddpkit.launch(workers.loss_weights, nprocs=1, args=(setup, "given"))[0]
+    two = ddpkit.launch(workers.loss_weights, nprocs=2, args=(setup, "given"))[0]
+    assert all(torch.equal(one["weights"][k], grouped["weights"][k]) for k in grouped["weights"])
+    assert torch.equal(two["log_vars"][0], two["log_vars"][1])
+    furthest = max(float((one["weights"][k] - two["weights"][k]).abs().max()) for k in one["weights"])
+    assert furthest == 0.0 if setup else furthest < 1e-12
+    for nprocs in (1, 2):
+        refused = ddpkit.launch(workers.loss_weights, nprocs=nprocs, args=(setup, "not"))[0]["refused"]
+        assert refused.startswith(
+            "rt.step: an optimizer not given to rt.setup holds 1 parameter(s) outside the set-up models (of shapes [2])"
+        )
+        assert refused.endswith("rt.setup(model, optimizer, this_optimizer)") and "\n" not in refused
+
+
+def test_more_optimizers_given_to_setup_come_back_in_order_and_what_cannot_take_them_is_one_line():
+    """rt.setup(model, head, body) returns them in order (torch's TypeError before); an infrequent sync,
+    which keeps one inner optimizer's state per rank, refuses a second in one line, as it does what is
+    not an optimizer."""
+    rt = ddpkit.init(seed=0)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        head, body = torch.optim.SGD(net[1].parameters(), lr=0.1), torch.optim.Adam(net[0].parameters())
+        model, *given = rt.setup(net, head, body)
+        assert given == [head, body] and rt._run.given == [head, body]
+        other = torch.nn.Linear(4, 2)
+        with pytest.raises(UsageError, match=r"^rt.setup: str after the model's optimizer is not an optimizer$"):
+            rt.setup(other, torch.optim.SGD(other.parameters(), lr=0.1), "body")
+        apart = torch.nn.Linear(4, 2)
+        optimizers = [torch.optim.SGD(apart.parameters(), lr=0.1), torch.optim.SGD(apart.parameters(), lr=0.1)]
+        with pytest.raises(UsageError) as refused:
+            rt.setup(apart, *optimizers, sync="local-sgd", sync_every=2)
+        assert str(refused.value).startswith("rt.setup(model, optimizer, ..., sync='local-sgd') takes one optimizer")
+        assert len(rt._run.entries) == 1  # refused before anything was set up
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("sync", ["local-sgd", "diloco"])
 def test_an_infrequent_sync_refuses_an_optimizer_holding_parameters_outside_the_model(sync):
     """Local SGD and DiLoCo meet over the model's parameters: one of the optimizer's outside it would

@@ -1317,18 +1317,25 @@ def unfreezing(setup: dict | None = None, accumulate: int = 1) -> dict:
     return {"weights": weights, "warned": [str(w.message) for w in said if "DDP's buckets leave out" in str(w.message)]}
 
 
-def loss_weights(setup: dict | None = None) -> dict:
+def loss_weights(setup: dict | None = None, split: str | None = None) -> dict:
     """Multi-task learning with learned loss weights (Kendall et al.'s uncertainty weighting): two
     losses of a float64 MLP weighted by ``log_var``, a parameter of the optimizer's outside the model.
-    Rank 0's weights and ``log_var``, and every rank's ``log_var``."""
+    ``split``: ``log_var`` in an optimizer of its own, "given" to ``rt.setup`` with the model's or "not"
+    (stepped by ``rt.step(optimizer, its_own)``: the refusal's text). Rank 0's weights and ``log_var``,
+    and every rank's ``log_var``."""
     import torch.nn.functional as F
 
     rt = ddpkit.init(seed=0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
     log_var = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    optimizer = torch.optim.SGD([{"params": model.parameters()}, {"params": [log_var], "lr": 0.05}], lr=0.1)
-    model, optimizer = rt.setup(model, optimizer, **(setup or {}))
+    if split is None:
+        optimizer = torch.optim.SGD([{"params": model.parameters()}, {"params": [log_var], "lr": 0.05}], lr=0.1)
+        others = []
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        others = [torch.optim.SGD([log_var], lr=0.05)]
+    model, optimizer, *_ = rt.setup(model, optimizer, *(others if split == "given" else []), **(setup or {}))
     micro_shards = bool((setup or {}).get("micro_shards"))
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(
@@ -1341,7 +1348,11 @@ def loss_weights(setup: dict | None = None) -> dict:
                 out = model(xs)
                 losses = torch.stack([F.cross_entropy(out, ys), out.pow(2).mean()])
                 rt.backward((torch.exp(-log_var) * losses + log_var).sum())
-            rt.step(optimizer)
+            try:
+                rt.step(optimizer, *others)
+            except ddpkit.UsageError as refused:
+                rt.close()
+                return {"refused": str(refused)}
     weights = {k: v.detach().clone() for k, v in (rt.full_state_dict(model) or {}).items()}
     everyone = rt.all_gather(log_var.detach().clone().unsqueeze(0))
     rt.close()

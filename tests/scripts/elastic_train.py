@@ -57,7 +57,7 @@ def main() -> None:
         rt.print(f"resumed at step {rt.global_step}")
     started_at = rt.global_step
     while rt.global_step < args.steps:
-        for _epoch in rt.epochs(rt.epoch + 1):
+        for _epoch in rt.epochs(1):  # one epoch a loop (each loop of rt.epochs runs its own n)
             for images, labels in loader:
                 with rt.autocast():
                     loss = F.cross_entropy(model(images), labels)

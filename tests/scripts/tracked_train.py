@@ -55,12 +55,12 @@ def main() -> None:
         flush=True,
     )
     while rt.global_step < args.steps:
-        for epoch in rt.epochs(rt.epoch + 1):
+        for _ in rt.epochs(1):  # one epoch a loop (each loop of rt.epochs runs its own n)
             for images, labels in loader:
                 loss = F.cross_entropy(model(images), labels)
                 rt.backward(loss)
                 rt.step(optimizer)
-                rt.log({"loss": loss.detach(), "epoch": epoch})
+                rt.log({"loss": loss.detach(), "epoch": rt.epoch})
                 time.sleep(args.step_sleep)
                 if first_attempt and args.kill_step == rt.global_step and rt.rank == 1:
                     time.sleep(args.kill_delay)

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     started = False
     began = time.perf_counter()
     while rt.global_step < opts.steps:
-        for _ in rt.epochs(rt.epoch + 1):
+        for _ in rt.epochs(1):  # one epoch a loop (each loop of rt.epochs runs its own n)
             for inputs, targets in loader:
                 if not started:
                     started = True

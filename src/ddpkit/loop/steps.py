@@ -176,6 +176,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     for optimizer in optimizers:
         for mode in run.modes:
             mode.rebind(optimizer)
+        _refuse_unexchanged(run, optimizer, "rt.step")
     gradients.check(run, "rt.step", optimizers)
     params = _before_optimizers(run, optimizers)
     if not all(mode.commit(params, run.active) for mode in run.modes):
@@ -270,10 +271,45 @@ def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
         return False
     for mode in run.modes:
         mode.rebind(optimizer)
+    mine = _model_parameter_ids(run)
+    if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        return False
+    _refuse_unexchanged(run, optimizer, "optimizer.step()")
+    return True
+
+
+def _model_parameter_ids(run: RunState) -> set[int]:
+    """The ids of the set-up models' parameters (made again only when another model was set up)."""
     if run.parameter_ids[0] != len(run.entries):  # a model set up since: its parameters join (once, not a step)
         run.parameter_ids = (len(run.entries), {id(p) for model in run.models for p in model.parameters()})
-    mine = run.parameter_ids[1]
-    return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+    return run.parameter_ids[1]
+
+
+def _refuse_unexchanged(run: RunState, optimizer: torch.optim.Optimizer, call: str) -> None:
+    """Refuse, on any number of processes, a step of an optimizer not given to ``rt.setup`` that holds a
+    parameter outside the set-up models and their optimizers (a learned temperature in an optimizer of its
+    own): no mode exchanges its gradient, so each rank stepped on its own and the ranks parted, silently
+    (and micro-shards' bits with them). Checked once an optimizer, again when it gains a parameter.
+
+    Raises:
+        UsageError: naming the parameters' shapes and the fix.
+    """
+    if not run.entries or optimizer in run.given:
+        return
+    sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
+    if run.checked_optimizers.get(optimizer) == sizes:
+        return
+    known = _model_parameter_ids(run) | {id(p) for o in run.given for group in o.param_groups for p in group["params"]}
+    outside = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and id(p) not in known]
+    if outside:
+        shapes = ", ".join(str(list(p.shape)) for p in outside[:3]) + (", ..." if len(outside) > 3 else "")
+        raise UsageError(
+            f"{call}: an optimizer not given to rt.setup holds {len(outside)} parameter(s) outside the set-up "
+            f"models (of shapes {shapes}), whose gradients no process exchanges, so each rank would step on its "
+            "own and the ranks would part; give it to rt.setup with the model: rt.setup(model, optimizer, "
+            "this_optimizer)"
+        )
+    run.checked_optimizers[optimizer] = sizes
 
 
 def _direct_before(run: RunState, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -238,8 +238,8 @@ class AcrossProcesses(Replicated):
         """This process warns (global rank 0)."""
         self.can_check = True
         """False once the reducer's check turned out missing (another torch): warned once."""
-        self.optimizer = optimizer
-        """The optimizer given with the model: a parameter of it outside the model (a learned loss weight)."""
+        self.optimizers = [optimizer] if optimizer is not None else []
+        """The optimizers given with the model: a parameter of one outside the model (a learned loss weight)."""
         ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
         named = list(ddp.module.named_parameters())
         _IN_BUCKETS.update({id(p): p for n, p in named if p.requires_grad and n not in ignored})
@@ -248,7 +248,7 @@ class AcrossProcesses(Replicated):
         """The parameters frozen when DDP was built, which its buckets leave out (by name): a layer
         unfrozen later (fine-tuning's gradual unfreezing) would step on each rank's own gradients."""
         self._outside: list[torch.Tensor] = []  # the optimizer's parameters outside the model
-        self._groups: tuple[int, ...] | None = None  # the optimizer's group sizes when they were listed
+        self._groups: tuple[int, ...] | None = None  # the optimizers' group sizes when they were listed
         self._syncs = True  # this backward's gradients are exchanged (not a micro-step inside no_sync)
         self._told = False
 
@@ -256,15 +256,19 @@ class AcrossProcesses(Replicated):
         """Inside ``rt.accumulate``, only the group's last micro-step exchanges (DDP's ``no_sync``)."""
         self._syncs = group is None or group[1]
 
+    def also_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Its parameters outside the model are averaged after each backward too."""
+        self.optimizers.append(optimizer)
+
     def _outside_model(self) -> list[torch.Tensor]:
-        """The optimizer's parameters that are neither the model's nor in another DDP's buckets (listed
-        again where the optimizer has gained a group or a parameter)."""
-        if self.optimizer is None:
+        """The optimizers' parameters that are neither the model's nor in another DDP's buckets (listed
+        again where an optimizer has gained a group or a parameter)."""
+        if not self.optimizers:
             return []
-        groups = tuple(len(group["params"]) for group in self.optimizer.param_groups)
+        groups = tuple(len(group["params"]) for optimizer in self.optimizers for group in optimizer.param_groups)
         if groups != self._groups:
             self._groups = groups
-            found = {id(p): p for group in self.optimizer.param_groups for p in group["params"]}
+            found = {id(p): p for o in self.optimizers for group in o.param_groups for p in group["params"]}
             self._outside = [p for i, p in found.items() if i not in self._module and _IN_BUCKETS.get(i) is not p]
         return self._outside
 

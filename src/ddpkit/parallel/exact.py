@@ -115,6 +115,7 @@ class Exact:
         self.local_shards = micro_shards // world_size
         self.seed, self.device = seed, device
         self._model, self._optimizer = model, optimizer
+        self.others: list[Any] = []  # more optimizers given to rt.setup with the model
         self.params = self._trainable()
         self._index = {id(p): i for i, p in enumerate(self.params)}  # a parameter's place in self.params
         self._hooked: set[int] = set()  # parameters whose ready hook is registered (by id)
@@ -158,7 +159,8 @@ class Exact:
 
     def _trainable(self) -> list[torch.Tensor]:
         """The parameters that train now: the model's and its optimizer's (a group added since)."""
-        return modes.trainable([self._model], [self._optimizer] if self._optimizer is not None else [])
+        first = [self._optimizer] if self._optimizer is not None else []
+        return modes.trainable([self._model], first + self.others)
 
     def _hook_ready(self) -> None:
         for p in self.params:

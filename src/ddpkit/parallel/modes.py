@@ -144,6 +144,10 @@ class Mode:
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def also_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Another optimizer given to ``rt.setup`` with the model (``rt.setup(model, head, body)``): its
+        parameters train under this mode as the first one's do (one outside the model too)."""
+
     def rebind(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer about to step: a mode that replaced the model's parameters at ``rt.setup`` (fsdp)
         points one built before it, and not given to it, at the new ones (else it would train nothing)."""
@@ -235,6 +239,11 @@ class Sharded(Mode):
     def __init__(self, replaced: dict[int, tuple[Any, torch.nn.Parameter]] | None = None) -> None:
         self.replaced = replaced or {}
         """The model's parameters before sharding, by ``id``: (a weak reference to it, its sharded parameter)."""
+
+    def also_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rebound to the sharded parameters at once, as the first one is (checked before sharding:
+        :meth:`~ddpkit.parallel.options.SetupOptions.check_more_optimizers`)."""
+        self.rebind(optimizer)
 
     def rebind(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer built on the model's parameters before ``rt.setup`` and not given to it (a second
@@ -396,6 +405,10 @@ class MicroShards(Mode):
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
         """This rank's micro-shards of the batch, each with its threads, random stream and BatchNorm."""
         return self.exact.shards(active, step, batch)
+
+    def also_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Its parameters' gradients are summed along the tree too."""
+        self.exact.others.append(optimizer)
 
     def refuse(self, call: str) -> None:
         """A collective of the script's (``rt.all_reduce``, ``rt.log``, ...) inside a shard: refused."""

@@ -9,6 +9,7 @@ return: the model and what the loop and the checkpoints must keep of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -159,6 +160,36 @@ class SetupOptions:
         kwargs = self.compile if isinstance(self.compile, dict) else {}
         # torch.compile of a Module returns an OptimizedModule (a Module); torch's stubs say a plain callable
         return torch.compile(model, **kwargs)  # type: ignore[return-value]
+
+    def check_more_optimizers(self, model: torch.nn.Module, others: Sequence[Any]) -> None:
+        """Refuse, in one line and before anything is set up, optimizers after the first that cannot train
+        under these options (``rt.setup(model, head, body)``).
+
+        Raises:
+            UsageError: one is not an optimizer; an infrequent sync (it keeps one inner optimizer's state
+                per rank); under fsdp, one that stepped already or holds a parameter outside the model.
+        """
+        for other in others:
+            if not isinstance(other, torch.optim.Optimizer):
+                raise UsageError(f"rt.setup: {type(other).__name__} after the model's optimizer is not an optimizer")
+        if others and self.sync != "every-step":
+            raise UsageError(
+                f"rt.setup(model, optimizer, ..., sync={self.sync!r}) takes one optimizer, the inner one whose "
+                "state each rank keeps between syncs; put the others' parameters in its groups"
+            )
+        if self.strategy == "fsdp":
+            mine = {id(p) for p in model.parameters()}
+            for other in others:
+                if other.state:
+                    raise UsageError(
+                        "the optimizer has state already (it stepped); build it before training, "
+                        "then call rt.setup(model, optimizer, strategy='fsdp')"
+                    )
+                if any(id(p) not in mine for group in other.param_groups for p in group["params"]):
+                    raise UsageError(
+                        "the optimizer holds parameters that are not the model's; build it from "
+                        "model.parameters() of the model passed to rt.setup"
+                    )
 
     def check_frozen(self) -> None:
         """Refuse, in one line, options about training a model that has no parameter that requires a gradient.

@@ -22,7 +22,7 @@ from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import collectives, process_group, store_sync
 from ddpkit.distributed.environment import Environment
-from ddpkit.errors import DdpkitError, called_from_user_code, note_failures, warn
+from ddpkit.errors import DdpkitError, UsageError, called_from_user_code, note_failures, warn
 from ddpkit.loop import build, dataloaders
 from ddpkit.loop import steps as loop_steps
 from ddpkit.observe import heartbeats, progress
@@ -212,7 +212,13 @@ class Runtime:
         """Count a rise of ``probe()`` (samples a loader's workers read) as progress for the watchdog."""
         self._reporter.watch(probe)
 
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> Any:
+    def setup(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *optimizers: torch.optim.Optimizer,
+        **options: Any,
+    ) -> Any:
         """Move ``model`` to the device and wrap it as its options say: DDP when world > 1 (the
         default), FSDP, an infrequent sync, or micro-shards.
 
@@ -226,22 +232,29 @@ class Runtime:
             >>> model, optimizer = rt.setup(model, optimizer, sync_batchnorm=True)   # doctest: +SKIP
             >>> model, optimizer = rt.setup(model, optimizer, micro_shards=2)        # doctest: +SKIP
 
+        Several optimizers over parts of the model (a head's and a body's at other rates, a learned
+        temperature's of its own), ``rt.setup(model, head, body)``, come back with it, in order.
+
         Args:
             model: the model (maybe compiled already).
             optimizer: its optimizer; returned with the model, and stepped by :meth:`step`.
+            *optimizers: more of its optimizers, returned after the first.
             **options: the fields of :class:`~ddpkit.parallel.options.SetupOptions`, each documented
                 there (``sync_batchnorm``, ``compile``, ``grad_compression``, ``strategy``, ``sync``,
                 ``sync_every``, ``micro_shards``, ...); a keyword of ``DistributedDataParallel``'s
                 goes to it (``find_unused_parameters=True``, ...), and any other is refused in one line.
 
         Returns:
-            The model, or ``(model, optimizer)`` when an optimizer is given.
+            The model, or ``(model, optimizer, ...)`` when optimizers are given.
         """
+        if optimizers and optimizer is None:
+            raise UsageError("rt.setup(model, None, other): give the optimizers in order, without None")
         model, index = setting_up.adopt(
             self._run,
             model,
             optimizer,
             SetupOptions.from_keywords(options),
+            others=optimizers,
             device=self.device,
             rank=self.rank,
             world_size=self.world_size,
@@ -255,7 +268,7 @@ class Runtime:
         if self._run.seed is not None:
             # Identical weights came from one seed; dropout and the like now differ per rank.
             rng.seed_everything(self._run.seed + 1_000_003 * (self.rank + 1))
-        return model if optimizer is None else (model, optimizer)
+        return model if optimizer is None else (model, optimizer, *optimizers)
 
     def shards(self, *batch: Any) -> Iterator[Any]:
         """The micro-shards of the batch in hand, one at a time (``rt.setup(..., micro_shards=M)``).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ def adopt(
     optimizer: torch.optim.Optimizer | None,
     options: SetupOptions,
     *,
+    others: Sequence[torch.optim.Optimizer] = (),
     device: torch.device,
     rank: int,
     world_size: int,
@@ -32,6 +34,7 @@ def adopt(
         model: the user's model (maybe compiled already).
         optimizer: its optimizer, if built.
         options: ``rt.setup``'s options.
+        others: more of its optimizers (``rt.setup(model, head, body)``), which its mode takes too.
         device: this process's device.
         rank: this process's rank.
         world_size: processes of the job.
@@ -48,6 +51,7 @@ def adopt(
     micro_shards = options.micro_shards
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     options.check(model, device=device, backend=backend, precision=run.precision.name)
+    options.check_more_optimizers(model, others)
     # a teacher, a frozen encoder: nothing of it trains (modes.Frozen); sharded, it saves memory as fsdp does
     frozen = modes.frozen(model) and options.strategy != "fsdp"
     if frozen:
@@ -96,6 +100,10 @@ def adopt(
             run.precision.shard()
         model = wrapped.model
         index = run.adopt(model, optimizer, mode=wrapped.mode, buffers=wrapped.buffers, not_bitwise=wrapped.not_bitwise)
+    mode = run.entries[index].mode
+    for other in others:
+        mode.also_steps(other)
+        run.adopt_optimizer(other)
     load_any_wrapping(model)  # a state dict saved by hand on another number of processes loads too
     if not frozen:  # a teacher's forward runs where the script likes: nothing of it trains
         run.precision.watch_forward(model, warns=is_main)

@@ -70,6 +70,8 @@ class RunState:
     """How this run's processes meet: one process group, or a fault-tolerant replica."""
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     """Every optimizer given to ``rt.setup`` or ``rt.step``."""
+    given: list[torch.optim.Optimizer] = field(default_factory=list)
+    """The optimizers given to ``rt.setup``, whose parameters a set-up model's mode exchanges."""
     saved_compression: tuple[list[Any] | None, bool, str] | None = None
     """From a load (maybe before setup): (this rank's mode states per model, same world, source)."""
     saved_buffers: list[Any] | None = None
@@ -95,6 +97,11 @@ class RunState:
     parameter_ids: tuple[int, set[int]] = field(default_factory=lambda: (0, set()))
     """(models set up, the ids of their parameters): what a script's own ``optimizer.step()`` is looked up
     in, made again only when another model is set up, not at every step."""
+    checked_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+    """Optimizers not given to ``rt.setup`` found to hold nothing outside what the run exchanges, by the
+    sizes of their groups when checked (a group added since is checked again)."""
     step_hooks: list[Any] = field(default_factory=list)
     """The optimizer step hooks that count a script's own ``optimizer.step()`` (:func:`ddpkit.loop.steps.watch_direct_steps`)."""
     forward_hooks: list[Any] = field(default_factory=list)
@@ -170,9 +177,16 @@ class RunState:
         """
         self.entries.append(Entry(model, mode if mode is not None else Replicated(), buffers))
         self.loop.not_bitwise = self.loop.not_bitwise or not_bitwise
-        if optimizer is not None and optimizer not in self.optimizers:
-            self.optimizers.append(optimizer)
+        if optimizer is not None:
+            self.adopt_optimizer(optimizer)
         return len(self.entries) - 1
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer given to ``rt.setup``: stepped by the run, its parameters the set-up model's mode's."""
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+        if optimizer not in self.given:
+            self.given.append(optimizer)
 
     def sharded(self) -> bool:
         """Whether any set-up model is sharded (``strategy="fsdp"``: checkpoints are DCP directories)."""
