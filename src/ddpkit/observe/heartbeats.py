@@ -419,7 +419,9 @@ def format_mismatch(
         lines.append(f"ddpkit:   rank {rank}: {_mismatch_row(beat, now, silent_after, first)}")
     lines.append(
         "ddpkit: every rank must call the same collectives in the same order with the same shapes and dtypes; "
-        "a collective under `if rank == 0` (or rt.is_main) is the usual cause"
+        "a collective under `if rank == 0` (or rt.is_main) is the usual cause, or under a condition each rank "
+        "decides on its own (a save every N minutes of its own clock: decide on rank 0 and share it with "
+        "ddpkit.broadcast_object)"
     )
     for call in sorted({b.call for b in heartbeats.values() if b is not None and b.call in _EVERY_RANKS}):
         lines.append(f"ddpkit: {_EVERY_RANKS[call]}")
