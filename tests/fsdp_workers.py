@@ -207,12 +207,13 @@ def resumable(mode: str, checkpoint_dir: str, strategy: str = "fsdp", stop_at: i
     return {"weights": rt.full_state_dict(model), "steps": rt.global_step, "lr": sched.get_last_lr()}
 
 
-def second_optimizer(strategy: str, how: str = "rt.step") -> dict:
+def second_optimizer(strategy: str, how: str = "rt.step", saves: str | None = None, stop_at: int | None = None) -> dict:
     """Two optimizers built before ``rt.setup`` on parts of one model: the head's given to it, the
     body's not (a discriminative fine-tune's). ``how`` the body's steps: ``"rt.step"`` (``rt.step(head,
     body)``), ``"own"`` (``body.step()`` by hand after ``rt.step(head)``), ``"given"`` (given to
-    ``rt.setup`` too) or ``"stepped"`` (it stepped once before ``rt.setup``: the refusal's text). The full
-    weights (rank 0) and the initial ones."""
+    ``rt.setup`` too) or ``"stepped"`` (it stepped once before ``rt.setup``: the refusal's text). ``saves``:
+    a checkpoint there after step ``stop_at``, where it stops; without ``stop_at``, resumed from it. The
+    full weights (rank 0) and the initial ones."""
     import ddpkit.errors
 
     rt = ddpkit.init(seed=0)
@@ -230,6 +231,9 @@ def second_optimizer(strategy: str, how: str = "rt.step") -> dict:
             model, head, body = rt.setup(net, head, body, **options)
         else:
             model, head = rt.setup(net, head, **options)
+        state = {"model": model, "head": head, "body": body}
+        if saves is not None and stop_at is None:
+            rt.load(saves, state)  # before the body's first step, which rebinds it
         for x, y in rt.loader(Toy(48), global_batch_size=GLOBAL_BATCH):
             rt.backward(torch.nn.functional.cross_entropy(model(x.double()), y))
             if how == "own":
@@ -238,6 +242,10 @@ def second_optimizer(strategy: str, how: str = "rt.step") -> dict:
                 body.zero_grad()
             else:
                 rt.step(head, body)
+            if saves is not None and rt.global_step == stop_at:
+                rt.save(saves, state)
+                rt.close()
+                return {"stopped": stop_at}
     except ddpkit.errors.UsageError as refused:
         rt.close()
         return {"refused": str(refused)}

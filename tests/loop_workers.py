@@ -359,11 +359,13 @@ def corrupt_samples(counted: bool, micro_shards: int = 0, stream: bool = False, 
         return {name: tensor.clone() for name, tensor in net.state_dict().items()}
 
 
-def stages(checkpoint_dir: str, stop_at: int | None = None, break_after: int | None = None) -> dict:
+def stages(
+    checkpoint_dir: str, stop_at: int | None = None, break_after: int | None = None, between: bool = False
+) -> dict:
     """A warm-up stage (``rt.epochs(2)``) then a fine-tuning one at a lower rate (``rt.epochs(3)``),
     checkpoints every 4 steps, resumed where one is; ``stop_at``: closes after that step, as a crash
-    would end it; ``break_after``: leaves the warm-up by ``break`` after that many batches. What each
-    loop yielded, ``rt.epoch`` at each, and the weights."""
+    would end it; ``break_after``: leaves the warm-up by ``break`` after that many batches; ``between``: a
+    checkpoint between the loops too. What each loop yielded, ``rt.epoch`` at each, and the weights."""
     rt = ddpkit.init(seed=5, checkpoint_dir=checkpoint_dir, resume="auto")
     model = _model()
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -388,6 +390,8 @@ def stages(checkpoint_dir: str, stop_at: int | None = None, break_after: int | N
     for epoch in rt.epochs(2):
         if not one_epoch("warm-up", epoch):
             break
+    if between and rt.global_step != stop_at:
+        rt.checkpoint(state)
     if rt.global_step != stop_at:
         for group in optimizer.param_groups:
             group["lr"] = 0.02

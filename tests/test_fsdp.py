@@ -109,17 +109,25 @@ def test_what_fsdp_refuses_is_one_line_each():
 
 
 @pytest.mark.timeout(240)
-def test_a_second_optimizer_built_before_setup_and_not_given_to_it_trains_its_part():
+def test_a_second_optimizer_built_before_setup_and_not_given_to_it_trains_its_part(tmp_path):
     """A body's optimizer built before rt.setup(model, head_optimizer, strategy="fsdp") stepped the
     parameters fsdp had replaced: the body trained nothing, silently (its weights ended at their first
     values). Now it steps the sharded ones, through rt.step or its own step(), as under DDP (float64, to
-    rounding); one that stepped before setup is refused in one line."""
+    rounding); one that stepped before setup is refused in one line. Given to rt.setup(model, head, body),
+    it is rebound there. Loaded from a checkpoint before its first step, it is rebound first: a resumed
+    run had loaded its momentum into the replaced parameters and lost it, silently."""
     ddp = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("ddp",))[0]
     assert not torch.equal(ddp["weights"]["body.0.weight"], ddp["first"]["body.0.weight"])
     for how in ("rt.step", "own", "given"):
         fsdp = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", how))[0]
         for name, value in ddp["weights"].items():
             assert torch.allclose(fsdp["weights"][name], value, rtol=1e-12, atol=1e-14), (how, name)
+    stopped = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step", str(tmp_path / "ckpt"), 2))
+    assert stopped[0] == {"stopped": 2}
+    resumed = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step", str(tmp_path / "ckpt")))[0]
+    full = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step"))[0]
+    for name, value in full["weights"].items():  # the body's momentum came back: the same bits
+        assert torch.equal(resumed["weights"][name], value), name
     said = fw.second_optimizer("fsdp", "stepped")["refused"]
     assert said.startswith("an optimizer that stepped the model's parameters before rt.setup") and "\n" not in said
 

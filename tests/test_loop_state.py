@@ -77,6 +77,12 @@ def test_each_rt_epochs_loop_runs_its_own_epochs_and_a_resume_skips_the_loops_be
         _assert_bitwise(resumed["weights"], full["weights"])
     left = loop_workers.stages(str(tmp_path / "left"), None, 2)  # warm-up left by break in its first epoch
     assert left["seen"] == [("warm-up", 0, 0), ("fine-tuning", 0, 1), ("fine-tuning", 1, 2), ("fine-tuning", 2, 3)]
+    # saved after the break, between the loops, and stopped in the fine-tuning before its first save: the
+    # resumed run skips the warm-up it had left (it trained the warm-up's next epoch again)
+    assert loop_workers.stages(str(tmp_path / "between"), 3, 2, True)["steps"] == 3
+    resumed = loop_workers.stages(str(tmp_path / "between"), None, 2, True)
+    assert resumed["seen"] == left["seen"][1:]
+    _assert_bitwise(resumed["weights"], left["weights"])
 
 
 @pytest.mark.timeout(240)

@@ -432,6 +432,24 @@ def test_the_default_groups_sequence_number_counts_each_call_on_it_and_none_of_a
     assert _torch.collective_sequence() is None
 
 
+def test_a_torch_without_the_sequence_number_warns_once_and_the_shards_check_goes_off(monkeypatch):
+    """Loud, not fatal: every micro-shard step would otherwise end in the exception's traceback."""
+    from ddpkit.distributed import collectives
+
+    def gone():
+        raise _torch.PrivateApiChanged("torch.distributed.ProcessGroup._get_sequence_number_for_group")
+
+    monkeypatch.setattr(_torch, "collective_sequence", gone)
+    monkeypatch.setattr(collectives, "_COUNTED", [True])
+    with pytest.warns(UserWarning, match=r"_get_sequence_number_for_group.*micro_shards no longer sees a collective"):
+        assert collectives.script_collectives() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert collectives.script_collectives() is None  # said once
+        with collectives.ddpkits_own():
+            pass
+
+
 def test_the_flight_recorder_dump_lists_this_processs_collectives(tmp_path, monkeypatch):
     name = _torch.flight_recorder_buffer_variable()  # raises PrivateApiChanged if torch lost both names
     assert name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")

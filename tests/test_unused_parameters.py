@@ -183,6 +183,29 @@ def test_a_parameter_outside_the_model_in_an_optimizer_of_its_own_is_exchanged_w
         assert refused.endswith("rt.setup(model, optimizer, this_optimizer)") and "\n" not in refused
 
 
+def test_under_a_quorums_average_of_every_stepped_parameter_an_optimizer_not_given_is_not_refused(monkeypatch):
+    """A fault-tolerant replica's commit averages every parameter rt.step's optimizers hold (micro-shards
+    aside), so a learned temperature's optimizer of its own was exchanged there: not refused."""
+    from ddpkit.parallel import modes, replica
+
+    fault_tolerant = replica.FaultTolerant.__new__(replica.FaultTolerant)
+    fault_tolerant.micro_shards = False
+    assert fault_tolerant.exchanges_every_stepped()
+    fault_tolerant.micro_shards = True
+    assert not fault_tolerant.exchanges_every_stepped()
+    monkeypatch.setattr(modes.ProcessGroup, "exchanges_every_stepped", lambda self: True)
+    rt = ddpkit.init(seed=0)
+    try:
+        model = torch.nn.Linear(4, 2)
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        scale = torch.nn.Parameter(torch.ones(()))
+        own = torch.optim.SGD([scale], lr=0.1)
+        rt.backward((model(torch.randn(3, 4)) * scale).sum())
+        assert rt.step(optimizer, own) and rt.global_step == 1
+    finally:
+        rt.close()
+
+
 def test_more_optimizers_given_to_setup_come_back_in_order_and_what_cannot_take_them_is_one_line():
     """rt.setup(model, head, body) returns them in order (torch's TypeError before); an infrequent sync,
     which keeps one inner optimizer's state per rank, refuses a second in one line, as it does what is

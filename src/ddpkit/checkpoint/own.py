@@ -81,6 +81,8 @@ def _check_loop(loop: Mapping[str, Any]) -> None:
     _int(loop.get("micro_step", 0), "ddpkit.loop.micro_step")
     _bool(loop.get("driven", True), "ddpkit.loop.driven")
     _int(loop.get("stage", 0), "ddpkit.loop.stage")
+    _bool(loop.get("stage_left", False), "ddpkit.loop.stage_left")
+    _bool(loop.get("epoch_begun", False), "ddpkit.loop.epoch_begun")
     if _int(loop.get("stage_start", 0), "ddpkit.loop.stage_start") > loop["epoch"]:
         raise _Malformed("ddpkit.loop.stage_start", "an epoch no later than ddpkit.loop.epoch", loop["stage_start"])
     group = _list(loop.get("group", []), "ddpkit.loop.group")

@@ -16,10 +16,24 @@ import torch.distributed as dist
 
 from ddpkit import _torch
 from ddpkit._tensors import raw_bytes
-from ddpkit.errors import DdpkitError, UsageError, refused_global
+from ddpkit.errors import DdpkitError, UsageError, refused_global, warn
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _OWN = [0]  # calls ddpkit made on the default group inside ddpkits_own(), so far in this process
+_COUNTED = [True]  # False once torch's sequence number turned out missing (warned once)
+
+
+def _sequence() -> int | None:
+    """:func:`ddpkit._torch.collective_sequence`; where a torch changed it, None from then on, warned once:
+    the shards' check of the script's collectives is off, and training goes on."""
+    if not _COUNTED[0]:
+        return None
+    try:
+        return _torch.collective_sequence()
+    except _torch.PrivateApiChanged as changed:
+        _COUNTED[0] = False
+        warn(f"{changed}: micro_shards no longer sees a collective of the script's inside a shard")
+        return None
 
 
 @contextlib.contextmanager
@@ -27,11 +41,11 @@ def ddpkits_own() -> Iterator[None]:
     """Collectives ddpkit runs on the default group for its own bookkeeping inside the script's code
     (the first counted ``rt.backward`` of a run, inside a micro-shard): counted apart from the script's
     (:func:`script_collectives`)."""
-    before = _torch.collective_sequence()
+    before = _sequence()
     try:
         yield
     finally:
-        after = _torch.collective_sequence() if before is not None else None
+        after = _sequence() if before is not None else None
         if before is not None and after is not None:
             _OWN[0] += after - before
 
@@ -40,7 +54,7 @@ def script_collectives() -> int | None:
     """How many calls on the default group this process made so far, less ddpkit's own made inside
     :func:`ddpkits_own`; None where they are not counted (no group of two or more, or a backend
     other than gloo and nccl). Only the difference between two readings means anything."""
-    sequence = _torch.collective_sequence()
+    sequence = _sequence()
     return None if sequence is None else sequence - _OWN[0]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -52,23 +52,26 @@ def epochs(run: RunState, n: int, start: int = 0) -> Iterator[int]:
     for mode in run.modes:
         mode.begin_epochs()  # (a fault-tolerant replica heals or resumes here, in its first quorum)
     index, loop.stages_called = loop.stages_called, loop.stages_called + 1
-    if index < loop.stage:  # a loop the resumed run had left before its checkpoint
-        return
+    if index < loop.stage or (index == loop.stage and loop.stage_left):
+        return  # a loop the resumed run had run or left (break) before its checkpoint
     if index > loop.stage:  # the script's next loop: its epochs begin after the last one handed out
         if loop.epoch_begun:
             loop.epoch += 1
-        loop.stage, loop.stage_start, loop.epoch_begun = index, loop.epoch, False
-    if loop.epoch - loop.stage_start >= n and loop.resumed_from is not None:
-        warn(
+        loop.stage, loop.stage_start, loop.epoch_begun, loop.stage_left = index, loop.epoch, False, False
+    if loop.epoch - loop.stage_start >= n and loop.resumed_from is not None and index == 0:
+        warn(  # (a later loop's script goes on to it: nothing to say)
             f"rt.epochs({n}): the run resumed from {loop.resumed_from} had trained all {n} epochs of this loop, so "
             "it does not run; code after it must not use the loop's variables (or give a larger n)"
         )
-    while loop.epoch - loop.stage_start < n:
-        loop.set_epochs()  # (no loader is held here across the yield: one built anew each epoch is freed)
-        loop.epoch_begun = True
-        yield loop.epoch - loop.stage_start + start
-        loop.epoch += 1
-        loop.epoch_begun = False
+    try:
+        while loop.epoch - loop.stage_start < n:
+            loop.set_epochs()  # (no loader is held here across the yield: one built anew each epoch is freed)
+            loop.epoch_begun = True
+            yield loop.epoch - loop.stage_start + start
+            loop.epoch += 1
+            loop.epoch_begun = False
+    finally:
+        loop.stage_left = True  # ran to its end, or left by break
     end_training(run)  # ran to its end (not left by break): the training is over
 
 
@@ -278,6 +281,18 @@ def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+def rebind_state(run: RunState, state: Any) -> None:
+    """Point the optimizers of a mapping being saved or loaded at what a mode replaced at ``rt.setup``
+    (fsdp's sharded parameters, :meth:`~ddpkit.parallel.modes.Sharded.rebind`): one not given to
+    ``rt.setup`` is rebound at its first step, so a resumed run, before it, would load it into the
+    parameters the model no longer holds (its state lost, silently)."""
+    if isinstance(state, Mapping):
+        for value in state.values():
+            if isinstance(value, torch.optim.Optimizer):
+                for mode in run.modes:
+                    mode.rebind(value)
+
+
 def _model_parameter_ids(run: RunState) -> set[int]:
     """The ids of the set-up models' parameters (made again only when another model was set up)."""
     if run.parameter_ids[0] != len(run.entries):  # a model set up since: its parameters join (once, not a step)
@@ -294,7 +309,7 @@ def _refuse_unexchanged(run: RunState, optimizer: torch.optim.Optimizer, call: s
     Raises:
         UsageError: naming the parameters' shapes and the fix.
     """
-    if not run.entries or optimizer in run.given:
+    if not run.entries or optimizer in run.given or any(mode.exchanges_every_stepped() for mode in run.modes):
         return
     sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
     if run.checked_optimizers.get(optimizer) == sizes:
@@ -517,6 +532,9 @@ def unscale_gradients(run: RunState, optimizers: tuple[torch.optim.Optimizer, ..
             "rt.unscale_gradients() under fp16 unscales the optimizers' gradients: pass the optimizer to "
             "rt.setup(model, optimizer), or to rt.unscale_gradients(optimizer)"
         )
+    for optimizer in optimizers:  # (fsdp: one not given to rt.setup, before its first step)
+        for mode in run.modes:
+            mode.rebind(optimizer)
     gradients.finish(run, "rt.unscale_gradients", optimizers)
 
 

@@ -17,6 +17,7 @@ Which combinations are refused, and why, is decided in one place: :func:`check_c
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -144,6 +145,12 @@ class Mode:
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def exchanges_every_stepped(self) -> bool:
+        """Whether the step exchanges the gradient of every parameter the stepped optimizers hold (a
+        fault-tolerant replica's quorum average), so a parameter outside the set-up models needs no
+        optimizer given to ``rt.setup``."""
+        return False
+
     def also_steps(self, optimizer: torch.optim.Optimizer) -> None:
         """Another optimizer given to ``rt.setup`` with the model (``rt.setup(model, head, body)``): its
         parameters train under this mode as the first one's do (one outside the model too)."""
@@ -239,6 +246,8 @@ class Sharded(Mode):
     def __init__(self, replaced: dict[int, tuple[Any, torch.nn.Parameter]] | None = None) -> None:
         self.replaced = replaced or {}
         """The model's parameters before sharding, by ``id``: (a weak reference to it, its sharded parameter)."""
+        self._bound: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
+        """Optimizers already pointed at the sharded parameters, by their groups' sizes then."""
 
     def also_steps(self, optimizer: torch.optim.Optimizer) -> None:
         """Rebound to the sharded parameters at once, as the first one is (checked before sharding:
@@ -253,7 +262,8 @@ class Sharded(Mode):
         Raises:
             UsageError: it stepped those parameters already (its state is theirs).
         """
-        if not self.replaced:
+        sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
+        if not self.replaced or self._bound.get(optimizer) == sizes:
             return
         for group in optimizer.param_groups:
             params = group["params"]
@@ -273,6 +283,7 @@ class Sharded(Mode):
                     )
                 bound.append(entry[1])
             group["params"] = bound
+        self._bound[optimizer] = sizes
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """FSDP's own: gradients kept unsharded and unreduced until the last micro-step."""

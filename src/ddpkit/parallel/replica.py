@@ -211,6 +211,10 @@ class FaultTolerant(Mode):
             active.step_back()
         return False
 
+    def exchanges_every_stepped(self) -> bool:
+        """The commit averages every stepped parameter's gradient over the quorum (micro-shards' tree: its own)."""
+        return not self.micro_shards
+
     def _average(self, params: Sequence[torch.Tensor]) -> bool:
         """The gradients averaged over the quorum, one flat allreduce a dtype (in :attr:`cast` where set:
         divided by the quorum's size, summed in 16 bits, cast back); whether there were any."""

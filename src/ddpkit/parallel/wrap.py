@@ -54,7 +54,8 @@ def wrap(
     """
     if options.strategy == "fsdp":
         units = [options.fsdp_units] if isinstance(options.fsdp_units, type) else options.fsdp_units
-        before = dict(model.named_parameters())
+        # weak references only: a parameter no optimizer holds any more is freed as fsdp shards it
+        before = {name: weakref.ref(p) for name, p in model.named_parameters()}
         sharded = fsdp.shard(
             model,
             [optimizer] if optimizer is not None else [],
@@ -66,11 +67,11 @@ def wrap(
         )
         after = dict(sharded.named_parameters())
         # another optimizer built on the old ones steps the sharded ones (Sharded.rebind)
-        replaced = {
-            id(p): (weakref.ref(p), after[name])
-            for name, p in before.items()
-            if after.get(name) is not None and after[name] is not p
-        }
+        replaced = {}
+        for name, ref in before.items():
+            old = ref()
+            if old is not None and after.get(name) is not None and after[name] is not old:
+                replaced[id(old)] = (ref, after[name])
         return Wrapped(sharded, sharded=True, mode=Sharded(replaced))
     if options.sync != "every-step":
         return _train_apart(model, optimizer, options, device=device, is_main=is_main)

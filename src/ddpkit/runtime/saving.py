@@ -16,6 +16,7 @@ from ddpkit.checkpoint import restore
 from ddpkit.checkpoint import resume as resuming
 from ddpkit.distributed import preemption
 from ddpkit.errors import DdpkitError, UsageError
+from ddpkit.loop import steps as loop_steps
 from ddpkit.runtime import weights
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def save(
     if isinstance(state, torch.nn.Module):
         return weights.save(Path(path), self.full_state_dict(state), is_main=self.is_main)
     resuming.refuse_unapplied(self._run, "rt.save")
+    loop_steps.rebind_state(self._run, state)  # an optimizer fsdp has not rebound yet: saved with its model
     if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
         return resuming.target_of(path, self._run.loop.step)
     blocking = blocking or self.preempted  # the exit with 75 says "saved": it must be on disk
@@ -90,6 +92,7 @@ def load(
     _written(self)
     if isinstance(state, torch.nn.Module):
         return weights.load(Path(path), state)
+    loop_steps.rebind_state(self._run, state)  # an optimizer fsdp has not rebound yet: loaded with its model
     return restore.load(self._run, self._peers, path, state, strict=strict)
 
 
@@ -119,6 +122,7 @@ def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = Tru
     restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
     """
     _written(self)
+    loop_steps.rebind_state(self._run, state)
     if self._run.world.defer_resume(state, strict):
         return None
     return restore.resume(self._run, self._peers, self._settings.resume, self._checkpoint_dir, state, strict=strict)

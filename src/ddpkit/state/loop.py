@@ -41,6 +41,7 @@ class LoopState:
         self.stage_start = 0  # the epoch that loop began at: its first yields start + 0
         self.stages_called = 0  # rt.epochs loops this process began (a resumed run's first are skipped)
         self.epoch_begun = False  # the epoch was handed out and not run to its end (left by break)
+        self.stage_left = False  # that loop ran to its end or was left by break: a resume skips it too
         self._loaders: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # every live loader, whichever holds its key
         self._pending: dict[str, dict[str, Any]] = {}  # saved positions waiting for their loader
@@ -194,6 +195,8 @@ class LoopState:
             "driven": self.driven,
             "stage": self.stage,
             "stage_start": self.stage_start,
+            "stage_left": self.stage_left,
+            "epoch_begun": self.epoch_begun,
         }
 
     def resumed_at(self) -> str:
@@ -212,7 +215,9 @@ class LoopState:
         self.resumed_mid_epoch = not saved["epoch_done"]
         self.resumed_epochs = bool(saved.get("driven", True))
         self.stage, self.stage_start = int(saved.get("stage", 0)), int(saved.get("stage_start", 0))
-        self.epoch_begun = False
+        self.stage_left = bool(saved.get("stage_left", False))
+        # an epoch a break left: the next loop begins after it (an epoch over is counted in self.epoch)
+        self.epoch_begun = bool(saved.get("epoch_begun", False)) and not saved["epoch_done"]
         self.micro_step = int(saved.get("micro_step", 0))
         self.group = (int(saved["group"][0]), float(saved["group"][1])) if saved.get("group") else (1, 1.0)
         self._pending = {} if saved["epoch_done"] else {k: dict(v) for k, v in saved["loaders"].items()}
