@@ -118,14 +118,17 @@ def test_a_second_optimizer_built_before_setup_and_not_given_to_it_trains_its_pa
     run had loaded its momentum into the replaced parameters and lost it, silently."""
     ddp = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("ddp",))[0]
     assert not torch.equal(ddp["weights"]["body.0.weight"], ddp["first"]["body.0.weight"])
-    for how in ("rt.step", "own", "given"):
-        fsdp = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", how))[0]
-        for name, value in ddp["weights"].items():
+    full = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step"))[0]
+    for name, value in ddp["weights"].items():
+        assert torch.allclose(full["weights"][name], value, rtol=1e-12, atol=1e-14), name
+    one = fw.second_optimizer("ddp")  # one process (a group of one under fsdp), in this process
+    for how in ("own", "given"):
+        fsdp = fw.second_optimizer("fsdp", how)
+        for name, value in one["weights"].items():
             assert torch.allclose(fsdp["weights"][name], value, rtol=1e-12, atol=1e-14), (how, name)
     stopped = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step", str(tmp_path / "ckpt"), 2))
     assert stopped[0] == {"stopped": 2}
     resumed = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step", str(tmp_path / "ckpt")))[0]
-    full = ddpkit.launch(fw.second_optimizer, nprocs=2, args=("fsdp", "rt.step"))[0]
     for name, value in full["weights"].items():  # the body's momentum came back: the same bits
         assert torch.equal(resumed["weights"][name], value), name
     said = fw.second_optimizer("fsdp", "stepped")["refused"]

@@ -69,12 +69,17 @@ def test_each_rt_epochs_loop_runs_its_own_epochs_and_a_resume_skips_the_loops_be
     full = ddpkit.launch(loop_workers.stages, nprocs=2, args=(str(tmp_path / "full"),))[0]
     stages = [("warm-up", 0, 0), ("warm-up", 1, 1), ("fine-tuning", 0, 2), ("fine-tuning", 1, 3), ("fine-tuning", 2, 4)]
     assert full["seen"] == stages and full["steps"] == 5 * 5
-    for stop in (9, 18):  # saved at step 8, in the warm-up's second epoch; at 16, in the fine-tuning's second
-        where = str(tmp_path / f"stopped{stop}")
-        assert ddpkit.launch(loop_workers.stages, nprocs=2, args=(where, stop))[0]["steps"] == stop
-        resumed = ddpkit.launch(loop_workers.stages, nprocs=2, args=(where,))[0]
-        assert resumed["seen"] == stages[(stop // 4 * 4) // 5 :] and resumed["steps"] == full["steps"]
-        _assert_bitwise(resumed["weights"], full["weights"])
+    # saved at step 16, in the fine-tuning's second epoch: the resumed run skips the warm-up's loop
+    assert ddpkit.launch(loop_workers.stages, nprocs=2, args=(str(tmp_path / "stopped"), 18))[0]["steps"] == 18
+    resumed = ddpkit.launch(loop_workers.stages, nprocs=2, args=(str(tmp_path / "stopped"),))[0]
+    assert resumed["seen"] == stages[3:] and resumed["steps"] == full["steps"]
+    _assert_bitwise(resumed["weights"], full["weights"])
+    # one process: saved at step 8, in the warm-up's second epoch, which the resumed run goes on with
+    whole = loop_workers.stages(str(tmp_path / "whole"))
+    assert loop_workers.stages(str(tmp_path / "warm"), 9)["steps"] == 9
+    resumed = loop_workers.stages(str(tmp_path / "warm"))
+    assert resumed["seen"] == stages[1:] and resumed["steps"] == whole["steps"]
+    _assert_bitwise(resumed["weights"], whole["weights"])
     left = loop_workers.stages(str(tmp_path / "left"), None, 2)  # warm-up left by break in its first epoch
     assert left["seen"] == [("warm-up", 0, 0), ("fine-tuning", 0, 1), ("fine-tuning", 1, 2), ("fine-tuning", 2, 3)]
     # saved after the break, between the loops, and stopped in the fine-tuning before its first save: the
