@@ -235,7 +235,15 @@ def test_a_buffer_of_the_models_own_changed_by_the_shards_forwards_is_refused_be
 
 @pytest.mark.parametrize(
     "call",
-    ["rt.all_reduce", "rt.all_gather", "rt.log", "rt.barrier", "ddpkit.all_reduce", "ddpkit.all_gather_object"],
+    [
+        "rt.all_reduce",
+        "rt.all_gather",
+        "rt.log",
+        "rt.barrier",
+        "rt.should_stop",
+        "ddpkit.all_reduce",
+        "ddpkit.all_gather_object",
+    ],
 )
 def test_the_scripts_collectives_and_rt_log_inside_a_shard_are_one_line_on_one_process_too(call):
     """Inside a shard they would combine it with other ranks' shards (one process has none to combine),
@@ -246,6 +254,7 @@ def test_the_scripts_collectives_and_rt_log_inside_a_shard_are_one_line_on_one_p
         "rt.all_gather": lambda rt, loss: rt.all_gather(loss.detach().reshape(1)),
         "rt.log": lambda rt, loss: rt.log({"loss": loss}),
         "rt.barrier": lambda rt, loss: rt.barrier(),
+        "rt.should_stop": lambda rt, loss: rt.should_stop(bool(loss.isnan())),
         "ddpkit.all_reduce": lambda rt, loss: ddpkit.all_reduce(loss.detach()),
         "ddpkit.all_gather_object": lambda rt, loss: ddpkit.all_gather_object(float(loss.detach())),
     }

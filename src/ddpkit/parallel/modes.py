@@ -430,6 +430,7 @@ class MicroShards(Mode):
             "broadcast_object",
             "barrier",
             "log",
+            "should_stop",
         ):
             self.exact.refuse_inside_shard(call)
 

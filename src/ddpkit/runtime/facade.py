@@ -392,6 +392,7 @@ class Runtime:
 
         Every rank must call it at the same point (it is one small all-reduce).
         """
+        self._refuse("rt.should_stop")
         return loop_steps.should_stop(flag, self.world_size)
 
     def accumulate(self, model: torch.nn.Module, steps: int) -> ContextManager[bool]:
