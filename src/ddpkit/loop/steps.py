@@ -176,9 +176,8 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")
+    _rebind(run, optimizers)
     for optimizer in optimizers:
-        for mode in run.modes:
-            mode.rebind(optimizer)
         _refuse_unexchanged(run, optimizer, "rt.step")
     gradients.check(run, "rt.step", optimizers)
     params = _before_optimizers(run, optimizers)
@@ -272,8 +271,7 @@ def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:
         run.stepping = False
     if run.stepping:
         return False
-    for mode in run.modes:
-        mode.rebind(optimizer)
+    _rebind(run, [optimizer])
     mine = _model_parameter_ids(run)
     if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
         return False
@@ -287,10 +285,14 @@ def rebind_state(run: RunState, state: Any) -> None:
     ``rt.setup`` is rebound at its first step, so a resumed run, before it, would load it into the
     parameters the model no longer holds (its state lost, silently)."""
     if isinstance(state, Mapping):
-        for value in state.values():
-            if isinstance(value, torch.optim.Optimizer):
-                for mode in run.modes:
-                    mode.rebind(value)
+        _rebind(run, [value for value in state.values() if isinstance(value, torch.optim.Optimizer)])
+
+
+def _rebind(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Let every mode point ``optimizers`` at the parameters it replaced (:meth:`Mode.rebind`)."""
+    for optimizer in optimizers:
+        for mode in run.modes:
+            mode.rebind(optimizer)
 
 
 def _model_parameter_ids(run: RunState) -> set[int]:
@@ -532,9 +534,7 @@ def unscale_gradients(run: RunState, optimizers: tuple[torch.optim.Optimizer, ..
             "rt.unscale_gradients() under fp16 unscales the optimizers' gradients: pass the optimizer to "
             "rt.setup(model, optimizer), or to rt.unscale_gradients(optimizer)"
         )
-    for optimizer in optimizers:  # (fsdp: one not given to rt.setup, before its first step)
-        for mode in run.modes:
-            mode.rebind(optimizer)
+    _rebind(run, optimizers)  # (fsdp: one not given to rt.setup, before its first step)
     gradients.finish(run, "rt.unscale_gradients", optimizers)
 
 

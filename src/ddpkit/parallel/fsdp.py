@@ -119,12 +119,7 @@ def shard(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    for optimizer in optimizers:
-        if optimizer.state:
-            raise UsageError(
-                "the optimizer has state already (it stepped); build it before training, "
-                "then call rt.setup(model, optimizer, strategy='fsdp')"
-            )
+    check_optimizers(model, optimizers)
     # no model.to(device) first: each fully_shard moves only the parameters and buffers of its unit to the
     # mesh's device and shards them there, so the whole model is never on the GPU at once (cpu_offload's
     # models, larger than the GPU, included); the root's call moves what no unit holds
@@ -140,14 +135,30 @@ def shard(
     sharded = dict(model.named_parameters())
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            missing = [p for p in group["params"] if id(p) not in names]
-            if missing:
-                raise UsageError(
-                    "the optimizer holds parameters that are not the model's; build it from "
-                    "model.parameters() of the model passed to rt.setup"
-                )
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
+
+
+def check_optimizers(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Refuse, in one line and before anything is sharded, an optimizer fsdp cannot rebind to the sharded
+    parameters: one that stepped already (its state is the old parameters'), or one holding a parameter
+    outside ``model``.
+
+    Raises:
+        UsageError: naming which.
+    """
+    mine = {id(p) for p in model.parameters()}
+    for optimizer in optimizers:
+        if optimizer.state:
+            raise UsageError(
+                "the optimizer has state already (it stepped); build it before training, "
+                "then call rt.setup(model, optimizer, strategy='fsdp')"
+            )
+        if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
+            raise UsageError(
+                "the optimizer holds parameters that are not the model's; build it from "
+                "model.parameters() of the model passed to rt.setup"
+            )
 
 
 def _mesh(device: torch.device) -> Any:

@@ -262,8 +262,10 @@ class Sharded(Mode):
         Raises:
             UsageError: it stepped those parameters already (its state is theirs).
         """
+        if not self.replaced:
+            return
         sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
-        if not self.replaced or self._bound.get(optimizer) == sizes:
+        if self._bound.get(optimizer) == sizes:
             return
         for group in optimizer.param_groups:
             params = group["params"]

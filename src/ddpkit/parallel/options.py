@@ -178,18 +178,7 @@ class SetupOptions:
                 "state each rank keeps between syncs; put the others' parameters in its groups"
             )
         if self.strategy == "fsdp":
-            mine = {id(p) for p in model.parameters()}
-            for other in others:
-                if other.state:
-                    raise UsageError(
-                        "the optimizer has state already (it stepped); build it before training, "
-                        "then call rt.setup(model, optimizer, strategy='fsdp')"
-                    )
-                if any(id(p) not in mine for group in other.param_groups for p in group["params"]):
-                    raise UsageError(
-                        "the optimizer holds parameters that are not the model's; build it from "
-                        "model.parameters() of the model passed to rt.setup"
-                    )
+            fsdp.check_optimizers(model, others)
 
     def check_frozen(self) -> None:
         """Refuse, in one line, options about training a model that has no parameter that requires a gradient.
