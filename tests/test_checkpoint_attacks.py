@@ -299,6 +299,8 @@ CRAFTED = [  # (field of payload["ddpkit"], crafted value, what the refusal name
     ("loop.group", [1], "ddpkit.loop.group: expected [size, weight] or []"),
     ("loop.passes", 3, "ddpkit.loop.passes: expected a dict"),
     ("loop.stage", -1, "ddpkit.loop.stage: expected a whole number of at least 0, found -1"),
+    ("loop.stage_left", "yes", "ddpkit.loop.stage_left: expected True or False"),
+    ("loop.epoch_begun", torch.ones(1), "ddpkit.loop.epoch_begun: expected True or False"),
     ("loop.stage_start", 10**6, "ddpkit.loop.stage_start: expected an epoch no later than ddpkit.loop.epoch"),
     (
         "loop.loaders",
