@@ -425,3 +425,48 @@ def test_every_rank_refuses_what_rank_0_would_write_so_none_waits_at_the_save(tm
         assert all(line.startswith("a checkpoint cannot hold state['best']: it holds numpy") for line in said.values())
     else:  # rank 1's own value is not what is written
         assert said == {0: "saved", 1: "saved"}
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            "save(model, PATH)",
+            r"rt.save takes the path first, then the state: rt.save\('.*x.pt', model\), not torch.save's",
+        ),
+        ("save(state, PATH)", r"rt.save takes the path first, then the state: rt.save\('.*x.pt', state\)"),
+        ("load(model, PATH)", r"rt.load takes the path first, then the state: rt.load\('.*x.pt', model\)$"),
+        ("save(PATH, [model])", r"rt.save takes a dict of named objects .*, or a model alone, got list"),
+        ("save(PATH, state['optimizer'])", r"rt.save takes a dict .*, got SGD"),
+        ("load(7, state)", r"rt.load's path must be a str or a path-like object, got int"),
+        ("checkpoint(model)", r"rt.checkpoint takes a dict .*not a model alone; .* go through rt.save\(path, model\)"),
+        ("checkpoint([model])", r"rt.checkpoint takes a dict .*, got list"),
+        ("resume(model)", r"rt.resume takes a dict .*not a model alone; .* go through rt.load\(path, model\)"),
+    ],
+)
+def test_save_and_load_arguments_in_another_order_or_kind_are_refused_in_one_line(tmp_path, call, message):
+    """torch.save's order (the object first), a model given to rt.checkpoint or rt.resume, a list: one
+    line naming the call to write; nothing is written (a model given to rt.checkpoint once became a
+    weights file in the checkpoint directory's place)."""
+    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path / "ckpts")
+    state = _state()
+    model = state["model"]
+    try:
+        with pytest.raises(ddpkit.UsageError, match=message):
+            eval(f"rt.{call}", {"rt": rt, "model": model, "state": state, "PATH": str(tmp_path / "x.pt")})
+    finally:
+        rt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_closure_given_to_rt_step_names_the_optimizers_own_step():
+    rt = ddpkit.init(seed=0)
+    try:
+        state = _state()
+        with pytest.raises(
+            ddpkit.UsageError,
+            match=r"got function \(an optimizer that takes a closure, such as LBFGS, steps as optimizer.step\(closure\)",
+        ):
+            rt.step(state["optimizer"], lambda: None)
+    finally:
+        rt.close()

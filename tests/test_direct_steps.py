@@ -54,11 +54,12 @@ def _train(where: str, stop: int = 0, scaler: bool = False) -> dict:
                 break
         if steps == stop:
             break
-    found = {
-        "step": rt.global_step,
-        "names": names,
-        "state": {k: v.clone() for k, v in unwrap(model).state_dict().items()},
-    }
+    return _ended(rt, model, names=names)
+
+
+def _ended(rt: ddpkit.Runtime, model: torch.nn.Module, **more: object) -> dict:
+    """What a run ended at: its step, its weights, and ``more``; the run is closed."""
+    found = {"step": rt.global_step, "state": {k: v.clone() for k, v in unwrap(model).state_dict().items()}, **more}
     rt.close()
     return found
 
@@ -160,3 +161,39 @@ def test_two_optimizers_stepped_after_one_plain_backward_are_one_step_and_a_rais
     first.step()  # not taken for a step inside the one that raised
     assert rt.global_step == 4
     rt.close()
+
+
+def _lbfgs() -> dict:
+    """LBFGS under micro_shards: the closure runs every shard's backward, the optimizer calls it up to
+    ``max_iter`` times a step; dropout draws again at each call."""
+    rt = ddpkit.init(seed=0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
+    model, optimizer = rt.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), micro_shards=2)
+    data = _data()
+    data = torch.utils.data.TensorDataset(data.tensors[0].float(), data.tensors[1])
+    calls = 0
+    for x, y in rt.loader(data, global_batch_size=32):
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            optimizer.zero_grad()
+            total = torch.zeros(())
+            for xs, ys in rt.shards(x, y):
+                loss = F.cross_entropy(model(xs), ys)
+                rt.backward(loss)
+                total += loss.detach()
+            return total
+
+        optimizer.step(closure)
+    return _ended(rt, model, calls=calls)
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_that_takes_a_closure_is_one_step_and_keeps_micro_shards_bits():
+    one = _lbfgs()
+    two = ddpkit.launch(_lbfgs, nprocs=2)[0]
+    assert one["step"] == two["step"] == 3  # 80 samples, 32 a step: 3 steps however often LBFGS called back
+    assert one["calls"] == two["calls"] > 3
+    for key, value in one["state"].items():
+        assert torch.equal(two["state"][key], value), key

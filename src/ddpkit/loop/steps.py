@@ -173,6 +173,14 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     """Step each optimizer (through the fp16 scaler) and zero its gradients; True when all updated."""
     if not optimizers:
         raise UsageError("rt.step needs the optimizer(s) to step")
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            closure = (
+                " (an optimizer that takes a closure, such as LBFGS, steps as optimizer.step(closure) with rt.backward inside the closure)"
+                if callable(optimizer)
+                else ""
+            )
+            raise UsageError(f"rt.step takes optimizers only, got {type(optimizer).__name__}{closure}")
     if run.accumulation is not None and not run.accumulation[1]:
         return False
     beat("optimizer")

@@ -48,6 +48,7 @@ def save(
     ``model.load_state_dict(torch.load(path))`` reads, and :meth:`load` with a model too.
     It writes before returning.
     """
+    _check_arguments("rt.save", path, state)
     if isinstance(state, torch.nn.Module):
         return weights.save(Path(path), self.full_state_dict(state), is_main=self.is_main)
     resuming.refuse_unapplied(self._run, "rt.save")
@@ -89,11 +90,49 @@ def load(
     (``rt.save(path, model)``, ``torch.save(model.state_dict(), path)``) or a checkpoint's
     ``"model"`` entry; the loop and random states are left as they are.
     """
+    _check_arguments("rt.load", path, state)
     _written(self)
     if isinstance(state, torch.nn.Module):
         return weights.load(Path(path), state)
     loop_steps.rebind_state(self._run, state)  # an optimizer fsdp has not rebound yet: loaded with its model
     return restore.load(self._run, self._peers, path, state, strict=strict)
+
+
+def _check_arguments(call: str, path: Any, state: Any) -> None:
+    """``path`` first, then the state: torch.save's order (the object first) is refused in one line."""
+    if isinstance(path, (str, os.PathLike)):
+        _check_state(call, state, model_ok=True)
+        return
+    if isinstance(path, (torch.nn.Module, Mapping)) and isinstance(state, (str, os.PathLike)):
+        raise UsageError(
+            f"{call} takes the path first, then the state: {call}({str(state)!r}, {_kind(path)})"
+            + (", not torch.save's order (the object first)" if call == "rt.save" else "")
+        )
+    raise UsageError(f"{call}'s path must be a str or a path-like object, got {type(path).__name__}")
+
+
+def _check_state(call: str, state: Any, *, model_ok: bool) -> None:
+    """``state`` is a mapping of named objects (or, where ``model_ok``, a model alone); else one line."""
+    if isinstance(state, Mapping) or (model_ok and isinstance(state, torch.nn.Module)):
+        return
+    one = "{'model': model, 'optimizer': optimizer}"
+    if isinstance(state, torch.nn.Module):
+        raise UsageError(
+            f"{call} takes a dict of named objects such as {one}, so that a resumed run gets every one "
+            f"of them back, not a model alone; a model's weights alone go through {_alone(call)}(path, model)"
+        )
+    alone = ", or a model alone" if model_ok else ""
+    raise UsageError(f"{call} takes a dict of named objects such as {one}{alone}, got {type(state).__name__}")
+
+
+def _alone(call: str) -> str:
+    """The call that takes a model's weights alone, in place of ``call``."""
+    return "rt.load" if call == "rt.resume" else "rt.save"
+
+
+def _kind(obj: Any) -> str:
+    """How the fix names ``obj``: model, or state."""
+    return "model" if isinstance(obj, torch.nn.Module) else "state"
 
 
 def _written(self: Runtime) -> None:
@@ -110,6 +149,7 @@ def checkpoint(self: Runtime, state: Mapping[str, Any], *, blocking: bool = Fals
     """
     if self._checkpoint_dir is None:
         raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
+    _check_state("rt.checkpoint", state, model_ok=False)
     resuming.refuse_unapplied(self._run, "rt.checkpoint")
     return self.save(self._checkpoint_dir, state, blocking=blocking)
 
@@ -121,6 +161,7 @@ def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = Tru
     nothing when there is none yet, so one script serves the first start and every
     restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
     """
+    _check_state("rt.resume", state, model_ok=False)
     _written(self)
     loop_steps.rebind_state(self._run, state)
     if self._run.world.defer_resume(state, strict):
