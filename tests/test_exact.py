@@ -860,11 +860,19 @@ def test_a_loss_over_a_batch_gathered_from_every_rank_inside_the_shards_is_one_l
 def test_numpy_and_random_draws_inside_the_shards_are_the_same_on_any_world_size():
     """Mixup's weight from np.random.beta inside rt.shards was each rank's own draw: 1 and 2 processes
     ended 7e-3 apart under micro_shards, where torch's draws were keyed by the shard. numpy's and random's
-    are now keyed too, and go on from where they were outside the shards."""
-    import numpy as np
-
+    are now keyed too, and go on from the batch's stream outside the shards."""
     one = workers.mixup_numpy()
     two = ddpkit.launch(workers.mixup_numpy, nprocs=2)[0]
     assert _same_bits(one, two)
-    np.random.seed(7)
-    assert one["after"] == two["after"] == float(np.random.rand())  # the loop took no draw of the script's stream
+    assert one["after"] == two["after"]  # the last batch's stream, the same on both
+
+
+@pytest.mark.timeout(120)
+def test_draws_for_the_batch_outside_the_shards_are_the_same_on_any_world_size():
+    """Mixup's weight drawn once a batch, before its shards (np.random.beta, torch.rand), drew from each
+    rank's stream of its own: 1 and 2 processes parted silently under micro_shards. Each batch a loader
+    hands out now keys the global generators alike on every rank, and rt.setup gives every rank rank 0's
+    stream: the same bits, through a validation pass with dropout on whose draws follow each rank's rows."""
+    one = workers.mixup_numpy(2, True)
+    assert _same_bits(ddpkit.launch(workers.mixup_numpy, nprocs=2, args=(2, True))[0], one)
+    assert not _same_bits(workers.mixup_numpy(2, False), one)  # the draws outside the shards counted

@@ -1950,9 +1950,13 @@ def _strict_metric() -> Any:
     return Strict()
 
 
-def mixup_numpy(micro_shards: int = 2) -> dict:
+def mixup_numpy(micro_shards: int = 2, outside: bool = False) -> dict:
     """Mixup drawn as scripts draw it, inside ``rt.shards``: its weight from numpy's global generator, its
-    pairing from torch's, a coin from ``random``'s; and a numpy draw outside the shards after the loop."""
+    pairing from torch's, a coin from ``random``'s; and a numpy draw outside the shards after the loop.
+    ``outside``: the weight drawn for the batch before its shards instead (timm's Mixup draws one a batch),
+    a torch draw beside it, a shift of the inputs drawn after ``rt.setup``, and after each epoch a
+    validation pass with dropout on through ``rt.loader`` outside the shards, whose draws follow the
+    rank's rows."""
     import random
 
     import numpy as np
@@ -1960,16 +1964,28 @@ def mixup_numpy(micro_shards: int = 2) -> dict:
     with ddpkit.init(seed=0) as rt:
         generator = torch.Generator().manual_seed(3)
         data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=generator), torch.arange(48) % 3)
-        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        val = rt.loader(torch.utils.data.TensorDataset(torch.randn(12, 6, generator=generator)), global_batch_size=4)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3)
+        )
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=micro_shards)
         np.random.seed(7)  # the script's own seeding, after which its draws outside the shards go on
-        for x, y in rt.loader(data, global_batch_size=16, shuffle=True):
-            for xs, ys in rt.shards(x, y):
-                lam = float(np.random.beta(0.4, 0.4)) if random.random() < 0.9 else 1.0
-                perm = torch.randperm(len(xs))
-                out = model(lam * xs + (1 - lam) * xs[perm])
-                rt.backward(lam * F.cross_entropy(out, ys) + (1 - lam) * F.cross_entropy(out, ys[perm]))
-            rt.step(optimizer)
+        shift = torch.randn(6) if outside else torch.zeros(6)  # drawn after rt.setup: rank 0's stream on each
+        loader = rt.loader(data, global_batch_size=16, shuffle=True)
+        for _ in rt.epochs(2 if outside else 1):
+            for x, y in loader:
+                batch_lam = float(np.random.beta(0.4, 0.4)) * float(torch.rand(()))
+                for xs, ys in rt.shards(x, y):
+                    lam = batch_lam if outside else float(np.random.beta(0.4, 0.4))
+                    lam = lam if random.random() < 0.9 else 1.0
+                    perm = torch.randperm(len(xs))
+                    out = model(lam * xs + (1 - lam) * xs[perm] + shift)
+                    rt.backward(lam * F.cross_entropy(out, ys) + (1 - lam) * F.cross_entropy(out, ys[perm]))
+                rt.step(optimizer)
+            if outside:
+                with torch.no_grad():
+                    for (v,) in val:
+                        model(v)  # dropout on: as many draws as this rank has rows
         weights = {name: tensor.clone() for name, tensor in net.state_dict().items()}
         return {"weights": weights, "after": float(np.random.rand())}
 

@@ -228,6 +228,14 @@ def _seed_globals(text: str, *, every: bool = False) -> None:
         random.seed(_seed_of(f"{text}:random"))
 
 
+def key_globals(text: str) -> None:
+    """torch's (every device's), numpy's and ``random``'s global generators at ``text``'s own seeds: the
+    draws that follow are the same wherever ``text`` is (a micro-shards batch's,
+    :meth:`ddpkit.parallel.exact.Exact.key_batch`)."""
+    torch.manual_seed(_seed_of(f"{text}:torch"))
+    _seed_globals(text, every=True)
+
+
 @contextlib.contextmanager
 def keyed_globals(key: int) -> Iterator[None]:
     """numpy's and ``random``'s global generators draw from ``key``'s own seeds in the block, and go on from

@@ -34,7 +34,7 @@ def on_batch(run: RunState, loader: Any) -> None:
     if any(mode.changes_weights_on_batch() for mode in run.modes):
         background.WRITER.copied()  # a save may still be copying the weights the exchange changes
     for mode in run.modes:
-        mode.on_batch(run.models)
+        mode.on_batch(run.models, loader)
     beat("data")  # a batch is in hand; the forward follows
 
 

@@ -394,6 +394,21 @@ class Exact:
                 )
             self._refuse_script_collectives(before)
 
+    def key_batch(self, loader: Any) -> None:
+        """Key torch's, numpy's and ``random``'s global generators by the batch ``loader`` just handed out
+        (the run's seed, the loader's name, its epoch and place in it), the same on every rank.
+
+        What a loop draws between a batch and its shards (mixup's ``lam = np.random.beta(a, a)`` for
+        the batch, ``random.random() < p`` to pick a transform) is then one process's draw on any world
+        size, and a draw whose size follows the rank's rows (dropout in a validation pass outside the
+        shards, ``torch.randperm(len(x))``) parts the ranks' streams for that batch only. A shard's
+        stream is keyed again inside it (:meth:`_random_stream`); after the shards the loop goes on
+        from the batch's.
+        """
+        if self.seed is None:  # unseeded: nothing to make equal
+            return
+        rng.key_globals(f"{self.seed}:batch:{_identity(loader)}:{loader.epoch}:{loader.position}")
+
     @contextlib.contextmanager
     def _random_stream(self, step: int, shard: int, in_group: int = 0) -> Iterator[None]:
         """The shard's random stream: the run's seed, the step, the batch's place in an accumulation group, the shard."""
@@ -734,6 +749,16 @@ class Exact:
             object.__setattr__(module, "momentum", momentum)
 
         return post_hook
+
+
+def _identity(loader: Any) -> str:
+    """What tells ``loader`` from the run's others in every attempt and on every world size: its key without
+    the ``#2`` a rebuilt loader may take in one attempt and not another, its global batch, its dataset's length."""
+    try:
+        length = len(loader.dataset)
+    except (TypeError, NotImplementedError):  # a stream
+        length = -1
+    return f"{str(loader.name).split('#')[0]}:{getattr(loader.sampler, 'global_batch_size', None)}:{length}"
 
 
 def setup(

@@ -99,8 +99,8 @@ class Mode:
         process group."""
         return None
 
-    def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
-        """A batch is in hand; its forward follows."""
+    def on_batch(self, models: Sequence[torch.nn.Module], loader: Any) -> None:
+        """A batch of ``loader`` is in hand; its forward follows."""
 
     def changes_weights_on_batch(self) -> bool:
         """Whether :meth:`on_batch` will change the weights (an exchange due over a fault-tolerant quorum):
@@ -320,7 +320,7 @@ class Periodic(Mode):
         """Over a fault-tolerant quorum: the exchange running behind the step is waited for before its commit."""
         self.syncer.wait_in_flight()
 
-    def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
+    def on_batch(self, models: Sequence[torch.nn.Module], loader: Any) -> None:
         """Over a fault-tolerant quorum: the exchange due, before the forward of the step whose quorum it is in."""
         self.syncer.exchange_due()
 
@@ -414,6 +414,10 @@ class MicroShards(Mode):
                 "are not saved; checkpoint after the rt.step of the group's last batch"
             )
         return None
+
+    def on_batch(self, models: Sequence[torch.nn.Module], loader: Any) -> None:
+        """The batch's random stream, the same on every rank (:meth:`~ddpkit.parallel.exact.Exact.key_batch`)."""
+        self.exact.key_batch(loader)
 
     def shards(self, active: Any, step: int, batch: tuple[Any, ...]) -> Iterator[Any] | None:
         """This rank's micro-shards of the batch, each with its threads, random stream and BatchNorm."""

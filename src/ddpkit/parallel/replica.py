@@ -151,7 +151,7 @@ class FaultTolerant(Mode):
         each replica holds of the step's global batch, as ranks do. Outside one, None (refused)."""
         return self.manager if self.manager.in_quorum() else None
 
-    def on_batch(self, models: Sequence[torch.nn.Module]) -> None:
+    def on_batch(self, models: Sequence[torch.nn.Module], loader: Any) -> None:
         """The step may not commit: keep what its forward changes besides the gradients (BatchNorm's
         running statistics, torch's random state), to put it back."""
         self._undo = ([(b, b.detach().clone()) for model in models for b in model.buffers()], rng.torch_state())

@@ -266,8 +266,11 @@ class Runtime:
         loop_steps.watch_forwards(self._run, model)
         self.heartbeat("start")  # the parameters are in place everywhere: the set-up made progress
         if self._run.seed is not None:
-            # Identical weights came from one seed; dropout and the like now differ per rank.
-            rng.seed_everything(self._run.seed + 1_000_003 * (self.rank + 1))
+            # Identical weights came from one seed; dropout and the like now differ per rank. Under
+            # micro_shards every rank goes on with rank 0's stream, one process's: what the loop draws
+            # outside the shards (mixup's lam for the batch) is then the same on any world size.
+            stream = 0 if self._run.micro_shards else self.rank
+            rng.seed_everything(self._run.seed + 1_000_003 * (stream + 1))
         return model if optimizer is None else (model, optimizer, *optimizers)
 
     def shards(self, *batch: Any) -> Iterator[Any]:

@@ -109,7 +109,9 @@ def init(
             the same initial weights, and keys the data order and per-sample randomness.
             ``rt.setup`` then gives each rank a stream of its own (``seed + 1_000_003 * (rank + 1)``)
             so that dropout differs between ranks: random data that must be equal on every rank is
-            drawn before ``rt.setup``, or from a ``torch.Generator`` seeded from this seed.
+            drawn before ``rt.setup``, or from a ``torch.Generator`` seeded from this seed. Under
+            ``micro_shards`` every rank goes on with rank 0's stream (one process's), and each shard
+            draws from a stream keyed by the step and the shard.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; chosen from the device when omitted.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; the local rank's GPU when CUDA is usable.
