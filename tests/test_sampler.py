@@ -235,3 +235,21 @@ def test_a_fault_tolerant_step_that_does_not_commit_puts_the_cuda_generator_back
     torch.rand(3)
     assert replica.commit(list(model.parameters()), None) is False
     assert cuda.states[1].tolist() == [1] and cuda.states[0].tolist() == [0]
+
+
+def test_seed_torch_draws_what_torch_manual_seed_draws():
+    """The per-batch and per-shard seeding of micro_shards skips torch.manual_seed's lazy seeds of devices the
+    process has not (a formatted stack each on a CPU build); its draws must stay torch.manual_seed's."""
+    from ddpkit.rng import seed_torch
+
+    torch.manual_seed(2**62 + 7)
+    want = torch.rand(5), torch.randn(3), torch.randperm(9)
+    torch.manual_seed(1)
+    seed_torch(2**62 + 7)
+    got = torch.rand(5), torch.randn(3), torch.randperm(9)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if torch.cuda.is_available():  # the CUDA device's generator is seeded too
+        torch.manual_seed(5)
+        want_cuda = torch.rand(4, device="cuda")
+        seed_torch(5)
+        assert torch.equal(torch.rand(4, device="cuda"), want_cuda)

@@ -418,7 +418,7 @@ class Exact:
         devices = [self.device] if self.device.type == "cuda" else []
         key = (self.seed * 1_000_003 + step * 65_537 + shard + in_group * 1_000_000_007) % (2**63)
         with torch.random.fork_rng(devices=devices, device_type=self.device.type), rng.keyed_globals(key):
-            torch.manual_seed(key)  # numpy's and random's too: mixup's np.random.beta drew per rank
+            rng.seed_torch(key)  # numpy's and random's too: mixup's np.random.beta drew per rank
             yield
 
     def weight(self) -> float:
