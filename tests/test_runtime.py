@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -144,3 +145,23 @@ def test_more_processes_than_gpus_with_nccl(monkeypatch):
 def test_cuda_device_follows_local_rank():
     rt = ddpkit.init()
     assert rt.device == torch.device("cuda", 0) and rt._backend == "nccl"
+
+
+@pytest.mark.parametrize("name", ["checkpoint_dir", "out_dir"])
+def test_a_directory_that_is_a_file_or_cannot_be_written_is_refused_at_init(tmp_path, monkeypatch, name):
+    """Refused in one line at ddpkit.init: before, a checkpoint_dir that was a file trained an epoch and then
+    failed in the background save with "[Errno 17] File exists"."""
+    (tmp_path / "afile").write_text("x")
+    for given in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(
+            ddpkit.UsageError, match=rf"{name}='.*': .*afile is a file, not a directory; give a directory"
+        ):
+            ddpkit.init(**{name: given})
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else writable(path, mode))
+    with pytest.raises(
+        ddpkit.UsageError,
+        match=rf"{name}='.*new': this user cannot write in {tmp_path}; give a directory it can write in$",
+    ):
+        ddpkit.init(**{name: tmp_path / "new"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made

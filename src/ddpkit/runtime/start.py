@@ -169,6 +169,7 @@ def init(
         _same_settings(_current._settings, settings)
         return _current
     settings.check()  # before any process group exists
+    _check_directories(settings, is_main=detect().rank == 0)
     env, chosen_device, chosen_backend = join(settings)
     if seed is not None:
         rng.seed_everything(seed)
@@ -198,6 +199,28 @@ def init(
     _current = runtime
     atexit.register(runtime._close_at_exit)
     return runtime
+
+
+def _check_directories(settings: Settings, *, is_main: bool) -> None:
+    """``checkpoint_dir`` and ``out_dir``: a directory, or a path whose nearest existing part is one, that
+    rank 0 (which writes there) can write in; refused at ``init`` rather than at the first save, an epoch on.
+
+    Raises:
+        UsageError: a path that is a file or lies under one, or one rank 0 cannot write in.
+    """
+    for name, path in (("checkpoint_dir", settings.checkpoint_dir), ("out_dir", settings.out_dir)):
+        if path is None:
+            continue
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise UsageError(
+                f"{name}={path!r}: {existing} is a file, not a directory; give a directory, which ddpkit makes "
+                "if it does not exist yet"
+            )
+        if is_main and not os.access(existing, os.W_OK | os.X_OK):
+            raise UsageError(f"{name}={path!r}: this user cannot write in {existing}; give a directory it can write in")
 
 
 def join(settings: Settings) -> tuple[Environment, torch.device, str]:
