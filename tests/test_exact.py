@@ -876,3 +876,13 @@ def test_draws_for_the_batch_outside_the_shards_are_the_same_on_any_world_size()
     one = workers.mixup_numpy(2, True)
     assert _same_bits(ddpkit.launch(workers.mixup_numpy, nprocs=2, args=(2, True))[0], one)
     assert not _same_bits(workers.mixup_numpy(2, False), one)  # the draws outside the shards counted
+
+
+@pytest.mark.timeout(180)
+def test_a_collate_that_draws_gives_each_shard_one_process_draws_with_workers():
+    """A collate_fn that draws (a masked language model's masks, a mixup weight) drew from the process's
+    stream: 1 and 2 processes parted under micro_shards, with workers or without. Each call is now keyed by
+    the samples it collates."""
+    one = workers.drawing_collate("map", 2, 2)
+    assert _same_bits(ddpkit.launch(workers.drawing_collate, nprocs=2, args=("map", 0, 2))[0], one)
+    assert _same_bits(ddpkit.launch(workers.drawing_collate, nprocs=2, args=("map", 2, 2))[0], one)

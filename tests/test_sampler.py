@@ -253,3 +253,19 @@ def test_seed_torch_draws_what_torch_manual_seed_draws():
         want_cuda = torch.rand(4, device="cuda")
         seed_torch(5)
         assert torch.equal(torch.rand(4, device="cuda"), want_cuda)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:ddpkit. Stream is a plain IterableDataset")
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_a_run_resumed_mid_epoch_draws_what_the_collate_drew_in_the_uninterrupted_one(tmp_path, kind):
+    """A collate_fn that draws, read by 2 workers: each worker's stream was seeded per rank and worker, so a
+    run resumed mid-epoch (fresh workers) drew other masks and ended 1e-2 from the uninterrupted run."""
+    import workers
+
+    whole = workers.drawing_collate(kind, 2, None)
+    assert workers.drawing_collate(kind, 2, None, str(tmp_path), stop=3) is None  # inside epoch 0
+    resumed = workers.drawing_collate(kind, 2, None, str(tmp_path))
+    assert all(torch.equal(resumed["weights"][k], v) for k, v in whole["weights"].items())
+    no_workers = workers.drawing_collate(kind, 0, None)  # and what the workers drew is what none draws
+    assert all(torch.equal(no_workers["weights"][k], v) for k, v in whole["weights"].items())

@@ -2127,3 +2127,46 @@ def logged_losses(out_dir: str) -> dict:
         main = rt.is_main
     written = (pathlib.Path(out_dir) / "metrics.jsonl").read_text().splitlines() if main else []
     return {"returned": returned, "rows": [json.loads(line) for line in written]}
+
+
+def _masking_collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A language model's collate as Hugging Face's DataCollatorForLanguageModeling draws it (a mask of
+    15% of the inputs from torch's global generator), with a scale from numpy's, as timm's mixup draws."""
+    import numpy as np
+
+    x = torch.stack([item[0] for item in items])
+    y = torch.stack([item[1] for item in items])
+    masked = torch.bernoulli(torch.full(x.shape, 0.15)).bool()
+    return x.masked_fill(masked, 0.0) * float(np.random.uniform(0.9, 1.1)), y
+
+
+def drawing_collate(
+    kind: str, num_workers: int, micro_shards: int | None, checkpoint_dir: str | None = None, stop: int = 0
+) -> dict | None:
+    """Two epochs of 6 steps whose collate_fn draws; a checkpoint every 2 steps, and ``stop``: leave after
+    that step as a killed run would (None back). ``kind``: "map" (a TensorDataset) or "stream" (a plain
+    IterableDataset, whose pieces a worker collates)."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 6, generator=generator), torch.randint(0, 3, (48,), generator=generator)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            yield from zip(x, y)
+
+    data = Stream() if kind == "stream" else torch.utils.data.TensorDataset(x, y)
+    with ddpkit.init(seed=0, checkpoint_dir=checkpoint_dir, resume="auto" if checkpoint_dir else None) as rt:
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_shards=micro_shards)
+        loader = rt.loader(data, global_batch_size=8, collate_fn=_masking_collate, num_workers=num_workers)
+        state = {"model": model, "optimizer": optimizer}
+        rt.resume(state)
+        for _ in rt.epochs(2):
+            for inputs, targets in loader:
+                for xs, ys in rt.shards(inputs, targets) if micro_shards else [(inputs, targets)]:
+                    rt.backward(F.cross_entropy(model(xs), ys))
+                rt.step(optimizer)
+                if checkpoint_dir and rt.global_step % 2 == 0:
+                    rt.checkpoint(state, blocking=True)
+                if rt.global_step == stop:
+                    return None
+        return {"weights": {name: tensor.clone() for name, tensor in net.state_dict().items()}}

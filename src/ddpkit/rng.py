@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +172,32 @@ def reading(key: SampleKey | None) -> Iterator[None]:
             torch.default_generator.set_state(outside)
         if held is not None:
             _put_globals_back(held)
+
+
+@contextlib.contextmanager
+def collating(seed: int, epoch: int, indices: Sequence[int]) -> Iterator[None]:
+    """The script's ``collate_fn`` draws in the block from streams keyed by the samples it collates: (seed,
+    epoch, their indices in order), as each sample's read is keyed by its own.
+
+    A collate that draws (a language model's masks, ``torch.bernoulli`` in Hugging Face's
+    ``DataCollatorForLanguageModeling``; mixup's weight in timm's collate) drew from the process's
+    stream: in a loader worker, one seeded per rank and worker that a resumed run starts afresh (a run
+    resumed mid-epoch ended 1e-2 from the uninterrupted one), and under ``micro_shards`` one that
+    another number of processes advances otherwise. torch's state is put back after the block;
+    numpy's and ``random``'s as after a read (once a batch in the main process, inside :func:`holding`;
+    not in a worker). A worker whose ``worker_init_fn`` seeded a generator itself keeps its stream.
+    """
+    text = f"{seed}:{epoch}:collate:{','.join(map(str, indices))}"
+    outside = torch.default_generator.get_state() if _torch_keyed else None
+    if outside is not None:
+        torch.default_generator.manual_seed(_seed_of(f"{text}:torch"))
+    with holding():
+        _seed_globals(text)
+        try:
+            yield
+        finally:
+            if outside is not None:
+                torch.default_generator.set_state(outside)
 
 
 _holds = 0

@@ -10,9 +10,9 @@ nothing from training, and ``break`` ends the pass. Two things are ddpkit's own:
   epoch, index) (:func:`ddpkit.rng.reading`: torchvision's random transforms, ``np.random`` draws and
   ``random.random()`` flips draw alike on any world size and number of workers; not for a dataset
   that runs no code of the script's, :func:`draws_nothing`); with ``num_workers > 0``, each worker's
-  generators are seeded from (seed, epoch, rank, worker id) as it starts, and after a read go on
-  from the last sample's keyed streams (what a ``collate_fn`` draws there); :func:`ddpkit.sample_rng`
-  is a per-sample generator of its own.
+  generators are seeded from (seed, epoch, rank, worker id) as it starts; a ``collate_fn`` of the
+  script's draws keyed by the samples it collates (:func:`ddpkit.rng.collating`), in a worker or not;
+  :func:`ddpkit.sample_rng` is a per-sample generator of its own.
 
 The loop state (:mod:`ddpkit.state.loop`) reads each loader's :meth:`ShardedLoader.position_record`
 into checkpoints and hands saved positions back through :meth:`ShardedLoader.resume_at`.
@@ -54,14 +54,18 @@ class ShardCollate:
         self.collate = collate
 
     def __call__(self, samples: list[Any]) -> Any:
-        shards = 0
+        shards, key = 0, None
         if samples and isinstance(samples[-1], _ShardCount):
-            shards, samples = samples[-1].shards, samples[:-1]
-        return collate_shards(self.collate, samples, shards)
+            shards, key, samples = samples[-1].shards, samples[-1].key, samples[:-1]
+        return collate_shards(self.collate, samples, shards, key=key)
 
 
 def collate_shards(
-    collate: Callable[[list[Any]], Any], samples: list[Any], shards: int, runs: int | None = None
+    collate: Callable[[list[Any]], Any],
+    samples: list[Any],
+    shards: int,
+    runs: int | None = None,
+    key: BatchKey | None = None,
 ) -> Any:
     """``collate(samples)``; with more than one local micro-shard, a :class:`Collated` of it and of each
     shard's samples collated alone, as ``rt.shards`` cuts the batch; a :class:`Collated` too where samples
@@ -73,20 +77,41 @@ def collate_shards(
         shards: the rank's local micro-shards (0 or 1: the batch alone).
         runs: None: shard ``j`` is samples ``j, j + shards, ...``; a number: the ``j``-th run of that
             many (a ``ddpkit.Shards`` stream lays its shards end to end).
+        key: (seed, epoch, the samples' indices): each call draws from streams keyed by the samples it
+            collates (:func:`ddpkit.rng.collating`), the same on any world size and in a resumed run.
     """
-    whole = collate(samples)
-    missing = sum(sample is None for sample in samples)  # read as None (failed to decode): the collate left them out
-    if shards <= 1:
-        return Collated(whole, None, missing) if missing else whole
-    parts = [samples[j::shards] if runs is None else samples[j * runs : (j + 1) * runs] for j in range(shards)]
-    return Collated(whole, [collate(part) if part else None for part in parts], missing)
+    with contextlib.nullcontext() if key is None else rng.holding():
+        whole = _collated(collate, samples, key, slice(None))
+        missing = sum(
+            sample is None for sample in samples
+        )  # read as None (failed to decode): the collate left them out
+        if shards <= 1:
+            return Collated(whole, None, missing) if missing else whole
+        cuts = [slice(j, None, shards) if runs is None else slice(j * runs, (j + 1) * runs) for j in range(shards)]
+        return Collated(
+            whole, [_collated(collate, samples[cut], key, cut) if samples[cut] else None for cut in cuts], missing
+        )
+
+
+BatchKey = tuple[int, int, list[int]]
+"""A batch's (seed, epoch, its samples' indices in order): what keys the streams its collate draws from."""
+
+
+def _collated(collate: Callable[[list[Any]], Any], samples: list[Any], key: BatchKey | None, cut: slice) -> Any:
+    """``collate(samples)``, keyed by ``key``'s indices under ``cut`` (the samples' own)."""
+    if key is None:
+        return collate(samples)
+    seed, epoch, indices = key
+    with rng.collating(seed, epoch, indices[cut]):
+        return collate(samples)
 
 
 class _ShardCount:
-    """What :class:`_KeyedDataset` reads for the :data:`SHARDS` key: the batch's local shards."""
+    """What :class:`_KeyedDataset` reads for the :data:`SHARDS` key: the batch's local shards, and (read
+    with the batch's keys) the :data:`BatchKey` its collate draws by."""
 
-    def __init__(self, shards: int) -> None:
-        self.shards = shards
+    def __init__(self, shards: int, key: BatchKey | None = None) -> None:
+        self.shards, self.key = shards, key
 
 
 class Collated:
@@ -143,9 +168,13 @@ class _KeyedDataset(Dataset):
 
     def __getitems__(self, keys: list[tuple[Any, int]]) -> list[Any]:
         """A batch's samples (DataLoader's fetch of one batch), the global generators' states put back
-        once for all of them where the main process reads (:func:`ddpkit.rng.holding`)."""
+        once for all of them where the main process reads (:func:`ddpkit.rng.holding`); the
+        :data:`SHARDS` key last becomes a :class:`_ShardCount` that knows the batch's keys."""
         with contextlib.nullcontext() if self.draws_nothing else rng.holding():
-            return [self[key] for key in keys]
+            samples = [self[key] for key in keys]
+        if keys and keys[-1][0] == SHARDS:
+            samples[-1] = _ShardCount(keys[-1][1], (self.seed, keys[0][0], [index for _, index in keys[:-1]]))
+        return samples
 
 
 def draws_nothing(dataset: Any) -> bool:
@@ -185,10 +214,11 @@ class _EpochBatches:
     def __iter__(self) -> Iterator[list[tuple[Any, int]]]:
         # what the pass needs, read now: a pass left by break keeps this generator, which must not hold its loader
         epoch, shards, plan = self.loader.epoch, self.loader._local_shards(), self.loader._plan
+        marked = self.loader._user_collate is not None  # its collate learns the batch's keys (ShardCollate)
         for local, _ in plan:
             # An empty part still reads one sample so collate sees a batch; it is cut away later.
             keys: list[tuple[Any, int]] = [(epoch, index) for index in (local or [0])]
-            yield keys + [(SHARDS, shards)] if shards > 1 and local else keys
+            yield keys + [(SHARDS, shards)] if (shards > 1 or marked) and local else keys
 
 
 _PASSES = itertools.count()  # passes begun by every loader, in order
@@ -505,8 +535,8 @@ class QuorumLoader(ShardedLoader):
                 self.sampler.rank, self.sampler.world_size = rank, world
                 local = batch[rank::world]
                 read = [self._keyed[(self.epoch, index)] for index in (local or batch[:1])]
-                if local and (shards := self._local_shards()) > 1:
-                    read.append(_ShardCount(shards))
+                if local and ((shards := self._local_shards()) > 1 or self._user_collate is not None):
+                    read.append(_ShardCount(shards, (self._keyed.seed, self.epoch, local)))
                 samples = self._take_parts((self._shard_collate or default_collate)(read))
                 if not local:
                     samples = zero_rows(samples)

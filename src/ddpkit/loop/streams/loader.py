@@ -185,7 +185,8 @@ class StreamLoader(LoaderPosition):
         if self.is_shards and shards > 1:
             runs = self.sampler.global_batch_size // (shards * self.sampler.world_size)
         assert self._user_collate is not None
-        return self._take_parts(collate_shards(self._user_collate, list(samples), shards, runs))
+        key = (self._pieces.seed, self.epoch, list(self.positions))  # each call keyed by its samples' positions
+        return self._take_parts(collate_shards(self._user_collate, list(samples), shards, runs, key=key))
 
     def __iter__(self) -> Iterator[Any]:
         start, this_pass = self._begin_pass()

@@ -32,6 +32,7 @@ from ddpkit._tensors import raw_bytes
 from ddpkit._torch import worker_info_hidden
 from ddpkit.errors import warn
 from ddpkit.loop.batch import concat_batches, zero_rows
+from ddpkit.loop.loader import ShardCollate, collate_shards
 from ddpkit.loop.sampler import batch_shard
 from ddpkit.loop.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.loop.streams.shards import ShardError, Shards, read_range
@@ -279,11 +280,18 @@ class Pieces(IterableDataset):
         }  # the end: what the stream was
 
     # -- helpers ----------------------------------------------------------------------------
+    def _collate(self, read: list[Any], positions: list[int]) -> Any:
+        """The piece collated in the worker; a collate of the script's draws from streams keyed by its
+        samples' positions in the stream (:func:`ddpkit.rng.collating`)."""
+        if isinstance(self.collate_fn, ShardCollate):
+            return collate_shards(self.collate_fn.collate, read, 0, key=(self.seed, int(self.control[0]), positions))
+        return self.collate_fn(read)
+
     def _piece(self, b: int, parts: int, samples: list[tuple[int, Any]], count: int) -> dict[str, Any]:
         batch: Any = None
         if samples:
             read = [sample for _, sample in samples]
-            batch = RawSamples(read) if self._raw else self.collate_fn(read)
+            batch = RawSamples(read) if self._raw else self._collate(read, [index for index, _ in samples])
         return {
             "b": b,
             "w": 0,
