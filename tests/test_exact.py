@@ -886,3 +886,26 @@ def test_a_collate_that_draws_gives_each_shard_one_process_draws_with_workers():
     one = workers.drawing_collate("map", 2, 2)
     assert _same_bits(ddpkit.launch(workers.drawing_collate, nprocs=2, args=("map", 0, 2))[0], one)
     assert _same_bits(ddpkit.launch(workers.drawing_collate, nprocs=2, args=("map", 2, 2))[0], one)
+
+
+def test_a_batchs_random_key_tells_named_loaders_apart_and_an_unnamed_rebuilt_one_not():
+    """The key of a batch's stream: a name of the script's is kept whole (``stage#1`` and ``stage#2`` draw
+    apart), while an unnamed loader's ``#2`` (a rebuilt loader takes it in one attempt and not another) is not
+    part of it."""
+    from types import SimpleNamespace
+
+    from ddpkit.parallel.exact import _identity
+
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
+    sampler = SimpleNamespace(global_batch_size=4, dataset_length=8)
+
+    def key(name: str) -> str:
+        return _identity(SimpleNamespace(name=name, dataset=data, sampler=sampler))
+
+    assert key("stage#1") != key("stage#2")
+    assert key("TensorDataset") == key("TensorDataset#2")
+    assert key("TensorDataset") != _identity(
+        SimpleNamespace(
+            name="TensorDataset", dataset=data, sampler=SimpleNamespace(global_batch_size=4, dataset_length=9)
+        )
+    )

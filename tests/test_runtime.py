@@ -165,3 +165,10 @@ def test_a_directory_that_is_a_file_or_cannot_be_written_is_refused_at_init(tmp_
     ):
         ddpkit.init(**{name: tmp_path / "new"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made
+
+    def cannot_look(path: object) -> bool:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(tmp_path), "exists", cannot_look)  # a part of the path this user may not look into
+    with pytest.raises(ddpkit.UsageError, match=rf"{name}='.*': Permission denied \(.*\); give a directory"):
+        ddpkit.init(**{name: tmp_path / "new"})

@@ -230,7 +230,7 @@ def test_a_fault_tolerant_step_that_does_not_commit_puts_the_cuda_generator_back
     replica = FaultTolerant(Quorum())
     replica.micro_shards = True  # (no gradient average to fake)
     model = torch.nn.Linear(2, 2)
-    replica.on_batch([model])
+    replica.on_batch([model], None)
     cuda.states[1] = torch.tensor([99], dtype=torch.uint8)  # the forward drew on GPU 1
     torch.rand(3)
     assert replica.commit(list(model.parameters()), None) is False

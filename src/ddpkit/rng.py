@@ -3,7 +3,8 @@
 :func:`seed_everything` seeds a process; :func:`sample_rng` gives the sample being read its own
 generator, keyed by (seed, epoch, index) so augmentations never change with the number of
 processes or workers (:func:`reading` marks that sample and keys torch's global generator for its
-read, :func:`seed_worker_globals` seeds a loader worker); :func:`rng_state` and :func:`set_rng_state` are the states a checkpoint holds.
+read, :func:`collating` keys a ``collate_fn``'s draws by its samples, :func:`seed_worker_globals` seeds
+a loader worker); :func:`rng_state` and :func:`set_rng_state` are the states a checkpoint holds.
 
 A base module (it imports nothing of ddpkit). Every state is made of tensors and plain values,
 so a checkpoint holding it loads with ``torch.load(weights_only=True)``; numpy's state tuple
@@ -149,7 +150,7 @@ def reading(key: SampleKey | None) -> Iterator[None]:
     keeps a generator of its own) gives each sample the same
     numbers on any number of processes or workers, and a run resumed mid-epoch the numbers an
     uninterrupted run drew. torch's state is put back after each read, so the stream outside the read
-    (the main process's dropout, a worker's ``collate_fn``) goes on as before; numpy's and ``random``'s
+    (the main process's dropout) goes on as before; numpy's and ``random``'s
     are put back where the main process reads (a worker's own streams serve no one else), once a batch
     inside :func:`holding` (numpy's state costs about 90 us to save and put back). A worker whose
     ``worker_init_fn`` seeded a generator itself keeps that generator's stream (:func:`run_worker_init`).
@@ -263,11 +264,12 @@ def key_globals(text: str) -> None:
 
 
 def seed_torch(seed: int) -> None:
-    """``torch.manual_seed(seed)`` for the CPU and CUDA, the same bits, at a hundredth of its cost where it
-    runs per batch and per shard: on a build without a GPU, ``torch.manual_seed`` queues a seed for CUDA,
-    MPS and XPU, formatting the caller's stack for each (86 us a call on this project's CPU machine)."""
+    """``torch.manual_seed(seed)`` for the CPU and an initialised CUDA, the same bits, at a hundredth of its
+    cost where it runs per batch and per shard: where a device is not initialised (CUDA, MPS and XPU on a
+    build without a GPU), ``torch.manual_seed`` queues a seed for it, formatting the caller's stack for
+    each (86 us a call on this project's CPU machine)."""
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # (a run on a GPU has made its context by now)
         torch.cuda.manual_seed_all(seed)
 
 

@@ -218,7 +218,11 @@ class _EpochBatches:
         for local, _ in plan:
             # An empty part still reads one sample so collate sees a batch; it is cut away later.
             keys: list[tuple[Any, int]] = [(epoch, index) for index in (local or [0])]
-            yield keys + [(SHARDS, shards)] if (shards > 1 or marked) and local else keys
+            if (shards > 1 or marked) and local:
+                keys.append((SHARDS, shards))
+            elif marked:  # (the one sample's collate is keyed too, then cut away)
+                keys.append((SHARDS, 0))
+            yield keys
 
 
 _PASSES = itertools.count()  # passes begun by every loader, in order
@@ -535,8 +539,9 @@ class QuorumLoader(ShardedLoader):
                 self.sampler.rank, self.sampler.world_size = rank, world
                 local = batch[rank::world]
                 read = [self._keyed[(self.epoch, index)] for index in (local or batch[:1])]
-                if local and ((shards := self._local_shards()) > 1 or self._user_collate is not None):
-                    read.append(_ShardCount(shards, (self._keyed.seed, self.epoch, local)))
+                shards = self._local_shards() if local else 0
+                if shards > 1 or self._user_collate is not None:
+                    read.append(_ShardCount(shards, (self._keyed.seed, self.epoch, local or batch[:1])))
                 samples = self._take_parts((self._shard_collate or default_collate)(read))
                 if not local:
                     samples = zero_rows(samples)

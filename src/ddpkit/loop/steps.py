@@ -174,7 +174,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     if not optimizers:
         raise UsageError("rt.step needs the optimizer(s) to step")
     for optimizer in optimizers:
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if not (hasattr(optimizer, "step") and hasattr(optimizer, "param_groups")):  # (a wrapper that steps is one)
             closure = (
                 " (an optimizer that takes a closure, such as LBFGS, steps as optimizer.step(closure) with rt.backward inside the closure)"
                 if callable(optimizer)

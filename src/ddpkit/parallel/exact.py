@@ -752,13 +752,14 @@ class Exact:
 
 
 def _identity(loader: Any) -> str:
-    """What tells ``loader`` from the run's others in every attempt and on every world size: its key without
-    the ``#2`` a rebuilt loader may take in one attempt and not another, its global batch, its dataset's length."""
-    try:
-        length = len(loader.dataset)
-    except (TypeError, NotImplementedError):  # a stream
-        length = -1
-    return f"{str(loader.name).split('#')[0]}:{getattr(loader.sampler, 'global_batch_size', None)}:{length}"
+    """What tells ``loader`` from the run's others in every attempt and on every world size: its key (less
+    the ``#2`` an unnamed loader rebuilt may take in one attempt and not another), its global batch,
+    and its dataset's length as the loader measured it when built (a stream's: none)."""
+    name = str(loader.name)
+    if re.fullmatch(rf"{re.escape(type(loader.dataset).__name__)}#\d+", name):  # an unnamed loader's key
+        name = name.split("#")[0]
+    sampler = loader.sampler
+    return f"{name}:{getattr(sampler, 'global_batch_size', None)}:{getattr(sampler, 'dataset_length', None)}"
 
 
 def setup(

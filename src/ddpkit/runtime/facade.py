@@ -226,7 +226,8 @@ class Runtime:
         Checkpoints hold plain parameter names whether the model is compiled or wrapped. With a
         seed (``ddpkit.init(seed=...)``), each rank draws from a random stream of its own from here
         on: dropout masks differ between ranks, as they would between the samples of one process.
-        Draw random data that must be equal on every rank before ``setup``.
+        Draw random data that must be equal on every rank before ``setup``. Under ``micro_shards``
+        every rank goes on with rank 0's stream instead, keyed again by each batch and each shard.
 
         Example:
             >>> model, optimizer = rt.setup(model, optimizer, sync_batchnorm=True)   # doctest: +SKIP

@@ -110,8 +110,9 @@ def init(
             ``rt.setup`` then gives each rank a stream of its own (``seed + 1_000_003 * (rank + 1)``)
             so that dropout differs between ranks: random data that must be equal on every rank is
             drawn before ``rt.setup``, or from a ``torch.Generator`` seeded from this seed. Under
-            ``micro_shards`` every rank goes on with rank 0's stream (one process's), and each shard
-            draws from a stream keyed by the step and the shard.
+            ``micro_shards`` every rank goes on with rank 0's stream (one process's), each batch a
+            loader hands out keys it by the batch, and each shard draws from a stream keyed by the
+            step and the shard.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; chosen from the device when omitted.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; the local rank's GPU when CUDA is usable.
@@ -208,18 +209,26 @@ def _check_directories(settings: Settings, *, is_main: bool) -> None:
     Raises:
         UsageError: a path that is a file or lies under one, or one rank 0 cannot write in.
     """
+    if not is_main:  # another node's view of the path says nothing of rank 0's
+        return
     for name, path in (("checkpoint_dir", settings.checkpoint_dir), ("out_dir", settings.out_dir)):
         if path is None:
             continue
         existing = Path(path)
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
+        try:
+            while not existing.exists() and existing != existing.parent:
+                existing = existing.parent
+            is_dir = existing.is_dir()
+        except OSError as exc:  # a part this user may not look into
+            raise UsageError(
+                f"{name}={path!r}: {exc.strerror or exc} ({existing}); give a directory this user can write in"
+            ) from None
+        if not is_dir:
             raise UsageError(
                 f"{name}={path!r}: {existing} is a file, not a directory; give a directory, which ddpkit makes "
                 "if it does not exist yet"
             )
-        if is_main and not os.access(existing, os.W_OK | os.X_OK):
+        if not os.access(existing, os.W_OK | os.X_OK):
             raise UsageError(f"{name}={path!r}: this user cannot write in {existing}; give a directory it can write in")
 
 
