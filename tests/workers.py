@@ -2170,3 +2170,26 @@ def drawing_collate(
                 if rt.global_step == stop:
                     return None
         return {"weights": {name: tensor.clone() for name, tensor in net.state_dict().items()}}
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """A test set read with test-time augmentation: noise from torch's global generator on each read."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(37, 8, generator=generator), torch.randint(0, 3, (37,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index] + 0.5 * torch.randn(8), self.y[index]
+
+
+def evaluated_augmented(num_workers: int) -> dict:
+    """``ddpkit.evaluate`` and ``ddpkit.predict`` of an augmented test set in batches of 4 (both ranks read)."""
+    with ddpkit.init(seed=0) as rt:
+        torch.manual_seed(0)
+        model = rt.setup(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+        metrics = ddpkit.evaluate(model, _Augmented(), num_classes=3, batch_size=4, num_workers=num_workers)
+        return {"metrics": metrics, "predicted": ddpkit.predict(model, _Augmented(), batch_size=4, to="all")}

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from ddpkit._tensors import position_rows, remapped
 from ddpkit._torch import unwrap
@@ -31,12 +31,13 @@ from ddpkit.distributed import collectives
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.loop import same_data
 from ddpkit.loop.batch import concat_batches, map_tensors, to_device, zero_rows
+from ddpkit.loop.loader import draws_nothing
 from ddpkit.loop.sampler import batch_shard
 from ddpkit.loop.streams.evaluation import StreamShard, first_sample
 from ddpkit.observe import heartbeats
 from ddpkit.parallel import lazy_buffers, periodic, same_model
 from ddpkit.parallel.fsdp import is_sharded
-from ddpkit.rng import private_generator
+from ddpkit.rng import SampleKey, holding, private_generator, reading
 
 
 def _shard_batches(
@@ -59,7 +60,7 @@ def _shard_batches(
         batches = (
             (None, b)
             for b in DataLoader(
-                Subset(dataset, list(indices)),
+                _KeyedReads(dataset, list(indices)),
                 batch_size=batch_size,
                 shuffle=False,
                 num_workers=num_workers,
@@ -72,6 +73,32 @@ def _shard_batches(
             positions.append(where)
         heartbeats.beat("eval")
         yield batch
+
+
+class _KeyedReads(torch.utils.data.Dataset):
+    """This rank's samples of an evaluation, each read with its key set as ``rt.loader`` reads one (seed 0,
+    epoch -1: an evaluation's own, its index): a transform that draws (test-time augmentation) gives a
+    sample the same numbers on any world size and at every evaluation, where it drew from each
+    process's stream (a loss 1e-2 apart on 1 and 2 processes under ``micro_shards``)."""
+
+    def __init__(self, dataset: Any, indices: list[int]) -> None:
+        self.dataset, self.indices = dataset, indices
+        self.plain = draws_nothing(dataset)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Any:
+        index = self.indices[i]
+        if self.plain:
+            return self.dataset[index]
+        with reading(SampleKey(0, -1, index)):
+            return self.dataset[index]
+
+    def __getitems__(self, items: list[int]) -> list[Any]:
+        """A batch's samples, numpy's and ``random``'s states put back once for all of them (:func:`holding`)."""
+        with contextlib.nullcontext() if self.plain else holding():
+            return [self[i] for i in items]
 
 
 def _lockstep(
