@@ -82,9 +82,8 @@ def collate_shards(
     """
     with contextlib.nullcontext() if key is None else rng.holding():
         whole = _collated(collate, samples, key, slice(None))
-        missing = sum(
-            sample is None for sample in samples
-        )  # read as None (failed to decode): the collate left them out
+        # read as None (failed to decode): the collate left them out
+        missing = sum(sample is None for sample in samples)
         if shards <= 1:
             return Collated(whole, None, missing) if missing else whole
         cuts = [slice(j, None, shards) if runs is None else slice(j * runs, (j + 1) * runs) for j in range(shards)]
@@ -218,11 +217,8 @@ class _EpochBatches:
         for local, _ in plan:
             # An empty part still reads one sample so collate sees a batch; it is cut away later.
             keys: list[tuple[Any, int]] = [(epoch, index) for index in (local or [0])]
-            if (shards > 1 or marked) and local:
-                keys.append((SHARDS, shards))
-            elif marked:  # (the one sample's collate is keyed too, then cut away)
-                keys.append((SHARDS, 0))
-            yield keys
+            cut = shards if local else 0  # (an empty part's one sample is collated keyed too, then cut away)
+            yield keys + [(SHARDS, cut)] if cut > 1 or marked else keys
 
 
 _PASSES = itertools.count()  # passes begun by every loader, in order
