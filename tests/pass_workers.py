@@ -132,3 +132,35 @@ def validation_iterator(
     weights = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
     rt.close()
     return {"weights": weights, "losses": losses, "steps": rt.global_step}
+
+
+def weighed_beside() -> dict:
+    """Two trainings (float64, SGD, 2 epochs of 4 batches) beside a validation loader of 51 samples read
+    through ``rt.loader``, whose last batch of 3 splits 2 and 1 over two processes: ``"top"`` reads it at
+    the top of every other training batch's body; ``"own"`` trains on batches of the script's own, split by
+    rank, after a whole pass of it. Each rank's loss must weigh by the batch it trains, not by the validation
+    loader's last. The weights of each."""
+    data = _data()
+    g = torch.Generator().manual_seed(1)
+    val = torch.utils.data.TensorDataset(torch.randn(51, 8, generator=g, dtype=torch.float64), torch.arange(51) % 3)
+    found = {}
+    for kind in ("top", "own"):
+        rt = ddpkit.init(seed=0)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        train = rt.loader(data, global_batch_size=10, shuffle=True)
+        held = rt.loader(val, global_batch_size=16)
+        for _epoch in rt.epochs(2):
+            for i, (x, y) in enumerate(train):
+                if kind == "own":
+                    x, y = data.tensors[0][i * 10 : i * 10 + 10], data.tensors[1][i * 10 : i * 10 + 10]
+                    x, y = x[rt.rank :: rt.world_size], y[rt.rank :: rt.world_size]
+                if kind == "own" or i % 2 == 0:
+                    with torch.no_grad():
+                        sum(float(F.cross_entropy(model(vx), vy)) for vx, vy in held)
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(optimizer)
+        found[kind] = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}
+        rt.close()
+    return found

@@ -39,6 +39,29 @@ def test_hello_under_torchrun():
     assert _hello_lines(result.stdout) == ["world_size=3 rank_sum=3"]
 
 
+TWO_RUNS = """
+import torch, ddpkit
+for stage in ("pretrain", "finetune"):
+    with ddpkit.init(seed=0) as rt:
+        net = torch.nn.Linear(2, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        total = rt.all_reduce(torch.tensor([rt.rank + 1.0]))
+        if rt.is_main:
+            print(stage, int(total), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_of_two_runs_one_after_the_other_under_torchrun(tmp_path):
+    """ddpkit.init after rt.close, in each process: the second group met in the first one's store, read
+    its peers' stale addresses, and the ranks hung in the rendezvous, silently."""
+    script = tmp_path / "two_runs.py"
+    script.write_text(TWO_RUNS)
+    result = run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(script)], timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["pretrain", "3", "finetune", "3"]
+
+
 @pytest.mark.timeout(120)
 def test_module_under_ddpkit_run(tmp_path):
     (tmp_path / "hello_mod.py").write_text((EXAMPLES / "hello.py").read_text())

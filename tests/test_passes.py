@@ -421,3 +421,80 @@ def test_a_loader_that_makes_no_batch_says_so(length, drop_last, said):
         warnings.simplefilter("error")  # one that makes a batch says nothing
         rt.loader(torch.utils.data.TensorDataset(torch.randn(16, 3)), global_batch_size=16, drop_last=True)
     rt.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_is_weighed_by_its_own_samples_while_another_loader_is_read_beside_it():
+    """A validation pass through rt.loader at the top of a training batch's body, or between batches of
+    the script's own: the backward weighed each rank's loss by the validation loader's last batch (2 and
+    1 of 3 samples), and 1 and 2 processes ended 1e-3 apart."""
+    two = ddpkit.launch(pass_workers.weighed_beside, nprocs=2)[0]
+    one = pass_workers.weighed_beside()
+    for kind in ("top", "own"):
+        for key, value in one[kind].items():
+            assert torch.allclose(two[kind][key], value, rtol=0, atol=1e-12), (kind, key)
+
+
+class _ReadAhead:
+    """timm's PrefetchLoader and apex's data_prefetcher: each batch is handed on once the next is read."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        held = None
+        for batch in self.loader:
+            if held is not None:
+                yield held
+            held = batch
+        if held is not None:
+            yield held
+
+
+@pytest.mark.parametrize("loop", ["read ahead", "itertools.cycle", "list(loader)", "list, micro_shards"])
+def test_batches_kept_from_a_pass_that_ran_out_are_refused_in_one_line(loop):
+    """A prefetcher weighed the second-to-last batch by the last one's samples per rank (1 and 2 processes
+    apart) and saved a position one batch past the one trained (a resumed run skipped it); cycle and
+    list(loader) replay a pass never shuffled anew, which a resumed run cannot find its place in."""
+    import itertools
+
+    with ddpkit.init(seed=0) as rt:
+        data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.arange(20) % 2)
+        net = torch.nn.Linear(3, 2)
+        model, optimizer = rt.setup(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), **({"micro_shards": 2} if "micro" in loop else {})
+        )
+        loader = rt.loader(data, global_batch_size=8, shuffle=True)  # 3 batches
+        batches = {"read ahead": _ReadAhead(loader), "itertools.cycle": itertools.cycle(loader)}.get(loop)
+        batches = list(loader) if batches is None else batches
+        trained = 0
+        with pytest.raises(ddpkit.UsageError, match=r"ran out .* the batch is one it handed out earlier") as raised:
+            for x, y in itertools.islice(batches, 6):
+                for xs, ys in rt.shards(x, y) if "micro" in loop else [(x, y)]:
+                    rt.backward(F.cross_entropy(model(xs), ys))
+                rt.step(optimizer)
+                trained += 1
+        assert trained == (2 if loop == "read ahead" else 3 if loop == "itertools.cycle" else 0)
+        assert "\n" not in str(raised.value)
+
+
+def test_a_batch_kept_after_its_pass_a_probe_and_a_last_look_are_not_refused():
+    """Overfitting one probed batch, a look at the last batch after the pass, and the next pass go on."""
+    with ddpkit.init(seed=0) as rt:
+        data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.arange(20) % 2)
+        net = torch.nn.Linear(3, 2)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = rt.loader(data, global_batch_size=8, shuffle=True)
+        x, y = next(iter(loader))  # a probe left unfinished: its batch trained again and again
+        for _ in range(3):
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+        with torch.no_grad():
+            model(x)  # the last batch, looked at after its pass
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+        assert rt.global_step == 9

@@ -98,7 +98,12 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
 
     # Before the first group: every group of this process (PowerSGD's, fsdp's mesh) binds there too.
     os.environ.update(stores.socket_env(env.num_nodes, env.master_addr, env.master_port))
-    store = _store(env, timeout_s)
+    key = (env.store_dir, env.restart_count, env.master_addr, env.master_port, env.rank, env.run_id)
+    if key not in _STORES:  # a later group of this process (init after close) meets in the same store
+        _STORES[key] = _store(env, timeout_s)
+    _JOINS[key] = joins = _JOINS.get(key, -1) + 1
+    # each group in keys of its own: a second init read the first group's peer addresses, and the ranks hung
+    store = dist.PrefixStore(f"join{joins}/", _STORES[key]) if joins else _STORES[key]
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -107,6 +112,13 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+_STORES: dict[tuple[object, ...], dist.Store] = {}
+"""The rendezvous store of each place this process joined a job at (rank 0's server kept alive)."""
+
+_JOINS: dict[tuple[object, ...], int] = {}
+"""How many default groups this process made there before the newest (``ddpkit.init`` after ``rt.close``)."""
 
 
 def _store(env: Environment, timeout_s: float) -> dist.Store:

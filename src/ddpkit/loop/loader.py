@@ -287,6 +287,9 @@ class LoaderPosition:
         self.epoch = 0
         self.position = 0  # batches handed out by the current pass
         self.finished = False  # the current pass ran out or was left (``break``)
+        self.ran_out = False  # the current pass handed out its last batch and ended (not left by ``break``)
+        self.reread = False  # a set-up model's forward took a batch of the current pass after it ran out
+        self.handed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.trained = False  # a batch of it fed a backward: its position matters for resume
         self.local_count = 0  # samples of this rank in the current batch
         self.global_count = 0  # samples of all ranks in the current batch
@@ -322,6 +325,7 @@ class LoaderPosition:
             trained: a batch of the ended pass fed a backward: the next pass then reads the next
                 epoch, where ``rt.epochs`` does not set the epochs.
         """
+        self.ran_out = False
         if ended:
             self.epoch, self.position, self.finished = epoch, position, True
             self._resume, self._pass_trained, self._epoch_set = None, trained, False
@@ -330,11 +334,11 @@ class LoaderPosition:
         self._resume, self._resume_trained = position, trained
         self._epoch_set = True
 
-    def _end_pass(self, this_pass: int) -> None:
+    def _end_pass(self, this_pass: int, *, ran_out: bool = False) -> None:
         """A pass ran out or was left (``break``): the script's next pass is a new one."""
         if this_pass != self._passes:
             return
-        self.finished, self.live = True, False
+        self.finished, self.live, self.ran_out = True, False, ran_out
         if self._resume is not None and self.position == self._resume:  # a resumed pass with nothing left
             self._resume, self._pass_trained = None, self._resume_trained  # (a stream's end, a heal at it)
 
@@ -349,7 +353,8 @@ class LoaderPosition:
             self._resume = None
         start = self._resume or 0
         self._passes += 1
-        self.position, self.finished, self.live = start, False, True
+        self.position, self.finished, self.live, self.ran_out = start, False, True, False
+        self.reread, self.handed = False, weakref.WeakValueDictionary()  # (the tensors of this pass's batches)
         self._began, self._pass_epoch = next(_PASSES), self.epoch
         self._pass_trained = self._epoch_set = False
         return start, self._passes
@@ -464,6 +469,7 @@ class ShardedLoader(LoaderPosition):
         self._plan = [
             (self.sampler.local_part(batch), len(batch)) for batch in self.sampler.global_batches(self.epoch, start)
         ]
+        ran_out = False
         try:
             for batch, (local, total) in zip(self._loader, self._plan):
                 self._check_pass(this_pass)
@@ -476,9 +482,10 @@ class ShardedLoader(LoaderPosition):
                 if self._on_batch is not None:
                     self._on_batch(self)
                 yield batch
+            ran_out = True
         finally:
             # Run out, or left by ``break``: either way the script's next pass is a new one.
-            self._end_pass(this_pass)
+            self._end_pass(this_pass, ran_out=ran_out)
 
     def _check_length(self) -> None:
         """Refuse a pass over a dataset that grew or shrank since the loader was built (samples labeled
@@ -522,6 +529,7 @@ class QuorumLoader(ShardedLoader):
     def __iter__(self) -> Iterator[Any]:
         self._check_length()
         start, this_pass = self._begin_pass()
+        ran_out = False
         try:
             while True:
                 rank, world = self.replica.quorum()  # may heal: epoch and position become the peer's
@@ -550,8 +558,9 @@ class QuorumLoader(ShardedLoader):
                 if self.position >= len(self):
                     self._at_pass_end()  # in a quorum of its own, if anything is due
                     break
+            ran_out = True
         finally:
-            self._end_pass(this_pass)
+            self._end_pass(this_pass, ran_out=ran_out)
 
     def _at_pass_end(self) -> None:
         """What is due between steps (an infrequent sync's exchange), once a save still copying the

@@ -27,8 +27,12 @@ from ddpkit.state.run import RunState
 
 def on_batch(run: RunState, loader: Any) -> None:
     """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
-    run.active = loader
+    run.hand_out(loader)
     run.fed.add(loader)
+    batch = loader.whole_batch  # its tensors, as a forward or rt.shards may take them again (list(loader))
+    for tensor in batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]:
+        if isinstance(tensor, torch.Tensor):
+            loader.handed[id(tensor)] = tensor
     if not isinstance(run.stepping, bool):  # a script's own optimizer.step() that raised, long over
         run.stepping = False
     if any(mode.changes_weights_on_batch() for mode in run.modes):
@@ -87,6 +91,7 @@ def shards(run: RunState, batch: tuple[Any, ...]) -> Iterator[Any]:
     """The micro-shards of the batch in hand (``rt.shards``): from the run's mode that cuts batches."""
     if not batch:
         raise UsageError("rt.shards needs the batch to cut, e.g. rt.shards(inputs, targets)")
+    _refuse_kept_batch(run, "rt.shards", batch)
     cut = next((c for mode in run.modes if (c := mode.shards(run.active, run.loop.step, batch)) is not None), None)
     if cut is None:
         raise UsageError("rt.shards needs rt.setup(model, optimizer, micro_shards=M)")
@@ -116,6 +121,29 @@ def _begin_step(run: RunState) -> None:
     run.counted.new_step()
 
 
+def _taken_again(loader: Any, values: Any) -> bool:
+    """Whether ``values`` (a forward's or ``rt.shards``' arguments) hold a tensor ``loader`` handed out in its pass."""
+    return any(isinstance(value, torch.Tensor) and loader.handed.get(id(value)) is value for value in values)
+
+
+def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] = ()) -> None:
+    """Refuse training on a batch of a pass that ran out: the batch is not the one the loader handed out
+    last, which the weighing, the micro-shards and a saved position stand for."""
+    last = run.handed_out[-1]() if run.handed_out else None
+    if last is None or last.live or not last.ran_out or run.active not in (None, last):
+        return  # (another loader's batch in hand: a validation pass ran out at the top of a batch's body)
+    if not (last._pass_trained or last.reread or _taken_again(last, batch)):
+        return
+    raise UsageError(
+        f"{call}: loader {last.name!r} ran out (its pass handed out its last batch and ended) before this "
+        "batch's backward, so the batch is one it handed out earlier: a loop that reads ahead (a prefetcher such "
+        "as timm's PrefetchLoader) weighs each batch by the next one's samples per rank and saves a position past "
+        "the batch it trains, and itertools.cycle(loader) or list(loader) replays a pass, never shuffled anew, "
+        "in which a resumed run cannot find its place; iterate the loader itself each pass (`for batch in "
+        "loader:`, inside `while True:` for an endless loop), which already moves batches to the device"
+    )
+
+
 def _mark_fed(run: RunState) -> None:
     """The loaders that fed this step are training's (their positions are saved, their next pass moves
     on): the one whose batch is in hand, and any other whose pass handed out a batch since the last step
@@ -131,6 +159,7 @@ def backward(run: RunState, loss: torch.Tensor, count: Any = None) -> None:
     by its units, which the step divides by every rank's: :mod:`ddpkit.loop.counted`)."""
     beat("backward")
     weight: Any = 1.0
+    _refuse_kept_batch(run, "rt.backward")
     active = run.active
     _mark_fed(run)
     run.loop.check_pending()
@@ -269,6 +298,9 @@ def watch_forwards(run: RunState, model: torch.nn.Module) -> None:
 
     def forward(module: torch.nn.Module, args: Any) -> None:
         run.forward_since_step = True
+        last = run.handed_out[-1]() if run.handed_out else None
+        if last is not None and last.ran_out and not last.live and _taken_again(last, args):
+            last.reread = True  # a batch of a pass that ran out, kept by the script (list(loader))
 
     run.forward_hooks.append(model.register_forward_pre_hook(forward))
 

@@ -76,8 +76,8 @@ class RunState:
     """From a load (maybe before setup): (this rank's mode states per model, same world, source)."""
     saved_buffers: list[Any] | None = None
     """From a load on the same world size: this rank's saved statistics per model."""
-    active: Any = None
-    """The loader whose batch is in hand."""
+    handed_out: list[weakref.ref[Any]] = field(default_factory=list)
+    """The loaders that handed out a batch, the latest last (each once; :attr:`active` reads them)."""
     fed: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     """The loaders that handed out a batch since the last step (``zip(labeled, unlabeled)`` two)."""
     accumulation: tuple[float, bool] | None = None
@@ -124,6 +124,30 @@ class RunState:
     tracking: Any = None
     """On rank 0, the W&B/MLflow runs (:class:`~ddpkit.observe.trackers.Remote`): their ids go into
     checkpoints, and a save sends them the rows it covers."""
+
+    @property
+    def active(self) -> Any:
+        """The loader whose batch is in hand: the last to hand one out. Where its pass is over and an earlier
+        one's is not (a validation pass through ``rt.loader`` at the top of a training batch's body), the
+        earlier one; where its pass ran out without feeding training and none is live (a loader read for
+        validation only, training on batches of the script's own), none."""
+        loaders = [loader for ref in reversed(self.handed_out) if (loader := ref()) is not None]
+        if not loaders or loaders[0].live:
+            return loaders[0] if loaders else None
+        live = next((loader for loader in loaders[1:] if loader.live), None)
+        if live is not None:
+            return live
+        last = loaders[0]
+        if last.ran_out and not (last._pass_trained or last.reread):
+            return None
+        return last
+
+    def hand_out(self, loader: Any) -> None:
+        """``loader`` handed out a batch: it is the latest (:attr:`active`)."""
+        if self.handed_out and self.handed_out[-1]() is loader:
+            return
+        self.handed_out = [ref for ref in self.handed_out if ref() not in (None, loader)][-7:]
+        self.handed_out.append(weakref.ref(loader))
 
     @property
     def models(self) -> list[torch.nn.Module]:

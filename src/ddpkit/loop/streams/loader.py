@@ -196,7 +196,7 @@ class StreamLoader(LoaderPosition):
         raw = self._user_collate is not None and (self._parts > 1 or shards > 1)
         self._pieces.control[0], self._pieces.control[1], self._pieces.control[2] = self.epoch, start, int(raw)
         self.shard_batches = None
-        expected = start
+        expected, ran_out = start, False
         try:
             for b, local, batch, count, seen in join(self._loader, self._parts):
                 self._check_pass(this_pass)
@@ -216,8 +216,9 @@ class StreamLoader(LoaderPosition):
                 self._agree(0, -1, 0)
             elif expected != len(self):
                 raise DdpkitError(f"internal: the stream pass ended after {expected} of {len(self)} batches")
+            ran_out = True
         finally:
-            self._end_pass(this_pass)
+            self._end_pass(this_pass, ran_out=ran_out)
 
     def _agree(self, more: int, seen: int, digest: int) -> None:
         """Ranks of a plain stream check they read the same: as much of it, and the same first
