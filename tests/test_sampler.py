@@ -140,6 +140,66 @@ def test_loader_resumes_mid_epoch_from_its_position():
     assert [b.tolist() for b in loader] == full  # used up: each pass starts the epoch
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_lengths_group_each_global_batch_by_length_alike_on_any_world_size(shuffle):
+    """Hugging Face's group_by_length: groups of 50 global batches of an epoch's order, each sorted by
+    length, the longest sample first; a DataLoader with a bucketing batch sampler is refused with this."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 500, (1030,), generator=g).tolist()
+    plain = GlobalBatchSampler(1030, global_batch_size=8, shuffle=shuffle, seed=3)
+    grouped = GlobalBatchSampler(1030, global_batch_size=8, shuffle=shuffle, seed=3, lengths=lengths)
+    order = grouped.order(0)
+    assert sorted(order) == list(range(1030)) and order != plain.order(0)
+    assert lengths[order[0]] == max(lengths)
+    for start in range(400, 1030, 400):  # past the first group, each sorted longest first
+        group = order[start : start + 400]
+        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
+    assert sorted(order[:400]) == sorted(plain.order(0)[:400])  # a group holds its part of the order ...
+    waste = [sum(max(lengths[i] for i in b) - lengths[i] for i in b) for b in grouped.global_batches(0)]
+    plain_waste = [sum(max(lengths[i] for i in b) - lengths[i] for i in b) for b in plain.global_batches(0)]
+    assert sum(waste) * 20 < sum(plain_waste)  # ... and pads a twentieth as much
+    assert grouped.order(1) != order if shuffle else grouped.order(1) == order
+    for world in (2, 4):
+        parts = [
+            list(
+                GlobalBatchSampler(
+                    1030, global_batch_size=8, shuffle=shuffle, seed=3, lengths=lengths, rank=r, world_size=world
+                ).batches(0)
+            )
+            for r in range(world)
+        ]
+        merged = [sorted(i for part in parts for i in part[b]) for b in range(len(parts[0]))]
+        assert merged == [sorted(b) for b in grouped.global_batches(0)]
+    assert grouped.signature() != plain.signature()  # a position saved without grouping is not resumed with it
+
+
+def test_lengths_bad_input_is_one_line():
+    with pytest.raises(UsageError, match="lengths= needs one non-negative whole number per sample"):
+        GlobalBatchSampler(4, global_batch_size=2, lengths=[1, 2, 3])
+    with pytest.raises(UsageError, match="lengths= needs one non-negative whole number per sample"):
+        GlobalBatchSampler(3, global_batch_size=2, lengths=[1.5, 2, 3])
+    with pytest.raises(UsageError, match="give one"):
+        GlobalBatchSampler(3, global_batch_size=2, lengths=[1, 2, 3], weights=[1, 1, 1])
+    with ddpkit.init(seed=0) as rt:
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter(range(4))
+
+        with pytest.raises(UsageError, match="lengths= need a map-style dataset"):
+            rt.loader(Stream(), global_batch_size=2, lengths=[1, 2, 3, 4])
+
+        class Buckets(torch.utils.data.Sampler):
+            def __iter__(self):
+                return iter([[0, 1], [2, 3]])
+
+            def __len__(self):
+                return 2
+
+        with pytest.raises(UsageError, match=r"its Buckets, .*with lengths=\[one per sample\]"):
+            rt.loader(DataLoader(list(range(4)), batch_sampler=Buckets()))
+
+
 def test_batch_weight_counts_true_samples():
     rt = ddpkit.init()
     loader = rt.loader(list(range(5)), global_batch_size=4)

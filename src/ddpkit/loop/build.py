@@ -42,6 +42,9 @@ class LoaderOptions:
     """One per sample: each epoch draws ``num_samples`` with replacement (map-style data only)."""
     num_samples: int | None = None
     """Samples drawn per epoch with ``weights`` (default: all)."""
+    lengths: Any = None
+    """One per sample (its tokens, say): each global batch holds samples of similar length, as Hugging Face's
+    ``group_by_length`` gives (:meth:`ddpkit.loop.sampler.GlobalBatchSampler.order`), the same on any world size."""
     pin_memory: bool | None = None
     """DataLoader's pin_memory (default: on CUDA)."""
     prefetch_factor: int | None = None
@@ -127,9 +130,9 @@ def build_loader(
             raise UsageError(
                 "--fault-tolerant does not read streams yet (an IterableDataset); give a map-style dataset"
             )
-        if options.weights is not None or options.num_samples is not None:
+        if options.weights is not None or options.num_samples is not None or options.lengths is not None:
             raise UsageError(
-                "weights= and num_samples= need a map-style dataset (they draw indices); "
+                "weights=, num_samples= and lengths= need a map-style dataset (they order its indices); "
                 "a stream is read in its own order"
             )
 
@@ -160,6 +163,7 @@ def build_loader(
             drop_last=options.drop_last,
             weights=options.weights,
             num_samples=options.num_samples,
+            lengths=options.lengths,
         )
         made = QuorumLoader(dataset, sampler, replica=quorum, **common)
         made.local_shards = lambda: run.local_micro_shards
@@ -174,6 +178,7 @@ def build_loader(
             drop_last=options.drop_last,
             weights=options.weights,
             num_samples=options.num_samples,
+            lengths=options.lengths,
         )
         made = ShardedLoader(dataset, sampler, **common)
         # micro-shards over 4 or more ranks: neighbouring ranks (one node's) hold the shards the tree adds

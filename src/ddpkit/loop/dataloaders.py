@@ -69,7 +69,8 @@ def from_dataloader(loader: Any, given: dict[str, Any]) -> tuple[Any, dict[str, 
     if type(loader.batch_sampler) is not BatchSampler:
         raise UsageError(
             f"rt.loader: this DataLoader makes its batches with its {type(loader.batch_sampler).__name__}, "
-            f"and rt.loader cuts the global batches itself (the same on any world size); pass {instead}"
+            f"and rt.loader cuts the global batches itself (the same on any world size); pass {instead}, "
+            "with lengths=[one per sample] for batches of samples of similar length"
         )
     options: dict[str, Any] = {"global_batch_size": size}
     sampler, kind = loader.sampler, reads(loader)

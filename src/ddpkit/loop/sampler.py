@@ -41,10 +41,16 @@ class GlobalBatchSampler:
         drop_last: bool = False,
         weights: Sequence[float] | torch.Tensor | None = None,
         num_samples: int | None = None,
+        lengths: Sequence[int] | torch.Tensor | None = None,
     ):
         if global_batch_size < 1:
             raise UsageError(f"batch size must be at least 1, got {global_batch_size}")
         self.weights = None if weights is None else _check_weights(weights, length)
+        if lengths is not None and self.weights is not None:
+            raise UsageError(
+                "lengths= groups the samples of an epoch's order and weights= draws them with replacement; give one"
+            )
+        self.lengths = None if lengths is None else _check_lengths(lengths, length)
         if num_samples is not None and (self.weights is None or num_samples < 1):
             raise UsageError("num_samples needs weights=... and must be at least 1")
         self.dataset_length = length
@@ -86,13 +92,33 @@ class GlobalBatchSampler:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             return torch.multinomial(self.weights, self.length, replacement=True, generator=generator).tolist()
         if not self.shuffle:
-            return list(range(self.length))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.length, generator=generator).tolist()
+            order = list(range(self.length))
+        else:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.length, generator=generator).tolist()
+        return order if self.lengths is None else self._grouped(order)
+
+    GROUP = 50
+    """Global batches per group sorted by length (Hugging Face's ``LengthGroupedSampler`` sorts 50)."""
+
+    def _grouped(self, order: list[int]) -> list[int]:
+        """``order`` cut into groups of :attr:`GROUP` global batches, each sorted by length, longest first (ties
+        in their order), and the group holding the longest sample first: a batch pads little, and a run
+        too long for memory fails at its first step."""
+        assert self.lengths is not None
+        lengths, size = self.lengths, self.GROUP * self.global_batch_size
+        groups = [sorted(order[i : i + size], key=lambda index: -lengths[index]) for i in range(0, len(order), size)]
+        longest = max(range(len(groups)), key=lambda g: lengths[groups[g][0]], default=0)
+        if groups and longest:
+            groups[0][0], groups[longest][0] = groups[longest][0], groups[0][0]
+            groups[longest].sort(key=lambda index: -lengths[index])
+        return [index for group in groups for index in group]
 
     def signature(self) -> dict[str, Any]:
         """What must match for a saved position to name the same batches again (plain data)."""
+        grouped = {"by_length": True} if self.lengths is not None else {}  # (absent: as saved before lengths=)
         return {
+            **grouped,
             "length": self.dataset_length,
             "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle,
@@ -138,6 +164,16 @@ def _check_weights(weights: Sequence[float] | torch.Tensor, length: int) -> torc
     if bool((tensor < 0).any()) or not bool(torch.isfinite(tensor).all()) or float(tensor.sum()) <= 0:
         raise UsageError("weights must be finite, non-negative and not all zero")
     return tensor
+
+
+def _check_lengths(lengths: Sequence[int] | torch.Tensor, length: int) -> list[int]:
+    values = torch.as_tensor(lengths).flatten()
+    if len(values) != length or values.is_floating_point() or values.is_complex() or bool((values < 0).any()):
+        raise UsageError(
+            f"lengths= needs one non-negative whole number per sample (its tokens, say); got {len(values)} "
+            f"{values.dtype} value(s) for a dataset of {length}"
+        )
+    return values.tolist()
 
 
 def check_batch_sizes(world_size: int, batch_size: int | None, global_batch_size: int | None) -> int:

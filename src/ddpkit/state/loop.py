@@ -236,5 +236,7 @@ def _describe(sig: dict[str, Any]) -> str:
         text = f"a {sig['stream']} stream in global batches of {sig['global_batch_size']}"
     else:
         text = f"{sig['length']} samples in global batches of {sig['global_batch_size']}"
-    flags = [f"seed {sig['seed']}"] + [flag for flag in ("shuffle", "drop_last", "weighted") if sig.get(flag)]
+    flags = [f"seed {sig['seed']}"] + [
+        flag for flag in ("shuffle", "drop_last", "weighted", "by_length") if sig.get(flag)
+    ]
     return f"{text} ({', '.join(flags)})"
