@@ -1068,3 +1068,41 @@ def test_the_hook_on_cs_terminate_reports_from_the_rank_only_and_only_while_it_w
     watchdog._stop.set()  # stopped watching: the process ends as it would have
     watchdog._terminating()
     assert looked == [os.getpid()]
+
+
+WORKER_STUCK = """
+import time, torch, torch.nn.functional as F, torch.distributed as dist, ddpkit
+
+class Reads(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        if i == 13 and dist.get_rank() == 1:
+            time.sleep(3600)  # line 10: a read that never returns (a dead network mount)
+        return torch.full((4,), float(i)), i % 2
+
+rt = ddpkit.init(seed=0)
+net = torch.nn.Linear(4, 2)
+model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for x, y in rt.loader(Reads(), global_batch_size=4, num_workers=2):  # line 16
+    rt.backward(F.cross_entropy(model(x), y))
+    rt.step(optimizer)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_on_a_read_in_its_dataloader_worker_is_named_with_the_workers_stack(tmp_path):
+    """The rank's main thread only waits on its workers' queue: the report said "in select
+    (selectors.py:415)". It now names the loop's line and the wait, and the workers' stacks show the read."""
+    path = tmp_path / "worker_stuck.py"
+    path.write_text(WORKER_STUCK)
+    result = ddpkit_cli("run", "-n", "2", str(path), env=_cpu(DDPKIT_HANG_FLOOR="4"), timeout=120)
+    assert result.returncode == EXIT_HANG, result.stderr[-3000:]
+    assert re.search(
+        r"rank 1: .* from .*worker_stuck\.py:16, waiting for a batch from its DataLoader workers.*<- stuck",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert "Python stack of this rank's DataLoader worker 2 of 2 (pid" in result.stderr, result.stderr[-3000:]
+    assert re.search(r'File ".*worker_stuck\.py", line 10 in __getitem__', result.stderr), result.stderr[-3000:]
+    assert "killed by signal" not in result.stderr  # the workers asked for their stacks live on

@@ -641,3 +641,21 @@ def test_load_pre_hook_runs_before_a_load_through_the_public_or_the_private_regi
     monkeypatch.delattr(torch.nn.Module, "_register_load_state_dict_pre_hook")
     with pytest.raises(PrivateApiChanged, match="_register_load_state_dict_pre_hook"):
         load_pre_hook(torch.nn.Linear(2, 2), lambda *args: None)
+
+
+def test_dataloader_worker_pids_lists_a_passes_live_workers_and_is_loud_when_the_api_is_gone():
+    dataloader_worker_pids = _torch.dataloader_worker_pids
+
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2)
+    batches = iter(loader)
+    next(batches)
+    pids = dataloader_worker_pids(loader, batches)
+    assert len(pids) == 2 and all(isinstance(pid, int) and pid > 0 for pid in pids)
+    del batches  # the pass's iterator gone: its workers end
+    assert dataloader_worker_pids(torch.utils.data.DataLoader(list(range(4))), None) == []
+
+    class Moved:  # a torch that keeps its workers elsewhere
+        pass
+
+    with pytest.raises(_torch.PrivateApiChanged, match="DataLoader iterator._workers"):
+        dataloader_worker_pids(loader, Moved())

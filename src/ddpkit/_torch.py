@@ -667,3 +667,19 @@ def on_cpp_terminate(handler: Callable[[], None]) -> Callable[[], None]:
 
     undo.__dict__["callback"] = callback
     return undo
+
+
+def dataloader_worker_pids(loader: torch.utils.data.DataLoader, iterator: Any) -> list[int]:
+    """The pids of the live worker processes of ``iterator``, a pass of ``loader`` (torch's private ``_workers``).
+
+    Raises:
+        PrivateApiChanged: ``loader`` has workers and ``iterator`` does not list them where it did.
+    """
+    if loader.num_workers == 0 or iterator is None:
+        return []
+    workers = getattr(iterator, "_workers", None)
+    if not isinstance(workers, list) or not all(
+        hasattr(worker, "pid") and hasattr(worker, "is_alive") for worker in workers
+    ):
+        raise PrivateApiChanged("DataLoader iterator._workers", "a list of the worker processes")
+    return [worker.pid for worker in workers if worker.is_alive()]

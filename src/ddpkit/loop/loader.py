@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from ddpkit import rng
+from ddpkit import _torch, rng
 from ddpkit.checkpoint import background
 from ddpkit.errors import UsageError
 from ddpkit.loop.batch import map_tensors, to_device, zero_rows
 from ddpkit.loop.sampler import GlobalBatchSampler
+from ddpkit.observe import worker_stacks
 
 SHARDS = "micro-shards"
 """The first element of the key :class:`_EpochBatches` adds to a batch for :class:`ShardCollate`: its local shards."""
@@ -145,6 +146,7 @@ class _KeyedDataset(Dataset):
 
     def seed_worker(self, worker_id: int) -> None:
         """DataLoader's ``worker_init_fn``: ddpkit's seeding first, then the user's function."""
+        worker_stacks.listen()  # a stack for the watchdog, should a read hang
         self._seed_globals(self.start_epoch, worker_id)
         if self.user_worker_init is not None:
             rng.run_worker_init(self.user_worker_init, worker_id)
@@ -263,6 +265,16 @@ class LoaderPosition:
 
     on_trained: Callable[[Any], None] | None = None
     """The loop state's: told each time a batch of this loader feeds a backward or a step."""
+
+    _reading: Callable[[], Any] | None = None
+    """The DataLoader iterator of the current pass, weakly (:meth:`worker_pids`)."""
+
+    def worker_pids(self) -> list[int]:
+        """The live DataLoader workers of this loader's current pass (the watchdog asks them for their stacks)."""
+        loader = getattr(self, "_loader", None)
+        if not isinstance(loader, DataLoader) or self._reading is None:
+            return []
+        return _torch.dataloader_worker_pids(loader, self._reading())
 
     def _local_shards(self) -> int:
         """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
@@ -458,6 +470,8 @@ class ShardedLoader(LoaderPosition):
             worker_init_fn=self._keyed.seed_worker if workers else None,
             generator=rng.private_generator(seed),
         )
+        if workers:
+            worker_stacks.add(self)
 
     def __iter__(self) -> Iterator[Any]:
         self._check_length()
@@ -471,7 +485,9 @@ class ShardedLoader(LoaderPosition):
         ]
         ran_out = False
         try:
-            for batch, (local, total) in zip(self._loader, self._plan):
+            batches = iter(self._loader)
+            self._reading = weakref.ref(batches)  # (weakly: a pass's workers end with its iterator, as before)
+            for batch, (local, total) in zip(batches, self._plan):
                 self._check_pass(this_pass)
                 batch = self._take_parts(batch)
                 if not local:

@@ -500,9 +500,7 @@ def _row(rank: int, beat: Heartbeat | None, now: float, silent_after: float) -> 
     if beat.call:
         text += f", waiting in its collective #{beat.calls} {beat.call} at {beat.call_where or '?'}"
     elif beat.where:
-        text += f", in {beat.where}"
-        if beat.pending and beat.call_where:  # in the recorder's collective: the user's line that led there
-            text += f" from {beat.call_where}"
+        text += f", in {beat.where}"  # (with the user's line that led there, where that is another)
     return text + (f"; flight recorder: {beat.flight}" if beat.flight else "")
 
 

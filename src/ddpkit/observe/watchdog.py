@@ -57,7 +57,7 @@ from typing import Any
 
 from ddpkit._torch import PrivateApiChanged, default_store, on_cpp_terminate
 from ddpkit.errors import UsageError, raised_at, user_line, warn
-from ddpkit.observe import collectives
+from ddpkit.observe import collectives, worker_stacks
 from ddpkit.observe.heartbeats import (
     CLOSED,
     EXIT_HANG,
@@ -533,6 +533,9 @@ class Watchdog:
         if verdict.culprit == self.rank:
             self._await(lambda: int(self._store.add(_READY, 0)) >= verdict.peers)
             self._dump_stack()
+            frame = sys._current_frames().get(self._watched)
+            if frame is not None and _waits_for_workers(frame):  # the read that hangs is in a worker
+                worker_stacks.dump(_say)
             self._tell(lambda store: store.set(_DUMPED, str(self.rank)))
         else:
             _silence()
@@ -560,10 +563,18 @@ class Watchdog:
         return user_line(frame) if frame is not None else ""
 
     def _where(self) -> str:
+        """Where the watched thread is: its innermost frame, the user's line that led there where that is
+        another, and whether it waits for a batch from DataLoader workers (the frame is then a select's)."""
         frame = sys._current_frames().get(self._watched)
         if frame is None:
             return ""
-        return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+        text = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+        users = user_line(frame)
+        if users and not os.path.abspath(frame.f_code.co_filename) == os.path.abspath(users.rpartition(":")[0]):
+            text += f" from {users}"
+        if _waits_for_workers(frame):
+            text += ", waiting for a batch from its DataLoader workers"
+        return text
 
     # -- the store ----------------------------------------------------------------------
     def _heartbeats(
@@ -757,3 +768,13 @@ def watch(
     store = group_store()
     log = collectives.CollectiveLog() if store is not None and world_size > 1 else None
     return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=store, log=log, device=device).start(step)
+
+
+def _waits_for_workers(frame: Any) -> bool:
+    """Whether ``frame`` or a caller is torch's DataLoader waiting on its workers' queue."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("_try_get_data", "_get_data") and code.co_filename.endswith("dataloader.py"):
+            return True
+        frame = frame.f_back
+    return False

@@ -29,6 +29,7 @@ from ddpkit.loop.streams.lengths import ensure_lengths
 from ddpkit.loop.streams.order import Layout
 from ddpkit.loop.streams.pieces import Pieces, RawSamples, as_is, join, warn_once, warn_plain_stream
 from ddpkit.loop.streams.shards import Shards
+from ddpkit.observe import worker_stacks
 
 
 class StreamPlan:
@@ -157,6 +158,8 @@ class StreamLoader(LoaderPosition):
             worker_init_fn=self._pieces.seed_worker if workers else None,
             generator=rng.private_generator(seed),
         )
+        if workers:
+            worker_stacks.add(self)
 
     @property
     def contiguous_split(self) -> bool:
@@ -198,7 +201,9 @@ class StreamLoader(LoaderPosition):
         self.shard_batches = None
         expected, ran_out = start, False
         try:
-            for b, local, batch, count, seen in join(self._loader, self._parts):
+            pieces = iter(self._loader)
+            self._reading = weakref.ref(pieces)  # (weakly: a pass's workers end with its iterator, as before)
+            for b, local, batch, count, seen in join(pieces, self._parts):
                 self._check_pass(this_pass)
                 if b != expected:
                     raise DdpkitError(f"internal: stream batch {b} arrived where {expected} was due")

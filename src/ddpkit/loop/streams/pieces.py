@@ -36,6 +36,7 @@ from ddpkit.loop.loader import ShardCollate, collate_shards
 from ddpkit.loop.sampler import batch_shard
 from ddpkit.loop.streams.order import EpochOrder, Layout, permutation, window_rows, worker_columns
 from ddpkit.loop.streams.shards import ShardError, Shards, read_range
+from ddpkit.observe import worker_stacks
 
 PLAIN_WINDOW = 256  # shuffle window of a plain stream with shuffle=True
 
@@ -89,6 +90,7 @@ class Pieces(IterableDataset):
 
     def seed_worker(self, worker_id: int) -> None:
         """DataLoader's ``worker_init_fn``: ddpkit's seeding first, then the user's function."""
+        worker_stacks.listen()  # a stack for the watchdog, should a read hang
         self._seed(int(self.control[0]), worker_id)
         if self.user_worker_init is not None:
             rng.run_worker_init(self.user_worker_init, worker_id)
