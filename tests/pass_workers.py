@@ -135,30 +135,34 @@ def validation_iterator(
 
 
 def weighed_beside() -> dict:
-    """Two trainings (float64, SGD, 2 epochs of 4 batches) beside a validation loader of 51 samples read
-    through ``rt.loader``, whose last batch of 3 splits 2 and 1 over two processes: ``"top"`` reads it at
-    the top of every other training batch's body; ``"own"`` trains on batches of the script's own, split by
-    rank, after a whole pass of it. Each rank's loss must weigh by the batch it trains, not by the validation
-    loader's last. The weights of each."""
-    data = _data()
+    """Three trainings (float64, SGD, 2 epochs) beside a validation loader of 51 samples read through
+    ``rt.loader``, whose last batch of 3 splits 2 and 1 over two processes: ``"top"`` reads it at the top of
+    every other body of a training loader of 41 samples in batches of 12 (the last, 5, splits 3 and 2);
+    ``"own"`` trains 4 steps an epoch on batches of the script's own, split by rank, each after a whole pass
+    of it; ``"left"`` the same after a pass left by ``break``. Each rank's loss must weigh by the batch it
+    trains, not by the validation loader's last. The weights of each."""
     g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(41, 8, generator=g, dtype=torch.float64), torch.arange(41) % 3)
     val = torch.utils.data.TensorDataset(torch.randn(51, 8, generator=g, dtype=torch.float64), torch.arange(51) % 3)
     found = {}
-    for kind in ("top", "own"):
+    for kind in ("top", "own", "left"):
         rt = ddpkit.init(seed=0)
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
-        train = rt.loader(data, global_batch_size=10, shuffle=True)
+        train = rt.loader(data, global_batch_size=12, shuffle=True)
         held = rt.loader(val, global_batch_size=16)
         for _epoch in rt.epochs(2):
-            for i, (x, y) in enumerate(train):
-                if kind == "own":
-                    x, y = data.tensors[0][i * 10 : i * 10 + 10], data.tensors[1][i * 10 : i * 10 + 10]
+            batches = train if kind == "top" else [data[i * 10 : i * 10 + 10] for i in range(4)]
+            for i, (x, y) in enumerate(batches):
+                if kind != "top":
                     x, y = x[rt.rank :: rt.world_size], y[rt.rank :: rt.world_size]
-                if kind == "own" or i % 2 == 0:
+                if kind != "top" or i % 2 == 0:
                     with torch.no_grad():
-                        sum(float(F.cross_entropy(model(vx), vy)) for vx, vy in held)
+                        for j, (vx, _vy) in enumerate(held):
+                            model(vx)
+                            if kind == "left" and j == 3:
+                                break  # its last batch, of 3 samples, and the pass left
                 rt.backward(F.cross_entropy(model(x), y))
                 rt.step(optimizer)
         found[kind] = {k: v.detach().clone() for k, v in ddpkit._torch.unwrap(model).state_dict().items()}

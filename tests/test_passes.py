@@ -426,11 +426,11 @@ def test_a_loader_that_makes_no_batch_says_so(length, drop_last, said):
 @pytest.mark.timeout(120)
 def test_a_batch_is_weighed_by_its_own_samples_while_another_loader_is_read_beside_it():
     """A validation pass through rt.loader at the top of a training batch's body, or between batches of
-    the script's own: the backward weighed each rank's loss by the validation loader's last batch (2 and
-    1 of 3 samples), and 1 and 2 processes ended 1e-3 apart."""
+    the script's own (read to its end, or left at its last batch): the backward weighed each rank's loss
+    by the validation loader's last batch (2 and 1 of 3 samples), and 1 and 2 processes ended apart."""
     two = ddpkit.launch(pass_workers.weighed_beside, nprocs=2)[0]
     one = pass_workers.weighed_beside()
-    for kind in ("top", "own"):
+    for kind in ("top", "own", "left"):
         for key, value in one[kind].items():
             assert torch.allclose(two[kind][key], value, rtol=0, atol=1e-12), (kind, key)
 
@@ -468,7 +468,9 @@ def test_batches_kept_from_a_pass_that_ran_out_are_refused_in_one_line(loop):
         batches = {"read ahead": _ReadAhead(loader), "itertools.cycle": itertools.cycle(loader)}.get(loop)
         batches = list(loader) if batches is None else batches
         trained = 0
-        with pytest.raises(ddpkit.UsageError, match=r"ran out .* the batch is one it handed out earlier") as raised:
+        with pytest.raises(
+            ddpkit.UsageError, match=r"this batch is one loader .* handed out before the batch in hand"
+        ) as raised:
             for x, y in itertools.islice(batches, 6):
                 for xs, ys in rt.shards(x, y) if "micro" in loop else [(x, y)]:
                     rt.backward(F.cross_entropy(model(xs), ys))
@@ -497,4 +499,17 @@ def test_a_batch_kept_after_its_pass_a_probe_and_a_last_look_are_not_refused():
         for x, y in loader:
             rt.backward(F.cross_entropy(model(x), y))
             rt.step(optimizer)
-        assert rt.global_step == 9
+        orders = []
+        for _ in range(2):  # a loss of the whole pass, backward after it (full-batch training), no rt.epochs
+            losses, order = [], []
+            for x, y in loader:
+                losses.append(F.cross_entropy(model(x), y))
+                order += x[:, 0].tolist()
+            rt.backward(torch.stack(losses).mean())
+            rt.step(optimizer)
+            orders.append(order)
+        assert orders[0] != orders[1]  # the pass fed a step: the next reads the next epoch, as before
+        x, y = next(iter(rt.loader(data, global_batch_size=8)))  # a probe of a loader built inline
+        rt.backward(F.cross_entropy(model(x), y))
+        rt.step(optimizer)
+        assert rt.global_step == 12

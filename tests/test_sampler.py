@@ -151,13 +151,15 @@ def test_lengths_group_each_global_batch_by_length_alike_on_any_world_size(shuff
     order = grouped.order(0)
     assert sorted(order) == list(range(1030)) and order != plain.order(0)
     assert lengths[order[0]] == max(lengths)
-    for start in range(400, 1030, 400):  # past the first group, each sorted longest first
-        group = order[start : start + 400]
-        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
-    assert sorted(order[:400]) == sorted(plain.order(0)[:400])  # a group holds its part of the order ...
+    size = min(1030 // (4 * 8), 50) * 8  # Hugging Face's: a group of at most 50 batches, fewer for small data
+    for start in range(0, 1030, size):  # each sorted longest first (past the one that gave its first away)
+        group = [lengths[i] for i in order[start : start + size][1:]]
+        assert group == sorted(group, reverse=True)
+    same = [sorted(order[i : i + size]) == sorted(plain.order(0)[i : i + size]) for i in range(0, 1030, size)]
+    assert sum(same) >= len(same) - 2  # each holds its part of the order (but the two that swapped a sample) ...
     waste = [sum(max(lengths[i] for i in b) - lengths[i] for i in b) for b in grouped.global_batches(0)]
     plain_waste = [sum(max(lengths[i] for i in b) - lengths[i] for i in b) for b in plain.global_batches(0)]
-    assert sum(waste) * 20 < sum(plain_waste)  # ... and pads a twentieth as much
+    assert sum(waste) * 10 < sum(plain_waste)  # ... and pads a tenth as much
     assert grouped.order(1) != order if shuffle else grouped.order(1) == order
     for world in (2, 4):
         parts = [

@@ -669,14 +669,13 @@ def on_cpp_terminate(handler: Callable[[], None]) -> Callable[[], None]:
     return undo
 
 
-def dataloader_worker_pids(loader: torch.utils.data.DataLoader, iterator: Any) -> list[int]:
-    """The pids of the live worker processes of ``iterator``, a pass of ``loader`` (torch's private ``_workers``).
+def dataloader_worker_pids(iterator: Any) -> list[int]:
+    """The pids of the live worker processes of ``iterator``, a DataLoader's pass read by workers (torch's
+    private ``_workers``).
 
     Raises:
-        PrivateApiChanged: ``loader`` has workers and ``iterator`` does not list them where it did.
+        PrivateApiChanged: ``iterator`` does not list them where it did.
     """
-    if loader.num_workers == 0 or iterator is None:
-        return []
     workers = getattr(iterator, "_workers", None)
     if not isinstance(workers, list) or not all(
         hasattr(worker, "pid") and hasattr(worker, "is_alive") for worker in workers

@@ -98,12 +98,7 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
 
     # Before the first group: every group of this process (PowerSGD's, fsdp's mesh) binds there too.
     os.environ.update(stores.socket_env(env.num_nodes, env.master_addr, env.master_port))
-    key = (env.store_dir, env.restart_count, env.master_addr, env.master_port, env.rank, env.run_id)
-    if key not in _STORES:  # a later group of this process (init after close) meets in the same store
-        _STORES[key] = _store(env, timeout_s)
-    _JOINS[key] = joins = _JOINS.get(key, -1) + 1
-    # each group in keys of its own: a second init read the first group's peer addresses, and the ranks hung
-    store = dist.PrefixStore(f"join{joins}/", _STORES[key]) if joins else _STORES[key]
+    store = _store_of_this_group(env, timeout_s)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -112,6 +107,20 @@ def init(env: Environment, backend: str, device: torch.device, timeout_s: float)
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def _store_of_this_group(env: Environment, timeout_s: float) -> dist.Store:
+    """The store this default group meets in. A launcher's (its agent's, or a file of ``ddpkit run``'s)
+    outlives a group, so a later group of this process (``ddpkit.init`` after ``rt.close``) meets in keys of
+    its own there: the first one's peer addresses were read again and the ranks hung. Rank 0's own server
+    is kept for the later groups too: a new one found its port still taken."""
+    key = (env.store_dir, env.restart_count, env.master_addr, env.master_port, env.rank, env.run_id)
+    if key not in _STORES:
+        _STORES[key] = _store(env, timeout_s)
+    else:
+        _STORES[key].set_timeout(datetime.timedelta(seconds=timeout_s))  # this init's, not the first one's
+    _JOINS[key] = joins = _JOINS.get(key, -1) + 1
+    return dist.PrefixStore(f"join{joins}/", _STORES[key]) if joins else _STORES[key]
 
 
 _STORES: dict[tuple[object, ...], dist.Store] = {}

@@ -111,7 +111,7 @@ def build_loader(
     """
     total = check_batch_sizes(world_size, options.batch_size, options.global_batch_size)
     if not run.local_first:  # (there local rank 0 runs the block alone: a collective would wait for the others)
-        same_data.check(dataset, "rt.loader")  # every rank cuts the same dataset (a collective; not a stream)
+        same_data.check(dataset, "rt.loader", options.lengths)  # every rank cuts the same data (a collective)
     seed = run.seed or 0
     common = _CommonOptions(
         device=device,

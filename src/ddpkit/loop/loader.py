@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from ddpkit import _torch, rng
+from ddpkit import rng
 from ddpkit.checkpoint import background
 from ddpkit.errors import UsageError
 from ddpkit.loop.batch import map_tensors, to_device, zero_rows
@@ -269,12 +269,9 @@ class LoaderPosition:
     _reading: Callable[[], Any] | None = None
     """The DataLoader iterator of the current pass, weakly (:meth:`worker_pids`)."""
 
-    def worker_pids(self) -> list[int]:
-        """The live DataLoader workers of this loader's current pass (the watchdog asks them for their stacks)."""
-        loader = getattr(self, "_loader", None)
-        if not isinstance(loader, DataLoader) or self._reading is None:
-            return []
-        return _torch.dataloader_worker_pids(loader, self._reading())
+    def reading(self) -> Any:
+        """The DataLoader iterator of the current pass, if any (the watchdog asks its workers for their stacks)."""
+        return self._reading() if self._reading is not None else None
 
     def _local_shards(self) -> int:
         """The local micro-shards a collate of the script's makes each on its own (0: it does not)."""
@@ -300,8 +297,7 @@ class LoaderPosition:
         self.position = 0  # batches handed out by the current pass
         self.finished = False  # the current pass ran out or was left (``break``)
         self.ran_out = False  # the current pass handed out its last batch and ended (not left by ``break``)
-        self.reread = False  # a set-up model's forward took a batch of the current pass after it ran out
-        self.handed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._new_pass_marks()
         self.trained = False  # a batch of it fed a backward: its position matters for resume
         self.local_count = 0  # samples of this rank in the current batch
         self.global_count = 0  # samples of all ranks in the current batch
@@ -346,6 +342,14 @@ class LoaderPosition:
         self._resume, self._resume_trained = position, trained
         self._epoch_set = True
 
+    def _new_pass_marks(self) -> None:
+        """What the forwards of a pass tell (:func:`ddpkit.loop.steps.watch_forwards`), cleared as it begins."""
+        self.handed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self.in_hand: set[int] = set()  # ids of the tensors of the batch in hand (in ``handed``)
+        self.forwarded = False  # a forward with gradients ran while the pass was live and its batch latest
+        self.forward_after = False  # a forward with gradients ran after the pass was over
+        self.reread = False  # a forward with gradients took a tensor of the pass after it was over
+
     def _end_pass(self, this_pass: int, *, ran_out: bool = False) -> None:
         """A pass ran out or was left (``break``): the script's next pass is a new one."""
         if this_pass != self._passes:
@@ -366,7 +370,7 @@ class LoaderPosition:
         start = self._resume or 0
         self._passes += 1
         self.position, self.finished, self.live, self.ran_out = start, False, True, False
-        self.reread, self.handed = False, weakref.WeakValueDictionary()  # (the tensors of this pass's batches)
+        self._new_pass_marks()
         self._began, self._pass_epoch = next(_PASSES), self.epoch
         self._pass_trained = self._epoch_set = False
         return start, self._passes
@@ -485,7 +489,8 @@ class ShardedLoader(LoaderPosition):
         ]
         ran_out = False
         try:
-            batches = iter(self._loader)
+            with worker_stacks.starting_workers():
+                batches = iter(self._loader)
             self._reading = weakref.ref(batches)  # (weakly: a pass's workers end with its iterator, as before)
             for batch, (local, total) in zip(batches, self._plan):
                 self._check_pass(this_pass)

@@ -143,16 +143,22 @@ MNIST and CIFAR ``data``), lists of labels (CIFAR's ``targets``), of ``(path, cl
 ``samples`` and ``imgs``) or of file names."""
 
 
-def check(dataset: Any, what: str) -> None:
+def check(dataset: Any, what: str, lengths: Any = None) -> None:
     """Raise on every rank, in one line, when ranks hold different map-style ``dataset``\\ s (a collective).
 
     Args:
         dataset: the dataset every rank was given (a stream is not checked: it has no length).
         what: the call that checks, for the message (``"rt.loader"``).
+        lengths: ``rt.loader``'s ``lengths=``, which order the samples alike on every rank only where they agree.
     """
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         return
-    where = same_model.compare(*fingerprint(dataset))
+    names, sums = fingerprint(dataset)
+    if lengths is not None:
+        values = torch.as_tensor(lengths).reshape(-1).to(torch.int64)
+        names += ["lengths=", "lengths= (their order)"]
+        sums = torch.cat([sums, values.sum().reshape(1), (values * torch.arange(1, len(values) + 1)).sum().reshape(1)])
+    where = same_model.compare(names, sums)
     if where is not None:
         raise UsageError(
             f"{what}: the dataset differs between ranks ({where}), so the ranks' shards would overlap and miss "

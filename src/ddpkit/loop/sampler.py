@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -99,24 +100,25 @@ class GlobalBatchSampler:
         return order if self.lengths is None else self._grouped(order)
 
     GROUP = 50
-    """Global batches per group sorted by length (Hugging Face's ``LengthGroupedSampler`` sorts 50)."""
+    """At most this many global batches a group sorted by length (Hugging Face's ``LengthGroupedSampler``)."""
 
     def _grouped(self, order: list[int]) -> list[int]:
-        """``order`` cut into groups of :attr:`GROUP` global batches, each sorted by length, longest first (ties
-        in their order), and the group holding the longest sample first: a batch pads little, and a run
-        too long for memory fails at its first step."""
+        """``order`` cut into groups of global batches, each sorted by length, longest first (ties in their
+        order), then the longest sample of all moved to the front: a batch pads little, and a run too long for
+        memory fails at its first step. A group holds ``min(samples // (4 x batch), 50)`` batches (at least one),
+        as Hugging Face's ``get_length_grouped_indices``, so a small dataset still shuffles between epochs."""
         assert self.lengths is not None
-        lengths, size = self.lengths, self.GROUP * self.global_batch_size
+        lengths = self.lengths
+        size = max(1, min(len(order) // (4 * self.global_batch_size), self.GROUP)) * self.global_batch_size
         groups = [sorted(order[i : i + size], key=lambda index: -lengths[index]) for i in range(0, len(order), size)]
         longest = max(range(len(groups)), key=lambda g: lengths[groups[g][0]], default=0)
-        if groups and longest:
+        if longest:
             groups[0][0], groups[longest][0] = groups[longest][0], groups[0][0]
-            groups[longest].sort(key=lambda index: -lengths[index])
         return [index for group in groups for index in group]
 
     def signature(self) -> dict[str, Any]:
         """What must match for a saved position to name the same batches again (plain data)."""
-        grouped = {"by_length": True} if self.lengths is not None else {}  # (absent: as saved before lengths=)
+        grouped = {} if self.lengths is None else {"by_length": _digest(self.lengths)}  # (absent: as before lengths=)
         return {
             **grouped,
             "length": self.dataset_length,
@@ -164,6 +166,11 @@ def _check_weights(weights: Sequence[float] | torch.Tensor, length: int) -> torc
     if bool((tensor < 0).any()) or not bool(torch.isfinite(tensor).all()) or float(tensor.sum()) <= 0:
         raise UsageError("weights must be finite, non-negative and not all zero")
     return tensor
+
+
+def _digest(values: list[int]) -> str:
+    """A short digest of ``lengths=``: a saved position is resumed only in the order the same lengths make."""
+    return hashlib.sha256(str(values).encode()).hexdigest()[:16]
 
 
 def _check_lengths(lengths: Sequence[int] | torch.Tensor, length: int) -> list[int]:

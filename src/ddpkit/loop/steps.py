@@ -29,10 +29,10 @@ def on_batch(run: RunState, loader: Any) -> None:
     """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
     run.hand_out(loader)
     run.fed.add(loader)
-    batch = loader.whole_batch  # its tensors, as a forward or rt.shards may take them again (list(loader))
-    for tensor in batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]:
-        if isinstance(tensor, torch.Tensor):
-            loader.handed[id(tensor)] = tensor
+    loader.in_hand = set()  # its tensors, as a forward or rt.shards may take them (again: list(loader))
+    for tensor in _tensors_in(loader.whole_batch):
+        loader.handed[id(tensor)] = tensor
+        loader.in_hand.add(id(tensor))
     if not isinstance(run.stepping, bool):  # a script's own optimizer.step() that raised, long over
         run.stepping = False
     if any(mode.changes_weights_on_batch() for mode in run.modes):
@@ -121,26 +121,48 @@ def _begin_step(run: RunState) -> None:
     run.counted.new_step()
 
 
-def _taken_again(loader: Any, values: Any) -> bool:
-    """Whether ``values`` (a forward's or ``rt.shards``' arguments) hold a tensor ``loader`` handed out in its pass."""
-    return any(isinstance(value, torch.Tensor) and loader.handed.get(id(value)) is value for value in values)
+def _tensors_in(values: Any, depth: int = 2) -> Iterator[torch.Tensor]:
+    """The tensors of a batch or a call's arguments, ``depth`` containers deep (a tuple, a dict, a tokenizer's
+    ``BatchEncoding``), as a script hands them to a forward or ``rt.shards``."""
+    if isinstance(values, torch.Tensor):
+        yield values
+    elif depth and isinstance(values, Mapping):
+        for value in values.values():
+            yield from _tensors_in(value, depth - 1)
+    elif depth and isinstance(values, (tuple, list)):
+        for value in values:
+            yield from _tensors_in(value, depth - 1)
 
 
-def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] = ()) -> None:
-    """Refuse training on a batch of a pass that ran out: the batch is not the one the loader handed out
-    last, which the weighing, the micro-shards and a saved position stand for."""
-    last = run.handed_out[-1]() if run.handed_out else None
-    if last is None or last.live or not last.ran_out or run.active not in (None, last):
-        return  # (another loader's batch in hand: a validation pass ran out at the top of a batch's body)
-    if not (last._pass_trained or last.reread or _taken_again(last, batch)):
+def _handed_before(loader: Any, values: Any) -> bool:
+    """Whether ``values`` hold a tensor of a batch ``loader`` handed out in its pass before the one in hand."""
+    return any(loader.handed.get(id(t)) is t and id(t) not in loader.in_hand for t in _tensors_in(values))
+
+
+def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] | None = None) -> None:
+    """Refuse training on a batch that is not the one the loader handed out last, which the weighing, the
+    micro-shards and a saved position stand for: ``rt.shards`` given an earlier batch of the pass, or a
+    backward whose forward ran after the pass ran out on a batch kept from it (a pass trained on, or one of
+    its tensors taken again). A backward after the loop of a loss its forwards made during the pass goes on."""
+    last = run.latest
+    if last is None:
         return
+    if batch is not None:
+        if not _handed_before(last, batch):
+            if not last.live and any(id(t) in last.in_hand for t in _tensors_in(batch)):
+                last.reread = True  # the pass's batch cut after the pass (a probe: next(iter(loader)))
+            return
+    elif run.active is not last or not (
+        not last.live and last.ran_out and last.forward_after and (last._pass_trained or last.reread)
+    ):
+        return  # (another loader's batch in hand: a validation pass ran out at the top of a batch's body)
     raise UsageError(
-        f"{call}: loader {last.name!r} ran out (its pass handed out its last batch and ended) before this "
-        "batch's backward, so the batch is one it handed out earlier: a loop that reads ahead (a prefetcher such "
-        "as timm's PrefetchLoader) weighs each batch by the next one's samples per rank and saves a position past "
-        "the batch it trains, and itertools.cycle(loader) or list(loader) replays a pass, never shuffled anew, "
-        "in which a resumed run cannot find its place; iterate the loader itself each pass (`for batch in "
-        "loader:`, inside `while True:` for an endless loop), which already moves batches to the device"
+        f"{call}: this batch is one loader {last.name!r} handed out before the batch in hand (its pass "
+        f"{'ran out' if last.ran_out else 'went on'} since): a loop that reads ahead (a prefetcher such as timm's "
+        "PrefetchLoader) weighs each batch by the next one's samples per rank and saves a position past the "
+        "batch it trains, and itertools.cycle(loader) or list(loader) replays a pass, never shuffled anew, in "
+        "which a resumed run cannot find its place; iterate the loader itself each pass (`for batch in loader:`, "
+        "inside `while True:` for an endless loop), which already moves batches to the device"
     )
 
 
@@ -296,13 +318,19 @@ def watch_direct_steps(run: RunState) -> None:
 def watch_forwards(run: RunState, model: torch.nn.Module) -> None:
     """Note each forward of the set-up ``model`` (:attr:`RunState.forward_since_step`), until ``rt.close``."""
 
-    def forward(module: torch.nn.Module, args: Any) -> None:
+    def forward(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         run.forward_since_step = True
-        last = run.handed_out[-1]() if run.handed_out else None
-        if last is not None and last.ran_out and not last.live and _taken_again(last, args):
-            last.reread = True  # a batch of a pass that ran out, kept by the script (list(loader))
+        last = run.latest
+        if last is None or not torch.is_grad_enabled():  # (a look under no_grad feeds nothing)
+            return
+        if last.live:
+            last.forwarded = True
+        else:  # after the pass: a batch kept from it (list(loader)), or the last one, looked at again
+            last.forward_after = True
+            if any(last.handed.get(id(t)) is t for t in _tensors_in((args, kwargs), 3)):
+                last.reread = True
 
-    run.forward_hooks.append(model.register_forward_pre_hook(forward))
+    run.forward_hooks.append(model.register_forward_pre_hook(forward, with_kwargs=True))
 
 
 def _direct(run: RunState, optimizer: torch.optim.Optimizer) -> bool:

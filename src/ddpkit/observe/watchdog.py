@@ -534,8 +534,9 @@ class Watchdog:
             self._await(lambda: int(self._store.add(_READY, 0)) >= verdict.peers)
             self._dump_stack()
             frame = sys._current_frames().get(self._watched)
-            if frame is not None and _waits_for_workers(frame):  # the read that hangs is in a worker
-                worker_stacks.dump(_say)
+            iterator = _waits_for_workers(frame) if frame is not None else None
+            if iterator is not None:  # the read that hangs is in a worker of that DataLoader
+                worker_stacks.dump(iterator, _say)
             self._tell(lambda store: store.set(_DUMPED, str(self.rank)))
         else:
             _silence()
@@ -572,7 +573,7 @@ class Watchdog:
         users = user_line(frame)
         if users and not os.path.abspath(frame.f_code.co_filename) == os.path.abspath(users.rpartition(":")[0]):
             text += f" from {users}"
-        if _waits_for_workers(frame):
+        if _waits_for_workers(frame) is not None:
             text += ", waiting for a batch from its DataLoader workers"
         return text
 
@@ -770,11 +771,11 @@ def watch(
     return Watchdog(hang_timeout, rank=rank, world_size=world_size, store=store, log=log, device=device).start(step)
 
 
-def _waits_for_workers(frame: Any) -> bool:
-    """Whether ``frame`` or a caller is torch's DataLoader waiting on its workers' queue."""
+def _waits_for_workers(frame: Any) -> Any:
+    """The DataLoader iterator whose workers' queue ``frame`` or a caller waits on (torch's ``_get_data``), if any."""
     while frame is not None:
         code = frame.f_code
         if code.co_name in ("_try_get_data", "_get_data") and code.co_filename.endswith("dataloader.py"):
-            return True
+            return frame.f_locals.get("self", frame)
         frame = frame.f_back
-    return False
+    return None

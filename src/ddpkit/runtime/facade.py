@@ -421,7 +421,7 @@ class Runtime:
         """
         self._refuse("rt.log")
         values = as_floats(metrics)
-        active = self._run.active
+        active = self._run.latest  # (not the training batch's under a validation pass: that pass's, or none)
         if reduce == "mean" and self.world_size > 1 and values and active is not None and active.live:
             # a batch of rt.loader in hand: each rank's value weighs by its samples of it, as one
             # process's mean over the global batch does (a rank with none of a short last batch adds

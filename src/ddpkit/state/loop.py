@@ -236,7 +236,6 @@ def _describe(sig: dict[str, Any]) -> str:
         text = f"a {sig['stream']} stream in global batches of {sig['global_batch_size']}"
     else:
         text = f"{sig['length']} samples in global batches of {sig['global_batch_size']}"
-    flags = [f"seed {sig['seed']}"] + [
-        flag for flag in ("shuffle", "drop_last", "weighted", "by_length") if sig.get(flag)
-    ]
+    flags = [f"seed {sig['seed']}"] + [flag for flag in ("shuffle", "drop_last", "weighted") if sig.get(flag)]
+    flags += [f"lengths= {sig['by_length'][:8]}"] if sig.get("by_length") else []
     return f"{text} ({', '.join(flags)})"

@@ -78,6 +78,8 @@ class RunState:
     """From a load on the same world size: this rank's saved statistics per model."""
     handed_out: list[weakref.ref[Any]] = field(default_factory=list)
     """The loaders that handed out a batch, the latest last (each once; :attr:`active` reads them)."""
+    latest: Any = None
+    """The loader that handed out a batch last (held, where the script dropped it)."""
     fed: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     """The loaders that handed out a batch since the last step (``zip(labeled, unlabeled)`` two)."""
     accumulation: tuple[float, bool] | None = None
@@ -127,27 +129,29 @@ class RunState:
 
     @property
     def active(self) -> Any:
-        """The loader whose batch is in hand: the last to hand one out. Where its pass is over and an earlier
-        one's is not (a validation pass through ``rt.loader`` at the top of a training batch's body), the
-        earlier one; where its pass ran out without feeding training and none is live (a loader read for
-        validation only, training on batches of the script's own), none."""
-        loaders = [loader for ref in reversed(self.handed_out) if (loader := ref()) is not None]
-        if not loaders or loaders[0].live:
-            return loaders[0] if loaders else None
-        live = next((loader for loader in loaders[1:] if loader.live), None)
+        """The loader whose batch is in hand: the last to hand one out (:attr:`latest`). Where its pass is over
+        and an earlier one's is not (a validation pass through ``rt.loader`` at the top of a training batch's
+        body), the earlier one; where its pass is over, fed no training and no set-up model's forward took
+        its batches (a validation pass, then training on batches of the script's own), none."""
+        last = self.latest
+        if last is None or last.live:
+            return last
+        live = next(
+            (loader for ref in reversed(self.handed_out) if (loader := ref()) is not None and loader.live), None
+        )
         if live is not None:
             return live
-        last = loaders[0]
-        if last.ran_out and not (last._pass_trained or last.reread):
-            return None
-        return last
+        return last if last._pass_trained or last.forwarded or last.reread else None
 
     def hand_out(self, loader: Any) -> None:
-        """``loader`` handed out a batch: it is the latest (:attr:`active`)."""
-        if self.handed_out and self.handed_out[-1]() is loader:
+        """``loader`` handed out a batch: it is the latest (:attr:`active`). Live loaders stay listed, however many."""
+        if self.latest is loader:
             return
-        self.handed_out = [ref for ref in self.handed_out if ref() not in (None, loader)][-7:]
-        self.handed_out.append(weakref.ref(loader))
+        self.latest = loader  # (held: a probe of a loader built inline, next(iter(rt.loader(...))), keeps it)
+        kept = [ref for ref in self.handed_out if (held := ref()) is not None and held is not loader]
+        over = [ref for ref in kept if not ref().live]
+        drop = set(map(id, over[: max(0, len(kept) - 7)]))  # the oldest passes that are over, beyond 7
+        self.handed_out = [ref for ref in kept if id(ref) not in drop] + [weakref.ref(loader)]
 
     @property
     def models(self) -> list[torch.nn.Module]:

@@ -201,7 +201,8 @@ class StreamLoader(LoaderPosition):
         self.shard_batches = None
         expected, ran_out = start, False
         try:
-            pieces = iter(self._loader)
+            with worker_stacks.starting_workers():
+                pieces = iter(self._loader)
             self._reading = weakref.ref(pieces)  # (weakly: a pass's workers end with its iterator, as before)
             for b, local, batch, count, seen in join(pieces, self._parts):
                 self._check_pass(this_pass)
