@@ -646,7 +646,8 @@ def test_load_pre_hook_runs_before_a_load_through_the_public_or_the_private_regi
 def test_dataloader_worker_pids_lists_a_passes_live_workers_and_is_loud_when_the_api_is_gone():
     dataloader_worker_pids = _torch.dataloader_worker_pids
 
-    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2)
+    # (spawned: a fork of this many-threaded test process may hang in a worker)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="spawn")
     batches = iter(loader)
     next(batches)
     pids = dataloader_worker_pids(batches)

@@ -142,8 +142,8 @@ def _handed_before(loader: Any, values: Any) -> bool:
 def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] | None = None) -> None:
     """Refuse training on a batch that is not the one the loader handed out last, which the weighing, the
     micro-shards and a saved position stand for: ``rt.shards`` given an earlier batch of the pass, or a
-    backward whose forward ran after the pass ran out on a batch kept from it (a pass trained on, or one of
-    its tensors taken again). A backward after the loop of a loss its forwards made during the pass goes on."""
+    backward whose forward took a tensor of the pass after it ran out. A backward after the loop of a loss
+    its forwards made during the pass goes on, and so does training on batches of the script's own."""
     last = run.latest
     if last is None:
         return
@@ -152,13 +152,15 @@ def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] | None =
             if not last.live and any(id(t) in last.in_hand for t in _tensors_in(batch)):
                 last.reread = True  # the pass's batch cut after the pass (a probe: next(iter(loader)))
             return
-    elif run.active is not last or not (
-        not last.live and last.ran_out and last.forward_after and (last._pass_trained or last.reread)
-    ):
+    elif run.active is not last or last.live or not (last.ran_out and last.reread):
         return  # (another loader's batch in hand: a validation pass ran out at the top of a batch's body)
+    head = (
+        f"this batch is one loader {last.name!r} handed out before the batch in hand"
+        if batch is not None
+        else f"this backward's forward ran after loader {last.name!r} ran out, on a batch kept from its pass"
+    )
     raise UsageError(
-        f"{call}: this batch is one loader {last.name!r} handed out before the batch in hand (its pass "
-        f"{'ran out' if last.ran_out else 'went on'} since): a loop that reads ahead (a prefetcher such as timm's "
+        f"{call}: {head}: a loop that reads ahead (a prefetcher such as timm's "
         "PrefetchLoader) weighs each batch by the next one's samples per rank and saves a position past the "
         "batch it trains, and itertools.cycle(loader) or list(loader) replays a pass, never shuffled anew, in "
         "which a resumed run cannot find its place; iterate the loader itself each pass (`for batch in loader:`, "

@@ -131,8 +131,8 @@ class RunState:
     def active(self) -> Any:
         """The loader whose batch is in hand: the last to hand one out (:attr:`latest`). Where its pass is over
         and an earlier one's is not (a validation pass through ``rt.loader`` at the top of a training batch's
-        body), the earlier one; where its pass is over, fed no training and no set-up model's forward took
-        its batches (a validation pass, then training on batches of the script's own), none."""
+        body), the earlier one; where its pass is over and the forwards since took none of its batches, or it
+        fed no training (a validation pass, or a training loop, then batches of the script's own), none."""
         last = self.latest
         if last is None or last.live:
             return last
@@ -141,7 +141,11 @@ class RunState:
         )
         if live is not None:
             return live
-        return last if last._pass_trained or last.forwarded or last.reread else None
+        if last.reread:  # a forward took a batch of the pass after it (a probe trained again and again)
+            return last
+        if last.forward_after:  # forwards after the pass, on batches of the script's own
+            return None
+        return last if last._pass_trained or last.forwarded else None  # (a loss of the pass, backward after it)
 
     def hand_out(self, loader: Any) -> None:
         """``loader`` handed out a batch: it is the latest (:attr:`active`). Live loaders stay listed, however many."""
