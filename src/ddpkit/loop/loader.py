@@ -344,7 +344,7 @@ class LoaderPosition:
 
     def _new_pass_marks(self) -> None:
         """What the forwards of a pass tell (:func:`ddpkit.loop.steps.watch_forwards`), cleared as it begins."""
-        self.handed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self.handed: dict[int, weakref.ref[torch.Tensor]] = {}  # the tensors of the pass's batches, by id
         self.in_hand: set[int] = set()  # ids of the tensors of the batch in hand (in ``handed``)
         self.forwarded = False  # a forward with gradients ran while the pass was live and its batch latest
         self.forward_after = False  # a forward with gradients ran after the pass was over

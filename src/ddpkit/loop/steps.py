@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -29,10 +30,10 @@ def on_batch(run: RunState, loader: Any) -> None:
     """A loader handed out a batch: it is the one ``backward`` weighs, and the step made progress."""
     run.hand_out(loader)
     run.fed.add(loader)
-    loader.in_hand = set()  # its tensors, as a forward or rt.shards may take them (again: list(loader))
-    for tensor in _tensors_in(loader.whole_batch):
-        loader.handed[id(tensor)] = tensor
-        loader.in_hand.add(id(tensor))
+    batch = loader.whole_batch  # its tensors, as a forward or rt.shards may take them (again: list(loader))
+    tensors = batch if type(batch) in (tuple, list) and all(type(t) is torch.Tensor for t in batch) else None
+    loader.in_hand = {id(t) for t in (tensors if tensors is not None else _tensors_in(batch))}
+    loader.handed.update((id(t), weakref.ref(t)) for t in (tensors if tensors is not None else _tensors_in(batch)))
     if not isinstance(run.stepping, bool):  # a script's own optimizer.step() that raised, long over
         run.stepping = False
     if any(mode.changes_weights_on_batch() for mode in run.modes):
@@ -134,9 +135,15 @@ def _tensors_in(values: Any, depth: int = 2) -> Iterator[torch.Tensor]:
             yield from _tensors_in(value, depth - 1)
 
 
+def _handed(loader: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``loader`` handed ``tensor`` out in its current pass (not another tensor at the same address)."""
+    ref = loader.handed.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
 def _handed_before(loader: Any, values: Any) -> bool:
     """Whether ``values`` hold a tensor of a batch ``loader`` handed out in its pass before the one in hand."""
-    return any(loader.handed.get(id(t)) is t and id(t) not in loader.in_hand for t in _tensors_in(values))
+    return any(_handed(loader, t) and id(t) not in loader.in_hand for t in _tensors_in(values))
 
 
 def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] | None = None) -> None:
@@ -329,7 +336,7 @@ def watch_forwards(run: RunState, model: torch.nn.Module) -> None:
             last.forwarded = True
         else:  # after the pass: a batch kept from it (list(loader)), or the last one, looked at again
             last.forward_after = True
-            if any(last.handed.get(id(t)) is t for t in _tensors_in((args, kwargs), 3)):
+            if any(_handed(last, t) for t in _tensors_in((args, kwargs), 3)):
                 last.reread = True
 
     run.forward_hooks.append(model.register_forward_pre_hook(forward, with_kwargs=True))
