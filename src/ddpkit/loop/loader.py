@@ -267,7 +267,7 @@ class LoaderPosition:
     """The loop state's: told each time a batch of this loader feeds a backward or a step."""
 
     _reading: Callable[[], Any] | None = None
-    """The DataLoader iterator of the current pass, weakly (:meth:`worker_pids`)."""
+    """The DataLoader iterator of the current pass, weakly (:meth:`reading`)."""
 
     def reading(self) -> Any:
         """The DataLoader iterator of the current pass, if any (the watchdog asks its workers for their stacks)."""
@@ -345,7 +345,6 @@ class LoaderPosition:
     def _new_pass_marks(self) -> None:
         """What the forwards of a pass tell (:func:`ddpkit.loop.steps.watch_forwards`), cleared as it begins."""
         self.handed: dict[int, weakref.ref[torch.Tensor]] = {}  # the tensors of the pass's batches, by id
-        self.in_hand: set[int] = set()  # ids of the tensors of the batch in hand (in ``handed``)
         self.forwarded = False  # a forward with gradients ran while the pass was live and its batch latest
         self.forward_after = False  # a forward with gradients ran after the pass was over
         self.reread = False  # a forward with gradients took a tensor of the pass after it was over

@@ -40,9 +40,13 @@ def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     if flat.numel() > _SAMPLE:
         flat = flat[:: flat.numel() // _SAMPLE]
-    bits = same_model.as_integers(flat.cpu()).to(torch.int64)  # (a wider element: its int32 halves, their places)
-    places = torch.arange(1, len(bits) + 1, dtype=torch.int64)  # (a sum past int64 wraps alike on every rank)
-    return torch.stack([bits.sum(), (bits * places).sum() % _PRIME])
+    return _sums(same_model.as_integers(flat.cpu()).to(torch.int64))  # (a wider element: its int32 halves)
+
+
+def _sums(values: torch.Tensor) -> torch.Tensor:
+    """The sum of int64 ``values`` and their sum weighted by place, below :data:`_PRIME`, as two int64s."""
+    places = torch.arange(1, len(values) + 1, dtype=torch.int64)  # (a sum past int64 wraps alike on every rank)
+    return torch.stack([values.sum(), (values * places).sum() % _PRIME])
 
 
 _PRIME = (1 << 31) - 1
@@ -154,10 +158,9 @@ def check(dataset: Any, what: str, lengths: Any = None) -> None:
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         return
     names, sums = fingerprint(dataset)
-    if lengths is not None:
-        values = torch.as_tensor(lengths).reshape(-1).to(torch.int64)
+    if lengths is not None:  # every one of them, not a sample
         names += ["lengths=", "lengths= (their order)"]
-        sums = torch.cat([sums, values.sum().reshape(1), (values * torch.arange(1, len(values) + 1)).sum().reshape(1)])
+        sums = torch.cat([sums, _sums(torch.as_tensor(lengths).reshape(-1).to(torch.int64))])
     where = same_model.compare(names, sums)
     if where is not None:
         raise UsageError(

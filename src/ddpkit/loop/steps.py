@@ -31,9 +31,8 @@ def on_batch(run: RunState, loader: Any) -> None:
     run.hand_out(loader)
     run.fed.add(loader)
     batch = loader.whole_batch  # its tensors, as a forward or rt.shards may take them (again: list(loader))
-    tensors = batch if type(batch) in (tuple, list) and all(type(t) is torch.Tensor for t in batch) else None
-    loader.in_hand = {id(t) for t in (tensors if tensors is not None else _tensors_in(batch))}
-    loader.handed.update((id(t), weakref.ref(t)) for t in (tensors if tensors is not None else _tensors_in(batch)))
+    plain = type(batch) in (tuple, list) and all(type(t) is torch.Tensor for t in batch)  # (no generator then)
+    loader.handed.update((id(t), weakref.ref(t)) for t in (batch if plain else _tensors_in(batch)))
     if not isinstance(run.stepping, bool):  # a script's own optimizer.step() that raised, long over
         run.stepping = False
     if any(mode.changes_weights_on_batch() for mode in run.modes):
@@ -141,9 +140,15 @@ def _handed(loader: Any, tensor: torch.Tensor) -> bool:
     return ref is not None and ref() is tensor
 
 
+def _in_hand(loader: Any) -> set[int]:
+    """The ids of the tensors of the batch ``loader`` handed out last (which it holds, so no other has them)."""
+    return {id(t) for t in _tensors_in(loader.whole_batch)}
+
+
 def _handed_before(loader: Any, values: Any) -> bool:
     """Whether ``values`` hold a tensor of a batch ``loader`` handed out in its pass before the one in hand."""
-    return any(_handed(loader, t) and id(t) not in loader.in_hand for t in _tensors_in(values))
+    in_hand = _in_hand(loader)
+    return any(_handed(loader, t) and id(t) not in in_hand for t in _tensors_in(values))
 
 
 def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] | None = None) -> None:
@@ -156,7 +161,7 @@ def _refuse_kept_batch(run: RunState, call: str, batch: tuple[Any, ...] | None =
         return
     if batch is not None:
         if not _handed_before(last, batch):
-            if not last.live and any(id(t) in last.in_hand for t in _tensors_in(batch)):
+            if not last.live and not _in_hand(last).isdisjoint(map(id, _tensors_in(batch))):
                 last.reread = True  # the pass's batch cut after the pass (a probe: next(iter(loader)))
             return
     elif run.active is not last or last.live or not (last.ran_out and last.reread):
