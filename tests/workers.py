@@ -1538,7 +1538,8 @@ def differing_ranks(case: str) -> dict:
 def data_of_each_rank(case: str) -> dict:
     """Datasets made after ``rt.setup`` (each rank's own random stream from there). ``"split"``:
     ``random_split`` unseeded; ``"seeded-split"``: with a seeded generator (fine); ``"drawn"``: a
-    ``TensorDataset`` of ``torch.randn``; ``"length"``: one sample fewer on rank 1. What ``rt.loader``
+    ``TensorDataset`` of ``torch.randn``; ``"length"``: one sample fewer on rank 1; ``"lengths"``: the
+    same data, ``lengths=`` one apart on rank 1. What ``rt.loader``
     and ``ddpkit.evaluate`` said (None: nothing), and the steps taken."""
     import torch.nn.functional as F
 
@@ -1552,11 +1553,14 @@ def data_of_each_rank(case: str) -> dict:
         train, test = torch.utils.data.random_split(full, [0.8, 0.2], generator=generator)
     elif case == "drawn":
         train = test = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    elif case == "lengths":  # the same data, lengths= counted on each rank its own way
+        train = test = full
     else:
         train = test = torch.utils.data.Subset(full, range(100 - rt.rank))
     found: dict[str, Any] = {"steps": 0, "loader": None, "evaluate": None}
     try:
-        for x, y in rt.loader(train, global_batch_size=16, shuffle=True):
+        lengths = {"lengths": [i % 7 + rt.rank * (i == 50) for i in range(100)]}.get(case)
+        for x, y in rt.loader(train, global_batch_size=16, shuffle=True, lengths=lengths):
             rt.backward(F.cross_entropy(model(x), y))
             rt.step(optimizer)
             found["steps"] += 1
