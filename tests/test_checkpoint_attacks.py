@@ -508,3 +508,41 @@ def test_one_line_shortens_between_sentences_only():
     assert one_line(text) == "First part: what failed. Second sentence here."
     assert one_line("One very long sentence " + "y" * 300) == "One very long sentence " + "y" * 300
     assert one_line("a\n\tb  c") == "a b c"
+
+
+def test_a_crafted_loader_position_in_a_resealed_checkpoint_is_refused_in_one_line(tmp_path):
+    """A saved loader signature whose lengths= digest is not text (an int) made the refusal itself raise a
+    TypeError while it described the saved signature; it is one line naming both."""
+
+    def run() -> int:
+        with ddpkit.init(seed=0, checkpoint_dir=str(tmp_path), resume="auto") as rt:
+            data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.arange(40) % 2)
+            net = torch.nn.Linear(4, 2)
+            model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            loader = rt.loader(data, global_batch_size=8, shuffle=True, lengths=[i % 5 for i in range(40)])
+            state = {"model": model, "opt": opt}
+            rt.resume(state)
+            for x, y in loader:
+                rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                rt.step(opt)
+                if rt.global_step == 2:
+                    rt.checkpoint(state, blocking=True)
+                    break
+            return rt.global_step
+
+    assert run() == 2
+    (path,) = tmp_path.glob("ckpt-*.pt")
+    saved = torch.load(path, weights_only=True)
+    signatures = [v["signature"] for v in saved["ddpkit"]["loop"]["loaders"].values()]
+    assert signatures and all("by_length" in s for s in signatures)
+    for signature in signatures:
+        signature["by_length"] = 5
+    torch.save(saved, path)
+    data = path.read_bytes()  # the record written again to match, so verification passes
+    path.with_name(path.name + ".sha256").write_text(
+        json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+    )
+    with pytest.raises(DdpkitError) as raised:
+        run()
+    said = str(raised.value)
+    assert "\n" not in said and "lengths= 5" in said and "build the loader as it was saved" in said

@@ -237,5 +237,5 @@ def _describe(sig: dict[str, Any]) -> str:
     else:
         text = f"{sig['length']} samples in global batches of {sig['global_batch_size']}"
     flags = [f"seed {sig['seed']}"] + [flag for flag in ("shuffle", "drop_last", "weighted") if sig.get(flag)]
-    flags += [f"lengths= {sig['by_length'][:8]}"] if sig.get("by_length") else []
+    flags += [f"lengths= {str(sig['by_length'])[:8]}"] if sig.get("by_length") else []  # (any type: a crafted file)
     return f"{text} ({', '.join(flags)})"
