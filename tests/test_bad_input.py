@@ -3,11 +3,13 @@ exit 2 for usage errors, and nothing lost or overwritten."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +43,8 @@ def files(tmp_path_factory):
     ):
         (bad_mnist / name).write_bytes(b"\x00\x00\x00\x99" + b"garbage!" * 8)
     (root / "empty_cifar").mkdir()
+    (root / "ckpt-step00000003").mkdir()
+    (root / "rows.csv").mkdir()  # a sharded checkpoint's step directory, by its name
 
     recipe = {
         "model": "convnet",
@@ -78,7 +82,14 @@ def files(tmp_path_factory):
             return (os.system, (f"touch {root / 'pwned'}",))
 
     torch.save({"format": checkpoint.FORMAT, "version": 1, "user": {"model": Exploit()}}, root / "evil.pt")
-    return {"root": root, "good": good, "mlp": mlp, "fp16": other_precision}
+    sums = {"good": sha256(good), "mlp": sha256(mlp)}
+    return {"root": root, "good": good, "mlp": mlp, "fp16": other_precision, "sums": sums}
+
+
+def sha256(path):
+    return (
+        hashlib.sha256(path.read_bytes()).hexdigest() + hashlib.sha256(Path(f"{path}.sha256").read_bytes()).hexdigest()
+    )
 
 
 def _p(files, name):
@@ -152,6 +163,42 @@ CASES = [
     ("ckpt-newer-ddpkit", lambda f: ["train", "--resume", _p(f, "newer.pt")], "newer ddpkit"),
     ("ckpt-not-a-checkpoint", lambda f: ["train", "--resume", _p(f, "random.pt")], "cannot be read"),
     ("ckpt-malicious", lambda f: ["train", "--resume", _p(f, "evil.pt")], "refuses to unpickle"),
+    # an output that would replace a checkpoint, its record, or a directory, --overwrite or not
+    (
+        "export-out-is-its-checkpoint",
+        lambda f: ["export", "--checkpoint", str(f["good"]), "--out", str(f["good"]), "--overwrite"],
+        "is a checkpoint or lies in one; write elsewhere",
+    ),
+    (
+        "export-out-is-another-checkpoint",
+        lambda f: ["export", "--checkpoint", str(f["good"]), "--out", str(f["mlp"]), "--overwrite"],
+        "is a checkpoint or lies in one",
+    ),
+    (
+        "export-out-is-a-record",
+        lambda f: ["export", "--checkpoint", str(f["good"]), "--out", _p(f, "mlp.pt.sha256"), "--overwrite"],
+        "is a checkpoint record",
+    ),
+    (
+        "export-out-in-a-step-directory",
+        lambda f: ["export", "--checkpoint", str(f["good"]), "--out", _p(f, "ckpt-step00000003/m.pt")],
+        "lies in one",
+    ),
+    (
+        "export-out-is-a-directory",
+        lambda f: ["export", "--checkpoint", str(f["good"]), "--out", _p(f, "empty_mnist"), "--overwrite"],
+        "is a directory; give the path of the file to write",
+    ),
+    (
+        "predict-out-is-its-checkpoint",
+        lambda f: ["predict", "--checkpoint", str(f["good"]), "--out", str(f["good"]), "--overwrite"],
+        "is a checkpoint or lies in one",
+    ),
+    (
+        "predict-out-is-a-directory",
+        lambda f: ["predict", "--checkpoint", str(f["good"]), "--out", _p(f, "rows.csv"), "--overwrite"],
+        "is a directory",
+    ),
     (
         "predict-ckpt-other-model",
         lambda f: ["predict", "--checkpoint", str(f["mlp"]), "--out", _p(f, "p.csv")],
@@ -179,6 +226,7 @@ def test_cli_bad_input(files, tmp_path, capsys, case, argv, message):
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
     assert sorted(os.listdir(files["root"])) == before  # nothing written beside the inputs
     assert not (files["root"] / "pwned").exists()
+    assert sha256(files["good"]) == files["sums"]["good"] and sha256(files["mlp"]) == files["sums"]["mlp"]
 
 
 def _script_env_case(env: dict[str, str]) -> subprocess.CompletedProcess:

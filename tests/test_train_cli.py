@@ -546,3 +546,37 @@ def test_the_verdict_names_the_bound_of_the_ddp_row():
         "1.04x (4% more samples/s than one process)."
     ) in faster
     assert "short of" not in faster
+
+
+def test_overwrite_removes_only_what_a_run_writes(tmp_path):
+    """A checkpoints/ or tensorboard/ of the user's own keeps its files: --overwrite once removed
+    those directories whole (a model.pth of the user's beside the run's step checkpoints)."""
+    from ddpkit.recipes.config import TrainConfig
+    from ddpkit.recipes.train import clear_previous_run
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "ckpt-step00000004").mkdir(parents=True)  # a sharded step directory
+    (out / "tensorboard").mkdir()
+    run_files = [
+        "checkpoints/ckpt-step00000002.pt",
+        "checkpoints/ckpt-step00000002.pt.sha256",
+        "checkpoints/.ckpt-step00000003.pt.tmp-4242",
+        "checkpoints/ckpt-step00000004/manifest.json",
+        "tensorboard/events.out.tfevents.1.host.1.0",
+        "summary.json",
+        "metrics.jsonl",
+    ]
+    own_files = ["checkpoints/mine.pth", "checkpoints/ckpt-step2-best.pt", "tensorboard/notes.txt", "notes.txt"]
+    for name in run_files + own_files:
+        (out / name).write_text(name)
+    removed = clear_previous_run(TrainConfig(out_dir=str(out), overwrite=True))
+    assert sorted(p.name for p in removed) == ["checkpoints", "metrics.jsonl", "summary.json", "tensorboard"]
+    for name in own_files:
+        assert (out / name).read_text() == name
+    assert not any((out / name).exists() for name in run_files)
+    assert not (out / "checkpoints" / "ckpt-step00000004").exists()
+    (out / "tensorboard" / "notes.txt").unlink()
+    (out / "tensorboard" / "events.out.tfevents.2.host.1.0").write_text("x")
+    clear_previous_run(TrainConfig(out_dir=str(out), overwrite=True))
+    assert not (out / "tensorboard").exists()  # emptied of the run's files: gone, as before
+    assert clear_previous_run(TrainConfig(out_dir=str(out), overwrite=False)) == []

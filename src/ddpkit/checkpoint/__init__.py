@@ -19,17 +19,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ddpkit._files import sum_path
 from ddpkit.checkpoint import dcp, pt, steps
 from ddpkit.checkpoint.pt import FORMAT, VERSION, write
 from ddpkit.checkpoint.state import check_model_state, restore_user_state, user_state
 from ddpkit.checkpoint.steps import prune, step_dir, step_path
-from ddpkit.errors import DdpkitError, warn
+from ddpkit.errors import DdpkitError, UsageError, warn
 from ddpkit.rng import rng_state, set_rng_state
 
 __all__ = [
     "FORMAT",
     "VERSION",
     "check_model_state",
+    "check_output",
     "latest",
     "prune",
     "read",
@@ -90,3 +92,33 @@ def latest(directory: str | os.PathLike) -> Path | None:
             continue
         return path
     return None
+
+
+def check_output(out: Path, *, overwrite: bool, refusal: str) -> None:
+    """Refuse an output file (``--out`` of ``ddpkit export`` and ``predict``) that would replace a
+    checkpoint, its ``.sha256`` record or a directory, even with ``--overwrite``; or one that exists
+    without it (``refusal``: that line).
+
+    A checkpoint written over (the one being read, given as ``--out`` too) was lost: its record no
+    longer matched, and ``--resume auto`` skipped it as damaged.
+
+    Raises:
+        UsageError: one line that says what ``out`` is and what to give instead.
+    """
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give the path of the file to write")
+    record = out.name.endswith(".sha256") and out.with_name(out.name[: -len(".sha256")]).exists()
+    parent = out.resolve().parent
+    if (
+        sum_path(out).exists()
+        or record
+        or steps.STEP_FILE.match(out.name)
+        or dcp.is_dcp(parent)
+        or any(dcp.is_dcp(above) for above in parent.parents)
+    ):
+        raise UsageError(
+            f"--out {out} is a checkpoint{' record' if record else ''} or lies in one; write elsewhere "
+            "(--overwrite never replaces a checkpoint)"
+        )
+    if out.exists() and not overwrite:
+        raise UsageError(refusal)

@@ -23,6 +23,14 @@ STEP_DIR = re.compile(r"^ckpt-step(\d+)$")
 
 _TEMP_NAME = re.compile(r"^\.ckpt-step\d+\.pt(?:\.sha256)?\.tmp-(\d+)$")
 
+_WRITTEN = re.compile(r"^(?:ckpt-step\d+(?:\.pt(?:\.sha256)?)?|\.ckpt-step\d+(?:\.pt(?:\.sha256)?)?\.tmp-[^/]+)$")
+
+
+def run_written(name: str) -> bool:
+    """Whether ``name`` in a checkpoint directory is one a run's saves write: a step checkpoint (file
+    or directory), its ``.sha256`` record, or what a killed save left (``.ckpt-step….tmp-…``)."""
+    return bool(_WRITTEN.match(name))
+
 
 def step_path(directory: str | os.PathLike, step: int) -> Path:
     """The name of the checkpoint for ``step`` inside a checkpoint directory."""

@@ -34,8 +34,9 @@ def cmd_export(argv: Sequence[str]) -> int:
 
     opts = parser().parse_args(argv)
     source, out = Path(opts.checkpoint), Path(opts.out)
-    if out.exists() and not opts.overwrite:
-        raise UsageError(f"--out {out} exists; pass --overwrite to replace it")
+    checkpoint.check_output(
+        out, overwrite=opts.overwrite, refusal=f"--out {out} exists; pass --overwrite to replace it"
+    )
     if not source.exists():
         raise UsageError(f"--checkpoint {source} does not exist")
     path = source if source.is_file() or checkpoint.dcp.is_dcp(source) else checkpoint.latest(source)

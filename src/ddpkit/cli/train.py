@@ -56,7 +56,8 @@ def cmd_train(argv: Sequence[str]) -> int:
     replicas = fault_tolerant(config) if config.fault_tolerant else None  # checked before anything is read
     preflight(config)
     for path in clear_previous_run(config):
-        print(f"ddpkit train: --overwrite removed {path}")
+        kept = " (files of your own in it stay)" if path.is_dir() else ""
+        print(f"ddpkit train: --overwrite removed {path}{kept}")
     if replicas is not None:
         code = ft_launch.run(replicas)
     else:

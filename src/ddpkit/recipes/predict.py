@@ -70,8 +70,9 @@ def _prepare(config: PredictConfig) -> Path:
         raise UsageError(f"--out {out}: unknown suffix {out.suffix or '(none)'!r}; use .csv, .npy or .pt")
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: directory {out.parent} does not exist; create it first")
-    if out.exists() and not config.overwrite:
-        raise UsageError(f"--out {out} already exists; choose another file or pass --overwrite")
+    checkpoint.check_output(
+        out, overwrite=config.overwrite, refusal=f"--out {out} already exists; choose another file or pass --overwrite"
+    )
     if config.data not in DATASETS:
         raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
     if config.split not in SPLITS:

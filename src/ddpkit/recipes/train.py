@@ -6,10 +6,12 @@ it is also a readable example of a complete ddpkit training script.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -352,18 +354,32 @@ def clear_previous_run(config: TrainConfig) -> list[Path]:
 
     Left in place, its checkpoints would outrank the new run's (rotation keeps the highest
     steps, so the new ones would be pruned) and a later ``--resume auto`` would pick them.
-    Only the files a run writes are removed; anything else in ``--out-dir`` stays.
+    Only the files a run writes are removed, in ``checkpoints/`` and ``tensorboard/`` too (a
+    ``checkpoints/`` of the user's own keeps its files); anything else in ``--out-dir`` stays.
     """
     if not config.overwrite or config.resume is not None:
         return []
     import shutil
 
+    written: dict[str, Callable[[str], bool]] = {
+        "checkpoints": checkpoint.steps.run_written,
+        "tensorboard": lambda name: name.startswith("events.out.tfevents."),
+    }
     removed = []
     for name in RUN_OUTPUTS:
         path = Path(config.out_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)  # another node sharing --out-dir may race us
-        elif path.exists():
+        if name in written:
+            entries = [entry for entry in path.iterdir() if written[name](entry.name)] if path.is_dir() else []
+            for entry in entries:  # another node sharing --out-dir may race us
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (not empty: files of the user's own stay)
+                path.rmdir()
+            if not entries:
+                continue
+        elif path.is_file():
             path.unlink(missing_ok=True)
         else:
             continue
