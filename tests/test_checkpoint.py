@@ -470,3 +470,66 @@ def test_a_closure_given_to_rt_step_names_the_optimizers_own_step():
             rt.step(state["optimizer"], lambda: None)
     finally:
         rt.close()
+
+
+def _trained_one_step(tmp_path, *, schedule: bool):
+    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path / "ckpts")
+    net = torch.nn.Linear(4, 2)
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2) if schedule else None
+    rt.backward(model(torch.randn(3, 4)).square().mean())
+    rt.step(optimizer)
+    return rt, model, optimizer, scheduler
+
+
+@pytest.mark.parametrize("call", ["resume", "checkpoint"])
+def test_a_state_without_the_runs_optimizer_or_scheduler_is_refused(tmp_path, call):
+    """A resumed run restarted what the state left out, silently: without the optimizer its momentum,
+    without the scheduler its schedule (OneCycleLR's warm-up again: other weights than the run not
+    stopped). Refused in one line at rt.resume and rt.checkpoint; nothing is written."""
+    rt, model, optimizer, scheduler = _trained_one_step(tmp_path, schedule=True)
+    try:
+        save = getattr(rt, call)
+        with pytest.raises(ddpkit.UsageError, match=r"holds no SGD optimizer.*state\['optimizer'\] = optimizer"):
+            save({"model": model, "scheduler": scheduler})
+        with pytest.raises(ddpkit.UsageError, match=r"scheduler.*'initial_lr'.*state\['scheduler'\] = scheduler"):
+            save({"model": model, "optimizer": optimizer})
+        assert not (tmp_path / "ckpts").exists() or not list((tmp_path / "ckpts").iterdir())
+        save({"model": model, "optimizer": optimizer, "scheduler": scheduler})
+        # their state dicts, loaded by the script itself, and an object of its own holding both, go on
+        save({"model": model, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+
+        class Trainer:
+            def state_dict(self):
+                return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+            def load_state_dict(self, saved):
+                optimizer.load_state_dict(saved["optimizer"])
+                scheduler.load_state_dict(saved["scheduler"])
+
+        save({"model": model, "trainer": Trainer()})
+    finally:
+        rt.close()
+
+
+def test_an_optimizer_the_script_stopped_stepping_is_not_asked_for(tmp_path):
+    """Adam for a warm-up, then SGD: a checkpoint after the switch needs SGD only (the optimizers stepped
+    since the last checkpoint); with no scheduler, none is asked for."""
+    rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path / "ckpts")
+    try:
+        net = torch.nn.Linear(4, 2)
+        model = rt.setup(net)
+        warm = torch.optim.Adam(net.parameters(), lr=0.01)
+        rt.backward(model(torch.randn(3, 4)).square().mean())
+        rt.step(warm)
+        with pytest.raises(ddpkit.UsageError, match="holds no Adam optimizer"):
+            rt.checkpoint({"model": model})
+        rt.checkpoint({"model": model, "optimizer": warm})
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        rt.backward(model(torch.randn(3, 4)).square().mean())
+        rt.step(sgd)
+        with pytest.raises(ddpkit.UsageError, match="holds no SGD optimizer"):
+            rt.checkpoint({"model": model, "optimizer": warm})
+        rt.checkpoint({"model": model, "optimizer": sgd})
+    finally:
+        rt.close()

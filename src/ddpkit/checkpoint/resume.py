@@ -196,6 +196,57 @@ def refuse_unapplied(run: RunState, call: str) -> None:
     )
 
 
+def refuse_incomplete(run: RunState, state: Mapping[str, Any], call: str) -> None:
+    """Refuse, on every rank, a state that leaves out an optimizer the run steps (given to ``rt.setup``,
+    or stepped since the last ``rt.checkpoint``), or the learning-rate scheduler of an optimizer: a run
+    resumed from it would start them anew, silently not continuing this one (a schedule restarted at
+    its warm-up, momentum lost). An optimizer has a scheduler where its groups hold the ``initial_lr``
+    every scheduler of torch's (and timm's) sets. A state with an object of the script's own that has a
+    ``state_dict`` (a trainer holding both), or with their state dicts as plain values, is not looked into.
+
+    Raises:
+        UsageError: the optimizer or scheduler the state lacks, and the entry to add.
+    """
+    held = [unwrap(value) for value in state.values()]
+    if any(_opaque(value) for value in held):
+        return
+    plain = [value for value in held if isinstance(value, Mapping)]
+    if not any("param_groups" in value for value in plain):  # (no optimizer's state dict, loaded by hand)
+        for optimizer in [*run.given, *(o for o in run.stepped if o not in run.given)]:
+            if not any(value is optimizer for value in held):
+                raise UsageError(
+                    f"{call}: the state holds no {type(optimizer).__name__} optimizer, which this run steps: a run "
+                    "resumed from it would start that optimizer anew (its momentum or moments lost), not continue "
+                    "this one; add it to the state (state['optimizer'] = optimizer)"
+                )
+    if any("last_epoch" in value or "base_lrs" in value for value in plain):
+        return  # a scheduler's state dict, restored by hand
+    optimizers = [value for value in held if isinstance(value, torch.optim.Optimizer)]
+    for optimizer in [*optimizers, *(o for o in run.given if o not in optimizers)]:
+        if not any("initial_lr" in group for group in optimizer.param_groups):
+            continue
+        if not any(_schedules(value, optimizer) for value in held):
+            raise UsageError(
+                f"{call}: the {type(optimizer).__name__} optimizer has a learning-rate scheduler (its param groups "
+                "hold the 'initial_lr' a scheduler sets), but the state holds none: a run resumed from it would "
+                "start the schedule over, not continue this one; add it to the state (state['scheduler'] = scheduler)"
+            )
+
+
+def _schedules(value: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``value`` is a scheduler of ``optimizer`` (it holds it as ``.optimizer``, and has a state)."""
+    return getattr(value, "optimizer", None) is optimizer and callable(getattr(value, "state_dict", None))
+
+
+def _opaque(value: Any) -> bool:
+    """An object of the script's own with a state of its own, which may hold optimizers and schedulers."""
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+        return False
+    if isinstance(getattr(value, "optimizer", None), torch.optim.Optimizer):
+        return False  # a scheduler
+    return callable(getattr(value, "state_dict", None))
+
+
 def _optimizers(run: RunState, state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     """The optimizers whose parameters and state a save may copy behind the loop: the run's and
     the saved ones. Only where the processes are one plain group: a fault-tolerant replica's

@@ -265,6 +265,7 @@ def step(run: RunState, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
         for optimizer in optimizers:
             if optimizer not in run.optimizers:
                 run.optimizers.append(optimizer)
+            run.stepped.add(optimizer)
             stepped = run.precision.step(optimizer) and stepped
     finally:
         run.stepping = False
@@ -430,6 +431,7 @@ def _direct_before(run: RunState, optimizer: torch.optim.Optimizer, args: Any, k
     _before_optimizers(run, [optimizer])
     if optimizer not in run.optimizers:
         run.optimizers.append(optimizer)
+    run.stepped.add(optimizer)
     run.stepping = optimizer  # an optimizer it steps inside (ZeroRedundancyOptimizer's local one) is this step
 
 

@@ -151,7 +151,10 @@ def checkpoint(self: Runtime, state: Mapping[str, Any], *, blocking: bool = Fals
         raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
     _check_state("rt.checkpoint", state, model_ok=False)
     resuming.refuse_unapplied(self._run, "rt.checkpoint")
-    return self.save(self._checkpoint_dir, state, blocking=blocking)
+    resuming.refuse_incomplete(self._run, state, "rt.checkpoint")
+    path = self.save(self._checkpoint_dir, state, blocking=blocking)
+    self._run.stepped.clear()
+    return path
 
 
 def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
@@ -162,6 +165,7 @@ def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = Tru
     restart of ``ddpkit run --max-restarts K``. ``strict`` as for :meth:`load`.
     """
     _check_state("rt.resume", state, model_ok=False)
+    resuming.refuse_incomplete(self._run, state, "rt.resume")
     _written(self)
     loop_steps.rebind_state(self._run, state)
     if self._run.world.defer_resume(state, strict):
