@@ -252,7 +252,18 @@ ENV_CASES = [
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case, env, message", ENV_CASES, ids=[c[0] for c in ENV_CASES])
-def test_environment_bad_input(case, env, message):
+def test_environment_bad_input(monkeypatch, case, env, message):
+    """A script run with each environment; where nothing is bound yet, ``ddpkit.init`` in this process
+    (the script's one line and exit code 2 are the first case's and the taken port's)."""
+    if case not in ("world-size-mismatch", "port-taken"):
+        for name in set(os.environ) - set(clean_env()):
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ddpkit.UsageError) as refused:
+            ddpkit.init()
+        assert message in str(refused.value) and "\n" not in str(refused.value)
+        return
     sock = _taken_port() if case == "port-taken" else None
     try:
         if sock is not None:

@@ -8,6 +8,7 @@ import pytest
 
 import ddpkit
 import workers
+from ddpkit import cli
 from helpers import BIN, EXAMPLES, clean_env, python, run
 from helpers import ddpkit as ddpkit_cli
 
@@ -108,13 +109,22 @@ def test_same_worker_under_launch():
         (["doctor", "--bogus"], "unrecognized arguments"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    result = ddpkit_cli(*args, timeout=60)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    """In this process (``cli.main``); the command in a process of its own is the test below."""
+    code = cli.main(args)
+    stderr = capsys.readouterr().err
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert message in lines[0]
+    assert "Traceback" not in stderr
+
+
+def test_bad_input_is_one_line_and_exit_2_from_the_command():
+    result = ddpkit_cli("run", "--bogus", "x.py", timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert message in lines[0]
-    assert "Traceback" not in result.stderr
+    assert len(lines) == 1 and "unknown option '--bogus'" in lines[0], result.stderr
 
 
 @pytest.mark.timeout(60)

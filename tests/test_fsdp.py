@@ -322,23 +322,28 @@ def test_train_predict_and_export_with_strategy_fsdp(tmp_path):
     assert rows[1].split(",")[1] == str(int(model(first).argmax()))
 
 
-def test_train_and_export_refuse_bad_input_in_one_line(tmp_path):
-    from helpers import ddpkit as ddpkit_cli
+def test_train_and_export_refuse_bad_input_in_one_line(tmp_path, capsys):
+    from ddpkit import cli
 
-    refused = ddpkit_cli("train", "--model", "convnet", "--strategy", "fsdp", "--out", str(tmp_path / "r"))
-    assert refused.returncode == 2 and "BatchNorm layers" in refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1
-    wrong = ddpkit_cli("train", "--strategy", "zero", "--out", str(tmp_path / "r"))
-    assert wrong.returncode == 2 and "--strategy 'zero': choose ddp or fsdp" in wrong.stderr
-    offload = ddpkit_cli("train", "--cpu-offload", "--out", str(tmp_path / "r"))
-    assert (
-        offload.returncode == 2
-        and "--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" in offload.stderr
+    def refused(*args: str) -> str:
+        assert cli.main(list(args)) == 2  # in this process; tests/test_cli.py runs the command whole
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert "BatchNorm layers" in refused(
+        "train", "--model", "convnet", "--strategy", "fsdp", "--out", str(tmp_path / "r")
+    )
+    assert "--strategy 'zero': choose ddp or fsdp" in refused(
+        "train", "--strategy", "zero", "--out", str(tmp_path / "r")
+    )
+    assert "--cpu-offload keeps fsdp's shards in CPU memory: add --strategy fsdp" in refused(
+        "train", "--cpu-offload", "--out", str(tmp_path / "r")
     )
     (tmp_path / "m.pt").write_bytes(b"keep me")
-    kept = ddpkit_cli("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt"))
-    assert kept.returncode == 2 and "pass --overwrite" in kept.stderr
+    assert "pass --overwrite" in refused("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt"))
     assert (tmp_path / "m.pt").read_bytes() == b"keep me"
+    assert not (tmp_path / "r").exists()
 
 
 def test_fsdp_trains_and_evaluates_on_streams():

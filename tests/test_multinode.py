@@ -382,8 +382,11 @@ def test_slurm_requeue_script_without_scontrol_says_what_to_do(tmp_path):
         ),
     ],
 )
-def test_slurm_bad_input(args, message):
-    result = ddpkit_cli("slurm", *args, timeout=60)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+def test_slurm_bad_input(capsys, args, message):
+    from ddpkit import cli
+
+    code = cli.main(["slurm", *args])  # (in this process: what reaches stderr from the command, test_cli.py)
+    stderr = capsys.readouterr().err
+    assert code == 2
+    lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit import cli
 from ddpkit.cli.train import train_config
 from ddpkit.errors import UsageError
 from ddpkit.recipes import train as train_recipe
@@ -287,15 +288,30 @@ def test_train_with_diloco_records_it_and_learns(tmp_path, every):
 
 
 @pytest.mark.parametrize("args, message", BAD)
-def test_bad_train_input_is_one_clear_line(tmp_path, args, message):
+def test_bad_train_input_is_one_clear_line(tmp_path, capsys, args, message):
+    """In this process (``cli.main``): the command, whole, is the first case's test below."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
+    code = cli.main(["train", "--out", str(out), "--overwrite", *args])
+    stderr = capsys.readouterr().err
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], stderr
+    assert "Traceback" not in stderr
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+
+
+def test_bad_train_input_is_one_clear_line_from_the_command(tmp_path):
+    """The command in a process of its own: nothing else reaches stderr (an import's warning)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    args, message = BAD[0]
     result = ddpkit_cli("train", "--out", str(out), "--overwrite", *args, timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
 
 
