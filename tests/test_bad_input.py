@@ -44,7 +44,10 @@ def files(tmp_path_factory):
         (bad_mnist / name).write_bytes(b"\x00\x00\x00\x99" + b"garbage!" * 8)
     (root / "empty_cifar").mkdir()
     (root / "ckpt-step00000003").mkdir()
-    (root / "rows.csv").mkdir()  # a sharded checkpoint's step directory, by its name
+    (root / "rows.csv").mkdir()
+    (root / "manifest.json").write_text(
+        '{"name": "a project of its own"}'
+    )  # not a checkpoint's  # a sharded checkpoint's step directory, by its name
 
     recipe = {
         "model": "convnet",
@@ -82,6 +85,7 @@ def files(tmp_path_factory):
             return (os.system, (f"touch {root / 'pwned'}",))
 
     torch.save({"format": checkpoint.FORMAT, "version": 1, "user": {"model": Exploit()}}, root / "evil.pt")
+    (root / "best.pt").write_bytes(good.read_bytes())  # a checkpoint copied by hand: no record, a name of its own
     sums = {"good": sha256(good), "mlp": sha256(mlp)}
     return {"root": root, "good": good, "mlp": mlp, "fp16": other_precision, "sums": sums}
 
@@ -185,6 +189,16 @@ CASES = [
         "lies in one",
     ),
     (
+        "export-out-in-a-step-directory-not-made-yet",
+        lambda f: ["export", "--checkpoint", str(f["good"]), "--out", _p(f, "ckpt-step00000009/m.pt")],
+        "lies in one",
+    ),
+    (
+        "export-out-is-the-checkpoint-read-renamed",
+        lambda f: ["export", "--checkpoint", _p(f, "best.pt"), "--out", _p(f, "best.pt"), "--overwrite"],
+        "is a checkpoint or lies in one",
+    ),
+    (
         "export-out-is-a-directory",
         lambda f: ["export", "--checkpoint", str(f["good"]), "--out", _p(f, "empty_mnist"), "--overwrite"],
         "is a directory; give the path of the file to write",
@@ -227,6 +241,20 @@ def test_cli_bad_input(files, tmp_path, capsys, case, argv, message):
     assert sorted(os.listdir(files["root"])) == before  # nothing written beside the inputs
     assert not (files["root"] / "pwned").exists()
     assert sha256(files["good"]) == files["sums"]["good"] and sha256(files["mlp"]) == files["sums"]["mlp"]
+    assert (files["root"] / "best.pt").read_bytes() == files["good"].read_bytes()
+
+
+def test_an_out_beside_a_manifest_of_a_projects_own_is_written(files, tmp_path, capsys):
+    """Only a ddpkit sharded checkpoint's manifest.json makes a directory a checkpoint, not a web
+    project's or a data set's, nor one in a directory above."""
+    for out in (files["root"] / "m.pt", files["root"] / "sub" / "m.pt"):
+        try:
+            assert cli.main(["export", "--checkpoint", str(files["good"]), "--out", str(out)]) == 0
+            assert "wrote" in capsys.readouterr().out and torch.load(out, weights_only=True)
+        finally:
+            out.unlink(missing_ok=True)
+            if out.parent != files["root"]:
+                out.parent.rmdir()
 
 
 def _script_env_case(env: dict[str, str]) -> subprocess.CompletedProcess:

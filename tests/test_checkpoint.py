@@ -492,29 +492,35 @@ def test_a_state_without_the_runs_optimizer_or_scheduler_is_refused(tmp_path, ca
         save = getattr(rt, call)
         with pytest.raises(ddpkit.UsageError, match=r"holds no SGD optimizer.*state\['optimizer'\] = optimizer"):
             save({"model": model, "scheduler": scheduler})
-        with pytest.raises(ddpkit.UsageError, match=r"scheduler.*'initial_lr'.*state\['scheduler'\] = scheduler"):
+        with pytest.raises(ddpkit.UsageError, match=r"scheduler \(StepLR\).*state\['scheduler'\] = scheduler"):
             save({"model": model, "optimizer": optimizer})
+        with pytest.raises(ddpkit.UsageError, match=r"holds no SGD optimizer"):  # a scaler keeps neither
+            save({"model": model, "scaler": torch.amp.GradScaler("cpu"), "scheduler": scheduler})
         assert not (tmp_path / "ckpts").exists() or not list((tmp_path / "ckpts").iterdir())
         save({"model": model, "optimizer": optimizer, "scheduler": scheduler})
         # their state dicts, loaded by the script itself, and an object of its own holding both, go on
         save({"model": model, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
 
         class Trainer:
+            def __init__(self, optimizer, schedulers):
+                self.optimizer, self.schedulers = optimizer, schedulers
+
             def state_dict(self):
-                return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                return {"optimizer": self.optimizer.state_dict(), "scheduler": self.schedulers[0].state_dict()}
 
             def load_state_dict(self, saved):
-                optimizer.load_state_dict(saved["optimizer"])
-                scheduler.load_state_dict(saved["scheduler"])
+                self.optimizer.load_state_dict(saved["optimizer"])
+                self.schedulers[0].load_state_dict(saved["scheduler"])
 
-        save({"model": model, "trainer": Trainer()})
+        save({"model": model, "trainer": Trainer(optimizer, [scheduler])})
     finally:
         rt.close()
 
 
 def test_an_optimizer_the_script_stopped_stepping_is_not_asked_for(tmp_path):
     """Adam for a warm-up, then SGD: a checkpoint after the switch needs SGD only (the optimizers stepped
-    since the last checkpoint); with no scheduler, none is asked for."""
+    since the last checkpoint); a warm-up scheduler dropped once over is not asked for; an optimizer
+    wrapped over its groups (Lookahead, PostLocalSGDOptimizer) is held through its wrapper."""
     rt = ddpkit.init(seed=0, checkpoint_dir=tmp_path / "ckpts")
     try:
         net = torch.nn.Linear(4, 2)
@@ -531,5 +537,55 @@ def test_an_optimizer_the_script_stopped_stepping_is_not_asked_for(tmp_path):
         with pytest.raises(ddpkit.UsageError, match="holds no SGD optimizer"):
             rt.checkpoint({"model": model, "optimizer": warm})
         rt.checkpoint({"model": model, "optimizer": sgd})
+        warm_up = torch.optim.lr_scheduler.LinearLR(sgd, start_factor=0.5, total_iters=1)
+        rt.backward(model(torch.randn(3, 4)).square().mean())
+        rt.step(sgd)
+        warm_up.step()
+        with pytest.raises(ddpkit.UsageError, match=r"scheduler \(LinearLR\)"):
+            rt.checkpoint({"model": model, "optimizer": sgd})
+        del warm_up  # over: its initial_lr stays in the groups, but no scheduler is alive
+        rt.backward(model(torch.randn(3, 4)).square().mean())
+        rt.step(sgd)
+        rt.checkpoint({"model": model, "optimizer": sgd})
+
+        class Lookahead:  # as timm's: the inner optimizer's groups are its own
+            def __init__(self, inner):
+                self.inner, self.param_groups, self.state = inner, inner.param_groups, inner.state
+
+            def step(self):
+                self.inner.step()
+
+            def zero_grad(self, set_to_none=True):
+                self.inner.zero_grad(set_to_none)
+
+            def state_dict(self):
+                return self.inner.state_dict()
+
+            def load_state_dict(self, saved):
+                self.inner.load_state_dict(saved)
+
+        wrapped = Lookahead(sgd)
+        rt.backward(model(torch.randn(3, 4)).square().mean())
+        rt.step(wrapped)
+        rt.checkpoint({"model": model, "optimizer": wrapped})
+        rt.backward(model(torch.randn(3, 4)).square().mean())
+        wrapped.step()  # the script's own step: torch's hooks see the inner optimizer's
+        wrapped.zero_grad()
+        rt.checkpoint({"model": model, "optimizer": wrapped})
+    finally:
+        rt.close()
+
+
+def test_rt_save_into_a_directory_of_steps_is_checked_like_rt_checkpoint(tmp_path):
+    """``rt.save(directory, state)`` writes the step checkpoints ``resume="auto"`` takes (the guarantees'
+    example); a file of the script's own (a suffix) is its to fill."""
+    rt, model, optimizer, scheduler = _trained_one_step(tmp_path, schedule=False)
+    try:
+        with pytest.raises(ddpkit.UsageError, match=r"^rt.save: the state holds no SGD optimizer"):
+            rt.save(tmp_path / "steps", {"model": model})
+        assert not (tmp_path / "steps").exists()
+        assert rt.save(tmp_path / "weights.pt", {"model": model}, blocking=True).exists()
+        rt.save(tmp_path / "steps", {"model": model, "optimizer": optimizer})
+        rt.save(tmp_path / "steps", {"model": model})  # nothing stepped since the last one
     finally:
         rt.close()

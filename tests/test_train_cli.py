@@ -585,7 +585,13 @@ def test_overwrite_removes_only_what_a_run_writes(tmp_path):
     own_files = ["checkpoints/mine.pth", "checkpoints/ckpt-step2-best.pt", "tensorboard/notes.txt", "notes.txt"]
     for name in run_files + own_files:
         (out / name).write_text(name)
+    other = tmp_path / "other-run" / "ckpt-step00000050"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text("theirs")
+    (out / "checkpoints" / "ckpt-step00000050").symlink_to(other)  # a link to another run's step: the link goes
     removed = clear_previous_run(TrainConfig(out_dir=str(out), overwrite=True))
+    assert not (out / "checkpoints" / "ckpt-step00000050").is_symlink()
+    assert (other / "manifest.json").read_text() == "theirs"
     assert sorted(p.name for p in removed) == ["checkpoints", "metrics.jsonl", "summary.json", "tensorboard"]
     for name in own_files:
         assert (out / name).read_text() == name

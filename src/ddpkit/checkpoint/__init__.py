@@ -15,6 +15,7 @@ import each other.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,10 @@ def latest(directory: str | os.PathLike) -> Path | None:
     return None
 
 
-def check_output(out: Path, *, overwrite: bool, refusal: str) -> None:
+def check_output(out: Path, *, overwrite: bool, refusal: str, source: Path | None = None) -> None:
     """Refuse an output file (``--out`` of ``ddpkit export`` and ``predict``) that would replace a
-    checkpoint, its ``.sha256`` record or a directory, even with ``--overwrite``; or one that exists
+    checkpoint (``source``, the one read, however named), its ``.sha256`` record, a file in a sharded
+    step directory (made or to be made) or a directory, even with ``--overwrite``; or one that exists
     without it (``refusal``: that line).
 
     A checkpoint written over (the one being read, given as ``--out`` too) was lost: its record no
@@ -113,8 +115,9 @@ def check_output(out: Path, *, overwrite: bool, refusal: str) -> None:
         sum_path(out).exists()
         or record
         or steps.STEP_FILE.match(out.name)
-        or dcp.is_dcp(parent)
-        or any(dcp.is_dcp(above) for above in parent.parents)
+        or steps.STEP_DIR.match(parent.name)  # (DCP's step directories are flat)
+        or _ddpkit_manifest(parent / dcp.MANIFEST)
+        or (source is not None and out.exists() and os.path.samefile(out, source))
     ):
         raise UsageError(
             f"--out {out} is a checkpoint{' record' if record else ''} or lies in one; write elsewhere "
@@ -122,3 +125,11 @@ def check_output(out: Path, *, overwrite: bool, refusal: str) -> None:
         )
     if out.exists() and not overwrite:
         raise UsageError(refusal)
+
+
+def _ddpkit_manifest(path: Path) -> bool:
+    """Whether ``path`` is the manifest of a ddpkit sharded checkpoint (a project's own manifest.json is not)."""
+    try:
+        return path.is_file() and json.loads(path.read_text()).get("format") == dcp.FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False

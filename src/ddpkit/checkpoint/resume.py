@@ -197,23 +197,24 @@ def refuse_unapplied(run: RunState, call: str) -> None:
 
 
 def refuse_incomplete(run: RunState, state: Mapping[str, Any], call: str) -> None:
-    """Refuse, on every rank, a state that leaves out an optimizer the run steps (given to ``rt.setup``,
-    or stepped since the last ``rt.checkpoint``), or the learning-rate scheduler of an optimizer: a run
-    resumed from it would start them anew, silently not continuing this one (a schedule restarted at
-    its warm-up, momentum lost). An optimizer has a scheduler where its groups hold the ``initial_lr``
-    every scheduler of torch's (and timm's) sets. A state with an object of the script's own that has a
-    ``state_dict`` (a trainer holding both), or with their state dicts as plain values, is not looked into.
+    """Refuse, on every rank, a state that leaves out an optimizer the run steps, or a learning-rate
+    scheduler of one: a run resumed from it would start them anew, silently not continuing this one (a
+    schedule restarted at its warm-up, momentum lost). ``rt.resume`` asks for the optimizers given to
+    ``rt.setup``; a save for those stepped since the last save (Adam for a warm-up, then SGD: SGD alone).
+    A scheduler is asked for where one of the optimizer's is alive and the state holds none: one dropped
+    (a warm-up over) is not. An optimizer counts as held through a wrapper over its groups (Lookahead)
+    or an object of the script's own that keeps it (or its scheduler) as an attribute; their state dicts
+    kept as plain values are not looked into.
 
     Raises:
         UsageError: the optimizer or scheduler the state lacks, and the entry to add.
     """
-    held = [unwrap(value) for value in state.values()]
-    if any(_opaque(value) for value in held):
-        return
+    held = _held(state)
     plain = [value for value in held if isinstance(value, Mapping)]
+    needed = list(run.given) if call == "rt.resume" else [o for o in run.optimizers if o in run.stepped]
     if not any("param_groups" in value for value in plain):  # (no optimizer's state dict, loaded by hand)
-        for optimizer in [*run.given, *(o for o in run.stepped if o not in run.given)]:
-            if not any(value is optimizer for value in held):
+        for optimizer in needed:
+            if not any(_same_optimizer(value, optimizer) for value in held):
                 raise UsageError(
                     f"{call}: the state holds no {type(optimizer).__name__} optimizer, which this run steps: a run "
                     "resumed from it would start that optimizer anew (its momentum or moments lost), not continue "
@@ -221,30 +222,70 @@ def refuse_incomplete(run: RunState, state: Mapping[str, Any], call: str) -> Non
                 )
     if any("last_epoch" in value or "base_lrs" in value for value in plain):
         return  # a scheduler's state dict, restored by hand
-    optimizers = [value for value in held if isinstance(value, torch.optim.Optimizer)]
-    for optimizer in [*optimizers, *(o for o in run.given if o not in optimizers)]:
-        if not any("initial_lr" in group for group in optimizer.param_groups):
+    optimizers = [value for value in held if isinstance(getattr(value, "param_groups", None), list)]
+    for optimizer in [*optimizers, *(o for o in needed if not any(_same_optimizer(h, o) for h in optimizers))]:
+        if call != "rt.resume" and not any("initial_lr" in group for group in optimizer.param_groups):
+            continue  # (every scheduler of torch's and timm's but ReduceLROnPlateau sets it: no search)
+        if any(_same_optimizer(getattr(value, "optimizer", None), optimizer) for value in held):
             continue
-        if not any(_schedules(value, optimizer) for value in held):
+        live = _live_scheduler(optimizer)
+        if live is not None:
             raise UsageError(
-                f"{call}: the {type(optimizer).__name__} optimizer has a learning-rate scheduler (its param groups "
-                "hold the 'initial_lr' a scheduler sets), but the state holds none: a run resumed from it would "
-                "start the schedule over, not continue this one; add it to the state (state['scheduler'] = scheduler)"
+                f"{call}: the {type(optimizer).__name__} optimizer has a learning-rate scheduler "
+                f"({type(live).__name__}), but the state holds none: a run resumed from it would start the "
+                "schedule over, not continue this one; add it to the state (state['scheduler'] = scheduler)"
             )
 
 
-def _schedules(value: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``value`` is a scheduler of ``optimizer`` (it holds it as ``.optimizer``, and has a state)."""
-    return getattr(value, "optimizer", None) is optimizer and callable(getattr(value, "state_dict", None))
+def _held(state: Mapping[str, Any]) -> list[Any]:
+    """The state's values, and what an object of the script's own with a ``state_dict`` keeps as its
+    attributes (directly, or in a list, tuple or dict): a trainer holding the optimizer and its scheduler."""
+    held = [unwrap(value) for value in state.values()]
+    for value in list(held):
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, Mapping)):
+            continue
+        if not callable(getattr(value, "state_dict", None)) or _is_scheduler(value):
+            continue  # (a scheduler keeps its optimizer, but its state leaves it out)
+        for part in getattr(value, "__dict__", {}).values():
+            held += list(part.values()) if isinstance(part, Mapping) else [part]
+            held += list(part) if isinstance(part, (list, tuple)) else []
+    return held
 
 
-def _opaque(value: Any) -> bool:
-    """An object of the script's own with a state of its own, which may hold optimizers and schedulers."""
-    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+def _same_optimizer(value: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``value`` is ``optimizer``, or steps its groups (a wrapper: Lookahead's are its inner one's)."""
+    if value is optimizer:
+        return True
+    groups = getattr(value, "param_groups", None)
+    if not isinstance(groups, list):
         return False
-    if isinstance(getattr(value, "optimizer", None), torch.optim.Optimizer):
-        return False  # a scheduler
-    return callable(getattr(value, "state_dict", None))
+    mine = optimizer.param_groups  # (the same group dicts: two optimizers over the same parameters are two)
+    return groups is mine or (len(groups) == len(mine) > 0 and all(a is b for a, b in zip(groups, mine)))
+
+
+def _is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is a learning-rate scheduler: torch's, or one named so (timm's ``CosineLRScheduler``)."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    kind = isinstance(obj, (LRScheduler, ReduceLROnPlateau)) or type(obj).__name__.endswith(("Scheduler", "LR"))
+    return kind and callable(getattr(obj, "state_dict", None)) and hasattr(obj, "optimizer")
+
+
+def _live_scheduler(optimizer: torch.optim.Optimizer) -> Any:
+    """A learning-rate scheduler of ``optimizer`` that is still alive (found among what refers to it), or None."""
+    import gc
+
+    def scheduler(obj: Any) -> bool:
+        return _is_scheduler(obj) and getattr(obj, "optimizer", None) is optimizer
+
+    for referrer in gc.get_referrers(optimizer):
+        if scheduler(referrer):
+            return referrer
+        if isinstance(referrer, dict):  # an instance's __dict__: its owner refers to it
+            owner = next((obj for obj in gc.get_referrers(referrer) if scheduler(obj)), None)
+            if owner is not None:
+                return owner
+    return None
 
 
 def _optimizers(run: RunState, state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:

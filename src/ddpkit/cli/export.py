@@ -34,14 +34,14 @@ def cmd_export(argv: Sequence[str]) -> int:
 
     opts = parser().parse_args(argv)
     source, out = Path(opts.checkpoint), Path(opts.out)
-    checkpoint.check_output(
-        out, overwrite=opts.overwrite, refusal=f"--out {out} exists; pass --overwrite to replace it"
-    )
+    refusal = f"--out {out} exists; pass --overwrite to replace it"
+    checkpoint.check_output(out, overwrite=opts.overwrite, refusal=refusal)
     if not source.exists():
         raise UsageError(f"--checkpoint {source} does not exist")
     path = source if source.is_file() or checkpoint.dcp.is_dcp(source) else checkpoint.latest(source)
     if path is None:
         raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
+    checkpoint.check_output(out, overwrite=opts.overwrite, refusal=refusal, source=path)  # (a copy, renamed)
     user = checkpoint.read(path)["user"]
     if opts.key not in user:
         raise UsageError(f"checkpoint {path} has no entry {opts.key!r}; it has {', '.join(sorted(user))}")

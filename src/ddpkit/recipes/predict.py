@@ -85,6 +85,7 @@ def _prepare(config: PredictConfig) -> Path:
     path = checkpoint.latest(source) if source.is_dir() else source
     if path is None:
         raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
+    checkpoint.check_output(out, overwrite=config.overwrite, refusal="", source=path)  # (a copy, renamed)
     payload = checkpoint.read(path)
     model, recipe = _model_from(payload, path)
     info = _dataset(config)

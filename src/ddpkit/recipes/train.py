@@ -369,11 +369,13 @@ def clear_previous_run(config: TrainConfig) -> list[Path]:
     for name in RUN_OUTPUTS:
         path = Path(config.out_dir) / name
         if name in written:
-            entries = [entry for entry in path.iterdir() if written[name](entry.name)] if path.is_dir() else []
+            entries = []
+            with contextlib.suppress(OSError):  # (not a directory, or gone: another node sharing --out-dir)
+                entries = [entry for entry in path.iterdir() if written[name](entry.name)]
             for entry in entries:  # another node sharing --out-dir may race us
-                if entry.is_dir():
+                if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
-                else:
+                else:  # (a link to another run's step directory: the link goes, not what it names)
                     entry.unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # (not empty: files of the user's own stay)
                 path.rmdir()

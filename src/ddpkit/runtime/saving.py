@@ -51,12 +51,23 @@ def save(
     _check_arguments("rt.save", path, state)
     if isinstance(state, torch.nn.Module):
         return weights.save(Path(path), self.full_state_dict(state), is_main=self.is_main)
-    resuming.refuse_unapplied(self._run, "rt.save")
+    return _save(self, path, state, blocking=blocking, call="rt.save")
+
+
+def _save(self: Runtime, path: str | os.PathLike, state: Mapping[str, Any], *, blocking: bool, call: str) -> Path:
+    """``rt.save`` of a state, or ``rt.checkpoint`` (``call``). Into a directory of step checkpoints (a path
+    without a suffix: the same on every rank), the state is checked whole for a resume first."""
+    resuming.refuse_unapplied(self._run, call)
+    rotating = call == "rt.checkpoint" or Path(path).suffix == ""
+    if rotating:
+        resuming.refuse_incomplete(self._run, state, call)
     loop_steps.rebind_state(self._run, state)  # an optimizer fsdp has not rebound yet: saved with its model
     if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
         return resuming.target_of(path, self._run.loop.step)
     blocking = blocking or self.preempted  # the exit with 75 says "saved": it must be on disk
     saved = resuming.save(self._run, self._peers, path, state, keep=self._settings.keep_checkpoints, blocking=blocking)
+    if rotating:
+        self._run.stepped.clear()
     if self.preempted:
         self._exit_preempted(saved)
     return saved
@@ -150,11 +161,7 @@ def checkpoint(self: Runtime, state: Mapping[str, Any], *, blocking: bool = Fals
     if self._checkpoint_dir is None:
         raise UsageError("rt.checkpoint(state) needs ddpkit.init(checkpoint_dir=...)")
     _check_state("rt.checkpoint", state, model_ok=False)
-    resuming.refuse_unapplied(self._run, "rt.checkpoint")
-    resuming.refuse_incomplete(self._run, state, "rt.checkpoint")
-    path = self.save(self._checkpoint_dir, state, blocking=blocking)
-    self._run.stepped.clear()
-    return path
+    return _save(self, self._checkpoint_dir, state, blocking=blocking, call="rt.checkpoint")
 
 
 def resume(self: Runtime, state: MutableMapping[str, Any], *, strict: bool = True) -> Path | None:
