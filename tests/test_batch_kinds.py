@@ -72,7 +72,9 @@ def test_an_object_whose_tensors_rt_shards_cannot_see_is_refused_in_one_line():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["namedtuple", "dataclass"])
+@pytest.mark.parametrize(
+    "kind", ["namedtuple", pytest.param("dataclass", marks=pytest.mark.slow)]
+)  # (dataclass: make test-slow)
 def test_namedtuple_and_dataclass_batches_end_at_the_same_bits_on_one_and_two_processes(kind):
     one = workers.batch_kinds(kind)
     two = ddpkit.launch(workers.batch_kinds, nprocs=2, args=(kind,))[0]

@@ -49,9 +49,10 @@ def test_a_token_mean_trains_to_one_processs_weights_on_two_processes_fsdp_and_a
 
 
 @pytest.mark.timeout(240)
-def test_under_micro_shards_counted_tokens_end_at_the_same_bits_on_1_2_and_4_processes(one_process):
+@pytest.mark.parametrize("worlds", [(2,), pytest.param((4,), marks=pytest.mark.slow)])  # (4 processes: 2 cores)
+def test_under_micro_shards_counted_tokens_end_at_the_same_bits_on_1_2_and_4_processes(one_process, worlds):
     one = workers.counted_lm(True, 2, 4, "float32")  # four shards, two batches of 4 a step
-    for nprocs in (2, 4):
+    for nprocs in worlds:
         runs = ddpkit.launch(workers.counted_lm, nprocs=nprocs, args=(True, 2, 4, "float32"))
         assert _equal(runs[0], one), nprocs
     # and the shards' counts make the mean over every token of the step (float64, rounding apart)
@@ -175,6 +176,7 @@ def test_replicas_that_train_apart_and_fault_tolerant_ones_refuse_counts_in_one_
         FaultTolerant(_Quorum()).refuse(CALL)
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(180)
 def test_counts_compose_with_fp16_compression_and_the_fp16_scaler(one_process):
     """Compression sends an average, which the count's weight undoes as DDP's; fp16's scaler multiplies by a
@@ -235,6 +237,7 @@ def test_a_class_weighted_mean_counts_its_weights_and_trains_alike_on_one_and_tw
     assert _relative(*plain) > 1e-3
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(120)
 def test_a_summed_loss_divided_by_its_samples_with_the_learning_rate_times_the_batch_trains_alike():
     """A loss summed over the batch is weighed as a mean of the rank's samples: 2 processes stepped with

@@ -345,6 +345,7 @@ def test_one_process_and_ddp_x2_end_at_the_same_bits():
     assert one["threads"] == two["threads"] == exact_tree.threads_for(2)
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(240)
 def test_a_rank_whose_shards_are_empty_still_steps_and_clipping_sees_the_summed_gradients():
     """97 samples in global batches of 48: the last batch's one sample is rank 0's; rank 1 has no
@@ -837,6 +838,7 @@ def test_accumulation_by_hand_ends_at_the_same_bits_on_one_and_two_processes():
         torch.testing.assert_close(one["state"][key], value, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(240)
 def test_a_loss_over_a_batch_gathered_from_every_rank_inside_the_shards_is_one_line():
     """CLIP's loss over embeddings gathered from every rank (``torch.distributed.nn.all_gather``, as
@@ -878,6 +880,7 @@ def test_draws_for_the_batch_outside_the_shards_are_the_same_on_any_world_size()
     assert not _same_bits(workers.mixup_numpy(2, False), one)  # the draws outside the shards counted
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(180)
 def test_a_collate_that_draws_gives_each_shard_one_process_draws_with_workers():
     """A collate_fn that draws (a masked language model's masks, a mixup weight) drew from the process's

@@ -68,7 +68,9 @@ def _distill(micro_shards: int | None, teacher_first: bool) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("teacher_first", [True, False], ids=["teacher-first", "student-first"])
+@pytest.mark.parametrize(
+    "teacher_first", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["teacher-first", "student-first"]
+)  # (student-first: make test-slow)
 def test_a_frozen_teacher_sets_up_on_two_processes_and_micro_shards_keep_their_bits(teacher_first):
     one = _distill(2, teacher_first)
     two = ddpkit.launch(_distill, nprocs=2, args=(2, teacher_first))

@@ -108,6 +108,7 @@ def test_what_fsdp_refuses_is_one_line_each():
         assert text in said[name] and "\n" not in said[name], name
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(240)
 def test_a_second_optimizer_built_before_setup_and_not_given_to_it_trains_its_part(tmp_path):
     """A body's optimizer built before rt.setup(model, head_optimizer, strategy="fsdp") stepped the

@@ -60,6 +60,7 @@ def test_real_loop_stopped_at_step_20_resumes_bitwise(tmp_path, nprocs, workers)
     _assert_bitwise(resumed["weights"], full["weights"])
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(240)
 def test_each_rt_epochs_loop_runs_its_own_epochs_and_a_resume_skips_the_loops_before_its_own(tmp_path):
     """A warm-up's rt.epochs(2), then a fine-tuning's rt.epochs(3): the second loop ran one epoch, not 3
@@ -244,7 +245,9 @@ def test_worker_global_rng_differs_across_ranks_and_epochs():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stream", [False, True], ids=["map-style", "stream"])
+@pytest.mark.parametrize(
+    "stream", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["map-style", "stream"]
+)  # (stream: make test-slow)
 def test_a_transform_drawing_from_the_global_generators_draws_alike_on_any_world_size_and_workers(stream):
     """torchvision's random transforms draw from torch's global generator, albumentations from numpy's,
     a flip written by hand from ``random``'s: inside a sample's read each is keyed by (seed, epoch,
@@ -392,7 +395,7 @@ def test_a_save_between_a_backward_and_its_step_is_refused_on_every_rank_in_one_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("blocking", [pytest.param(True, marks=pytest.mark.slow), False])  # (blocking: make test-slow)
 def test_failed_write_on_rank_0_raises_on_every_rank(tmp_path, blocking):
     blocker = tmp_path / "a-file"
     blocker.write_text("occupied")  # rank 0 cannot write beneath a file

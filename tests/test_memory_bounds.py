@@ -258,7 +258,9 @@ def test_a_sharded_tensor_whose_record_is_compressed_is_refused(sharded, tmp_pat
         checkpoint.read(step)
 
 
-@pytest.mark.parametrize("value", [[1, 2, 3], torch.ones(2)])
+@pytest.mark.parametrize(
+    "value", [[1, 2, 3], pytest.param(torch.ones(2), marks=pytest.mark.slow)]
+)  # (a tensor: make test-slow)
 def test_a_code_free_but_wrong_ddpkit_pt_is_one_line_exit_2_on_every_command(sharded, tmp_path, value):
     from test_checkpoint_attacks import _reseal
 

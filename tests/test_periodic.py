@@ -17,7 +17,9 @@ def _equal(a: list, b: list) -> bool:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sync", ["diloco", "local-sgd"])
+@pytest.mark.parametrize(
+    "sync", ["diloco", pytest.param("local-sgd", marks=pytest.mark.slow)]
+)  # (local-sgd: make test-slow)
 def test_ranks_train_apart_and_meet_every_h_steps(tmp_path, sync):
     runs = ddpkit.launch(workers.periodic_run, nprocs=2, args=(sync, 12, None, str(tmp_path)))
     for rank, run in runs.items():
@@ -129,6 +131,7 @@ def test_streaming_fragments_sent_in_the_background_train_and_resume_bitwise(tmp
     "exchange",
     [pytest.param("int8", marks=pytest.mark.slow), "sparse"],  # int8: 6 s, make test-slow
 )
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 def test_an_exchange_with_its_feedback_in_flight_resumes_bitwise(tmp_path, monkeypatch, exchange):
     """int8 or sparse with error feedback, streamed: two fragments each landing 2 steps after it was
     sent; stopped at step 7 with fragment 0's exchange in flight and both fragments' feedback kept."""
@@ -269,6 +272,7 @@ def test_flush_applies_the_exchange_still_in_flight():
     "sync, fragments, delay",
     [("diloco", 1, 0), pytest.param("local-sgd", 2, 1, marks=pytest.mark.slow)],
 )
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 def test_a_period_that_does_not_divide_the_run_ends_with_a_final_exchange(tmp_path, sync, fragments, delay):
     """10 steps, a sync every 3: the end of rt.epochs exchanges step 10's drift, so what the script
     evaluates and keeps after the loop is every rank's common model, not its own; a run resumed from

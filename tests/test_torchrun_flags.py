@@ -106,7 +106,10 @@ def test_nproc_gpu_without_a_gpu_is_refused():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("flags", [["--nproc_per_node", "2"], ["--standalone", "--nproc-per-node", "2"]])
+@pytest.mark.parametrize(
+    "flags",
+    [["--nproc_per_node", "2"], pytest.param(["--standalone", "--nproc-per-node", "2"], marks=pytest.mark.slow)],
+)  # (the second spelling: make test-slow; test_torchrun_flags.py maps each flag without a run)
 def test_hello_with_torchruns_flags(flags):
     result = ddpkit_cli("run", *flags, HELLO)
     assert result.returncode == 0, result.stderr

@@ -127,7 +127,12 @@ def test_under_micro_shards_a_parameter_without_a_gradient_is_left_out_of_the_su
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "setup, accumulate", [({}, 1), pytest.param({}, 2, marks=pytest.mark.slow), ({"micro_shards": 2}, 1)]
+    "setup, accumulate",
+    [
+        ({}, 1),
+        pytest.param({}, 2, marks=pytest.mark.slow),
+        pytest.param({"micro_shards": 2}, 1, marks=pytest.mark.slow),
+    ],
 )
 def test_a_layer_unfrozen_after_setup_trains_on_the_average_of_its_gradients(setup, accumulate):
     """Gradual unfreezing: DDP builds its buckets from the parameters that train at rt.setup, so a layer
@@ -161,7 +166,7 @@ def test_a_parameter_of_the_optimizers_outside_the_model_is_averaged_as_the_mode
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("setup", [{}, {"micro_shards": 2}])
+@pytest.mark.parametrize("setup", [{}, pytest.param({"micro_shards": 2}, marks=pytest.mark.slow)])
 def test_a_parameter_outside_the_model_in_an_optimizer_of_its_own_is_exchanged_when_given_to_setup(setup):
     """The learned loss weights in an optimizer of their own, stepped by rt.step(optimizer, its_own):
     nothing exchanged their gradients, so the ranks' weights parted and 2 processes ended away from one
