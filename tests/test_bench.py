@@ -336,6 +336,7 @@ def test_plan_crosses_hosts_processes_and_compressions():
     assert "use precision='bf16'" in refused["ddp-amp 2 host(s) x1 fp16 powersgd"]
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 def test_plan_crosses_data_formats_and_a_shards_row_runs(tmp_path):
     settings = BenchSettings(modes=("single", "ddp"), nproc=(2,), data_format=("map", "shards"))
     assert [c.label for c in plan(settings, gpus=0)] == [

@@ -418,7 +418,11 @@ def _refused_on_every_rank(where: str, numpy_on: tuple[int, ...]) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("numpy_on", [(0, 1), (0,), (1,)], ids=["every-rank", "rank-0", "rank-1"])
+@pytest.mark.parametrize(  # (every rank, rank 0 alone: make test-slow)
+    "numpy_on",
+    [pytest.param((0, 1), marks=pytest.mark.slow), pytest.param((0,), marks=pytest.mark.slow), (1,)],
+    ids=["every-rank", "rank-0", "rank-1"],
+)
 def test_every_rank_refuses_what_rank_0_would_write_so_none_waits_at_the_save(tmp_path, numpy_on):
     said = ddpkit.launch(_refused_on_every_rank, nprocs=2, args=(str(tmp_path / "ckpts"), numpy_on))
     if 0 in numpy_on:  # within the save's meeting, not after its timeout

@@ -54,7 +54,16 @@ def busy_core():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ending, code", [("end", 0), ("exit3", 3), ("raise", 1), ("text", 1), ("usage", 2)])
+@pytest.mark.parametrize(  # (exit3 and text: make test-slow; the other three cover each way out)
+    "ending, code",
+    [
+        ("end", 0),
+        pytest.param("exit3", 3, marks=pytest.mark.slow),
+        ("raise", 1),
+        pytest.param("text", 1, marks=pytest.mark.slow),
+        ("usage", 2),
+    ],
+)
 def test_entry_ends_a_script_as_python_does(tmp_path, ending, code):
     script = tmp_path / "endings.py"
     script.write_text(_ENDINGS)

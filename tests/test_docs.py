@@ -11,10 +11,12 @@ it runs after those files of ``tests/docs_setup/`` (a small model, random data, 
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,12 +124,20 @@ def test_every_block_runs_or_says_why_not(capsys):
     assert len(blocks) - len(skipped) >= 13  # the count this suite has run since the setup files
 
 
+def _runnable() -> list[Any]:
+    """Every runnable block; a page's first two in make test, the others in make test-slow (5 s each)."""
+    found, seen = [], collections.Counter()
+    for where, language, code, reason in _blocks():
+        if reason:
+            continue
+        seen[where.rsplit(":", 1)[0]] += 1
+        marks = [pytest.mark.slow] if seen[where.rsplit(":", 1)[0]] > 2 else []
+        found.append(pytest.param(where, language, code, marks=marks, id=where))
+    return found
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "where, language, code",
-    [(w, lang, c) for w, lang, c, reason in _blocks() if not reason],
-    ids=lambda value: value if isinstance(value, str) and ".md:" in value else "",
-)
+@pytest.mark.parametrize("where, language, code", _runnable())
 def test_a_runnable_block_runs(where, language, code, tmp_path):
     env = clean_env(PATH=f"{BIN}:{clean_env()['PATH']}")
     if language == "python":

@@ -273,6 +273,7 @@ def test_without_num_classes_the_targets_are_values_and_the_loss_is_their_mean_o
         ddpkit.evaluate(model, data, loss_fn=F.mse_loss, class_dim=-1)
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(180)
 def test_a_test_set_that_draws_as_it_is_read_is_scored_alike_on_any_world_size_and_workers():
     """Test-time augmentation drew from each process's stream: 1 and 2 processes scored 0.270 and 0.243.

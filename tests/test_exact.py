@@ -473,6 +473,7 @@ def test_bench_rows_carry_micro_shards_and_a_link_bound_one_is_never_told_to_com
     assert said.startswith("bound by the link (") and "compression" not in said and "diloco" not in said
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(240)
 def test_bench_measures_a_micro_shard_row_with_its_exchange_in_the_backward(tmp_path):
     """The worker's marks put the exchange's wait where DDP's allreduce sits, and the diagnosis reads it."""

@@ -136,6 +136,7 @@ def test_a_second_optimizer_built_before_setup_and_not_given_to_it_trains_its_pa
     assert said.startswith("an optimizer that stepped the model's parameters before rt.setup") and "\n" not in said
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(240)
 def test_fp16_under_fsdp_scales_like_ddp_and_every_rank_skips_an_inf_in_one_shard():
     ddp = ddpkit.launch(fw.scaled, nprocs=2, args=("ddp",))[0]

@@ -265,7 +265,7 @@ def main():
     [
         ("main()", True),  # the top level reaches it through a function: each spawned child would again
         ('if __name__ == "__main__":\n    main()', False),
-        ('if "__main__" == __name__:\n    main()', False),
+        pytest.param('if "__main__" == __name__:\n    main()', False, marks=pytest.mark.slow),  # (make test-slow)
     ],
     ids=["unguarded", "guarded", "guarded-reversed"],
 )
@@ -316,7 +316,11 @@ if __name__ == "__main__":
     [
         ("guarded", 'guarded is defined under `if __name__ == "__main__":` in train.py, which the workers do not run'),
         ("lambda scale: scale", "<lambda> is a lambda, which the workers cannot import"),
-        ("outer()", "outer.<locals>.nested is defined inside a function, which the workers cannot import"),
+        pytest.param(  # (make test-slow: the lambda's refusal stays)
+            "outer()",
+            "outer.<locals>.nested is defined inside a function, which the workers cannot import",
+            marks=pytest.mark.slow,
+        ),
         ("kept", None),
     ],
     ids=["under-the-guard", "lambda", "nested", "top-level"],

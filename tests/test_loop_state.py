@@ -328,6 +328,7 @@ def test_save_on_rank_0_only_is_a_mismatch_naming_save_in_seconds(tmp_path, capf
     assert not (tmp_path / "c.pt").exists()
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(120)
 def test_save_on_rank_0_only_without_the_watchdog_fails_with_one_line_naming_save(tmp_path):
     with pytest.raises(ddpkit.LaunchError) as caught:

@@ -477,7 +477,10 @@ if __name__ == "__main__":
     "case",
     # early_stop: a peer's collective fails as the reporting rank leaves, and the launch's error says
     # what the report says, not that peer's "connection reset"; 8 s each, operations in make test-slow
-    [pytest.param("operations", marks=pytest.mark.slow), "early_stop"],
+    [
+        pytest.param("operations", marks=pytest.mark.slow),
+        pytest.param("early_stop", marks=pytest.mark.slow),
+    ],  # 10 s each: make test-slow
 )
 def test_a_collective_mismatch_is_named_under_ddpkit_launch(tmp_path, case):
     path, reason, rows = _case(tmp_path, case)

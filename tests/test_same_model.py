@@ -119,7 +119,7 @@ HOW = "split or draw it before rt.setup, which gives each rank a random stream o
     [
         ("split", "dataset (a Subset: its indices)"),  # random_split after rt.setup
         ("drawn", "dataset.tensors[0]"),  # torch.randn after rt.setup
-        ("length", "dataset length"),
+        pytest.param("length", "dataset length", marks=pytest.mark.slow),  # (make test-slow)
         ("lengths", "lengths="),  # rt.loader's lengths=, which order every rank's batches
     ],
 )

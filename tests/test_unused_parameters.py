@@ -65,6 +65,7 @@ rt.close()
 """
 
 
+@pytest.mark.slow  # make test-slow: make test keeps the core of this family (its 15 minutes)
 @pytest.mark.timeout(180)
 def test_a_loop_of_its_own_optimizer_step_gets_the_same_line_at_its_step(tmp_path):
     """A loop of torch's own loss.backward() and optimizer.step(): its step is the run's too

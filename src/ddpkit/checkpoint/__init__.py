@@ -104,6 +104,12 @@ def check_output(out: Path, *, overwrite: bool, refusal: str, source: Path | Non
     A checkpoint written over (the one being read, given as ``--out`` too) was lost: its record no
     longer matched, and ``--resume auto`` skipped it as damaged.
 
+    Args:
+        out: the file the command would write.
+        overwrite: ``--overwrite`` was given (an existing ordinary file may be replaced).
+        refusal: the command's line for an existing ``out`` without ``--overwrite``.
+        source: the checkpoint the command reads, once found (None: not yet).
+
     Raises:
         UsageError: one line that says what ``out`` is and what to give instead.
     """
