@@ -217,10 +217,15 @@ class Job:
     [
         "ddpkit run -n 2",
         "plain init_process_group",
-        "--master_addr/--master_port",
         *(
             pytest.param(how, marks=pytest.mark.slow)
-            for how in ("ddpkit.launch", "groups", "--rdzv-endpoint localhost", "--master localhost")
+            for how in (
+                "--master_addr/--master_port",
+                "ddpkit.launch",
+                "groups",
+                "--rdzv-endpoint localhost",
+                "--master localhost",
+            )
         ),
     ],
 )
