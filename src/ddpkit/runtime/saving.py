@@ -61,13 +61,12 @@ def _save(self: Runtime, path: str | os.PathLike, state: Mapping[str, Any], *, b
     rotating = call == "rt.checkpoint" or Path(path).suffix == ""
     if rotating:
         resuming.refuse_incomplete(self._run, state, call)
+        self._run.stepped.clear()  # (on every replica: a fault-tolerant one that does not write too)
     loop_steps.rebind_state(self._run, state)  # an optimizer fsdp has not rebound yet: saved with its model
     if not self._run.world.writes(state):  # a replica that is not the one to write: it holds the same state
         return resuming.target_of(path, self._run.loop.step)
     blocking = blocking or self.preempted  # the exit with 75 says "saved": it must be on disk
     saved = resuming.save(self._run, self._peers, path, state, keep=self._settings.keep_checkpoints, blocking=blocking)
-    if rotating:
-        self._run.stepped.clear()
     if self.preempted:
         self._exit_preempted(saved)
     return saved
