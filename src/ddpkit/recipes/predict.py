@@ -70,9 +70,8 @@ def _prepare(config: PredictConfig) -> Path:
         raise UsageError(f"--out {out}: unknown suffix {out.suffix or '(none)'!r}; use .csv, .npy or .pt")
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: directory {out.parent} does not exist; create it first")
-    checkpoint.check_output(
-        out, overwrite=config.overwrite, refusal=f"--out {out} already exists; choose another file or pass --overwrite"
-    )
+    refusal = f"--out {out} already exists; choose another file or pass --overwrite"
+    checkpoint.check_output(out, overwrite=config.overwrite, refusal=refusal)
     if config.data not in DATASETS:
         raise UsageError(f"unknown data {config.data!r}; choose one of {', '.join(DATASETS)}")
     if config.split not in SPLITS:
@@ -85,7 +84,7 @@ def _prepare(config: PredictConfig) -> Path:
     path = checkpoint.latest(source) if source.is_dir() else source
     if path is None:
         raise UsageError(f"--checkpoint {source}: no complete checkpoint in this directory")
-    checkpoint.check_output(out, overwrite=config.overwrite, refusal="", source=path)  # (a copy, renamed)
+    checkpoint.check_output(out, overwrite=config.overwrite, refusal=refusal, source=path)  # (a copy, renamed)
     payload = checkpoint.read(path)
     model, recipe = _model_from(payload, path)
     info = _dataset(config)

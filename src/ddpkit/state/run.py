@@ -73,7 +73,7 @@ class RunState:
     given: list[torch.optim.Optimizer] = field(default_factory=list)
     """The optimizers given to ``rt.setup``, whose parameters a set-up model's mode exchanges."""
     stepped: weakref.WeakSet[torch.optim.Optimizer] = field(default_factory=weakref.WeakSet)
-    """The optimizers stepped since the last ``rt.checkpoint``, which the next one must hold
+    """The optimizers stepped since the last ``rt.checkpoint`` (or ``rt.save`` into a directory of steps), which the next must hold
     (:func:`ddpkit.checkpoint.resume.refuse_incomplete`); one dropped (Adam, then SGD) is not asked for."""
     saved_compression: tuple[list[Any] | None, bool, str] | None = None
     """From a load (maybe before setup): (this rank's mode states per model, same world, source)."""
